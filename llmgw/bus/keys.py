@@ -1,0 +1,167 @@
+"""Every bucket key and NATS subject llmgw uses, built and parsed here and nowhere else.
+
+Ids inside keys (`<node>`, `<model>`, `<fabric>`, `<rid>`) are single NATS tokens:
+letters, digits, `-` and `_`. A `.` would split a key into more tokens than its
+pattern watches (`nodes.*` does not see `nodes.a.b`), so ids are checked on the way in.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_BUCKET = "llmgw"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+# key prefix -> number of id tokens after it
+CATALOG = "catalog"
+DESIRED = "desired"
+NODES = "nodes"
+LEASES = "leases"
+HEALTH = "health"
+FABRICS = "fabrics"
+REPLICAS = "replicas"
+ASSIGN = "assign"
+SHARDS = "shards"
+PLACEMENT = "placement"
+LEADER = "leader"
+
+_ARITY = {
+    CATALOG: 1,
+    DESIRED: 1,
+    NODES: 1,
+    LEASES: 1,
+    HEALTH: 1,
+    FABRICS: 1,
+    REPLICAS: 2,
+    ASSIGN: 2,
+    SHARDS: 2,
+    PLACEMENT: 1,
+    LEADER: 0,
+}
+
+
+class InvalidId(ValueError):
+    """An id that cannot be a single NATS token."""
+
+
+def is_token(value: str) -> bool:
+    return bool(_TOKEN.match(value))
+
+
+def check_token(value: str, what: str = "id") -> str:
+    """Return `value` if it is a single NATS token, else raise InvalidId naming the fix."""
+    if not isinstance(value, str) or not _TOKEN.match(value):
+        raise InvalidId(
+            f"{what} {value!r} is not a valid id: use only letters, digits, '-' and '_' "
+            "(it becomes one token of a NATS subject)"
+        )
+    return value
+
+
+def sanitize_token(value: str) -> str:
+    """Turn free text (a hostname, a file name) into a token: other characters become '-'."""
+    out = re.sub(r"[^A-Za-z0-9_-]", "-", value).strip("-")
+    return out or "unnamed"
+
+
+def _key(prefix: str, *ids: str) -> str:
+    for i in ids:
+        check_token(i, f"{prefix} id")
+    return ".".join((prefix, *ids))
+
+
+def catalog(model: str) -> str:
+    return _key(CATALOG, model)
+
+
+def desired(model: str) -> str:
+    return _key(DESIRED, model)
+
+
+def node(node_id: str) -> str:
+    return _key(NODES, node_id)
+
+
+def lease(node_id: str) -> str:
+    return _key(LEASES, node_id)
+
+
+def health(node_id: str) -> str:
+    return _key(HEALTH, node_id)
+
+
+def fabric(name: str) -> str:
+    return _key(FABRICS, name)
+
+
+def replica(model: str, rid: str) -> str:
+    return _key(REPLICAS, model, rid)
+
+
+def assign(node_id: str, rid: str) -> str:
+    return _key(ASSIGN, node_id, rid)
+
+
+def shard(node_id: str, rid: str) -> str:
+    return _key(SHARDS, node_id, rid)
+
+
+def placement(model: str) -> str:
+    return _key(PLACEMENT, model)
+
+
+def leader() -> str:
+    return LEADER
+
+
+def pattern(prefix: str, *ids: str) -> str:
+    """Watch pattern for a key family: pattern('assign', 'node05') -> 'assign.node05.>'."""
+    arity = _ARITY[prefix]
+    if arity == 0:
+        return prefix
+    for i in ids:
+        check_token(i, f"{prefix} id")
+    rest = arity - len(ids)
+    if rest < 0:
+        raise ValueError(f"{prefix} keys have {arity} id(s), got {len(ids)}")
+    return ".".join((prefix, *ids, *(["*"] * rest)))
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """A parsed bucket key: its family and its ids."""
+
+    prefix: str
+    ids: tuple[str, ...]
+
+
+def parse(key: str) -> Key | None:
+    """Parse a bucket key; None for a key that is not one of llmgw's (logged by callers)."""
+    parts = key.split(".")
+    prefix, ids = parts[0], tuple(parts[1:])
+    arity = _ARITY.get(prefix)
+    if arity is None or len(ids) != arity or not all(_TOKEN.match(i) for i in ids):
+        return None
+    return Key(prefix, ids)
+
+
+# --- subjects (core NATS) ---------------------------------------------------
+
+EVENTS_ROOT = "llmgw.events"
+
+
+def event_subject(kind: str, subject_id: str) -> str:
+    """`llmgw.events.<kind>.<id>`; `nats sub 'llmgw.events.>'` is a live log of the fleet."""
+    check_token(kind, "event kind")
+    return f"{EVENTS_ROOT}.{kind}.{check_token(subject_id, 'event subject id')}"
+
+
+def events_pattern() -> str:
+    return f"{EVENTS_ROOT}.>"
+
+
+def agent_subject(node_id: str, verb: str) -> str:
+    """`llmgw.agent.<node>.<verb>`: request/reply to one agent (rescan, probe, tail)."""
+    return f"llmgw.agent.{check_token(node_id, 'node id')}.{check_token(verb, 'verb')}"

@@ -1,0 +1,324 @@
+"""The records stored in the bucket: one msgspec Struct per key family.
+
+These Structs are the single description of each value: they are validated on
+decode, encoded as compact ASCII JSON (so `nats kv get llmgw nodes.node05` reads
+as text), and documented field by field in docs/bucket.md. This module imports
+no nats, so pure code (placement, the fabric view) uses it freely.
+
+Unknown fields are accepted on decode (a newer writer may add some); a value of
+the wrong type is refused, and readers log and skip it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeVar
+
+import msgspec
+
+# --- nodes.<node>: the whole inventory, written by the agent on start and on change
+
+
+class Cpu(msgspec.Struct, kw_only=True):
+    count: int
+    model: str = ""
+
+
+class Memory(msgspec.Struct, kw_only=True):
+    total_bytes: int
+    available_bytes: int
+
+
+class Gpu(msgspec.Struct, kw_only=True):
+    index: int  # NVML index: PCI order, not CUDA_VISIBLE_DEVICES order
+    name: str
+    uuid: str  # engines are given UUIDs, never indexes
+    memory_total_bytes: int
+    pci_bus_id: str
+    compute_capability: str  # "9.0"
+
+
+GpuStatus = Literal["ok", "no_library", "no_driver", "error", "disabled"]
+
+
+class Gpus(msgspec.Struct, kw_only=True):
+    """NVIDIA GPUs. `status` says why `devices` may be empty: a node without NVML is
+    a node without NVIDIA GPUs (no_library / no_driver), not a failed discovery."""
+
+    status: GpuStatus
+    detail: str = ""
+    driver_version: str | None = None
+    devices: list[Gpu] = []
+
+
+class IbPort(msgspec.Struct, kw_only=True):
+    port: int
+    state: str  # "ACTIVE", "DOWN", ...
+    phys_state: str  # "LinkUp", "Disabled", ...
+    rate: str = ""  # "100 Gb/sec (4X EDR)"
+    rate_gbps: float = 0.0
+    link_layer: str = ""  # "InfiniBand" or "Ethernet" (RoCE)
+    lid: int | None = None
+    gid0: str = ""
+    subnet_prefix: str = ""  # first 64 bits of gid0; NOT a fabric identity (OpenSM default)
+
+    @property
+    def active(self) -> bool:
+        return self.state.upper() == "ACTIVE"
+
+
+class IbAdapter(msgspec.Struct, kw_only=True):
+    name: str  # "mlx5_0"
+    node_guid: str = ""
+    board_id: str = ""
+    fw_ver: str = ""
+    fabric: str | None = None  # from the config's fabric map; None = not configured
+    ports: list[IbPort] = []
+
+    @property
+    def active(self) -> bool:
+        return any(p.active for p in self.ports)
+
+
+class EngineInstall(msgspec.Struct, kw_only=True):
+    name: Literal["llama-server", "vllm"]
+    path: str
+    version: str  # "" when the binary is there but its version could not be read
+    source: Literal["path", "archive", "config"] = "path"
+
+
+# --- weights observed (issue: weights) ---------------------------------------
+
+StoreKind = Literal["local", "shared"]
+
+
+class Store(msgspec.Struct, kw_only=True):
+    """Where a copy lives. Shared stores are identified by what every node sees the same
+    (`nfs:filer01:/export/models`), so twenty nodes mounting one filer are one copy.
+    Local stores are identified by the node (`local:<node>`)."""
+
+    kind: StoreKind
+    identity: str
+    fs_type: str = ""
+    source: Literal["mount", "config", "id-file", "default"] = "mount"
+
+
+class WeightsDir(msgspec.Struct, kw_only=True):
+    path: str
+    status: Literal["ok", "missing", "unreadable", "timeout"]
+    store: Store | None = None
+    detail: str = ""
+
+
+class HeldModel(msgspec.Struct, kw_only=True):
+    key: str  # the model key catalog entries name: HF repo id, dir name or GGUF file stem
+    format: Literal["safetensors", "gguf"]
+    path: str  # directory (safetensors) or first file (gguf)
+    bytes: int
+    files: int
+    store: Store
+
+
+class Weights(msgspec.Struct, kw_only=True):
+    """`looked` is False when the agent was never configured to look. For placement a node
+    that never looked ranks exactly like one that looked and found nothing."""
+
+    looked: bool = False
+    scanned_at: float = 0.0
+    dirs: list[WeightsDir] = []
+    models: list[HeldModel] = []
+
+
+class NodeInventory(msgspec.Struct, kw_only=True):
+    node: str
+    hostname: str
+    address: str
+    agent_version: str
+    started_at: float  # agent process start, unix seconds
+    cpu: Cpu
+    memory: Memory
+    gpus: Gpus
+    ib: list[IbAdapter] = []
+    engines: list[EngineInstall] = []
+    weights: Weights = msgspec.field(default_factory=Weights)
+    fetch_dir: str = "/var/lib/llmgw-weights"
+    # dotted names of the values that came from the config file, not discovery
+    from_config: list[str] = []
+    updated_at: float = 0.0
+
+    def fabrics(self) -> set[str]:
+        return {a.fabric for a in self.ib if a.fabric and a.active}
+
+    def engine(self, name: str) -> EngineInstall | None:
+        return next((e for e in self.engines if e.name == name), None)
+
+
+# --- leases.<node>: the heartbeat
+
+
+class Lease(msgspec.Struct, kw_only=True):
+    node: str
+    seq: int  # increases by one each heartbeat; resets when the agent restarts
+    time: float  # agent's clock, informational: liveness uses the controller's clock
+    started_at: float
+    memory: Memory
+
+
+# --- health.<node>: written by the controller
+
+NodePhase = Literal["ready", "unreachable", "lost"]
+
+
+class Health(msgspec.Struct, kw_only=True):
+    node: str
+    phase: NodePhase
+    since: float
+    reason: str = ""
+    last_seq: int = 0
+
+
+# --- desired.<model>: written by the operator
+
+
+class Desired(msgspec.Struct, kw_only=True):
+    model: str
+    replicas: int
+    profile: str | None = None
+    updated_at: float = 0.0
+
+
+# --- replicas.<model>.<rid>, assign.<node>.<rid>: written by the controller
+
+ReplicaPhase = Literal["placed", "starting", "ready", "draining", "failed", "stopped"]
+
+
+class ReplicaMember(msgspec.Struct, kw_only=True):
+    node: str
+    rank: int
+    gpus: list[str] = []  # GPU UUIDs on that node
+    port: int = 0
+
+
+class Replica(msgspec.Struct, kw_only=True):
+    model: str
+    rid: str
+    profile: str
+    members: list[ReplicaMember]
+    phase: ReplicaPhase = "placed"
+    endpoint: str | None = None  # host:port of the rank-0 engine once ready
+    created_at: float = 0.0
+    reason: str = ""  # why it was placed where it is
+
+
+AssignAction = Literal["run", "drain", "stop"]
+
+
+class Assignment(msgspec.Struct, kw_only=True):
+    """What one node must run for one replica. `generation` grows whenever the controller
+    changes it; the agent leaves alone what already matches its generation."""
+
+    model: str
+    rid: str
+    profile: str
+    action: AssignAction
+    generation: int
+    rank: int = 0
+    nodes: int = 1  # members in the replica
+    master_addr: str = ""  # rank-0 node's address, for multi-node engines
+    gpus: list[str] = []
+    port: int = 0
+    fabric: str | None = None
+
+
+# --- shards.<node>.<rid>: written by the agent
+
+ShardPhase = Literal["validating", "starting", "loading", "ready", "draining", "stopped", "failed"]
+
+
+class Shard(msgspec.Struct, kw_only=True):
+    node: str
+    rid: str
+    model: str
+    generation: int
+    phase: ShardPhase
+    since: float
+    endpoint: str | None = None  # host:port when ready (rank 0 serves the API)
+    served_name: str = ""
+    reason: str = ""
+    output_tail: list[str] = []
+    restarts: int = 0
+    pid: int | None = None
+
+
+# --- fabrics.<fabric>: the per-fabric weights view, written by the controller
+
+
+class ModelCopy(msgspec.Struct, kw_only=True):
+    store: str  # store identity
+    kind: StoreKind
+    bytes: int
+    nodes: list[str]  # nodes that see this copy
+
+
+class FabricModel(msgspec.Struct, kw_only=True):
+    key: str
+    copies: list[ModelCopy]
+
+
+class FabricHoldings(msgspec.Struct, kw_only=True):
+    fabric: str  # a fabric name, or "node-<id>" for a node on no fabric (its own island)
+    nodes: list[str]
+    models: list[FabricModel] = []
+    island: bool = False
+
+
+# --- placement.<model>: the latest decision and its explanation
+
+
+class PlacementRecord(msgspec.Struct, kw_only=True):
+    model: str
+    desired: int
+    placed: int
+    explanation: str = ""  # "0/6 nodes fit: 3 lost, 2 no vllm, ..." for unplaced replicas
+    reasons: dict[str, int] = {}
+    decided_at: float = 0.0
+    decisions: list[str] = []
+
+
+# --- leader: the acting controller's lease
+
+
+class Leader(msgspec.Struct, kw_only=True):
+    holder: str
+    since: float
+    renewed_at: float
+
+
+# --- events on llmgw.events.<kind>.<id>
+
+
+class Event(msgspec.Struct, kw_only=True):
+    kind: str
+    subject: str
+    message: str
+    time: float
+    data: dict[str, object] = {}
+
+
+T = TypeVar("T")
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(record: msgspec.Struct) -> bytes:
+    """Compact ASCII JSON: the NATS CLI prints it as text only if every byte is printable."""
+    raw = _encoder.encode(record)
+    if raw.isascii():
+        return raw
+    # re-encode non-ASCII text as \u escapes
+    import json
+
+    return json.dumps(msgspec.json.decode(raw), ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def decode(data: bytes, type_: type[T]) -> T:
+    return msgspec.json.decode(data, type=type_)
