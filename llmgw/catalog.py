@@ -1,0 +1,489 @@
+"""The model catalog: what can be run, with which engine, on how much hardware.
+
+Every validation rule for a model lives here, and nowhere else. A catalog is read from
+TOML by the operator (`load_catalog_toml`) and stored one model per `catalog.<model>`
+key as JSON; the controller and the router decode it again with `decode_model`, which
+applies the very same rules, because anyone can `nats kv put` a value by hand.
+
+An invalid catalog is refused whole, with every error listed (model id, field path,
+what was expected): fixing errors one run at a time is how a catalog edit eats an hour.
+Unknown fields are errors too: a misspelled `host_ram_gb` read as "no RAM needed" would
+quietly place a model where it cannot load.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import msgspec
+
+from llmgw.bus import records
+from llmgw.bus.keys import is_token
+
+Engine = Literal["llama-server", "vllm"]
+ENGINES: tuple[str, ...] = ("llama-server", "vllm")
+
+# Engines that can spread one replica over several nodes (pipeline parallel across nodes).
+MULTI_NODE_ENGINES: frozenset[str] = frozenset({"vllm"})
+
+# llmgw assigns these itself (the port comes from placement); a second value in
+# extra_args would make the engine listen where nobody looks for it.
+RESERVED_ARGS: tuple[str, ...] = ("--host", "--port")
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class CatalogError(ValueError):
+    """A catalog (or one catalog value) that was refused; `errors` lists every problem."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = list(errors)
+        n = len(self.errors)
+        super().__init__(
+            f"catalog refused, {n} error{'s' if n != 1 else ''}:\n  " + "\n  ".join(self.errors)
+        )
+
+
+class WeightsRef(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Exactly one of: `key` (as the agent reports held models: HF repo id "org/name", a
+    directory name or a GGUF file stem), `path` (a file or directory on the node), or
+    `source` (fetched by the engine into the node's fetch directory: "hf://org/name",
+    "hf://org/name:Q4_K_M" for llama-server, or an http(s) URL for llama-server)."""
+
+    key: str | None = None
+    path: str | None = None
+    source: str | None = None
+
+    def held_key(self) -> str:
+        """The key under which an agent would report these weights once on disk."""
+        if self.key is not None:
+            return self.key
+        if self.source is not None:
+            if self.source.startswith("hf://"):
+                return self.source[len("hf://") :].split(":", 1)[0]
+            return _stem(self.source.rstrip("/").rsplit("/", 1)[-1])
+        assert self.path is not None
+        return _stem(self.path.rstrip("/").rsplit("/", 1)[-1])
+
+
+def _stem(name: str) -> str:
+    # "model-Q4_K_M-00001-of-00003.gguf" and "model-Q4_K_M.gguf" are both "model-Q4_K_M"
+    if name.endswith(".gguf"):
+        name = re.sub(r"-\d{5}-of-\d{5}$", "", name[: -len(".gguf")])
+    return name
+
+
+class Profile(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One way to run a model. Sizes are per node; `*_gb` are 10^9 bytes (an "80GB" card
+    reports about 85.5e9 bytes, so `gpu_memory_gb = 80` fits it)."""
+
+    name: str
+    engine: Engine
+    weights: WeightsRef
+    gpus_per_node: int  # 0 = CPU only
+    gpu_memory_gb: float = 0.0  # per GPU
+    host_ram_gb: float = 0.0  # per node
+    nodes: int = 1  # > 1: vLLM, tensor parallel inside a node, pipeline parallel across
+    context: int | None = None
+    parallel: int | None = None
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+
+
+class Model(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A model clients ask for by `served_name`; run from `profiles` by the controller,
+    or served from fixed `endpoints` (router-only runs). Never both."""
+
+    id: str
+    served_name: str
+    profiles: list[Profile] = []
+    endpoints: list[str] = []
+
+    def profile(self, name: str) -> Profile | None:
+        return next((p for p in self.profiles if p.name == name), None)
+
+
+# --- the checks: every one appends to the list of errors instead of stopping ------------
+
+_MISSING: Any = object()
+
+_MODEL_FIELDS = ("id", "served_name", "profiles", "endpoints")
+_PROFILE_FIELDS = tuple(Profile.__struct_fields__)
+_WEIGHTS_FIELDS = tuple(WeightsRef.__struct_fields__)
+
+
+class _Checker:
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def expected(self, where: str, path: str, expected: str, got: Any) -> None:
+        got_text = "nothing (missing)" if got is _MISSING else _show(got)
+        self.errors.append(f"{where}, {path}: expected {expected}, got {got_text}")
+
+    def problem(self, where: str, path: str, text: str) -> None:
+        self.errors.append(f"{where}, {path}: {text}")
+
+    def unknown_fields(self, where: str, path: str, raw: Mapping[str, Any], known: tuple) -> None:
+        for name in raw:
+            if name in known:
+                continue
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(known)})"
+            self.problem(where, f"{path}{name}", f"unknown field{hint}")
+
+    def integer(self, where, path, value, minimum: int, *, default=_MISSING) -> int | None:
+        if value is _MISSING and default is not _MISSING:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            self.expected(where, path, f"an integer >= {minimum}", value)
+            return None
+        return value
+
+    def number(self, where, path, value, *, default=_MISSING) -> float | None:
+        if value is _MISSING and default is not _MISSING:
+            return default
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value < 0:
+            self.expected(where, path, "a number >= 0", value)
+            return None
+        return float(value)
+
+    def text(self, where, path, value, *, default=_MISSING) -> str | None:
+        if value is _MISSING and default is not _MISSING:
+            return default
+        if not isinstance(value, str) or not value.strip():
+            self.expected(where, path, "a non-empty string", value)
+            return None
+        return value
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def validate_models(raw: Mapping[str, Any]) -> list[Model]:
+    """Validate a parsed catalog `{"models": [{...}, ...]}`; raise CatalogError with every
+    error, or return the models in file order."""
+    check = _Checker()
+    if not isinstance(raw, Mapping):
+        raise CatalogError([f"catalog: expected a table with a 'models' list, got {_show(raw)}"])
+    check.unknown_fields("catalog", "", raw, ("models",))
+    entries = raw.get("models", _MISSING)
+    if not isinstance(entries, list):
+        check.expected("catalog", "models", "a list of model tables ([[models]])", entries)
+        raise CatalogError(check.errors)
+    models: list[Model] = []
+    for i, entry in enumerate(entries):
+        model = _check_model(check, entry, f"models[{i}]")
+        if model is not None:
+            models.append(model)
+    _check_unique(check, entries, models)
+    if check.errors:
+        raise CatalogError(check.errors)
+    return models
+
+
+def _check_unique(check: _Checker, entries: list, models: list[Model]) -> None:
+    seen_ids: dict[str, int] = {}
+    seen_names: dict[str, str] = {}
+    for i, entry in enumerate(entries):
+        mid = entry.get("id") if isinstance(entry, Mapping) else None
+        if isinstance(mid, str):
+            if mid in seen_ids:
+                check.problem(
+                    f"model '{mid}'",
+                    "id",
+                    f"defined twice (models[{seen_ids[mid]}] and models[{i}])",
+                )
+            seen_ids.setdefault(mid, i)
+    for m in models:
+        other = seen_names.setdefault(m.served_name, m.id)
+        if other != m.id:
+            # the router could not tell which of the two a request means
+            check.problem(
+                f"model '{m.id}'",
+                "served_name",
+                f"{m.served_name!r} is already the served name of model '{other}'",
+            )
+
+
+def decode_model(data: bytes, model_id: str | None = None) -> Model:
+    """Decode a `catalog.<model>` value and validate it with the catalog's rules.
+    `model_id`, when given, is the id from the key, which the value must repeat."""
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        where = f"catalog.{model_id}" if model_id else "catalog value"
+        raise CatalogError([f"{where}: not JSON ({exc})"]) from None
+    check = _Checker()
+    model = _check_model(check, raw, f"catalog.{model_id}" if model_id else "catalog value")
+    if model is not None and model_id is not None and model.id != model_id:
+        check.problem(f"model '{model.id}'", "id", f"stored under key catalog.{model_id}")
+    if check.errors or model is None:
+        raise CatalogError(check.errors)
+    return model
+
+
+def encode_model(model: Model) -> bytes:
+    """The `catalog.<model>` value."""
+    return records.encode(model)
+
+
+def load_catalog_toml(path: str | Path) -> list[Model]:
+    """Read and validate a TOML catalog (format: docs/placement.md, examples/catalog.toml)."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise CatalogError([f"{path}: cannot read the catalog ({exc.strerror or exc})"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise CatalogError([f"{path}: not valid TOML ({exc})"]) from None
+    try:
+        return validate_models(raw)
+    except CatalogError as exc:
+        raise CatalogError([f"{path}: {e}" for e in exc.errors]) from None
+
+
+def _check_model(check: _Checker, raw: Any, fallback: str) -> Model | None:
+    if not isinstance(raw, Mapping):
+        check.problem(fallback, "", f"expected a table (a model), got {_show(raw)}")
+        return None
+    mid = raw.get("id", _MISSING)
+    where = f"model '{mid}'" if isinstance(mid, str) and mid else f"{fallback} (no id)"
+    before = len(check.errors)
+    check.unknown_fields(where, "", raw, _MODEL_FIELDS)
+    if not (isinstance(mid, str) and is_token(mid)):
+        check.expected(where, "id", "a single token of letters, digits, '-' and '_'", mid)
+    served = check.text(where, "served_name", raw.get("served_name", _MISSING), default=None)
+
+    profiles_raw = raw.get("profiles", _MISSING)
+    endpoints_raw = raw.get("endpoints", _MISSING)
+    profiles: list[Profile] = []
+    endpoints: list[str] = []
+    if profiles_raw is _MISSING and endpoints_raw is _MISSING:
+        check.problem(
+            where, "profiles", "a model needs profiles (to be placed) or endpoints (router-only)"
+        )
+    elif profiles_raw is not _MISSING and endpoints_raw is not _MISSING:
+        check.problem(where, "endpoints", "a model has either profiles or endpoints, not both")
+    if profiles_raw is not _MISSING:
+        if not isinstance(profiles_raw, list) or not profiles_raw:
+            check.expected(where, "profiles", "a non-empty list of profiles", profiles_raw)
+        else:
+            for i, p in enumerate(profiles_raw):
+                profile = _check_profile(check, where, f"profiles[{i}]", p)
+                if profile is not None:
+                    profiles.append(profile)
+            names = [p.get("name") for p in profiles_raw if isinstance(p, Mapping)]
+            for i, name in enumerate(names):
+                if isinstance(name, str) and name in names[:i]:
+                    check.problem(where, f"profiles[{i}].name", f"profile {name!r} defined twice")
+    if endpoints_raw is not _MISSING:
+        endpoints = _check_endpoints(check, where, endpoints_raw)
+
+    if len(check.errors) > before:
+        return None
+    return Model(id=mid, served_name=served or mid, profiles=profiles, endpoints=endpoints)
+
+
+def _check_endpoints(check: _Checker, where: str, raw: Any) -> list[str]:
+    if not isinstance(raw, list) or not raw:
+        check.expected(
+            where, "endpoints", 'a non-empty list of base URLs ("http://host:port")', raw
+        )
+        return []
+    out: list[str] = []
+    for i, url in enumerate(raw):
+        path = f"endpoints[{i}]"
+        if not isinstance(url, str):
+            check.expected(where, path, 'a base URL like "http://host:port"', url)
+            continue
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError:
+            parts = None
+        if (
+            parts is None
+            or parts.scheme not in ("http", "https")
+            or not parts.hostname
+            or parts.query
+            or parts.fragment
+        ):
+            check.expected(where, path, 'a base URL like "http://host:port"', url)
+            continue
+        if url in out:
+            check.problem(where, path, f"{url!r} listed twice")
+        out.append(url)
+    return out
+
+
+def _check_profile(check: _Checker, where: str, path: str, raw: Any) -> Profile | None:
+    if not isinstance(raw, Mapping):
+        check.expected(where, path, "a table (a profile)", raw)
+        return None
+    before = len(check.errors)
+    check.unknown_fields(where, f"{path}.", raw, _PROFILE_FIELDS)
+    name = raw.get("name", _MISSING)
+    if not (isinstance(name, str) and is_token(name)):
+        check.expected(
+            where, f"{path}.name", "a single token of letters, digits, '-' and '_'", name
+        )
+    engine = raw.get("engine", _MISSING)
+    if engine not in ENGINES:
+        check.expected(where, f"{path}.engine", " or ".join(repr(e) for e in ENGINES), engine)
+        engine = None
+    weights = _check_weights(check, where, f"{path}.weights", raw.get("weights", _MISSING), engine)
+    gpus = check.integer(where, f"{path}.gpus_per_node", raw.get("gpus_per_node", _MISSING), 0)
+    gpu_mem = check.number(
+        where, f"{path}.gpu_memory_gb", raw.get("gpu_memory_gb", _MISSING), default=0.0
+    )
+    ram = check.number(where, f"{path}.host_ram_gb", raw.get("host_ram_gb", _MISSING), default=0.0)
+    nodes = check.integer(where, f"{path}.nodes", raw.get("nodes", _MISSING), 1, default=1)
+    context = check.integer(where, f"{path}.context", raw.get("context", _MISSING), 1, default=None)
+    parallel = check.integer(
+        where, f"{path}.parallel", raw.get("parallel", _MISSING), 1, default=None
+    )
+    extra_args = _check_args(check, where, f"{path}.extra_args", raw.get("extra_args", []))
+    env = _check_env(check, where, f"{path}.env", raw.get("env", {}))
+
+    if nodes is not None and nodes > 1 and engine is not None:
+        if engine not in MULTI_NODE_ENGINES:
+            check.problem(
+                where,
+                f"{path}.nodes",
+                f"{engine} runs on one node; use nodes = 1 or engine = 'vllm' for multi-node",
+            )
+        elif gpus == 0:
+            check.problem(where, f"{path}.nodes", "a multi-node replica needs gpus_per_node >= 1")
+    if gpus == 0 and gpu_mem:
+        check.problem(
+            where, f"{path}.gpu_memory_gb", "set on a CPU profile (gpus_per_node = 0); remove it"
+        )
+    if len(check.errors) > before:
+        return None
+    return Profile(
+        name=name,
+        engine=engine,
+        weights=weights,
+        gpus_per_node=gpus,
+        gpu_memory_gb=gpu_mem,
+        host_ram_gb=ram,
+        nodes=nodes,
+        context=context,
+        parallel=parallel,
+        extra_args=extra_args,
+        env=env,
+    )
+
+
+def _check_weights(
+    check: _Checker, where: str, path: str, raw: Any, engine: str | None
+) -> WeightsRef | None:
+    one_of = (
+        'a table with exactly one of key = "org/name", path = "/abs/path", source = "hf://org/name"'
+    )
+    if not isinstance(raw, Mapping):
+        check.expected(where, path, one_of, raw)
+        return None
+    before = len(check.errors)
+    check.unknown_fields(where, f"{path}.", raw, _WEIGHTS_FIELDS)
+    given = [f for f in _WEIGHTS_FIELDS if f in raw]
+    if len(given) != 1:
+        check.expected(where, path, one_of, dict(raw))
+        return None
+    field = given[0]
+    value = raw[field]
+    if not isinstance(value, str) or not value.strip() or value != value.strip():
+        check.expected(
+            where, f"{path}.{field}", "a non-empty string without surrounding spaces", value
+        )
+        return None
+    if field == "key" and (value.startswith("/") or "://" in value):
+        check.expected(
+            where,
+            f"{path}.key",
+            "a model key (use path = for a path, source = for a download)",
+            value,
+        )
+    elif field == "path" and not value.startswith("/"):
+        check.expected(where, f"{path}.path", "an absolute path on the node", value)
+    elif field == "source":
+        _check_source(check, where, f"{path}.source", value, engine)
+    if len(check.errors) > before:
+        return None
+    return WeightsRef(**{field: value})
+
+
+def _check_source(check: _Checker, where: str, path: str, value: str, engine: str | None) -> None:
+    if value.startswith("hf://"):
+        rest = value[len("hf://") :]
+        repo, _, tag = rest.partition(":")
+        if not _HF_REPO.match(repo) or ":" in tag or (_ and not tag):
+            check.expected(
+                where, path, '"hf://org/name" (llama-server: "hf://org/name:QUANT")', value
+            )
+        elif tag and engine == "vllm":
+            # vLLM downloads a whole repository; a quantisation tag is llama-server's -hf syntax
+            check.problem(
+                where,
+                path,
+                f"{value!r}: a ':{tag}' tag is for llama-server; vllm takes hf://org/name",
+            )
+        return
+    if value.startswith(("http://", "https://")):
+        if engine == "vllm":
+            check.problem(where, path, f"{value!r}: vllm fetches from hf://org/name, not a URL")
+        elif not urlsplit(value).hostname:
+            check.expected(where, path, "a URL with a host", value)
+        return
+    check.expected(
+        where,
+        path,
+        '"hf://org/name", "hf://org/name:QUANT" or an http(s) URL (llama-server)',
+        value,
+    )
+
+
+def _check_args(check: _Checker, where: str, path: str, raw: Any) -> list[str]:
+    if not isinstance(raw, list) or not all(isinstance(a, str) for a in raw):
+        check.expected(where, path, "a list of strings", raw)
+        return []
+    for i, arg in enumerate(raw):
+        if arg.split("=", 1)[0] in RESERVED_ARGS:
+            check.problem(
+                where,
+                f"{path}[{i}]",
+                f"{arg!r} is set by llmgw (placement picks the port); remove it",
+            )
+    return list(raw)
+
+
+def _check_env(check: _Checker, where: str, path: str, raw: Any) -> dict[str, str]:
+    if not isinstance(raw, Mapping):
+        check.expected(where, path, 'a table of NAME = "value" strings', raw)
+        return {}
+    for name, value in raw.items():
+        if not _ENV_NAME.match(str(name)):
+            check.expected(where, f"{path}.{name}", "an environment variable name", name)
+        if not isinstance(value, str):
+            check.expected(where, f"{path}.{name}", "a string (quote numbers)", value)
+    return dict(raw)
+
+
+def by_id(models: list[Model]) -> dict[str, Model]:
+    return {m.id: m for m in models}
