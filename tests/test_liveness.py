@@ -74,7 +74,7 @@ def test_transitions_report_each_change_once_with_reason():
     assert [(t.node, t.previous, t.phase) for t in went] == [("node01", "ready", "unreachable")]
     assert went[0].reason == "lease seq 3 has not moved for 20 s (unreachable after 15 s)"
     assert tracker.transitions(21.0) == []
-    lost = tracker.transitions(75.0)
+    lost = tracker.transitions(65.0)
     assert [(t.node, t.phase) for t in lost] == [("node01", "lost"), ("node02", "unreachable")]
     tracker.observe("node01", 1, 80.0)
     back = tracker.transitions(80.0)
