@@ -78,7 +78,10 @@ def test_transitions_report_each_change_once_with_reason():
     assert [(t.node, t.phase) for t in lost] == [("node01", "lost"), ("node02", "unreachable")]
     tracker.observe("node01", 1, 80.0)
     back = tracker.transitions(80.0)
-    assert [(t.node, t.previous, t.phase, t.seq) for t in back] == [("node01", "lost", "ready", 1)]
+    assert [(t.node, t.previous, t.phase, t.seq) for t in back] == [
+        ("node01", "lost", "ready", 1),
+        ("node02", "unreachable", "lost", 10),
+    ]
 
 
 def test_forgotten_node_has_no_phase():
