@@ -118,6 +118,16 @@ class HeldModel(msgspec.Struct, kw_only=True):
     store: Store
 
 
+class IncompleteModel(msgspec.Struct, kw_only=True):
+    """Something that looks like a model but is not weights yet (a download in progress, a
+    missing shard): not held, shown so an operator can see why. `reason` carries no
+    progress numbers, so a growing download does not rewrite the inventory every scan."""
+
+    key: str
+    path: str
+    reason: str  # "model-00002-of-00003.safetensors missing"
+
+
 class Weights(msgspec.Struct, kw_only=True):
     """`looked` is False when the agent was never configured to look. For placement a node
     that never looked ranks exactly like one that looked and found nothing."""
@@ -126,6 +136,7 @@ class Weights(msgspec.Struct, kw_only=True):
     scanned_at: float = 0.0
     dirs: list[WeightsDir] = []
     models: list[HeldModel] = []
+    incomplete: list[IncompleteModel] = []
 
 
 class NodeInventory(msgspec.Struct, kw_only=True):
