@@ -1,0 +1,235 @@
+"""Refuse a launch the engine would refuse, before starting it.
+
+An engine refuses a bad profile only after minutes of loading, and says so in a log
+nobody reads. Each check here takes microseconds to a millisecond and returns reasons
+a person can act on; an empty list means launch.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from llmgw.agent.engines import adapter_for
+from llmgw.agent.engines.base import EngineAdapter, LaunchSpec, flag_tokens
+from llmgw.agent.engines.vllm import pipeline_parallel, tensor_parallel
+from llmgw.bus.records import EngineInstall, Gpu
+
+GB = 1_000_000_000  # decimal, as cards are sold: an "80 GB" H100 reports 79.6 GiB
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What discovery found on this node (from its NodeInventory)."""
+
+    gpus: Sequence[Gpu] = ()
+    engines: Sequence[EngineInstall] = ()
+
+
+def validate_launch(spec: LaunchSpec, node: NodeFacts) -> list[str]:
+    """Every reason this launch would fail; empty = go."""
+    adapter = adapter_for(spec.engine)
+    reasons: list[str] = []
+    for check in CHECKS:
+        reasons += check(spec, node, adapter)
+    reasons += adapter.check(spec)
+    return reasons
+
+
+Check = Callable[[LaunchSpec, NodeFacts, EngineAdapter], list[str]]
+
+
+def check_binary(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[str]:
+    path = spec.binary if os.sep in spec.binary else shutil.which(spec.binary)
+    if not path or not os.path.isfile(path):
+        return [
+            f"{spec.engine} binary {spec.binary} not found on this node; install it "
+            "(discovery looks on PATH and where release archives unpack) or fix the engine path"
+        ]
+    if not os.access(path, os.X_OK):
+        return [f"{spec.engine} binary {path} is not executable; chmod +x it"]
+    install = next((e for e in node.engines if e.name == spec.engine), None)
+    if install is None:
+        return [f"{spec.engine} was not found by discovery on this node, so its version is unknown"]
+    if not install.version:
+        return [
+            f"{spec.engine} at {install.path} did not report a version; run "
+            f"`{install.path} --version` to see why (a missing shared library is the usual cause)"
+        ]
+    return []
+
+
+def check_weights(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[str]:
+    if spec.weights_path is None:
+        if spec.download_source:
+            return _check_fetch_dir(spec)
+        return [
+            f"profile for {spec.served_name} names neither a weights path on this node nor "
+            "a download source; give the model's weights key or a Hugging Face repo"
+        ]
+    path = spec.weights_path
+    if spec.engine == "llama-server":
+        if os.path.isdir(path):
+            return [
+                f"weights {path} is a directory; llama-server needs the .gguf file "
+                "(the first one, -00001-of-N, for split models)"
+            ]
+        if not os.path.isfile(path):
+            return [f"weights file {path} does not exist on this node; check the path or fetch it"]
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            return [f"weights file {path} cannot be read: {e.strerror}; check its permissions"]
+        if magic != b"GGUF":
+            return [f"weights file {path} is not a GGUF file (starts with {magic!r})"]
+        return []
+    # vllm: a model directory (config.json + weights) or a single .gguf
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return []
+    if not os.path.isdir(path):
+        return [f"weights directory {path} does not exist on this node; check the path or fetch it"]
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return [f"weights directory {path} has no config.json; vLLM needs a Hugging Face model dir"]
+    return []
+
+
+def _check_fetch_dir(spec: LaunchSpec) -> list[str]:
+    if spec.engine == "vllm" and not _is_hf_repo(spec.download_source or ""):
+        return [
+            f"download source {spec.download_source!r} is not a Hugging Face repo id (org/name)"
+        ]
+    if not spec.fetch_dir:
+        return []  # the engine's own cache
+    d = spec.fetch_dir
+    while not os.path.exists(d):  # the engine creates missing parents, if it may write there
+        d = os.path.dirname(d) or "."
+    if not os.access(d, os.W_OK | os.X_OK):
+        return [f"fetch dir {spec.fetch_dir} is not writable by the agent; downloads would fail"]
+    return []
+
+
+def check_gpus(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[str]:
+    reasons = []
+    by_uuid = {g.uuid: g for g in node.gpus}
+    seen: set[str] = set()
+    for uuid in spec.gpu_uuids:
+        if uuid in seen:
+            reasons.append(f"GPU {uuid} is assigned twice")
+            continue
+        seen.add(uuid)
+        gpu = by_uuid.get(uuid)
+        if gpu is None:
+            have = ", ".join(by_uuid) or "none"
+            reasons.append(f"GPU {uuid} is not on this node (it has: {have})")
+        elif spec.gpu_memory_gb and gpu.memory_total_bytes < spec.gpu_memory_gb * GB:
+            reasons.append(
+                f"GPU {uuid} ({gpu.name}) has {gpu.memory_total_bytes / GB:.1f} GB, the profile "
+                f"needs {spec.gpu_memory_gb:g} GB per GPU"
+            )
+    return reasons
+
+
+def check_parallelism(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[str]:
+    if spec.engine != "vllm":
+        return []
+    tp, pp = tensor_parallel(spec), pipeline_parallel(spec)
+    dp = _int_value(spec.extra_args, adapter, "--data-parallel-size") or 1
+    if tp < 1 or pp < 1 or spec.nodes < 1:
+        return [f"tensor_parallel {tp}, pipeline_parallel {pp}, nodes {spec.nodes} must be >= 1"]
+    world = tp * pp * dp
+    if world % spec.nodes:
+        return [
+            f"tensor_parallel {tp} x pipeline_parallel {pp} x data_parallel {dp} = {world} GPUs "
+            f"does not divide over {spec.nodes} nodes"
+        ]
+    per_node = world // spec.nodes
+    if per_node > len(spec.gpu_uuids):
+        return [
+            f"tensor_parallel {tp} x pipeline_parallel {pp}"
+            + (f" x data_parallel {dp}" if dp > 1 else "")
+            + f" over {spec.nodes} node(s) needs {per_node} GPUs on this node, "
+            f"{len(spec.gpu_uuids)} assigned"
+        ]
+    return []
+
+
+def check_extra_args(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[str]:
+    reasons = []
+    seen: dict[str, str] = {}
+    for token in flag_tokens(spec.extra_args):
+        if adapter.managed.lookup(token):
+            reasons.append(
+                f"extra arg {token} clashes with {adapter.managed.key(token)}, which llmgw "
+                "sets from the profile and assignment; remove it from extra_args"
+            )
+            continue
+        flag = adapter.known.lookup(token)
+        if flag is not None and flag.repeatable:
+            continue
+        key = adapter.known.key(token)
+        if key in seen:
+            reasons.append(f"extra arg {token} repeats {seen[key]}; keep one")
+        else:
+            seen[key] = token
+    for name in spec.env:
+        if name in adapter.managed_env:
+            reasons.append(
+                f"env {name} clashes with what llmgw sets for {spec.engine}; remove it from "
+                "the profile's env"
+            )
+    return reasons
+
+
+def check_port(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[str]:
+    if spec.headless:
+        return []
+    if not 0 < spec.port < 65536:
+        return [f"port {spec.port} is not a usable TCP port"]
+    family = socket.AF_INET6 if ":" in spec.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # the engines set SO_REUSEADDR too, so a port in TIME_WAIT is free for them
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((spec.host, spec.port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return [
+                    f"port {spec.port} on {spec.host} is in use by another process; "
+                    "a leftover engine? (see `ss -ltnp`)"
+                ]
+            return [f"cannot bind {spec.host}:{spec.port}: {e.strerror}"]
+    return []
+
+
+CHECKS: tuple[Check, ...] = (
+    check_binary,
+    check_weights,
+    check_gpus,
+    check_parallelism,
+    check_extra_args,
+    check_port,
+)
+
+
+def _is_hf_repo(s: str) -> bool:
+    parts = s.split("/")
+    return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~"))
+
+
+def _int_value(args: Sequence[str], adapter: EngineAdapter, key: str) -> int | None:
+    for i, token in enumerate(args):
+        if adapter.known.key(token) != key:
+            continue
+        value = (
+            token.split("=", 1)[1] if "=" in token else (args[i + 1] if i + 1 < len(args) else "")
+        )
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return None

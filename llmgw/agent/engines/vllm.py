@@ -1,0 +1,188 @@
+"""vLLM: argv, environment, readiness and in-flight requests, single and multi-node.
+
+Multi-node runs without Ray: every node starts `vllm serve` with the same model and
+parallel sizes; rank 0 (`--node-rank 0`) serves the API, the others join it through
+`--master-addr` and run `--headless` (no HTTP server at all).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from llmgw.agent.engines.base import (
+    EngineCommand,
+    Flag,
+    FlagTable,
+    LaunchSpec,
+    Probe,
+    base_url,
+    cuda_env,
+    parse_prometheus,
+)
+
+MANAGED = FlagTable(
+    [
+        Flag(("--model",)),
+        Flag(("--host",)),
+        Flag(("--port",)),
+        Flag(("--served-model-name",)),
+        Flag(("-tp", "--tensor-parallel-size")),
+        Flag(("-pp", "--pipeline-parallel-size")),
+        Flag(("--download-dir",)),
+        Flag(("--nnodes",)),
+        Flag(("--node-rank",)),
+        Flag(("--master-addr",)),
+        Flag(("--master-port",)),
+        Flag(("--headless",), takes_value=False),
+        Flag(("--max-model-len",)),
+        Flag(("--api-key",)),
+        Flag(("--distributed-executor-backend",)),  # this adapter runs without Ray
+    ],
+    underscores_are_dashes=True,
+)
+
+KNOWN = FlagTable(
+    [
+        *MANAGED.flags,
+        Flag(("-dp", "--data-parallel-size")),
+        Flag(("-q", "--quantization")),
+        Flag(("-O", "--compilation-config")),
+        Flag(("--gpu-memory-utilization",)),
+        Flag(("--max-num-seqs",)),
+        Flag(("--max-num-batched-tokens",)),
+        Flag(("--dtype",)),
+        Flag(("--kv-cache-dtype",)),
+        Flag(("--enforce-eager",), takes_value=False),
+        Flag(("--trust-remote-code",), takes_value=False),
+        Flag(("--enable-prefix-caching",), takes_value=False),
+        Flag(("--middleware",), repeatable=True),
+    ],
+    underscores_are_dashes=True,
+)
+
+MANAGED_ENV = frozenset(
+    {
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "VLLM_API_KEY",
+        "VLLM_HOST_IP",
+        "NCCL_IB_HCA",
+        "NCCL_SOCKET_IFNAME",
+        "GLOO_SOCKET_IFNAME",
+        "NCCL_IB_GID_INDEX",
+    }
+)
+
+
+def tensor_parallel(spec: LaunchSpec) -> int:
+    """Default: the GPUs of one node (the fast NVLink domain); at least 1."""
+    return spec.tensor_parallel or max(1, len(spec.gpu_uuids))
+
+
+def pipeline_parallel(spec: LaunchSpec) -> int:
+    """Default: one stage per node, so only activations cross the slower fabric."""
+    return spec.pipeline_parallel or spec.nodes
+
+
+class VllmAdapter:
+    name = "vllm"
+    managed = MANAGED
+    known = KNOWN
+    managed_env = MANAGED_ENV
+
+    def command(self, spec: LaunchSpec) -> EngineCommand:
+        model = spec.weights_path or spec.download_source or ""
+        argv = [spec.binary, "serve", model]
+        if not spec.headless:
+            argv += ["--host", spec.host, "--port", str(spec.port)]
+            argv += ["--served-model-name", spec.served_name]
+        argv += ["--tensor-parallel-size", str(tensor_parallel(spec))]
+        argv += ["--pipeline-parallel-size", str(pipeline_parallel(spec))]
+        if spec.fetch_dir:
+            argv += ["--download-dir", spec.fetch_dir]
+        if spec.context:
+            argv += ["--max-model-len", str(spec.context)]
+        if spec.nodes > 1:
+            argv += ["--nnodes", str(spec.nodes), "--node-rank", str(spec.rank)]
+            argv += ["--master-addr", spec.master_addr]
+            if spec.master_port:
+                argv += ["--master-port", str(spec.master_port)]
+            if spec.headless:
+                argv += ["--headless"]
+        argv += list(spec.extra_args)
+
+        env = dict(spec.env)
+        env.update(cuda_env(spec))
+        if spec.api_key and not spec.headless:
+            env["VLLM_API_KEY"] = spec.api_key
+        if spec.ib_hcas:
+            # only this fabric's adapters: NCCL would otherwise try every HCA on the node
+            env["NCCL_IB_HCA"] = ",".join(spec.ib_hcas)
+        if spec.ib_gid_index is not None:
+            env["NCCL_IB_GID_INDEX"] = str(spec.ib_gid_index)
+        if spec.socket_ifname:
+            env["NCCL_SOCKET_IFNAME"] = spec.socket_ifname
+            env["GLOO_SOCKET_IFNAME"] = spec.socket_ifname
+        if spec.nodes > 1 and spec.host_ip:
+            env["VLLM_HOST_IP"] = spec.host_ip
+        return EngineCommand(argv=argv, env=env, base_url=None if spec.headless else base_url(spec))
+
+    def probe_paths(self, spec: LaunchSpec) -> list[str]:
+        # headless ranks have no HTTP: alive is all they can show
+        return [] if spec.headless else ["/health", "/v1/models"]
+
+    def readiness(self, spec: LaunchSpec, answers: Mapping[str, tuple[int, bytes]]) -> Probe:
+        if spec.headless:
+            return Probe(True, f"headless rank {spec.rank}: process alive")
+        # vLLM does not listen at all while loading
+        if "/health" not in answers:
+            return Probe(False, "not listening yet (vLLM opens its port after loading)")
+        status, _ = answers["/health"]
+        if status != 200:
+            return Probe(False, f"/health answered {status}")
+        if "/v1/models" not in answers:
+            return Probe(False, "/v1/models not answered yet")
+        status, body = answers["/v1/models"]
+        if status != 200:
+            return Probe(False, f"/v1/models answered {status}")
+        try:
+            ids = [m.get("id") for m in json.loads(body).get("data", [])]
+        except (ValueError, AttributeError):
+            return Probe(False, "/v1/models answered something that is not a model list")
+        if spec.served_name not in ids:
+            return Probe(False, f"/v1/models lists {ids}, not {spec.served_name!r}")
+        return Probe(True, "ready")
+
+    def in_flight_path(self, spec: LaunchSpec) -> str | None:
+        return None if spec.headless else "/metrics"
+
+    def in_flight(self, status: int, body: bytes) -> int | None:
+        if status != 200:
+            return None
+        text = body.decode("utf-8", "replace")
+        running = parse_prometheus(text, "vllm:num_requests_running")
+        if running is None:
+            return None
+        waiting = parse_prometheus(text, "vllm:num_requests_waiting") or 0.0
+        return int(running + waiting)
+
+    def check(self, spec: LaunchSpec) -> list[str]:
+        reasons = []
+        if not (spec.weights_path or spec.download_source):
+            return reasons  # validation reports the missing weights once, for every engine
+        if spec.nodes > 1 and not spec.master_addr:
+            reasons.append(
+                f"multi-node vLLM ({spec.nodes} nodes) needs the rank-0 node's address "
+                "(master_addr) in the assignment"
+            )
+        if not 0 <= spec.rank < max(1, spec.nodes):
+            reasons.append(
+                f"rank {spec.rank} is outside 0..{spec.nodes - 1} for {spec.nodes} nodes"
+            )
+        if spec.parallel:
+            reasons.append(
+                "vLLM has no slot count: remove parallel from the profile "
+                "(use --max-num-seqs in extra_args to bound concurrency)"
+            )
+        return reasons

@@ -1,0 +1,630 @@
+"""A stand-in for llama-server and vLLM that behaves like them where llmgw can tell.
+
+Same flags (unknown ones refused the same way), same failure on a bad model path,
+same HTTP surface (health while loading, OpenAI routes with SSE streaming, metrics,
+llama-server's /slots), same signals. Tests install it on PATH under the real names
+(`install_fake_engines`) so adapters run it through their real argv.
+
+    python -m llmgw.testing.fake_engine llama-server -m model.gguf --port 8080 ...
+    python -m llmgw.testing.fake_engine vllm serve MODEL --port 8000 ...
+
+Behaviour knobs (environment):
+    FAKE_ENGINE_LOAD_SECONDS      time spent "loading" (default 0)
+    FAKE_ENGINE_FAIL_LOAD         message: fail at the end of loading, exit FAKE_ENGINE_EXIT_CODE
+    FAKE_ENGINE_CRASH_AFTER_LOAD  seconds after ready to crash with FAKE_ENGINE_EXIT_CODE
+    FAKE_ENGINE_EXIT_CODE         exit code of a failure or crash (default 1)
+    FAKE_ENGINE_TOKENS            tokens per completion (default 8; max_tokens lowers it)
+    FAKE_ENGINE_TOKEN_RATE        tokens per second (default 1000)
+    FAKE_ENGINE_IGNORE_SIGTERM=1  ignore SIGTERM (tests SIGKILL escalation)
+    FAKE_ENGINE_RECORD            path: write argv, pid, pgid and engine env there as JSON
+    FAKE_ENGINE_GPUS              GPUs on the "node" when CUDA_VISIBLE_DEVICES is unset (default 8)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import stat
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+LLAMA_VERSION = "version: 9439 (47f6423ed)\nbuilt with cc (GCC) 13.2.0 for x86_64-linux-gnu"
+VLLM_VERSION = "0.11.2"
+ENV_PREFIXES = ("CUDA_", "NCCL_", "GLOO_", "LLAMA_", "VLLM_", "HF_")
+
+
+def log(line: str, *, err: bool = True) -> None:
+    print(line, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+# --- argument parsing: the real names, the real refusals ---------------------------------
+
+
+class _LlamaParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # llama.cpp's common_params_parse: the message, then exit 1 (no argparse usage block)
+        log(f"error: {message}")
+        sys.exit(1)
+
+
+def parse_llama(argv: list[str]) -> argparse.Namespace:
+    if "--version" in argv:
+        log(LLAMA_VERSION)
+        sys.exit(0)
+    p = _LlamaParser(prog="llama-server", add_help=False, allow_abbrev=False)
+    p.add_argument("-m", "--model")
+    p.add_argument("-hf", "-hfr", "--hf-repo")
+    p.add_argument("-hff", "--hf-file")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="ngl", default="auto")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096)
+    p.add_argument("-np", "--parallel", type=int, default=1)
+    p.add_argument("-a", "--alias")
+    p.add_argument("--metrics", action="store_true")
+    p.add_argument("--api-key", default=os.environ.get("LLAMA_API_KEY"))
+    p.add_argument("-t", "--threads", type=int)
+    p.add_argument("-b", "--batch-size", type=int)
+    p.add_argument("-fa", "--flash-attn")
+    p.add_argument("--jinja", action="store_true")
+    p.add_argument("--no-slots", action="store_true")
+    ns, unknown = p.parse_known_args(argv)
+    if unknown:
+        p.error(f"invalid argument: {unknown[0]}")
+    if not ns.model and not ns.hf_repo:
+        ns.model = "models/7B/ggml-model-f16.gguf"  # llama.cpp's default path, absent everywhere
+    return ns
+
+
+def _dashes(token: str) -> str:
+    if not token.startswith("--"):
+        return token
+    name, eq, value = token.partition("=")
+    return "--" + name[2:].replace("_", "-") + eq + value
+
+
+def parse_vllm(argv: list[str]) -> argparse.Namespace:
+    if argv[:1] == ["--version"] or argv == ["-v"]:
+        print(VLLM_VERSION, flush=True)
+        sys.exit(0)
+    if argv[:1] != ["serve"]:
+        log("usage: vllm [-h] [-v] {chat,complete,serve,bench,collect-env,run-batch} ...")
+        log(f"vllm: error: argument subparser: invalid choice: {argv[:1]}")
+        sys.exit(2)
+    # vLLM's FlexibleArgumentParser reads --max_model_len as --max-model-len
+    args = [_dashes(a) for a in argv[1:]]
+    p = argparse.ArgumentParser(prog="vllm serve", allow_abbrev=False)
+    p.add_argument("model_tag", nargs="?")
+    p.add_argument("--model")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1)
+    p.add_argument("--download-dir")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=29501)
+    p.add_argument("--headless", action="store_true")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"))
+    p.add_argument("--enforce-eager", action="store_true")
+    ns = p.parse_args(args)
+    ns.model = ns.model_tag or ns.model or "Qwen/Qwen3-0.6B"
+    return ns
+
+
+# --- the engine ---------------------------------------------------------------------------
+
+
+@dataclass
+class Engine:
+    kind: str  # "llama-server" | "vllm"
+    served_name: str
+    api_key: str | None
+    metrics: bool
+    slots: int
+    ctx: int
+    loading: bool = True
+    in_flight: int = 0
+    busy_slots: set[int] = field(default_factory=set)
+    tokens: int = 8
+    token_rate: float = 1000.0
+    started: float = field(default_factory=time.time)
+
+    def authorized(self, request) -> bool:
+        if not self.api_key:
+            return True
+        return request.headers.get("Authorization", "") == f"Bearer {self.api_key}"
+
+
+def _llama_error(status: int, message: str, kind: str) -> dict:
+    return {"error": {"code": status, "message": message, "type": kind}}
+
+
+def build_app(engine: Engine):
+    from aiohttp import web
+
+    @web.middleware
+    async def gate(request, handler):
+        if engine.kind == "llama-server":
+            if engine.loading:
+                return web.json_response(
+                    _llama_error(503, "Loading model", "unavailable_error"), status=503
+                )
+            if request.path != "/health" and not engine.authorized(request):
+                return web.json_response(
+                    _llama_error(401, "Invalid API Key", "authentication_error"), status=401
+                )
+        elif request.path.startswith("/v1") and not engine.authorized(request):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    async def health(request):
+        if engine.kind == "llama-server":
+            return web.json_response({"status": "ok"})
+        return web.Response(status=200)
+
+    async def models(request):
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": engine.served_name,
+                        "object": "model",
+                        "created": int(engine.started),
+                        "owned_by": "llamacpp" if engine.kind == "llama-server" else "vllm",
+                    }
+                ],
+            }
+        )
+
+    async def metrics(request):
+        if engine.kind == "llama-server":
+            if not engine.metrics:
+                return web.json_response(
+                    _llama_error(
+                        501,
+                        "This server does not support metrics endpoint. Start it with `--metrics`",
+                        "not_supported_error",
+                    ),
+                    status=501,
+                )
+            text = (
+                "# HELP llamacpp:requests_processing Number of requests processing.\n"
+                "# TYPE llamacpp:requests_processing gauge\n"
+                f"llamacpp:requests_processing {engine.in_flight}\n"
+                "# HELP llamacpp:requests_deferred Number of requests deferred.\n"
+                "# TYPE llamacpp:requests_deferred gauge\n"
+                f"llamacpp:requests_deferred 0\n"
+            )
+        else:
+            label = f'{{engine="0",model_name="{engine.served_name}"}}'
+            text = (
+                "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+                "# TYPE vllm:num_requests_running gauge\n"
+                f"vllm:num_requests_running{label} {float(engine.in_flight)}\n"
+                "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+                "# TYPE vllm:num_requests_waiting gauge\n"
+                f"vllm:num_requests_waiting{label} 0.0\n"
+            )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def slots(request):
+        return web.json_response(
+            [
+                {
+                    "id": i,
+                    "n_ctx": engine.ctx // engine.slots,
+                    "is_processing": i in engine.busy_slots,
+                }
+                for i in range(engine.slots)
+            ]
+        )
+
+    async def completions(request):
+        chat = request.path.endswith("/chat/completions")
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response(
+                _llama_error(400, "invalid JSON body", "invalid_request_error"), status=400
+            )
+        model = body.get("model") or engine.served_name
+        if engine.kind == "vllm" and model != engine.served_name:
+            return web.json_response(
+                {
+                    "object": "error",
+                    "message": f"The model `{model}` does not exist.",
+                    "type": "NotFoundError",
+                    "code": 404,
+                },
+                status=404,
+            )
+        n = min(engine.tokens, int(body.get("max_tokens") or engine.tokens))
+        finish = "length" if n < engine.tokens else "stop"
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        slot = next((i for i in range(engine.slots) if i not in engine.busy_slots), 0)
+        engine.in_flight += 1
+        engine.busy_slots.add(slot)
+        try:
+            if body.get("stream"):
+                resp = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
+                await resp.prepare(request)
+
+                def chunk(
+                    delta_text: str | None, finish_reason: str | None, role: bool = False
+                ) -> bytes:
+                    if chat:
+                        delta = {"role": "assistant", "content": ""} if role else {}
+                        if delta_text is not None:
+                            delta["content"] = delta_text
+                        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+                        obj = "chat.completion.chunk"
+                    else:
+                        choice = {
+                            "index": 0,
+                            "text": delta_text or "",
+                            "finish_reason": finish_reason,
+                        }
+                        obj = "text_completion"
+                    data = {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": model,
+                        "choices": [choice],
+                    }
+                    return f"data: {json.dumps(data)}\n\n".encode()
+
+                if chat:
+                    await resp.write(chunk(None, None, role=True))
+                for i in range(n):
+                    await asyncio.sleep(1.0 / engine.token_rate)
+                    await resp.write(chunk(f"tok{i} ", None))
+                await resp.write(chunk(None if chat else "", finish))
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            await asyncio.sleep(n / engine.token_rate)
+            text = "".join(f"tok{i} " for i in range(n))
+            usage = {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
+            if chat:
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish,
+                }
+                obj = "chat.completion"
+            else:
+                choice = {"index": 0, "text": text, "finish_reason": finish}
+                obj = "text_completion"
+            return web.json_response(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                    "usage": usage,
+                }
+            )
+        finally:
+            engine.in_flight -= 1
+            engine.busy_slots.discard(slot)
+
+    app = web.Application(middlewares=[gate])
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    if engine.kind == "llama-server":
+        app.router.add_get("/slots", slots)
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+def _visible_gpus() -> int:
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is None:
+        return int(_env_float("FAKE_ENGINE_GPUS", 8))
+    return len([d for d in cvd.split(",") if d.strip()])
+
+
+def _record(extra: dict) -> None:
+    path = os.environ.get("FAKE_ENGINE_RECORD")
+    if not path:
+        return
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+    data = {"argv": sys.argv, "pid": os.getpid(), "pgid": os.getpgid(0), "env": env, **extra}
+    Path(path).write_text(json.dumps(data))
+
+
+def _fail(lines: list[str], *, err: bool = True) -> NoReturn:
+    for line in lines:
+        log(line, err=err)
+    sys.exit(int(_env_float("FAKE_ENGINE_EXIT_CODE", 1)))
+
+
+def _llama_model_problem(ns: argparse.Namespace) -> list[str]:
+    """llama.cpp's log when the model can't be loaded, or [] when it can."""
+    if ns.hf_repo:
+        cache = Path(os.environ.get("LLAMA_CACHE") or Path.home() / ".cache" / "llama.cpp")
+        repo, _, quant = ns.hf_repo.partition(":")
+        cache.mkdir(parents=True, exist_ok=True)
+        target = cache / f"{repo.replace('/', '_')}_{quant or 'Q4_K_M'}.gguf"
+        log(f"common_download_file_single: downloading to {target}")
+        target.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 16)
+        ns.model = str(target)
+    path = ns.model
+    why = ""
+    if not os.path.isfile(path):
+        why = f"gguf_init_from_file: failed to open GGUF file '{path}'"
+    else:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                why = "gguf_init_from_file_impl: invalid magic characters: 'xxxx', expected 'GGUF'"
+    if not why:
+        return []
+    return [
+        why,
+        f"llama_model_load: error loading model: llama_model_loader: failed to load model from {path}",
+        "llama_model_load_from_file_impl: failed to load model",
+        f"common_init_from_params: failed to load model '{path}', try reducing --n-gpu-layers if you're running out of VRAM",
+        f"srv    load_model: failed to load model, '{path}'",
+        "srv   operator(): operator(): cleaning up before exit...",
+        "main: exiting due to model loading error",
+    ]
+
+
+def _vllm_model_problem(ns: argparse.Namespace) -> list[str]:
+    model = ns.model
+    looks_local = model.startswith(("/", ".", "~")) or os.path.exists(model)
+    if looks_local:
+        if os.path.isfile(model) and model.endswith(".gguf"):
+            return []
+        if os.path.isfile(os.path.join(model, "config.json")):
+            return []
+    elif len(model.split("/")) == 2:
+        # a Hugging Face id: "download" it where --download-dir says
+        root = Path(
+            ns.download_dir
+            or os.environ.get("HF_HUB_CACHE")
+            or Path.home() / ".cache" / "huggingface" / "hub"
+        )
+        snap = root / ("models--" + model.replace("/", "--")) / "snapshots" / "0000000"
+        snap.mkdir(parents=True, exist_ok=True)
+        (snap / "config.json").write_text("{}")
+        log(f"INFO [weight_utils.py:300] Downloading {model} to {root}", err=False)
+        return []
+    return [
+        "Traceback (most recent call last):",
+        '  File "/usr/local/bin/vllm", line 10, in <module>',
+        "    sys.exit(main())",
+        f"ValueError: Invalid repository ID or local directory specified: '{model}'.",
+        "Please verify the following requirements:",
+        "1. Provide a valid Hugging Face repository ID.",
+        "2. Specify a local directory that contains a recognized configuration file.",
+    ]
+
+
+async def serve(kind: str, ns: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if os.environ.get("FAKE_ENGINE_IGNORE_SIGTERM") == "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+
+    load_seconds = _env_float("FAKE_ENGINE_LOAD_SECONDS", 0.0)
+    vllm = kind == "vllm"
+    served = (
+        (ns.served_model_name[0] if ns.served_model_name else ns.model)
+        if vllm
+        else (ns.alias or Path(ns.model or ns.hf_repo).stem)
+    )
+    engine = Engine(
+        kind=kind,
+        served_name=served,
+        api_key=ns.api_key,
+        metrics=True if vllm else ns.metrics,
+        slots=1 if vllm else max(1, ns.parallel),
+        ctx=(ns.max_model_len or 4096) if vllm else ns.ctx_size,
+        tokens=int(_env_float("FAKE_ENGINE_TOKENS", 8)),
+        token_rate=max(0.001, _env_float("FAKE_ENGINE_TOKEN_RATE", 1000.0)),
+    )
+    host = ns.host or ("0.0.0.0" if vllm else "127.0.0.1")
+    runner = web.AppRunner(
+        build_app(engine), shutdown_timeout=0.5, handle_signals=False, access_log=None
+    )
+    await runner.setup()
+
+    async def listen() -> None:
+        site = web.TCPSite(runner, host, ns.port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as e:
+            lines = [
+                f"couldn't bind HTTP server socket, hostname: {host}, port: {ns.port}: {e.strerror}"
+            ]
+            if vllm:
+                lines = [
+                    f"OSError: [Errno {e.errno}] error while attempting to bind on address ('{host}', {ns.port}): {e.strerror}"
+                ]
+            else:
+                lines.append("main: exiting due to HTTP server error")
+            _fail(lines, err=not vllm)
+
+    async def wait_or_stop(seconds: float) -> bool:
+        """Sleep; True when a stop signal came first."""
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=seconds)
+            return True
+        except TimeoutError:
+            return False
+
+    if vllm:
+        local_world = (
+            ns.tensor_parallel_size
+            * ns.pipeline_parallel_size
+            * ns.data_parallel_size
+            // max(1, ns.nnodes)
+        )
+        log(f"INFO [api_server.py:1800] vLLM API server version {VLLM_VERSION}", err=False)
+        log(f"INFO [utils.py:300] non-default args: {sys.argv[2:]}", err=False)
+        gpus = _visible_gpus()
+        if local_world > gpus:
+            _fail(
+                [
+                    f"ValueError: World size ({local_world}) is larger than the number of available GPUs ({gpus}) in this node."
+                ],
+                err=False,
+            )
+        if ns.nnodes > 1:
+            log(
+                f"INFO [multiproc_executor.py:100] node rank {ns.node_rank} of {ns.nnodes}, master {ns.master_addr}:{ns.master_port}",
+                err=False,
+            )
+        problem = _vllm_model_problem(ns)
+        if problem:
+            _fail(problem, err=False)
+        log(f"INFO [model_runner.py:1000] Starting to load model {ns.model}...", err=False)
+        # vLLM opens its port only after loading
+        if await wait_or_stop(load_seconds):
+            return 0
+        if os.environ.get("FAKE_ENGINE_FAIL_LOAD"):
+            _fail(
+                [
+                    "ERROR [core.py:700] EngineCore failed to start.",
+                    f"RuntimeError: {os.environ['FAKE_ENGINE_FAIL_LOAD']}",
+                ],
+                err=False,
+            )
+        log(
+            f"INFO [gpu_model_runner.py:2000] Model loading took 1.00 GiB and {load_seconds:.2f} seconds",
+            err=False,
+        )
+        engine.loading = False
+        if ns.headless:
+            log(
+                f"INFO [core.py:800] headless node rank {ns.node_rank}: engine core running",
+                err=False,
+            )
+        else:
+            await listen()
+            log(
+                f"INFO [launcher.py:30] Starting vLLM API server 0 on http://{host}:{ns.port}",
+                err=False,
+            )
+            log("INFO:     Application startup complete.", err=False)
+    else:
+        log("build: 9439 (47f6423ed) with cc (GCC) 13.2.0 for x86_64-linux-gnu")
+        gpus = _visible_gpus()
+        if ns.ngl not in ("0", "auto") and gpus == 0:
+            log("warning: no usable GPU found, --gpu-layers option will be ignored")
+        else:
+            log(f"ggml_cuda_init: found {gpus} CUDA devices")
+        log(
+            f"system info: n_threads = {ns.threads or os.cpu_count()}, n_threads_batch = {ns.threads or os.cpu_count()}"
+        )
+        # llama-server listens first and answers 503 while loading
+        await listen()
+        log(f"main: HTTP server is listening, hostname: {host}, port: {ns.port}, http threads: 3")
+        log("main: loading model")
+        problem = _llama_model_problem(ns)
+        if problem:
+            _fail(problem)
+        log(f"srv    load_model: loading model '{ns.model}'")
+        if await wait_or_stop(load_seconds):
+            return 0
+        if os.environ.get("FAKE_ENGINE_FAIL_LOAD"):
+            _fail(
+                [
+                    f"llama_model_load: error loading model: {os.environ['FAKE_ENGINE_FAIL_LOAD']}",
+                    "llama_model_load_from_file_impl: failed to load model",
+                    "main: exiting due to model loading error",
+                ]
+            )
+        engine.loading = False
+        log("main: model loaded")
+        log(f"main: server is listening on http://{host}:{ns.port} - starting the main loop")
+        log("srv  update_slots: all slots are idle")
+
+    _record({"served_name": served, "host": host, "port": ns.port})
+
+    crash_after = os.environ.get("FAKE_ENGINE_CRASH_AFTER_LOAD")
+    if crash_after is not None:
+        if not await wait_or_stop(float(crash_after)):
+            code = int(_env_float("FAKE_ENGINE_EXIT_CODE", 1))
+            log("CUDA error: an illegal memory access was encountered", err=not vllm)
+            log(f"fake engine: crashing with exit code {code}", err=not vllm)
+            os._exit(code)  # a crash does not clean up
+    await stop.wait()
+    log(
+        "srv    operator(): received SIGTERM, cleaning up before exit..."
+        if not vllm
+        else "INFO:     Shutting down",
+        err=not vllm,
+    )
+    await runner.cleanup()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("llama-server", "vllm"):
+        log("usage: python -m llmgw.testing.fake_engine {llama-server|vllm} ...")
+        return 2
+    kind, rest = argv[0], argv[1:]
+    ns = parse_llama(rest) if kind == "llama-server" else parse_vllm(rest)
+    return asyncio.run(serve(kind, ns))
+
+
+def install_fake_engines(bin_dir: Path) -> dict[str, Path]:
+    """Write executable `llama-server` and `vllm` into `bin_dir`, running this module.
+
+    `exec` keeps the engine's pid the wrapper's, so process groups and signals behave
+    as with the real binaries.
+    """
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    root = Path(__file__).resolve().parents[2]
+    paths = {}
+    for name in ("llama-server", "vllm"):
+        path = bin_dir / name
+        path.write_text(
+            "#!/bin/sh\n"
+            f'PYTHONPATH="{root}${{PYTHONPATH:+:$PYTHONPATH}}" '
+            f'exec "{sys.executable}" -m llmgw.testing.fake_engine {name} "$@"\n'
+        )
+        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        paths[name] = path
+    return paths
+
+
+if __name__ == "__main__":
+    sys.exit(main())
