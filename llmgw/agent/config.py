@@ -1,0 +1,170 @@
+"""The agent's config file: what is written still wins.
+
+One TOML file (default /etc/llmgw/agent.toml). It holds the NATS URLs and TLS files, the
+same on every node, plus only the overrides given at onboarding: anything discovery finds
+can be overridden, and an override always beats discovery (the inventory lists which values
+came from here in `from_config`). Unknown keys and wrong types are refused with the file,
+the key and what was expected, so a typo never silently turns into "use discovery".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import msgspec
+
+DEFAULT_CONFIG_PATH = Path(os.environ.get("LLMGW_AGENT_CONFIG", "/etc/llmgw/agent.toml"))
+DEFAULT_FETCH_DIR = "/var/lib/llmgw-weights"
+DEFAULT_STATE_DIR = "/var/lib/llmgw"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Nats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    urls: list[str] = []
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    bucket: str = "llmgw"
+
+
+class Node(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Overrides of discovery. Leave out whatever discovery gets right."""
+
+    id: str | None = None
+    address: str | None = None
+    ram_total_gb: float | None = None
+    gpus: bool = True  # false: report no GPUs without asking NVML
+    llama_server: str | None = None
+    vllm: str | None = None
+
+
+class Weights(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    dirs: list[str] = []
+    fetch_dir: str = DEFAULT_FETCH_DIR
+    # directory -> store identity, for shared storage that looks local (an SRP/NVMe-oF image)
+    shared: dict[str, str] = {}
+    scan_interval: float = 300.0
+    scan_timeout: float = 60.0
+
+
+class Intervals(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    heartbeat: float = 5.0
+    engine_probe: float = 60.0
+
+
+class Paths(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Where the host is read from (like node_exporter's --path.procfs) and where state lives."""
+
+    procfs: str = "/proc"
+    sysfs: str = "/sys"
+    state_dir: str = DEFAULT_STATE_DIR
+    llama_search_dirs: list[str] | None = None  # None: discovery's documented default list
+
+
+class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    nats: Nats = msgspec.field(default_factory=Nats)
+    node: Node = msgspec.field(default_factory=Node)
+    # adapter name (mlx5_0) -> fabric name (ib-a): cannot be discovered, OpenSM's default
+    # subnet prefix is the same on every fabric
+    fabrics: dict[str, str] = {}
+    weights: Weights = msgspec.field(default_factory=Weights)
+    intervals: Intervals = msgspec.field(default_factory=Intervals)
+    paths: Paths = msgspec.field(default_factory=Paths)
+
+    def overrides(self) -> list[str]:
+        """Dotted names of the inventory values that come from this file, not discovery."""
+        out = [f"node.{name}" for name in ("id", "address", "ram_total_gb", "llama_server", "vllm")
+               if getattr(self.node, name) is not None]
+        if not self.node.gpus:
+            out.append("node.gpus")
+        if self.fabrics:
+            out.append("fabrics")
+        if self.weights.dirs:
+            out.append("weights.dirs")
+        if self.weights.shared:
+            out.append("weights.shared")
+        return sorted(out)
+
+
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")
+
+
+def _explain(path: Path, err: Exception) -> ConfigError:
+    m = _AT.match(str(err))
+    msg, where = (m.group("msg"), (m.group("path") or "").lstrip(".")) if m else (str(err), "")
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", msg)
+    if unknown:
+        key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+        return ConfigError(f"{path}: unknown key {key!r}; see `llmgw agent init --help` for the keys")
+    if where:
+        return ConfigError(f"{path}: key {where!r}: {msg.replace('Expected', 'expected')}")
+    return ConfigError(f"{path}: {msg}")
+
+
+def parse_config(text: str, path: Path = Path("<config>")) -> AgentConfig:
+    try:
+        cfg = msgspec.toml.decode(text.encode(), type=AgentConfig)
+    except msgspec.ValidationError as e:
+        raise _explain(path, e) from None
+    except msgspec.DecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    _check(cfg, path)
+    return cfg
+
+
+def _check(cfg: AgentConfig, path: Path) -> None:
+    from llmgw.bus.keys import InvalidId, check_token
+
+    if cfg.node.id is not None:
+        try:
+            check_token(cfg.node.id, "node.id")
+        except InvalidId as e:
+            raise ConfigError(f"{path}: key 'node.id': {e}") from None
+    for name, value in (("intervals.heartbeat", cfg.intervals.heartbeat),
+                        ("intervals.engine_probe", cfg.intervals.engine_probe),
+                        ("weights.scan_interval", cfg.weights.scan_interval),
+                        ("weights.scan_timeout", cfg.weights.scan_timeout)):
+        if value <= 0:
+            raise ConfigError(f"{path}: key {name!r}: expected a number of seconds > 0, got {value}")
+    for adapter, fabric in cfg.fabrics.items():
+        try:
+            check_token(fabric, f"fabric of adapter {adapter}")
+        except InvalidId as e:
+            raise ConfigError(f"{path}: key 'fabrics.{adapter}': {e}") from None
+    for url in cfg.nats.urls:
+        if not re.match(r"^(nats|tls|ws|wss)://", url):
+            raise ConfigError(f"{path}: key 'nats.urls': {url!r} is not a NATS URL (nats://host:4222)")
+
+
+def load_config(path: Path | None = None, *, missing_ok: bool = False) -> AgentConfig:
+    path = path or DEFAULT_CONFIG_PATH
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        if missing_ok:
+            return AgentConfig()
+        raise ConfigError(
+            f"{path}: no agent config; write one with `llmgw agent init --nats nats://HOST:4222`"
+        ) from None
+    return parse_config(text, path)
+
+
+def render_config(cfg: AgentConfig) -> str:
+    """TOML holding only what differs from the defaults: what onboarding was given."""
+    header = "# llmgw agent config: only overrides of discovery belong here (see docs/agent.md)\n"
+    import tomli_w
+
+    data = {k: v for k, v in msgspec.to_builtins(cfg).items() if v != {}}
+    return header + tomli_w.dumps(data)
+
+
+def write_config(cfg: AgentConfig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(render_config(cfg))
+    tmp.replace(path)

@@ -1,0 +1,487 @@
+"""Connecting to NATS and using the bucket: the one place llmgw talks to nats-py.
+
+`Bus.connect()` keeps trying until the first connection succeeds and then reconnects
+forever, with a jittered exponential delay chosen by us (nats-py has no jitter or cap):
+the backoff resets only after a connection has stayed up for `healthy_after` seconds.
+Values are msgspec records (llmgw.bus.records); a value that does not decode is logged
+with its key and skipped, never fatal (anyone can `nats kv put` garbage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js.api import KeyValueConfig
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+from . import keys, records
+from .backoff import Backoff
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Decoder = Callable[[bytes], T]
+
+DEFAULT_HEALTHY_AFTER = 10.0
+
+
+class BusError(RuntimeError):
+    """A NATS problem stated for the operator (what failed and what to do)."""
+
+
+@dataclass(frozen=True)
+class NatsSettings:
+    urls: tuple[str, ...] = ("nats://127.0.0.1:4222",)
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_hostname: str | None = None
+    name: str = "llmgw"
+    # what this client claims to be, for refusal messages ("node05 (from hostname)")
+    identity: str = ""
+    inbox_prefix: str | None = None
+    connect_timeout: float = 2.0
+    healthy_after: float = DEFAULT_HEALTHY_AFTER
+    backoff_base: float = 0.5
+    backoff_cap: float = 30.0
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if not (self.tls_ca or self.tls_cert):
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca)
+        if self.tls_cert:
+            if not self.tls_key:
+                raise BusError(
+                    f"TLS certificate {self.tls_cert} given without its key: set tls_key"
+                )
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
+
+
+@dataclass(frozen=True)
+class BucketSettings:
+    name: str = keys.DEFAULT_BUCKET
+    # None: not specified by the operator; a missing bucket is created with the defaults
+    # and an existing one is accepted as it is. Given: checked against the bucket.
+    replicas: int | None = None
+    history: int | None = None
+
+
+@dataclass(frozen=True)
+class Entry(Generic[T]):
+    key: str
+    value: T
+    revision: int
+
+
+@dataclass(frozen=True)
+class Update(Generic[T]):
+    """One change seen by a watch: `value` None means deleted (or no longer decodable)."""
+
+    key: str
+    value: T | None
+    revision: int
+
+
+@dataclass(frozen=True)
+class Synced:
+    """The watch has delivered the current state (after start and after every reconnect)."""
+
+
+def decoder(type_: type[T]) -> Decoder[T]:
+    return lambda data: records.decode(data, type_)
+
+
+@dataclass
+class _ConnState:
+    backoff: Backoff
+    connected_since: float | None = None
+    reconnects: int = 0
+    watch_restarts: list[asyncio.Event] = field(default_factory=list)
+
+
+class Bus:
+    """A connection plus the llmgw bucket."""
+
+    def __init__(
+        self,
+        nc: Client,
+        kv: KeyValue,
+        settings: NatsSettings,
+        bucket: BucketSettings,
+        state: _ConnState,
+    ) -> None:
+        self.nc = nc
+        self.kv = kv
+        self.js = nc.jetstream()
+        self.settings = settings
+        self.bucket = bucket
+        self._state = state
+        self._reconnect_listeners: list[Callable[[], Awaitable[None]]] = []
+        self._health_task: asyncio.Task[None] | None = None
+        self._watchers: set[Any] = set()
+        self._closed = False
+
+    # --- connecting -----------------------------------------------------------------
+
+    @classmethod
+    async def connect(
+        cls,
+        settings: NatsSettings,
+        bucket: BucketSettings | None = None,
+        *,
+        give_up_after: float | None = None,
+    ) -> Bus:
+        """Connect (retrying with backoff until it works, or for `give_up_after` seconds) and
+        open the bucket, creating it if missing."""
+        bucket = bucket or BucketSettings()
+        state = _ConnState(Backoff(base=settings.backoff_base, cap=settings.backoff_cap))
+        holder: dict[str, Bus] = {}
+
+        async def error_cb(e: Exception) -> None:
+            _log_nats_error(e, settings)
+
+        async def disconnected_cb() -> None:
+            if state.connected_since is not None:
+                log.warning("disconnected from NATS; reconnecting")
+            state.connected_since = None
+
+        async def reconnected_cb() -> None:
+            state.connected_since = time.monotonic()
+            state.reconnects += 1
+            log.info("reconnected to NATS at %s", _server_url(holder["bus"].nc) if holder else "?")
+            if "bus" in holder:
+                await holder["bus"]._on_reconnected()
+
+        def reconnect_to_server(servers: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
+            delay = state.backoff.next_delay()
+            server = servers[state.backoff.attempt % len(servers)] if servers else None
+            log.debug("next reconnect attempt in %.2fs", delay)
+            return server, delay
+
+        deadline = None if give_up_after is None else time.monotonic() + give_up_after
+        tls = settings.ssl_context()
+        # One attempt = one pass over the servers. nats-py's own first-connect loop retries at
+        # a fixed interval forever, so each pass is bounded here and the delay between passes
+        # is our jittered backoff.
+        window = settings.connect_timeout * len(settings.urls) + 0.5
+        while True:
+            nc = Client()
+            try:
+                await asyncio.wait_for(
+                    nc.connect(
+                        servers=list(settings.urls),
+                        name=settings.name,
+                        tls=tls,
+                        tls_hostname=settings.tls_hostname,
+                        inbox_prefix=settings.inbox_prefix or "_INBOX",
+                        connect_timeout=settings.connect_timeout,
+                        reconnect_time_wait=window,
+                        max_reconnect_attempts=-1,
+                        reconnect_to_server_handler=reconnect_to_server,
+                        error_cb=error_cb,
+                        disconnected_cb=disconnected_cb,
+                        reconnected_cb=reconnected_cb,
+                    ),
+                    window,
+                )
+                break
+            except Exception as e:  # noqa: BLE001 - every failure is retried; it was logged
+                cause = nc.last_error or e
+                try:
+                    await asyncio.wait_for(nc.close(), 1.0)
+                except Exception:  # noqa: BLE001
+                    pass
+                _log_nats_error(cause, settings, first_connect=True)
+                delay = state.backoff.next_delay()
+                if deadline is not None and time.monotonic() + delay > deadline:
+                    raise BusError(
+                        f"cannot connect to NATS at {', '.join(settings.urls)}: {_describe(cause)}"
+                    ) from e
+                await asyncio.sleep(delay)
+        state.connected_since = time.monotonic()
+        try:
+            kv = await ensure_bucket(nc, bucket)
+        except BaseException:
+            await nc.close()
+            raise
+        bus = cls(nc, kv, settings, bucket, state)
+        holder["bus"] = bus
+        bus._health_task = asyncio.create_task(bus._reset_backoff_when_healthy())
+        return bus
+
+    async def _reset_backoff_when_healthy(self) -> None:
+        # Only a connection that stayed up resets the delay: a server that accepts and then
+        # refuses (auth) must still see the delay grow.
+        while True:
+            await asyncio.sleep(min(1.0, self.settings.healthy_after / 2))
+            since = self._state.connected_since
+            if since is not None and time.monotonic() - since >= self.settings.healthy_after:
+                if self._state.backoff.attempt:
+                    log.debug(
+                        "connection healthy for %.0fs; backoff reset", self.settings.healthy_after
+                    )
+                self._state.backoff.reset()
+
+    def on_reconnected(self, cb: Callable[[], Awaitable[None]]) -> None:
+        """Run `cb` after every reconnect (re-read assignments, re-report shards...)."""
+        self._reconnect_listeners.append(cb)
+
+    async def _on_reconnected(self) -> None:
+        # A watch resumes by itself only after its idle-heartbeat check (13-16 s): restart ours now.
+        for w in list(self._watchers):
+            await w.stop()
+        for cb in list(self._reconnect_listeners):
+            try:
+                await cb()
+            except Exception:  # noqa: BLE001
+                log.exception("reconnect handler failed")
+
+    @property
+    def backoff(self) -> Backoff:
+        return self._state.backoff
+
+    @property
+    def connected(self) -> bool:
+        return self.nc.is_connected
+
+    @property
+    def reconnects(self) -> int:
+        return self._state.reconnects
+
+    async def close(self) -> None:
+        """Stop watches, then close the connection; bounded so shutdown never hangs."""
+        self._closed = True
+        if self._health_task:
+            self._health_task.cancel()
+        for w in list(self._watchers):
+            try:
+                await asyncio.wait_for(w.stop(), 0.5)
+            except Exception:  # noqa: BLE001
+                pass
+        self._watchers.clear()
+        try:
+            await asyncio.wait_for(self.nc.close(), 1.0)
+        except Exception:  # noqa: BLE001 - closing is best effort
+            log.debug("NATS close did not finish cleanly", exc_info=True)
+
+    # --- the bucket ---------------------------------------------------------------------
+
+    async def put(self, key: str, record: msgspec.Struct | bytes) -> int:
+        data = record if isinstance(record, bytes) else records.encode(record)
+        return await self.kv.put(key, data)
+
+    async def create(self, key: str, record: msgspec.Struct) -> int | None:
+        """Write only if the key does not exist; None if it does."""
+        try:
+            return await self.kv.create(key, records.encode(record))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+
+    async def update(self, key: str, record: msgspec.Struct, last: int) -> int | None:
+        """Compare-and-set on the revision; None if someone else wrote in between."""
+        try:
+            return await self.kv.update(key, records.encode(record), last=last)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+
+    async def delete(self, key: str) -> None:
+        await self.kv.delete(key)
+
+    async def get_raw(self, key: str) -> tuple[bytes, int] | None:
+        try:
+            e = await self.kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        if e.value is None or e.operation in (KV_DEL, KV_PURGE):
+            return None  # a just-expired key can come back with value None
+        return e.value, e.revision or 0
+
+    async def get(self, key: str, decode: Decoder[T]) -> Entry[T] | None:
+        raw = await self.get_raw(key)
+        if raw is None:
+            return None
+        value = _decode_or_log(key, raw[0], raw[1], decode)
+        return None if value is None else Entry(key, value, raw[1])
+
+    async def list(self, pattern: str, decode: Decoder[T]) -> dict[str, Entry[T]]:
+        """Current values of every key matching `pattern` (undecodable ones logged and skipped)."""
+        out: dict[str, Entry[T]] = {}
+        async for item in self.watch(pattern, decode, until_synced=True):
+            if isinstance(item, Update):
+                if item.value is None:
+                    out.pop(item.key, None)
+                else:
+                    out[item.key] = Entry(item.key, item.value, item.revision)
+        return out
+
+    async def watch(
+        self, pattern: str, decode: Decoder[T], *, until_synced: bool = False
+    ) -> AsyncIterator[Update[T] | Synced]:
+        """Latest value per key, then `Synced`, then live updates; re-created after every
+        reconnect, reporting keys that vanished meanwhile as deletions. A view of the latest
+        state, not a log: intermediate values may be skipped."""
+        known: dict[str, int] = {}
+        backoff = Backoff(base=0.2, cap=5.0)
+        while not self._closed:
+            try:
+                watcher = await self.kv.watch(pattern)
+            except Exception as e:  # noqa: BLE001 - disconnected: retry
+                log.debug("watch %s: cannot start (%s); retrying", pattern, _describe(e))
+                await asyncio.sleep(backoff.next_delay())
+                continue
+            backoff.reset()
+            self._watchers.add(watcher)
+            seen: set[str] | None = set()
+            try:
+                async for entry in watcher:
+                    if entry is None:  # initial replay done
+                        for gone in [k for k in known if k not in seen]:
+                            del known[gone]
+                            yield Update(gone, None, 0)
+                        seen = None
+                        yield Synced()
+                        if until_synced:
+                            return
+                        continue
+                    if seen is not None:
+                        seen.add(entry.key)
+                    if entry.operation in (KV_DEL, KV_PURGE) or entry.value is None:
+                        if known.pop(entry.key, None) is not None:
+                            yield Update(entry.key, None, entry.revision)
+                        continue
+                    value = _decode_or_log(entry.key, entry.value, entry.revision, decode)
+                    if value is None:
+                        if known.pop(entry.key, None) is not None:
+                            yield Update(entry.key, None, entry.revision)
+                        continue
+                    known[entry.key] = entry.revision
+                    yield Update(entry.key, value, entry.revision)
+            finally:
+                self._watchers.discard(watcher)
+                try:
+                    await asyncio.wait_for(watcher.stop(), 0.5)
+                except Exception:  # noqa: BLE001
+                    pass
+
+    # --- core NATS ------------------------------------------------------------------------
+
+    async def publish_event(self, kind: str, subject_id: str, message: str, **data: object) -> None:
+        """Publish on llmgw.events.<kind>.<id>; best effort (events are a log, not state)."""
+        event = records.Event(
+            kind=kind, subject=subject_id, message=message, time=time.time(), data=data
+        )
+        try:
+            await self.nc.publish(keys.event_subject(kind, subject_id), records.encode(event))
+        except Exception as e:  # noqa: BLE001
+            log.debug("event %s not published: %s", kind, _describe(e))
+
+    async def subscribe(self, subject: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
+        return await self.nc.subscribe(subject, cb=cb)
+
+    async def request(self, subject: str, payload: bytes = b"", timeout: float = 5.0) -> bytes:
+        msg = await self.nc.request(subject, payload, timeout=timeout)
+        return msg.data
+
+
+async def ensure_bucket(nc: Client, settings: BucketSettings) -> KeyValue:
+    """Open the bucket, creating it if missing; never silently recreate one that differs."""
+    js = nc.jetstream()
+    try:
+        kv = await js.key_value(settings.name)
+    except nats.js.errors.BucketNotFoundError:
+        try:
+            kv = await js.create_key_value(
+                KeyValueConfig(
+                    bucket=settings.name,
+                    history=settings.history or 1,
+                    replicas=settings.replicas or 1,
+                    description="llmgw: inventory, weights, desired state, assignments (docs/bucket.md)",
+                )
+            )
+            log.info(
+                "created bucket %s (replicas=%d, history=%d)",
+                settings.name,
+                settings.replicas or 1,
+                settings.history or 1,
+            )
+            return kv
+        except nats.js.errors.BadRequestError:
+            kv = await js.key_value(settings.name)  # another component created it first
+    except nats.js.errors.BadBucketError as e:
+        raise BusError(
+            f"stream KV_{settings.name} exists but is not a KV bucket: pick another --bucket"
+        ) from e
+    info = await js.stream_info(f"KV_{settings.name}")
+    problems = []
+    if settings.replicas is not None and info.config.num_replicas != settings.replicas:
+        problems.append(f"replicas={info.config.num_replicas} (configured {settings.replicas})")
+    if settings.history is not None and info.config.max_msgs_per_subject != settings.history:
+        problems.append(
+            f"history={info.config.max_msgs_per_subject} (configured {settings.history})"
+        )
+    if problems:
+        raise BusError(
+            f"bucket {settings.name} exists with {', '.join(problems)}; llmgw does not recreate it "
+            f"(that would lose its contents): change the setting to match, or edit the bucket with "
+            f"`nats kv edit {settings.name}`"
+        )
+    return kv
+
+
+def _decode_or_log(key: str, data: bytes, revision: int, decode: Decoder[T]) -> T | None:
+    try:
+        return decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        preview = data[:80].decode("utf-8", "replace")
+        log.warning(
+            "skipping %s (revision %d): value does not decode: %s (value starts %r); "
+            "fix it or remove it with `nats kv del <bucket> %s`",
+            key,
+            revision,
+            e,
+            preview,
+            key,
+        )
+        return None
+
+
+def _server_url(nc: Client) -> str:
+    url = nc.connected_url
+    return f"{url.scheme}://{url.netloc}" if url else "?"
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return text
+
+
+def _log_nats_error(e: BaseException, settings: NatsSettings, first_connect: bool = False) -> None:
+    text = _describe(e)
+    who = f" claimed identity {settings.identity}" if settings.identity else ""
+    cert = f"certificate {settings.tls_cert}" if settings.tls_cert else "no client certificate"
+    if "Authorization Violation" in text or "authorization" in text.lower():
+        log.error(
+            "NATS refused the connection (authorization violation): %s,%s; check that the "
+            "server maps this certificate's CN to a user",
+            cert,
+            who,
+        )
+    elif isinstance(e, ssl.SSLError):
+        log.error("TLS handshake with NATS failed: %s (%s,%s)", text, cert, who)
+    elif "permissions violation" in text.lower():
+        log.error("NATS refused a subject: %s (%s,%s)", text, cert, who)
+    elif first_connect:
+        log.warning("cannot connect to NATS at %s: %s; retrying", ", ".join(settings.urls), text)
+    else:
+        log.debug("NATS: %s", text)

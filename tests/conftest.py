@@ -1,0 +1,46 @@
+"""Shared fixtures: a real nats-server process per test (free port, temporary store)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.bus.client import BucketSettings, Bus, NatsSettings
+from llmgw.bus.server import EmbeddedNats, free_port
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # nats-py is asyncio
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(data_dir=tmp_path / "nats", port=free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nats_settings(nats_server: EmbeddedNats) -> NatsSettings:
+    return NatsSettings(urls=(nats_server.url,), name="test", healthy_after=1.0)
+
+
+@pytest.fixture
+async def bus(nats_settings: NatsSettings) -> AsyncIterator[Bus]:
+    b = await Bus.connect(nats_settings, BucketSettings(), give_up_after=5)
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+@pytest.fixture(autouse=True)
+def _debug_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="llmgw")
