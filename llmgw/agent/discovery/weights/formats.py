@@ -1,0 +1,486 @@
+"""Are these weight files complete? Decided from headers and sizes only, never tensor data.
+
+A half-finished download looks like weights to anything that only lists files, and an
+engine sent to it fails after minutes of loading. Both formats say in their header how
+long the file must be, so a file read here is complete exactly when it is that long.
+
+safetensors: u64 little-endian header length N, N bytes of JSON whose tensors carry
+`data_offsets` [begin, end) into the data that follows; size == 8 + N + max end.
+GGUF: "GGUF", u32 version (2 or 3), u64 tensor count, u64 key-value count, key-values,
+tensor infos (name, dims, ggml type, offset), padding to `general.alignment`, data;
+size >= data start + max(offset + bytes of that tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+# --- results
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """Complete, or why not. `problem` is stable while a download progresses ("truncated"),
+    so it can go into a record without rewriting it on every scan; `detail` carries the
+    numbers for people ("1048576 of 2097152 bytes")."""
+
+    complete: bool
+    file: str = ""  # the file name the problem is about
+    problem: str = ""
+    detail: str = ""
+    bytes: int = 0  # total size of the files checked (when complete)
+    files: int = 0
+
+    @property
+    def why(self) -> str:
+        """One line for people: 'model-00002-of-00003.safetensors missing'."""
+        if self.complete:
+            return "complete"
+        head = f"{self.file} {self.problem}" if self.file else self.problem
+        return f"{head}: {self.detail}" if self.detail else head
+
+    @property
+    def reason(self) -> str:
+        """The stable part of `why`, without progress numbers."""
+        if self.complete:
+            return "complete"
+        return f"{self.file} {self.problem}" if self.file else self.problem
+
+
+def _ok(nbytes: int, files: int = 1) -> Check:
+    return Check(complete=True, bytes=nbytes, files=files)
+
+
+def _bad(file: str, problem: str, detail: str = "") -> Check:
+    return Check(complete=False, file=file, problem=problem, detail=detail)
+
+
+def combine(checks: Iterable[Check]) -> Check:
+    """All complete -> one complete Check summing bytes and files; else the first problem."""
+    total = files = 0
+    for c in checks:
+        if not c.complete:
+            return c
+        total += c.bytes
+        files += c.files
+    return _ok(total, files)
+
+
+# --- safetensors
+
+# safetensors itself refuses headers over 100 MB; a larger N is a file of zeros being
+# preallocated (aria2) or not safetensors at all
+SAFETENSORS_MAX_HEADER = 100_000_000
+
+
+def safetensors_required_size(header_len: int, header: bytes) -> int:
+    """8 + N + the largest data end offset named in the JSON header. Raises ValueError
+    when the header is not a safetensors header."""
+    try:
+        meta = json.loads(header)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"header is not JSON ({exc.__class__.__name__})") from None
+    if not isinstance(meta, dict):
+        raise ValueError("header is not a JSON object")
+    end = 0
+    for name, info in meta.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise ValueError(f"tensor {name!r} has no valid data_offsets")
+        end = max(end, offsets[1])
+    return 8 + header_len + end
+
+
+def check_safetensors(path: Path) -> Check:
+    """One .safetensors file: complete exactly when size == 8 + N + max end offset."""
+    name = path.name
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                return _bad(
+                    name, "truncated", f"{size} bytes, shorter than the 8-byte header length"
+                )
+            (n,) = struct.unpack("<Q", prefix)
+            if n == 0 or n > SAFETENSORS_MAX_HEADER:
+                return _bad(name, "header does not parse", f"header length {n} is not plausible")
+            if 8 + n > size:
+                return _bad(name, "truncated", f"{size} of at least {8 + n} bytes (header cut)")
+            header = f.read(n)
+    except FileNotFoundError:
+        return _bad(name, "missing")
+    except OSError as exc:
+        return _bad(name, "unreadable", exc.strerror or str(exc))
+    try:
+        required = safetensors_required_size(n, header)
+    except ValueError as exc:
+        return _bad(name, "header does not parse", str(exc))
+    if size < required:
+        return _bad(name, "truncated", f"{size} of {required} bytes")
+    if size > required:
+        # a preallocated or appended-to file: not what the header describes
+        return _bad(name, "larger than its header says", f"{size} bytes, header says {required}")
+    return _ok(size)
+
+
+SAFETENSORS_INDEX_SUFFIX = ".safetensors.index.json"
+_SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.(?P<ext>safetensors|gguf)$")
+
+
+def index_files(index_path: Path) -> list[str]:
+    """The file names a `*.safetensors.index.json` weight_map points to, sorted. Raises
+    ValueError when the index is not one."""
+    try:
+        data = json.loads(index_path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{index_path.name} is not JSON ({exc.__class__.__name__})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index_path.name} has no weight_map")
+    files = set()
+    for value in weight_map.values():
+        if not isinstance(value, str) or "/" in value or value in ("", ".", ".."):
+            raise ValueError(f"{index_path.name} names a file {value!r} outside its directory")
+        files.add(value)
+    return sorted(files)
+
+
+def missing_numbered_shards(names: Iterable[str]) -> list[str]:
+    """For `x-00001-of-00003.*` names, the numbered siblings that are absent, sorted."""
+    present = set(names)
+    missing: set[str] = set()
+    for name in present:
+        m = _SHARD.match(name)
+        if not m:
+            continue
+        total = int(m["n"])
+        for i in range(1, total + 1):
+            sibling = f"{m['stem']}-{i:05d}-of-{m['n']}.{m['ext']}"
+            if sibling not in present:
+                missing.add(sibling)
+    return sorted(missing)
+
+
+def check_safetensors_dir(
+    directory: Path, files: Sequence[str], check_file: Callable[[Path], Check] = check_safetensors
+) -> Check:
+    """A directory of safetensors: with `*.safetensors.index.json`, every file its
+    weight_map names must exist and be complete; without one, every `.safetensors` file
+    and every numbered sibling (`-0000i-of-0000N`) one of them implies. `files` is the
+    listing the caller already has; `check_file` checks one file (a cache may wrap it)."""
+    indexes = sorted(n for n in files if n.endswith(SAFETENSORS_INDEX_SUFFIX))
+    if indexes:
+        wanted: set[str] = set()
+        for index in indexes:
+            try:
+                wanted.update(index_files(directory / index))
+            except ValueError as exc:
+                return _bad(index, "does not parse", str(exc))
+            except OSError as exc:
+                return _bad(index, "unreadable", exc.strerror or str(exc))
+    else:
+        wanted = {n for n in files if n.endswith(".safetensors")}
+        if not wanted:
+            return _bad("", "no .safetensors files")
+    present = set(files)
+    for name in sorted(wanted) + missing_numbered_shards(wanted):
+        if name not in present:
+            return _bad(name, "missing", "named by the index" if indexes else "")
+    return combine(check_file(directory / n) for n in sorted(wanted))
+
+
+# --- GGUF
+
+# (block size in elements, bytes per block) per ggml type id, as in ggml.h and the gguf
+# package's GGML_QUANT_SIZES (the agent does not depend on gguf; a test keeps them equal)
+GGML_BLOCK: dict[int, tuple[int, int]] = {
+    0: (1, 4),  # F32
+    1: (1, 2),  # F16
+    2: (32, 18),  # Q4_0
+    3: (32, 20),  # Q4_1
+    6: (32, 22),  # Q5_0
+    7: (32, 24),  # Q5_1
+    8: (32, 34),  # Q8_0
+    9: (32, 40),  # Q8_1
+    10: (256, 84),  # Q2_K
+    11: (256, 110),  # Q3_K
+    12: (256, 144),  # Q4_K
+    13: (256, 176),  # Q5_K
+    14: (256, 210),  # Q6_K
+    15: (256, 292),  # Q8_K
+    16: (256, 66),  # IQ2_XXS
+    17: (256, 74),  # IQ2_XS
+    18: (256, 98),  # IQ3_XXS
+    19: (256, 50),  # IQ1_S
+    20: (32, 18),  # IQ4_NL
+    21: (256, 110),  # IQ3_S
+    22: (256, 82),  # IQ2_S
+    23: (256, 136),  # IQ4_XS
+    24: (1, 1),  # I8
+    25: (1, 2),  # I16
+    26: (1, 4),  # I32
+    27: (1, 8),  # I64
+    28: (1, 8),  # F64
+    29: (256, 56),  # IQ1_M
+    30: (1, 2),  # BF16
+    34: (256, 54),  # TQ1_0
+    35: (256, 66),  # TQ2_0
+    39: (32, 17),  # MXFP4
+    40: (64, 36),  # NVFP4
+    41: (128, 18),  # Q1_0
+}
+
+GGUF_MAGIC = b"GGUF"
+GGUF_DEFAULT_ALIGNMENT = 32
+# value type id -> struct format of a fixed-size value (8 = string, 9 = array)
+_GGUF_SCALAR = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+# beyond these a header is garbage, not a model (largest real ones: ~2k tensors, ~50 keys)
+_GGUF_MAX_TENSORS = 1_000_000
+_GGUF_MAX_KV = 100_000
+_GGUF_MAX_DIMS = 8
+
+
+class _Truncated(Exception):
+    pass
+
+
+class _Malformed(Exception):
+    pass
+
+
+class _Reader:
+    """Sequential reads of a GGUF header from a buffered file, bounded by the file size."""
+
+    def __init__(self, f: BinaryIO, size: int, endian: str) -> None:
+        self.f, self.size, self.e = f, size, endian
+        self.pos = 0
+
+    def take(self, n: int) -> bytes:
+        if self.pos + n > self.size:
+            raise _Truncated
+        data = self.f.read(n)
+        if len(data) < n:
+            raise _Truncated
+        self.pos += n
+        return data
+
+    def skip(self, n: int) -> None:
+        if self.pos + n > self.size:
+            raise _Truncated
+        self.f.seek(n, os.SEEK_CUR)
+        self.pos += n
+
+    def unpack(self, fmt: str) -> int | float | bool:
+        fmt = self.e + fmt
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def u32(self) -> int:
+        return int(self.unpack("I"))
+
+    def u64(self) -> int:
+        return int(self.unpack("Q"))
+
+    def string(self) -> bytes:
+        return self.take(self.u64())
+
+    def skip_string(self) -> None:
+        self.skip(self.u64())
+
+    def value(self, vtype: int, want: bool) -> object:
+        """Read (want=True) or skip one value; arrays and strings are only ever skipped."""
+        if vtype in _GGUF_SCALAR:
+            if want:
+                return self.unpack(_GGUF_SCALAR[vtype])
+            self.skip(struct.calcsize(_GGUF_SCALAR[vtype]))
+        elif vtype == _GGUF_STRING:
+            if want:
+                return self.string()
+            self.skip_string()
+        elif vtype == _GGUF_ARRAY:
+            etype, count = self.u32(), self.u64()
+            if etype in _GGUF_SCALAR:
+                self.skip(count * struct.calcsize(_GGUF_SCALAR[etype]))
+            elif etype in (_GGUF_STRING, _GGUF_ARRAY):
+                if count > self.size:  # every element takes at least one byte
+                    raise _Truncated
+                for _ in range(count):
+                    self.value(etype, False)
+            else:
+                raise _Malformed(f"array of unknown value type {etype}")
+        else:
+            raise _Malformed(f"unknown value type {vtype}")
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class GgufLayout:
+    version: int
+    tensors: int
+    alignment: int
+    data_start: int
+    required_size: int  # data_start + the end of the last tensor
+
+
+def gguf_layout(f: BinaryIO, size: int) -> GgufLayout:
+    """Walk a GGUF header from the start of `f` (a file of `size` bytes). Raises ValueError
+    naming the problem; the message starts with "truncated" when the header runs past
+    the end of the file."""
+    try:
+        return _gguf_layout(f, size)
+    except _Truncated:
+        raise ValueError(
+            f"truncated: header runs past the end of the file ({size} bytes)"
+        ) from None
+    except _Malformed as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _gguf_layout(f: BinaryIO, size: int) -> GgufLayout:
+    head = f.read(8)
+    if len(head) < 8:
+        raise _Truncated
+    if head[:4] != GGUF_MAGIC:
+        raise _Malformed("no GGUF magic")
+    # GGUF v3 allows big-endian files; the version tells which
+    endian = "<"
+    (version,) = struct.unpack("<I", head[4:])
+    if version not in (2, 3) and struct.unpack(">I", head[4:])[0] in (2, 3):
+        endian = ">"
+        (version,) = struct.unpack(">I", head[4:])
+    if version not in (2, 3):
+        raise _Malformed(f"GGUF version {version} is not supported (2 or 3)")
+    r = _Reader(f, size, endian)
+    r.pos = 8
+    n_tensors, n_kv = r.u64(), r.u64()
+    if n_tensors > _GGUF_MAX_TENSORS or n_kv > _GGUF_MAX_KV:
+        raise _Malformed(f"implausible counts: {n_tensors} tensors, {n_kv} key-values")
+    alignment = GGUF_DEFAULT_ALIGNMENT
+    for _ in range(n_kv):
+        key = r.string()
+        vtype = r.u32()
+        value = r.value(vtype, key == b"general.alignment")
+        if key == b"general.alignment":
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or value <= 0
+                or value & (value - 1)
+            ):
+                raise _Malformed(f"general.alignment {value!r} is not a power of two")
+            alignment = value
+    last_end = 0
+    last_unknown: tuple[int, str, int] | None = None  # (offset, tensor, type) of an unsized tensor
+    for _ in range(n_tensors):
+        name = r.string()
+        n_dims = r.u32()
+        if n_dims > _GGUF_MAX_DIMS:
+            raise _Malformed(f"tensor {name[:60]!r} has {n_dims} dimensions")
+        elements = 1
+        for _ in range(n_dims):
+            elements *= r.u64()
+        ggml_type, offset = r.u32(), r.u64()
+        block = GGML_BLOCK.get(ggml_type)
+        if block is None:
+            # a newer quant type: its size is unknown, but a later tensor still bounds it
+            if last_unknown is None or offset > last_unknown[0]:
+                last_unknown = (offset, name.decode(errors="replace"), ggml_type)
+            last_end = max(last_end, offset)
+            continue
+        block_size, type_size = block
+        last_end = max(last_end, offset + (elements + block_size - 1) // block_size * type_size)
+    if last_unknown is not None and last_unknown[0] >= last_end:
+        raise _Malformed(
+            f"the last tensor {last_unknown[1]!r} has ggml type {last_unknown[2]}, unknown to "
+            "this llmgw (update llmgw to recognise it)"
+        )
+    data_start = (r.pos + alignment - 1) // alignment * alignment
+    return GgufLayout(
+        version=version,
+        tensors=n_tensors,
+        alignment=alignment,
+        data_start=data_start,
+        required_size=data_start + last_end,
+    )
+
+
+def check_gguf(path: Path) -> Check:
+    """One .gguf file: complete when its size reaches the end of its last tensor."""
+    name = path.name
+    try:
+        with path.open("rb", buffering=1 << 20) as f:
+            size = os.fstat(f.fileno()).st_size
+            layout = gguf_layout(f, size)
+    except FileNotFoundError:
+        return _bad(name, "missing")
+    except OSError as exc:
+        return _bad(name, "unreadable", exc.strerror or str(exc))
+    except ValueError as exc:
+        text = str(exc)
+        if text.startswith("truncated"):
+            return _bad(name, "truncated", f"{size} bytes, header not complete")
+        return _bad(name, "header does not parse", text)
+    if size < layout.required_size:
+        return _bad(name, "truncated", f"{size} of {layout.required_size} bytes")
+    return _ok(size)
+
+
+@dataclass(frozen=True, slots=True)
+class GgufSplit:
+    stem: str  # "model" for model-00001-of-00003.gguf
+    index: int
+    total: int
+
+
+def gguf_split(name: str) -> GgufSplit | None:
+    """`model-00002-of-00003.gguf` -> (model, 2, 3); None for an unsplit file name."""
+    m = _SHARD.match(name)
+    if not m or m["ext"] != "gguf" or not 1 <= int(m["i"]) <= int(m["n"]):
+        return None
+    return GgufSplit(m["stem"], int(m["i"]), int(m["n"]))
+
+
+def gguf_part_names(split: GgufSplit) -> list[str]:
+    return [f"{split.stem}-{i:05d}-of-{split.total:05d}.gguf" for i in range(1, split.total + 1)]
+
+
+def check_gguf_split(
+    directory: Path,
+    split: GgufSplit,
+    files: Iterable[str],
+    check_file: Callable[[Path], Check] = check_gguf,
+) -> Check:
+    """A split GGUF is complete only when all N parts exist and each is complete."""
+    present = set(files)
+    names = gguf_part_names(split)
+    for name in names:
+        if name not in present:
+            return _bad(name, "missing", f"part of {split.total}")
+    return combine(check_file(directory / n) for n in names)

@@ -1,0 +1,518 @@
+"""Which models this node holds: complete weight files in the weights directories.
+
+Observes, never manages: how the files got there (Lustre, an rsync, a fetch) is nobody's
+business here, and nothing is ever written into a weights directory. Blocking and
+deterministic: the agent runs it in a worker thread on an interval and on request, and
+rewrites nodes.<id> only when `weights_equal_for_resend` says what is held changed.
+
+Recognised under each directory, up to two levels down:
+- a Hugging Face cache repo `models--org--name/snapshots/<rev>/` (key "org/name");
+- a directory of safetensors, single or sharded (key: its name, or "org/name" one level
+  deeper);
+- GGUF files, single or split `x-00001-of-0000N.gguf` (key: the file stem without the
+  split suffix), at any of those levels and inside snapshots.
+An empty directory is not weights, because a half-finished download looks exactly like
+one and would send placement to a node whose engine then fails to load.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmgw.agent.discovery.weights.formats import (
+    SAFETENSORS_INDEX_SUFFIX,
+    Check,
+    GgufSplit,
+    check_gguf,
+    check_gguf_split,
+    check_safetensors,
+    check_safetensors_dir,
+    gguf_part_names,
+    gguf_split,
+)
+from llmgw.agent.discovery.weights.mounts import MountTable, read_share_id, resolve_store
+from llmgw.bus.records import HeldModel, IncompleteModel, Store, Weights, WeightsDir
+
+DEFAULT_FETCH_DIR = Path("/var/lib/llmgw-weights")
+# companions download tools leave beside a file still being written
+DOWNLOAD_MARKS = (".incomplete", ".part", ".tmp", ".aria2", ".crdownload")
+# rsync writes `.<name>.XXXXXX` and renames it when done
+_RSYNC_TEMP = re.compile(r"^\.(?P<name>.+\..+)\.[A-Za-z0-9]{6}$")
+MAX_DEPTH = 2  # dir/model, dir/org/model, dir/hub/models--org--name
+_NOT_MODELS = frozenset({"lost+found"})
+
+
+class _Timeout(Exception):
+    pass
+
+
+# --- caching header checks between scans
+
+
+class FileCheckCache:
+    """Header checks keyed by (path, device, inode, size, mtime, ctime): a scan every few
+    minutes then costs a stat per file instead of an open and a read, which matters on
+    Lustre or NFS with thousands of shards. Keeps only what the last scan used."""
+
+    def __init__(self) -> None:
+        self._old: dict[tuple[object, ...], Check] = {}
+        self._new: dict[tuple[object, ...], Check] = {}
+
+    def check(self, path: Path, fn: Callable[[Path], Check]) -> Check:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return fn(path)  # fn reports the missing or unreadable file itself
+        key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        hit = self._new.get(key) or self._old.get(key)
+        if hit is None:
+            hit = fn(path)
+        self._new[key] = hit
+        return hit
+
+    def end_scan(self) -> None:
+        self._old, self._new = self._new, {}
+
+
+class _NoCache(FileCheckCache):
+    def check(self, path: Path, fn: Callable[[Path], Check]) -> Check:
+        return fn(path)
+
+
+# --- one scan
+
+
+@dataclass
+class _Scan:
+    node: str
+    mounts: MountTable
+    overrides: Mapping[str, str]
+    share_ids: dict[str, str]
+    cache: FileCheckCache
+    expired: Callable[[], bool]
+    models: list[HeldModel] = field(default_factory=list)
+    incomplete: list[IncompleteModel] = field(default_factory=list)
+
+    def tick(self) -> None:
+        if self.expired():
+            raise _Timeout
+
+    def store(self, path: Path) -> Store:
+        return resolve_store(path, self.mounts, self.node, self.overrides, self.share_ids)
+
+    def held(self, key: str, fmt: str, path: Path, check: Check) -> None:
+        self.models.append(
+            HeldModel(
+                key=key,
+                format=fmt,  # type: ignore[arg-type]
+                path=str(path),
+                bytes=check.bytes,
+                files=check.files,
+                store=self.store(path),
+            )
+        )
+
+    def not_weights(self, key: str, path: Path, reason: str) -> None:
+        self.incomplete.append(IncompleteModel(key=key, path=str(path), reason=reason))
+
+    def safetensors_file(self, path: Path) -> Check:
+        self.tick()
+        return self.cache.check(path, check_safetensors)
+
+    def gguf_file(self, path: Path) -> Check:
+        self.tick()
+        return self.cache.check(path, check_gguf)
+
+
+@dataclass(frozen=True, slots=True)
+class _Listing:
+    files: list[str]  # regular files and links to them, sorted
+    dirs: list[str]  # directories not hidden, sorted
+    names: set[str]  # everything, hidden included
+
+
+def _list(directory: Path) -> _Listing:
+    files, dirs, names = [], [], set()
+    with os.scandir(directory) as it:
+        for entry in it:
+            names.add(entry.name)
+            try:
+                if entry.is_dir():
+                    if not entry.name.startswith(".") and entry.name not in _NOT_MODELS:
+                        dirs.append(entry.name)
+                elif entry.is_file():
+                    files.append(entry.name)
+            except OSError:
+                continue  # vanished or unreadable between listing and stat
+    return _Listing(sorted(files), sorted(dirs), names)
+
+
+def _download_mark(names: Iterable[str], only: set[str] | None = None) -> str | None:
+    """A companion saying a download into this directory is still running; with `only`, one
+    that belongs to those file names."""
+    for name in sorted(names):
+        m = _RSYNC_TEMP.match(name)
+        target = m["name"] if m else None
+        if target is None:
+            for mark in DOWNLOAD_MARKS:
+                if name.endswith(mark) and len(name) > len(mark):
+                    target = name[: -len(mark)]
+                    break
+        if target is not None and (only is None or target in only):
+            return name
+    return None
+
+
+def _hf_local_dir_pending(directory: Path) -> str | None:
+    """`hf download --local-dir` keeps partial files under .cache/huggingface/download/."""
+    pending = directory / ".cache" / "huggingface" / "download"
+    if not pending.is_dir():
+        return None
+    for dirpath, _, filenames in os.walk(pending):
+        for name in sorted(filenames):
+            if name.endswith(".incomplete"):
+                return os.path.relpath(os.path.join(dirpath, name), directory)
+    return None
+
+
+# --- GGUF files at one level
+
+
+def _scan_ggufs(s: _Scan, directory: Path, listing: _Listing, marks_too: bool = True) -> bool:
+    """Every GGUF (single or split) in one directory; True when any was seen."""
+    singles: list[str] = []
+    splits: dict[tuple[str, int], GgufSplit] = {}
+    for name in listing.files:
+        if not name.endswith(".gguf") or name.startswith("."):
+            continue
+        split = gguf_split(name)
+        if split is None:
+            singles.append(name)
+        else:
+            splits.setdefault((split.stem, split.total), split)
+    seen = bool(singles or splits)
+    for name in singles:
+        s.tick()
+        key, path = name[: -len(".gguf")], directory / name
+        mark = _download_mark(listing.names, {name}) if marks_too else None
+        if mark:
+            s.not_weights(key, path, f"download in progress ({mark})")
+            continue
+        check = s.gguf_file(path)
+        if check.complete:
+            s.held(key, "gguf", path, check)
+        else:
+            s.not_weights(key, path, check.reason)
+    for (stem, _), split in sorted(splits.items()):
+        s.tick()
+        parts = gguf_part_names(split)
+        path = directory / parts[0]
+        mark = _download_mark(listing.names, set(parts)) if marks_too else None
+        if mark:
+            s.not_weights(stem, path, f"download in progress ({mark})")
+            continue
+        check = check_gguf_split(directory, split, listing.files, s.gguf_file)
+        if check.complete:
+            s.held(stem, "gguf", path, check)
+        else:
+            s.not_weights(stem, path, check.reason)
+    # a GGUF that exists only as a download in progress
+    if marks_too:
+        for name in sorted(listing.names):
+            mark = _download_mark([name])
+            if not mark:
+                continue
+            m = _RSYNC_TEMP.match(name)
+            target = m["name"] if m else name[: name.rfind(".")]
+            if target.endswith(".gguf") and target not in listing.names:
+                split = gguf_split(target)
+                key = split.stem if split else target[: -len(".gguf")]
+                if not any(i.key == key for i in s.incomplete):
+                    s.not_weights(key, directory / target, f"download in progress ({name})")
+                    seen = True
+    return seen
+
+
+# --- safetensors in one directory
+
+
+def _has_safetensors(listing: _Listing) -> bool:
+    return any(n.endswith((".safetensors", SAFETENSORS_INDEX_SUFFIX)) for n in listing.files)
+
+
+def _scan_safetensors_dir(s: _Scan, key: str, directory: Path, listing: _Listing) -> None:
+    mark = _download_mark(listing.names) or _hf_local_dir_pending(directory)
+    if mark:
+        s.not_weights(key, directory, f"download in progress ({mark})")
+        return
+    check = check_safetensors_dir(directory, listing.files, s.safetensors_file)
+    if check.complete:
+        s.held(key, "safetensors", directory, check)
+    else:
+        s.not_weights(key, directory, check.reason)
+
+
+# --- Hugging Face cache repos
+
+
+def _hf_key(repo_dir_name: str) -> str:
+    # models--org--name -> org/name (huggingface_hub forbids "--" inside a repo id)
+    return repo_dir_name[len("models--") :].replace("--", "/")
+
+
+def _snapshot_problem(snapshot: Path, pending_blobs: list[str]) -> str | None:
+    """A link into blobs/ whose blob is gone, or a blob still downloading that this
+    snapshot's links do not account for."""
+    targets: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(snapshot):
+        depth = len(Path(dirpath).relative_to(snapshot).parts)
+        if depth >= MAX_DEPTH:
+            dirnames.clear()
+        for name in sorted(filenames) + [
+            d for d in dirnames if os.path.islink(os.path.join(dirpath, d))
+        ]:
+            full = os.path.join(dirpath, name)
+            if os.path.islink(full):
+                if not os.path.exists(full):
+                    return f"{os.path.relpath(full, snapshot)} link dangling (blob missing)"
+                targets.add(os.path.basename(os.readlink(full)))
+    for blob in pending_blobs:
+        if blob[: -len(".incomplete")] not in targets:
+            return f"download in progress (blobs/{blob})"
+    return None
+
+
+def _scan_snapshot(s: _Scan, key: str, snapshot: Path, pending_blobs: list[str]) -> bool:
+    """Models in one snapshot; False when it holds none (so an older one may be tried)."""
+    s.tick()
+    problem = _snapshot_problem(snapshot, pending_blobs)
+    listing = _list(snapshot)
+    if problem:
+        s.not_weights(key, snapshot, problem)
+        return False
+    before = len(s.models)
+    if _has_safetensors(listing):
+        check = check_safetensors_dir(snapshot, listing.files, s.safetensors_file)
+        if check.complete:
+            s.held(key, "safetensors", snapshot, check)
+        else:
+            s.not_weights(key, snapshot, check.reason)
+    # GGUF repos often keep each quantisation in its own folder
+    _scan_ggufs(s, snapshot, listing, marks_too=False)
+    for sub in listing.dirs:
+        _scan_ggufs(s, snapshot / sub, _list(snapshot / sub), marks_too=False)
+    if len(s.models) == before and not any(i.path.startswith(str(snapshot)) for i in s.incomplete):
+        s.not_weights(key, snapshot, "no weight files")
+    return len(s.models) > before
+
+
+def _scan_hf_repo(s: _Scan, repo: Path) -> None:
+    """refs/main's snapshot when it exists (the revision an engine loading by repo id
+    resolves); otherwise the newest snapshot that holds complete weights."""
+    key = _hf_key(repo.name)
+    try:
+        pending = sorted(n for n in os.listdir(repo / "blobs") if n.endswith(".incomplete"))
+    except OSError:
+        pending = []
+    snapshots = repo / "snapshots"
+    try:
+        revs = sorted(os.listdir(snapshots))
+    except OSError:
+        s.not_weights(key, repo, "no snapshots (download not finished)")
+        return
+    try:
+        main = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        main = ""
+    if main and main in revs:
+        _scan_snapshot(s, key, snapshots / main, pending)
+        return
+
+    def newest_first(rev: str) -> tuple[float, str]:
+        try:
+            return (-os.stat(snapshots / rev).st_mtime, rev)
+        except OSError:
+            return (0.0, rev)
+
+    mark = len(s.incomplete)
+    for rev in sorted(revs, key=newest_first):
+        if _scan_snapshot(s, key, snapshots / rev, pending):
+            # older snapshots' problems do not matter once one is complete
+            del s.incomplete[mark:]
+            return
+    if not revs:
+        s.not_weights(key, repo, "no snapshots (download not finished)")
+
+
+# --- walking a weights directory
+
+
+def _scan_level(s: _Scan, directory: Path, key: str, depth: int) -> bool:
+    """One directory `depth` levels under a weights directory; True when it held anything
+    that looks like a model (complete or not)."""
+    s.tick()
+    try:
+        listing = _list(directory)
+    except OSError as exc:
+        if depth == 0:
+            raise
+        s.not_weights(key, directory, f"unreadable: {exc.strerror or exc}")
+        return True
+    found = _scan_ggufs(s, directory, listing)
+    if _has_safetensors(listing):
+        _scan_safetensors_dir(s, key, directory, listing)
+        return True  # a model directory: what is below it is part of it
+    for name in listing.dirs:
+        sub = directory / name
+        if name.startswith("models--"):
+            _scan_hf_repo(s, sub)
+            found = True
+        elif not name.startswith(("datasets--", "spaces--")) and depth < MAX_DEPTH:
+            sub_key = name if depth == 0 else f"{key}/{name}"
+            found = _scan_level(s, sub, sub_key, depth + 1) or found
+    if not found and depth > 0 and not listing.dirs:
+        # only config files, or nothing: a model whose weights have not arrived
+        s.not_weights(key, directory, "no weight files" if listing.names else "empty directory")
+        return True
+    return found
+
+
+def _scan_dir(s: _Scan, directory: Path) -> WeightsDir:
+    store = s.store(directory)
+    try:
+        if not directory.is_dir():
+            status = "missing" if not directory.exists() else "unreadable"
+            detail = "does not exist" if status == "missing" else "not a directory"
+            return WeightsDir(path=str(directory), status=status, store=None, detail=detail)
+        _scan_level(s, directory, directory.name, 0)
+    except PermissionError as exc:
+        return WeightsDir(
+            path=str(directory), status="unreadable", store=store, detail=exc.strerror or str(exc)
+        )
+    except OSError as exc:
+        return WeightsDir(
+            path=str(directory), status="unreadable", store=store, detail=exc.strerror or str(exc)
+        )
+    return WeightsDir(path=str(directory), status="ok", store=store)
+
+
+def scan_weights(
+    dirs: Sequence[Path],
+    fetch_dir: Path,
+    mounts: MountTable,
+    node: str,
+    configured: bool,
+    shared_overrides: Mapping[str, str] | None = None,
+    deadline_s: float = 60.0,
+    *,
+    cache: FileCheckCache | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    now: Callable[[], float] = time.time,
+) -> Weights:
+    """Scan the configured `dirs` and, always, `fetch_dir` (fetched weights land there).
+
+    `configured` False (no directories in the config) still looks in the fetch dir, but the
+    result says looked=False; for placement that ranks exactly like a node that looked and
+    found nothing. A directory that does not exist is status "missing", one that cannot be
+    listed "unreadable"; after `deadline_s` seconds the directory being scanned and all
+    later ones are "timeout" (models already verified in it are kept; see
+    `carry_over_timed_out`). The deadline is checked between file operations: a hard-hung
+    NFS mount blocks the calling thread inside one, so run one scan at a time.
+    """
+    started = clock()
+    overrides = dict(shared_overrides or {})
+    ordered: list[Path] = []
+    seen_real: set[str] = set()
+    for d in [*dirs, fetch_dir]:
+        real = os.path.realpath(d)
+        if real not in seen_real:
+            seen_real.add(real)
+            ordered.append(Path(d))
+    share_ids: dict[str, str] = {}
+    for d in ordered:
+        share_id = read_share_id(d)
+        if share_id is not None:
+            share_ids[os.path.realpath(d)] = share_id
+    s = _Scan(
+        node=node,
+        mounts=mounts,
+        overrides=overrides,
+        share_ids=share_ids,
+        cache=cache if cache is not None else _NoCache(),
+        expired=lambda: clock() - started >= deadline_s,
+    )
+    results: list[WeightsDir] = []
+    for i, d in enumerate(ordered):
+        try:
+            s.tick()
+            results.append(_scan_dir(s, d))
+        except _Timeout:
+            for late in ordered[i:]:
+                results.append(
+                    WeightsDir(
+                        path=str(late),
+                        status="timeout",
+                        detail=f"scan stopped after {deadline_s:g} s (weights.scan_timeout)",
+                    )
+                )
+            break
+    if cache is not None:
+        cache.end_scan()
+    return Weights(
+        looked=configured,
+        scanned_at=now(),
+        dirs=results,
+        models=_dedupe_models(s.models),
+        incomplete=sorted(
+            {(i.key, i.path): i for i in s.incomplete}.values(), key=lambda i: (i.key, i.path)
+        ),
+    )
+
+
+def _dedupe_models(models: Iterable[HeldModel]) -> list[HeldModel]:
+    # the same files reached twice (a configured dir inside another) are one holding
+    unique: dict[tuple[str, str], HeldModel] = {}
+    for m in models:
+        unique.setdefault((m.key, os.path.realpath(m.path)), m)
+    return sorted(unique.values(), key=lambda m: (m.key, m.path))
+
+
+def weights_equal_for_resend(a: Weights, b: Weights) -> bool:
+    """Equal in everything but when they were scanned: the agent rewrites nodes.<id> only
+    when this is False."""
+    return (a.looked, a.dirs, a.models, a.incomplete) == (b.looked, b.dirs, b.models, b.incomplete)
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def carry_over_timed_out(previous: Weights | None, current: Weights) -> Weights:
+    """Keep the previous scan's models under directories this scan did not finish, so a slow
+    filer does not make models vanish and reappear between scans."""
+    if previous is None:
+        return current
+    timed_out = [d.path for d in current.dirs if d.status == "timeout"]
+    if not timed_out:
+        return current
+    have = {(m.key, m.path) for m in current.models}
+    kept = [
+        m
+        for m in previous.models
+        if (m.key, m.path) not in have and any(_under(m.path, t) for t in timed_out)
+    ]
+    if not kept:
+        return current
+    models = sorted([*current.models, *kept], key=lambda m: (m.key, m.path))
+    return Weights(
+        looked=current.looked,
+        scanned_at=current.scanned_at,
+        dirs=current.dirs,
+        models=models,
+        incomplete=current.incomplete,
+    )

@@ -1,0 +1,238 @@
+"""Weight file completeness from headers and sizes: real files written into tmp dirs."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from llmgw.agent.discovery.weights.formats import (
+    GGML_BLOCK,
+    check_gguf,
+    check_gguf_split,
+    check_safetensors,
+    check_safetensors_dir,
+    gguf_layout,
+    gguf_split,
+    missing_numbered_shards,
+)
+
+
+def write_safetensors(path: Path, tensors: dict[str, int], *, short_by: int = 0) -> int:
+    """A safetensors file whose tensors take the given byte counts; the data is a sparse
+    hole (size is all completeness looks at). Returns the complete size."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, nbytes in tensors.items():
+        header[name] = {
+            "dtype": "F16",
+            "shape": [nbytes // 2],
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+    size = 8 + len(raw) + offset
+    os.truncate(path, size - short_by)
+    return size
+
+
+def write_gguf(path: Path, *, alignment: int | None = None, vocab: int = 100) -> int:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    if alignment:
+        writer.add_custom_alignment(alignment)
+    writer.add_block_count(2)
+    writer.add_token_list([f"tok{i}" for i in range(vocab)])
+    writer.add_token_scores([0.5] * vocab)
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_bool("test.flag", True)
+    writer.add_float64("test.f64", 1.5)
+    writer.add_tensor("tok_embd.weight", np.ones((8, 32), dtype=np.float32))
+    writer.add_tensor("out.weight", np.ones((3, 7), dtype=np.float16))
+    quant = np.zeros((4, 2 * 18), dtype=np.uint8)  # 4 rows of two Q4_0 blocks
+    writer.add_tensor("q.weight", quant, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.stat().st_size
+
+
+# --- safetensors
+
+
+def test_complete_safetensors_is_complete(tmp_path: Path) -> None:
+    size = write_safetensors(tmp_path / "model.safetensors", {"a": 1024, "b": 4096})
+    check = check_safetensors(tmp_path / "model.safetensors")
+    assert check.complete and check.bytes == size and check.files == 1
+
+
+def test_truncated_safetensors_says_how_much_is_there(tmp_path: Path) -> None:
+    size = write_safetensors(tmp_path / "model.safetensors", {"a": 1 << 20}, short_by=1000)
+    check = check_safetensors(tmp_path / "model.safetensors")
+    assert not check.complete
+    assert check.why == f"model.safetensors truncated: {size - 1000} of {size} bytes"
+    assert check.reason == "model.safetensors truncated"  # no numbers: stable while downloading
+
+
+def test_safetensors_longer_than_its_header_is_not_complete(tmp_path: Path) -> None:
+    size = write_safetensors(tmp_path / "m.safetensors", {"a": 64})
+    os.truncate(tmp_path / "m.safetensors", size + 64)  # preallocated past the end
+    assert not check_safetensors(tmp_path / "m.safetensors").complete
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        struct.pack("<Q", 1 << 40) + b"{}",  # bogus huge header length
+        struct.pack("<Q", 0),  # aria2 preallocation: zeros
+        struct.pack("<Q", 10) + b"not json!!",
+        struct.pack("<Q", 2) + b"[]",
+        struct.pack("<Q", 28) + b'{"t":{"data_offsets":[9,1]}}',
+    ],
+)
+def test_safetensors_whose_header_does_not_parse_is_not_complete(
+    tmp_path: Path, prefix: bytes
+) -> None:
+    (tmp_path / "m.safetensors").write_bytes(prefix + b"\0" * 64)
+    check = check_safetensors(tmp_path / "m.safetensors")
+    assert not check.complete
+    assert check.problem in ("header does not parse", "truncated")
+
+
+def test_sharded_safetensors_with_missing_shard_names_it(tmp_path: Path) -> None:
+    names = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    index = {"metadata": {}, "weight_map": {f"t{i}": n for i, n in enumerate(names)}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    for name in (names[0], names[2]):
+        write_safetensors(tmp_path / name, {"a": 256})
+    files = sorted(os.listdir(tmp_path))
+    check = check_safetensors_dir(tmp_path, files)
+    assert not check.complete
+    assert check.reason == "model-00002-of-00003.safetensors missing"
+
+    write_safetensors(tmp_path / names[1], {"a": 256})
+    check = check_safetensors_dir(tmp_path, sorted(os.listdir(tmp_path)))
+    assert check.complete and check.files == 3
+
+
+def test_sharded_safetensors_without_index_still_needs_every_numbered_shard(tmp_path: Path) -> None:
+    write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": 256})
+    check = check_safetensors_dir(tmp_path, sorted(os.listdir(tmp_path)))
+    assert check.reason == "model-00002-of-00002.safetensors missing"
+    assert missing_numbered_shards(["x-00002-of-00003.gguf"]) == [
+        "x-00001-of-00003.gguf",
+        "x-00003-of-00003.gguf",
+    ]
+
+
+def test_sharded_safetensors_with_truncated_shard_is_not_complete(tmp_path: Path) -> None:
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": names[0], "b": names[1]}})
+    )
+    write_safetensors(tmp_path / names[0], {"a": 256})
+    write_safetensors(tmp_path / names[1], {"a": 256}, short_by=1)
+    check = check_safetensors_dir(tmp_path, sorted(os.listdir(tmp_path)))
+    assert check.reason == "model-00002-of-00002.safetensors truncated"
+
+
+# --- GGUF
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_gguf_written_by_gguf_writer_is_complete(tmp_path: Path, alignment: int | None) -> None:
+    size = write_gguf(tmp_path / "m.gguf", alignment=alignment)
+    check = check_gguf(tmp_path / "m.gguf")
+    assert check.complete and check.bytes == size
+    # our layout agrees with the gguf package's own reader
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    with (tmp_path / "m.gguf").open("rb") as f:
+        layout = gguf_layout(f, size)
+    assert layout.data_start == reader.data_offset
+    assert layout.alignment == (alignment or 32)
+    last = max(reader.tensors, key=lambda t: t.data_offset)
+    assert layout.required_size == last.data_offset + last.n_bytes
+
+
+def test_gguf_missing_its_last_tensor_bytes_is_truncated(tmp_path: Path) -> None:
+    write_gguf(tmp_path / "m.gguf")
+    with (tmp_path / "m.gguf").open("rb") as f:
+        required = gguf_layout(f, (tmp_path / "m.gguf").stat().st_size).required_size
+    os.truncate(tmp_path / "m.gguf", required - 1)
+    check = check_gguf(tmp_path / "m.gguf")
+    assert check.why == f"m.gguf truncated: {required - 1} of {required} bytes"
+
+
+def test_gguf_cut_inside_its_header_is_truncated(tmp_path: Path) -> None:
+    write_gguf(tmp_path / "m.gguf", vocab=2000)
+    os.truncate(tmp_path / "m.gguf", 4000)  # inside the token list
+    check = check_gguf(tmp_path / "m.gguf")
+    assert not check.complete and check.problem == "truncated"
+
+
+@pytest.mark.parametrize(
+    "data, problem",
+    [
+        (b"GGML" + b"\0" * 60, "header does not parse"),
+        (b"GGUF" + struct.pack("<I", 1) + b"\0" * 60, "header does not parse"),
+        (b"GGUF" + struct.pack("<IQQ", 3, 1 << 40, 0), "header does not parse"),
+        (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1 << 40), "truncated"),
+        (b"", "truncated"),
+    ],
+)
+def test_gguf_with_bad_header_is_not_complete(tmp_path: Path, data: bytes, problem: str) -> None:
+    (tmp_path / "m.gguf").write_bytes(data)
+    check = check_gguf(tmp_path / "m.gguf")
+    assert not check.complete and check.problem == problem
+
+
+def test_big_endian_gguf_is_read(tmp_path: Path) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "be.gguf"), "llama", endianess=gguf.GGUFEndian.BIG)
+    writer.add_tensor("w", np.ones((4, 8), dtype=np.float32).byteswap())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert check_gguf(tmp_path / "be.gguf").complete
+    os.truncate(tmp_path / "be.gguf", (tmp_path / "be.gguf").stat().st_size - 64)
+    assert not check_gguf(tmp_path / "be.gguf").complete
+
+
+def test_tensor_of_unknown_ggml_type_last_in_file_is_named(tmp_path: Path) -> None:
+    buf = io.BytesIO()
+    name = b"w"
+    buf.write(b"GGUF" + struct.pack("<IQQ", 3, 1, 0))
+    buf.write(struct.pack("<Q", len(name)) + name + struct.pack("<IQIQ", 1, 32, 250, 0))
+    with pytest.raises(ValueError, match="ggml type 250"):
+        gguf_layout(io.BytesIO(buf.getvalue()), 1 << 20)
+
+
+def test_split_gguf_with_missing_part_names_it(tmp_path: Path) -> None:
+    for i in (1, 3):
+        write_gguf(tmp_path / f"big-0000{i}-of-00003.gguf")
+    split = gguf_split("big-00001-of-00003.gguf")
+    assert split is not None and (split.stem, split.index, split.total) == ("big", 1, 3)
+    check = check_gguf_split(tmp_path, split, os.listdir(tmp_path))
+    assert check.reason == "big-00002-of-00003.gguf missing"
+    write_gguf(tmp_path / "big-00002-of-00003.gguf")
+    check = check_gguf_split(tmp_path, split, os.listdir(tmp_path))
+    assert check.complete and check.files == 3
+
+
+def test_unsplit_names_are_not_splits() -> None:
+    assert gguf_split("model.gguf") is None
+    assert gguf_split("model-00004-of-00003.gguf") is None
+    assert gguf_split("model-00001-of-00003.safetensors") is None
+
+
+def test_ggml_block_table_matches_the_gguf_package() -> None:
+    theirs = {int(t): size for t, size in gguf.GGML_QUANT_SIZES.items()}
+    assert GGML_BLOCK == theirs
