@@ -1,0 +1,496 @@
+"""Placement on plain data: inventories, health and replicas as the bucket would hold them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from llmgw.bus.records import (
+    Cpu,
+    Desired,
+    EngineInstall,
+    Gpu,
+    Gpus,
+    HeldModel,
+    IbAdapter,
+    IbPort,
+    Lease,
+    Memory,
+    NodeInventory,
+    Replica,
+    ReplicaMember,
+    Store,
+    Weights,
+)
+from llmgw.catalog import Model, validate_models
+from llmgw.controller.placement import Snapshot, plan, qualifying_nodes
+
+GB = 1_000_000_000
+KEY = "org/model"
+
+
+def node(
+    name: str,
+    *,
+    gpus: int = 8,
+    gpu_gb: float = 85.5,
+    ram_gb: float = 1000,
+    engines: Iterable[str] = ("vllm", "llama-server"),
+    fabric: str | None = None,
+    held: Iterable[tuple[str, str]] = (),  # (model key, store identity)
+    looked: bool = True,
+) -> NodeInventory:
+    devices = [
+        Gpu(
+            index=i,
+            name="H100",
+            uuid=f"GPU-{name}-{i}",
+            memory_total_bytes=int(gpu_gb * GB),
+            pci_bus_id=f"0000:{i:02x}:00.0",
+            compute_capability="9.0",
+        )
+        for i in range(gpus)
+    ]
+    ib = []
+    if fabric is not None:
+        port = IbPort(port=1, state="ACTIVE", phys_state="LinkUp", link_layer="InfiniBand")
+        ib = [IbAdapter(name="mlx5_0", fabric=fabric, ports=[port])]
+    models = [
+        HeldModel(
+            key=key,
+            format="safetensors",
+            path=f"/models/{key}",
+            bytes=1,
+            files=1,
+            store=Store(kind="local" if store.startswith("local:") else "shared", identity=store),
+        )
+        for key, store in held
+    ]
+    return NodeInventory(
+        node=name,
+        hostname=name,
+        address="10.0.0.1",
+        agent_version="test",
+        started_at=0.0,
+        cpu=Cpu(count=64),
+        memory=Memory(total_bytes=int(ram_gb * GB), available_bytes=int(ram_gb * GB)),
+        gpus=Gpus(status="ok" if gpus else "no_library", devices=devices),
+        ib=ib,
+        engines=[EngineInstall(name=e, path=f"/usr/bin/{e}", version="1") for e in engines],
+        weights=Weights(looked=looked, models=models),
+    )
+
+
+def model(
+    mid: str = "m",
+    *,
+    engine: str = "vllm",
+    gpus: int = 1,
+    gpu_gb: float = 0,
+    ram_gb: float = 0,
+    nodes: int = 1,
+    key: str = KEY,
+) -> Model:
+    profile = {
+        "name": "p",
+        "engine": engine,
+        "weights": {"key": key},
+        "gpus_per_node": gpus,
+        "gpu_memory_gb": gpu_gb,
+        "host_ram_gb": ram_gb,
+        "nodes": nodes,
+    }
+    return validate_models({"models": [{"id": mid, "profiles": [profile]}]})[0]
+
+
+def replica(
+    rid: str,
+    members: list[tuple[str, list[int]]],
+    *,
+    mid: str = "m",
+    phase: str = "ready",
+    created_at: float = 0.0,
+    port: int = 18000,
+) -> Replica:
+    return Replica(
+        model=mid,
+        rid=rid,
+        profile="p",
+        members=[
+            ReplicaMember(node=n, rank=i, gpus=[f"GPU-{n}-{g}" for g in gpu_ids], port=port)
+            for i, (n, gpu_ids) in enumerate(members)
+        ],
+        phase=phase,
+        created_at=created_at,
+    )
+
+
+def snapshot(
+    nodes: list[NodeInventory],
+    models: list[Model],
+    desired: dict[str, int],
+    *,
+    replicas: Iterable[Replica] = (),
+    health: dict[str, str] | None = None,
+    **extra,
+) -> Snapshot:
+    phases = {n.node: "ready" for n in nodes}
+    phases.update(health or {})
+    return Snapshot(
+        catalog={m.id: m for m in models},
+        desired={mid: Desired(model=mid, replicas=n) for mid, n in desired.items()},
+        inventories={n.node: n for n in nodes},
+        health=phases,
+        replicas=list(replicas),
+        now=1000.0,
+        **extra,
+    )
+
+
+def placed_on(result) -> list[list[str]]:
+    return [[m.node for m in r.members] for r in result.create]
+
+
+# --- weights: a preference, never a filter ---------------------------------------------
+
+
+def test_weights_on_node_beat_weights_in_fabric_beat_none():
+    nodes = [
+        node("a-none", fabric="ib-b"),
+        node("b-fabric", fabric="ib-a"),
+        node("c-holder", fabric="ib-a", held=[(KEY, "local:c-holder")]),
+    ]
+    result = plan(snapshot(nodes, [model()], {"m": 1}))
+    assert placed_on(result) == [["c-holder"]]
+    assert result.create[0].reason.startswith("weights on node (local:c-holder)")
+
+    # the holder is full: the node in the holder's fabric beats the node in another fabric
+    full = replica("r-full", [("c-holder", list(range(8)))], mid="other")
+    result = plan(snapshot(nodes, [model()], {"m": 1}, replicas=[full]))
+    assert placed_on(result) == [["b-fabric"]]
+    assert result.create[0].reason.startswith("weights elsewhere in fabric ib-a")
+
+
+def test_weights_on_a_share_the_node_sees_count_as_on_the_node():
+    nodes = [node("a", fabric="ib-a"), node("b", fabric="ib-a", held=[(KEY, "nfs:filer:/m")])]
+    result = plan(snapshot(nodes, [model()], {"m": 1}))
+    assert placed_on(result) == [["b"]]
+    assert result.create[0].reason.startswith("weights on a share the node sees (nfs:filer:/m)")
+
+
+def test_no_holder_anywhere_still_places():
+    nodes = [node("n1", fabric="ib-a"), node("n2")]
+    result = plan(snapshot(nodes, [model(key="nobody/has-this")], {"m": 2}))
+    assert placed_on(result) == [["n1"], ["n1"]]
+    assert result.placements["m"].placed == 2
+    assert result.placements["m"].explanation == ""
+    assert "no weights nearby (the engine fetches them)" in result.create[0].reason
+
+
+def test_node_never_asked_ranks_with_node_that_found_nothing():
+    # whichever of the two never looked, the choice is the same: the tie-break by id
+    for never_looked in ("n1", "n2"):
+        nodes = [node(n, looked=(n != never_looked)) for n in ("n2", "n1")]
+        result = plan(snapshot(nodes, [model()], {"m": 1}))
+        assert placed_on(result) == [["n1"]], never_looked
+
+
+# --- GPUs, RAM, ports --------------------------------------------------------------------
+
+
+def test_gpu_accounting_across_replicas_in_snapshot_and_in_the_same_plan():
+    nodes = [node("n1"), node("n2", gpus=2)]
+    other = replica("r-other", [("n1", [0, 1, 2, 3])], mid="other")
+    result = plan(snapshot(nodes, [model(gpus=4)], {"m": 2}, replicas=[other]))
+    assert placed_on(result) == [["n1"]]
+    (member,) = result.create[0].members
+    assert member.gpus == ["GPU-n1-4", "GPU-n1-5", "GPU-n1-6", "GPU-n1-7"]
+    record = result.placements["m"]
+    assert (record.desired, record.placed) == (2, 1)
+    assert record.explanation == (
+        "0/2 nodes fit: 1 has 0 of 8 GPUs free (needs 4), 1 has 2 of 2 GPUs free (needs 4)"
+    )
+    assert record.reasons == {"gpus": 2}
+
+
+def test_gpu_memory_too_small_refuses_node():
+    nodes = [node("small", gpu_gb=24), node("big", gpus=2, gpu_gb=85.5)]
+    result = plan(snapshot(nodes, [model(gpus=4, gpu_gb=80)], {"m": 1}))
+    assert result.create == []
+    assert result.placements["m"].explanation == (
+        "0/2 nodes fit: 1 GPUs have 24 GB (needs 80), 1 has 2 of 2 GPUs free (needs 4)"
+    )
+    assert result.placements["m"].reasons == {"gpu-memory": 1, "gpus": 1}
+
+
+def test_ram_of_replicas_not_yet_running_is_reserved():
+    nodes = [node("n1", ram_gb=100)]
+    big = model(gpus=1, ram_gb=64)
+    starting = replica("r-old", [("n1", [0])], phase="starting")
+    result = plan(snapshot(nodes, [big], {"m": 2}, replicas=[starting]))
+    assert result.create == []
+    assert result.placements["m"].explanation == "0/1 nodes fit: 1 36 GB RAM free (needs 64)"
+
+    # once running, its RAM is already out of MemAvailable: not subtracted twice
+    running = replica("r-old", [("n1", [0])], phase="ready")
+    result = plan(snapshot(nodes, [big], {"m": 2}, replicas=[running]))
+    assert placed_on(result) == [["n1"]]
+
+
+def test_lease_ram_is_fresher_than_inventory():
+    nodes = [node("n1", ram_gb=10)]
+    lease = Lease(
+        node="n1",
+        seq=5,
+        time=0.0,
+        started_at=0.0,
+        memory=Memory(total_bytes=1, available_bytes=200 * GB),
+    )
+    result = plan(snapshot(nodes, [model(ram_gb=64)], {"m": 1}, leases={"n1": lease}))
+    assert placed_on(result) == [["n1"]]
+
+
+def test_ports_are_not_shared_on_a_node_and_run_out():
+    nodes = [node("n1")]
+    existing = replica("r-old", [("n1", [0])], port=18000)
+    result = plan(snapshot(nodes, [model()], {"m": 3}, replicas=[existing]))
+    assert [r.members[0].port for r in result.create] == [18001, 18002]
+
+    result = plan(
+        snapshot(nodes, [model()], {"m": 2}, replicas=[existing], port_range=(18000, 18000))
+    )
+    assert result.placements["m"].explanation == "0/1 nodes fit: 1 no free port in 18000-18000"
+
+
+def test_cpu_profile_prefers_node_without_gpus():
+    nodes = [node("a-gpu"), node("b-cpu", gpus=0)]
+    result = plan(snapshot(nodes, [model(engine="llama-server", gpus=0)], {"m": 1}))
+    assert placed_on(result) == [["b-cpu"]]
+
+
+# --- scores: packing and ties ------------------------------------------------------------
+
+
+def test_packing_fills_partly_used_node_before_empty_one():
+    nodes = [node("a-empty"), node("b-half")]
+    half = replica("r-half", [("b-half", [0, 1, 2, 3])], mid="other")
+    result = plan(snapshot(nodes, [model(gpus=2)], {"m": 1}, replicas=[half]))
+    assert placed_on(result) == [["b-half"]]
+    assert result.create[0].reason.endswith("packs node with 4 of 8 GPUs used")
+
+
+def test_ties_break_by_node_id_and_plan_is_deterministic():
+    names = ["n3", "n1", "n2"]
+    first = plan(snapshot([node(n) for n in names], [model(gpus=8)], {"m": 2}))
+    again = plan(snapshot([node(n) for n in reversed(names)], [model(gpus=8)], {"m": 2}))
+    assert placed_on(first) == [["n1"], ["n2"]]
+    assert first == again
+
+
+def test_new_rids_never_reuse_one_in_use():
+    nodes = [node("n1")]
+    existing = [replica(f"r{i}", [("n1", [i])], port=18000 + i) for i in range(3)]
+    result = plan(snapshot(nodes, [model()], {"m": 6}, replicas=existing))
+    rids = [r.rid for r in result.create]
+    assert len(set(rids)) == 3
+    assert not set(rids) & {"r0", "r1", "r2"}
+
+
+# --- stability, lost nodes, surplus -------------------------------------------------------
+
+
+def test_placed_replica_does_not_move_when_better_node_appears():
+    nodes = [node("n1"), node("n2", held=[(KEY, "local:n2")])]
+    running = replica("r1", [("n1", [0])])
+    result = plan(snapshot(nodes, [model()], {"m": 1}, replicas=[running]))
+    assert (result.create, result.remove) == ([], [])
+    assert result.placements["m"].decisions == ["keep r1 on n1 (ready)"]
+
+
+def test_lost_node_replica_is_replaced_elsewhere():
+    nodes = [node("n1"), node("n2")]
+    running = replica("r1", [("n1", [0])])
+    result = plan(snapshot(nodes, [model()], {"m": 1}, replicas=[running], health={"n1": "lost"}))
+    assert [(r.rid, r.reason) for r in result.remove] == [("r1", "node n1 is lost; replaced")]
+    assert placed_on(result) == [["n2"]]
+    assert result.placements["m"].placed == 1
+
+
+def test_unreachable_node_replica_is_kept_but_gets_nothing_new():
+    nodes = [node("n1"), node("n2")]
+    running = replica("r1", [("n1", [0])])
+    snap = snapshot(nodes, [model()], {"m": 2}, replicas=[running], health={"n1": "unreachable"})
+    result = plan(snap)
+    assert result.remove == []
+    assert placed_on(result) == [["n2"]]
+
+
+def test_multi_node_replica_with_one_lost_member_is_replaced_whole():
+    nodes = [node(n, fabric="ib-a") for n in ("n1", "n2", "n3")]
+    running = replica("r1", [("n1", list(range(8))), ("n2", list(range(8)))])
+    snap = snapshot(
+        nodes, [model(gpus=8, nodes=2)], {"m": 1}, replicas=[running], health={"n2": "lost"}
+    )
+    result = plan(snap)
+    assert [r.rid for r in result.remove] == ["r1"]
+    # n1 still holds r1's GPUs until it has drained, so no room for a new pair yet
+    assert result.create == []
+
+
+def test_surplus_replicas_are_removed_newest_first():
+    nodes = [node("n1")]
+    running = [
+        replica(f"r{i}", [("n1", [i])], created_at=float(i), port=18000 + i) for i in range(4)
+    ]
+    result = plan(snapshot(nodes, [model()], {"m": 2}, replicas=running))
+    assert [(r.rid, r.reason) for r in result.remove] == [
+        ("r3", "desired lowered to 2"),
+        ("r2", "desired lowered to 2"),
+    ]
+    assert result.placements["m"].placed == 2
+
+
+def test_desired_zero_drains_everything():
+    nodes = [node("n1")]
+    running = [
+        replica(f"r{i}", [("n1", [i])], created_at=float(i), port=18000 + i) for i in range(2)
+    ]
+    result = plan(snapshot(nodes, [model()], {"m": 0}, replicas=running))
+    assert [(r.rid, r.reason) for r in result.remove] == [
+        ("r1", "desired is 0: draining"),
+        ("r0", "desired is 0: draining"),
+    ]
+    assert result.create == []
+
+
+def test_draining_replicas_hold_gpus_but_do_not_count():
+    nodes = [node("n1", gpus=2)]
+    draining = replica("r-old", [("n1", [0, 1])], phase="draining")
+    result = plan(snapshot(nodes, [model(gpus=2)], {"m": 1}, replicas=[draining]))
+    assert result.remove == [] and result.create == []
+    assert result.placements["m"].explanation == "0/1 nodes fit: 1 has 0 of 2 GPUs free (needs 2)"
+
+
+def test_model_removed_from_catalog_has_its_replicas_removed():
+    nodes = [node("n1")]
+    running = replica("r1", [("n1", [0])], mid="gone")
+    result = plan(snapshot(nodes, [], {"gone": 1}, replicas=[running]))
+    assert [(r.rid, r.reason) for r in result.remove] == [
+        ("r1", "model 'gone' is not in the catalog")
+    ]
+    assert result.placements["gone"].explanation == "model 'gone' is not in the catalog"
+
+
+# --- explanations ---------------------------------------------------------------------------
+
+
+def test_explanation_counts_nodes_per_reason_exactly():
+    nodes = [
+        node("l1"),
+        node("l2"),
+        node("l3"),
+        node("v1", engines=["llama-server"]),
+        node("v2", engines=[]),
+        node("busy"),
+    ]
+    busy = replica("r-busy", [("busy", [0, 1, 2, 3, 4, 5])], mid="other")
+    health = {"l1": "lost", "l2": "lost", "l3": "lost"}
+    result = plan(snapshot(nodes, [model(gpus=4)], {"m": 1}, replicas=[busy], health=health))
+    record = result.placements["m"]
+    assert (
+        record.explanation == "0/6 nodes fit: 3 lost, 2 no vllm, 1 has 2 of 8 GPUs free (needs 4)"
+    )
+    assert record.reasons == {"gpus": 1, "lost": 3, "no-vllm": 2}
+    assert record.decisions[-1] == "1 replica not placed: " + record.explanation
+
+
+def test_node_without_lease_is_not_a_candidate():
+    nodes = [node("n1")]
+    snap = snapshot(nodes, [model()], {"m": 1})
+    snap = Snapshot(**{**snap.__dict__, "health": {}})
+    assert plan(snap).placements["m"].explanation == "0/1 nodes fit: 1 no lease seen"
+
+
+def test_fallback_profile_is_used_when_the_first_fits_nowhere():
+    two = validate_models(
+        {
+            "models": [
+                {
+                    "id": "m",
+                    "profiles": [
+                        {
+                            "name": "gpu",
+                            "engine": "vllm",
+                            "weights": {"key": KEY},
+                            "gpus_per_node": 1,
+                        },
+                        {
+                            "name": "cpu",
+                            "engine": "llama-server",
+                            "weights": {"key": KEY},
+                            "gpus_per_node": 0,
+                        },
+                    ],
+                }
+            ]
+        }
+    )
+    result = plan(snapshot([node("n1", gpus=0)], two, {"m": 1}))
+    assert [r.profile for r in result.create] == ["cpu"]
+
+    result = plan(snapshot([node("n1", gpus=0, engines=[])], two, {"m": 1}))
+    assert result.placements["m"].explanation == (
+        "profile gpu: 0/1 nodes fit: 1 no vllm; profile cpu: 0/1 nodes fit: 1 no llama-server"
+    )
+    assert result.placements["m"].reasons == {"cpu:no-llama-server": 1, "gpu:no-vllm": 1}
+
+
+# --- multi-node ---------------------------------------------------------------------------
+
+
+def test_multi_node_replica_stays_within_one_fabric():
+    nodes = [
+        node("a1", fabric="ib-a"),
+        node("b1", fabric="ib-b"),
+        node("b2", fabric="ib-b"),
+        node("x1"),
+    ]
+    result = plan(snapshot(nodes, [model(gpus=4, nodes=2)], {"m": 1}))
+    (created,) = result.create
+    assert [(m.node, m.rank, len(m.gpus), m.port) for m in created.members] == [
+        ("b1", 0, 4, 18000),
+        ("b2", 1, 4, 18000),
+    ]
+    assert created.reason.startswith("2 nodes in fabric ib-b; rank 0:")
+
+
+def test_multi_node_prefers_fabric_holding_the_weights():
+    nodes = [
+        node("a1", fabric="ib-a"),
+        node("a2", fabric="ib-a"),
+        node("b1", fabric="ib-b"),
+        node("b2", fabric="ib-b", held=[(KEY, "local:b2")]),
+    ]
+    result = plan(snapshot(nodes, [model(gpus=8, nodes=2)], {"m": 1}))
+    # rank 0 is the best node: the one holding the weights
+    assert placed_on(result) == [["b2", "b1"]]
+
+
+def test_multi_node_explains_fabrics_too_small():
+    nodes = [node("a1", fabric="ib-a"), node("b1", fabric="ib-b"), node("x1")]
+    result = plan(snapshot(nodes, [model(gpus=8, nodes=2)], {"m": 1}))
+    assert result.create == []
+    assert result.placements["m"].explanation == (
+        "0/3 nodes fit: 1 not on an active IB fabric, 1 on ib-a with 1 fitting node (needs 2), "
+        "1 on ib-b with 1 fitting node (needs 2)"
+    )
+
+
+# --- qualifying nodes ---------------------------------------------------------------------
+
+
+def test_qualifying_nodes_follow_engines_and_ram():
+    nodes = [node("n1", engines=[]), node("n2", ram_gb=10), node("n3")]
+    snap = snapshot(nodes, [model(ram_gb=64)], {"m": 1})
+    assert qualifying_nodes(snap, "m") == {"n3"}
+    nodes[0] = node("n1")  # vllm got installed on n1
+    assert qualifying_nodes(snapshot(nodes, [model(ram_gb=64)], {"m": 1}), "m") == {"n1", "n3"}
