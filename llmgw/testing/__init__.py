@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["install_fake_engines"]
+__all__ = ["free_port", "install_fake_engines", "write_fake_gguf"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "install_fake_engines":
-        from llmgw.testing.fake_engine import install_fake_engines
+    if name in __all__:
+        from llmgw.testing import fake_engine
 
-        return install_fake_engines
+        return getattr(fake_engine, name)
     raise AttributeError(name)

@@ -16,8 +16,9 @@ Behaviour knobs (environment):
     FAKE_ENGINE_TOKENS            tokens per completion (default 8; max_tokens lowers it)
     FAKE_ENGINE_TOKEN_RATE        tokens per second (default 1000)
     FAKE_ENGINE_IGNORE_SIGTERM=1  ignore SIGTERM (tests SIGKILL escalation)
-    FAKE_ENGINE_RECORD            path: write argv, pid, pgid and engine env there as JSON
+    FAKE_ENGINE_RECORD            path: write args, pid, pgid and engine env there as JSON
     FAKE_ENGINE_GPUS              GPUs on the "node" when CUDA_VISIBLE_DEVICES is unset (default 8)
+    FAKE_ENGINE_WORKERS           child processes to start, like vLLM's workers (default 0)
 """
 
 from __future__ import annotations
@@ -353,12 +354,22 @@ def _visible_gpus() -> int:
     return len([d for d in cvd.split(",") if d.strip()])
 
 
+def _start_workers() -> list[int]:
+    """Children in the engine's process group, as vLLM's worker processes are."""
+    import subprocess
+
+    n = int(_env_float("FAKE_ENGINE_WORKERS", 0))
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_DFL); time.sleep(3600)"
+    return [subprocess.Popen([sys.executable, "-c", code]).pid for _ in range(n)]
+
+
 def _record(extra: dict) -> None:
     path = os.environ.get("FAKE_ENGINE_RECORD")
     if not path:
         return
     env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
-    data = {"argv": sys.argv, "pid": os.getpid(), "pgid": os.getpgid(0), "env": env, **extra}
+    # sys.argv: [module path, engine name, *the args the engine was given]
+    data = {"args": sys.argv[2:], "pid": os.getpid(), "pgid": os.getpgid(0), "env": env, **extra}
     Path(path).write_text(json.dumps(data))
 
 
@@ -442,6 +453,7 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
     loop.add_signal_handler(signal.SIGINT, stop.set)
 
     load_seconds = _env_float("FAKE_ENGINE_LOAD_SECONDS", 0.0)
+    workers = _start_workers()
     vllm = kind == "vllm"
     served = (
         (ns.served_model_name[0] if ns.served_model_name else ns.model)
@@ -575,7 +587,7 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
         log(f"main: server is listening on http://{host}:{ns.port} - starting the main loop")
         log("srv  update_slots: all slots are idle")
 
-    _record({"served_name": served, "host": host, "port": ns.port})
+    _record({"served_name": served, "host": host, "port": ns.port, "workers": workers})
 
     crash_after = os.environ.get("FAKE_ENGINE_CRASH_AFTER_LOAD")
     if crash_after is not None:
@@ -603,6 +615,21 @@ def main(argv: list[str] | None = None) -> int:
     kind, rest = argv[0], argv[1:]
     ns = parse_llama(rest) if kind == "llama-server" else parse_vllm(rest)
     return asyncio.run(serve(kind, ns))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def write_fake_gguf(path: Path) -> Path:
+    """A file that passes the GGUF magic check (the fake engine loads it; a real one would not)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(16))
+    return path
 
 
 def install_fake_engines(bin_dir: Path) -> dict[str, Path]:

@@ -132,10 +132,12 @@ class EngineAdapter(Protocol):
         """Decide from the answers (status, body) to `probe_paths` gathered so far."""
         ...
 
-    def in_flight_path(self, spec: LaunchSpec) -> str | None: ...
+    def in_flight_paths(self, spec: LaunchSpec) -> list[str]:
+        """Paths to GET, in order, until one tells the requests in flight."""
+        ...
 
-    def in_flight(self, status: int, body: bytes) -> int | None:
-        """Requests being served or queued; None when the answer can't tell."""
+    def in_flight(self, path: str, status: int, body: bytes) -> int | None:
+        """Requests being served or queued; None when this answer can't tell."""
         ...
 
     def check(self, spec: LaunchSpec) -> list[str]:

@@ -127,12 +127,18 @@ class LlamaServerAdapter:
             return Probe(False, str(state))
         return Probe(False, f"/health answered {status}: {_error_message(body)}")
 
-    def in_flight_path(self, spec: LaunchSpec) -> str | None:
-        return "/metrics"
+    def in_flight_paths(self, spec: LaunchSpec) -> list[str]:
+        # /slots answers even when a profile's build or flags lost the metrics endpoint
+        return ["/metrics", "/slots"]
 
-    def in_flight(self, status: int, body: bytes) -> int | None:
+    def in_flight(self, path: str, status: int, body: bytes) -> int | None:
         if status != 200:
             return None
+        if path == "/slots":
+            try:
+                return sum(1 for slot in json.loads(body) if slot.get("is_processing"))
+            except (ValueError, TypeError, AttributeError):
+                return None
         text = body.decode("utf-8", "replace")
         processing = parse_prometheus(text, "llamacpp:requests_processing")
         if processing is None:

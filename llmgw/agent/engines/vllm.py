@@ -154,10 +154,10 @@ class VllmAdapter:
             return Probe(False, f"/v1/models lists {ids}, not {spec.served_name!r}")
         return Probe(True, "ready")
 
-    def in_flight_path(self, spec: LaunchSpec) -> str | None:
-        return None if spec.headless else "/metrics"
+    def in_flight_paths(self, spec: LaunchSpec) -> list[str]:
+        return [] if spec.headless else ["/metrics"]
 
-    def in_flight(self, status: int, body: bytes) -> int | None:
+    def in_flight(self, path: str, status: int, body: bytes) -> int | None:
         if status != 200:
             return None
         text = body.decode("utf-8", "replace")

@@ -1,0 +1,448 @@
+"""Adapters: the exact argv and environment each profile becomes, readiness and in-flight
+parsing, and validation refusals. Argv is also run through the fake engine, which
+refuses unknown flags as the real ones do."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from llmgw.agent.engines import LaunchSpec, adapter_for
+from llmgw.agent.engines.validate import NodeFacts, validate_launch
+from llmgw.bus.records import EngineInstall, Gpu
+from llmgw.testing import free_port, install_fake_engines, write_fake_gguf
+
+UUIDS = [f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd" for i in range(8)]
+
+
+def gpus(n: int = 8, gb: float = 80) -> list[Gpu]:
+    return [
+        Gpu(
+            index=i,
+            name="NVIDIA H100 80GB HBM3",
+            uuid=UUIDS[i],
+            memory_total_bytes=int(gb * 1.0695e9),  # what NVML reports for an "80 GB" card
+            pci_bus_id=f"00000000:{i:02x}:00.0",
+            compute_capability="9.0",
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.fixture
+def bins(tmp_path: Path) -> dict[str, Path]:
+    return install_fake_engines(tmp_path / "bin")
+
+
+@pytest.fixture
+def node(bins: dict[str, Path]) -> NodeFacts:
+    return NodeFacts(
+        gpus=gpus(),
+        engines=[
+            EngineInstall(name="llama-server", path=str(bins["llama-server"]), version="9439"),
+            EngineInstall(name="vllm", path=str(bins["vllm"]), version="0.11.2"),
+        ],
+    )
+
+
+@pytest.fixture
+def gguf(tmp_path: Path) -> Path:
+    return write_fake_gguf(tmp_path / "models" / "qwen3-8b-q4_k_m.gguf")
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "models" / "Llama-3.3-70B-Instruct"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def llama_spec(binary: str, gguf: Path, **kw) -> LaunchSpec:
+    base = dict(
+        served_name="qwen3-8b",
+        engine="llama-server",
+        binary=binary,
+        port=free_port(),
+        host="127.0.0.1",
+        weights_path=str(gguf),
+        fetch_dir="/var/lib/llmgw-weights",
+        gpu_uuids=(UUIDS[3],),
+        gpu_memory_gb=24,
+        context=16384,
+        parallel=4,
+    )
+    base.update(kw)
+    return LaunchSpec(**base)
+
+
+def vllm_spec(binary: str, model_dir: Path, **kw) -> LaunchSpec:
+    base = dict(
+        served_name="llama-3.3-70b",
+        engine="vllm",
+        binary=binary,
+        port=free_port(),
+        host="127.0.0.1",
+        weights_path=str(model_dir),
+        fetch_dir="/var/lib/llmgw-weights",
+        gpu_uuids=tuple(UUIDS),
+        gpu_memory_gb=80,
+        context=32768,
+    )
+    base.update(kw)
+    return LaunchSpec(**base)
+
+
+# --- argv and environment ----------------------------------------------------------------
+
+
+def test_llama_single_gpu_argv_offloads_every_layer_to_the_assigned_gpu_by_uuid():
+    spec = llama_spec("/opt/llama/llama-server", Path("/w/q.gguf"), port=9100, host="0.0.0.0")
+    spec = replace(spec, extra_args=("-fa", "on"), env={"OMP_NUM_THREADS": "8"})
+    cmd = adapter_for("llama-server").command(spec)
+    assert cmd.argv == [
+        "/opt/llama/llama-server",
+        "-m", "/w/q.gguf",
+        "--host", "0.0.0.0", "--port", "9100",
+        "-ngl", "999",
+        "-c", "16384", "-np", "4",
+        "--alias", "qwen3-8b", "--metrics",
+        "-fa", "on",
+    ]  # fmt: skip
+    assert cmd.env == {
+        "OMP_NUM_THREADS": "8",
+        "CUDA_VISIBLE_DEVICES": UUIDS[3],
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "LLAMA_CACHE": "/var/lib/llmgw-weights",
+    }
+    assert cmd.base_url == "http://127.0.0.1:9100"
+
+
+def test_llama_cpu_profile_hides_every_gpu_and_offloads_nothing():
+    spec = llama_spec("llama-server", Path("/w/q.gguf"), gpu_uuids=(), port=9101, fetch_dir=None)
+    cmd = adapter_for("llama-server").command(spec)
+    assert cmd.argv[cmd.argv.index("-ngl") + 1] == "0"
+    assert cmd.env["CUDA_VISIBLE_DEVICES"] == ""
+    assert "LLAMA_CACHE" not in cmd.env
+
+
+def test_llama_download_source_uses_hf_and_lands_in_the_fetch_dir():
+    spec = llama_spec(
+        "llama-server", Path("/x"), weights_path=None, download_source="Qwen/Qwen3-8B-GGUF:Q4_K_M"
+    )
+    cmd = adapter_for("llama-server").command(spec)
+    assert cmd.argv[1:3] == ["-hf", "Qwen/Qwen3-8B-GGUF:Q4_K_M"]
+    assert "-m" not in cmd.argv
+    assert cmd.env["LLAMA_CACHE"] == "/var/lib/llmgw-weights"
+
+
+def test_api_key_travels_in_the_environment_not_in_argv():
+    for spec in (
+        llama_spec("llama-server", Path("/w/q.gguf"), api_key="s3cret"),
+        vllm_spec("vllm", Path("/w/m"), api_key="s3cret"),
+    ):
+        cmd = adapter_for(spec.engine).command(spec)
+        assert "s3cret" not in " ".join(cmd.argv)
+        assert "s3cret" in cmd.env.values()
+
+
+def test_vllm_tp8_argv_defaults_tensor_parallel_to_the_gpus_of_the_node():
+    spec = vllm_spec("/opt/vllm/bin/vllm", Path("/w/Llama-3.3-70B"), port=8000, host="0.0.0.0")
+    cmd = adapter_for("vllm").command(spec)
+    assert cmd.argv == [
+        "/opt/vllm/bin/vllm", "serve", "/w/Llama-3.3-70B",
+        "--host", "0.0.0.0", "--port", "8000",
+        "--served-model-name", "llama-3.3-70b",
+        "--tensor-parallel-size", "8", "--pipeline-parallel-size", "1",
+        "--download-dir", "/var/lib/llmgw-weights",
+        "--max-model-len", "32768",
+    ]  # fmt: skip
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": ",".join(UUIDS), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def test_vllm_two_nodes_rank0_serves_and_rank1_joins_headless_over_the_fabric():
+    common = dict(
+        nodes=2,
+        master_addr="10.0.0.5",
+        ib_hcas=("mlx5_0", "mlx5_1"),
+        socket_ifname="ib0",
+        host_ip="10.0.0.5",
+        download_source="meta-llama/Llama-3.1-405B-Instruct",
+        weights_path=None,
+        port=8000,
+        host="0.0.0.0",
+    )
+    rank0 = adapter_for("vllm").command(vllm_spec("vllm", Path("/x"), rank=0, **common))
+    assert rank0.argv == [
+        "vllm", "serve", "meta-llama/Llama-3.1-405B-Instruct",
+        "--host", "0.0.0.0", "--port", "8000",
+        "--served-model-name", "llama-3.3-70b",
+        "--tensor-parallel-size", "8", "--pipeline-parallel-size", "2",
+        "--download-dir", "/var/lib/llmgw-weights",
+        "--max-model-len", "32768",
+        "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.5",
+    ]  # fmt: skip
+    assert rank0.env == {
+        "CUDA_VISIBLE_DEVICES": ",".join(UUIDS),
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "NCCL_IB_HCA": "mlx5_0,mlx5_1",
+        "NCCL_SOCKET_IFNAME": "ib0",
+        "GLOO_SOCKET_IFNAME": "ib0",
+        "VLLM_HOST_IP": "10.0.0.5",
+    }
+    rank1_spec = vllm_spec("vllm", Path("/x"), rank=1, **{**common, "host_ip": "10.0.0.6"})
+    rank1 = adapter_for("vllm").command(rank1_spec)
+    assert rank1.argv == [
+        "vllm", "serve", "meta-llama/Llama-3.1-405B-Instruct",
+        "--tensor-parallel-size", "8", "--pipeline-parallel-size", "2",
+        "--download-dir", "/var/lib/llmgw-weights",
+        "--max-model-len", "32768",
+        "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.5",
+        "--headless",
+    ]  # fmt: skip
+    assert rank1.env["VLLM_HOST_IP"] == "10.0.0.6"
+    assert rank1.base_url is None  # no HTTP on headless ranks
+
+
+# --- readiness and in-flight parsing (the answers real engines give) ---------------------
+
+
+def test_llama_is_loading_while_health_answers_503_and_ready_on_200():
+    a = adapter_for("llama-server")
+    spec = llama_spec("llama-server", Path("/w/q.gguf"))
+    loading = b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+    assert a.readiness(spec, {}).ready is False
+    probe = a.readiness(spec, {"/health": (503, loading)})
+    assert probe.ready is False and "Loading model" in probe.detail
+    assert a.readiness(spec, {"/health": (200, b'{"status":"loading model"}')}).ready is False
+    assert a.readiness(spec, {"/health": (200, b'{"status":"ok"}')}).ready is True
+
+
+def test_vllm_is_ready_only_when_models_lists_the_served_name():
+    a = adapter_for("vllm")
+    spec = vllm_spec("vllm", Path("/w/m"))
+    other = json.dumps({"data": [{"id": "/w/m"}]}).encode()
+    ours = json.dumps({"data": [{"id": "llama-3.3-70b"}]}).encode()
+    assert a.readiness(spec, {"/health": (200, b"")}).ready is False
+    probe = a.readiness(spec, {"/health": (200, b""), "/v1/models": (200, other)})
+    assert probe.ready is False and "llama-3.3-70b" in probe.detail
+    assert a.readiness(spec, {"/health": (200, b""), "/v1/models": (200, ours)}).ready is True
+    headless = replace(spec, nodes=2, rank=1, master_addr="10.0.0.5")
+    assert a.probe_paths(headless) == [] and a.readiness(headless, {}).ready is True
+
+
+def test_in_flight_counts_running_and_queued_requests_across_label_sets():
+    vllm_metrics = (
+        b"# TYPE vllm:num_requests_running gauge\n"
+        b'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+        b'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+        b'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+        b'vllm:num_requests_running_total{engine="0"} 99\n'
+    )
+    assert adapter_for("vllm").in_flight("/metrics", 200, vllm_metrics) == 6
+    llama = adapter_for("llama-server")
+    assert llama.in_flight("/metrics", 200, b"llamacpp:requests_processing 1\n") == 1
+    slots = json.dumps([{"id": 0, "is_processing": True}, {"id": 1, "is_processing": False}])
+    assert llama.in_flight("/slots", 200, slots.encode()) == 1
+    assert llama.in_flight("/metrics", 501, b"{}") is None
+
+
+# --- validation ----------------------------------------------------------------------------
+
+
+def test_valid_profiles_pass_validation(bins, node, gguf, model_dir):
+    assert validate_launch(llama_spec(str(bins["llama-server"]), gguf), node) == []
+    assert validate_launch(llama_spec(str(bins["llama-server"]), gguf, gpu_uuids=()), node) == []
+    assert validate_launch(vllm_spec(str(bins["vllm"]), model_dir), node) == []
+    two_nodes = vllm_spec(str(bins["vllm"]), model_dir, nodes=2, rank=1, master_addr="10.0.0.5")
+    assert validate_launch(two_nodes, node) == []
+
+
+def test_missing_model_file_is_refused_naming_the_path(bins, node, tmp_path):
+    missing = tmp_path / "nope.gguf"
+    reasons = validate_launch(llama_spec(str(bins["llama-server"]), missing), node)
+    assert reasons == [
+        f"weights file {missing} does not exist on this node; check the path or fetch it"
+    ]
+
+
+def test_gguf_directory_and_non_gguf_file_are_refused(bins, node, tmp_path, model_dir):
+    reasons = validate_launch(llama_spec(str(bins["llama-server"]), model_dir), node)
+    assert "is a directory" in reasons[0]
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"<html>rate limited</html>")
+    assert (
+        "not a GGUF file" in validate_launch(llama_spec(str(bins["llama-server"]), bogus), node)[0]
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, clash",
+    [
+        (("--port", "9000"), "--port"),
+        (("--port=9000",), "--port"),
+        (("-m", "/other.gguf"), "--model"),
+        (("--alias", "x"), "--alias"),
+        (("-ngl", "10"), "--n-gpu-layers"),
+        (("--n-gpu-layers", "10"), "--n-gpu-layers"),
+        (("-c", "8192"), "--ctx-size"),
+    ],
+)
+def test_llama_extra_arg_clashing_with_a_managed_flag_is_refused(bins, node, gguf, extra, clash):
+    spec = llama_spec(str(bins["llama-server"]), gguf, extra_args=extra)
+    reasons = validate_launch(spec, node)
+    assert len(reasons) == 1 and f"clashes with {clash}" in reasons[0], reasons
+
+
+@pytest.mark.parametrize("extra", [("-tp", "4"), ("--tensor_parallel_size", "4"), ("--host=::",)])
+def test_vllm_extra_arg_clashing_in_any_spelling_is_refused(bins, node, model_dir, extra):
+    reasons = validate_launch(vllm_spec(str(bins["vllm"]), model_dir, extra_args=extra), node)
+    assert len(reasons) == 1 and "clashes with" in reasons[0], reasons
+
+
+def test_duplicated_flag_is_refused_even_through_an_alias(bins, node, gguf):
+    spec = llama_spec(
+        str(bins["llama-server"]), gguf, extra_args=("-fa", "on", "--flash-attn", "off")
+    )
+    assert validate_launch(spec, node) == ["extra arg --flash-attn repeats -fa; keep one"]
+    repeatable = ("--override-kv", "a=int:1", "--override-kv", "b=int:-2", "-t", "-1")
+    assert (
+        validate_launch(llama_spec(str(bins["llama-server"]), gguf, extra_args=repeatable), node)
+        == []
+    )
+
+
+def test_profile_env_setting_a_managed_variable_is_refused(bins, node, gguf):
+    spec = llama_spec(
+        str(bins["llama-server"]), gguf, env={"LLAMA_ARG_PORT": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    )
+    reasons = validate_launch(spec, node)
+    assert [r.split()[1] for r in reasons] == ["LLAMA_ARG_PORT", "CUDA_VISIBLE_DEVICES"]
+
+
+def test_tensor_parallel_larger_than_assigned_gpus_is_refused(bins, node, model_dir):
+    spec = vllm_spec(str(bins["vllm"]), model_dir, gpu_uuids=tuple(UUIDS[:4]), tensor_parallel=8)
+    assert validate_launch(spec, node) == [
+        "tensor_parallel 8 x pipeline_parallel 1 over 1 node(s) needs 8 GPUs on this node, 4 assigned"
+    ]
+    dp = vllm_spec(str(bins["vllm"]), model_dir, tensor_parallel=4, extra_args=("-dp", "4"))
+    assert "needs 16 GPUs" in validate_launch(dp, node)[0]
+
+
+def test_gpu_with_too_little_memory_or_not_on_the_node_is_refused(bins, model_dir):
+    facts = NodeFacts(
+        gpus=gpus(8, gb=40),
+        engines=[EngineInstall(name="vllm", path=str(bins["vllm"]), version="0.11.2")],
+    )
+    spec = vllm_spec(
+        str(bins["vllm"]), model_dir, gpu_uuids=(UUIDS[0], "GPU-missing"), tensor_parallel=2
+    )
+    reasons = validate_launch(spec, facts)
+    assert (
+        reasons[0]
+        == f"GPU {UUIDS[0]} (NVIDIA H100 80GB HBM3) has 42.8 GB, the profile needs 80 GB per GPU"
+    )
+    assert reasons[1].startswith("GPU GPU-missing is not on this node")
+
+
+def test_an_80gb_card_satisfies_an_80gb_profile(bins, node, model_dir):
+    # NVML reports 79.6 GiB for an "80 GB" H100: GB here are the decimal ones on the box
+    assert validate_launch(vllm_spec(str(bins["vllm"]), model_dir, gpu_memory_gb=80), node) == []
+
+
+def test_port_in_use_is_refused(bins, node, gguf):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        reasons = validate_launch(llama_spec(str(bins["llama-server"]), gguf, port=port), node)
+    assert reasons == [
+        f"port {port} on 127.0.0.1 is in use by another process; a leftover engine? (see `ss -ltnp`)"
+    ]
+
+
+def test_missing_binary_and_unknown_version_are_refused(bins, node, gguf, tmp_path):
+    gone = tmp_path / "nowhere" / "llama-server"
+    assert "not found on this node" in validate_launch(llama_spec(str(gone), gguf), node)[0]
+    no_version = NodeFacts(
+        gpus=node.gpus,
+        engines=[EngineInstall(name="llama-server", path=str(bins["llama-server"]), version="")],
+    )
+    reasons = validate_launch(llama_spec(str(bins["llama-server"]), gguf), no_version)
+    assert reasons == [
+        f"llama-server at {bins['llama-server']} did not report a version; run "
+        f"`{bins['llama-server']} --version` to see why (a missing shared library is the usual cause)"
+    ]
+
+
+def test_profile_without_weights_or_source_and_multinode_llama_are_refused(bins, node):
+    spec = llama_spec(str(bins["llama-server"]), Path("/x"), weights_path=None, nodes=2)
+    reasons = validate_launch(spec, node)
+    assert "names neither a weights path" in reasons[0]
+    assert "llama-server runs on one node" in reasons[1]
+
+
+def test_validation_takes_milliseconds(bins, node, gguf):
+    # not a timing assertion: a sanity bound so a blocking call (engine --version) can't creep in
+    import time
+
+    spec = llama_spec(str(bins["llama-server"]), gguf)
+    t = time.perf_counter()
+    validate_launch(spec, node)
+    assert time.perf_counter() - t < 0.5
+
+
+# --- the argv is what the engine accepts -------------------------------------------------
+
+
+def _run_until_recorded(cmd, tmp_path: Path, extra_env: dict[str, str] | None = None) -> dict:
+    record = tmp_path / f"record-{os.getpid()}-{len(list(tmp_path.iterdir()))}.json"
+    env = {**os.environ, **cmd.env, "FAKE_ENGINE_RECORD": str(record), **(extra_env or {})}
+    proc = subprocess.Popen(cmd.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        import time
+
+        deadline = time.monotonic() + 20
+        while not record.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert record.exists(), (
+            proc.stdout.read().decode() if proc.poll() is not None else "no record"
+        )
+        return json.loads(record.read_text())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_engines_accept_the_adapters_argv_and_see_its_environment(bins, gguf, model_dir, tmp_path):
+    llama = adapter_for("llama-server").command(llama_spec(str(bins["llama-server"]), gguf))
+    seen = _run_until_recorded(llama, tmp_path)
+    assert seen["args"] == llama.argv[1:]
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == UUIDS[3]
+    assert seen["served_name"] == "qwen3-8b"
+
+    rank1 = vllm_spec(
+        str(bins["vllm"]), model_dir, nodes=2, rank=1, master_addr="127.0.0.1", ib_hcas=("mlx5_0",)
+    )
+    cmd = adapter_for("vllm").command(rank1)
+    seen = _run_until_recorded(cmd, tmp_path)
+    assert seen["env"]["NCCL_IB_HCA"] == "mlx5_0"
+
+
+def test_llama_download_lands_in_the_fetch_dir(bins, tmp_path):
+    fetch = tmp_path / "fetch"
+    spec = llama_spec(
+        str(bins["llama-server"]),
+        Path("/x"),
+        weights_path=None,
+        download_source="Qwen/Qwen3-8B-GGUF:Q8_0",
+        fetch_dir=str(fetch),
+    )
+    _run_until_recorded(adapter_for("llama-server").command(spec), tmp_path)
+    assert [p.name for p in fetch.iterdir()] == ["Qwen_Qwen3-8B-GGUF_Q8_0.gguf"]
