@@ -17,8 +17,13 @@ pytestmark = pytest.mark.anyio
 
 
 def _lease(node: str, seq: int) -> records.Lease:
-    return records.Lease(node=node, seq=seq, time=1.0, started_at=1.0,
-                         memory=records.Memory(total_bytes=10, available_bytes=5))
+    return records.Lease(
+        node=node,
+        seq=seq,
+        time=1.0,
+        started_at=1.0,
+        memory=records.Memory(total_bytes=10, available_bytes=5),
+    )
 
 
 async def test_value_is_compact_ascii_json_readable_by_the_nats_cli(bus: Bus) -> None:
@@ -44,6 +49,7 @@ async def test_watch_replays_then_syncs_then_follows_live_changes(bus: Bus) -> N
     await bus.put("leases.a", _lease("a", 1))
     seen: list[object] = []
     async with anyio.create_task_group() as tg:
+
         async def consume() -> None:
             async for item in bus.watch("leases.*", decoder(records.Lease)):
                 seen.append(item)
@@ -75,7 +81,10 @@ async def test_cas_update_refuses_a_stale_revision(bus: Bus) -> None:
     rev = await bus.create("leader", records.Leader(holder="a", since=1, renewed_at=1))
     assert await bus.create("leader", records.Leader(holder="b", since=1, renewed_at=1)) is None
     assert await bus.update("leader", records.Leader(holder="a", since=1, renewed_at=2), last=rev)
-    assert await bus.update("leader", records.Leader(holder="b", since=1, renewed_at=2), last=rev) is None
+    assert (
+        await bus.update("leader", records.Leader(holder="b", since=1, renewed_at=2), last=rev)
+        is None
+    )
 
 
 async def test_watch_sees_changes_made_while_the_server_was_down(tmp_path) -> None:
@@ -93,6 +102,7 @@ async def test_watch_sees_changes_made_while_the_server_was_down(tmp_path) -> No
     syncs = 0
     try:
         async with anyio.create_task_group() as tg:
+
             async def consume() -> None:
                 nonlocal syncs
                 async for item in watcher_bus.watch("leases.*", decoder(records.Lease)):
@@ -124,7 +134,9 @@ async def test_watch_sees_changes_made_while_the_server_was_down(tmp_path) -> No
 async def test_first_connect_gives_up_with_a_clear_error_when_asked() -> None:
     from llmgw.bus.client import NatsSettings
 
-    settings = NatsSettings(urls=(f"nats://127.0.0.1:{free_port()}",), backoff_base=0.05, backoff_cap=0.1)
+    settings = NatsSettings(
+        urls=(f"nats://127.0.0.1:{free_port()}",), backoff_base=0.05, backoff_cap=0.1
+    )
     with pytest.raises(BusError, match="cannot connect to NATS at nats://127.0.0.1"):
         await Bus.connect(settings, give_up_after=0.5)
 
@@ -145,7 +157,9 @@ async def test_reconnect_delays_grow_while_the_server_stays_down(tmp_path, caplo
 
     server = EmbeddedNats(data_dir=tmp_path / "n", port=free_port())
     server.start()
-    settings = NatsSettings(urls=(server.url,), backoff_base=0.05, backoff_cap=10, healthy_after=0.5)
+    settings = NatsSettings(
+        urls=(server.url,), backoff_base=0.05, backoff_cap=10, healthy_after=0.5
+    )
     b = await Bus.connect(settings, give_up_after=5)
     try:
         await anyio.sleep(0.6)  # healthy: backoff at zero

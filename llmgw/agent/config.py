@@ -78,8 +78,11 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
 
     def overrides(self) -> list[str]:
         """Dotted names of the inventory values that come from this file, not discovery."""
-        out = [f"node.{name}" for name in ("id", "address", "ram_total_gb", "llama_server", "vllm")
-               if getattr(self.node, name) is not None]
+        out = [
+            f"node.{name}"
+            for name in ("id", "address", "ram_total_gb", "llama_server", "vllm")
+            if getattr(self.node, name) is not None
+        ]
         if not self.node.gpus:
             out.append("node.gpus")
         if self.fabrics:
@@ -100,7 +103,9 @@ def _explain(path: Path, err: Exception) -> ConfigError:
     unknown = re.match(r"Object contains unknown field `([^`]+)`", msg)
     if unknown:
         key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
-        return ConfigError(f"{path}: unknown key {key!r}; see `llmgw agent init --help` for the keys")
+        return ConfigError(
+            f"{path}: unknown key {key!r}; see `llmgw agent init --help` for the keys"
+        )
     if where:
         return ConfigError(f"{path}: key {where!r}: {msg.replace('Expected', 'expected')}")
     return ConfigError(f"{path}: {msg}")
@@ -125,12 +130,16 @@ def _check(cfg: AgentConfig, path: Path) -> None:
             check_token(cfg.node.id, "node.id")
         except InvalidId as e:
             raise ConfigError(f"{path}: key 'node.id': {e}") from None
-    for name, value in (("intervals.heartbeat", cfg.intervals.heartbeat),
-                        ("intervals.engine_probe", cfg.intervals.engine_probe),
-                        ("weights.scan_interval", cfg.weights.scan_interval),
-                        ("weights.scan_timeout", cfg.weights.scan_timeout)):
+    for name, value in (
+        ("intervals.heartbeat", cfg.intervals.heartbeat),
+        ("intervals.engine_probe", cfg.intervals.engine_probe),
+        ("weights.scan_interval", cfg.weights.scan_interval),
+        ("weights.scan_timeout", cfg.weights.scan_timeout),
+    ):
         if value <= 0:
-            raise ConfigError(f"{path}: key {name!r}: expected a number of seconds > 0, got {value}")
+            raise ConfigError(
+                f"{path}: key {name!r}: expected a number of seconds > 0, got {value}"
+            )
     for adapter, fabric in cfg.fabrics.items():
         try:
             check_token(fabric, f"fabric of adapter {adapter}")
@@ -138,7 +147,9 @@ def _check(cfg: AgentConfig, path: Path) -> None:
             raise ConfigError(f"{path}: key 'fabrics.{adapter}': {e}") from None
     for url in cfg.nats.urls:
         if not re.match(r"^(nats|tls|ws|wss)://", url):
-            raise ConfigError(f"{path}: key 'nats.urls': {url!r} is not a NATS URL (nats://host:4222)")
+            raise ConfigError(
+                f"{path}: key 'nats.urls': {url!r} is not a NATS URL (nats://host:4222)"
+            )
 
 
 def load_config(path: Path | None = None, *, missing_ok: bool = False) -> AgentConfig:

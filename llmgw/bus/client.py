@@ -152,7 +152,8 @@ class Bus:
             _log_nats_error(e, settings)
 
         async def disconnected_cb() -> None:
-            if state.connected_since is not None:
+            closing = "bus" in holder and holder["bus"]._closed
+            if state.connected_since is not None and not closing:
                 log.warning("disconnected from NATS; reconnecting")
             state.connected_since = None
 

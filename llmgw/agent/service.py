@@ -1,0 +1,260 @@
+"""llmgw-agent: registers the node's inventory, heartbeats, and keeps both true.
+
+On start it writes `nodes.<id>` (the whole inventory: registration carries everything, so
+a reconnecting agent refreshes what the control plane knows), then `leases.<id>` every
+heartbeat with the RAM read that beat. RAM total changing, an engine appearing or
+disappearing, or the weights held changing rewrites `nodes.<id>`; nothing else does.
+SIGTERM/SIGINT stop it within a second (the seed's agent took 90 s and ended in SIGKILL).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import anyio
+import click
+import msgspec
+
+from llmgw import __version__
+from llmgw.agent import inventory
+from llmgw.agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_config
+from llmgw.bus import keys, records
+from llmgw.bus.client import BucketSettings, Bus, NatsSettings
+
+log = logging.getLogger(__name__)
+
+
+def nats_settings(cfg: AgentConfig, node_id: str, identity_source: str) -> NatsSettings:
+    return NatsSettings(
+        urls=tuple(cfg.nats.urls or ["nats://127.0.0.1:4222"]),
+        tls_ca=cfg.nats.tls_ca,
+        tls_cert=cfg.nats.tls_cert,
+        tls_key=cfg.nats.tls_key,
+        name=f"llmgw-agent {node_id}",
+        identity=f"node {node_id} ({identity_source})",
+        # a private inbox per node lets mTLS permissions allow _INBOX.<node>.> only
+        inbox_prefix=f"_INBOX.{node_id}",
+    )
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig, *, weights_scanner=None) -> None:
+        self.cfg = cfg
+        self.started_at = time.time()
+        self.bus: Bus | None = None
+        self.inventory: records.NodeInventory | None = None
+        self._written: records.NodeInventory | None = None
+        self._write_lock = anyio.Lock()
+        self._seq = 0
+        self._scan_now = anyio.Event()
+        self._weights_scanner = weights_scanner or _default_weights_scanner
+
+    @property
+    def node(self) -> str:
+        assert self.inventory is not None
+        return self.inventory.node
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[Agent] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        cfg = self.cfg
+        ident = await _blocking(inventory.node_identity, cfg)
+        source = "config node.id" if cfg.node.id else f"hostname {ident.hostname}"
+        log.info(
+            "llmgw-agent %s: node %s (%s), address %s",
+            __version__,
+            ident.node,
+            source,
+            ident.address,
+        )
+        weights = await _blocking(self._weights_scanner, cfg, ident.node, None)
+        self.inventory = await _blocking(inventory.discover, cfg, ident, self.started_at, weights)
+        self.bus = await Bus.connect(
+            nats_settings(cfg, ident.node, source), BucketSettings(name=cfg.nats.bucket)
+        )
+        try:
+            await self._write_inventory(force=True)
+            self.bus.on_reconnected(self._on_reconnected)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._heartbeats)
+                tg.start_soon(self._engine_probes)
+                tg.start_soon(self._weights_scans)
+                await self.bus.subscribe(keys.agent_subject(self.node, "rescan"), self._on_rescan)
+                task_status.started(self)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.bus.close()
+                log.info("llmgw-agent stopped")
+
+    # --- nodes.<id> --------------------------------------------------------------------
+
+    async def _write_inventory(self, *, force: bool = False, why: str = "") -> None:
+        assert self.bus is not None and self.inventory is not None
+        async with self._write_lock:
+            current = self.inventory
+            if (
+                not force
+                and self._written is not None
+                and (inventory.comparable(current) == inventory.comparable(self._written))
+            ):
+                return
+            current = msgspec.structs.replace(current, updated_at=time.time())
+            try:
+                await self.bus.put(keys.node(current.node), current)
+            except Exception as e:  # noqa: BLE001 - retried on the next change or reconnect
+                log.warning("could not write nodes.%s: %s; will retry", current.node, e)
+                self._written = None
+                return
+            self._written = current
+            if why:
+                log.info("nodes.%s rewritten: %s", current.node, why)
+
+    async def _on_reconnected(self) -> None:
+        # registration carries everything: a control plane that lost its view rebuilds it
+        await self._write_inventory(force=True, why="reconnected")
+
+    # --- loops -------------------------------------------------------------------------
+
+    async def _heartbeats(self) -> None:
+        assert self.bus is not None and self.inventory is not None
+        while True:
+            mem = inventory.read_memory(self.cfg)  # one small file read: fine on the loop
+            if mem.total_bytes != self.inventory.memory.total_bytes:
+                old = self.inventory.memory.total_bytes
+                self.inventory = msgspec.structs.replace(self.inventory, memory=mem)
+                await self._write_inventory(why=f"RAM total {old} -> {mem.total_bytes} bytes")
+            else:
+                self.inventory = msgspec.structs.replace(self.inventory, memory=mem)
+            self._seq += 1
+            lease = records.Lease(
+                node=self.node,
+                seq=self._seq,
+                time=time.time(),
+                started_at=self.started_at,
+                memory=mem,
+            )
+            try:
+                await self.bus.put(keys.lease(self.node), lease)
+            except Exception as e:  # noqa: BLE001
+                log.debug("heartbeat %d not written: %s", self._seq, e)
+            if self._written is None:
+                await self._write_inventory(force=True, why="retry")
+            await anyio.sleep(self.cfg.intervals.heartbeat)
+
+    async def _engine_probes(self) -> None:
+        while True:
+            await anyio.sleep(self.cfg.intervals.engine_probe)
+            await self._probe_engines()
+
+    async def _probe_engines(self) -> None:
+        assert self.inventory is not None
+        found = await _blocking(inventory.read_engines, self.cfg)
+        if found != self.inventory.engines:
+            before = {e.name: e.version for e in self.inventory.engines}
+            after = {e.name: e.version for e in found}
+            self.inventory = msgspec.structs.replace(self.inventory, engines=found)
+            await self._write_inventory(why=f"engines {before} -> {after}")
+
+    async def _weights_scans(self) -> None:
+        while True:
+            with anyio.move_on_after(self.cfg.weights.scan_interval):
+                await self._scan_now.wait()
+            self._scan_now = anyio.Event()
+            await self._scan_weights()
+
+    async def _scan_weights(self) -> None:
+        assert self.inventory is not None
+        weights = await _blocking(
+            self._weights_scanner, self.cfg, self.node, self.inventory.weights
+        )
+        if weights != self.inventory.weights:
+            self.inventory = msgspec.structs.replace(self.inventory, weights=weights)
+            await self._write_inventory(why="weights held changed")
+
+    async def _on_rescan(self, msg) -> None:
+        """`llmgw.agent.<node>.rescan`: scan weights and probe engines now, reply with counts."""
+        await self._scan_weights()
+        await self._probe_engines()
+        assert self.inventory is not None
+        reply = {
+            "node": self.node,
+            "models": len(self.inventory.weights.models),
+            "engines": [e.name for e in self.inventory.engines],
+        }
+        if msg.reply:
+            await msg.respond(msgspec.json.encode(reply))
+
+
+def _default_weights_scanner(
+    cfg: AgentConfig, node: str, previous: records.Weights | None
+) -> records.Weights:
+    from llmgw.agent.weights import scan_node_weights
+
+    return scan_node_weights(cfg, node, previous)
+
+
+async def _blocking(fn, *args):
+    # abandon_on_cancel: SIGTERM must not wait for a slow NVML call or a disk scan
+    return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+
+
+async def run_until_signalled(agent: Agent) -> None:
+    async with anyio.create_task_group() as tg:
+
+        async def watch_signals() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for sig in signals:
+                    log.info("%s: stopping", signal.Signals(sig).name)
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch_signals)
+        await agent.run()
+        tg.cancel_scope.cancel()
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("nats").setLevel(logging.WARNING)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help=f"agent config (default {DEFAULT_CONFIG_PATH}, or $LLMGW_AGENT_CONFIG)",
+)
+@click.option(
+    "--nats",
+    "nats_urls",
+    multiple=True,
+    envvar="LLMGW_NATS",
+    help="NATS URL, repeatable; overrides nats.urls of the config",
+)
+@click.option("--log-level", default=os.environ.get("LLMGW_LOG_LEVEL", "INFO"), show_default=True)
+@click.version_option(__version__)
+def main(config_path: Path | None, nats_urls: tuple[str, ...], log_level: str) -> None:
+    """Run the llmgw agent on this node."""
+    setup_logging(log_level)
+    try:
+        cfg = load_config(config_path, missing_ok=bool(nats_urls) and config_path is None)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if nats_urls:
+        cfg = msgspec.structs.replace(
+            cfg, nats=msgspec.structs.replace(cfg.nats, urls=list(nats_urls))
+        )
+    anyio.run(run_until_signalled, Agent(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Running llmgw-agent as a real process in tests, pointed at recorded /proc and /sys."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from llmgw.agent.config import AgentConfig, Intervals, Nats, Node, Paths, Weights, write_config
+
+MEMINFO = """MemTotal:       {total_kb} kB
+MemFree:         1000000 kB
+MemAvailable:   {avail_kb} kB
+Buffers:          100000 kB
+Cached:          2000000 kB
+"""
+
+
+def write_meminfo(procfs: Path, total_gib: float, available_gib: float) -> None:
+    procfs.mkdir(parents=True, exist_ok=True)
+    tmp = procfs / "meminfo.tmp"
+    tmp.write_text(
+        MEMINFO.format(
+            total_kb=int(total_gib * 1024 * 1024), avail_kb=int(available_gib * 1024 * 1024)
+        )
+    )
+    tmp.replace(procfs / "meminfo")
+
+
+def host_dirs(tmp: Path) -> dict[str, Path]:
+    """A recorded host: /proc with meminfo and cpuinfo, an empty /sys, an empty PATH dir."""
+    procfs, sysfs, bindir = tmp / "proc", tmp / "sys", tmp / "bin"
+    write_meminfo(procfs, 64, 60)
+    (procfs / "cpuinfo").write_text(
+        "processor\t: 0\nmodel name\t: Test CPU\n\nprocessor\t: 1\nmodel name\t: Test CPU\n"
+    )
+    (procfs / "self").mkdir(exist_ok=True)
+    (procfs / "self" / "mountinfo").write_text(
+        "22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw\n"
+    )
+    sysfs.mkdir(exist_ok=True)
+    bindir.mkdir(exist_ok=True)
+    return {
+        "procfs": procfs,
+        "sysfs": sysfs,
+        "bin": bindir,
+        "state": tmp / "state",
+        "fetch": tmp / "fetch",
+    }
+
+
+def agent_config(url: str, dirs: dict[str, Path], **node: object) -> AgentConfig:
+    return AgentConfig(
+        nats=Nats(urls=[url]),
+        node=Node(**{"gpus": False, **node}),
+        intervals=Intervals(heartbeat=0.2, engine_probe=0.3),
+        weights=Weights(fetch_dir=str(dirs["fetch"]), scan_interval=0.5),
+        paths=Paths(
+            procfs=str(dirs["procfs"]),
+            sysfs=str(dirs["sysfs"]),
+            state_dir=str(dirs["state"]),
+            llama_search_dirs=[],
+        ),
+    )
+
+
+def start_agent(
+    cfg: AgentConfig, config_path: Path, path_dirs: list[Path], log_path: Path
+) -> subprocess.Popen:
+    write_config(cfg, config_path)
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join(str(p) for p in path_dirs)
+    log = open(log_path, "ab")  # noqa: SIM115 - the child owns it
+    try:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "llmgw.agent.service",
+                "--config",
+                str(config_path),
+                "--log-level",
+                "DEBUG",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    finally:
+        log.close()
+
+
+def stop(proc: subprocess.Popen, timeout: float = 5.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"agent did not stop within {timeout}s of SIGTERM") from None
+    return proc.returncode

@@ -1,0 +1,230 @@
+"""The agent as a real process against a real nats-server: registration, heartbeats,
+keeping the inventory true, overrides, stopping."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import anyio
+import pytest
+from agent_helpers import agent_config, host_dirs, start_agent, stop, write_meminfo
+from samples.infiniband import FABRIC_MAP, FILES, LINKS
+from samples.sysfs import write_tree
+
+from llmgw.bus import records
+from llmgw.bus.client import Bus, decoder
+from llmgw.bus.server import free_port
+
+pytestmark = pytest.mark.anyio
+
+GIB = 1 << 30
+
+
+async def _wait_for(fn, timeout: float = 10.0):
+    """Poll an async fn until it returns something truthy."""
+    with anyio.fail_after(timeout):
+        while True:
+            got = await fn()
+            if got:
+                return got
+            await anyio.sleep(0.05)
+
+
+async def _node(bus: Bus, node: str) -> records.NodeInventory | None:
+    e = await bus.get(f"nodes.{node}", decoder(records.NodeInventory))
+    return e.value if e else None
+
+
+async def _lease(bus: Bus, node: str) -> records.Lease | None:
+    e = await bus.get(f"leases.{node}", decoder(records.Lease))
+    return e.value if e else None
+
+
+@pytest.fixture
+def host(tmp_path):
+    return host_dirs(tmp_path)
+
+
+async def test_registration_carries_the_whole_inventory_with_overrides_marked(
+    bus, nats_server, host, tmp_path
+):
+    write_tree(host["sysfs"], FILES, LINKS)
+    cfg = agent_config(nats_server.url, host, id="gpu05", address="10.1.2.3")
+    import msgspec
+
+    cfg = msgspec.structs.replace(cfg, fabrics=FABRIC_MAP)
+    proc = start_agent(cfg, tmp_path / "agent.toml", [host["bin"]], tmp_path / "agent.log")
+    try:
+        inv = await _wait_for(lambda: _node(bus, "gpu05"))
+        assert inv.address == "10.1.2.3"
+        assert inv.memory.total_bytes == 64 * GIB
+        assert inv.cpu.count == 2 and inv.cpu.model == "Test CPU"
+        assert inv.gpus.status == "disabled"
+        assert {a.name: a.fabric for a in inv.ib} == {
+            "mlx5_0": "ib-a",
+            "mlx5_1": "ib-b",
+            "mlx5_2": "ib-a",
+            "mlx5_3": None,
+        }
+        assert set(inv.from_config) >= {"node.id", "node.address", "node.gpus", "fabrics"}
+        lease = await _wait_for(lambda: _lease(bus, "gpu05"))
+        assert lease.seq >= 1
+    finally:
+        assert stop(proc) == 0
+
+
+async def test_ram_growing_shows_in_the_next_lease_and_rewrites_the_node(
+    bus, nats_server, host, tmp_path
+):
+    proc = start_agent(
+        agent_config(nats_server.url, host, id="vm1"),
+        tmp_path / "a.toml",
+        [host["bin"]],
+        tmp_path / "agent.log",
+    )
+    try:
+        first = await _wait_for(lambda: _node(bus, "vm1"))
+        assert first.memory.total_bytes == 64 * GIB
+        write_meminfo(host["procfs"], 128, 120)  # the hypervisor gave the VM more RAM
+
+        async def grown_lease():
+            lease = await _lease(bus, "vm1")
+            return lease if lease and lease.memory.total_bytes == 128 * GIB else None
+
+        lease = await _wait_for(grown_lease)
+        assert lease.memory.available_bytes == 120 * GIB
+
+        async def grown_node():
+            inv = await _node(bus, "vm1")
+            return inv if inv and inv.memory.total_bytes == 128 * GIB else None
+
+        assert (await _wait_for(grown_node)).memory.total_bytes == 128 * GIB
+    finally:
+        stop(proc)
+
+
+async def test_config_ram_override_beats_discovery(bus, nats_server, host, tmp_path):
+    proc = start_agent(
+        agent_config(nats_server.url, host, id="vm2", ram_total_gb=32),
+        tmp_path / "a.toml",
+        [host["bin"]],
+        tmp_path / "agent.log",
+    )
+    try:
+        inv = await _wait_for(lambda: _node(bus, "vm2"))
+        assert inv.memory.total_bytes == 32 * GIB  # discovery says 64
+        assert inv.memory.available_bytes <= 32 * GIB
+        assert "node.ram_total_gb" in inv.from_config
+    finally:
+        stop(proc)
+
+
+async def test_engine_installed_while_running_is_reported_within_the_probe_interval(
+    bus, nats_server, host, tmp_path
+):
+    proc = start_agent(
+        agent_config(nats_server.url, host, id="n1"),
+        tmp_path / "a.toml",
+        [host["bin"]],
+        tmp_path / "agent.log",
+    )
+    try:
+        inv = await _wait_for(lambda: _node(bus, "n1"))
+        assert inv.engines == []
+        exe = host["bin"] / "llama-server"
+        exe.write_text(
+            "#!/bin/sh\necho 'version: 9439 (47f6423ed)' >&2\necho 'built with cc' >&2\n"
+        )
+        exe.chmod(0o755)
+
+        async def with_engine():
+            inv = await _node(bus, "n1")
+            return inv if inv and inv.engines else None
+
+        inv = await _wait_for(with_engine)
+        assert [(e.name, e.version, e.path) for e in inv.engines] == [
+            ("llama-server", "9439 (47f6423ed)", str(exe))
+        ]
+        exe.unlink()
+
+        async def without_engine():
+            inv = await _node(bus, "n1")
+            return inv if inv and not inv.engines else None
+
+        await _wait_for(without_engine)
+    finally:
+        stop(proc)
+
+
+async def test_agent_restart_refreshes_its_node_record(bus, nats_server, host, tmp_path):
+    cfg = agent_config(nats_server.url, host, id="n2")
+    proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
+    first = await _wait_for(lambda: _node(bus, "n2"))
+    stop(proc)
+    await bus.delete("nodes.n2")  # the control plane lost it (or someone removed it by hand)
+    proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
+    try:
+        again = await _wait_for(lambda: _node(bus, "n2"))
+        assert again.started_at > first.started_at
+        lease = await _wait_for(lambda: _lease(bus, "n2"))
+        assert lease.started_at == again.started_at
+    finally:
+        stop(proc)
+
+
+async def test_sigterm_stops_the_agent_promptly_and_closes_its_connection(
+    bus, nats_server, host, tmp_path
+):
+    proc = start_agent(
+        agent_config(nats_server.url, host, id="n3"),
+        tmp_path / "a.toml",
+        [host["bin"]],
+        tmp_path / "agent.log",
+    )
+    await _wait_for(lambda: _lease(bus, "n3"))
+    assert _client_names(nats_server).count("llmgw-agent n3") == 1
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=5) == 0  # hangs (and fails) if stopping waits on the connection
+    assert "llmgw-agent stopped" in (tmp_path / "agent.log").read_text()
+    assert "llmgw-agent n3" not in _client_names(nats_server)
+
+
+def test_sigterm_stops_an_agent_that_cannot_reach_nats(host, tmp_path):
+    """The seed's agent blocked in its stream and took 90 s; here it is stuck connecting."""
+    cfg = agent_config(f"nats://127.0.0.1:{free_port()}", host, id="n4")
+    proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
+    _wait_log(tmp_path / "agent.log", "cannot connect to NATS")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=5) == 0
+
+
+def test_a_config_with_an_unknown_key_is_refused_naming_file_and_key(tmp_path):
+    bad = tmp_path / "agent.toml"
+    bad.write_text('[nats]\nurls = ["nats://127.0.0.1:4222"]\n\n[node]\nram_gb = 32\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "llmgw.agent.service", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode != 0
+    assert f"{bad}: unknown key 'node.ram_gb'" in out.stderr
+
+
+def _client_names(server) -> list[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/connz", timeout=2) as r:
+        return [c.get("name", "") for c in json.load(r).get("connections", [])]
+
+
+def _wait_log(path, text, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not in {path}:\n{path.read_text() if path.exists() else ''}")
