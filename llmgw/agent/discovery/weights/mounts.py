@@ -132,7 +132,7 @@ def _cifs_identity(mount: Mount) -> str | None:
     if not source.startswith("//") or len(source) <= 2:
         return None
     # SMB share and server names are case-insensitive
-    return "cifs:" + posixpath.normpath(source.lower()).replace("/", "//", 1) + _subpath(mount)
+    return "cifs://" + posixpath.normpath("/" + source[2:].lower()).lstrip("/") + _subpath(mount)
 
 
 def _gluster_identity(mount: Mount) -> str | None:
