@@ -99,17 +99,18 @@ class NodeState:
     phase: NodePhase | None
     gpus: list[Gpu]
     used_gpus: set[str]
+    free: list[Gpu]  # not used by any replica, index order; kept in step with used_gpus
+    smallest_gpu: int  # bytes: when a profile needs no more, no GPU needs checking
+    engines: frozenset[str]
     ram_free: int  # bytes: available, minus what not-yet-running replicas will take
     used_ports: set[int]
     fabrics: frozenset[str]  # fabrics with an active IB port here
     models: Counter[str]  # replicas per model with a member here
 
     def free_gpus(self, min_bytes: int = 0) -> list[Gpu]:
-        return [
-            g
-            for g in self.gpus
-            if g.uuid not in self.used_gpus and g.memory_total_bytes >= min_bytes
-        ]
+        if min_bytes <= self.smallest_gpu:
+            return self.free
+        return [g for g in self.free if g.memory_total_bytes >= min_bytes]
 
     def free_port(self, lo: int, hi: int) -> int | None:
         port = lo
@@ -127,11 +128,17 @@ class Need:
     gpu_bytes: int
     ram_bytes: int
     ports: tuple[int, int]
+    weights_key: str  # as agents report held weights
 
     @classmethod
     def of(cls, model: str, profile: Profile, ports: tuple[int, int]) -> Need:
         return cls(
-            model, profile, int(profile.gpu_memory_gb * GB), int(profile.host_ram_gb * GB), ports
+            model,
+            profile,
+            int(profile.gpu_memory_gb * GB),
+            int(profile.host_ram_gb * GB),
+            ports,
+            profile.weights.held_key(),
         )
 
 
@@ -145,12 +152,16 @@ def _fleet(snapshot: Snapshot) -> dict[str, NodeState]:
         inv = snapshot.inventories[node_id]
         lease = snapshot.leases.get(node_id)
         memory = lease.memory if lease is not None else inv.memory
+        gpus = sorted(inv.gpus.devices, key=lambda g: g.index)
         nodes[node_id] = NodeState(
             id=node_id,
             inventory=inv,
             phase=_phase(snapshot.health.get(node_id)),
-            gpus=sorted(inv.gpus.devices, key=lambda g: g.index),
+            gpus=gpus,
             used_gpus=set(),
+            free=gpus,
+            smallest_gpu=min((g.memory_total_bytes for g in gpus), default=0),
+            engines=frozenset(e.name for e in inv.engines),
             ram_free=memory.available_bytes,
             used_ports=set(),
             fabrics=frozenset(inv.fabrics()),
@@ -171,6 +182,8 @@ def _fleet(snapshot: Snapshot) -> dict[str, NodeState]:
             node.models[replica.model] += 1
             if reserve:
                 node.ram_free -= int(profile.host_ram_gb * GB)
+    for node in nodes.values():
+        node.free = [g for g in node.gpus if g.uuid not in node.used_gpus]
     return nodes
 
 
@@ -179,6 +192,7 @@ def _take(node: NodeState, need: Need, rank: int) -> ReplicaMember:
     port = node.free_port(*need.ports)
     assert port is not None  # the free_port filter passed
     node.used_gpus.update(g.uuid for g in gpus)
+    node.free = [g for g in node.free if g.uuid not in node.used_gpus]
     node.used_ports.add(port)
     node.ram_free -= need.ram_bytes
     node.models[need.model] += 1
@@ -202,7 +216,7 @@ def node_ready(node: NodeState, need: Need) -> FitReason | None:
 
 def engine_installed(node: NodeState, need: Need) -> FitReason | None:
     engine = need.profile.engine
-    if node.inventory.engine(engine) is None:
+    if engine not in node.engines:
         return FitReason(f"no-{engine}", f"no {engine}")
     return None
 
@@ -216,10 +230,10 @@ def enough_gpus(node: NodeState, need: Need) -> FitReason | None:
         return None
     if not node.gpus:
         return FitReason("no-gpus", _NO_GPU_TEXT.get(node.inventory.gpus.status, "no GPUs"))
-    free = node.free_gpus()
+    free = node.free
     if len(free) < wanted:
         return FitReason("gpus", f"has {len(free)} of {len(node.gpus)} GPUs free (needs {wanted})")
-    big = sum(1 for g in free if g.memory_total_bytes >= need.gpu_bytes)
+    big = len(node.free_gpus(need.gpu_bytes))
     if big < wanted:
         if big == 0:
             largest = max(g.memory_total_bytes for g in free)
@@ -307,29 +321,45 @@ class WeightsNearby:
                 for name in names:
                     self.in_fabric[name].update(self.on_node.get(node_id, ()))
 
-    def score(self, node: str, profile: Profile) -> tuple[int, str]:
+    def _store(self, node: str, need: Need) -> str | None:
+        held = self.on_node.get(node)
+        store = held.get(need.weights_key) if held else None
+        path = need.profile.weights.path
+        if store is None and path is not None and node in self.by_path:
+            store = self.by_path[node].get(path)
+        return store
+
+    def _fabric(self, node: str, need: Need) -> str | None:
+        for name in self.fabrics_of.get(node, ()):
+            if need.weights_key in self.in_fabric.get(name, ()):
+                return name
+        return None
+
+    def level(self, node: str, need: Need) -> int:
         """2: on the node or a share it sees; 1: elsewhere in its fabric; 0: nowhere near."""
-        key = profile.weights.held_key()
-        store = self.on_node.get(node, {}).get(key)
-        if store is None and profile.weights.path is not None:
-            store = self.by_path.get(node, {}).get(profile.weights.path)
+        if self._store(node, need) is not None:
+            return 2
+        return 1 if self._fabric(node, need) is not None else 0
+
+    def describe(self, node: str, need: Need) -> str:
+        store = self._store(node, need)
         if store is not None:
             where = "on node" if store.startswith("local:") else "on a share the node sees"
-            return 2, f"weights {where} ({store})"
-        for name in self.fabrics_of.get(node, ()):
-            if key in self.in_fabric.get(name, ()):
-                return 1, f"weights elsewhere in fabric {name}"
-        return 0, "no weights nearby (the engine fetches them)"
+            return f"weights {where} ({store})"
+        fabric = self._fabric(node, need)
+        if fabric is not None:
+            return f"weights elsewhere in fabric {fabric}"
+        return "no weights nearby (the engine fetches them)"
 
 
 def weights_nearby(node: NodeState, need: Need, weights: WeightsNearby) -> int:
-    return weights.score(node.id, need.profile)[0]
+    return weights.level(node.id, need)
 
 
 def packing(node: NodeState, need: Need, weights: WeightsNearby) -> int:
     # Fewest GPUs left free after placing: fill partly used nodes first, so whole nodes stay
     # free for replicas that need all 8 GPUs (and CPU replicas prefer nodes without GPUs).
-    return -(len(node.free_gpus()) - need.profile.gpus_per_node)
+    return need.profile.gpus_per_node - len(node.free)
 
 
 def spread(node: NodeState, need: Need, weights: WeightsNearby) -> int:
@@ -344,11 +374,11 @@ SCORES: tuple[Score, ...] = (weights_nearby, packing, spread)
 def rank_key(node: NodeState, need: Need, weights: WeightsNearby) -> tuple:
     """Sort key, smallest first: the scores in order (higher better), then the node id so
     that ties always break the same way."""
-    return (*(-score(node, need, weights) for score in SCORES), node.id)
+    return (*[-score(node, need, weights) for score in SCORES], node.id)
 
 
 def _why_here(node: NodeState, need: Need, weights: WeightsNearby) -> str:
-    text = weights.score(node.id, need.profile)[1]
+    text = weights.describe(node.id, need)
     total, used = len(node.gpus), len(node.used_gpus)
     if need.profile.gpus_per_node == 0:
         return f"{text}; CPU profile"
@@ -426,7 +456,7 @@ class _MultiNodePicker:
                 continue
             chosen = heapq.nsmallest(count, (self.fitting[n] for n in members))
             weights_total = -sum(k[0] for k in chosen)
-            capacity = sum(len(self.nodes[n].free_gpus()) for n in members)
+            capacity = sum(len(self.nodes[n].free) for n in members)
             # best weights across the chosen nodes, then most free capacity, then the name
             key = (-weights_total, -capacity, name)
             if best is None or key < best[0]:
