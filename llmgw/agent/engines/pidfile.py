@@ -53,7 +53,14 @@ def process_create_time(pid: int) -> float:
 
 
 def _members(record: EngineProcess) -> list[psutil.Process]:
-    """Live processes of the engine's group that started no earlier than the engine."""
+    """The live processes of the engine's group, or [] when the group is not ours any more."""
+    try:
+        leader_started = psutil.Process(record.pid).create_time()
+    except psutil.NoSuchProcess:
+        leader_started = None
+    if leader_started is not None and abs(leader_started - record.create_time) > 0.05:
+        # pid reused; the kernel reuses no pid while its group lives, so ours is gone
+        return []
     found = []
     for proc in psutil.process_iter(["pid", "create_time"]):
         try:
@@ -61,6 +68,7 @@ def _members(record: EngineProcess) -> list[psutil.Process]:
                 continue
         except (ProcessLookupError, PermissionError):
             continue
+        # workers start after their leader; anything older is not from this engine
         if proc.info["create_time"] + 0.05 >= record.create_time:
             found.append(proc)
     return found

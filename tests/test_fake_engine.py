@@ -1,0 +1,164 @@
+"""The fake engine behaves like the real ones where llmgw can tell: flags, failures,
+HTTP while loading, OpenAI streaming, metrics, signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.error import HTTPError, URLError
+from urllib.request import Request, urlopen
+
+import pytest
+
+from llmgw.testing import free_port, install_fake_engines, write_fake_gguf
+
+
+@pytest.fixture
+def bins(tmp_path: Path) -> dict[str, Path]:
+    return install_fake_engines(tmp_path / "bin")
+
+
+def run(argv: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=20
+    )
+
+
+def get(url: str, body: dict | None = None) -> tuple[int, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urlopen(req, timeout=5) as r:
+            return r.status, r.read()
+    except HTTPError as e:
+        return e.code, e.read()
+
+
+@contextmanager
+def engine(argv: list[str], **env: str) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(
+        argv, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def wait_for(port: int, path: str, status: int, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            if get(f"http://127.0.0.1:{port}{path}")[0] == status:
+                return
+        except (URLError, ConnectionError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never answered {status}")
+
+
+def test_unknown_flags_are_refused_like_the_real_engines(bins):
+    llama = run([str(bins["llama-server"]), "--no-such-flag"])
+    assert (llama.returncode, llama.stderr.strip()) == (
+        1,
+        "error: invalid argument: --no-such-flag",
+    )
+    vllm = run([str(bins["vllm"]), "serve", "org/m", "--no-such-flag"])
+    assert vllm.returncode == 2
+    assert vllm.stderr.strip().endswith("vllm serve: error: unrecognized arguments: --no-such-flag")
+
+
+def test_versions_print_where_the_real_ones_do(bins):
+    llama = run([str(bins["llama-server"]), "--version"])
+    assert llama.returncode == 0 and llama.stdout == ""
+    assert llama.stderr.splitlines()[0] == "version: 9439 (47f6423ed)"
+    assert run([str(bins["vllm"]), "--version"]).stdout.strip() == "0.11.2"
+
+
+def test_bad_model_paths_fail_with_the_engines_messages(bins, tmp_path):
+    port = str(free_port())
+    llama = run([str(bins["llama-server"]), "-m", str(tmp_path / "x.gguf"), "--port", port])
+    assert llama.returncode == 1
+    assert f"gguf_init_from_file: failed to open GGUF file '{tmp_path / 'x.gguf'}'" in llama.stderr
+    assert llama.stderr.splitlines()[-1] == "main: exiting due to model loading error"
+    vllm = run([str(bins["vllm"]), "serve", str(tmp_path / "nope"), "--port", port])
+    assert vllm.returncode == 1
+    assert "Invalid repository ID or local directory specified" in vllm.stdout
+
+
+def test_llama_answers_503_while_loading_then_serves_streams_and_counts_in_flight(bins, tmp_path):
+    port = free_port()
+    model = write_fake_gguf(tmp_path / "m.gguf")
+    argv = [str(bins["llama-server"]), "-m", str(model), "--port", str(port), "-a", "m1"]
+    with engine([*argv, "--metrics", "-np", "2"], FAKE_ENGINE_LOAD_SECONDS="1") as proc:
+        wait_for(port, "/health", 503, proc)
+        status, body = get(f"http://127.0.0.1:{port}/health")
+        assert json.loads(body)["error"]["message"] == "Loading model"
+        wait_for(port, "/health", 200, proc)
+        assert json.loads(get(f"http://127.0.0.1:{port}/v1/models")[1])["data"][0]["id"] == "m1"
+        status, body = get(
+            f"http://127.0.0.1:{port}/v1/completions",
+            {"prompt": "x", "stream": True, "max_tokens": 2},
+        )
+        chunks = body.decode().split("\n\n")
+        assert chunks[-2:] == ["data: [DONE]", ""]
+        texts = [json.loads(c[6:])["choices"][0]["text"] for c in chunks[:-2]]
+        assert texts == ["tok0 ", "tok1 ", ""]
+        metrics = get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+        assert "llamacpp:requests_processing 0" in metrics.splitlines()
+        slots = json.loads(get(f"http://127.0.0.1:{port}/slots")[1])
+        assert [s["is_processing"] for s in slots] == [False, False]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(5) == 0
+
+
+def test_llama_without_metrics_flag_refuses_the_metrics_endpoint(bins, tmp_path):
+    port = free_port()
+    model = write_fake_gguf(tmp_path / "m.gguf")
+    with engine([str(bins["llama-server"]), "-m", str(model), "--port", str(port)]) as proc:
+        wait_for(port, "/health", 200, proc)
+        assert get(f"http://127.0.0.1:{port}/metrics")[0] == 501
+
+
+def test_vllm_does_not_listen_while_loading_and_lists_its_served_name(bins, tmp_path):
+    port = free_port()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    argv = [
+        str(bins["vllm"]),
+        "serve",
+        str(model),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "m2",
+    ]
+    with engine(argv, FAKE_ENGINE_LOAD_SECONDS="0.8", CUDA_VISIBLE_DEVICES="GPU-a") as proc:
+        time.sleep(0.4)
+        with pytest.raises(URLError):
+            get(f"http://127.0.0.1:{port}/health")
+        wait_for(port, "/health", 200, proc)
+        assert json.loads(get(f"http://127.0.0.1:{port}/v1/models")[1])["data"][0]["id"] == "m2"
+        status, body = get(
+            f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "m2", "messages": []}
+        )
+        assert status == 200 and json.loads(body)["choices"][0]["message"]["content"]
+        assert get(f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "other"})[0] == 404
+        assert "vllm:num_requests_running" in get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+
+
+def test_vllm_refuses_more_parallelism_than_visible_gpus(bins, tmp_path):
+    out = run([str(bins["vllm"]), "serve", "org/m", "-tp", "4"], CUDA_VISIBLE_DEVICES="GPU-a,GPU-b")
+    assert out.returncode == 1
+    assert "World size (4) is larger than the number of available GPUs (2)" in out.stdout

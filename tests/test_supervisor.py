@@ -1,0 +1,351 @@
+"""The supervisor against real (fake-engine) processes started through the adapters' argv."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import anyio
+import psutil
+import pytest
+
+from llmgw.agent.engines import LaunchSpec
+from llmgw.agent.engines.pidfile import (
+    new_record,
+    pidfile_path,
+    reap_leftover_engines,
+    write_pidfile,
+)
+from llmgw.agent.supervisor import EngineSupervisor, PhaseChange, SupervisorTiming
+from llmgw.testing import free_port, install_fake_engines, write_fake_gguf
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+FAST = SupervisorTiming(
+    readiness_timeout=20,
+    poll_interval=0.05,
+    backoff_base=0.05,
+    backoff_cap=0.4,
+    stable_after=600,
+    stop_grace=3,
+    cancel_grace=3,
+    drain_timeout=20,
+    drain_poll=0.05,
+    probe_timeout=2,
+)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def bins(tmp_path: Path) -> dict[str, Path]:
+    return install_fake_engines(tmp_path / "bin")
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.changes: list[PhaseChange] = []
+        self._events: dict[str, anyio.Event] = {}
+
+    async def __call__(self, change: PhaseChange) -> None:
+        self.changes.append(change)
+        self._events.setdefault(change.phase, anyio.Event()).set()
+
+    async def reached(self, phase: str, timeout: float = 20) -> PhaseChange:
+        with anyio.fail_after(timeout):
+            await self._events.setdefault(phase, anyio.Event()).wait()
+        return next(c for c in reversed(self.changes) if c.phase == phase)
+
+    @property
+    def phases(self) -> list[str]:
+        return [c.phase for c in self.changes]
+
+
+def llama(bins, tmp_path: Path, monkeypatch, **env: str) -> LaunchSpec:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return LaunchSpec(
+        served_name="qwen3-8b",
+        engine="llama-server",
+        binary=str(bins["llama-server"]),
+        port=free_port(),
+        host="127.0.0.1",
+        weights_path=str(write_fake_gguf(tmp_path / "m.gguf")),
+        gpu_uuids=("GPU-1",),
+        context=4096,
+        parallel=2,
+    )
+
+
+def supervisor(spec: LaunchSpec, tmp_path: Path, rec: Recorder, timing=FAST) -> EngineSupervisor:
+    return EngineSupervisor(
+        spec,
+        shard="r1",
+        on_phase=rec,
+        log_path=tmp_path / "logs" / "r1.log",
+        state_dir=tmp_path / "state",
+        timing=timing,
+    )
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def stream_chat(spec: LaunchSpec, max_tokens: int = 100) -> list[bytes]:
+    url = f"http://127.0.0.1:{spec.port}/v1/chat/completions"
+    body = {"model": spec.served_name, "stream": True, "max_tokens": max_tokens, "messages": []}
+    events = []
+    async with aiohttp.ClientSession() as http, http.post(url, json=body) as r:
+        assert r.status == 200
+        async for line in r.content:
+            if line.startswith(b"data: "):
+                events.append(line[6:].strip())
+    return events
+
+
+async def test_engine_goes_loading_then_ready_and_streams_a_chat_completion(
+    bins, tmp_path, monkeypatch
+):
+    spec = llama(bins, tmp_path, monkeypatch, FAKE_ENGINE_LOAD_SECONDS="0.5")
+    rec = Recorder()
+    sup = supervisor(spec, tmp_path, rec)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        ready = await rec.reached("ready")
+        assert rec.phases == ["starting", "loading", "ready"]
+        assert pidfile_path(tmp_path / "state", "r1").exists()
+        events = await stream_chat(spec, max_tokens=3)
+        assert events[-1] == b"[DONE]"
+        text = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1])
+        assert text == "tok0 tok1 tok2 "
+        await sup.stop()
+    assert rec.phases[-1] == "stopped"
+    assert group_gone(ready.pid)
+    assert not pidfile_path(tmp_path / "state", "r1").exists()
+    log = (tmp_path / "logs" / "r1.log").read_text()
+    assert "main: model loaded" in log  # the engine's own output reaches the shard's log
+
+
+async def test_crash_while_loading_reports_the_output_tail_and_retries_with_growing_delays(
+    bins, tmp_path, monkeypatch
+):
+    spec = llama(
+        bins, tmp_path, monkeypatch, FAKE_ENGINE_FAIL_LOAD="tensor 'blk.0.attn_q' has wrong shape"
+    )
+    rec = Recorder()
+    sup = supervisor(spec, tmp_path, rec)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        with anyio.fail_after(30):
+            while sup.restarts < 4:
+                await anyio.sleep(0.05)
+        await sup.stop()
+    failed = [c for c in rec.changes if c.phase == "failed"]
+    assert failed[0].reason.startswith("exited with code 1 while loading; restart 1 in")
+    assert (
+        "llama_model_load: error loading model: tensor 'blk.0.attn_q' has wrong shape"
+        in failed[0].tail
+    )
+    assert failed[0].tail[-1] == "main: exiting due to model loading error"
+    assert [c.restarts for c in failed[:4]] == [1, 2, 3, 4]
+    # base 0.05 doubling, capped at 0.4
+    assert sup.restart_delays[:5] == [0.05, 0.1, 0.2, 0.4, 0.4][: len(sup.restart_delays[:5])]
+    assert rec.phases[-1] == "stopped"
+
+
+async def test_an_engine_that_served_long_enough_restarts_after_the_base_delay(
+    bins, tmp_path, monkeypatch
+):
+    spec = llama(
+        bins, tmp_path, monkeypatch, FAKE_ENGINE_CRASH_AFTER_LOAD="0.3", FAKE_ENGINE_EXIT_CODE="134"
+    )
+    rec = Recorder()
+    timing = SupervisorTiming(**{**FAST.__dict__, "stable_after": 0.1})
+    sup = supervisor(spec, tmp_path, rec, timing)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        with anyio.fail_after(30):
+            while sup.restarts < 3:
+                await anyio.sleep(0.05)
+        await sup.stop()
+    assert sup.restart_delays[:3] == [0.05, 0.05, 0.05]
+    failed = next(c for c in rec.changes if c.phase == "failed")
+    assert failed.reason.startswith("exited with code 134 while serving")
+    assert "CUDA error: an illegal memory access was encountered" in failed.tail
+
+
+async def test_drain_lets_an_in_flight_stream_finish_before_stopping(bins, tmp_path, monkeypatch):
+    spec = llama(bins, tmp_path, monkeypatch, FAKE_ENGINE_TOKENS="20", FAKE_ENGINE_TOKEN_RATE="20")
+    rec = Recorder()
+    sup = supervisor(spec, tmp_path, rec)
+    result: list[list[bytes]] = []
+
+    async def client() -> None:
+        result.append(await stream_chat(spec, max_tokens=20))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        ready = await rec.reached("ready")
+        tg.start_soon(client)
+        with anyio.fail_after(10):  # wait until the engine counts the request
+            while True:
+                async with aiohttp.ClientSession() as http:
+                    async with http.get(f"http://127.0.0.1:{spec.port}/slots") as r:
+                        if any(s["is_processing"] for s in await r.json()):
+                            break
+                await anyio.sleep(0.02)
+        await sup.drain()
+        assert group_gone(ready.pid)
+    events = result[0]
+    assert events[-1] == b"[DONE]"
+    assert len(events) == 1 + 20 + 1 + 1  # role, 20 tokens, finish, DONE: nothing cut off
+    assert rec.phases[-2:] == ["draining", "stopped"]
+
+
+async def test_engine_ignoring_sigterm_is_killed_after_the_grace_period(
+    bins, tmp_path, monkeypatch
+):
+    spec = llama(bins, tmp_path, monkeypatch, FAKE_ENGINE_IGNORE_SIGTERM="1")
+    rec = Recorder()
+    sup = supervisor(spec, tmp_path, rec, SupervisorTiming(**{**FAST.__dict__, "stop_grace": 0.3}))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        ready = await rec.reached("ready")
+        await sup.stop()
+    assert group_gone(ready.pid)
+    assert "SIGKILL" in (tmp_path / "logs" / "r1.log").read_text()
+    assert rec.phases[-1] == "stopped"
+
+
+async def test_cancelling_the_supervisor_leaves_no_engine_process_or_worker(
+    bins, tmp_path, monkeypatch
+):
+    record = tmp_path / "record.json"
+    spec = llama(
+        bins, tmp_path, monkeypatch, FAKE_ENGINE_WORKERS="2", FAKE_ENGINE_RECORD=str(record)
+    )
+    rec = Recorder()
+    sup = supervisor(spec, tmp_path, rec)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        ready = await rec.reached("ready")
+        workers = json.loads(record.read_text())["workers"]
+        assert all(psutil.pid_exists(w) for w in workers)
+        tg.cancel_scope.cancel()
+    assert group_gone(ready.pid)
+    assert not any(psutil.pid_exists(w) and psutil.Process(w).status() != "zombie" for w in workers)
+    assert not pidfile_path(tmp_path / "state", "r1").exists()
+
+
+async def test_workers_left_by_a_crashed_engine_are_killed_before_the_restart(
+    bins, tmp_path, monkeypatch
+):
+    record = tmp_path / "record.json"
+    spec = llama(
+        bins,
+        tmp_path,
+        monkeypatch,
+        FAKE_ENGINE_WORKERS="1",
+        FAKE_ENGINE_RECORD=str(record),
+        FAKE_ENGINE_CRASH_AFTER_LOAD="0.2",
+    )
+    rec = Recorder()
+    sup = supervisor(spec, tmp_path, rec)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        await rec.reached("ready")
+        first_pgid = json.loads(record.read_text())["pgid"]
+        await rec.reached("failed")
+        assert group_gone(first_pgid)  # its worker would hold GPU memory the restart needs
+        await sup.stop()
+
+
+async def test_missing_binary_fails_with_the_reason_and_no_process(tmp_path):
+    spec = LaunchSpec(
+        served_name="m", engine="llama-server", binary=str(tmp_path / "none"), port=free_port()
+    )
+    rec = Recorder()
+    sup = supervisor(spec, tmp_path, rec)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        failed = await rec.reached("failed")
+        await sup.stop()
+    assert failed.reason.startswith(f"cannot start {tmp_path / 'none'}: No such file or directory")
+
+
+async def test_engine_not_ready_within_the_timeout_is_stopped_and_reported(
+    bins, tmp_path, monkeypatch
+):
+    spec = llama(bins, tmp_path, monkeypatch, FAKE_ENGINE_LOAD_SECONDS="30")
+    rec = Recorder()
+    sup = supervisor(
+        spec, tmp_path, rec, SupervisorTiming(**{**FAST.__dict__, "readiness_timeout": 0.8})
+    )
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        failed = await rec.reached("failed")
+        await sup.stop()
+    assert failed.reason.startswith(
+        "not ready after 0.8 s (last: /health answered 503: Loading model)"
+    )
+
+
+async def wait_healthy(port: int) -> None:
+    with anyio.fail_after(20):
+        while True:
+            try:
+                async with aiohttp.ClientSession() as http:
+                    async with http.get(f"http://127.0.0.1:{port}/health") as r:
+                        if r.status == 200:
+                            return
+            except aiohttp.ClientError:
+                pass
+            await anyio.sleep(0.05)
+
+
+def test_a_restarted_agent_stops_engines_left_by_the_one_before(bins, tmp_path):
+    spec_port = free_port()
+    model = write_fake_gguf(tmp_path / "m.gguf")
+    argv = [str(bins["llama-server"]), "-m", str(model), "--port", str(spec_port)]
+    env = {**os.environ, "FAKE_ENGINE_IGNORE_SIGTERM": "1"}
+    leftover = subprocess.Popen(
+        argv, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    # an unrelated process whose pid a stale pidfile happens to name: must survive
+    stranger = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        with anyio.from_thread.start_blocking_portal() as portal:
+            portal.call(wait_healthy, spec_port)  # SIGTERM is ignored from here on
+        state = tmp_path / "state"
+        write_pidfile(state, new_record("r1", leftover.pid, argv, spec_port, ["GPU-1"], ""))
+        stale = new_record("r2", stranger.pid, ["vllm"], 8000, [], "")
+        stale.create_time -= 3600  # recorded an hour before this process started
+        write_pidfile(state, stale)
+        messages = reap_leftover_engines(state, grace=0.5)
+        # psutil reaped it already (so Popen cannot read its status): it is simply gone
+        assert not psutil.pid_exists(leftover.pid)
+        assert stranger.poll() is None
+        assert messages == [
+            f"killed (ignored SIGTERM) leftover engine for shard r1 (pid {leftover.pid}, "
+            f"port {spec_port}, GPUs GPU-1) from an earlier agent"
+        ]
+        assert list((state / "engines").iterdir()) == []
+    finally:
+        for p in (leftover, stranger):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
