@@ -41,7 +41,7 @@ class OutputTail:
         out = list(self._lines)
         if self._partial:
             out.append(self._partial.rsplit(b"\r", 1)[-1].decode("utf-8", "replace"))
-        return out
+        return out[-self.max_lines :]
 
     def clear(self) -> None:
         self._lines.clear()

@@ -1,0 +1,47 @@
+"""The output tail a failure report carries, and the shard log's rotation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmgw.agent.engines.output import EngineLog, OutputTail
+from llmgw.agent.supervisor import describe_exit
+
+
+def test_tail_keeps_the_last_lines_within_both_bounds():
+    tail = OutputTail(max_lines=3, max_bytes=1000)
+    tail.feed(b"one\ntwo\nthr")
+    tail.feed(b"ee\nfour\nfi")
+    assert tail.lines() == ["three", "four", "fi"]
+    small = OutputTail(max_lines=64, max_bytes=12)
+    small.feed(b"aaaa\nbbbb\ncccc\n")
+    assert small.lines() == ["bbbb", "cccc"]
+
+
+def test_progress_bars_leave_their_last_state_not_every_redraw():
+    tail = OutputTail()
+    tail.feed(b"downloading  10%\rdownloading  50%\rdownloading 100%\r\nloaded\n")
+    assert tail.lines() == ["downloading 100%", "loaded"]
+
+
+def test_broken_utf8_is_replaced_not_fatal():
+    tail = OutputTail()
+    tail.feed(b"caf\xc3")
+    tail.feed(b"\xa9 \xff\n")
+    assert tail.lines() == ["café \ufffd"]
+
+
+def test_shard_log_rotates_once_past_its_size(tmp_path: Path):
+    log = EngineLog(tmp_path / "r1.log", max_bytes=10)
+    log.open()
+    log.write(b"0123456789AB")
+    log.write(b"new")
+    log.close()
+    assert (tmp_path / "r1.log.1").read_bytes() == b"0123456789AB"
+    assert (tmp_path / "r1.log").read_bytes() == b"new"
+
+
+def test_exit_descriptions_name_the_signal_and_the_oom_suspect():
+    assert describe_exit(1) == "exited with code 1"
+    assert describe_exit(-15) == "killed by SIGTERM"
+    assert describe_exit(-9).startswith("killed by SIGKILL (the kernel's OOM killer")
