@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import msgspec
+
 from llmgw.bus.records import (
     Cpu,
     Desired,
@@ -494,3 +496,57 @@ def test_qualifying_nodes_follow_engines_and_ram():
     assert qualifying_nodes(snap, "m") == {"n3"}
     nodes[0] = node("n1")  # vllm got installed on n1
     assert qualifying_nodes(snapshot(nodes, [model(ram_gb=64)], {"m": 1}), "m") == {"n1", "n3"}
+
+
+def test_fabric_view_share_seen_by_a_node_that_did_not_scan_it_counts_on_that_node():
+    from llmgw.bus.records import FabricHoldings, FabricModel, ModelCopy
+
+    nodes = [node("a", fabric="ib-a"), node("b", fabric="ib-a"), node("c", fabric="ib-a")]
+    copy = ModelCopy(store="nfs:filer:/m", kind="shared", bytes=1, nodes=["c"])
+    view = {
+        "ib-a": FabricHoldings(
+            fabric="ib-a", nodes=["a", "b", "c"], models=[FabricModel(key=KEY, copies=[copy])]
+        )
+    }
+    result = plan(snapshot(nodes, [model()], {"m": 1}, fabrics=view))
+    assert placed_on(result) == [["c"]]
+
+
+def test_profile_switch_keeps_old_replica_until_new_profile_is_ready():
+    two = validate_models(
+        {
+            "models": [
+                {
+                    "id": "m",
+                    "profiles": [
+                        {
+                            "name": "p",
+                            "engine": "vllm",
+                            "weights": {"key": KEY},
+                            "gpus_per_node": 1,
+                        },
+                        {
+                            "name": "q",
+                            "engine": "vllm",
+                            "weights": {"key": KEY},
+                            "gpus_per_node": 2,
+                        },
+                    ],
+                }
+            ]
+        }
+    )
+    nodes = [node("n1")]
+    old = replica("r-old", [("n1", [0])])
+    switch = Desired(model="m", replicas=1, profile="q")
+    snap = snapshot(nodes, two, {}, replicas=[old])
+    snap = Snapshot(**{**snap.__dict__, "desired": {"m": switch}})
+    result = plan(snap)
+    assert [r.profile for r in result.create] == ["q"]
+    assert result.remove == []
+
+    new = Replica(**{**msgspec.structs.asdict(result.create[0]), "phase": "ready"})
+    snap = Snapshot(**{**snap.__dict__, "replicas": [old, new]})
+    result = plan(snap)
+    assert result.create == []
+    assert [(r.rid, r.reason) for r in result.remove] == [("r-old", "replaced by profile q")]

@@ -40,6 +40,7 @@ from llmgw.bus.records import (
     ReplicaMember,
 )
 from llmgw.catalog import Model, Profile
+from llmgw.controller.fabrics import fabric_view
 
 DEFAULT_PORTS = (18000, 18999)
 GB = 1_000_000_000  # catalog sizes are 10^9 bytes, like the "80GB" on the card
@@ -290,8 +291,8 @@ def fit(node: NodeState, need: Need) -> FitReason | None:
 class WeightsNearby:
     """Where each model's weights are, per node and per fabric, built once per plan.
 
-    From the fabric view when the snapshot has one; otherwise from the inventories alone
-    (each node's fabrics; a node on no fabric is its own island). Only `models` matter,
+    From the snapshot's fabric view, or `fabric_view` of its inventories when it has none
+    (a node on no fabric is its own island). Only `models` matter,
     never `looked`: a node that never looked must rank with one that found nothing, or
     enabling weights discovery on one node would drain every other.
     """
@@ -305,21 +306,17 @@ class WeightsNearby:
             for held in inv.weights.models:
                 self.on_node[node_id].setdefault(held.key, held.store.identity)
                 self.by_path[node_id].setdefault(held.path, held.store.identity)
-        if snapshot.fabrics is not None:
-            for name, holdings in snapshot.fabrics.items():
-                for node_id in holdings.nodes:
-                    self.fabrics_of[node_id].append(name)
-                for held in holdings.models:
-                    self.in_fabric[name].add(held.key)
-                    for copy in held.copies:  # a share seen by a node that did not scan it
-                        for node_id in copy.nodes:
-                            self.on_node[node_id].setdefault(held.key, copy.store)
-        else:
-            for node_id, inv in snapshot.inventories.items():
-                names = sorted(inv.fabrics()) or [f"node-{node_id}"]
-                self.fabrics_of[node_id] = names
-                for name in names:
-                    self.in_fabric[name].update(self.on_node.get(node_id, ()))
+        view = snapshot.fabrics
+        if view is None:
+            view = fabric_view(snapshot.inventories.values())
+        for name, holdings in view.items():
+            for node_id in holdings.nodes:
+                self.fabrics_of[node_id].append(name)
+            for held in holdings.models:
+                self.in_fabric[name].add(held.key)
+                for copy in held.copies:  # a share seen by a node that did not scan it
+                    for node_id in copy.nodes:
+                        self.on_node[node_id].setdefault(held.key, copy.store)
 
     def _store(self, node: str, need: Need) -> str | None:
         held = self.on_node.get(node)
