@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import msgspec
+
 # --- results
 
 
@@ -80,28 +82,33 @@ def combine(checks: Iterable[Check]) -> Check:
 SAFETENSORS_MAX_HEADER = 100_000_000
 
 
+class _TensorEntry(msgspec.Struct):
+    # unknown fields (dtype, shape, and all of __metadata__) are skipped by the C decoder
+    data_offsets: tuple[int, int] | None = None
+
+
+_HEADER = msgspec.json.Decoder(dict[str, _TensorEntry])
+
+
 def safetensors_required_size(header_len: int, header: bytes) -> int:
     """8 + N + the largest data end offset named in the JSON header. Raises ValueError
     when the header is not a safetensors header."""
     try:
-        meta = json.loads(header)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"header is not JSON ({exc.__class__.__name__})") from None
-    if not isinstance(meta, dict):
-        raise ValueError("header is not a JSON object")
+        entries = _HEADER.decode(header)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"header is not a safetensors header ({exc})") from None
     end = 0
-    for name, info in meta.items():
-        if name == "__metadata__":
-            continue
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]
-        ):
-            raise ValueError(f"tensor {name!r} has no valid data_offsets")
-        end = max(end, offsets[1])
+    for name, entry in entries.items():
+        offsets = entry.data_offsets
+        if offsets is None:
+            if name == "__metadata__":
+                continue
+            raise ValueError(f"tensor {name!r} has no data_offsets")
+        begin, stop = offsets
+        if not 0 <= begin <= stop:
+            raise ValueError(f"tensor {name!r} has data_offsets {list(offsets)}")
+        if stop > end:
+            end = stop
     return 8 + header_len + end
 
 
@@ -163,16 +170,17 @@ def index_files(index_path: Path) -> list[str]:
 def missing_numbered_shards(names: Iterable[str]) -> list[str]:
     """For `x-00001-of-00003.*` names, the numbered siblings that are absent, sorted."""
     present = set(names)
-    missing: set[str] = set()
+    series = set()
     for name in present:
         m = _SHARD.match(name)
-        if not m:
-            continue
-        total = int(m["n"])
-        for i in range(1, total + 1):
-            sibling = f"{m['stem']}-{i:05d}-of-{m['n']}.{m['ext']}"
+        if m:
+            series.add((m["stem"], m["n"], m["ext"]))
+    missing = []
+    for stem, n, ext in series:
+        for i in range(1, int(n) + 1):
+            sibling = f"{stem}-{i:05d}-of-{n}.{ext}"
             if sibling not in present:
-                missing.add(sibling)
+                missing.append(sibling)
     return sorted(missing)
 
 

@@ -129,11 +129,26 @@ class _Scan:
         return self.cache.check(path, check_gguf)
 
 
+def _download_target(name: str) -> str | None:
+    """The file a download companion belongs to (`x.gguf.aria2` -> `x.gguf`), else None."""
+    m = _RSYNC_TEMP.match(name)
+    if m:
+        return m["name"]
+    for mark in DOWNLOAD_MARKS:
+        if name.endswith(mark) and len(name) > len(mark):
+            return name[: -len(mark)]
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class _Listing:
     files: list[str]  # regular files and links to them, sorted
     dirs: list[str]  # directories not hidden, sorted
     names: set[str]  # everything, hidden included
+    pending: dict[str, str]  # file being downloaded -> its companion (first by name)
+
+    def pending_for(self, names: Iterable[str]) -> str | None:
+        return next((self.pending[n] for n in names if n in self.pending), None)
 
 
 def _list(directory: Path) -> _Listing:
@@ -149,23 +164,12 @@ def _list(directory: Path) -> _Listing:
                     files.append(entry.name)
             except OSError:
                 continue  # vanished or unreadable between listing and stat
-    return _Listing(sorted(files), sorted(dirs), names)
-
-
-def _download_mark(names: Iterable[str], only: set[str] | None = None) -> str | None:
-    """A companion saying a download into this directory is still running; with `only`, one
-    that belongs to those file names."""
+    pending: dict[str, str] = {}
     for name in sorted(names):
-        m = _RSYNC_TEMP.match(name)
-        target = m["name"] if m else None
-        if target is None:
-            for mark in DOWNLOAD_MARKS:
-                if name.endswith(mark) and len(name) > len(mark):
-                    target = name[: -len(mark)]
-                    break
-        if target is not None and (only is None or target in only):
-            return name
-    return None
+        target = _download_target(name)
+        if target is not None:
+            pending.setdefault(target, name)
+    return _Listing(sorted(files), sorted(dirs), names, pending)
 
 
 def _hf_local_dir_pending(directory: Path) -> str | None:
@@ -183,7 +187,7 @@ def _hf_local_dir_pending(directory: Path) -> str | None:
 # --- GGUF files at one level
 
 
-def _scan_ggufs(s: _Scan, directory: Path, listing: _Listing, marks_too: bool = True) -> bool:
+def _scan_ggufs(s: _Scan, directory: Path, listing: _Listing) -> bool:
     """Every GGUF (single or split) in one directory; True when any was seen."""
     singles: list[str] = []
     splits: dict[tuple[str, int], GgufSplit] = {}
@@ -195,47 +199,35 @@ def _scan_ggufs(s: _Scan, directory: Path, listing: _Listing, marks_too: bool = 
             singles.append(name)
         else:
             splits.setdefault((split.stem, split.total), split)
-    seen = bool(singles or splits)
-    for name in singles:
+    found: list[tuple[str, list[str]]] = [(n[: -len(".gguf")], [n]) for n in singles]
+    found += [(stem, gguf_part_names(split)) for (stem, _), split in sorted(splits.items())]
+    for key, parts in found:
         s.tick()
-        key, path = name[: -len(".gguf")], directory / name
-        mark = _download_mark(listing.names, {name}) if marks_too else None
+        path = directory / parts[0]
+        mark = listing.pending_for(parts)
         if mark:
             s.not_weights(key, path, f"download in progress ({mark})")
             continue
-        check = s.gguf_file(path)
+        if len(parts) == 1:
+            check = s.gguf_file(path)
+        else:
+            check = check_gguf_split(
+                directory, splits[(key, len(parts))], listing.files, s.gguf_file
+            )
         if check.complete:
             s.held(key, "gguf", path, check)
         else:
             s.not_weights(key, path, check.reason)
-    for (stem, _), split in sorted(splits.items()):
-        s.tick()
-        parts = gguf_part_names(split)
-        path = directory / parts[0]
-        mark = _download_mark(listing.names, set(parts)) if marks_too else None
-        if mark:
-            s.not_weights(stem, path, f"download in progress ({mark})")
-            continue
-        check = check_gguf_split(directory, split, listing.files, s.gguf_file)
-        if check.complete:
-            s.held(stem, "gguf", path, check)
-        else:
-            s.not_weights(stem, path, check.reason)
-    # a GGUF that exists only as a download in progress
-    if marks_too:
-        for name in sorted(listing.names):
-            mark = _download_mark([name])
-            if not mark:
-                continue
-            m = _RSYNC_TEMP.match(name)
-            target = m["name"] if m else name[: name.rfind(".")]
-            if target.endswith(".gguf") and target not in listing.names:
-                split = gguf_split(target)
-                key = split.stem if split else target[: -len(".gguf")]
-                if not any(i.key == key for i in s.incomplete):
-                    s.not_weights(key, directory / target, f"download in progress ({name})")
-                    seen = True
-    return seen
+    # a GGUF that so far exists only as its download companion
+    keys = {key for key, _ in found}
+    for target, mark in sorted(listing.pending.items()):
+        if target.endswith(".gguf") and target not in listing.names:
+            split = gguf_split(target)
+            key = split.stem if split else target[: -len(".gguf")]
+            if key not in keys:
+                keys.add(key)
+                s.not_weights(key, directory / target, f"download in progress ({mark})")
+    return bool(keys)
 
 
 # --- safetensors in one directory
@@ -246,7 +238,7 @@ def _has_safetensors(listing: _Listing) -> bool:
 
 
 def _scan_safetensors_dir(s: _Scan, key: str, directory: Path, listing: _Listing) -> None:
-    mark = _download_mark(listing.names) or _hf_local_dir_pending(directory)
+    mark = min(listing.pending.values(), default=None) or _hf_local_dir_pending(directory)
     if mark:
         s.not_weights(key, directory, f"download in progress ({mark})")
         return
@@ -303,9 +295,9 @@ def _scan_snapshot(s: _Scan, key: str, snapshot: Path, pending_blobs: list[str])
         else:
             s.not_weights(key, snapshot, check.reason)
     # GGUF repos often keep each quantisation in its own folder
-    _scan_ggufs(s, snapshot, listing, marks_too=False)
+    _scan_ggufs(s, snapshot, listing)
     for sub in listing.dirs:
-        _scan_ggufs(s, snapshot / sub, _list(snapshot / sub), marks_too=False)
+        _scan_ggufs(s, snapshot / sub, _list(snapshot / sub))
     if len(s.models) == before and not any(i.path.startswith(str(snapshot)) for i in s.incomplete):
         s.not_weights(key, snapshot, "no weight files")
     return len(s.models) > before
