@@ -1,0 +1,377 @@
+"""The `llmgw` command: up, status, agent, controller, place, catalog.
+
+Every command that talks to NATS takes --nats (repeatable; $LLMGW_NATS), the TLS files
+and --bucket; read-only commands take --json.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import click
+import msgspec
+
+from llmgw import __version__
+from llmgw.agent.config import (
+    DEFAULT_CONFIG_PATH,
+    AgentConfig,
+    ConfigError,
+    Paths,
+    Weights,
+    load_config,
+    parse_config,
+    render_config,
+    write_config,
+)
+from llmgw.agent.service import Agent, setup_logging
+from llmgw.bus import keys
+from llmgw.bus.client import BucketSettings, Bus, BusError, NatsSettings
+
+log = logging.getLogger("llmgw.cli")
+
+
+# --- common options ---------------------------------------------------------------------
+
+
+def nats_options(fn):
+    @click.option(
+        "--nats",
+        "nats_urls",
+        multiple=True,
+        envvar="LLMGW_NATS",
+        show_envvar=True,
+        help="NATS URL (repeatable) [default: nats://127.0.0.1:4222]",
+    )
+    @click.option(
+        "--tls-ca", envvar="LLMGW_TLS_CA", type=click.Path(dir_okay=False), help="CA file"
+    )
+    @click.option(
+        "--tls-cert",
+        envvar="LLMGW_TLS_CERT",
+        type=click.Path(dir_okay=False),
+        help="client certificate",
+    )
+    @click.option(
+        "--tls-key", envvar="LLMGW_TLS_KEY", type=click.Path(dir_okay=False), help="client key"
+    )
+    @click.option(
+        "--bucket",
+        envvar="LLMGW_BUCKET",
+        default=keys.DEFAULT_BUCKET,
+        show_default=True,
+        help="the KV bucket",
+    )
+    @functools.wraps(fn)
+    def wrapper(*args, nats_urls, tls_ca, tls_cert, tls_key, bucket, **kwargs):
+        urls = tuple(u for item in nats_urls for u in item.split()) or ("nats://127.0.0.1:4222",)
+        settings = NatsSettings(
+            urls=urls,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            name=f"llmgw {fn.__name__}",
+        )
+        return fn(*args, nats=settings, bucket=BucketSettings(name=bucket), **kwargs)
+
+    return wrapper
+
+
+def json_option(fn):
+    return click.option("--json", "as_json", is_flag=True, help="print JSON instead of text")(fn)
+
+
+async def connect(nats: NatsSettings, bucket: BucketSettings) -> Bus:
+    try:
+        return await Bus.connect(nats, bucket, give_up_after=5)
+    except BusError as e:
+        raise click.ClickException(
+            f"{e}; is llmgw up (or your NATS cluster) running? set --nats or LLMGW_NATS"
+        ) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__)
+@click.option(
+    "--log-level", default=os.environ.get("LLMGW_LOG_LEVEL", "WARNING"), show_default=True
+)
+def main(log_level: str) -> None:
+    """llmgw: LLM engines on a GPU fleet behind one OpenAI-compatible endpoint."""
+    setup_logging(log_level)
+
+
+# --- llmgw up ---------------------------------------------------------------------------
+
+
+@main.command()
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="where NATS stores the bucket and the agent its state [default: the user data dir]",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="address NATS listens on")
+@click.option("--port", default=4222, show_default=True, help="port NATS listens on")
+@click.option(
+    "--agent-config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="agent config for the local agent (its NATS URLs are replaced by the embedded server)",
+)
+@click.option("--no-agent", is_flag=True, help="do not run a local agent")
+def up(
+    data_dir: Path | None, host: str, port: int, agent_config: Path | None, no_agent: bool
+) -> None:
+    """Run llmgw on this machine: embedded NATS, a local agent (and controller, router)."""
+    import platformdirs
+
+    from llmgw.bus.server import EmbeddedNats, NatsServerError
+
+    logging.getLogger("llmgw").setLevel(logging.INFO)
+    data_dir = data_dir or Path(platformdirs.user_data_dir("llmgw"))
+    server = EmbeddedNats(data_dir=data_dir / "nats", host=host, port=port)
+    try:
+        server.start()
+    except NatsServerError as e:
+        raise click.ClickException(str(e)) from None
+    url = server.url
+    try:
+        cfg = _up_agent_config(agent_config, url, data_dir)
+        click.echo(f"NATS listening on {url} (store {data_dir / 'nats'})")
+        click.echo(f"  export LLMGW_NATS={url}; llmgw status")
+        click.echo(
+            f"  nats --server {url} kv ls {keys.DEFAULT_BUCKET}; nats --server {url} kv watch {keys.DEFAULT_BUCKET}"
+        )
+        click.echo("Ctrl-C stops everything.")
+        anyio.run(_run_up, cfg, no_agent)
+    finally:
+        server.stop()
+        click.echo("stopped")
+
+
+def _up_agent_config(path: Path | None, url: str, data_dir: Path) -> AgentConfig:
+    try:
+        cfg = (
+            load_config(path)
+            if path
+            else AgentConfig(
+                weights=Weights(fetch_dir=str(data_dir / "weights")),
+                paths=Paths(state_dir=str(data_dir / "agent")),
+            )
+        )
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    return msgspec.structs.replace(cfg, nats=msgspec.structs.replace(cfg.nats, urls=[url]))
+
+
+async def _run_up(cfg: AgentConfig, no_agent: bool) -> None:
+    async with anyio.create_task_group() as tg:
+
+        async def stop_on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(stop_on_signal)
+        if not no_agent:
+            await tg.start(Agent(cfg).run)
+            click.echo("agent running")
+        await anyio.sleep_forever()
+
+
+# --- llmgw status -----------------------------------------------------------------------
+
+
+@main.command()
+@nats_options
+@json_option
+def status(nats: NatsSettings, bucket: BucketSettings, as_json: bool) -> None:
+    """What the fleet has: nodes, their hardware, engines, weights and heartbeats."""
+    from llmgw.status import gather, render
+
+    async def run() -> dict[str, Any]:
+        bus = await connect(nats, bucket)
+        try:
+            return await gather(bus)
+        finally:
+            await bus.close()
+
+    view = anyio.run(run)
+    if as_json:
+        click.echo(json.dumps(view, indent=2, sort_keys=True))
+    else:
+        click.echo(render(view, now=time.time()))
+
+
+# --- llmgw agent ------------------------------------------------------------------------
+
+
+@main.group()
+def agent() -> None:
+    """Onboard and run the node agent."""
+
+
+def _fabric_pair(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for v in values:
+        adapter, sep, fabric = v.partition("=")
+        if not sep or not adapter or not fabric:
+            raise click.BadParameter(f"{v!r}: expected ADAPTER=FABRIC, e.g. mlx5_0=ib-a")
+        out[adapter] = fabric
+    return out
+
+
+def _shared_pair(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for v in values:
+        directory, sep, identity = v.partition("=")
+        if not sep or not directory or not identity:
+            raise click.BadParameter(f"{v!r}: expected DIR=IDENTITY, e.g. /mnt/models=srp-image-01")
+        out[directory] = identity
+    return out
+
+
+@agent.command("init")
+@click.option("--nats", "nats_urls", multiple=True, required=True, help="NATS URL (repeatable)")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=DEFAULT_CONFIG_PATH,
+    show_default=True,
+    help="where to write the config",
+)
+@click.option("--tls-ca", help="CA file")
+@click.option("--tls-cert", help="this node's certificate (CN = node id)")
+@click.option("--tls-key", help="this node's key")
+@click.option("--bucket", default=None, help="KV bucket, if not llmgw")
+@click.option("--node-id", default=None, help="override the node id (default: short hostname)")
+@click.option("--address", default=None, help="override the address (default: route to NATS)")
+@click.option("--ram-gb", type=float, default=None, help="override RAM total, GiB")
+@click.option("--no-gpus", is_flag=True, help="report no GPUs without asking NVML")
+@click.option("--llama-server", default=None, help="path to llama-server (default: found)")
+@click.option("--vllm", default=None, help="path to the vllm script (default: found)")
+@click.option(
+    "--fabric", "fabrics", multiple=True, callback=_fabric_pair, help="ADAPTER=FABRIC, repeatable"
+)
+@click.option(
+    "--weights-dir",
+    "weights_dirs",
+    multiple=True,
+    help="directory to look for weights in, repeatable",
+)
+@click.option(
+    "--fetch-dir",
+    default=None,
+    help="where engines download weights (default /var/lib/llmgw-weights)",
+)
+@click.option(
+    "--shared",
+    "shared",
+    multiple=True,
+    callback=_shared_pair,
+    help="DIR=IDENTITY: declare a weights directory shared storage (an exported image)",
+)
+@click.option(
+    "--heartbeat", type=float, default=None, help="heartbeat interval, seconds (default 5)"
+)
+@click.option("--force", is_flag=True, help="overwrite an existing config")
+def agent_init(
+    nats_urls,
+    config_path: Path,
+    tls_ca,
+    tls_cert,
+    tls_key,
+    bucket,
+    node_id,
+    address,
+    ram_gb,
+    no_gpus,
+    llama_server,
+    vllm,
+    fabrics,
+    weights_dirs,
+    fetch_dir,
+    shared,
+    heartbeat,
+    force,
+) -> None:
+    """Write the agent config holding only what is given here (onboarding)."""
+    if config_path.exists() and not force:
+        raise click.ClickException(f"{config_path} exists; pass --force to overwrite it")
+    raw: dict[str, Any] = {"nats": {"urls": list(nats_urls)}}
+    for k, v in (
+        ("tls_ca", tls_ca),
+        ("tls_cert", tls_cert),
+        ("tls_key", tls_key),
+        ("bucket", bucket),
+    ):
+        if v:
+            raw["nats"][k] = v
+    node = {
+        k: v
+        for k, v in (
+            ("id", node_id),
+            ("address", address),
+            ("ram_total_gb", ram_gb),
+            ("llama_server", llama_server),
+            ("vllm", vllm),
+        )
+        if v is not None
+    }
+    if no_gpus:
+        node["gpus"] = False
+    if node:
+        raw["node"] = node
+    if fabrics:
+        raw["fabrics"] = fabrics
+    weights = {
+        k: v
+        for k, v in (("dirs", list(weights_dirs)), ("fetch_dir", fetch_dir), ("shared", shared))
+        if v
+    }
+    if weights:
+        raw["weights"] = weights
+    if heartbeat:
+        raw["intervals"] = {"heartbeat": heartbeat}
+    import tomli_w
+
+    try:  # validated by the same code that reads it, before anything is written
+        cfg = parse_config(tomli_w.dumps(raw), config_path)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        write_config(cfg, config_path)
+    except OSError as e:
+        raise click.ClickException(
+            f"cannot write {config_path}: {e.strerror}; pass --config PATH"
+        ) from None
+    click.echo(f"wrote {config_path}:\n")
+    click.echo(render_config(cfg))
+
+
+@agent.command("run")
+@click.option(
+    "--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None
+)
+@click.option("--nats", "nats_urls", multiple=True, envvar="LLMGW_NATS")
+def agent_run(config_path: Path | None, nats_urls: tuple[str, ...]) -> None:
+    """Run the agent in the foreground (what the llmgw-agent service runs)."""
+    from llmgw.agent.service import main as agent_main
+
+    args = (["--config", str(config_path)] if config_path else []) + [
+        a for u in nats_urls for a in ("--nats", u)
+    ]
+    agent_main.main(args=args, standalone_mode=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""`llmgw status`: the fleet as the bucket holds it, as text or JSON.
+
+Gathered from the bucket in one pass; the per-fabric weights view is computed from the
+node inventories with the controller's pure function, so it is current even when no
+controller has published `fabrics.<fabric>` yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from llmgw.bus import keys, records
+from llmgw.bus.client import Bus, decoder
+from llmgw.controller.fabrics import fabric_view, render_fabrics
+
+GIB = 1 << 30
+
+
+async def gather(bus: Bus) -> dict[str, Any]:
+    nodes = await bus.list(keys.pattern(keys.NODES), decoder(records.NodeInventory))
+    leases = await bus.list(keys.pattern(keys.LEASES), decoder(records.Lease))
+    health = await bus.list(keys.pattern(keys.HEALTH), decoder(records.Health))
+    replicas = await bus.list(keys.pattern(keys.REPLICAS), decoder(records.Replica))
+    shards = await bus.list(keys.pattern(keys.SHARDS), decoder(records.Shard))
+    placements = await bus.list(keys.pattern(keys.PLACEMENT), decoder(records.PlacementRecord))
+    desired = await bus.list(keys.pattern(keys.DESIRED), decoder(records.Desired))
+    inventories = [e.value for e in nodes.values()]
+    by_node = {
+        inv.node: {
+            "inventory": msgspec.to_builtins(inv),
+            "lease": msgspec.to_builtins(leases[keys.lease(inv.node)].value)
+            if keys.lease(inv.node) in leases
+            else None,
+            "health": msgspec.to_builtins(health[keys.health(inv.node)].value)
+            if keys.health(inv.node) in health
+            else None,
+        }
+        for inv in inventories
+    }
+    return {
+        "bucket": bus.bucket.name,
+        "nodes": by_node,
+        "fabrics": {k: msgspec.to_builtins(v) for k, v in fabric_view(inventories).items()},
+        "desired": {e.value.model: msgspec.to_builtins(e.value) for e in desired.values()},
+        "replicas": [msgspec.to_builtins(e.value) for e in replicas.values()],
+        "shards": [msgspec.to_builtins(e.value) for e in shards.values()],
+        "placement": {e.value.model: msgspec.to_builtins(e.value) for e in placements.values()},
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.0f}"
+
+
+def _gpus(g: dict[str, Any]) -> str:
+    devices = g["devices"]
+    if not devices:
+        return {
+            "no_library": "none (no NVML)",
+            "no_driver": "none (no driver)",
+            "disabled": "off (config)",
+        }.get(g["status"], f"none ({g['status']}: {g['detail']})")
+    names: dict[str, int] = {}
+    for d in devices:
+        names[d["name"]] = names.get(d["name"], 0) + 1
+    text = ", ".join(f"{n}x {name}" for name, n in names.items())
+    return text + ("" if g["status"] == "ok" else f" ({g['status']}: {g['detail']})")
+
+
+def _engines(engines: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{e['name']} {e['version'] or '?'}" for e in engines) or "none"
+
+
+def _ib(ib: list[dict[str, Any]]) -> str:
+    parts = []
+    for a in ib:
+        state = "up" if any(p["state"].upper() == "ACTIVE" for p in a["ports"]) else "down"
+        layer = " RoCE" if any(p["link_layer"] == "Ethernet" for p in a["ports"]) else ""
+        parts.append(f"{a['name']}:{a['fabric'] or '(no fabric)'} {state}{layer}")
+    return ", ".join(parts) or "none"
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def render(view: dict[str, Any], now: float) -> str:
+    lines = [f"bucket {view['bucket']}: {len(view['nodes'])} node(s)"]
+    for node_id, n in sorted(view["nodes"].items()):
+        inv, lease, health = n["inventory"], n["lease"], n["health"]
+        mem = lease["memory"] if lease else inv["memory"]
+        beat = _age(now - lease["time"]) if lease else "never"
+        phase = health["phase"] if health else "(no controller)"
+        lines.append(f"\n{node_id}  {phase}  {inv['address']}  heartbeat {beat}")
+        lines.append(
+            f"  RAM     {_gib(mem['available_bytes'])}/{_gib(mem['total_bytes'])} GiB available"
+        )
+        lines.append(f"  CPU     {inv['cpu']['count']}x {inv['cpu']['model']}")
+        lines.append(f"  GPUs    {_gpus(inv['gpus'])}")
+        lines.append(f"  engines {_engines(inv['engines'])}")
+        lines.append(f"  IB      {_ib(inv['ib'])}")
+        w = inv["weights"]
+        if w["looked"]:
+            lines.append(
+                f"  weights {len(w['models'])} model(s) in {', '.join(d['path'] for d in w['dirs'])}"
+            )
+        else:
+            lines.append("  weights not configured to look (fetch dir only)")
+        if health and health.get("reason"):
+            lines.append(f"  health  {health['reason']}")
+        if inv["from_config"]:
+            lines.append(f"  config  {', '.join(inv['from_config'])}")
+    fabrics = render_fabrics(
+        {k: msgspec.convert(v, records.FabricHoldings) for k, v in view["fabrics"].items()}
+    )
+    if fabrics:
+        lines.append("\nweights per fabric")
+        lines.extend("  " + line for line in fabrics)
+    models = sorted(
+        set(view["desired"]) | set(view["placement"]) | {r["model"] for r in view["replicas"]}
+    )
+    if models:
+        lines.append("\nmodels")
+    for model in models:
+        want = view["desired"].get(model, {}).get("replicas", 0)
+        mine = [r for r in view["replicas"] if r["model"] == model]
+        lines.append(f"  {model}: {len(mine)}/{want} replica(s)")
+        for r in sorted(mine, key=lambda r: r["rid"]):
+            where = ", ".join(m["node"] for m in r["members"])
+            shard_phases = [s["phase"] for s in view["shards"] if s["rid"] == r["rid"]]
+            ep = f"  {r['endpoint']}" if r.get("endpoint") else ""
+            lines.append(
+                f"    {r['rid']}  {r['phase']}  on {where}  shards {'/'.join(shard_phases) or '-'}{ep}"
+            )
+        p = view["placement"].get(model)
+        if p and p.get("explanation"):
+            lines.append(f"    unplaced: {p['explanation']}")
+    return "\n".join(lines)

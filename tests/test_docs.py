@@ -1,0 +1,30 @@
+"""docs/bucket.md documents every field of every record stored in the bucket."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from llmgw.bus import records
+
+DOC = (Path(__file__).parent.parent / "docs" / "bucket.md").read_text()
+
+STORED = [records.NodeInventory, records.Cpu, records.Memory, records.Gpus, records.Gpu, records.IbAdapter,
+          records.IbPort, records.EngineInstall, records.Weights, records.WeightsDir, records.HeldModel,
+          records.IncompleteModel, records.Store, records.Lease, records.Health, records.Desired, records.Replica,
+          records.ReplicaMember, records.Assignment, records.Shard, records.FabricHoldings, records.FabricModel,
+          records.ModelCopy, records.PlacementRecord, records.Leader, records.Event]
+
+
+def _documented(name: str) -> bool:
+    # `name`, `name[]`, `parent.name` or `parent.name[]`
+    return re.search(rf"`(?:[\w.\[\]]+\.)?{name}(?:\[\])?`", DOC) is not None
+
+
+@pytest.mark.parametrize("struct", STORED, ids=lambda s: s.__name__)
+def test_every_record_field_is_documented_in_bucket_md(struct) -> None:
+    missing = [f.name for f in msgspec.structs.fields(struct) if not _documented(f.name)]
+    assert not missing, f"docs/bucket.md does not mention {struct.__name__} fields {missing}"
