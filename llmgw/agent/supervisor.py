@@ -128,6 +128,9 @@ class EngineSupervisor:
             # cancelled (agent exiting) or done: the process group must not outlive us
             with anyio.CancelScope(shield=True):
                 await self._terminate(self.timing.cancel_grace)
+                if self._proc is not None:
+                    with anyio.move_on_after(5):
+                        await self._proc.aclose()
                 self._log.close()
                 self._forget_pidfile()
             self._done.set()
@@ -164,7 +167,12 @@ class EngineSupervisor:
         self._ready_at = None
         self._tail.clear()
         await self._report("starting", " ".join(self.command.argv))
-        self._log.open()
+        try:
+            self._log.open()
+        except OSError as e:
+            return (
+                f"cannot open engine log {self._log.path}: {e.strerror}; check the agent's log dir"
+            )
         self._log.write(
             f"=== llmgw {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: "
             f"{' '.join(self.command.argv)}\n".encode()
