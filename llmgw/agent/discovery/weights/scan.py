@@ -362,7 +362,10 @@ def _scan_level(s: _Scan, directory: Path, key: str, depth: int) -> bool:
     for name in listing.dirs:
         sub = directory / name
         if name.startswith("models--"):
-            _scan_hf_repo(s, sub)
+            try:
+                _scan_hf_repo(s, sub)
+            except OSError as exc:
+                s.not_weights(_hf_key(name), sub, f"unreadable: {exc.strerror or exc}")
             found = True
         elif not name.startswith(("datasets--", "spaces--")) and depth < MAX_DEPTH:
             sub_key = name if depth == 0 else f"{key}/{name}"
@@ -382,10 +385,6 @@ def _scan_dir(s: _Scan, directory: Path) -> WeightsDir:
             detail = "does not exist" if status == "missing" else "not a directory"
             return WeightsDir(path=str(directory), status=status, store=None, detail=detail)
         _scan_level(s, directory, directory.name, 0)
-    except PermissionError as exc:
-        return WeightsDir(
-            path=str(directory), status="unreadable", store=store, detail=exc.strerror or str(exc)
-        )
     except OSError as exc:
         return WeightsDir(
             path=str(directory), status="unreadable", store=store, detail=exc.strerror or str(exc)
