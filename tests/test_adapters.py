@@ -418,6 +418,7 @@ def _run_until_recorded(cmd, tmp_path: Path, extra_env: dict[str, str] | None = 
     finally:
         proc.terminate()
         proc.wait(10)
+        proc.stdout.close()
 
 
 def test_engines_accept_the_adapters_argv_and_see_its_environment(bins, gguf, model_dir, tmp_path):

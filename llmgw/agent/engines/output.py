@@ -59,6 +59,7 @@ class EngineLog:
         self._written = 0
 
     def open(self) -> None:
+        self.close()  # a restart reopens: the file may have been rotated or removed
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
         self._written = self._file.tell()
