@@ -172,6 +172,22 @@ def _up_agent_config(path: Path | None, url: str, data_dir: Path) -> AgentConfig
 
 
 async def _run_up(cfg: AgentConfig, no_agent: bool) -> None:
+
+    bus = await Bus.connect(
+        NatsSettings(urls=tuple(cfg.nats.urls), name="llmgw controller"),
+        BucketSettings(name=cfg.nats.bucket),
+        give_up_after=10,
+    )
+    try:
+        await _run_up_parts(cfg, no_agent, bus)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await bus.close()
+
+
+async def _run_up_parts(cfg: AgentConfig, no_agent: bool, bus: Bus) -> None:
+    from llmgw.controller.loop import Controller
+
     async with anyio.create_task_group() as tg:
 
         async def stop_on_signal() -> None:
@@ -181,6 +197,8 @@ async def _run_up(cfg: AgentConfig, no_agent: bool) -> None:
                     return
 
         tg.start_soon(stop_on_signal)
+        await tg.start(Controller(bus).run)
+        click.echo("controller running")
         if not no_agent:
             await tg.start(Agent(cfg).run)
             click.echo("agent running")
@@ -209,6 +227,184 @@ def status(nats: NatsSettings, bucket: BucketSettings, as_json: bool) -> None:
         click.echo(json.dumps(view, indent=2, sort_keys=True))
     else:
         click.echo(render(view, now=time.time()))
+
+
+# --- llmgw controller, place, catalog -----------------------------------------------------
+
+
+@main.command()
+@nats_options
+@click.option("--id", "controller_id", default=None, help="controller id (default: hostname-pid)")
+@click.option(
+    "--unreachable-after",
+    type=float,
+    default=15.0,
+    show_default=True,
+    help="seconds without a heartbeat before a node is unreachable",
+)
+@click.option(
+    "--lost-after",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="seconds without a heartbeat before a node is lost and its replicas move",
+)
+def controller(
+    nats: NatsSettings, bucket: BucketSettings, controller_id, unreachable_after, lost_after
+) -> None:
+    """Run a controller (several may run; one leads)."""
+    from llmgw.controller.loop import Controller, ControllerSettings
+
+    logging.getLogger("llmgw").setLevel(logging.INFO)
+    settings = ControllerSettings(unreachable_after=unreachable_after, lost_after=lost_after)
+    if controller_id:
+        settings = ControllerSettings(
+            controller_id=controller_id, unreachable_after=unreachable_after, lost_after=lost_after
+        )
+
+    async def run() -> None:
+        bus = await connect(nats, bucket)
+        try:
+            await _until_signalled(Controller(bus, settings).run)
+        finally:
+            await bus.close()
+
+    anyio.run(run)
+
+
+async def _until_signalled(*runners) -> None:
+    async with anyio.create_task_group() as tg:
+
+        async def stop_on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(stop_on_signal)
+        for run in runners:
+            tg.start_soon(run)
+
+
+@main.command()
+@click.argument("model")
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=0),
+    required=True,
+    help="how many replicas (0 removes them)",
+)
+@click.option("--profile", default=None, help="catalog profile (default: the first that fits)")
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="follow until every replica is ready or the controller explains why not",
+)
+@click.option(
+    "--dry-run", is_flag=True, help="compute the plan from the current bucket; write nothing"
+)
+@click.option(
+    "--timeout", type=float, default=600.0, show_default=True, help="seconds --wait follows for"
+)
+@nats_options
+def place(
+    model, replicas, profile, wait, dry_run, timeout, nats: NatsSettings, bucket: BucketSettings
+) -> None:
+    """Ask for N replicas of MODEL, then show where they go and why."""
+    from llmgw.placing import dry_run_plan, follow_placement, write_desired
+
+    async def run() -> int:
+        bus = await connect(nats, bucket)
+        try:
+            if dry_run:
+                for line in await dry_run_plan(bus, model, replicas, profile):
+                    click.echo(line)
+                return 0
+            written_at = await write_desired(bus, model, replicas, profile)
+            click.echo(
+                f"desired.{model}: {replicas} replica(s)"
+                + (f", profile {profile}" if profile else "")
+            )
+            return await follow_placement(
+                bus, model, written_at, wait=wait, timeout=timeout, echo=click.echo
+            )
+        finally:
+            await bus.close()
+
+    try:
+        code = anyio.run(run)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    raise SystemExit(code)
+
+
+@main.group()
+def catalog() -> None:
+    """The model catalog (catalog.<model> keys)."""
+
+
+@catalog.command("apply")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@nats_options
+def catalog_apply(path: Path, nats: NatsSettings, bucket: BucketSettings) -> None:
+    """Validate a TOML catalog and write it; an invalid catalog is refused whole."""
+    from llmgw.catalog import CatalogError, decode_model, encode_model, load_catalog_toml
+
+    try:
+        models = load_catalog_toml(path)
+    except CatalogError as e:
+        raise click.ClickException(
+            f"catalog refused, nothing written ({len(e.errors)} error(s)):\n  "
+            + "\n  ".join(e.errors)
+        ) from None
+
+    async def run() -> None:
+        bus = await connect(nats, bucket)
+        try:
+            for m in models:
+                key = keys.catalog(m.id)
+                old = await bus.get(key, lambda b, i=m.id: decode_model(b, i))
+                if old is not None and old.value == m:
+                    click.echo(f"{key}: unchanged")
+                    continue
+                await bus.put(key, encode_model(m))
+                click.echo(f"{key}: {'updated' if old else 'created'}")
+        finally:
+            await bus.close()
+
+    anyio.run(run)
+
+
+@catalog.command("ls")
+@nats_options
+@json_option
+def catalog_ls(nats: NatsSettings, bucket: BucketSettings, as_json: bool) -> None:
+    """List the models in the catalog."""
+    from llmgw.catalog import decode_model
+
+    async def run():
+        bus = await connect(nats, bucket)
+        try:
+            entries = await bus.list(keys.pattern(keys.CATALOG), lambda b: decode_model(b))
+            return [e.value for e in entries.values()]
+        finally:
+            await bus.close()
+
+    models = anyio.run(run)
+    if as_json:
+        click.echo(json.dumps(msgspec.to_builtins(models), indent=2))
+        return
+    for m in sorted(models, key=lambda m: m.id):
+        if m.endpoints:
+            click.echo(f"{m.id}  ({m.served_name})  static endpoints: {', '.join(m.endpoints)}")
+            continue
+        profiles = "; ".join(
+            f"{p.name}: {p.engine}, "
+            + (f"{p.nodes}x{p.gpus_per_node} GPU" if p.gpus_per_node else "CPU")
+            + (f" >= {p.gpu_memory_gb:g} GB" if p.gpu_memory_gb else "")
+            for p in m.profiles
+        )
+        click.echo(f"{m.id}  ({m.served_name})  {profiles}")
 
 
 # --- llmgw agent ------------------------------------------------------------------------

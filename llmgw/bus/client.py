@@ -296,8 +296,13 @@ class Bus:
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
 
-    async def delete(self, key: str) -> None:
-        await self.kv.delete(key)
+    async def delete(self, key: str, last: int | None = None) -> bool:
+        """Delete; with `last`, only if the key is still at that revision (False if not)."""
+        try:
+            await self.kv.delete(key, last=last)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+        return True
 
     async def get_raw(self, key: str) -> tuple[bytes, int] | None:
         try:

@@ -1,0 +1,496 @@
+"""The reconcile loop: level-triggered, stateless, safe to kill at any moment.
+
+Every pass reads the whole view (kept current by one watch of the bucket), computes what
+the bucket should hold, and writes only the differences: health per node, the per-fabric
+weights view, replicas and their phases, assignments derived from the replicas, and the
+placement record with its explanation. Replicas are written before their assignments and
+assignments are derived from replicas on every pass, so a controller killed between two
+writes finishes the job after its restart instead of duplicating or orphaning anything.
+One controller leads through the `leader` key; the others watch and take over when its
+revision stops moving for `leader_ttl` seconds (judged on their own clock).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import anyio
+import msgspec
+
+from llmgw.bus import keys, records
+from llmgw.bus.client import Bus, Synced, Update
+from llmgw.controller import placement
+from llmgw.controller.fabrics import fabric_view
+from llmgw.controller.liveness import LOST_AFTER_S, UNREACHABLE_AFTER_S, LivenessTracker
+from llmgw.controller.view import View
+
+log = logging.getLogger(__name__)
+
+_SEVERITY = {"ready": 0, "unreachable": 1, "lost": 2}
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    controller_id: str = field(
+        default_factory=lambda: f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+    )
+    unreachable_after: float = UNREACHABLE_AFTER_S
+    lost_after: float = LOST_AFTER_S
+    leader_ttl: float = 10.0
+    tick: float = 1.0
+    resync: float = 10.0  # a full pass at least this often, even with nothing new
+    port_range: tuple[int, int] = placement.DEFAULT_PORTS
+
+
+class Controller:
+    def __init__(self, bus: Bus, settings: ControllerSettings | None = None) -> None:
+        self.bus = bus
+        self.settings = settings or ControllerSettings()
+        self.view = View()
+        self.tracker = LivenessTracker(self.settings.unreachable_after, self.settings.lost_after)
+        self.leading = False
+        self._synced = anyio.Event()
+        self._dirty = True
+        self._held: dict[str, tuple[str, int]] = {}  # node -> (stored phase, seq at start)
+        self._leader_seen: tuple[int, float] = (0, 0.0)  # (revision, when first seen)
+        self._my_rev = 0
+        self._qualifying: dict[str, set[str]] = {}
+        self.passes = 0
+
+    @property
+    def id(self) -> str:
+        return self.settings.controller_id
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[Controller] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._follow_bucket)
+                await self._synced.wait()
+                tg.start_soon(self._lead)
+                task_status.started(self)
+                await self._reconcile_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._resign()
+
+    # --- the view -------------------------------------------------------------------------
+
+    async def _follow_bucket(self) -> None:
+        async for item in self.bus.watch(">", lambda data: data):
+            if isinstance(item, Synced):
+                if not self._synced.is_set():
+                    self._hold_stored_phases()
+                    self._synced.set()
+                self._dirty = True
+                continue
+            self._apply(item)
+
+    def _apply(self, item: Update[bytes]) -> None:
+        family = self.view.apply(item.key, item.value, item.revision)
+        if family == keys.LEASES:
+            parsed = keys.parse(item.key)
+            assert parsed is not None
+            node = parsed.ids[0]
+            lease = self.view.leases.get(node)
+            if lease is not None:
+                self.tracker.observe(node, lease.seq, time.monotonic())
+                held = self._held.get(node)
+                if held is not None and held[1] != lease.seq:
+                    del self._held[node]  # it moved: alive again
+            else:
+                self.tracker.forget(node)
+        elif family == keys.LEADER:
+            if self.view.leader_rev != self._leader_seen[0]:
+                self._leader_seen = (self.view.leader_rev, time.monotonic())
+        elif family not in (None, keys.HEALTH, keys.PLACEMENT, keys.FABRICS):
+            self._dirty = True
+
+    def _hold_stored_phases(self) -> None:
+        # A restarted controller gives every node a fresh grace period, so it never declares
+        # the fleet lost; but a node already recorded lost stays lost until its lease moves,
+        # so the grace period never places replicas on a dead node.
+        for node, h in self.view.health.items():
+            if h.phase != "ready":
+                lease = self.view.leases.get(node)
+                self._held[node] = (h.phase, lease.seq if lease else -1)
+
+    def phases(self, now: float) -> dict[str, str]:
+        out = {}
+        for node in self.view.nodes:
+            phase = self.tracker.phase(node, now) or "unreachable"  # inventory but no lease yet
+            held = self._held.get(node)
+            if held is not None and _SEVERITY[held[0]] > _SEVERITY[phase]:
+                phase = held[0]
+            out[node] = phase
+        return out
+
+    # --- leadership -----------------------------------------------------------------------
+
+    async def _lead(self) -> None:
+        interval = self.settings.leader_ttl / 3
+        while True:
+            try:
+                await self._leadership_step()
+            except Exception as e:  # noqa: BLE001 - NATS away: try again next interval
+                log.debug("leadership step failed: %s", e)
+            await anyio.sleep(interval)
+
+    async def _leadership_step(self) -> None:
+        now = time.time()
+        if self.leading:
+            rev = await self.bus.update(keys.leader(), self._leader_record(now), last=self._my_rev)
+            if rev is None:
+                self._step_down("another controller took the leader key")
+            else:
+                self._my_rev = rev
+            return
+        current = self.view.leader
+        if current is None:
+            rev = await self.bus.create(keys.leader(), self._leader_record(now, since=now))
+        else:
+            seen_rev, seen_at = self._leader_seen
+            if current.holder != self.id and time.monotonic() - seen_at < self.settings.leader_ttl:
+                return
+            rev = await self.bus.update(
+                keys.leader(), self._leader_record(now, since=now), last=seen_rev
+            )
+        if rev is not None:
+            self._my_rev = rev
+            self.leading = True
+            self._dirty = True
+            prev = current.holder if current else None
+            log.info("controller %s leads (previous: %s)", self.id, prev or "none")
+            await self.bus.publish_event(
+                "leader", keys.sanitize_token(self.id), f"controller {self.id} leads", previous=prev
+            )
+
+    def _leader_record(self, now: float, since: float | None = None) -> records.Leader:
+        held = self.view.leader
+        start = (
+            since if since is not None else (held.since if held and held.holder == self.id else now)
+        )
+        return records.Leader(holder=self.id, since=start, renewed_at=now)
+
+    def _step_down(self, why: str) -> None:
+        if self.leading:
+            log.warning("controller %s stops leading: %s", self.id, why)
+        self.leading = False
+
+    async def _resign(self) -> None:
+        if self.leading and self._my_rev:
+            try:
+                with anyio.move_on_after(1):
+                    await self.bus.delete(
+                        keys.leader(), last=self._my_rev
+                    )  # others take over at once
+            except Exception:  # noqa: BLE001
+                pass
+        self.leading = False
+
+    # --- reconcile --------------------------------------------------------------------------
+
+    async def _reconcile_forever(self) -> None:
+        last_full = 0.0
+        while True:
+            now = time.monotonic()
+            if self.leading:
+                changed = await self._write_health(now)
+                if self._dirty or changed or now - last_full >= self.settings.resync:
+                    self._dirty = False
+                    last_full = now
+                    try:
+                        await self.reconcile(now)
+                    except Exception:  # noqa: BLE001 - the next pass starts from the bucket again
+                        log.exception("reconcile pass failed; retrying")
+                        self._dirty = True
+            await anyio.sleep(self.settings.tick)
+
+    async def _write_health(self, now: float) -> bool:
+        changed = False
+        for node, phase in self.phases(now).items():
+            stored = self.view.health.get(node)
+            if stored is not None and stored.phase == phase:
+                continue
+            reason = (
+                self.tracker.reason(node, now) if node in self.view.leases else "no heartbeat seen"
+            )
+            if node in self._held and phase == self._held[node][0]:
+                reason = f"recorded {phase} before this controller started; waiting for its lease to move"
+            lease = self.view.leases.get(node)
+            record = records.Health(
+                node=node,
+                phase=phase,
+                since=time.time(),
+                reason=reason,
+                last_seq=lease.seq if lease else 0,
+            )
+            await self.bus.put(keys.health(node), record)
+            self.view.health[node] = record
+            changed = True
+            previous = stored.phase if stored else None
+            level = logging.INFO if phase == "ready" else logging.WARNING
+            log.log(level, "node %s: %s -> %s (%s)", node, previous or "new", phase, reason)
+            await self.bus.publish_event(
+                f"node-{phase}", node, f"node {node} is {phase}: {reason}", previous=previous
+            )
+        for node in [n for n in self.view.health if n not in self.view.nodes]:
+            await self.bus.delete(keys.health(node))  # decommissioned: its inventory was removed
+            self.view.health.pop(node, None)
+        return changed
+
+    def snapshot(self, now_wall: float) -> placement.Snapshot:
+        v = self.view
+        return placement.Snapshot(
+            catalog=v.catalog,
+            desired=v.desired,
+            inventories=v.nodes,
+            health=self.phases(time.monotonic()),
+            replicas=list(v.replicas.values()),
+            fabrics=fabric_view(v.nodes.values()),
+            leases=v.leases,
+            port_range=self.settings.port_range,
+            now=now_wall,
+        )
+
+    async def reconcile(self, now: float) -> None:
+        self.passes += 1
+        wall = time.time()
+        snap = self.snapshot(wall)
+        await self._write_fabrics(snap.fabrics or {})
+        plan = placement.plan(snap)
+        invalid = self.view.invalid_catalog()
+        # A catalog entry garbled by hand is not a removed model: leave its replicas alone.
+        removals = [r for r in plan.remove if r.model not in invalid]
+        for replica in plan.create:
+            await self.bus.put(keys.replica(replica.model, replica.rid), replica)
+            self.view.replicas[replica.rid] = replica
+            where = ", ".join(m.node for m in replica.members)
+            log.info("placed %s %s on %s: %s", replica.model, replica.rid, where, replica.reason)
+            await self.bus.publish_event(
+                "placed",
+                replica.model,
+                f"{replica.model} {replica.rid} placed on {where}",
+                rid=replica.rid,
+                nodes=[m.node for m in replica.members],
+                reason=replica.reason,
+            )
+        for removal in removals:
+            replica = self.view.replicas.get(removal.rid)
+            if replica is not None and replica.phase not in ("draining", "stopped"):
+                drained = msgspec.structs.replace(replica, phase="draining", reason=removal.reason)
+                await self.bus.put(keys.replica(replica.model, replica.rid), drained)
+                self.view.replicas[replica.rid] = drained
+                log.info("draining %s %s: %s", replica.model, replica.rid, removal.reason)
+                await self.bus.publish_event(
+                    "draining",
+                    replica.model,
+                    f"{replica.model} {replica.rid}: {removal.reason}",
+                    rid=replica.rid,
+                )
+        phases = snap.health
+        await self._sync_replica_phases(phases)
+        await self._sync_assignments()
+        await self._write_placements(plan, invalid)
+        await self._report_qualifying(snap)
+
+    async def _write_fabrics(self, view: dict[str, records.FabricHoldings]) -> None:
+        for name, holdings in view.items():
+            if self.view.fabrics.get(name) != holdings:
+                await self.bus.put(keys.fabric(name), holdings)
+                self.view.fabrics[name] = holdings
+        for name in [n for n in self.view.fabrics if n not in view]:
+            await self.bus.delete(keys.fabric(name))
+            self.view.fabrics.pop(name, None)
+
+    async def _sync_replica_phases(self, phases: dict[str, str]) -> None:
+        for rid, replica in list(self.view.replicas.items()):
+            shards = [self.view.shards.get((m.node, rid)) for m in replica.members]
+            if replica.phase == "draining":
+                if all(
+                    _member_done(m.node, s, phases)
+                    for m, s in zip(replica.members, shards, strict=True)
+                ):
+                    await self._forget_replica(replica, "drained")
+                continue
+            phase, endpoint = _phase_from_shards(replica, shards)
+            if (phase, endpoint) != (replica.phase, replica.endpoint):
+                updated = msgspec.structs.replace(replica, phase=phase, endpoint=endpoint)
+                await self.bus.put(keys.replica(replica.model, rid), updated)
+                self.view.replicas[rid] = updated
+                if phase in ("ready", "failed"):
+                    log.info(
+                        "%s %s is %s%s",
+                        replica.model,
+                        rid,
+                        phase,
+                        f" at {endpoint}" if endpoint else "",
+                    )
+                    await self.bus.publish_event(
+                        phase,
+                        replica.model,
+                        f"{replica.model} {rid} is {phase}",
+                        rid=rid,
+                        endpoint=endpoint,
+                    )
+
+    async def _forget_replica(self, replica: records.Replica, why: str) -> None:
+        for m in replica.members:
+            if (m.node, replica.rid) in self.view.assigns:
+                await self.bus.delete(keys.assign(m.node, replica.rid))
+                self.view.assigns.pop((m.node, replica.rid), None)
+        await self.bus.delete(keys.replica(replica.model, replica.rid))
+        self.view.replicas.pop(replica.rid, None)
+        log.info("removed %s %s: %s", replica.model, replica.rid, why)
+        await self.bus.publish_event(
+            "removed",
+            replica.model,
+            f"{replica.model} {replica.rid} removed: {why}",
+            rid=replica.rid,
+        )
+
+    def _wanted_assignments(self) -> dict[tuple[str, str], records.Assignment]:
+        wanted: dict[tuple[str, str], records.Assignment] = {}
+        for rid, r in self.view.replicas.items():
+            rank0 = next((m for m in r.members if m.rank == 0), r.members[0])
+            master = self.view.nodes[rank0.node].address if rank0.node in self.view.nodes else ""
+            fabric = _shared_fabric(r, self.view.nodes) if len(r.members) > 1 else None
+            action = "drain" if r.phase == "draining" else "run"
+            for m in r.members:
+                wanted[(m.node, rid)] = records.Assignment(
+                    model=r.model,
+                    rid=rid,
+                    profile=r.profile,
+                    action=action,
+                    generation=0,
+                    rank=m.rank,
+                    nodes=len(r.members),
+                    master_addr=master,
+                    gpus=list(m.gpus),
+                    port=m.port,
+                    fabric=fabric,
+                )
+        return wanted
+
+    async def _sync_assignments(self) -> None:
+        wanted = self._wanted_assignments()
+        for (node, rid), want in wanted.items():
+            have = self.view.assigns.get((node, rid))
+            if have is not None and msgspec.structs.replace(have, generation=0) == want:
+                continue
+            record = msgspec.structs.replace(want, generation=(have.generation + 1) if have else 1)
+            await self.bus.put(keys.assign(node, rid), record)
+            self.view.assigns[(node, rid)] = record
+        for node, rid in [k for k in self.view.assigns if k not in wanted]:
+            await self.bus.delete(keys.assign(node, rid))  # its replica is gone: an orphan
+            self.view.assigns.pop((node, rid), None)
+
+    async def _write_placements(self, plan: placement.Plan, invalid: dict[str, str]) -> None:
+        records_by_model = dict(plan.placements)
+        for model, why in invalid.items():
+            current = self.view.placements.get(model)
+            placed = sum(
+                1 for r in self.view.replicas.values() if r.model == model and r.phase != "draining"
+            )
+            records_by_model[model] = records.PlacementRecord(
+                model=model,
+                desired=self.view.desired[model].replicas if model in self.view.desired else 0,
+                placed=placed,
+                explanation=f"catalog entry is invalid, nothing changed until it is fixed: {why}",
+                reasons={"invalid-catalog": 1},
+                decided_at=time.time(),
+                decisions=current.decisions if current else [],
+            )
+        for model, rec in records_by_model.items():
+            old = self.view.placements.get(model)
+            if old is not None and _same_decision(old, rec):
+                continue
+            await self.bus.put(keys.placement(model), rec)
+            self.view.placements[model] = rec
+            if rec.explanation:
+                log.info("%s: %d/%d placed; %s", model, rec.placed, rec.desired, rec.explanation)
+                await self.bus.publish_event(
+                    "unplaced",
+                    model,
+                    f"{model}: {rec.explanation}",
+                    desired=rec.desired,
+                    placed=rec.placed,
+                    reasons=rec.reasons,
+                )
+        for model in [
+            m
+            for m in self.view.placements
+            if m not in records_by_model and m not in self.view.desired
+        ]:
+            await self.bus.delete(keys.placement(model))
+            self.view.placements.pop(model, None)
+
+    async def _report_qualifying(self, snap: placement.Snapshot) -> None:
+        """Log and publish when a node starts or stops qualifying for a model still waiting:
+        the answer to "why was this placed an hour after it was asked for"."""
+        waiting = {m for m, p in self.view.placements.items() if p.placed < p.desired}
+        for model in list(self._qualifying):
+            if model not in waiting:
+                del self._qualifying[model]
+        for model in waiting:
+            now_q = placement.qualifying_nodes(snap, model)
+            before = self._qualifying.get(model)
+            self._qualifying[model] = now_q
+            if before is None:
+                continue
+            for node in sorted(now_q - before):
+                log.info("node %s now qualifies for waiting model %s", node, model)
+                await self.bus.publish_event(
+                    "node-qualifies", node, f"node {node} now qualifies for {model}", model=model
+                )
+            for node in sorted(before - now_q):
+                log.info("node %s no longer qualifies for waiting model %s", node, model)
+                await self.bus.publish_event(
+                    "node-unqualifies",
+                    node,
+                    f"node {node} no longer qualifies for {model}",
+                    model=model,
+                )
+
+
+def _member_done(node: str, shard: records.Shard | None, phases: dict[str, str]) -> bool:
+    if phases.get(node, "lost") == "lost":
+        return True  # nothing left to wait for there
+    return shard is not None and shard.phase in ("stopped", "failed")
+
+
+def _phase_from_shards(
+    replica: records.Replica, shards: list[records.Shard | None]
+) -> tuple[str, str | None]:
+    present = [s for s in shards if s is not None]
+    if any(s.phase == "failed" for s in present):
+        return "failed", None
+    if present and len(present) == len(shards) and all(s.phase == "ready" for s in present):
+        rank0 = next((s for m, s in zip(replica.members, shards, strict=True) if m.rank == 0), None)
+        return "ready", rank0.endpoint if rank0 else None
+    if present:
+        return "starting", None
+    return "placed", None
+
+
+def _shared_fabric(replica: records.Replica, nodes: dict[str, records.NodeInventory]) -> str | None:
+    common: set[str] | None = None
+    for m in replica.members:
+        inv = nodes.get(m.node)
+        fabrics = inv.fabrics() if inv else set()
+        common = fabrics if common is None else common & fabrics
+    return min(common) if common else None
+
+
+def _same_decision(a: records.PlacementRecord, b: records.PlacementRecord) -> bool:
+    return (a.desired, a.placed, a.explanation, a.reasons) == (
+        b.desired,
+        b.placed,
+        b.explanation,
+        b.reasons,
+    )

@@ -1,0 +1,115 @@
+"""The controller's view of the bucket: the latest value of every key, kept by one watch.
+
+Rebuilt from scratch at every start (the controller remembers nothing across restarts).
+Values that do not decode are logged and remembered as invalid, so a catalog entry garbled
+by hand is not mistaken for a model that was removed (which would drain its replicas).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import msgspec
+
+from llmgw import catalog
+from llmgw.bus import keys, records
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class View:
+    catalog: dict[str, catalog.Model] = field(default_factory=dict)
+    invalid: dict[str, str] = field(default_factory=dict)  # key -> why it does not decode
+    desired: dict[str, records.Desired] = field(default_factory=dict)
+    nodes: dict[str, records.NodeInventory] = field(default_factory=dict)
+    leases: dict[str, records.Lease] = field(default_factory=dict)
+    health: dict[str, records.Health] = field(default_factory=dict)
+    fabrics: dict[str, records.FabricHoldings] = field(default_factory=dict)
+    replicas: dict[str, records.Replica] = field(default_factory=dict)  # rid -> replica
+    assigns: dict[tuple[str, str], records.Assignment] = field(default_factory=dict)  # (node, rid)
+    shards: dict[tuple[str, str], records.Shard] = field(default_factory=dict)
+    placements: dict[str, records.PlacementRecord] = field(default_factory=dict)
+    leader: records.Leader | None = None
+    leader_rev: int = 0
+
+    def apply(self, key: str, data: bytes | None, revision: int) -> str | None:
+        """Apply one change; returns the key family it touched (None: not ours)."""
+        parsed = keys.parse(key)
+        if parsed is None:
+            log.debug("ignoring key %s: not an llmgw key", key)
+            return None
+        prefix, ids = parsed.prefix, parsed.ids
+        self.invalid.pop(key, None)
+        try:
+            value = None if data is None else self._decode(prefix, ids, data)
+        except (
+            msgspec.DecodeError,
+            msgspec.ValidationError,
+            catalog.CatalogError,
+            ValueError,
+        ) as e:
+            self.invalid[key] = str(e)
+            log.warning(
+                "skipping %s (revision %d): %s; fix it or remove it with `nats kv del` ",
+                key,
+                revision,
+                e,
+            )
+            value = None
+            if prefix == keys.CATALOG:
+                return prefix  # keep nothing, but remember it is invalid rather than absent
+        self._store(prefix, ids, value, revision)
+        return prefix
+
+    @staticmethod
+    def _decode(prefix: str, ids: tuple[str, ...], data: bytes):
+        if prefix == keys.CATALOG:
+            return catalog.decode_model(data, ids[0])
+        return records.decode(data, _TYPES[prefix])
+
+    def _store(self, prefix: str, ids: tuple[str, ...], value, revision: int) -> None:
+        if prefix == keys.LEADER:
+            self.leader, self.leader_rev = value, (revision if value is not None else 0)
+            return
+        table, k = self._slot(prefix, ids)
+        if value is None:
+            table.pop(k, None)
+        else:
+            table[k] = value
+
+    def _slot(self, prefix: str, ids: tuple[str, ...]):
+        return {
+            keys.CATALOG: (self.catalog, ids[0]),
+            keys.DESIRED: (self.desired, ids[0]),
+            keys.NODES: (self.nodes, ids[0]),
+            keys.LEASES: (self.leases, ids[0]),
+            keys.HEALTH: (self.health, ids[0]),
+            keys.FABRICS: (self.fabrics, ids[0]),
+            keys.REPLICAS: (self.replicas, ids[-1]),
+            keys.ASSIGN: (self.assigns, ids),
+            keys.SHARDS: (self.shards, ids),
+            keys.PLACEMENT: (self.placements, ids[0]),
+        }[prefix]
+
+    def invalid_catalog(self) -> dict[str, str]:
+        return {
+            k.split(".", 1)[1]: why
+            for k, why in self.invalid.items()
+            if k.startswith(keys.CATALOG + ".")
+        }
+
+
+_TYPES = {
+    keys.DESIRED: records.Desired,
+    keys.NODES: records.NodeInventory,
+    keys.LEASES: records.Lease,
+    keys.HEALTH: records.Health,
+    keys.FABRICS: records.FabricHoldings,
+    keys.REPLICAS: records.Replica,
+    keys.ASSIGN: records.Assignment,
+    keys.SHARDS: records.Shard,
+    keys.PLACEMENT: records.PlacementRecord,
+    keys.LEADER: records.Leader,
+}

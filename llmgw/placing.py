@@ -1,0 +1,140 @@
+"""`llmgw place`: write desired.<model>, then show what the controller decides (or, with
+--dry-run, what it would decide from the bucket as it is now)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import anyio
+
+from llmgw.bus import keys, records
+from llmgw.bus.client import Bus, decoder
+from llmgw.catalog import decode_model
+from llmgw.controller import placement
+from llmgw.controller.fabrics import fabric_view
+from llmgw.controller.view import View
+
+
+async def _check_model(bus: Bus, model: str, profile: str | None) -> None:
+    keys.check_token(model, "model id")
+    entry = await bus.get(keys.catalog(model), lambda b: decode_model(b, model))
+    if entry is None:
+        raise ValueError(
+            f"model {model!r} is not in the catalog (or its entry is invalid): "
+            "add it with `llmgw catalog apply FILE.toml`; `llmgw catalog ls` lists what is there"
+        )
+    if profile and entry.value.profile(profile) is None:
+        names = ", ".join(p.name for p in entry.value.profiles) or "none: static endpoints"
+        raise ValueError(f"model {model!r} has no profile {profile!r} (profiles: {names})")
+
+
+async def write_desired(bus: Bus, model: str, replicas: int, profile: str | None) -> float:
+    await _check_model(bus, model, profile)
+    now = time.time()
+    await bus.put(
+        keys.desired(model),
+        records.Desired(model=model, replicas=replicas, profile=profile, updated_at=now),
+    )
+    return now
+
+
+async def load_view(bus: Bus) -> View:
+    view = View()
+    for key, entry in (await bus.list(">", lambda b: b)).items():
+        view.apply(key, entry.value, entry.revision)
+    return view
+
+
+async def dry_run_plan(bus: Bus, model: str, replicas: int, profile: str | None) -> list[str]:
+    await _check_model(bus, model, profile)
+    view = await load_view(bus)
+    desired = dict(view.desired)
+    desired[model] = records.Desired(
+        model=model, replicas=replicas, profile=profile, updated_at=time.time()
+    )
+    # The controller's phases where it wrote them; a node it has not judged yet counts as
+    # ready if it has a lease. A dry run cannot see how fresh a lease is.
+    health = {
+        n: (
+            view.health[n].phase
+            if n in view.health
+            else ("ready" if n in view.leases else "unreachable")
+        )
+        for n in view.nodes
+    }
+    snap = placement.Snapshot(
+        catalog=view.catalog,
+        desired=desired,
+        inventories=view.nodes,
+        health=health,
+        replicas=list(view.replicas.values()),
+        fabrics=fabric_view(view.nodes.values()),
+        leases=view.leases,
+        now=time.time(),
+    )
+    plan = placement.plan(snap)
+    lines = [f"dry run: {model} x{replicas} (nothing written)"]
+    rec = plan.placements.get(model)
+    for r in plan.create:
+        if r.model == model:
+            lines.append(f"  would place {r.rid} on {_members(r)}: {r.reason}")
+    for rm in plan.remove:
+        if rm.model == model:
+            lines.append(f"  would remove {rm.rid}: {rm.reason}")
+    if rec is not None:
+        lines.append(
+            f"  {rec.placed}/{rec.desired} placed"
+            + (f"; {rec.explanation}" if rec.explanation else "")
+        )
+    return lines
+
+
+def _members(r: records.Replica) -> str:
+    return ", ".join(
+        f"{m.node} (rank {m.rank}, {len(m.gpus)} GPU, port {m.port})" for m in r.members
+    )
+
+
+async def follow_placement(
+    bus: Bus, model: str, since: float, *, wait: bool, timeout: float, echo: Callable[[str], None]
+) -> int:
+    """Print the controller's decision once it is made after `since`; with `wait`, follow
+    until all replicas are ready (exit 0) or the controller explains why not (exit 1)."""
+    shown: dict[str, str] = {}
+    last_explanation = None
+    deadline = time.monotonic() + (timeout if wait else 5.0)
+    decided = False
+    while time.monotonic() < deadline:
+        rec = await bus.get(keys.placement(model), decoder(records.PlacementRecord))
+        reps = await bus.list(f"{keys.REPLICAS}.{model}.*", decoder(records.Replica))
+        if rec is not None and rec.value.decided_at >= since:
+            decided = True
+        if decided:
+            for e in sorted(reps.values(), key=lambda e: e.value.rid):
+                r = e.value
+                line = f"  {r.rid} {r.phase} on {_members(r)}" + (
+                    f" at {r.endpoint}" if r.endpoint else ""
+                )
+                if shown.get(r.rid) != line:
+                    shown[r.rid] = line
+                    echo(
+                        line
+                        + (f"\n      why: {r.reason}" if r.reason and r.rid not in shown else "")
+                    )
+            p = rec.value if rec else None
+            if p and p.explanation and p.explanation != last_explanation:
+                last_explanation = p.explanation
+                echo(f"  {p.placed}/{p.desired} placed: {p.explanation}")
+            live = [e.value for e in reps.values() if e.value.phase != "draining"]
+            if p and not wait:
+                return 0
+            if p and p.desired == len(live) and all(r.phase == "ready" for r in live):
+                echo(f"  {len(live)}/{p.desired} ready")
+                return 0
+            if p and p.explanation and p.placed < p.desired:
+                return 1
+        await anyio.sleep(0.2)
+    if not decided:
+        echo("  no controller has decided yet: is one running? (`llmgw up` or `llmgw controller`)")
+    return 0 if not wait else 2
