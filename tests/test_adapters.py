@@ -166,6 +166,11 @@ def test_vllm_tp8_argv_defaults_tensor_parallel_to_the_gpus_of_the_node():
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": ",".join(UUIDS), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
+def test_vllm_parallel_bounds_concurrent_sequences():
+    cmd = adapter_for("vllm").command(vllm_spec("vllm", Path("/w/m"), parallel=64))
+    assert cmd.argv[cmd.argv.index("--max-num-seqs") + 1] == "64"
+
+
 def test_vllm_two_nodes_rank0_serves_and_rank1_joins_headless_over_the_fabric():
     common = dict(
         nodes=2,
@@ -386,16 +391,6 @@ def test_profile_without_weights_or_source_and_multinode_llama_are_refused(bins,
     reasons = validate_launch(spec, node)
     assert "names neither a weights path" in reasons[0]
     assert "llama-server runs on one node" in reasons[1]
-
-
-def test_validation_takes_milliseconds(bins, node, gguf):
-    # not a timing assertion: a sanity bound so a blocking call (engine --version) can't creep in
-    import time
-
-    spec = llama_spec(str(bins["llama-server"]), gguf)
-    t = time.perf_counter()
-    validate_launch(spec, node)
-    assert time.perf_counter() - t < 0.5
 
 
 # --- the argv is what the engine accepts -------------------------------------------------

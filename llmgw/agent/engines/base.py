@@ -37,7 +37,7 @@ class LaunchSpec:
     gpu_uuids: tuple[str, ...] = ()  # empty = CPU only (GPUs hidden from the engine)
     gpu_memory_gb: float | None = None  # per GPU the profile needs (decimal GB, as sold)
     context: int | None = None
-    parallel: int | None = None  # llama-server slots (-np); vllm has no equivalent flag
+    parallel: int | None = None  # concurrent requests: llama-server -np, vLLM --max-num-seqs
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     api_key: str | None = None  # passed through the environment, never argv (ps shows argv)

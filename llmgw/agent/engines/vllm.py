@@ -36,6 +36,7 @@ MANAGED = FlagTable(
         Flag(("--master-port",)),
         Flag(("--headless",), takes_value=False),
         Flag(("--max-model-len",)),
+        Flag(("--max-num-seqs",)),
         Flag(("--api-key",)),
         Flag(("--distributed-executor-backend",)),  # this adapter runs without Ray
     ],
@@ -49,7 +50,6 @@ KNOWN = FlagTable(
         Flag(("-q", "--quantization")),
         Flag(("-O", "--compilation-config")),
         Flag(("--gpu-memory-utilization",)),
-        Flag(("--max-num-seqs",)),
         Flag(("--max-num-batched-tokens",)),
         Flag(("--dtype",)),
         Flag(("--kv-cache-dtype",)),
@@ -103,6 +103,9 @@ class VllmAdapter:
             argv += ["--download-dir", spec.fetch_dir]
         if spec.context:
             argv += ["--max-model-len", str(spec.context)]
+        if spec.parallel:
+            # the profile's concurrency: llama-server's slots, vLLM's running sequences
+            argv += ["--max-num-seqs", str(spec.parallel)]
         if spec.nodes > 1:
             argv += ["--nnodes", str(spec.nodes), "--node-rank", str(spec.rank)]
             argv += ["--master-addr", spec.master_addr]
@@ -179,10 +182,5 @@ class VllmAdapter:
         if not 0 <= spec.rank < max(1, spec.nodes):
             reasons.append(
                 f"rank {spec.rank} is outside 0..{spec.nodes - 1} for {spec.nodes} nodes"
-            )
-        if spec.parallel:
-            reasons.append(
-                "vLLM has no slot count: remove parallel from the profile "
-                "(use --max-num-seqs in extra_args to bound concurrency)"
             )
         return reasons
