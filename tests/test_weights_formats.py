@@ -194,6 +194,17 @@ def test_gguf_with_bad_header_is_not_complete(tmp_path: Path, data: bytes, probl
     assert not check.complete and check.problem == problem
 
 
+def test_gguf_with_zeros_inside_its_header_is_not_complete(tmp_path: Path) -> None:
+    # a preallocated download: full size, the header only partly written
+    size = write_gguf(tmp_path / "m.gguf", vocab=2000)
+    with (tmp_path / "m.gguf").open("r+b") as f:
+        f.seek(4000)
+        f.write(b"\0" * (size - 4000))
+    check = check_gguf(tmp_path / "m.gguf")
+    assert not check.complete and check.problem == "header does not parse"
+    assert "zeros" in check.detail
+
+
 def test_big_endian_gguf_is_read(tmp_path: Path) -> None:
     writer = gguf.GGUFWriter(str(tmp_path / "be.gguf"), "llama", endianess=gguf.GGUFEndian.BIG)
     writer.add_tensor("w", np.ones((4, 8), dtype=np.float32).byteswap())

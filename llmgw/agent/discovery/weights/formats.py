@@ -274,6 +274,8 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 _GGUF_MAX_TENSORS = 1_000_000
 _GGUF_MAX_KV = 100_000
 _GGUF_MAX_DIMS = 8
+# zeros parse as empty strings: a file preallocated (aria2) or sparse where the header goes
+_ZEROS = "empty key or tensor name: zeros where the header should be (a download in progress?)"
 
 
 class _Truncated(Exception):
@@ -285,26 +287,57 @@ class _Malformed(Exception):
 
 
 class _Reader:
-    """Sequential reads of a GGUF header from a buffered file, bounded by the file size."""
+    """Sequential reads of a GGUF header through an in-memory window of the file, bounded by
+    the file size. A vocabulary is ~150k strings, so the string-array loop stays in memory
+    rather than costing a call into the file object per token."""
 
-    def __init__(self, f: BinaryIO, size: int, endian: str) -> None:
-        self.f, self.size, self.e = f, size, endian
-        self.pos = 0
+    _CHUNK = 1 << 20
 
-    def take(self, n: int) -> bytes:
+    def __init__(self, f: BinaryIO, size: int) -> None:
+        self.f, self.size = f, size
+        self.e = "<"
+        self.buf = b""
+        self.off = 0  # position in buf
+        self.base = f.tell()  # file position of buf[0]
+
+    @property
+    def pos(self) -> int:
+        return self.base + self.off
+
+    def _fill(self, n: int) -> None:
+        """Make n bytes available at self.off."""
         if self.pos + n > self.size:
             raise _Truncated
-        data = self.f.read(n)
-        if len(data) < n:
+        parts = [self.buf[self.off :]]
+        have = len(parts[0])
+        want = max(n, self._CHUNK)
+        while have < want:
+            more = self.f.read(want - have)  # a raw read may return less: loop
+            if not more:
+                break
+            parts.append(more)
+            have += len(more)
+        self.base += self.off
+        self.buf, self.off = b"".join(parts), 0
+        if have < n:
             raise _Truncated
-        self.pos += n
+
+    def take(self, n: int) -> bytes:
+        if self.off + n > len(self.buf):
+            self._fill(n)
+        data = self.buf[self.off : self.off + n]
+        self.off += n
         return data
 
     def skip(self, n: int) -> None:
         if self.pos + n > self.size:
             raise _Truncated
-        self.f.seek(n, os.SEEK_CUR)
-        self.pos += n
+        if self.off + n <= len(self.buf):
+            self.off += n
+            return
+        self.base = self.pos + n
+        self.f.seek(self.base)
+        self.buf, self.off = b"", 0
 
     def unpack(self, fmt: str) -> int | float | bool:
         fmt = self.e + fmt
@@ -319,8 +352,20 @@ class _Reader:
     def string(self) -> bytes:
         return self.take(self.u64())
 
-    def skip_string(self) -> None:
-        self.skip(self.u64())
+    def skip_strings(self, count: int) -> None:
+        length = struct.Struct(self.e + "Q")
+        while count:
+            # fast path: as many strings as lie wholly inside the window
+            buf, off, end = self.buf, self.off, len(self.buf)
+            while count and off + 8 <= end:
+                nxt = off + 8 + length.unpack_from(buf, off)[0]
+                if nxt > end:
+                    break
+                off, count = nxt, count - 1
+            self.off = off
+            if count:  # one string across the window's edge
+                self.skip(self.u64())
+                count -= 1
 
     def value(self, vtype: int, want: bool) -> object:
         """Read (want=True) or skip one value; arrays and strings are only ever skipped."""
@@ -331,14 +376,16 @@ class _Reader:
         elif vtype == _GGUF_STRING:
             if want:
                 return self.string()
-            self.skip_string()
+            self.skip(self.u64())
         elif vtype == _GGUF_ARRAY:
             etype, count = self.u32(), self.u64()
             if etype in _GGUF_SCALAR:
                 self.skip(count * struct.calcsize(_GGUF_SCALAR[etype]))
-            elif etype in (_GGUF_STRING, _GGUF_ARRAY):
-                if count > self.size:  # every element takes at least one byte
-                    raise _Truncated
+            elif count > self.size:  # every element takes at least one byte
+                raise _Truncated
+            elif etype == _GGUF_STRING:
+                self.skip_strings(count)
+            elif etype == _GGUF_ARRAY:
                 for _ in range(count):
                     self.value(etype, False)
             else:
@@ -372,27 +419,25 @@ def gguf_layout(f: BinaryIO, size: int) -> GgufLayout:
 
 
 def _gguf_layout(f: BinaryIO, size: int) -> GgufLayout:
-    head = f.read(8)
-    if len(head) < 8:
-        raise _Truncated
+    r = _Reader(f, size)
+    head = r.take(8)
     if head[:4] != GGUF_MAGIC:
         raise _Malformed("no GGUF magic")
     # GGUF v3 allows big-endian files; the version tells which
-    endian = "<"
     (version,) = struct.unpack("<I", head[4:])
     if version not in (2, 3) and struct.unpack(">I", head[4:])[0] in (2, 3):
-        endian = ">"
+        r.e = ">"
         (version,) = struct.unpack(">I", head[4:])
     if version not in (2, 3):
         raise _Malformed(f"GGUF version {version} is not supported (2 or 3)")
-    r = _Reader(f, size, endian)
-    r.pos = 8
     n_tensors, n_kv = r.u64(), r.u64()
     if n_tensors > _GGUF_MAX_TENSORS or n_kv > _GGUF_MAX_KV:
         raise _Malformed(f"implausible counts: {n_tensors} tensors, {n_kv} key-values")
     alignment = GGUF_DEFAULT_ALIGNMENT
     for _ in range(n_kv):
         key = r.string()
+        if not key:
+            raise _Malformed(_ZEROS)
         vtype = r.u32()
         value = r.value(vtype, key == b"general.alignment")
         if key == b"general.alignment":
@@ -408,6 +453,8 @@ def _gguf_layout(f: BinaryIO, size: int) -> GgufLayout:
     last_unknown: tuple[int, str, int] | None = None  # (offset, tensor, type) of an unsized tensor
     for _ in range(n_tensors):
         name = r.string()
+        if not name:
+            raise _Malformed(_ZEROS)
         n_dims = r.u32()
         if n_dims > _GGUF_MAX_DIMS:
             raise _Malformed(f"tensor {name[:60]!r} has {n_dims} dimensions")
@@ -415,6 +462,8 @@ def _gguf_layout(f: BinaryIO, size: int) -> GgufLayout:
         for _ in range(n_dims):
             elements *= r.u64()
         ggml_type, offset = r.u32(), r.u64()
+        if offset % alignment:
+            raise _Malformed(f"tensor {name[:60]!r} offset {offset} is not aligned to {alignment}")
         block = GGML_BLOCK.get(ggml_type)
         if block is None:
             # a newer quant type: its size is unknown, but a later tensor still bounds it
@@ -443,7 +492,7 @@ def check_gguf(path: Path) -> Check:
     """One .gguf file: complete when its size reaches the end of its last tensor."""
     name = path.name
     try:
-        with path.open("rb", buffering=1 << 20) as f:
+        with path.open("rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             layout = gguf_layout(f, size)
     except FileNotFoundError:
