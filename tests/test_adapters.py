@@ -142,6 +142,32 @@ def test_llama_download_source_uses_hf_and_lands_in_the_fetch_dir():
     assert cmd.env["LLAMA_CACHE"] == "/var/lib/llmgw-weights"
 
 
+def test_catalog_source_forms_become_the_engines_download_flags():
+    def argv(engine: str, source: str) -> list[str]:
+        make = llama_spec if engine == "llama-server" else vllm_spec
+        spec = make(engine, Path("/x"), weights_path=None, download_source=source)
+        return adapter_for(engine).command(spec).argv
+
+    assert argv("llama-server", "hf://Qwen/Qwen3-8B-GGUF:Q4_K_M")[1:3] == [
+        "-hf",
+        "Qwen/Qwen3-8B-GGUF:Q4_K_M",
+    ]
+    url = "https://example.org/models/tiny.gguf"
+    assert argv("llama-server", url)[1:3] == ["-mu", url]
+    assert argv("vllm", "hf://Qwen/Qwen3-8B")[1:3] == ["serve", "Qwen/Qwen3-8B"]
+
+
+def test_download_sources_an_engine_cannot_fetch_are_refused(bins, node):
+    vllm_url = vllm_spec(
+        str(bins["vllm"]), Path("/x"), weights_path=None, download_source="https://x.org/m.gguf"
+    )
+    assert "vLLM downloads from the Hub only" in validate_launch(vllm_url, node)[0]
+    llama_bad = llama_spec(
+        str(bins["llama-server"]), Path("/x"), weights_path=None, download_source="s3://b/m.gguf"
+    )
+    assert "neither hf://org/name[:QUANT] nor an http(s) URL" in validate_launch(llama_bad, node)[0]
+
+
 def test_api_key_travels_in_the_environment_not_in_argv():
     for spec in (
         llama_spec("llama-server", Path("/w/q.gguf"), api_key="s3cret"),

@@ -40,11 +40,6 @@ FAST = SupervisorTiming(
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def bins(tmp_path: Path) -> dict[str, Path]:
     return install_fake_engines(tmp_path / "bin")
 
@@ -349,3 +344,28 @@ def test_a_restarted_agent_stops_engines_left_by_the_one_before(bins, tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_workers_of_an_engine_whose_leader_died_are_reaped(bins, tmp_path):
+    record = tmp_path / "record.json"
+    port = free_port()
+    model = write_fake_gguf(tmp_path / "m.gguf")
+    argv = [str(bins["llama-server"]), "-m", str(model), "--port", str(port)]
+    env = {**os.environ, "FAKE_ENGINE_WORKERS": "1", "FAKE_ENGINE_RECORD": str(record)}
+    leader = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.DEVNULL)
+    try:
+        with anyio.from_thread.start_blocking_portal() as portal:
+            portal.call(wait_healthy, port)
+        worker = json.loads(record.read_text())["workers"][0]
+        state = tmp_path / "state"
+        write_pidfile(state, new_record("r1", leader.pid, argv, port, [], ""))
+        leader.kill()
+        leader.wait()
+        assert psutil.pid_exists(worker)  # orphaned, still holding its GPU memory
+        messages = reap_leftover_engines(state, grace=2)
+        assert messages[0].startswith("stopped leftover engine for shard r1")
+        assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == "zombie"
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+            leader.wait()

@@ -70,6 +70,7 @@ def parse_llama(argv: list[str]) -> argparse.Namespace:
     p.add_argument("-m", "--model")
     p.add_argument("-hf", "-hfr", "--hf-repo")
     p.add_argument("-hff", "--hf-file")
+    p.add_argument("-mu", "--model-url")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="ngl", default="auto")
@@ -86,7 +87,7 @@ def parse_llama(argv: list[str]) -> argparse.Namespace:
     ns, unknown = p.parse_known_args(argv)
     if unknown:
         p.error(f"invalid argument: {unknown[0]}")
-    if not ns.model and not ns.hf_repo:
+    if not ns.model and not ns.hf_repo and not ns.model_url:
         ns.model = "models/7B/ggml-model-f16.gguf"  # llama.cpp's default path, absent everywhere
     return ns
 
@@ -389,6 +390,13 @@ def _llama_model_problem(ns: argparse.Namespace) -> list[str]:
         log(f"common_download_file_single: downloading to {target}")
         target.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 16)
         ns.model = str(target)
+    elif ns.model_url:
+        cache = Path(os.environ.get("LLAMA_CACHE") or Path.home() / ".cache" / "llama.cpp")
+        cache.mkdir(parents=True, exist_ok=True)
+        target = cache / ns.model_url.rstrip("/").rsplit("/", 1)[-1]
+        log(f"common_download_file_single: downloading {ns.model_url} to {target}")
+        target.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 16)
+        ns.model = str(target)
     path = ns.model
     why = ""
     if not os.path.isfile(path):
@@ -458,7 +466,7 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
     served = (
         (ns.served_model_name[0] if ns.served_model_name else ns.model)
         if vllm
-        else (ns.alias or Path(ns.model or ns.hf_repo).stem)
+        else (ns.alias or Path(ns.model or ns.hf_repo or ns.model_url).stem)
     )
     engine = Engine(
         kind=kind,

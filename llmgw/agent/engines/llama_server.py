@@ -13,6 +13,8 @@ from llmgw.agent.engines.base import (
     Probe,
     base_url,
     cuda_env,
+    hf_repo,
+    is_url,
     parse_prometheus,
 )
 
@@ -86,8 +88,10 @@ class LlamaServerAdapter:
         argv = [spec.binary]
         if spec.weights_path:
             argv += ["-m", spec.weights_path]
+        elif spec.download_source and is_url(spec.download_source):
+            argv += ["-mu", spec.download_source]
         elif spec.download_source:
-            argv += ["-hf", spec.download_source]
+            argv += ["-hf", hf_repo(spec.download_source) or spec.download_source]
         # Always both: the default port is moving from 8080 to 9931 between releases.
         argv += ["--host", spec.host, "--port", str(spec.port)]
         # 999 = every layer; portable across builds where the default became "auto".
@@ -158,11 +162,12 @@ class LlamaServerAdapter:
                 "llama-server has no tensor/pipeline parallel setting: it splits layers over "
                 "the assigned GPUs; remove tensor_parallel/pipeline_parallel from the profile"
             )
-        if spec.weights_path is None and spec.download_source is not None:
-            if not _looks_like_hf_repo(spec.download_source.split(":", 1)[0]):
+        source = spec.download_source
+        if spec.weights_path is None and source is not None:
+            if not is_url(source) and hf_repo(source) is None:
                 reasons.append(
-                    f"download source {spec.download_source!r} is not a Hugging Face repo id "
-                    "(org/name, optionally :QUANT); llama-server's -hf needs one"
+                    f"download source {source!r} is neither hf://org/name[:QUANT] nor an "
+                    "http(s) URL of a .gguf file"
                 )
         if spec.context and spec.parallel and spec.context // spec.parallel < 64:
             reasons.append(
@@ -171,11 +176,6 @@ class LlamaServerAdapter:
                 "raise context or lower parallel"
             )
         return reasons
-
-
-def _looks_like_hf_repo(s: str) -> bool:
-    parts = s.split("/")
-    return len(parts) == 2 and all(parts) and not s.startswith((".", "/"))
 
 
 def _error_message(body: bytes) -> str:

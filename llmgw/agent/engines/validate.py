@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from llmgw.agent.engines import adapter_for
-from llmgw.agent.engines.base import EngineAdapter, LaunchSpec, flag_tokens
+from llmgw.agent.engines.base import EngineAdapter, LaunchSpec, flag_tokens, hf_repo
 from llmgw.agent.engines.vllm import pipeline_parallel, tensor_parallel
 from llmgw.bus.records import EngineInstall, Gpu
 
@@ -99,9 +99,11 @@ def check_weights(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> 
 
 
 def _check_fetch_dir(spec: LaunchSpec) -> list[str]:
-    if spec.engine == "vllm" and not _is_hf_repo(spec.download_source or ""):
+    source = spec.download_source or ""
+    if spec.engine == "vllm" and (hf_repo(source) is None or ":" in source.removeprefix("hf://")):
         return [
-            f"download source {spec.download_source!r} is not a Hugging Face repo id (org/name)"
+            f"download source {source!r} is not a Hugging Face repo (hf://org/name); "
+            "vLLM downloads from the Hub only"
         ]
     if not spec.fetch_dir:
         return []  # the engine's own cache
@@ -214,11 +216,6 @@ CHECKS: tuple[Check, ...] = (
     check_extra_args,
     check_port,
 )
-
-
-def _is_hf_repo(s: str) -> bool:
-    parts = s.split("/")
-    return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~"))
 
 
 def _int_value(args: Sequence[str], adapter: EngineAdapter, key: str) -> int | None:

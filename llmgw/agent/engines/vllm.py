@@ -18,6 +18,7 @@ from llmgw.agent.engines.base import (
     Probe,
     base_url,
     cuda_env,
+    hf_repo,
     parse_prometheus,
 )
 
@@ -92,7 +93,8 @@ class VllmAdapter:
     managed_env = MANAGED_ENV
 
     def command(self, spec: LaunchSpec) -> EngineCommand:
-        model = spec.weights_path or spec.download_source or ""
+        source = spec.download_source or ""
+        model = spec.weights_path or hf_repo(source) or source
         argv = [spec.binary, "serve", model]
         if not spec.headless:
             argv += ["--host", spec.host, "--port", str(spec.port)]
