@@ -228,3 +228,50 @@ def _wait_log(path, text, timeout=10.0):
             return
         time.sleep(0.05)
     raise AssertionError(f"{text!r} not in {path}:\n{path.read_text() if path.exists() else ''}")
+
+
+async def test_agent_reports_complete_weights_and_rescans_on_request(
+    bus, nats_server, host, tmp_path
+):
+    from test_weights_scan import write_safetensors
+
+    models = tmp_path / "models"
+    write_safetensors(models / "llama-a" / "model.safetensors")
+    (models / "empty-download").mkdir(parents=True)  # an empty directory is not weights
+    cfg = agent_config(nats_server.url, host, id="w1")
+    import msgspec
+
+    cfg = msgspec.structs.replace(
+        cfg, weights=msgspec.structs.replace(cfg.weights, dirs=[str(models)], scan_interval=3600)
+    )
+    proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
+    try:
+        inv = await _wait_for(lambda: _node(bus, "w1"))
+        assert inv.weights.looked is True
+        assert [m.key for m in inv.weights.models] == ["llama-a"]
+        assert inv.weights.models[0].store.kind == "local"
+        write_safetensors(models / "llama-b" / "model.safetensors")
+        reply = json.loads(await bus.request("llmgw.agent.w1.rescan", b"", timeout=10))
+        assert reply["models"] == 2
+        inv = await _node(bus, "w1")
+        assert [m.key for m in inv.weights.models] == ["llama-a", "llama-b"]
+    finally:
+        stop(proc)
+
+
+async def test_agent_never_configured_to_look_says_so(bus, nats_server, host, tmp_path):
+    proc = start_agent(
+        agent_config(nats_server.url, host, id="w2"),
+        tmp_path / "a.toml",
+        [host["bin"]],
+        tmp_path / "agent.log",
+    )
+    try:
+        inv = await _wait_for(lambda: _node(bus, "w2"))
+        assert inv.weights.looked is False
+        assert [d.path for d in inv.weights.dirs] == [str(host["fetch"])]
+        assert (
+            inv.weights.dirs[0].status == "missing"
+        )  # reported, not an error that stops the agent
+    finally:
+        stop(proc)

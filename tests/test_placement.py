@@ -230,7 +230,7 @@ def test_ram_of_replicas_not_yet_running_is_reserved():
     starting = replica("r-old", [("n1", [0])], phase="starting")
     result = plan(snapshot(nodes, [big], {"m": 2}, replicas=[starting]))
     assert result.create == []
-    assert result.placements["m"].explanation == "0/1 nodes fit: 1 36 GB RAM free (needs 64)"
+    assert result.placements["m"].explanation == "0/1 nodes fit: 1 has 36 GB RAM free (needs 64)"
 
     # once running, its RAM is already out of MemAvailable: not subtracted twice
     running = replica("r-old", [("n1", [0])], phase="ready")

@@ -145,6 +145,13 @@ def _check(cfg: AgentConfig, path: Path) -> None:
             check_token(fabric, f"fabric of adapter {adapter}")
         except InvalidId as e:
             raise ConfigError(f"{path}: key 'fabrics.{adapter}': {e}") from None
+    from llmgw.agent.discovery.weights.mounts import check_declared_identity
+
+    for directory, identity in cfg.weights.shared.items():
+        try:
+            check_declared_identity(identity, f"weights.shared.{directory!r}")
+        except ValueError as e:
+            raise ConfigError(f"{path}: {e}") from None
     for url in cfg.nats.urls:
         if not re.match(r"^(nats|tls|ws|wss)://", url):
             raise ConfigError(

@@ -22,6 +22,8 @@ import msgspec
 from llmgw import __version__
 from llmgw.agent import inventory
 from llmgw.agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_config
+from llmgw.agent.discovery.weights.scan import weights_equal_for_resend
+from llmgw.agent.weights import WeightsScanner
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 
@@ -51,7 +53,7 @@ class Agent:
         self._write_lock = anyio.Lock()
         self._seq = 0
         self._scan_now = anyio.Event()
-        self._weights_scanner = weights_scanner or _default_weights_scanner
+        self._weights_scanner = weights_scanner or WeightsScanner()
 
     @property
     def node(self) -> str:
@@ -171,7 +173,7 @@ class Agent:
         weights = await _blocking(
             self._weights_scanner, self.cfg, self.node, self.inventory.weights
         )
-        if weights != self.inventory.weights:
+        if not weights_equal_for_resend(weights, self.inventory.weights):
             self.inventory = msgspec.structs.replace(self.inventory, weights=weights)
             await self._write_inventory(why="weights held changed")
 

@@ -263,6 +263,8 @@ class Controller:
         wall = time.time()
         snap = self.snapshot(wall)
         await self._write_fabrics(snap.fabrics or {})
+        # before planning: a node that just started qualifying is placed on in this same pass
+        await self._report_qualifying(snap)
         plan = placement.plan(snap)
         invalid = self.view.invalid_catalog()
         # A catalog entry garbled by hand is not a removed model: leave its replicas alone.
@@ -297,7 +299,9 @@ class Controller:
         await self._sync_replica_phases(phases)
         await self._sync_assignments()
         await self._write_placements(plan, invalid)
-        await self._report_qualifying(snap)
+        for model, rec in self.view.placements.items():  # a baseline for models now waiting
+            if rec.placed < rec.desired and model not in self._qualifying:
+                self._qualifying[model] = placement.qualifying_nodes(snap, model)
 
     async def _write_fabrics(self, view: dict[str, records.FabricHoldings]) -> None:
         for name, holdings in view.items():

@@ -1,0 +1,359 @@
+"""The controller against a real nats-server, with simulated nodes writing real records."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import anyio
+import msgspec
+import pytest
+
+from llmgw import catalog
+from llmgw.bus import keys, records
+from llmgw.bus.client import Bus, decoder
+from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.testing.sim import SimNode, inventory
+
+pytestmark = pytest.mark.anyio
+
+FAST = dict(unreachable_after=0.6, lost_after=1.5, leader_ttl=1.0, tick=0.05, resync=0.5)
+
+
+def _model(
+    mid: str = "m",
+    *,
+    engine: str = "vllm",
+    gpus: int = 1,
+    ram_gb: float = 1,
+    nodes: int = 1,
+    key: str | None = None,
+) -> catalog.Model:
+    weights = {"key": key} if key else {"source": f"hf://org/{mid}"}
+    return catalog.validate_models(
+        {
+            "models": [
+                {
+                    "id": mid,
+                    "profiles": [
+                        {
+                            "name": "p",
+                            "engine": engine,
+                            "weights": weights,
+                            "gpus_per_node": gpus,
+                            "host_ram_gb": ram_gb,
+                            "nodes": nodes,
+                        }
+                    ],
+                }
+            ]
+        }
+    )[0]
+
+
+async def _apply(bus: Bus, model: catalog.Model, replicas: int) -> None:
+    await bus.put(keys.catalog(model.id), catalog.encode_model(model))
+    await bus.put(
+        keys.desired(model.id), records.Desired(model=model.id, replicas=replicas, updated_at=1.0)
+    )
+
+
+async def _replicas(bus: Bus, model: str = "m") -> list[records.Replica]:
+    got = await bus.list(f"replicas.{model}.*", decoder(records.Replica))
+    return sorted((e.value for e in got.values()), key=lambda r: r.rid)
+
+
+async def _assigns(bus: Bus) -> dict[tuple[str, str], records.Assignment]:
+    got = await bus.list("assign.*.*", decoder(records.Assignment))
+    return {(k.split(".")[1], k.split(".")[2]): e.value for k, e in got.items()}
+
+
+async def _until(cond, timeout: float = 10.0):
+    with anyio.fail_after(timeout):
+        while True:
+            got = await cond()
+            if got:
+                return got
+            await anyio.sleep(0.05)
+
+
+@pytest.fixture
+async def second_bus(nats_settings):
+    b = await Bus.connect(nats_settings, give_up_after=5)
+    yield b
+    await b.close()
+
+
+async def _sim(bus: Bus, tg, *nodes: records.NodeInventory) -> list[SimNode]:
+    sims = [SimNode(bus, inv) for inv in nodes]
+    for s in sims:
+        await s.register()
+        tg.start_soon(s.run)
+    return sims
+
+
+async def test_lost_node_goes_unreachable_then_lost_and_its_replica_moves(bus, second_bus):
+    events: list[records.Event] = []
+
+    async def on_event(msg):
+        events.append(records.decode(msg.data, records.Event))
+
+    await bus.subscribe("llmgw.events.>", on_event)
+    async with anyio.create_task_group() as tg:
+        a, b = await _sim(bus, tg, inventory("gpu-a", gpus=1), inventory("gpu-b", gpus=1))
+        await _apply(bus, _model(), 1)
+        tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
+        placed = (await _until(lambda: _replicas(bus)))[0]
+        first = placed.members[0].node
+        victim = a if first == "gpu-a" else b
+        victim.alive = False  # the node dies
+
+        async def phase_of(node, phase):
+            h = await bus.get(keys.health(node), decoder(records.Health))
+            return h if h and h.value.phase == phase else None
+
+        await _until(lambda: phase_of(first, "unreachable"))
+        # unreachable: its replica stays (its engine may still be serving)
+        assert [r.rid for r in await _replicas(bus)] == [placed.rid]
+        await _until(lambda: phase_of(first, "lost"))
+
+        async def moved():
+            reps = [r for r in await _replicas(bus) if r.phase != "draining"]
+            return reps if reps and reps[0].members[0].node != first else None
+
+        now = (await _until(moved))[0]
+        assert now.rid != placed.rid and now.members[0].node == victim.node.replace(
+            first, "gpu-b" if first == "gpu-a" else "gpu-a"
+        )
+        # the old replica's assignment on the lost node is gone: nothing to drain there
+        await _until(lambda: _no_assign(bus, first, placed.rid))
+        # and with both nodes down there is nowhere to go, and the controller says why
+        (a if victim is b else b).alive = False
+
+        async def explained():
+            p = await bus.get(keys.placement("m"), decoder(records.PlacementRecord))
+            return (
+                p.value if p and p.value.placed == 0 and "2 lost" in p.value.explanation else None
+            )
+
+        rec = await _until(explained)
+        assert rec.explanation == "0/2 nodes fit: 2 lost"
+        tg.cancel_scope.cancel()
+    kinds = [e.kind for e in events]
+    assert "node-unreachable" in kinds and "node-lost" in kinds and "placed" in kinds
+
+
+async def _no_assign(bus, node, rid):
+    return (node, rid) not in await _assigns(bus)
+
+
+async def test_controller_killed_mid_reconcile_converges_without_duplicates_or_orphans(
+    bus, nats_server, tmp_path
+):
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, *[inventory(f"n{i:02d}", gpus=8) for i in range(40)])
+        await _apply(bus, _model(), 300)
+        log = open(tmp_path / "controller.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "llmgw.cli",
+                "--log-level",
+                "INFO",
+                "controller",
+                "--nats",
+                nats_server.url,
+                "--unreachable-after",
+                "5",
+                "--lost-after",
+                "30",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            await _until(lambda: _replicas(bus), timeout=20)
+            os.kill(proc.pid, signal.SIGKILL)  # mid-pass: 300 replicas take many writes
+            proc.wait()
+            partial_replicas, partial_assigns = await _replicas(bus), await _assigns(bus)
+            assert len(partial_replicas) < 300 or len(partial_assigns) < 300, (
+                "the kill did not land mid-pass"
+            )
+            await bus.delete("leader")  # a successor would wait out the lease; skip that wait
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "llmgw.cli",
+                    "controller",
+                    "--nats",
+                    nats_server.url,
+                    "--unreachable-after",
+                    "5",
+                    "--lost-after",
+                    "30",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+            async def converged():
+                reps, assigns = await _replicas(bus), await _assigns(bus)
+                return (reps, assigns) if len(reps) == 300 and len(assigns) == 300 else None
+
+            reps, assigns = await _until(converged, timeout=60)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(10)
+            log.close()
+        tg.cancel_scope.cancel()
+    assert len({r.rid for r in reps}) == 300
+    assert {(m.node, r.rid) for r in reps for m in r.members} == set(assigns)
+    gpus = [(m.node, g) for r in reps for m in r.members for g in m.gpus]
+    assert len(gpus) == len(set(gpus)) == 300, "a GPU was given to two replicas"
+    ports = [(m.node, m.port) for r in reps for m in r.members]
+    assert len(ports) == len(set(ports))
+    assert len(partial_replicas) <= 300
+
+
+async def test_two_controllers_one_leads_and_the_other_takes_over(bus, second_bus, nats_settings):
+    third = await Bus.connect(nats_settings, give_up_after=5)
+    try:
+        async with anyio.create_task_group() as tg:
+            c1 = Controller(second_bus, ControllerSettings(controller_id="c1", **FAST))
+            c2 = Controller(third, ControllerSettings(controller_id="c2", **FAST))
+            scope1 = anyio.CancelScope()
+
+            async def run_c1():
+                with scope1:
+                    await c1.run()
+
+            tg.start_soon(run_c1)
+            await _until(lambda: _leader_is(bus, "c1"))
+            tg.start_soon(c2.run)
+            await anyio.sleep(FAST["leader_ttl"] * 2)  # c1 keeps renewing: c2 must not take over
+            assert c1.leading and not c2.leading
+            assert (await bus.get("leader", decoder(records.Leader))).value.holder == "c1"
+            scope1.cancel()  # c1 stops (it resigns: deletes its lease)
+            await _until(lambda: _leader_is(bus, "c2"))
+            assert c2.leading
+            tg.cancel_scope.cancel()
+    finally:
+        await third.close()
+
+
+async def test_a_crashed_leader_is_replaced_once_its_lease_stops_moving(bus, second_bus):
+    # c0 "crashed": its lease is in the bucket but nobody renews it
+    await bus.put("leader", records.Leader(holder="c0", since=1, renewed_at=1))
+    async with anyio.create_task_group() as tg:
+        c = Controller(second_bus, ControllerSettings(controller_id="c1", **FAST))
+        tg.start_soon(c.run)
+        await anyio.sleep(FAST["leader_ttl"] / 2)
+        assert not c.leading
+        await _until(lambda: _leader_is(bus, "c1"))
+        tg.cancel_scope.cancel()
+
+
+async def _leader_is(bus, holder):
+    e = await bus.get("leader", decoder(records.Leader))
+    return e is not None and e.value.holder == holder
+
+
+async def test_node_whose_ram_grows_becomes_a_candidate_and_the_event_is_published(bus, second_bus):
+    events: list[records.Event] = []
+
+    async def on_event(msg):
+        events.append(records.decode(msg.data, records.Event))
+
+    await bus.subscribe("llmgw.events.>", on_event)
+    async with anyio.create_task_group() as tg:
+        (vm,) = await _sim(bus, tg, inventory("vm1", gpus=0, ram_gib=8, engines=("llama-server",)))
+        await _apply(bus, _model(engine="llama-server", gpus=0, ram_gb=16), 1)
+        tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
+
+        async def waiting():
+            p = await bus.get(keys.placement("m"), decoder(records.PlacementRecord))
+            return p.value if p and p.value.explanation else None
+
+        rec = await _until(waiting)
+        assert rec.explanation.startswith("0/1 nodes fit: 1 ") and "RAM" in rec.explanation
+        await anyio.sleep(0.3)
+        await vm.set_ram(32)  # the hypervisor gave it more
+        reps = await _until(lambda: _replicas(bus))
+        assert reps[0].members[0].node == "vm1"
+        await _until(lambda: _has_event(events, "node-qualifies"))
+        tg.cancel_scope.cancel()
+    ev = next(e for e in events if e.kind == "node-qualifies")
+    assert ev.subject == "vm1" and ev.data["model"] == "m"
+
+
+async def _has_event(events, kind):
+    return any(e.kind == kind for e in events)
+
+
+async def test_malformed_catalog_and_desired_values_are_skipped_with_a_log_line(
+    bus, second_bus, caplog
+):
+    caplog.set_level(logging.WARNING, logger="llmgw")
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, inventory("gpu-a", gpus=2))
+        await _apply(bus, _model("good"), 1)
+        await bus.put("desired.broken", b'{"model": "broken", "replicas": "lots"}')
+        await bus.put("catalog.garbage", b"not json at all")
+        tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
+        placed = await _until(lambda: _replicas(bus, "good"))
+        assert len(placed) == 1
+        # a placed model's catalog entry garbled by hand: its replica stays, the record says why
+        await bus.put("catalog.good", b'{"id": "good", "profiles": [{"name": 1}]}')
+
+        async def frozen():
+            p = await bus.get(keys.placement("good"), decoder(records.PlacementRecord))
+            return p.value if p and "catalog entry is invalid" in p.value.explanation else None
+
+        await _until(frozen)
+        assert [r.rid for r in await _replicas(bus, "good")] == [placed[0].rid]
+        assert (await _replicas(bus, "good"))[0].phase != "draining"
+        tg.cancel_scope.cancel()
+    text = caplog.text
+    assert "skipping desired.broken" in text and "skipping catalog.garbage" in text
+    assert "skipping catalog.good" in text
+
+
+async def test_desired_zero_drains_then_removes_replicas(bus, second_bus):
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, inventory("gpu-a", gpus=2))
+        await _apply(bus, _model(), 2)
+        tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
+        await _until(lambda: _count(bus, 2))
+        await bus.put(keys.desired("m"), records.Desired(model="m", replicas=0, updated_at=2.0))
+
+        async def draining():
+            a = await _assigns(bus)
+            return a if a and all(x.action == "drain" for x in a.values()) else None
+
+        assigns = await _until(draining)
+        assert all(x.generation == 2 for x in assigns.values())
+        # the agent reports its engines stopped: the controller then removes everything
+        for node, rid in assigns:
+            await bus.put(
+                keys.shard(node, rid),
+                records.Shard(
+                    node=node, rid=rid, model="m", generation=2, phase="stopped", since=1.0
+                ),
+            )
+        await _until(lambda: _count(bus, 0))
+        assert await _assigns(bus) == {}
+        tg.cancel_scope.cancel()
+
+
+async def _count(bus, n):
+    return len(await _replicas(bus)) == n
+
+
+def test_sim_inventory_round_trips():
+    inv = inventory("x", fabric="ib-a")
+    assert msgspec.json.decode(records.encode(inv), type=records.NodeInventory) == inv
