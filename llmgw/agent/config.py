@@ -57,6 +57,18 @@ class Intervals(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_d
     engine_probe: float = 60.0
 
 
+class Engines(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """How assigned engines are run and supervised (docs/engines.md)."""
+
+    listen_host: str = "0.0.0.0"  # engines must be reachable from the routers
+    readiness_timeout: float = 1800.0  # vLLM loads take minutes (10+ seen for a 70B)
+    drain_timeout: float = 300.0
+    stop_grace: float = 10.0  # SIGTERM, then SIGKILL after this
+    backoff_base: float = 1.0  # restart delays after a crash: base, 2x, 4x ... up to the cap
+    backoff_cap: float = 60.0
+    poll_interval: float = 1.0
+
+
 class Paths(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """Where the host is read from (like node_exporter's --path.procfs) and where state lives."""
 
@@ -74,6 +86,7 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
     fabrics: dict[str, str] = {}
     weights: Weights = msgspec.field(default_factory=Weights)
     intervals: Intervals = msgspec.field(default_factory=Intervals)
+    engines: Engines = msgspec.field(default_factory=Engines)
     paths: Paths = msgspec.field(default_factory=Paths)
 
     def overrides(self) -> list[str]:

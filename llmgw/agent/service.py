@@ -23,6 +23,7 @@ from llmgw import __version__
 from llmgw.agent import inventory
 from llmgw.agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_config
 from llmgw.agent.discovery.weights.scan import weights_equal_for_resend
+from llmgw.agent.shards import ShardManager
 from llmgw.agent.weights import WeightsScanner
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
@@ -85,6 +86,7 @@ class Agent:
                 tg.start_soon(self._heartbeats)
                 tg.start_soon(self._engine_probes)
                 tg.start_soon(self._weights_scans)
+                tg.start_soon(ShardManager(self.bus, cfg, lambda: self.inventory).run)
                 await self.bus.subscribe(keys.agent_subject(self.node, "rescan"), self._on_rescan)
                 task_status.started(self)
         finally:

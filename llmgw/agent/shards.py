@@ -1,0 +1,314 @@
+"""Running what the node is assigned: one engine supervisor per `assign.<node>.<rid>`.
+
+Watches only this node's assignments and reconciles each: start what is assigned to run,
+drain then stop what is marked drain/stop or removed, leave alone what already matches
+(same generation). Every engine transition is written to `shards.<node>.<rid>` and
+published on `llmgw.events.shard-<phase>.<node>`. A profile is validated before anything
+is launched, because an engine refuses a bad one only after minutes of loading.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+
+from llmgw import catalog
+from llmgw.agent.config import AgentConfig
+from llmgw.agent.engines.base import LaunchSpec
+from llmgw.agent.engines.pidfile import reap_leftover_engines
+from llmgw.agent.engines.validate import NodeFacts, validate_launch
+from llmgw.agent.supervisor import EngineSupervisor, PhaseChange, SupervisorTiming
+from llmgw.bus import keys, records
+from llmgw.bus.client import Bus, Synced, decoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Engine:
+    assignment: records.Assignment
+    spec: LaunchSpec
+    supervisor: EngineSupervisor
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+
+class ShardManager:
+    def __init__(
+        self, bus: Bus, cfg: AgentConfig, inventory: Callable[[], records.NodeInventory]
+    ) -> None:
+        self.bus = bus
+        self.cfg = cfg
+        self._inventory = inventory
+        self.shards: dict[str, records.Shard] = {}
+        self._engines: dict[str, _Engine] = {}
+        self._assignments: dict[str, records.Assignment] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._locks: dict[str, anyio.Lock] = {}
+
+    @property
+    def node(self) -> str:
+        return self._inventory().node
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.cfg.paths.state_dir)
+
+    def timing(self) -> SupervisorTiming:
+        e = self.cfg.engines
+        # cancel_grace < 1 s: an agent told to stop stops within a second, engines with it
+        return SupervisorTiming(
+            readiness_timeout=e.readiness_timeout,
+            poll_interval=e.poll_interval,
+            backoff_base=e.backoff_base,
+            backoff_cap=e.backoff_cap,
+            stop_grace=e.stop_grace,
+            cancel_grace=0.7,
+            drain_timeout=e.drain_timeout,
+        )
+
+    async def run(self) -> None:
+        # An earlier agent killed hard may have left engines holding GPUs and ports: stop
+        # them before launching anything, so nothing runs twice.
+        for line in await anyio.to_thread.run_sync(reap_leftover_engines, self.state_dir, 10.0):
+            log.warning("%s", line)
+        self.bus.on_reconnected(self.report_all)
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            async for item in self.bus.watch(
+                keys.pattern(keys.ASSIGN, self.node), decoder(records.Assignment)
+            ):
+                if isinstance(item, Synced):
+                    continue
+                rid = item.key.rsplit(".", 1)[1]
+                if item.value is None:
+                    self._assignments.pop(rid, None)
+                else:
+                    self._assignments[rid] = item.value
+                tg.start_soon(self._reconcile, rid)
+
+    async def report_all(self) -> None:
+        """After a NATS outage: the engines kept running; say so again."""
+        for shard in list(self.shards.values()):
+            await self._put(shard)
+
+    # --- one assignment ----------------------------------------------------------------
+
+    async def _reconcile(self, rid: str) -> None:
+        # one decision at a time per replica; a long drain of one never delays another
+        async with self._locks.setdefault(rid, anyio.Lock()):
+            want = self._assignments.get(rid)
+            running = self._engines.get(rid)
+            if want is None:
+                if running is not None:
+                    await self._stop(rid, running, drain=True)
+                await self._forget(rid)
+                return
+            if running is not None and running.assignment.generation == want.generation:
+                return
+            if want.action in ("drain", "stop"):
+                if running is not None:
+                    running.assignment = want
+                    await self._stop(rid, running, drain=want.action == "drain")
+                await self._report(rid, want, "stopped", reason=f"assignment says {want.action}")
+                return
+            spec, problems = await self._launch_spec(want)
+            if running is not None:
+                if spec == running.spec:
+                    running.assignment = want  # nothing the engine sees changed
+                    await self._report(
+                        rid, want, self.shards[rid].phase if rid in self.shards else "starting"
+                    )
+                    return
+                await self._stop(rid, running, drain=True)
+            await self._report(rid, want, "validating")
+            if spec is not None and not problems:
+                problems = await anyio.to_thread.run_sync(validate_launch, spec, self._facts())
+            if problems:
+                reason = "; ".join(problems)
+                log.error("%s %s refused before launch: %s", want.model, rid, reason)
+                await self._report(rid, want, "failed", reason=f"refused before launch: {reason}")
+                return
+            assert spec is not None
+            self._start(rid, want, spec)
+
+    def _start(self, rid: str, want: records.Assignment, spec: LaunchSpec) -> None:
+        log_dir = self.state_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+        async def on_phase(change: PhaseChange) -> None:
+            engine = self._engines.get(rid)
+            current = engine.assignment if engine else want
+            await self._report(
+                rid,
+                current,
+                change.phase,
+                reason=change.reason if change.phase != "starting" else "",
+                tail=change.tail if change.phase == "failed" else [],
+                restarts=change.restarts,
+                pid=change.pid,
+            )
+
+        supervisor = EngineSupervisor(
+            spec,
+            shard=f"{self.node}.{rid}",
+            on_phase=on_phase,
+            log_path=log_dir / f"{rid}.log",
+            state_dir=self.state_dir,
+            timing=self.timing(),
+        )
+        engine = _Engine(want, spec, supervisor)
+        self._engines[rid] = engine
+
+        async def run() -> None:
+            try:
+                with engine.scope:
+                    await supervisor.run()
+            finally:
+                engine.done.set()
+                if self._engines.get(rid) is engine:
+                    del self._engines[rid]
+
+        assert self._tg is not None
+        self._tg.start_soon(run)
+
+    async def _stop(self, rid: str, engine: _Engine, *, drain: bool) -> None:
+        if drain:
+            await engine.supervisor.drain()
+        else:
+            await engine.supervisor.stop()
+        await engine.done.wait()
+
+    async def _forget(self, rid: str) -> None:
+        if self.shards.pop(rid, None) is not None:
+            try:
+                await self.bus.delete(keys.shard(self.node, rid))
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not delete shards.%s.%s: %s", self.node, rid, e)
+
+    # --- building the launch ----------------------------------------------------------------
+
+    def _facts(self) -> NodeFacts:
+        inv = self._inventory()
+        return NodeFacts(gpus=inv.gpus.devices, engines=inv.engines)
+
+    async def _launch_spec(self, a: records.Assignment) -> tuple[LaunchSpec | None, list[str]]:
+        entry = await self.bus.get(
+            keys.catalog(a.model), lambda b: catalog.decode_model(b, a.model)
+        )
+        if entry is None:
+            return None, [f"catalog.{a.model} is missing or invalid; nothing to launch"]
+        profile = entry.value.profile(a.profile)
+        if profile is None:
+            return None, [f"model {a.model} has no profile {a.profile!r} in the catalog"]
+        return launch_spec(self.cfg, self._inventory(), entry.value, profile, a), []
+
+    # --- reporting ----------------------------------------------------------------------------
+
+    async def _report(
+        self,
+        rid: str,
+        a: records.Assignment,
+        phase: str,
+        *,
+        reason: str = "",
+        tail: list[str] | None = None,
+        restarts: int | None = None,
+        pid: int | None = None,
+    ) -> None:
+        inv = self._inventory()
+        old = self.shards.get(rid)
+        endpoint = f"{inv.address}:{a.port}" if phase == "ready" and a.rank == 0 else None
+        served = ""
+        engine = self._engines.get(rid)
+        if engine is not None:
+            served = engine.spec.served_name
+        elif old is not None:
+            served = old.served_name
+        shard = records.Shard(
+            node=inv.node,
+            rid=rid,
+            model=a.model,
+            generation=a.generation,
+            phase=phase,  # type: ignore[arg-type]
+            since=time.time() if old is None or old.phase != phase else old.since,
+            endpoint=endpoint,
+            served_name=served,
+            reason=reason,
+            output_tail=tail or [],
+            restarts=restarts if restarts is not None else (old.restarts if old else 0),
+            pid=pid
+            if pid is not None
+            else (old.pid if old and phase not in ("stopped", "failed") else None),
+        )
+        self.shards[rid] = shard
+        await self._put(shard)
+        if old is None or old.phase != phase:
+            level = logging.WARNING if phase == "failed" else logging.INFO
+            log.log(level, "%s %s: %s%s", a.model, rid, phase, f" ({reason})" if reason else "")
+            await self.bus.publish_event(
+                f"shard-{phase}",
+                inv.node,
+                f"{a.model} {rid} on {inv.node}: {phase}",
+                rid=rid,
+                model=a.model,
+                reason=reason,
+                endpoint=endpoint,
+            )
+
+    async def _put(self, shard: records.Shard) -> None:
+        try:
+            await self.bus.put(keys.shard(shard.node, shard.rid), shard)
+        except Exception as e:  # noqa: BLE001 - re-reported after the reconnect
+            log.warning("could not write shards.%s.%s: %s", shard.node, shard.rid, e)
+
+
+def launch_spec(
+    cfg: AgentConfig,
+    inv: records.NodeInventory,
+    model: catalog.Model,
+    profile: catalog.Profile,
+    a: records.Assignment,
+) -> LaunchSpec:
+    """The one place a catalog profile + an assignment + this node become an engine launch."""
+    install = inv.engine(profile.engine)
+    weights_path, source = None, None
+    ref = profile.weights
+    if ref.path is not None:
+        weights_path = ref.path
+    elif ref.key is not None:
+        held = next((m for m in inv.weights.models if m.key == ref.key), None)
+        weights_path, source = (
+            (held.path, None) if held else (None, ref.key)
+        )  # not here: the engine fetches it
+    else:
+        source = ref.source
+    hcas = tuple(
+        sorted(ad.name for ad in inv.ib if a.fabric and ad.fabric == a.fabric and ad.active)
+    )
+    return LaunchSpec(
+        served_name=model.served_name,
+        engine=profile.engine,
+        binary=install.path if install else profile.engine,
+        port=a.port,
+        host=cfg.engines.listen_host,
+        weights_path=weights_path,
+        download_source=source,
+        fetch_dir=inv.fetch_dir,
+        gpu_uuids=tuple(a.gpus),
+        gpu_memory_gb=profile.gpu_memory_gb or None,
+        context=profile.context,
+        parallel=profile.parallel,
+        extra_args=tuple(profile.extra_args),
+        env=dict(profile.env),
+        nodes=a.nodes,
+        rank=a.rank,
+        master_addr=a.master_addr,
+        ib_hcas=hcas,
+        host_ip=inv.address if a.nodes > 1 else None,
+    )

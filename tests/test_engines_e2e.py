@@ -1,0 +1,250 @@
+"""End to end: controller places, the agent validates and launches the engine through the
+adapter's real argv (the fake engine on PATH), reports every transition, and the engine
+serves. Real nats-server, real agent process, real engine processes."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import anyio
+import msgspec
+import pytest
+from agent_helpers import agent_config, host_dirs, start_agent, stop
+
+from llmgw import catalog
+from llmgw.agent.config import Engines
+from llmgw.bus import keys, records
+from llmgw.bus.client import Bus, decoder
+from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+FAST = dict(unreachable_after=2.0, lost_after=30.0, leader_ttl=1.0, tick=0.05, resync=0.5)
+
+
+@pytest.fixture
+def node(tmp_path, nats_server):
+    dirs = host_dirs(tmp_path)
+    install_fake_engines(dirs["bin"])
+    cfg = agent_config(nats_server.url, dirs, id="node1")
+    cfg = msgspec.structs.replace(
+        cfg,
+        engines=Engines(
+            listen_host="127.0.0.1",
+            backoff_base=0.2,
+            backoff_cap=5,
+            poll_interval=0.1,
+            stop_grace=3,
+            drain_timeout=30,
+        ),
+    )
+    proc = start_agent(
+        cfg, tmp_path / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], tmp_path / "agent.log"
+    )
+    yield {"dirs": dirs, "proc": proc, "log": tmp_path / "agent.log", "tmp": tmp_path}
+    stop(proc)
+
+
+def _catalog(tmp_path, *, path: str | None = None, env: dict | None = None) -> catalog.Model:
+    gguf = path or str(write_fake_gguf(tmp_path / "weights" / "tiny.gguf"))
+    return catalog.validate_models(
+        {
+            "models": [
+                {
+                    "id": "tiny",
+                    "served_name": "tiny-chat",
+                    "profiles": [
+                        {
+                            "name": "cpu",
+                            "engine": "llama-server",
+                            "weights": {"path": gguf},
+                            "gpus_per_node": 0,
+                            "host_ram_gb": 1,
+                            "env": env or {},
+                        }
+                    ],
+                }
+            ]
+        }
+    )[0]
+
+
+async def _place(bus: Bus, model: catalog.Model, n: int) -> None:
+    await bus.put(keys.catalog(model.id), catalog.encode_model(model))
+    await bus.put(
+        keys.desired(model.id), records.Desired(model=model.id, replicas=n, updated_at=1.0)
+    )
+
+
+async def _until(cond, timeout: float = 20.0):
+    with anyio.fail_after(timeout):
+        while True:
+            got = await cond()
+            if got:
+                return got
+            await anyio.sleep(0.05)
+
+
+async def _shard(bus: Bus, phase: str | None = None):
+    got = await bus.list("shards.node1.*", decoder(records.Shard))
+    shards = [e.value for e in got.values()]
+    if phase is None:
+        return shards
+    return next((s for s in shards if s.phase == phase), None)
+
+
+class Events:
+    def __init__(self) -> None:
+        self.items: list[records.Event] = []
+
+    async def on_message(self, msg) -> None:
+        self.items.append(records.decode(msg.data, records.Event))
+
+    def kinds(self, prefix: str = "shard-") -> list[str]:
+        return [e.kind for e in self.items if e.kind.startswith(prefix)]
+
+
+@pytest.fixture
+async def controller(nats_settings):
+    b = await Bus.connect(nats_settings, give_up_after=5)
+    async with anyio.create_task_group() as tg:
+        await tg.start(Controller(b, ControllerSettings(**FAST)).run)
+        yield
+        tg.cancel_scope.cancel()
+    await b.close()
+
+
+async def _stream_chat(endpoint: str, served: str, n_tokens: int | None = None) -> list[str]:
+    body = {"model": served, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    if n_tokens:
+        body["max_tokens"] = n_tokens
+    chunks = []
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"http://{endpoint}/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status == 200
+        async for line in r.content:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                chunks.append(line[len("data: ") :])
+    return chunks
+
+
+async def test_placed_replica_is_validated_launched_loaded_ready_and_streams(bus, node, controller):
+    events = Events()
+    await bus.subscribe("llmgw.events.>", events.on_message)
+    await _place(bus, _catalog(node["tmp"], env={"FAKE_ENGINE_LOAD_SECONDS": "1"}), 1)
+    shard = await _until(lambda: _shard(bus, "ready"))
+    assert shard.endpoint.endswith(str((await _replica(bus)).members[0].port))
+    assert shard.served_name == "tiny-chat"
+    chunks = await _stream_chat(shard.endpoint, "tiny-chat")
+    assert chunks[-1] == "[DONE]" and len(chunks) > 2
+    assert (
+        "content" in json.loads(chunks[0])["choices"][0]["delta"]
+        or json.loads(chunks[1])["choices"][0]["delta"]
+    )
+    assert events.kinds()[:4] == [
+        "shard-validating",
+        "shard-starting",
+        "shard-loading",
+        "shard-ready",
+    ]
+    rep = await _until(lambda: _replica(bus, "ready"))
+    assert rep.endpoint == shard.endpoint
+
+
+async def _replica(bus, phase=None):
+    got = await bus.list("replicas.tiny.*", decoder(records.Replica))
+    reps = [e.value for e in got.values()]
+    if not reps:
+        return None
+    if phase and reps[0].phase != phase:
+        return None
+    return reps[0]
+
+
+async def test_bad_profile_fails_validation_and_nothing_is_launched(bus, node, controller):
+    record = node["tmp"] / "launched.json"
+    model = _catalog(
+        node["tmp"], path=str(node["tmp"] / "no-such.gguf"), env={"FAKE_ENGINE_RECORD": str(record)}
+    )
+    await _place(bus, model, 1)
+    shard = await _until(lambda: _shard(bus, "failed"))
+    assert shard.reason.startswith("refused before launch:")
+    assert "no-such.gguf" in shard.reason
+    await anyio.sleep(0.5)
+    assert not record.exists(), "the engine was launched despite the refusal"
+    assert shard.pid is None
+
+
+async def test_engine_crashing_while_loading_reports_its_output_and_retries_with_growing_delays(
+    bus, node, controller
+):
+    model = _catalog(node["tmp"], env={"FAKE_ENGINE_FAIL_LOAD": "CUDA out of memory (simulated)"})
+    await _place(bus, model, 1)
+
+    async def failed_twice():
+        s = await _shard(bus, "failed")
+        return s if s and s.restarts >= 3 else None
+
+    shard = await _until(failed_twice, timeout=30)
+    assert any("CUDA out of memory (simulated)" in line for line in shard.output_tail)
+    assert len("\n".join(shard.output_tail)) <= 8192 and len(shard.output_tail) <= 64
+    # "restart N in D s": the delays grow
+    log_text = node["log"].read_text()
+    delays = [
+        float(part.split(" in ")[1].split(" s")[0])
+        for part in log_text.split("restart ")[1:]
+        if " in " in part
+    ]
+    assert delays[:3] == sorted(delays[:3]) and delays[2] > delays[0]
+
+
+async def test_drain_waits_for_an_in_flight_streaming_request(bus, node, controller):
+    model = _catalog(node["tmp"], env={"FAKE_ENGINE_TOKENS": "30", "FAKE_ENGINE_TOKEN_RATE": "15"})
+    await _place(bus, model, 1)
+    shard = await _until(lambda: _shard(bus, "ready"))
+    async with anyio.create_task_group() as tg:
+        result: dict[str, list[str]] = {}
+
+        async def stream():
+            result["chunks"] = await _stream_chat(shard.endpoint, "tiny-chat")
+
+        tg.start_soon(stream)
+        await anyio.sleep(0.3)  # the request is in flight (2 s of tokens)
+        await bus.put(
+            keys.desired("tiny"), records.Desired(model="tiny", replicas=0, updated_at=2.0)
+        )
+        await _until(lambda: _shard(bus, "draining"))
+        assert "chunks" not in result  # still streaming while draining
+    assert result["chunks"][-1] == "[DONE]"  # finished, not cut off
+    tokens = [
+        c for c in result["chunks"][:-1] if json.loads(c)["choices"][0]["delta"].get("content")
+    ]
+    assert len(tokens) == 30  # every token arrived: the engine was not stopped under it
+
+    async def all_gone():
+        return (await _shard(bus)) == [] and await _replica(bus) is None
+
+    await _until(all_gone)
+
+
+async def test_nats_restart_while_serving_engines_keep_answering_and_the_agent_re_reports(
+    bus, node, controller, nats_server
+):
+    await _place(bus, _catalog(node["tmp"]), 1)
+    shard = await _until(lambda: _shard(bus, "ready"))
+    before = (await bus.get(keys.shard("node1", shard.rid), decoder(records.Shard))).revision
+    nats_server.stop()
+    chunks = await _stream_chat(shard.endpoint, "tiny-chat")  # no NATS: the engine still serves
+    assert chunks[-1] == "[DONE]"
+    nats_server.start()
+
+    async def re_reported():
+        e = await bus.get(keys.shard("node1", shard.rid), decoder(records.Shard))
+        return e if e and e.revision > before and e.value.phase == "ready" else None
+
+    await _until(re_reported, timeout=30)
