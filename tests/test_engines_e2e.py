@@ -5,10 +5,13 @@ serves. Real nats-server, real agent process, real engine processes."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import aiohttp
 import anyio
 import msgspec
+import psutil
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
 
@@ -40,11 +43,18 @@ def node(tmp_path, nats_server):
             drain_timeout=30,
         ),
     )
-    proc = start_agent(
-        cfg, tmp_path / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], tmp_path / "agent.log"
-    )
-    yield {"dirs": dirs, "proc": proc, "log": tmp_path / "agent.log", "tmp": tmp_path}
-    stop(proc)
+    path = [dirs["bin"], "/usr/bin", "/bin"]
+    proc = start_agent(cfg, tmp_path / "agent.toml", path, tmp_path / "agent.log")
+    state = {
+        "dirs": dirs,
+        "proc": proc,
+        "log": tmp_path / "agent.log",
+        "tmp": tmp_path,
+        "cfg": cfg,
+        "path": path,
+    }
+    yield state
+    stop(state["proc"])
 
 
 def _catalog(tmp_path, *, path: str | None = None, env: dict | None = None) -> catalog.Model:
@@ -248,3 +258,49 @@ async def test_nats_restart_while_serving_engines_keep_answering_and_the_agent_r
         return e if e and e.revision > before and e.value.phase == "ready" else None
 
     await _until(re_reported, timeout=30)
+
+
+async def test_agent_sigterm_stops_its_engines_with_it(bus, node, controller):
+    await _place(bus, _catalog(node["tmp"]), 1)
+    shard = await _until(lambda: _shard(bus, "ready"))
+    engine = psutil.Process(shard.pid)
+    node["proc"].send_signal(signal.SIGTERM)
+    assert node["proc"].wait(timeout=5) == 0  # well within systemd's stop timeout: no SIGKILL
+    assert not _alive(engine), "the engine outlived the agent"
+
+
+async def test_agent_killed_hard_its_successor_reaps_the_leftover_engine_before_launching(
+    bus, node, controller
+):
+    await _place(bus, _catalog(node["tmp"]), 1)
+    first = await _until(lambda: _shard(bus, "ready"))
+    leftover = psutil.Process(first.pid)
+    node["proc"].send_signal(signal.SIGKILL)  # no chance to stop its engines
+    node["proc"].wait(5)
+    try:
+        assert _alive(leftover)  # still holding its port (and, on a GPU node, its GPUs)
+        node["proc"] = start_agent(
+            node["cfg"], node["tmp"] / "agent.toml", node["path"], node["log"]
+        )
+
+        async def relaunched():
+            s = await _shard(bus, "ready")
+            return s if s and s.pid != first.pid else None
+
+        second = await _until(relaunched, timeout=30)
+        assert not _alive(leftover), "a second engine was started beside the leftover one"
+    finally:
+        if _alive(leftover):
+            os.killpg(leftover.pid, signal.SIGKILL)
+    assert second.endpoint == first.endpoint
+    assert (
+        f"stopped leftover engine for shard node1.{first.rid} (pid {first.pid}"
+        in node["log"].read_text()
+    )
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

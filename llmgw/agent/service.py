@@ -28,7 +28,7 @@ from llmgw.agent.weights import WeightsScanner
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("llmgw.agent.service")  # also when run as __main__
 
 
 def nats_settings(cfg: AgentConfig, node_id: str, identity_source: str) -> NatsSettings:

@@ -20,6 +20,25 @@ from llmgw.bus.records import EngineInstall
 
 log = logging.getLogger(__name__)
 
+
+class _OncePerProblem(logging.LoggerAdapter):
+    """Engines are probed every minute: say each problem once at its level, then at debug,
+    so a broken binary does not flood the journal."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__(logger, {})
+        self._said: set[str] = set()
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        text = str(msg) % args if args else str(msg)
+        if level > logging.DEBUG and text in self._said:
+            level = logging.DEBUG
+        self._said.add(text)
+        super().log(level, msg, *args, **kwargs)
+
+
+log = _OncePerProblem(log)  # type: ignore[assignment]
+
 # Parents llama.cpp release archives are commonly unpacked under, searched in this order
 # after PATH. "~" is the agent user's home, expanded at probe time.
 LLAMA_SEARCH_DIRS: tuple[Path, ...] = (
