@@ -41,7 +41,9 @@ class VocabError(ValueError):
     """The vocabulary file is missing or carries no tokenizer."""
 
 
-def read_tokenizer(vocab_path: Path) -> list[tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
+def read_tokenizer(
+    vocab_path: Path,
+) -> list[tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
     """Every `tokenizer.*` key of a GGUF as (key, value, type, array element type)."""
     if not vocab_path.is_file():
         raise VocabError(
@@ -119,7 +121,9 @@ def write_tiny_gguf(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("vocab", type=Path, help="a vocab-only GGUF, e.g. ggml-vocab-llama-spm.gguf")
+    parser.add_argument(
+        "vocab", type=Path, help="a vocab-only GGUF, e.g. ggml-vocab-llama-spm.gguf"
+    )
     parser.add_argument("out", type=Path, help="where to write the tiny model")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
