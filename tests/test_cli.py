@@ -1,0 +1,242 @@
+"""The llmgw command as a user meets it: llmgw up, catalog apply/ls, place, status, agent init."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import psutil
+import pytest
+from agent_helpers import host_dirs
+
+from llmgw.agent.config import AgentConfig, Engines, Intervals, Paths, write_config
+from llmgw.bus.server import free_port
+from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
+
+LLMGW = [sys.executable, "-m", "llmgw.cli"]
+
+
+def llmgw(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*LLMGW, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _catalog(tmp: Path, gguf: Path) -> Path:
+    path = tmp / "catalog.toml"
+    path.write_text(f"""
+[[models]]
+id = "tiny"
+served_name = "tiny-chat"
+
+[[models.profiles]]
+name = "cpu"
+engine = "llama-server"
+weights = {{ path = "{gguf}" }}
+gpus_per_node = 0
+host_ram_gb = 1
+""")
+    return path
+
+
+@pytest.fixture
+def up(tmp_path):
+    """`llmgw up` as a user runs it, with the fake engine installed as llama-server."""
+    dirs = host_dirs(tmp_path)
+    install_fake_engines(dirs["bin"])
+    cfg = AgentConfig(
+        intervals=Intervals(heartbeat=0.5),
+        engines=Engines(listen_host="127.0.0.1", poll_interval=0.1),
+        paths=Paths(state_dir=str(tmp_path / "state"), llama_search_dirs=[]),
+    )
+    write_config(cfg, tmp_path / "agent.toml")
+    port = free_port()
+    env = {**os.environ, "PATH": f"{dirs['bin']}{os.pathsep}{os.environ['PATH']}"}
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            *LLMGW,
+            "up",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--agent-config",
+            str(tmp_path / "agent.toml"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    url = f"nats://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while "agent running" not in (tmp_path / "up.log").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            tmp_path / "up.log"
+        ).read_text()
+        time.sleep(0.1)
+    yield {
+        "url": url,
+        "proc": proc,
+        "tmp": tmp_path,
+        "env": {"LLMGW_NATS": url},
+        "log": tmp_path / "up.log",
+    }
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(15)
+    log.close()
+
+
+@pytest.mark.slow
+def test_up_then_catalog_place_status_serve_and_ctrl_c_stops_everything(up):
+    out = llmgw(
+        "catalog",
+        "apply",
+        str(_catalog(up["tmp"], write_fake_gguf(up["tmp"] / "tiny.gguf"))),
+        env=up["env"],
+    )
+    assert out.returncode == 0, out.stderr
+    assert "catalog.tiny: created" in out.stdout
+    ls = llmgw("catalog", "ls", env=up["env"])
+    assert "tiny  (tiny-chat)  cpu: llama-server, CPU" in ls.stdout
+
+    placed = llmgw("place", "tiny", "--replicas", "1", "--wait", "--timeout", "60", env=up["env"])
+    assert placed.returncode == 0, placed.stdout + placed.stderr
+    assert "1/1 ready" in placed.stdout
+
+    status = json.loads(llmgw("status", "--json", env=up["env"]).stdout)
+    (replica,) = status["replicas"]
+    assert replica["phase"] == "ready" and replica["endpoint"]
+    text = llmgw("status", env=up["env"]).stdout
+    assert f"{replica['rid']}  ready" in text and "tiny: 1/1 replica(s)" in text
+
+    import urllib.request
+
+    body = json.dumps(
+        {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+    req = urllib.request.Request(
+        f"http://{replica['endpoint']}/v1/chat/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert json.load(r)["choices"][0]["message"]["content"]
+
+    children = psutil.Process(up["proc"].pid).children(recursive=True)
+    assert any("nats-server" in " ".join(c.cmdline()) for c in children)
+    up["proc"].send_signal(signal.SIGINT)  # Ctrl-C
+    assert up["proc"].wait(15) == 0
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, f"left running after Ctrl-C: {[' '.join(p.cmdline()) for p in alive]}"
+    assert "stopped" in up["log"].read_text()
+
+
+def test_place_explains_what_cannot_be_placed_and_dry_run_writes_nothing(up):
+    cat = up["tmp"] / "big.toml"
+    cat.write_text("""
+[[models]]
+id = "big"
+[[models.profiles]]
+name = "tp8"
+engine = "vllm"
+weights = { source = "hf://org/big" }
+gpus_per_node = 8
+""")
+    assert llmgw("catalog", "apply", str(cat), env=up["env"]).returncode == 0
+    dry = llmgw("place", "big", "--replicas", "2", "--dry-run", env=up["env"])
+    assert dry.returncode == 0
+    assert "dry run: big x2 (nothing written)" in dry.stdout
+    assert "0/2 placed; 0/1 nodes fit: 1 " in dry.stdout
+    assert "big" not in json.loads(llmgw("status", "--json", env=up["env"]).stdout)["desired"]
+    waited = llmgw("place", "big", "--replicas", "2", "--wait", "--timeout", "20", env=up["env"])
+    assert waited.returncode == 1  # explained, not placed
+    assert "0/2 placed: 0/1 nodes fit: 1 " in waited.stdout
+    assert "unplaced: 0/1 nodes fit" in llmgw("status", env=up["env"]).stdout
+
+
+def test_catalog_with_errors_is_refused_whole_and_nothing_is_written(up):
+    cat = up["tmp"] / "bad.toml"
+    cat.write_text("""
+[[models]]
+id = "ok-model"
+[[models.profiles]]
+name = "a"
+engine = "vllm"
+weights = { key = "org/ok" }
+gpus_per_node = 1
+
+[[models]]
+id = "bad model"
+[[models.profiles]]
+name = "b"
+engine = "tensorrt"
+weights = { key = "org/bad" }
+gpus_per_node = -1
+""")
+    out = llmgw("catalog", "apply", str(cat), env=up["env"])
+    assert out.returncode == 1
+    assert "catalog refused, nothing written" in out.stderr
+    assert "gpus_per_node" in out.stderr and "engine" in out.stderr
+    assert "ok-model" not in llmgw("catalog", "ls", env=up["env"]).stdout
+
+
+def test_place_refuses_a_model_not_in_the_catalog(up):
+    out = llmgw("place", "nope", "--replicas", "1", env=up["env"])
+    assert out.returncode == 1
+    assert (
+        "model 'nope' is not in the catalog" in out.stderr and "llmgw catalog apply" in out.stderr
+    )
+
+
+def test_status_without_nats_says_what_to_do():
+    out = llmgw("status", "--nats", f"nats://127.0.0.1:{free_port()}", timeout=30)
+    assert out.returncode == 1
+    assert "cannot connect to NATS" in out.stderr and "LLMGW_NATS" in out.stderr
+
+
+def test_agent_init_writes_only_what_it_was_given(tmp_path):
+    path = tmp_path / "agent.toml"
+    out = llmgw(
+        "agent",
+        "init",
+        "--nats",
+        "nats://10.0.0.1:4222",
+        "--config",
+        str(path),
+        "--fabric",
+        "mlx5_0=ib-a",
+        "--ram-gb",
+        "32",
+    )
+    assert out.returncode == 0, out.stderr
+    written = tomllib.loads(path.read_text())
+    assert written == {
+        "nats": {"urls": ["nats://10.0.0.1:4222"]},
+        "node": {"ram_total_gb": 32.0},
+        "fabrics": {"mlx5_0": "ib-a"},
+    }
+    again = llmgw("agent", "init", "--nats", "nats://x:4222", "--config", str(path))
+    assert again.returncode == 1 and "--force" in again.stderr
+    bad = llmgw(
+        "agent",
+        "init",
+        "--nats",
+        "nats://x:4222",
+        "--config",
+        str(tmp_path / "b.toml"),
+        "--fabric",
+        "mlx5_0",
+    )
+    assert bad.returncode == 2 and "ADAPTER=FABRIC" in bad.stderr
