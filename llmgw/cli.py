@@ -10,7 +10,6 @@ import functools
 import json
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from llmgw.agent.config import (
 from llmgw.agent.service import Agent, setup_logging
 from llmgw.bus import keys
 from llmgw.bus.client import BucketSettings, Bus, BusError, NatsSettings
+from llmgw.shutdown import cancel_on_signal
 
 log = logging.getLogger("llmgw.cli")
 
@@ -189,14 +189,7 @@ async def _run_up_parts(cfg: AgentConfig, no_agent: bool, bus: Bus) -> None:
     from llmgw.controller.loop import Controller
 
     async with anyio.create_task_group() as tg:
-
-        async def stop_on_signal() -> None:
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
-                    tg.cancel_scope.cancel()
-                    return
-
-        tg.start_soon(stop_on_signal)
+        tg.start_soon(cancel_on_signal, tg.cancel_scope)
         await tg.start(Controller(bus).run)
         click.echo("controller running")
         if not no_agent:
@@ -274,14 +267,7 @@ def controller(
 
 async def _until_signalled(*runners) -> None:
     async with anyio.create_task_group() as tg:
-
-        async def stop_on_signal() -> None:
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
-                    tg.cancel_scope.cancel()
-                    return
-
-        tg.start_soon(stop_on_signal)
+        tg.start_soon(cancel_on_signal, tg.cancel_scope)
         for run in runners:
             tg.start_soon(run)
 

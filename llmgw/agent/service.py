@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from llmgw.agent.shards import ShardManager
 from llmgw.agent.weights import WeightsScanner
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
+from llmgw.shutdown import cancel_on_signal
 
 log = logging.getLogger("llmgw.agent.service")  # also when run as __main__
 
@@ -208,15 +208,7 @@ async def _blocking(fn, *args):
 
 async def run_until_signalled(agent: Agent) -> None:
     async with anyio.create_task_group() as tg:
-
-        async def watch_signals() -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for sig in signals:
-                    log.info("%s: stopping", signal.Signals(sig).name)
-                    tg.cancel_scope.cancel()
-                    return
-
-        tg.start_soon(watch_signals)
+        tg.start_soon(cancel_on_signal, tg.cancel_scope)
         await agent.run()
         tg.cancel_scope.cancel()
 
