@@ -1,0 +1,200 @@
+"""NATS permissions for each llmgw identity, rendered as a nats-server `authorization` block.
+
+Every key has exactly one writer (docs/architecture.md), so an identity may publish only the
+`$KV` subjects of the keys it writes: a stolen node05 certificate can corrupt node05's own
+records and nothing else. Reads cannot be narrowed this way (a watch's filter travels in the
+consumer-create request body, not in its subject), so every identity may read the whole bucket.
+Static nats-server config has no per-user templates, hence one generated block per node.
+
+    python -m llmgw.bus.permissions node01 node02 > /etc/nats/llmgw-users.conf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Sequence
+
+from . import keys
+
+DEFAULT_SUBJECT = "CN={name}"
+
+
+def _kv_read(bucket: str) -> list[str]:
+    """What any bucket client publishes to read and watch (requests to the JetStream API)."""
+    stream = f"KV_{bucket}"
+    return [
+        f"$JS.API.STREAM.INFO.{stream}",  # opening the bucket
+        f"$JS.API.DIRECT.GET.{stream}.>",  # kv.get (direct get: buckets allow it by default)
+        f"$JS.API.STREAM.MSG.GET.{stream}",  # kv.get on a bucket without direct get
+        f"$JS.API.CONSUMER.CREATE.{stream}",  # kv.watch: an ordered push consumer
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.INFO.{stream}.*",
+        f"$JS.FC.{stream}.>",  # flow-control replies of a watch
+    ]
+
+
+def _kv_write(bucket: str, *key_patterns: str) -> list[str]:
+    # put, create, update, delete and TTL'd publishes of a key all go to $KV.<bucket>.<key>
+    return [f"$KV.{bucket}.{k}" for k in key_patterns]
+
+
+def node_permissions(node: str, bucket: str = keys.DEFAULT_BUCKET) -> dict[str, object]:
+    """What the agent of `node` may do: write its own inventory, lease and shards, read the
+    bucket, publish its own events, answer requests sent to it."""
+    keys.check_token(node, "node id")
+    keys.check_token(bucket, "bucket")
+    return {
+        "publish": {
+            "allow": [
+                *_kv_write(
+                    bucket,
+                    keys.node(node),
+                    keys.lease(node),
+                    keys.pattern(keys.SHARDS, node),  # shards.<node>.* : a rid is one token
+                ),
+                *_kv_read(bucket),
+                f"{keys.EVENTS_ROOT}.*.{node}",  # its events carry its own id
+            ]
+        },
+        "subscribe": {
+            "allow": [
+                f"_INBOX.{node}.>",  # the agent's inbox_prefix (agent/service.py)
+                f"llmgw.agent.{node}.>",  # requests addressed to it (rescan)
+            ]
+        },
+        # replies to requests it received, whatever the requester's inbox
+        "allow_responses": True,
+    }
+
+
+def controller_permissions(bucket: str = keys.DEFAULT_BUCKET) -> dict[str, object]:
+    """The controller writes health, fabrics, replicas, assignments, placements and the leader
+    lease, publishes events and asks agents; it reads everything."""
+    keys.check_token(bucket, "bucket")
+    written = [keys.HEALTH, keys.FABRICS, keys.REPLICAS, keys.ASSIGN, keys.PLACEMENT]
+    return {
+        "publish": {
+            "allow": [
+                *_kv_write(bucket, *(keys.pattern(p) for p in written), keys.leader()),
+                *_kv_read(bucket),
+                f"{keys.EVENTS_ROOT}.>",
+                "llmgw.agent.>",
+            ]
+        },
+        # nats-py's default inbox is _INBOX.<random>: a controller that set
+        # inbox_prefix="_INBOX.controller" could be narrowed to _INBOX.controller.>
+        "subscribe": {"allow": ["_INBOX.>"]},
+    }
+
+
+def router_permissions(bucket: str = keys.DEFAULT_BUCKET) -> dict[str, object]:
+    """A router only reads the bucket (catalog, replicas, shards)."""
+    keys.check_token(bucket, "bucket")
+    return {
+        "publish": {"allow": _kv_read(bucket)},
+        "subscribe": {"allow": ["_INBOX.>"]},
+    }
+
+
+def _render_value(value: object, indent: str) -> str:
+    if isinstance(value, dict):
+        inner = indent + "  "
+        lines = [f"{inner}{k}: {_render_value(v, inner)}" for k, v in value.items()]
+        return "{\n" + "\n".join(lines) + f"\n{indent}}}"
+    if isinstance(value, list):
+        inner = indent + "  "
+        return (
+            "[\n" + "\n".join(f"{inner}{_render_value(v, inner)}" for v in value) + f"\n{indent}]"
+        )
+    # Quoted: an unquoted $KV... would be read as a config variable reference.
+    return json.dumps(value)
+
+
+def _user(subject: str, comment: str, permissions: dict[str, object] | None) -> list[str]:
+    out = [f"    # {comment}", f"    {{ user: {json.dumps(subject)}"]
+    if permissions is not None:
+        out.append(f"      permissions: {_render_value(permissions, '      ')}")
+    out.append("    }")
+    return out
+
+
+def render_mtls_users(
+    nodes: Iterable[str],
+    bucket: str = keys.DEFAULT_BUCKET,
+    *,
+    subject: str = DEFAULT_SUBJECT,
+    controllers: Sequence[str] = ("controller",),
+    routers: Sequence[str] = ("router",),
+    operators: Sequence[str] = ("operator",),
+) -> str:
+    """The `authorization { users = [...] }` block for `tls { verify_and_map: true }`.
+
+    Each user is the certificate subject (`subject` with `{name}` replaced): nats-server
+    compares the whole DN, so a certificate issued as `O=Example, CN=node05` needs
+    subject="CN={name},O=Example". Operators get no permissions block: they may do anything
+    (create the bucket, `llmgw catalog apply`, `llmgw place`).
+    """
+    if "{name}" not in subject:
+        raise ValueError(f"subject {subject!r} must contain {{name}} (e.g. 'CN={{name}}')")
+    lines = [
+        f"# generated by `python -m llmgw.bus.permissions` for bucket {bucket!r};",
+        "# regenerate it when a node joins: static config has no per-user templates",
+        "authorization {",
+        "  users = [",
+    ]
+    for name in controllers:
+        lines += _user(
+            subject.format(name=name), f"controller {name}", controller_permissions(bucket)
+        )
+    for name in routers:
+        lines += _user(
+            subject.format(name=name), f"router {name}: reads only", router_permissions(bucket)
+        )
+    for name in operators:
+        lines += _user(subject.format(name=name), f"operator {name}: everything", None)
+    for node in nodes:
+        lines += _user(
+            subject.format(name=node),
+            f"node {node}: writes nodes.{node}, leases.{node}, shards.{node}.>",
+            node_permissions(node, bucket),
+        )
+    lines += ["  ]", "}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m llmgw.bus.permissions",
+        description="Print the nats-server authorization block for mTLS (verify_and_map) "
+        "with one user per node (see docs/security.md).",
+    )
+    parser.add_argument("nodes", nargs="+", help="node ids (each node certificate's CN)")
+    parser.add_argument("--bucket", default=keys.DEFAULT_BUCKET)
+    parser.add_argument(
+        "--subject",
+        default=DEFAULT_SUBJECT,
+        help="certificate subject of each user, {name} replaced (default %(default)s)",
+    )
+    parser.add_argument("--controller", action="append", help="controller CN(s) (controller)")
+    parser.add_argument("--router", action="append", help="router CN(s) (router)")
+    parser.add_argument("--operator", action="append", help="operator CN(s) (operator)")
+    args = parser.parse_args(argv)
+    try:
+        text = render_mtls_users(
+            args.nodes,
+            args.bucket,
+            subject=args.subject,
+            controllers=args.controller or ["controller"],
+            routers=args.router or ["router"],
+            operators=args.operator or ["operator"],
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

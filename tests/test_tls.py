@@ -1,0 +1,480 @@
+"""TLS and mTLS against a real nats-server: client certificates, verify_and_map users with the
+per-node permissions of llmgw.bus.permissions, and how each refusal reads to an operator."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+import trustme
+from agent_helpers import agent_config, host_dirs, start_agent, stop
+
+from llmgw.agent.config import Nats
+from llmgw.bus import records
+from llmgw.bus.client import BucketSettings, Bus, BusError, NatsSettings, decoder
+from llmgw.bus.permissions import node_permissions, render_mtls_users
+from llmgw.bus.server import find_nats_server, free_port
+
+pytestmark = pytest.mark.anyio
+
+NATS_DIR = Path(__file__).parent.parent / "nats"
+# trustme always puts O and OU in a subject; nats-server matches the whole DN
+SUBJECT = "CN={name},OU=fleet,O=llmgw-test"
+
+
+# --- certificates -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pki:
+    dir: Path
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    rogue_ca: Path  # a CA nobody trusts
+
+    def cert(self, name: str) -> tuple[str, str]:
+        return str(self.dir / f"{name}.pem"), str(self.dir / f"{name}-key.pem")
+
+
+CLIENTS = ("operator", "controller", "router", "node05", "node06", "node99")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    d = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA(organization_name="llmgw-test")
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    server = ca.issue_cert("localhost", "127.0.0.1")
+    server.cert_chain_pems[0].write_to_path(str(d / "server.pem"))
+    server.private_key_pem.write_to_path(str(d / "server-key.pem"))
+    for name in CLIENTS:
+        # a DNS SAN is needed (Go refuses trustme's empty critical SAN); this one maps to no
+        # user, so nats-server falls through to the subject DN
+        leaf = ca.issue_cert(
+            f"{name}.fleet.test",
+            common_name=name,
+            organization_name="llmgw-test",
+            organization_unit_name="fleet",
+        )
+        leaf.cert_chain_pems[0].write_to_path(str(d / f"{name}.pem"))
+        leaf.private_key_pem.write_to_path(str(d / f"{name}-key.pem"))
+    rogue = trustme.CA(organization_name="rogue")
+    rogue.cert_pem.write_to_path(str(d / "rogue-ca.pem"))
+    return Pki(d, d / "ca.pem", d / "server.pem", d / "server-key.pem", d / "rogue-ca.pem")
+
+
+# --- servers --------------------------------------------------------------------------------
+
+
+@contextmanager
+def running_nats(conf: Path, store_dir: Path, cwd: Path | None = None) -> Iterator[str]:
+    """nats-server with `conf` on free ports; yields its URL once JetStream is ready."""
+    port, http_port = free_port(), free_port()
+    log_path = store_dir.parent / f"{conf.stem}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [str(find_nats_server()), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port)]
+            + ["-m", str(http_port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd or conf.parent,
+        )
+    try:
+        deadline = time.monotonic() + 10
+        health = f"http://127.0.0.1:{http_port}/healthz?js-enabled-only=true"
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"nats-server did not start:\n{log_path.read_text()}")
+            try:
+                with urllib.request.urlopen(health, timeout=0.5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.05)
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _tls_block(pki: Pki, mode: str) -> str:
+    return (
+        "tls {\n"
+        f"  cert_file: {json.dumps(str(pki.server_cert))}\n"
+        f"  key_file: {json.dumps(str(pki.server_key))}\n"
+        f"  ca_file: {json.dumps(str(pki.ca))}\n"
+        f"  {mode}: true\n"
+        "  timeout: 2\n"
+        "}\n"
+    )
+
+
+def _server(tmp_path: Path, pki: Pki, mode: str, authorization: str = "") -> Iterator[str]:
+    store = tmp_path / "jetstream"
+    conf = tmp_path / f"{mode}.conf"
+    conf.write_text(
+        f"jetstream {{ store_dir: {json.dumps(str(store))} }}\n"
+        + _tls_block(pki, mode)
+        + authorization
+    )
+    with running_nats(conf, store) as url:
+        yield url
+
+
+@pytest.fixture
+def verify_server(tmp_path: Path, pki: Pki) -> Iterator[str]:
+    """Client certificates required (any signed by the CA), no users."""
+    yield from _server(tmp_path, pki, "verify")
+
+
+@pytest.fixture
+def mapped_server(tmp_path: Path, pki: Pki) -> Iterator[str]:
+    """verify_and_map with the generated users for node05 and node06 (node99 has none)."""
+    users = render_mtls_users(["node05", "node06"], subject=SUBJECT)
+    yield from _server(tmp_path, pki, "verify_and_map", users)
+
+
+def settings(url: str, pki: Pki, who: str | None, **kw: object) -> NatsSettings:
+    cert, key = pki.cert(who) if who else (None, None)
+    return NatsSettings(
+        urls=(url,),
+        tls_ca=str(pki.ca),
+        tls_cert=cert,
+        tls_key=key,
+        name=f"test {who}",
+        healthy_after=1.0,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def connect(url: str, pki: Pki, who: str, **kw: object) -> Bus:
+    return await Bus.connect(settings(url, pki, who, **kw), BucketSettings(), give_up_after=5)
+
+
+def node_settings(url: str, pki: Pki, node: str, cert: str | None = None) -> NatsSettings:
+    # what the agent builds (agent/service.py): identity and a private inbox
+    return settings(
+        url,
+        pki,
+        cert or node,
+        identity=f"node {node} (config node.id)",
+        inbox_prefix=f"_INBOX.{node}",
+    )
+
+
+def refused_fast(s: NatsSettings) -> NatsSettings:
+    # nats-py retries a refused first connect by itself until Bus.connect's window
+    # (connect_timeout + 0.5 s) ends: a short timeout keeps these tests short
+    return dataclasses.replace(s, connect_timeout=0.3)
+
+
+def errors(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
+
+
+# --- plain mTLS --------------------------------------------------------------------------
+
+
+async def test_client_certificate_connects_and_uses_the_bucket(verify_server, pki) -> None:
+    bus = await connect(verify_server, pki, "node05")
+    try:
+        rev = await bus.put("catalog.m1", b'{"over": "tls"}')
+        assert await bus.get_raw("catalog.m1") == (b'{"over": "tls"}', rev)
+        assert bus.nc.connected_url is not None
+    finally:
+        await bus.close()
+
+
+async def test_missing_client_certificate_is_refused_naming_tls(verify_server, pki, caplog):
+    no_cert = NatsSettings(urls=(verify_server,), tls_ca=str(pki.ca), identity="node n1 (test)")
+    with anyio.fail_after(10), pytest.raises(BusError):
+        await Bus.connect(refused_fast(no_cert), give_up_after=0.5)
+    # the BusError holds the last attempt's error, which may be a bare "Connection lost"
+    assert "TLS handshake with NATS failed" in errors(caplog)
+    assert "CERTIFICATE_REQUIRED" in errors(caplog)
+    assert "no client certificate" in errors(caplog)
+
+
+async def test_untrusted_server_certificate_fails_fast_naming_tls(verify_server, pki, caplog):
+    cert, key = pki.cert("node05")
+    wrong_ca = NatsSettings(
+        urls=(verify_server,), tls_ca=str(pki.rogue_ca), tls_cert=cert, tls_key=key
+    )
+    # a wrong CA must be an answer, not a hang
+    with anyio.fail_after(10), pytest.raises(BusError) as refused:
+        await Bus.connect(refused_fast(wrong_ca), give_up_after=0.5)
+    assert "certificate verify failed" in str(refused.value)
+    assert "TLS handshake with NATS failed" in errors(caplog)
+    assert "node05.pem" in errors(caplog)
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> dict[str, Path]:
+    return host_dirs(tmp_path)
+
+
+def tls_agent_config(url: str, pki: Pki, host: dict[str, Path], node: str, cert: str):
+    cfg = agent_config(url, host, id=node)
+    cert_file, key_file = pki.cert(cert)
+    return msgspec.structs.replace(
+        cfg, nats=Nats(urls=[url], tls_ca=str(pki.ca), tls_cert=cert_file, tls_key=key_file)
+    )
+
+
+async def _wait_node(bus: Bus, node: str) -> records.NodeInventory:
+    with anyio.fail_after(15):
+        while True:
+            e = await bus.get(f"nodes.{node}", decoder(records.NodeInventory))
+            if e is not None:
+                return e.value
+            await anyio.sleep(0.05)
+
+
+def _wait_log(path: Path, pattern: str, timeout: float = 15.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        m = re.search(pattern, text)
+        if m:
+            return m.group(0)
+        time.sleep(0.05)
+    raise AssertionError(f"no line matching {pattern!r} in {path}:\n{text[-3000:]}")
+
+
+async def test_agent_registers_over_mtls(verify_server, pki, host, tmp_path) -> None:
+    cfg = tls_agent_config(verify_server, pki, host, "node05", "node05")
+    operator = await connect(verify_server, pki, "operator")
+    proc = start_agent(cfg, tmp_path / "agent.toml", [host["bin"]], tmp_path / "agent.log")
+    try:
+        inv = await _wait_node(operator, "node05")
+        assert inv.node == "node05"
+    finally:
+        assert stop(proc) == 0
+        await operator.close()
+
+
+# --- verify_and_map: per-node users ------------------------------------------------------
+
+
+async def test_agent_with_its_own_certificate_registers_and_answers_requests(
+    mapped_server, pki, host, tmp_path
+) -> None:
+    operator = await connect(mapped_server, pki, "operator")  # creates the bucket
+    cfg = tls_agent_config(mapped_server, pki, host, "node05", "node05")
+    proc = start_agent(cfg, tmp_path / "agent.toml", [host["bin"]], tmp_path / "agent.log")
+    try:
+        assert (await _wait_node(operator, "node05")).node == "node05"
+        # subscribe to llmgw.agent.node05.> and reply to another user's inbox: both allowed
+        with anyio.fail_after(15):
+            while True:
+                try:
+                    reply = await operator.request("llmgw.agent.node05.rescan", timeout=1.0)
+                    break
+                except Exception:  # noqa: BLE001 - not subscribed yet
+                    await anyio.sleep(0.1)
+        assert json.loads(reply)["node"] == "node05"
+    finally:
+        assert stop(proc) == 0
+        await operator.close()
+    assert "permissions violation" not in (tmp_path / "agent.log").read_text()
+
+
+async def test_agent_with_an_unmapped_certificate_is_refused_naming_certificate_and_claim(
+    mapped_server, pki, host, tmp_path
+) -> None:
+    cfg = tls_agent_config(mapped_server, pki, host, "node99", "node99")
+    log_path = tmp_path / "agent.log"
+    proc = start_agent(cfg, tmp_path / "agent.toml", [host["bin"]], log_path)
+    try:
+        line = _wait_log(log_path, r".*authorization violation.*")
+    finally:
+        assert stop(proc) == 0  # still stops promptly while retrying
+    assert "node99.pem" in line
+    assert "claimed identity node node99 (config node.id)" in line
+
+
+async def test_agent_claiming_another_node_is_refused_its_keys_naming_both(
+    mapped_server, pki, host, tmp_path
+) -> None:
+    # a node05 certificate on a host whose id came out as node06: the seed's mismatch
+    operator = await connect(mapped_server, pki, "operator")
+    cfg = tls_agent_config(mapped_server, pki, host, "node06", "node05")
+    log_path = tmp_path / "agent.log"
+    proc = start_agent(cfg, tmp_path / "agent.toml", [host["bin"]], log_path)
+    try:
+        # its inbox (_INBOX.node06) is the first thing refused, then every write
+        line = _wait_log(log_path, r".*permissions violation.*")
+    finally:
+        assert stop(proc) == 0
+    try:
+        assert await operator.get_raw("nodes.node06") is None
+    finally:
+        await operator.close()
+    assert "node05.pem" in line and "claimed identity node node06" in line
+
+
+async def test_bus_connect_with_an_unmapped_certificate_gives_up_with_bus_error(
+    mapped_server, pki, caplog
+) -> None:
+    with anyio.fail_after(10), pytest.raises(BusError, match="Authorization Violation"):
+        await Bus.connect(
+            refused_fast(node_settings(mapped_server, pki, "node99")), give_up_after=0.5
+        )
+    assert "node99.pem" in errors(caplog)
+    assert "claimed identity node node99" in errors(caplog)
+
+
+# who -> (keys it must be able to write, keys it must not)
+WRITES = {
+    "node05": (
+        ["nodes.node05", "leases.node05", "shards.node05.r1"],
+        ["nodes.node06", "leases.node06", "shards.node06.r1", "assign.node05.r1", "catalog.m1"],
+    ),
+    "controller": (
+        ["assign.node05.r1", "health.node05", "replicas.m1.r1", "placement.m1", "leader"],
+        ["nodes.node05", "shards.node05.r1", "catalog.m1"],
+    ),
+    "router": ([], ["catalog.m1", "replicas.m1.r2"]),
+    "operator": (["catalog.m1", "desired.m1"], []),
+}
+
+
+async def test_each_identity_writes_exactly_the_keys_it_owns_and_reads_all(
+    mapped_server, pki, caplog
+) -> None:
+    operator = await connect(mapped_server, pki, "operator")
+    await operator.put("catalog.seen", b"{}")
+    buses = {"operator": operator}
+    outcome: dict[tuple[str, str], bool] = {}
+    try:
+        for who in WRITES:
+            if who not in buses:
+                inbox = {"node05": "_INBOX.node05"}.get(who)
+                buses[who] = await connect(mapped_server, pki, who, inbox_prefix=inbox)
+
+        async def attempt(who: str, key: str) -> None:
+            try:
+                # a forbidden put is dropped by the server: it only ever times out
+                with anyio.fail_after(1.5):
+                    await buses[who].put(key, json.dumps({"by": who}).encode())
+                outcome[who, key] = True
+            except Exception:  # noqa: BLE001
+                outcome[who, key] = False
+
+        async with anyio.create_task_group() as tg:
+            for who, (allowed, denied) in WRITES.items():
+                for key in allowed + denied:
+                    tg.start_soon(attempt, who, key)
+        for who, bus in buses.items():
+            assert await bus.get_raw("catalog.seen") is not None, f"{who} cannot read"
+    finally:
+        for bus in buses.values():
+            await bus.close()
+    wrong = {
+        f"{who} {'could not' if key in allowed else 'could'} write {key}"
+        for who, (allowed, denied) in WRITES.items()
+        for key in allowed + denied
+        if outcome[who, key] != (key in allowed)
+    }
+    assert not wrong
+    assert 'permissions violation for publish to "$kv.llmgw.nodes.node06"' in errors(caplog)
+
+
+async def test_node_watches_its_assignments_through_its_own_inbox(mapped_server, pki) -> None:
+    operator = await connect(mapped_server, pki, "operator")
+    node = await Bus.connect(node_settings(mapped_server, pki, "node05"), give_up_after=5)
+    try:
+        await operator.put("assign.node05.r1", b'{"x": 1}')
+        await operator.put("assign.node06.r1", b'{"x": 2}')
+        with anyio.fail_after(10):
+            seen = await node.list("assign.node05.*", lambda b: b)
+        assert list(seen) == ["assign.node05.r1"]
+    finally:
+        await node.close()
+        await operator.close()
+
+
+# --- the generator and the shipped example ------------------------------------------------
+
+
+def test_node_permissions_write_only_its_own_keys() -> None:
+    allowed = node_permissions("node05", "fleet")["publish"]["allow"]  # type: ignore[index]
+    writes = sorted(s for s in allowed if s.startswith("$KV."))
+    assert writes == [
+        "$KV.fleet.leases.node05",
+        "$KV.fleet.nodes.node05",
+        "$KV.fleet.shards.node05.*",
+    ]
+
+
+def test_a_node_id_that_is_not_a_token_is_refused() -> None:
+    with pytest.raises(ValueError, match="node id 'node05.evil'"):
+        node_permissions("node05.evil", "llmgw")
+
+
+def test_a_subject_template_without_a_name_is_refused() -> None:
+    with pytest.raises(ValueError, match="must contain"):
+        render_mtls_users(["node05"], subject="CN=node05")
+
+
+def _generated_block(conf_text: str) -> str:
+    m = re.search(r"# BEGIN generated.*?\n(.*)# END generated", conf_text, re.S)
+    assert m, "nats/mtls.conf lost its '# BEGIN generated' / '# END generated' markers"
+    return m.group(1)
+
+
+def test_shipped_mtls_conf_holds_what_the_generator_renders() -> None:
+    text = (NATS_DIR / "mtls.conf").read_text()
+    assert _generated_block(text) == render_mtls_users(
+        ["node05", "node06"], "llmgw", subject="CN={name},OU=fleet,O=llmgw-example"
+    )
+
+
+async def test_shipped_mtls_conf_and_example_certificates_work_together(tmp_path) -> None:
+    # the shipped file as it is, but with its store in tmp
+    conf = tmp_path / "mtls.conf"
+    conf.write_text(
+        re.sub(
+            r'store_dir: "[^"]*"',
+            f"store_dir: {json.dumps(str(tmp_path / 'js'))}",
+            (NATS_DIR / "mtls.conf").read_text(),
+        )
+    )
+    certs = NATS_DIR / "example-certs"
+
+    def example(who: str, **kw: object) -> NatsSettings:
+        return NatsSettings(
+            urls=(url,),
+            tls_ca=str(certs / "ca.pem"),
+            tls_cert=str(certs / f"{who}.pem"),
+            tls_key=str(certs / f"{who}-key.pem"),
+            **kw,  # type: ignore[arg-type]
+        )
+
+    with running_nats(conf, tmp_path / "js", cwd=NATS_DIR) as url:
+        operator = await Bus.connect(example("operator"), give_up_after=5)
+        node = await Bus.connect(example("node05", inbox_prefix="_INBOX.node05"), give_up_after=5)
+        try:
+            rev = await node.put("nodes.node05", b"{}")
+            assert await operator.get_raw("nodes.node05") == (b"{}", rev)
+        finally:
+            await node.close()
+            await operator.close()
