@@ -19,7 +19,6 @@ from pathlib import Path
 import anyio
 import msgspec
 import pytest
-import trustme
 from agent_helpers import agent_config, host_dirs, start_agent, stop
 
 from llmgw.agent.config import Nats
@@ -55,6 +54,7 @@ CLIENTS = ("operator", "controller", "router", "node05", "node06", "node99")
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    trustme = pytest.importorskip("trustme", reason="test extra: pip install trustme")
     d = tmp_path_factory.mktemp("pki")
     ca = trustme.CA(organization_name="llmgw-test")
     ca.cert_pem.write_to_path(str(d / "ca.pem"))
@@ -396,6 +396,15 @@ async def test_each_identity_writes_exactly_the_keys_it_owns_and_reads_all(
     }
     assert not wrong
     assert 'permissions violation for publish to "$kv.llmgw.nodes.node06"' in errors(caplog)
+
+
+async def test_controller_creates_the_bucket_when_it_is_missing(mapped_server, pki) -> None:
+    controller = await connect(mapped_server, pki, "controller")
+    try:
+        info = await controller.js.stream_info("KV_llmgw")
+        assert info.config.name == "KV_llmgw"
+    finally:
+        await controller.close()
 
 
 async def test_node_watches_its_assignments_through_its_own_inbox(mapped_server, pki) -> None:

@@ -71,7 +71,7 @@ def node_permissions(node: str, bucket: str = keys.DEFAULT_BUCKET) -> dict[str, 
 
 def controller_permissions(bucket: str = keys.DEFAULT_BUCKET) -> dict[str, object]:
     """The controller writes health, fabrics, replicas, assignments, placements and the leader
-    lease, publishes events and asks agents; it reads everything."""
+    lease, creates the bucket if missing, publishes events and asks agents; it reads all."""
     keys.check_token(bucket, "bucket")
     written = [keys.HEALTH, keys.FABRICS, keys.REPLICAS, keys.ASSIGN, keys.PLACEMENT]
     return {
@@ -79,6 +79,9 @@ def controller_permissions(bucket: str = keys.DEFAULT_BUCKET) -> dict[str, objec
             "allow": [
                 *_kv_write(bucket, *(keys.pattern(p) for p in written), keys.leader()),
                 *_kv_read(bucket),
+                # the first controller creates a missing bucket (create is idempotent for the
+                # same config and refused for another); agents wait for it
+                f"$JS.API.STREAM.CREATE.KV_{bucket}",
                 f"{keys.EVENTS_ROOT}.>",
                 "llmgw.agent.>",
             ]
