@@ -304,3 +304,13 @@ def _alive(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+async def test_fixing_a_refused_profile_in_the_catalog_launches_it(bus, node, controller):
+    bad = _catalog(node["tmp"], path=str(node["tmp"] / "typo.gguf"))
+    await _place(bus, bad, 1)
+    await _until(lambda: _shard(bus, "failed"))
+    fixed = _catalog(node["tmp"])  # the operator corrects the path and applies again
+    await bus.put(keys.catalog("tiny"), catalog.encode_model(fixed))
+    ready = await _until(lambda: _shard(bus, "ready"))
+    assert ready.generation == 2 and "refused" not in ready.reason

@@ -119,8 +119,21 @@ class ShardManager:
                 return
             spec, problems = await self._launch_spec(want)
             if running is not None:
-                if spec == running.spec:
-                    running.assignment = want  # nothing the engine sees changed
+                healthy = rid in self.shards and self.shards[rid].phase != "failed"
+                if spec == running.spec or (
+                    healthy and spec is not None and _same_place(spec, running.spec)
+                ):
+                    # Nothing the engine sees changed, or only the catalog did: a serving
+                    # engine keeps its launch until it is replaced (editing a profile does
+                    # not restart a fleet); a failing one is relaunched with the new one.
+                    if spec != running.spec:
+                        log.info(
+                            "%s %s: catalog changed; the running engine keeps its launch "
+                            "until replaced",
+                            want.model,
+                            rid,
+                        )
+                    running.assignment = want
                     await self._report(
                         rid, want, self.shards[rid].phase if rid in self.shards else "starting"
                     )
@@ -144,11 +157,13 @@ class ShardManager:
         async def on_phase(change: PhaseChange) -> None:
             engine = self._engines.get(rid)
             current = engine.assignment if engine else want
+            # "starting" carries the argv (in the log file already); "ready" says "ready"
+            quiet = change.phase == "starting" or change.reason == change.phase
             await self._report(
                 rid,
                 current,
                 change.phase,
-                reason=change.reason if change.phase != "starting" else "",
+                reason="" if quiet else change.reason,
                 tail=change.tail if change.phase == "failed" else [],
                 restarts=change.restarts,
                 pid=change.pid,
@@ -266,6 +281,17 @@ class ShardManager:
             await self.bus.put(keys.shard(shard.node, shard.rid), shard)
         except Exception as e:  # noqa: BLE001 - re-reported after the reconnect
             log.warning("could not write shards.%s.%s: %s", shard.node, shard.rid, e)
+
+
+def _same_place(a: LaunchSpec, b: LaunchSpec) -> bool:
+    """Same GPUs, port and ranks: what the controller decided, as opposed to the catalog."""
+    return (a.gpu_uuids, a.port, a.rank, a.nodes, a.master_addr) == (
+        b.gpu_uuids,
+        b.port,
+        b.rank,
+        b.nodes,
+        b.master_addr,
+    )
 
 
 def launch_spec(

@@ -238,6 +238,9 @@ class Assignment(msgspec.Struct, kw_only=True):
     gpus: list[str] = []
     port: int = 0
     fabric: str | None = None
+    # fingerprint of the catalog entry: a fixed profile reaches the agents (a failed
+    # shard is launched again with it; a healthy engine keeps its launch until replaced)
+    catalog_hash: str = ""
 
 
 # --- shards.<node>.<rid>: written by the agent

@@ -12,6 +12,7 @@ revision stops moving for `leader_ttl` seconds (judged on their own clock).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import anyio
 import msgspec
 
+from llmgw import catalog
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, Synced, Update
 from llmgw.controller import placement
@@ -365,8 +367,17 @@ class Controller:
             master = self.view.nodes[rank0.node].address if rank0.node in self.view.nodes else ""
             fabric = _shared_fabric(r, self.view.nodes) if len(r.members) > 1 else None
             action = "drain" if r.phase == "draining" else "run"
+            model = self.view.catalog.get(r.model)
             for m in r.members:
+                have = self.view.assigns.get((m.node, rid))
+                # an invalid or missing entry changes nothing: keep what the agent has
+                digest = (
+                    _catalog_hash(model)
+                    if model is not None
+                    else (have.catalog_hash if have else "")
+                )
                 wanted[(m.node, rid)] = records.Assignment(
+                    catalog_hash=digest,
                     model=r.model,
                     rid=rid,
                     profile=r.profile,
@@ -460,6 +471,10 @@ class Controller:
                     f"node {node} no longer qualifies for {model}",
                     model=model,
                 )
+
+
+def _catalog_hash(model) -> str:
+    return hashlib.sha256(catalog.encode_model(model)).hexdigest()[:16]
 
 
 def _member_done(node: str, shard: records.Shard | None, phases: dict[str, str]) -> bool:
