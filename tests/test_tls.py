@@ -193,8 +193,10 @@ def errors(caplog: pytest.LogCaptureFixture) -> str:
 # --- plain mTLS --------------------------------------------------------------------------
 
 
-async def test_client_certificate_connects_and_uses_the_bucket(verify_server, pki) -> None:
-    bus = await connect(verify_server, pki, "node05")
+@pytest.mark.parametrize("scheme", ["nats", "tls"])
+async def test_client_certificate_connects_and_uses_the_bucket(verify_server, pki, scheme) -> None:
+    # nats:// is upgraded because the server requires TLS; tls:// insists on it
+    bus = await connect(verify_server.replace("nats://", f"{scheme}://"), pki, "node05")
     try:
         rev = await bus.put("catalog.m1", b'{"over": "tls"}')
         assert await bus.get_raw("catalog.m1") == (b'{"over": "tls"}', rev)
