@@ -149,7 +149,9 @@ def render_mtls_users(
     ]
     for name in controllers:
         lines += _user(
-            subject.format(name=name), f"controller {name}", controller_permissions(bucket)
+            subject.format(name=name),
+            f"controller {name}: writes health, fabrics, replicas, assign, placement, leader",
+            controller_permissions(bucket),
         )
     for name in routers:
         lines += _user(
