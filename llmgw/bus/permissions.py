@@ -150,19 +150,17 @@ def render_mtls_users(
     for name in controllers:
         lines += _user(
             subject.format(name=name),
-            f"controller {name}: writes health, fabrics, replicas, assign, placement, leader",
+            "controller: writes health, fabrics, replicas, assign, placement, leader",
             controller_permissions(bucket),
         )
     for name in routers:
-        lines += _user(
-            subject.format(name=name), f"router {name}: reads only", router_permissions(bucket)
-        )
+        lines += _user(subject.format(name=name), "router: reads only", router_permissions(bucket))
     for name in operators:
-        lines += _user(subject.format(name=name), f"operator {name}: everything", None)
+        lines += _user(subject.format(name=name), "operator: everything", None)
     for node in nodes:
         lines += _user(
             subject.format(name=node),
-            f"node {node}: writes nodes.{node}, leases.{node}, shards.{node}.>",
+            f"node: writes nodes.{node}, leases.{node}, shards.{node}.*",
             node_permissions(node, bucket),
         )
     lines += ["  ]", "}", ""]
