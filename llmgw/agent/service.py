@@ -25,7 +25,7 @@ from llmgw.agent.discovery.weights.scan import weights_equal_for_resend
 from llmgw.agent.shards import ShardManager
 from llmgw.agent.weights import WeightsScanner
 from llmgw.bus import keys, records
-from llmgw.bus.client import BucketSettings, Bus, NatsSettings
+from llmgw.bus.client import BucketSettings, Bus, BusError, NatsSettings
 from llmgw.shutdown import cancel_on_signal
 
 log = logging.getLogger("llmgw.agent.service")  # also when run as __main__
@@ -249,7 +249,10 @@ def main(config_path: Path | None, nats_urls: tuple[str, ...], log_level: str) -
         cfg = msgspec.structs.replace(
             cfg, nats=msgspec.structs.replace(cfg.nats, urls=list(nats_urls))
         )
-    anyio.run(run_until_signalled, Agent(cfg))
+    try:
+        anyio.run(run_until_signalled, Agent(cfg))
+    except BusError as e:  # systemd restarts it (Restart=on-failure), with its own backoff
+        raise click.ClickException(str(e)) from None
 
 
 if __name__ == "__main__":

@@ -107,6 +107,7 @@ class _ConnState:
     backoff: Backoff
     connected_since: float | None = None
     reconnects: int = 0
+    refusal: BaseException | None = None  # the last TLS or authorization refusal seen
     watch_restarts: list[asyncio.Event] = field(default_factory=list)
 
 
@@ -149,6 +150,8 @@ class Bus:
         holder: dict[str, Bus] = {}
 
         async def error_cb(e: Exception) -> None:
+            if _is_refusal(e):
+                state.refusal = e  # a later "connection lost" must not hide why
             _log_nats_error(e, settings)
 
         async def disconnected_cb() -> None:
@@ -198,7 +201,7 @@ class Bus:
                 )
                 break
             except Exception as e:  # noqa: BLE001 - every failure is retried; it was logged
-                cause = nc.last_error or e
+                cause = state.refusal or nc.last_error or e
                 try:
                     await asyncio.wait_for(nc.close(), 1.0)
                 except Exception:  # noqa: BLE001
@@ -424,6 +427,13 @@ async def ensure_bucket(nc: Client, settings: BucketSettings) -> KeyValue:
             return kv
         except nats.js.errors.BadRequestError:
             kv = await js.key_value(settings.name)  # another component created it first
+        except nats.errors.TimeoutError as e:
+            # permissions that do not allow creating streams answer with silence
+            raise BusError(
+                f"bucket {settings.name} does not exist and creating it timed out: this identity "
+                "may not be allowed to create it; start a controller (or `llmgw up`) first, "
+                "or check the NATS permissions (docs/security.md)"
+            ) from e
     except nats.js.errors.BadBucketError as e:
         raise BusError(
             f"stream KV_{settings.name} exists but is not a KV bucket: pick another --bucket"
@@ -470,6 +480,11 @@ def _server_url(nc: Client) -> str:
 def _describe(e: BaseException) -> str:
     text = str(e) or type(e).__name__
     return text
+
+
+def _is_refusal(e: BaseException) -> bool:
+    text = _describe(e).lower()
+    return isinstance(e, ssl.SSLError) or "authorization" in text
 
 
 def _log_nats_error(e: BaseException, settings: NatsSettings, first_connect: bool = False) -> None:
