@@ -78,15 +78,22 @@ def find_vocab(binary: Path) -> Path | str:
         if (directory / VOCAB_NAME).is_file():
             return directory / VOCAB_NAME
     return (
-        f"no {VOCAB_NAME} beside {binary} or in {cache_root()}; set {VOCAB_ENV} to a "
-        f"vocab-only GGUF from llama.cpp's models/ directory, or {BUILD_HINT}"
+        f"no {VOCAB_NAME} beside {binary} or in {cache_root()}/llama-server-*/; set {VOCAB_ENV} "
+        "to a vocab-only GGUF from llama.cpp's models/ directory, or run "
+        "tools/build-llama-server.sh, which puts one there"
     )
 
 
 def llama_server_binary() -> Path:
-    """The llama-server to test; skips the calling test, with the reason, when there is none."""
+    """The llama-server to test; skips the calling test, with the reason, when there is none.
+
+    A wrong $LLMGW_LLAMA_SERVER fails instead: someone asked for that binary, and a skip
+    would hide the typo.
+    """
     found = find_llama_server()
     if isinstance(found, str):
+        if os.environ.get(BINARY_ENV):
+            pytest.fail(found)
         pytest.skip(found)
     return found
 

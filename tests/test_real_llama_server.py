@@ -20,6 +20,7 @@ from real_llama import (
     tiny_server_argv,
 )
 
+from llmgw.agent.discovery.engines import llama_server_version
 from llmgw.agent.engines.base import LaunchSpec
 from llmgw.agent.engines.llama_server import LlamaServerAdapter
 from llmgw.bus.server import free_port
@@ -80,8 +81,8 @@ def test_gguf_that_is_not_gguf_makes_it_exit_nonzero_saying_so(tmp_path: Path):
     code, output = _run_to_exit(model, tmp_path)
 
     assert code != 0, output
-    assert "invalid magic characters" in output, output
-    assert "failed to load model" in output, output
+    assert "invalid magic characters: '<htm', expected 'GGUF'" in output, output
+    assert "exiting due to model loading error" in output, output
 
 
 def test_truncated_gguf_makes_it_exit_nonzero_saying_so(tiny_model: Path, tmp_path: Path):
@@ -92,7 +93,8 @@ def test_truncated_gguf_makes_it_exit_nonzero_saying_so(tiny_model: Path, tmp_pa
     code, output = _run_to_exit(model, tmp_path)
 
     assert code != 0, output
-    assert "failed to load model" in output, output
+    assert "data is not within the file bounds" in output, output
+    assert "exiting due to model loading error" in output, output
 
 
 def _spec(binary: Path, model: Path, port: int) -> LaunchSpec:
@@ -148,3 +150,12 @@ def test_adapter_counts_real_in_flight_request_and_idle_server(tiny_model: Path,
         assert during == {"/metrics": 1, "/slots": 1}, server.output()[-2000:]
     finally:
         server.stop()
+
+
+def test_discovery_reads_the_build_number_from_real_version_output():
+    # source builds print "version: 0.6.0-dev (build 11434, commit unknown)", not the
+    # "version: 9439 (47f6423ed)" of release archives: both must give a version
+    version = llama_server_version(llama_server_binary())
+
+    assert version, "llama-server --version gave no version line"
+    assert any(ch.isdigit() for ch in version), version
