@@ -80,9 +80,10 @@ main() {
     # git would answer with that repository's commit instead of "unknown".
     export GIT_CEILING_DIRECTORIES=$WORK
 
-    # Static libraries give one self-contained binary; GGML_NATIVE=OFF keeps it runnable on any
-    # x86-64 CPU, so a cache restored onto another CI machine cannot die of SIGILL.
-    # OPENSSL, the prebuilt web UI and model downloads are all network features we do not want.
+    # Static libraries give one self-contained binary. GGML_NATIVE=OFF targets AVX2-class CPUs
+    # (ggml's default set) instead of this exact CPU, so a cache restored onto another CI
+    # machine does not die of SIGILL. OpenSSL (HTTPS model downloads) and the prebuilt web UI
+    # (fetched from Hugging Face at build time) are network features the tests do not want.
     log "configuring (cmake)"
     # shellcheck disable=SC2086
     cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release \
