@@ -301,9 +301,12 @@ class Controller:
         await self._sync_replica_phases(phases)
         await self._sync_assignments()
         await self._write_placements(plan, invalid)
-        for model, rec in self.view.placements.items():  # a baseline for models now waiting
-            if rec.placed < rec.desired and model not in self._qualifying:
-                self._qualifying[model] = placement.qualifying_nodes(snap, model)
+        new_waiting = [  # a baseline for models now waiting
+            model
+            for model, rec in self.view.placements.items()
+            if rec.placed < rec.desired and model not in self._qualifying
+        ]
+        self._qualifying.update(placement.qualifying_nodes_by_model(snap, new_waiting))
 
     async def _write_fabrics(self, view: dict[str, records.FabricHoldings]) -> None:
         for name, holdings in view.items():
@@ -452,8 +455,9 @@ class Controller:
         for model in list(self._qualifying):
             if model not in waiting:
                 del self._qualifying[model]
+        qualifying = placement.qualifying_nodes_by_model(snap, waiting)
         for model in waiting:
-            now_q = placement.qualifying_nodes(snap, model)
+            now_q = qualifying[model]
             before = self._qualifying.get(model)
             self._qualifying[model] = now_q
             if before is None:

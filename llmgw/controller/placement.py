@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from llmgw.bus.records import (
@@ -728,17 +728,30 @@ def qualifying_nodes(snapshot: Snapshot, model: str, profile: str | None = None)
     """Nodes that pass every filter for the model's profile (the desired one, else any of
     them) right now. The loop compares this between passes to log and publish when a
     node starts or stops qualifying for a waiting model."""
+    return _qualifying(snapshot, model, profile, _fleet(snapshot))
+
+
+def qualifying_nodes_by_model(snapshot: Snapshot, models: Iterable[str]) -> dict[str, set[str]]:
+    """`qualifying_nodes` of several models with the fleet built once per call, not once per
+    model: building it is O(nodes), ~45 ms at 2,000 nodes (bench/reconcile.py --waiting)."""
+    models = list(models)
+    fleet = _fleet(snapshot) if models else {}
+    return {m: _qualifying(snapshot, m, None, fleet) for m in models}
+
+
+def _qualifying(
+    snapshot: Snapshot, model: str, profile: str | None, nodes: Mapping[str, NodeState]
+) -> set[str]:
     entry = snapshot.catalog.get(model)
     if entry is None or not entry.profiles:
         return set()
     desired = snapshot.desired.get(model)
     name = profile or (desired.profile if desired is not None else None)
     profiles = [entry.profile(name)] if name else entry.profiles
-    nodes = _fleet(snapshot)
     out: set[str] = set()
     for p in profiles:
         if p is None:
             continue
         need = Need.of(model, p, snapshot.port_range)
-        out.update(n.id for n in nodes.values() if fit(n, need) is None)
+        out.update(n.id for n in nodes.values() if fit(n, need) is None)  # fit only reads
     return out
