@@ -215,31 +215,40 @@ def serving_tiny_model(model: Path, directory: Path) -> Iterator[RunningLlamaSer
 
 
 def stream_chat(
-    server: RunningLlamaServer, content: str, max_tokens: int = 16
+    server: RunningLlamaServer, content: str, max_tokens: int = 16, **extra: object
 ) -> Iterator[dict | str]:
-    """POST a streamed chat completion; yields each SSE event's JSON, then the string "[DONE]"."""
+    """POST a streamed chat completion; yields each SSE event's JSON, then the string "[DONE]".
+
+    `extra` goes into the request body (llama-server's own fields: seed, ignore_eos ...).
+    """
     body = json.dumps(
         {
             "model": "tiny",
             "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens,
             "stream": True,
+            **extra,
         }
     )
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     try:
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
         response = conn.getresponse()
-        if response.status != 200:
-            raise AssertionError(f"chat completion answered {response.status}: {response.read()!r}")
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue  # blank separators between events
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                yield data
-                return
-            yield json.loads(data)
+        try:
+            if response.status != 200:
+                raise AssertionError(f"chat answered {response.status}: {response.read()!r}")
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue  # blank separators between events
+                data = line.removeprefix("data: ")
+                if data == "[DONE]":
+                    yield data
+                    return
+                yield json.loads(data)
+        finally:
+            # the response holds the socket too; llama-server will not exit on SIGTERM
+            # while a client still holds a streaming request open
+            response.close()
     finally:
         conn.close()

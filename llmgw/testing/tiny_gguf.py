@@ -34,7 +34,7 @@ class TinyShape:
     heads: int = 4
     kv_heads: int = 2
     feed_forward: int = 128
-    context: int = 2048
+    context: int = 4096  # llama-server caps -c at the trained context
 
 
 class VocabError(ValueError):
