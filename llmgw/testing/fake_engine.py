@@ -634,9 +634,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def write_fake_gguf(path: Path) -> Path:
-    """A file that passes the GGUF magic check (the fake engine loads it; a real one would not)."""
+    """A small, structurally complete GGUF (v3, one string key, one 32-byte f32 tensor): it
+    passes the agent's header and size checks and the fake engine loads it; a real engine
+    would refuse its architecture-less contents."""
+    import struct
+
+    def text(s: str) -> bytes:
+        return struct.pack("<Q", len(s)) + s.encode()
+
+    header = b"GGUF" + struct.pack("<IQQ", 3, 1, 1)
+    header += text("general.architecture") + struct.pack("<I", 8) + text("fake")
+    # tensor info: name, n_dims, dims, ggml type (0 = F32), offset into the data section
+    header += text("w") + struct.pack("<I", 1) + struct.pack("<Q", 8) + struct.pack("<I", 0) + struct.pack("<Q", 0)
+    header += bytes(-len(header) % 32)  # data starts aligned to general.alignment (32)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(16))
+    path.write_bytes(header + bytes(8 * 4))
     return path
 
 

@@ -13,7 +13,9 @@ import shutil
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from llmgw.agent.discovery.weights.formats import check_gguf, check_gguf_split, gguf_split
 from llmgw.agent.engines import adapter_for
 from llmgw.agent.engines.base import EngineAdapter, LaunchSpec, flag_tokens, hf_repo
 from llmgw.agent.engines.vllm import pipeline_parallel, tensor_parallel
@@ -87,7 +89,7 @@ def check_weights(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> 
             return [f"weights file {path} cannot be read: {e.strerror}; check its permissions"]
         if magic != b"GGUF":
             return [f"weights file {path} is not a GGUF file (starts with {magic!r})"]
-        return []
+        return _gguf_complete(path)
     # vllm: a model directory (config.json + weights) or a single .gguf
     if os.path.isfile(path) and path.endswith(".gguf"):
         return []
@@ -96,6 +98,20 @@ def check_weights(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> 
     if not os.path.isfile(os.path.join(path, "config.json")):
         return [f"weights directory {path} has no config.json; vLLM needs a Hugging Face model dir"]
     return []
+
+
+def _gguf_complete(path: str) -> list[str]:
+    """Headers and sizes only (milliseconds): a half-finished download is refused here, not
+    by the engine after it has read gigabytes. The same rule the weights scan uses."""
+    file = Path(path)
+    split = gguf_split(file.name)
+    if split is not None:
+        check = check_gguf_split(file.parent, split, os.listdir(file.parent))
+    else:
+        check = check_gguf(file)
+    if check.complete:
+        return []
+    return [f"weights file {path} is not complete ({check.why}); a download still running, or cut short?"]
 
 
 def _check_fetch_dir(spec: LaunchSpec) -> list[str]:
