@@ -1,0 +1,160 @@
+"""The agent runs a REAL llama-server through its adapter: placed by the controller,
+validated, launched, loaded, streaming; refusals before launch; a load failure's real
+output in the failed shard. Skips (with how to build one) where no llama-server exists."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import anyio
+import msgspec
+import pytest
+from agent_helpers import agent_config, host_dirs, start_agent, stop
+from real_llama import llama_server_binary, tiny_gguf
+
+from llmgw import catalog
+from llmgw.agent.config import Engines
+from llmgw.bus import keys, records
+from llmgw.bus.client import Bus, decoder
+from llmgw.controller.loop import Controller, ControllerSettings
+
+pytestmark = [pytest.mark.anyio, pytest.mark.llama]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return tiny_gguf(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture
+def node(tmp_path, nats_server):
+    binary = llama_server_binary()  # skips, saying how to build one, where there is none
+    dirs = host_dirs(tmp_path)
+    (dirs["bin"] / "llama-server").symlink_to(binary)  # found on PATH, as on a node
+    cfg = agent_config(nats_server.url, dirs, id="cpu1")
+    cfg = msgspec.structs.replace(
+        cfg,
+        engines=Engines(listen_host="127.0.0.1", poll_interval=0.1, backoff_base=5, stop_grace=3),
+    )
+    proc = start_agent(
+        cfg, tmp_path / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], tmp_path / "agent.log"
+    )
+    yield {"tmp": tmp_path, "log": tmp_path / "agent.log"}
+    stop(proc)
+
+
+@pytest.fixture
+async def controller(nats_settings):
+    b = await Bus.connect(nats_settings, give_up_after=5)
+    async with anyio.create_task_group() as tg:
+        await tg.start(
+            Controller(b, ControllerSettings(unreachable_after=3, lost_after=30, tick=0.05)).run
+        )
+        yield
+        tg.cancel_scope.cancel()
+    await b.close()
+
+
+async def _place(bus: Bus, gguf: str) -> None:
+    model = catalog.validate_models(
+        {
+            "models": [
+                {
+                    "id": "tiny",
+                    "served_name": "tiny-random",
+                    "profiles": [
+                        {
+                            "name": "cpu",
+                            "engine": "llama-server",
+                            "weights": {"path": gguf},
+                            "gpus_per_node": 0,
+                            "context": 4096,
+                            "parallel": 1,
+                        }
+                    ],
+                }
+            ]
+        }
+    )[0]
+    await bus.put(keys.catalog("tiny"), catalog.encode_model(model))
+    await bus.put(keys.desired("tiny"), records.Desired(model="tiny", replicas=1, updated_at=1.0))
+
+
+async def _shard(bus: Bus, phase: str):
+    got = await bus.list("shards.cpu1.*", decoder(records.Shard))
+    return next((e.value for e in got.values() if e.value.phase == phase), None)
+
+
+async def _until(cond, timeout: float = 60.0):
+    with anyio.fail_after(timeout):
+        while not (got := await cond()):
+            await anyio.sleep(0.05)
+        return got
+
+
+async def test_real_llama_server_is_launched_loads_and_streams_a_chat(
+    bus, node, controller, tiny_model
+):
+    await _place(bus, str(tiny_model))
+    shard = await _until(lambda: _shard(bus, "ready"))
+    body = {
+        "model": "tiny-random",
+        "stream": True,
+        "max_tokens": 16,
+        "messages": [{"role": "user", "content": "hello"}],
+    }
+    chunks = []
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"http://{shard.endpoint}/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status == 200
+        async for line in r.content:
+            if line.startswith(b"data: "):
+                chunks.append(line[6:].strip().decode())
+    assert chunks[-1] == "[DONE]"
+    assert any(
+        json.loads(c)["choices"] and json.loads(c)["choices"][0]["delta"].get("content")
+        for c in chunks[:-1]
+    )
+
+
+async def test_missing_model_file_is_refused_before_launch(bus, node, controller):
+    await _place(bus, str(node["tmp"] / "not-downloaded.gguf"))
+    shard = await _until(lambda: _shard(bus, "failed"))
+    assert (
+        shard.reason.startswith("refused before launch: weights file")
+        and "does not exist" in shard.reason
+    )
+    assert shard.pid is None and shard.output_tail == []
+
+
+async def test_truncated_gguf_is_refused_before_launch_not_after_loading(
+    bus, node, controller, tiny_model
+):
+    cut = node["tmp"] / "half-downloaded.gguf"
+    cut.write_bytes(tiny_model.read_bytes()[: tiny_model.stat().st_size // 2])
+    await _place(bus, str(cut))
+    shard = await _until(lambda: _shard(bus, "failed"))
+    assert "is not complete" in shard.reason and shard.pid is None
+
+
+async def test_a_gguf_the_engine_refuses_leaves_its_output_tail_in_the_failed_shard(
+    bus, node, controller, tiny_model
+):
+    # complete and well-formed, so it passes validation, but of an architecture llama.cpp
+    # does not know: only the engine can refuse it, and its words must reach the operator
+    data = bytearray(tiny_model.read_bytes())
+    key = b"general.architecture"
+    at = data.index(key) + len(key) + 4 + 8  # value type (u32), string length (u64)
+    assert data[at : at + 5] == b"llama"
+    data[at : at + 5] = b"llamz"
+    bogus = node["tmp"] / "bogus-arch.gguf"
+    bogus.write_bytes(bytes(data))
+    await _place(bus, str(bogus))
+    shard = await _until(lambda: _shard(bus, "failed"))
+    tail = "\n".join(shard.output_tail)
+    assert "unknown model architecture: 'llamz'" in tail, tail  # llama.cpp's own words
+    assert "exited with code" in shard.reason and "while loading" in shard.reason
+    assert len(tail) <= 8192 and len(shard.output_tail) <= 64
