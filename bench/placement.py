@@ -184,7 +184,10 @@ def main() -> None:
     pairs = wanted * len(snap.inventories)
     print(f"fleet: {len(snap.inventories)} nodes x 8 GPUs, {len(snap.replicas)} running replicas")
     print(f"plan: {wanted} replicas wanted, {placed} placed, {wanted - placed} unplaced")
-    print(f"plan():      {plan_s:8.3f} s  ({pairs / plan_s:,.0f} replica-node pairs/s)")
+    print(
+        f"plan():      {plan_s:8.3f} s  ({pairs / plan_s:,.0f} replica-node pairs/s, "
+        f"{len(snap.inventories) / plan_s:,.0f} nodes/s for {wanted} replicas)"
+    )
     print(f"bare loop:   {base_s:8.3f} s  ({pairs / base_s:,.0f} pairs/s)")
     print(f"ratio plan/bare loop: {plan_s / base_s:.2f}")
     print(f"steady state, nothing to place: {steady_s:.3f} s ({steady_s / base_s:.2f} x bare loop)")
