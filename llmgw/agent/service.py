@@ -20,6 +20,7 @@ import msgspec
 
 from llmgw import __version__
 from llmgw.agent import inventory
+from llmgw.agent.certificate import certificate_mismatch
 from llmgw.agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_config
 from llmgw.agent.discovery.weights.scan import weights_equal_for_resend
 from llmgw.agent.shards import ShardManager
@@ -45,8 +46,11 @@ def nats_settings(cfg: AgentConfig, node_id: str, identity_source: str) -> NatsS
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig, *, weights_scanner=None) -> None:
+    def __init__(
+        self, cfg: AgentConfig, *, weights_scanner=None, config_path: str = "the agent config"
+    ) -> None:
         self.cfg = cfg
+        self.config_path = config_path
         self.started_at = time.time()
         self.bus: Bus | None = None
         self.inventory: records.NodeInventory | None = None
@@ -74,6 +78,10 @@ class Agent:
             source,
             ident.address,
         )
+        if cfg.nats.tls_cert:
+            problem = certificate_mismatch(cfg.nats.tls_cert, ident.node, source, self.config_path)
+            if problem:
+                log.error("%s", problem)  # the server decides; this says why it will refuse
         weights = await _blocking(self._weights_scanner, cfg, ident.node, None)
         self.inventory = await _blocking(inventory.discover, cfg, ident, self.started_at, weights)
         self.bus = await Bus.connect(
@@ -250,7 +258,8 @@ def main(config_path: Path | None, nats_urls: tuple[str, ...], log_level: str) -
             cfg, nats=msgspec.structs.replace(cfg.nats, urls=list(nats_urls))
         )
     try:
-        anyio.run(run_until_signalled, Agent(cfg))
+        agent = Agent(cfg, config_path=str(config_path or DEFAULT_CONFIG_PATH))
+        anyio.run(run_until_signalled, agent)
     except BusError as e:  # systemd restarts it (Restart=on-failure), with its own backoff
         raise click.ClickException(str(e)) from None
 

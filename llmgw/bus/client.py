@@ -487,6 +487,13 @@ def _is_refusal(e: BaseException) -> bool:
     return isinstance(e, ssl.SSLError) or "authorization" in text
 
 
+def _dropped(e: BaseException) -> bool:
+    text = _describe(e).lower()
+    return isinstance(e, ConnectionError) or any(
+        t in text for t in ("broken pipe", "connection reset", "unexpected eof", "connection lost")
+    )
+
+
 def _log_nats_error(e: BaseException, settings: NatsSettings, first_connect: bool = False) -> None:
     text = _describe(e)
     who = f" claimed identity {settings.identity}" if settings.identity else ""
@@ -502,6 +509,16 @@ def _log_nats_error(e: BaseException, settings: NatsSettings, first_connect: boo
         log.error("TLS handshake with NATS failed: %s (%s,%s)", text, cert, who)
     elif "permissions violation" in text.lower():
         log.error("NATS refused a subject: %s (%s,%s)", text, cert, who)
+    elif first_connect and (settings.tls_ca or settings.tls_cert) and _dropped(e):
+        # TLS 1.3 checks the client certificate after the handshake: a refusal often reaches
+        # us as a broken pipe or a reset rather than as the server's alert
+        log.error(
+            "NATS closed the TLS connection while setting it up (%s): the server may require a "
+            "client certificate or refuse this one (%s,%s); retrying",
+            text,
+            cert,
+            who,
+        )
     elif first_connect:
         log.warning("cannot connect to NATS at %s: %s; retrying", ", ".join(settings.urls), text)
     else:
