@@ -67,10 +67,14 @@ def agent_config(url: str, dirs: dict[str, Path], **node: object) -> AgentConfig
 
 
 def start_agent(
-    cfg: AgentConfig, config_path: Path, path_dirs: list[Path], log_path: Path
+    cfg: AgentConfig,
+    config_path: Path,
+    path_dirs: list[Path],
+    log_path: Path,
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     write_config(cfg, config_path)
-    env = dict(os.environ)
+    env = {**os.environ, **(env_extra or {})}
     env["PATH"] = os.pathsep.join(str(p) for p in path_dirs)
     log = open(log_path, "ab")  # noqa: SIM115 - the child owns it
     try:

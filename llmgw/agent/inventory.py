@@ -8,6 +8,7 @@ The functions here block (subprocesses, sysfs, NVML): the agent calls them in a 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,12 @@ def read_memory(cfg: AgentConfig) -> records.Memory:
 def read_gpus(cfg: AgentConfig) -> records.Gpus:
     if not cfg.node.gpus:
         return records.Gpus(status="disabled", detail="node.gpus = false in the agent config")
+    recording = os.environ.get("LLMGW_RECORDED_NVML")
+    if recording:  # tests and demos: a recorded node answers instead of the NVML library
+        from llmgw.testing.nvml import from_env
+
+        log.warning("GPUs from the recording LLMGW_RECORDED_NVML=%s, not from NVML", recording)
+        return gpus.discover_gpus(from_env(recording))
     return gpus.discover_gpus()
 
 

@@ -645,7 +645,13 @@ def write_fake_gguf(path: Path) -> Path:
     header = b"GGUF" + struct.pack("<IQQ", 3, 1, 1)
     header += text("general.architecture") + struct.pack("<I", 8) + text("fake")
     # tensor info: name, n_dims, dims, ggml type (0 = F32), offset into the data section
-    header += text("w") + struct.pack("<I", 1) + struct.pack("<Q", 8) + struct.pack("<I", 0) + struct.pack("<Q", 0)
+    header += (
+        text("w")
+        + struct.pack("<I", 1)
+        + struct.pack("<Q", 8)
+        + struct.pack("<I", 0)
+        + struct.pack("<Q", 0)
+    )
     header += bytes(-len(header) % 32)  # data starts aligned to general.alignment (32)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(header + bytes(8 * 4))
@@ -656,21 +662,36 @@ def install_fake_engines(bin_dir: Path) -> dict[str, Path]:
     """Write executable `llama-server` and `vllm` into `bin_dir`, running this module.
 
     `exec` keeps the engine's pid the wrapper's, so process groups and signals behave
-    as with the real binaries.
+    as with the real binaries. `vllm` is laid out as pip installs it (a console script whose
+    shebang names its environment's python, a `vllm-*.dist-info` in that environment), so
+    discovery reads its version without running it, as on a real node.
     """
     bin_dir.mkdir(parents=True, exist_ok=True)
     root = Path(__file__).resolve().parents[2]
-    paths = {}
-    for name in ("llama-server", "vllm"):
-        path = bin_dir / name
-        path.write_text(
-            "#!/bin/sh\n"
-            f'PYTHONPATH="{root}${{PYTHONPATH:+:$PYTHONPATH}}" '
-            f'exec "{sys.executable}" -m llmgw.testing.fake_engine {name} "$@"\n'
-        )
+    pythonpath = f'PYTHONPATH="{root}${{PYTHONPATH:+:$PYTHONPATH}}"'
+    llama = bin_dir / "llama-server"
+    llama.write_text(
+        f'#!/bin/sh\n{pythonpath} exec "{sys.executable}" -m llmgw.testing.fake_engine llama-server "$@"\n'
+    )
+    env = bin_dir.parent / f"{bin_dir.name}-vllm-env"
+    python = env / "bin" / "python3"
+    python.parent.mkdir(parents=True, exist_ok=True)
+    python.write_text(f'#!/bin/sh\n{pythonpath} exec "{sys.executable}" "$@"\n')
+    dist = env / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    (dist / f"vllm-{VLLM_VERSION}.dist-info").mkdir(parents=True, exist_ok=True)
+    (dist / f"vllm-{VLLM_VERSION}.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n"
+    )
+    vllm = bin_dir / "vllm"
+    vllm.write_text(
+        f"#!{python}\nimport sys\nfrom llmgw.testing.fake_engine import main\n"
+        "# argv as `python -m llmgw.testing.fake_engine vllm ...` has it\n"
+        'sys.argv = [sys.argv[0], "vllm", *sys.argv[1:]]\n'
+        "sys.exit(main())\n"
+    )
+    for path in (llama, python, vllm):
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-        paths[name] = path
-    return paths
+    return {"llama-server": llama, "vllm": vllm}
 
 
 if __name__ == "__main__":
