@@ -357,3 +357,35 @@ async def _count(bus, n):
 def test_sim_inventory_round_trips():
     inv = inventory("x", fabric="ib-a")
     assert msgspec.json.decode(records.encode(inv), type=records.NodeInventory) == inv
+
+
+async def test_nats_outage_longer_than_lost_after_neither_crashes_the_controller_nor_moves_replicas(
+    bus, second_bus, nats_server
+):
+    node = SimNode(bus, inventory("gpu-a", gpus=1))
+    await node.register()
+    await _apply(bus, _model(), 1)
+
+    async def beats():  # a node that keeps beating whenever NATS is there
+        while True:
+            try:
+                await node.beat()
+            except Exception:  # noqa: BLE001 - NATS is away
+                pass
+            await anyio.sleep(0.2)
+
+    controller = Controller(second_bus, ControllerSettings(**FAST))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(beats)
+        tg.start_soon(controller.run)
+        (before,) = await _until(lambda: _replicas(bus))
+        nats_server.stop()
+        await anyio.sleep(FAST["lost_after"] + 1.5)  # the controller saw no lease move meanwhile
+        nats_server.start()
+        await _until(lambda: _leader_is(bus, controller.id), timeout=30)
+        await anyio.sleep(FAST["lost_after"])  # time enough to have (wrongly) declared it lost
+        after = await _replicas(bus)
+        health = await bus.get(keys.health("gpu-a"), decoder(records.Health))
+        tg.cancel_scope.cancel()
+    assert [r.rid for r in after] == [before.rid] and after[0].phase != "draining"
+    assert health.value.phase == "ready"

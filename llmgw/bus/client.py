@@ -242,14 +242,16 @@ class Bus:
         self._reconnect_listeners.append(cb)
 
     async def _on_reconnected(self) -> None:
-        # A watch resumes by itself only after its idle-heartbeat check (13-16 s): restart ours now.
-        for w in list(self._watchers):
-            await w.stop()
+        # Listeners first: they may need to know the view is stale before the watches
+        # replay the bucket.
         for cb in list(self._reconnect_listeners):
             try:
                 await cb()
             except Exception:  # noqa: BLE001
                 log.exception("reconnect handler failed")
+        # A watch resumes by itself only after its idle-heartbeat check (13-16 s): restart ours now.
+        for w in list(self._watchers):
+            await w.stop()
 
     @property
     def backoff(self) -> Backoff:

@@ -63,6 +63,12 @@ class LivenessTracker:
         if seen is None or seen.seq != seq:
             self._seen[node] = _Seen(seq, now)
 
+    def restart_grace(self, now: float) -> None:
+        """Every node counts as having moved `now`: after this controller was cut off (it saw
+        nothing, which says nothing about the nodes), as after a restart."""
+        for seen in self._seen.values():
+            seen.moved_at = now
+
     def forget(self, node: str) -> None:
         """The node's lease was deleted (node decommissioned): stop tracking it."""
         self._seen.pop(node, None)

@@ -24,7 +24,7 @@ import msgspec
 
 from llmgw import catalog
 from llmgw.bus import keys, records
-from llmgw.bus.client import Bus, Synced, Update
+from llmgw.bus.client import Bus, Synced, Update, decoder
 from llmgw.controller import placement
 from llmgw.controller.fabrics import fabric_view
 from llmgw.controller.liveness import LOST_AFTER_S, UNREACHABLE_AFTER_S, LivenessTracker
@@ -56,6 +56,7 @@ class Controller:
         self.tracker = LivenessTracker(self.settings.unreachable_after, self.settings.lost_after)
         self.leading = False
         self._synced = anyio.Event()
+        self._in_sync = False
         self._dirty = True
         self._held: dict[str, tuple[str, int]] = {}  # node -> (stored phase, seq at start)
         self._leader_seen: tuple[int, float] = (0, 0.0)  # (revision, when first seen)
@@ -71,6 +72,7 @@ class Controller:
         self, *, task_status: anyio.abc.TaskStatus[Controller] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         try:
+            self.bus.on_reconnected(self._on_reconnected)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._follow_bucket)
                 await self._synced.wait()
@@ -89,6 +91,13 @@ class Controller:
                 if not self._synced.is_set():
                     self._hold_stored_phases()
                     self._synced.set()
+                elif not self._in_sync:
+                    # Back after an outage: this controller saw no lease move while it was
+                    # away, which says nothing about the nodes. Every node gets a fresh grace
+                    # period, as after a restart; a network blip must not drain the fleet.
+                    self.tracker.restart_grace(time.monotonic())
+                    log.info("bucket re-read after reconnecting; nodes get a fresh grace period")
+                self._in_sync = True
                 self._dirty = True
                 continue
             self._apply(item)
@@ -140,7 +149,9 @@ class Controller:
             try:
                 await self._leadership_step()
             except Exception as e:  # noqa: BLE001 - NATS away: try again next interval
-                log.debug("leadership step failed: %s", e)
+                # a leader that cannot renew must not act on what may be a stale view; it
+                # takes the key back at the next step if nobody else did
+                self._step_down(f"cannot renew the leader key: {e or type(e).__name__}")
             await anyio.sleep(interval)
 
     async def _leadership_step(self) -> None:
@@ -148,7 +159,13 @@ class Controller:
         if self.leading:
             rev = await self.bus.update(keys.leader(), self._leader_record(now), last=self._my_rev)
             if rev is None:
-                self._step_down("another controller took the leader key")
+                # A renewal whose acknowledgement was lost may still have been stored: if the
+                # key is still ours, adopt its revision instead of stepping down.
+                entry = await self.bus.get(keys.leader(), decoder(records.Leader))
+                if entry is not None and entry.value.holder == self.id:
+                    self._my_rev = entry.revision
+                else:
+                    self._step_down("another controller took the leader key")
             else:
                 self._my_rev = rev
             return
@@ -201,17 +218,22 @@ class Controller:
         last_full = 0.0
         while True:
             now = time.monotonic()
-            if self.leading:
-                changed = await self._write_health(now)
-                if self._dirty or changed or now - last_full >= self.settings.resync:
-                    self._dirty = False
-                    last_full = now
-                    try:
+            # Judge nothing while the view may be stale: disconnected, or reconnected but the
+            # watch has not replayed the bucket yet (its leases would all look still).
+            if self.leading and self.bus.connected and self._in_sync:
+                try:
+                    changed = await self._write_health(now)
+                    if self._dirty or changed or now - last_full >= self.settings.resync:
+                        self._dirty = False
+                        last_full = now
                         await self.reconcile(now)
-                    except Exception:  # noqa: BLE001 - the next pass starts from the bucket again
-                        log.exception("reconcile pass failed; retrying")
-                        self._dirty = True
+                except Exception:  # noqa: BLE001 - the next pass starts from the bucket again
+                    log.exception("reconcile pass failed; retrying")
+                    self._dirty = True
             await anyio.sleep(self.settings.tick)
+
+    async def _on_reconnected(self) -> None:
+        self._in_sync = False  # until the watch has replayed the bucket
 
     async def _write_health(self, now: float) -> bool:
         changes: list[tuple[records.Health, str | None]] = []
