@@ -314,3 +314,98 @@ async def test_fixing_a_refused_profile_in_the_catalog_launches_it(bus, node, co
     await bus.put(keys.catalog("tiny"), catalog.encode_model(fixed))
     ready = await _until(lambda: _shard(bus, "ready"))
     assert ready.generation == 2 and "refused" not in ready.reason
+
+
+async def test_new_replica_on_the_port_of_one_being_drained_waits_for_it_instead_of_failing(
+    bus, node
+):
+    # A node back after being declared lost: its old replica is drained while the new one
+    # is placed on the same port. No controller here: the assignments are written as it would.
+    model = _catalog(node["tmp"])
+    await bus.put(keys.catalog(model.id), catalog.encode_model(model))
+
+    def assignment(rid: str, action: str, generation: int) -> records.Assignment:
+        return records.Assignment(
+            model="tiny", rid=rid, profile="cpu", action=action, generation=generation, port=18000
+        )
+
+    await bus.put(keys.assign("node1", "rold"), assignment("rold", "run", 1))
+    await _until(lambda: _shard(bus, "ready"))
+    await bus.put(keys.assign("node1", "rold"), assignment("rold", "drain", 2))
+    await bus.put(keys.assign("node1", "rnew"), assignment("rnew", "run", 1))
+
+    async def new_ready():
+        got = await bus.get(keys.shard("node1", "rnew"), decoder(records.Shard))
+        return got.value if got and got.value.phase == "ready" else None
+
+    shard = await _until(new_ready)
+    assert shard.endpoint.endswith(":18000")
+    text = node["log"].read_text()
+    assert "rnew waits for rold to stop (same port or GPUs)" in text
+
+
+async def test_shard_record_of_an_assignment_removed_while_the_agent_was_down_is_removed(bus, node):
+    # a shard record whose assignment no longer exists (deleted while this agent was away)
+    await bus.put(
+        keys.shard("node1", "rgone"),
+        records.Shard(
+            node="node1",
+            rid="rgone",
+            model="tiny",
+            generation=1,
+            phase="ready",
+            since=1.0,
+            endpoint="127.0.0.1:1",
+        ),
+    )
+    stop(node["proc"])
+    node["proc"] = start_agent(node["cfg"], node["tmp"] / "agent.toml", node["path"], node["log"])
+
+    async def gone():
+        return await bus.get(keys.shard("node1", "rgone"), decoder(records.Shard)) is None
+
+    await _until(gone)
+
+
+async def test_a_replica_that_cannot_start_for_a_local_error_fails_alone_and_the_agent_keeps_serving(
+    bus, node
+):
+    model = _catalog(node["tmp"])
+    await bus.put(keys.catalog(model.id), catalog.encode_model(model))
+    await bus.put(
+        keys.assign("node1", "rok"),
+        records.Assignment(
+            model="tiny", rid="rok", profile="cpu", action="run", generation=1, port=18000
+        ),
+    )
+    ok = await _until(lambda: _shard(bus, "ready"))
+    logs = node["dirs"]["state"] / "logs"
+    moved = logs.with_name("logs.real")
+    logs.rename(moved)
+    logs.write_text("not a directory")  # the engine log dir cannot be made: an OSError at launch
+    try:
+        await bus.put(
+            keys.assign("node1", "rbad"),
+            records.Assignment(
+                model="tiny", rid="rbad", profile="cpu", action="run", generation=1, port=18001
+            ),
+        )
+
+        async def bad_failed():
+            got = await bus.get(keys.shard("node1", "rbad"), decoder(records.Shard))
+            return got.value if got and got.value.phase == "failed" else None
+
+        bad = await _until(bad_failed)
+        assert "logs" in bad.reason and "retrying" in bad.reason
+        assert node["proc"].poll() is None  # the agent is still running
+        chunks = await _stream_chat(ok.endpoint, "tiny-chat")  # and so is the other engine
+        assert chunks[-1] == "[DONE]"
+    finally:
+        logs.unlink()
+        moved.rename(logs)
+
+    async def bad_recovered():  # retried with backoff once the problem is gone
+        got = await bus.get(keys.shard("node1", "rbad"), decoder(records.Shard))
+        return got.value if got and got.value.phase == "ready" else None
+
+    await _until(bad_recovered, timeout=30)

@@ -50,6 +50,7 @@ class ShardManager:
         self._assignments: dict[str, records.Assignment] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         self._locks: dict[str, anyio.Lock] = {}
+        self._retrying: set[str] = set()
 
     @property
     def node(self) -> str:
@@ -84,6 +85,9 @@ class ShardManager:
                 keys.pattern(keys.ASSIGN, self.node), decoder(records.Assignment)
             ):
                 if isinstance(item, Synced):
+                    # (re)read all assignments: shard records of replicas that were removed
+                    # while this agent was down or cut off have no owner left but us
+                    tg.start_soon(self._remove_stale_shards)
                     continue
                 rid = item.key.rsplit(".", 1)[1]
                 if item.value is None:
@@ -100,6 +104,37 @@ class ShardManager:
     # --- one assignment ----------------------------------------------------------------
 
     async def _reconcile(self, rid: str) -> None:
+        """Reconcile one assignment; on an error (NATS away, a full disk) or a transient
+        refusal (its port still held by an engine being stopped), try again with a growing
+        delay. One replica's trouble never ends the agent: the other engines keep serving."""
+        if rid in self._retrying:
+            return  # a retry is already scheduled and will see the latest assignment
+        delay = 1.0
+        while True:
+            try:
+                again = await self._reconcile_once(rid)
+            except Exception as e:  # noqa: BLE001
+                log.exception("reconciling %s failed; retrying in %g s", rid, delay)
+                want = self._assignments.get(rid)
+                if want is not None and rid not in self._engines:
+                    try:
+                        await self._report(
+                            rid, want, "failed", reason=f"{e or type(e).__name__}; retrying"
+                        )
+                    except Exception:  # noqa: BLE001 - NATS away: re-reported on reconnect
+                        pass
+                again = True
+            if not again or rid not in self._assignments:
+                return
+            self._retrying.add(rid)
+            try:
+                await anyio.sleep(delay)
+            finally:
+                self._retrying.discard(rid)
+            delay = min(delay * 2, 60.0)
+
+    async def _reconcile_once(self, rid: str) -> bool:
+        """One decision; True when it should be tried again later."""
         # one decision at a time per replica; a long drain of one never delays another
         async with self._locks.setdefault(rid, anyio.Lock()):
             want = self._assignments.get(rid)
@@ -108,15 +143,15 @@ class ShardManager:
                 if running is not None:
                     await self._stop(rid, running, drain=True)
                 await self._forget(rid)
-                return
+                return False
             if running is not None and running.assignment.generation == want.generation:
-                return
+                return False
             if want.action in ("drain", "stop"):
                 if running is not None:
                     running.assignment = want
                     await self._stop(rid, running, drain=want.action == "drain")
                 await self._report(rid, want, "stopped", reason=f"assignment says {want.action}")
-                return
+                return False
             spec, problems = await self._launch_spec(want)
             if running is not None:
                 healthy = rid in self.shards and self.shards[rid].phase != "failed"
@@ -137,8 +172,10 @@ class ShardManager:
                     await self._report(
                         rid, want, self.shards[rid].phase if rid in self.shards else "starting"
                     )
-                    return
+                    return False
                 await self._stop(rid, running, drain=True)
+            if spec is not None:
+                await self._wait_for_overlapping_engines(rid, spec)
             await self._report(rid, want, "validating")
             if spec is not None and not problems:
                 problems = await anyio.to_thread.run_sync(validate_launch, spec, self._facts())
@@ -146,9 +183,12 @@ class ShardManager:
                 reason = "; ".join(problems)
                 log.error("%s %s refused before launch: %s", want.model, rid, reason)
                 await self._report(rid, want, "failed", reason=f"refused before launch: {reason}")
-                return
+                # a port still held (an engine of a removed replica not yet gone) clears
+                # by itself; everything else waits for a new assignment or catalog entry
+                return all(" is in use" in p for p in problems)
             assert spec is not None
             self._start(rid, want, spec)
+            return False
 
     def _start(self, rid: str, want: records.Assignment, spec: LaunchSpec) -> None:
         log_dir = self.state_dir / "logs"
@@ -184,6 +224,12 @@ class ShardManager:
             try:
                 with engine.scope:
                     await supervisor.run()
+            except Exception as e:  # noqa: BLE001 - e.g. the state dir is full: this engine only
+                log.exception("supervising %s failed", rid)
+                with anyio.CancelScope(shield=True):
+                    await self._report(
+                        rid, engine.assignment, "failed", reason=f"supervision failed: {e}"
+                    )
             finally:
                 engine.done.set()
                 if self._engines.get(rid) is engine:
@@ -203,8 +249,38 @@ class ShardManager:
         if self.shards.pop(rid, None) is not None:
             try:
                 await self.bus.delete(keys.shard(self.node, rid))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - removed when the assignments are re-read
                 log.warning("could not delete shards.%s.%s: %s", self.node, rid, e)
+
+    async def _remove_stale_shards(self) -> None:
+        try:
+            stored = await self.bus.list(keys.pattern(keys.SHARDS, self.node), lambda b: b)
+            for key in stored:
+                rid = key.rsplit(".", 1)[1]
+                if (
+                    rid not in self._assignments
+                    and rid not in self._engines
+                    and rid not in self.shards
+                ):
+                    await self.bus.delete(key)
+                    log.info("removed %s: its assignment is gone", key)
+        except Exception as e:  # noqa: BLE001 - tried again at the next re-read
+            log.warning("could not remove stale shard records: %s", e)
+
+    async def _wait_for_overlapping_engines(self, rid: str, spec: LaunchSpec) -> None:
+        """An engine of a replica being removed may still hold the port or GPUs the new one
+        is given (a node back after being declared lost gets its model placed again on the
+        same resources): let it finish stopping first, bounded."""
+        for other_rid, other in list(self._engines.items()):
+            if other_rid == rid or not _overlaps(spec, other.spec):
+                continue
+            other_want = self._assignments.get(other_rid)
+            if other_want is not None and other_want.action == "run":
+                continue  # a real conflict: validation says so
+            e = self.cfg.engines
+            log.info("%s waits for %s to stop (same port or GPUs)", rid, other_rid)
+            with anyio.move_on_after(e.drain_timeout + e.stop_grace + 10):
+                await other.done.wait()
 
     # --- building the launch ----------------------------------------------------------------
 
@@ -281,6 +357,10 @@ class ShardManager:
             await self.bus.put(keys.shard(shard.node, shard.rid), shard)
         except Exception as e:  # noqa: BLE001 - re-reported after the reconnect
             log.warning("could not write shards.%s.%s: %s", shard.node, shard.rid, e)
+
+
+def _overlaps(a: LaunchSpec, b: LaunchSpec) -> bool:
+    return a.port == b.port or bool(set(a.gpu_uuids) & set(b.gpu_uuids))
 
 
 def _same_place(a: LaunchSpec, b: LaunchSpec) -> bool:
