@@ -99,8 +99,9 @@ def _members(r: records.Replica) -> str:
 async def follow_placement(
     bus: Bus, model: str, since: float, *, wait: bool, timeout: float, echo: Callable[[str], None]
 ) -> int:
-    """Print the controller's decision once it is made after `since`; with `wait`, follow
-    until all replicas are ready (exit 0) or the controller explains why not (exit 1)."""
+    """Print the controller's decision on the desired.<model> written at `since` (it echoes
+    that value back in `desired_at`); with `wait`, follow until all replicas are ready
+    (exit 0) or the controller explains why not (exit 1)."""
     shown: dict[str, str] = {}
     last_explanation = None
     deadline = time.monotonic() + (timeout if wait else 5.0)
@@ -108,7 +109,7 @@ async def follow_placement(
     while time.monotonic() < deadline:
         rec = await bus.get(keys.placement(model), decoder(records.PlacementRecord))
         reps = await bus.list(f"{keys.REPLICAS}.{model}.*", decoder(records.Replica))
-        if rec is not None and rec.value.decided_at >= since:
+        if rec is not None and rec.value.desired_at == since:
             decided = True
         if decided:
             for e in sorted(reps.values(), key=lambda e: e.value.rid):
@@ -117,11 +118,9 @@ async def follow_placement(
                     f" at {r.endpoint}" if r.endpoint else ""
                 )
                 if shown.get(r.rid) != line:
+                    first = r.rid not in shown
                     shown[r.rid] = line
-                    echo(
-                        line
-                        + (f"\n      why: {r.reason}" if r.reason and r.rid not in shown else "")
-                    )
+                    echo(line + (f"\n      why: {r.reason}" if r.reason and first else ""))
             p = rec.value if rec else None
             if p and p.explanation and p.explanation != last_explanation:
                 last_explanation = p.explanation

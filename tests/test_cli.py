@@ -114,6 +114,10 @@ def test_up_then_catalog_place_status_serve_and_ctrl_c_stops_everything(up):
     placed = llmgw("place", "tiny", "--replicas", "1", "--wait", "--timeout", "60", env=up["env"])
     assert placed.returncode == 0, placed.stdout + placed.stderr
     assert "1/1 ready" in placed.stdout
+    assert "why: " in placed.stdout  # where it went, and why there
+    again = llmgw("place", "tiny", "--replicas", "1", env=up["env"])  # the same request again
+    assert again.returncode == 0 and "no controller has decided" not in again.stdout
+    assert " ready on " in again.stdout
 
     status = json.loads(llmgw("status", "--json", env=up["env"]).stdout)
     (replica,) = status["replicas"]

@@ -389,3 +389,18 @@ async def test_nats_outage_longer_than_lost_after_neither_crashes_the_controller
         tg.cancel_scope.cancel()
     assert [r.rid for r in after] == [before.rid] and after[0].phase != "draining"
     assert health.value.phase == "ready"
+
+
+async def test_a_hand_edited_replica_without_members_does_not_stop_placement(bus, second_bus, caplog):
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, inventory("gpu-a", gpus=2))
+        await bus.put("replicas.m.rX", b'{"model":"m","rid":"rX","profile":"p","members":[]}')
+        await _apply(bus, _model(), 1)
+        tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
+
+        async def assigned():
+            return [a for a in (await _assigns(bus)).values() if a.rid != "rX"]
+
+        assert len(await _until(assigned)) == 1
+        tg.cancel_scope.cancel()
+    assert "skipping replicas.m.rX" in caplog.text and "at least one member" in caplog.text

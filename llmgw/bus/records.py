@@ -296,6 +296,9 @@ class PlacementRecord(msgspec.Struct, kw_only=True):
     reasons: dict[str, int] = {}
     decided_at: float = 0.0
     decisions: list[str] = []
+    # the `updated_at` of the desired.<model> this decision answers: `llmgw place` waits
+    # for it (the same clock on both sides: no comparison across hosts)
+    desired_at: float = 0.0
 
 
 # --- leader: the acting controller's lease

@@ -473,6 +473,8 @@ class Controller:
                 decisions=current.decisions if current else [],
             )
         for model, rec in records_by_model.items():
+            if model in self.view.desired:
+                rec = msgspec.structs.replace(rec, desired_at=self.view.desired[model].updated_at)
             old = self.view.placements.get(model)
             if old is not None and _same_decision(old, rec):
                 continue
@@ -571,9 +573,7 @@ def _shared_fabric(replica: records.Replica, nodes: dict[str, records.NodeInvent
 
 
 def _same_decision(a: records.PlacementRecord, b: records.PlacementRecord) -> bool:
-    return (a.desired, a.placed, a.explanation, a.reasons) == (
-        b.desired,
-        b.placed,
-        b.explanation,
-        b.reasons,
-    )
+    def key(r: records.PlacementRecord) -> tuple:
+        return (r.desired, r.placed, r.explanation, r.reasons, r.desired_at)
+
+    return key(a) == key(b)

@@ -67,7 +67,10 @@ class View:
     def _decode(prefix: str, ids: tuple[str, ...], data: bytes):
         if prefix == keys.CATALOG:
             return catalog.decode_model(data, ids[0])
-        return records.decode(data, _TYPES[prefix])
+        value = records.decode(data, _TYPES[prefix])
+        if prefix == keys.REPLICAS:
+            _check_replica(ids, value)
+        return value
 
     def _store(self, prefix: str, ids: tuple[str, ...], value, revision: int) -> None:
         if prefix == keys.LEADER:
@@ -99,6 +102,17 @@ class View:
             for k, why in self.invalid.items()
             if k.startswith(keys.CATALOG + ".")
         }
+
+
+def _check_replica(ids: tuple[str, ...], r: records.Replica) -> None:
+    """What the loop relies on beyond the types: a hand-edited replica must not stop every
+    pass (it would stop all placement, fleet-wide)."""
+    if (r.model, r.rid) != ids:
+        raise ValueError(f"model/rid {r.model}/{r.rid} do not match the key")
+    if not r.members:
+        raise ValueError("a replica has at least one member")
+    for m in r.members:
+        keys.check_token(m.node, "member node")
 
 
 _TYPES = {
