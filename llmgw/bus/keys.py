@@ -117,7 +117,7 @@ def leader() -> str:
 
 
 def pattern(prefix: str, *ids: str) -> str:
-    """Watch pattern for a key family: pattern('assign', 'node05') -> 'assign.node05.>'."""
+    """Watch pattern for a key family: pattern('assign', 'node05') -> 'assign.node05.*'."""
     arity = _ARITY[prefix]
     if arity == 0:
         return prefix
