@@ -247,7 +247,9 @@ def enough_gpus(node: NodeState, need: Need) -> FitReason | None:
 
 def enough_ram(node: NodeState, need: Need) -> FitReason | None:
     if node.ram_free < need.ram_bytes:
-        return FitReason("ram", f"has {_gb(node.ram_free)} GB RAM free (needs {_gb(need.ram_bytes)})")
+        return FitReason(
+            "ram", f"has {_gb(node.ram_free)} GB RAM free (needs {_gb(need.ram_bytes)})"
+        )
     return None
 
 
