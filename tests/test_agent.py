@@ -10,11 +10,11 @@ import sys
 import time
 import urllib.request
 
-import anyio
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop, write_meminfo
 from samples.infiniband import FABRIC_MAP, FILES, LINKS
 from samples.sysfs import write_tree
+from waiting import until
 
 from llmgw.bus import records
 from llmgw.bus.client import Bus, decoder
@@ -23,16 +23,6 @@ from llmgw.bus.server import free_port
 pytestmark = pytest.mark.anyio
 
 GIB = 1 << 30
-
-
-async def _wait_for(fn, timeout: float = 10.0):
-    """Poll an async fn until it returns something truthy."""
-    with anyio.fail_after(timeout):
-        while True:
-            got = await fn()
-            if got:
-                return got
-            await anyio.sleep(0.05)
 
 
 async def _node(bus: Bus, node: str) -> records.NodeInventory | None:
@@ -60,7 +50,7 @@ async def test_registration_carries_the_whole_inventory_with_overrides_marked(
     cfg = msgspec.structs.replace(cfg, fabrics=FABRIC_MAP)
     proc = start_agent(cfg, tmp_path / "agent.toml", [host["bin"]], tmp_path / "agent.log")
     try:
-        inv = await _wait_for(lambda: _node(bus, "gpu05"))
+        inv = await until(lambda: _node(bus, "gpu05"))
         assert inv.address == "10.1.2.3"
         assert inv.memory.total_bytes == 64 * GIB
         assert inv.cpu.count == 2 and inv.cpu.model == "Test CPU"
@@ -72,7 +62,7 @@ async def test_registration_carries_the_whole_inventory_with_overrides_marked(
             "mlx5_3": None,
         }
         assert set(inv.from_config) >= {"node.id", "node.address", "node.gpus", "fabrics"}
-        lease = await _wait_for(lambda: _lease(bus, "gpu05"))
+        lease = await until(lambda: _lease(bus, "gpu05"))
         assert lease.seq >= 1
     finally:
         assert stop(proc) == 0
@@ -88,7 +78,7 @@ async def test_ram_growing_shows_in_the_next_lease_and_rewrites_the_node(
         tmp_path / "agent.log",
     )
     try:
-        first = await _wait_for(lambda: _node(bus, "vm1"))
+        first = await until(lambda: _node(bus, "vm1"))
         assert first.memory.total_bytes == 64 * GIB
         write_meminfo(host["procfs"], 128, 120)  # the hypervisor gave the VM more RAM
 
@@ -96,14 +86,14 @@ async def test_ram_growing_shows_in_the_next_lease_and_rewrites_the_node(
             lease = await _lease(bus, "vm1")
             return lease if lease and lease.memory.total_bytes == 128 * GIB else None
 
-        lease = await _wait_for(grown_lease)
+        lease = await until(grown_lease)
         assert lease.memory.available_bytes == 120 * GIB
 
         async def grown_node():
             inv = await _node(bus, "vm1")
             return inv if inv and inv.memory.total_bytes == 128 * GIB else None
 
-        assert (await _wait_for(grown_node)).memory.total_bytes == 128 * GIB
+        assert (await until(grown_node)).memory.total_bytes == 128 * GIB
     finally:
         stop(proc)
 
@@ -116,7 +106,7 @@ async def test_config_ram_override_beats_discovery(bus, nats_server, host, tmp_p
         tmp_path / "agent.log",
     )
     try:
-        inv = await _wait_for(lambda: _node(bus, "vm2"))
+        inv = await until(lambda: _node(bus, "vm2"))
         assert inv.memory.total_bytes == 32 * GIB  # discovery says 64
         assert inv.memory.available_bytes <= 32 * GIB
         assert "node.ram_total_gb" in inv.from_config
@@ -134,7 +124,7 @@ async def test_engine_installed_while_running_is_reported_within_the_probe_inter
         tmp_path / "agent.log",
     )
     try:
-        inv = await _wait_for(lambda: _node(bus, "n1"))
+        inv = await until(lambda: _node(bus, "n1"))
         assert inv.engines == []
         exe = host["bin"] / "llama-server"
         exe.write_text(
@@ -146,7 +136,7 @@ async def test_engine_installed_while_running_is_reported_within_the_probe_inter
             inv = await _node(bus, "n1")
             return inv if inv and inv.engines else None
 
-        inv = await _wait_for(with_engine)
+        inv = await until(with_engine)
         assert [(e.name, e.version, e.path) for e in inv.engines] == [
             ("llama-server", "9439 (47f6423ed)", str(exe))
         ]
@@ -156,7 +146,7 @@ async def test_engine_installed_while_running_is_reported_within_the_probe_inter
             inv = await _node(bus, "n1")
             return inv if inv and not inv.engines else None
 
-        await _wait_for(without_engine)
+        await until(without_engine)
     finally:
         stop(proc)
 
@@ -164,14 +154,14 @@ async def test_engine_installed_while_running_is_reported_within_the_probe_inter
 async def test_agent_restart_refreshes_its_node_record(bus, nats_server, host, tmp_path):
     cfg = agent_config(nats_server.url, host, id="n2")
     proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
-    first = await _wait_for(lambda: _node(bus, "n2"))
+    first = await until(lambda: _node(bus, "n2"))
     stop(proc)
     await bus.delete("nodes.n2")  # the control plane lost it (or someone removed it by hand)
     proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
     try:
-        again = await _wait_for(lambda: _node(bus, "n2"))
+        again = await until(lambda: _node(bus, "n2"))
         assert again.started_at > first.started_at
-        lease = await _wait_for(lambda: _lease(bus, "n2"))
+        lease = await until(lambda: _lease(bus, "n2"))
         assert lease.started_at == again.started_at
     finally:
         stop(proc)
@@ -186,7 +176,7 @@ async def test_sigterm_stops_the_agent_promptly_and_closes_its_connection(
         [host["bin"]],
         tmp_path / "agent.log",
     )
-    await _wait_for(lambda: _lease(bus, "n3"))
+    await until(lambda: _lease(bus, "n3"))
     assert _client_names(nats_server).count("llmgw-agent n3") == 1
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=5) == 0  # hangs (and fails) if stopping waits on the connection
@@ -246,7 +236,7 @@ async def test_agent_reports_complete_weights_and_rescans_on_request(
     )
     proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
     try:
-        inv = await _wait_for(lambda: _node(bus, "w1"))
+        inv = await until(lambda: _node(bus, "w1"))
         assert inv.weights.looked is True
         assert [m.key for m in inv.weights.models] == ["llama-a"]
         assert inv.weights.models[0].store.kind == "local"
@@ -267,7 +257,7 @@ async def test_agent_never_configured_to_look_says_so(bus, nats_server, host, tm
         tmp_path / "agent.log",
     )
     try:
-        inv = await _wait_for(lambda: _node(bus, "w2"))
+        inv = await until(lambda: _node(bus, "w2"))
         assert inv.weights.looked is False
         assert [d.path for d in inv.weights.dirs] == [str(host["fetch"])]
         assert (

@@ -11,6 +11,7 @@ import sys
 import anyio
 import msgspec
 import pytest
+from waiting import until
 
 from llmgw import catalog
 from llmgw.bus import keys, records
@@ -71,15 +72,6 @@ async def _assigns(bus: Bus) -> dict[tuple[str, str], records.Assignment]:
     return {(k.split(".")[1], k.split(".")[2]): e.value for k, e in got.items()}
 
 
-async def _until(cond, timeout: float = 10.0):
-    with anyio.fail_after(timeout):
-        while True:
-            got = await cond()
-            if got:
-                return got
-            await anyio.sleep(0.05)
-
-
 @pytest.fixture
 async def second_bus(nats_settings):
     b = await Bus.connect(nats_settings, give_up_after=5)
@@ -106,7 +98,7 @@ async def test_lost_node_goes_unreachable_then_lost_and_its_replica_moves(bus, s
         a, b = await _sim(bus, tg, inventory("gpu-a", gpus=1), inventory("gpu-b", gpus=1))
         await _apply(bus, _model(), 1)
         tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
-        placed = (await _until(lambda: _replicas(bus)))[0]
+        placed = (await until(lambda: _replicas(bus)))[0]
         first = placed.members[0].node
         victim = a if first == "gpu-a" else b
         victim.alive = False  # the node dies
@@ -115,21 +107,21 @@ async def test_lost_node_goes_unreachable_then_lost_and_its_replica_moves(bus, s
             h = await bus.get(keys.health(node), decoder(records.Health))
             return h if h and h.value.phase == phase else None
 
-        await _until(lambda: phase_of(first, "unreachable"))
+        await until(lambda: phase_of(first, "unreachable"))
         # unreachable: its replica stays (its engine may still be serving)
         assert [r.rid for r in await _replicas(bus)] == [placed.rid]
-        await _until(lambda: phase_of(first, "lost"))
+        await until(lambda: phase_of(first, "lost"))
 
         async def moved():
             reps = [r for r in await _replicas(bus) if r.phase != "draining"]
             return reps if reps and reps[0].members[0].node != first else None
 
-        now = (await _until(moved))[0]
+        now = (await until(moved))[0]
         assert now.rid != placed.rid and now.members[0].node == victim.node.replace(
             first, "gpu-b" if first == "gpu-a" else "gpu-a"
         )
         # the old replica's assignment on the lost node is gone: nothing to drain there
-        await _until(lambda: _no_assign(bus, first, placed.rid))
+        await until(lambda: _no_assign(bus, first, placed.rid))
         # and with both nodes down there is nowhere to go, and the controller says why
         (a if victim is b else b).alive = False
 
@@ -139,7 +131,7 @@ async def test_lost_node_goes_unreachable_then_lost_and_its_replica_moves(bus, s
                 p.value if p and p.value.placed == 0 and "2 lost" in p.value.explanation else None
             )
 
-        rec = await _until(explained)
+        rec = await until(explained)
         assert rec.explanation == "0/2 nodes fit: 2 lost"
         tg.cancel_scope.cancel()
     kinds = [e.kind for e in events]
@@ -176,7 +168,7 @@ async def test_controller_killed_mid_reconcile_converges_without_duplicates_or_o
             stderr=subprocess.STDOUT,
         )
         try:
-            await _until(lambda: _replicas(bus), timeout=20)
+            await until(lambda: _replicas(bus), timeout=20)
             os.kill(proc.pid, signal.SIGKILL)  # mid-pass: 300 replicas take many writes
             proc.wait()
             partial_replicas, partial_assigns = await _replicas(bus), await _assigns(bus)
@@ -205,7 +197,7 @@ async def test_controller_killed_mid_reconcile_converges_without_duplicates_or_o
                 reps, assigns = await _replicas(bus), await _assigns(bus)
                 return (reps, assigns) if len(reps) == 300 and len(assigns) == 300 else None
 
-            reps, assigns = await _until(converged, timeout=60)
+            reps, assigns = await until(converged, timeout=60)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(10)
@@ -233,13 +225,13 @@ async def test_two_controllers_one_leads_and_the_other_takes_over(bus, second_bu
                     await c1.run()
 
             tg.start_soon(run_c1)
-            await _until(lambda: _leader_is(bus, "c1"))
+            await until(lambda: _leader_is(bus, "c1"))
             tg.start_soon(c2.run)
             await anyio.sleep(FAST["leader_ttl"] * 2)  # c1 keeps renewing: c2 must not take over
             assert c1.leading and not c2.leading
             assert (await bus.get("leader", decoder(records.Leader))).value.holder == "c1"
             scope1.cancel()  # c1 stops (it resigns: deletes its lease)
-            await _until(lambda: _leader_is(bus, "c2"))
+            await until(lambda: _leader_is(bus, "c2"))
             assert c2.leading
             tg.cancel_scope.cancel()
     finally:
@@ -254,7 +246,7 @@ async def test_a_crashed_leader_is_replaced_once_its_lease_stops_moving(bus, sec
         tg.start_soon(c.run)
         await anyio.sleep(FAST["leader_ttl"] / 2)
         assert not c.leading
-        await _until(lambda: _leader_is(bus, "c1"))
+        await until(lambda: _leader_is(bus, "c1"))
         tg.cancel_scope.cancel()
 
 
@@ -279,13 +271,13 @@ async def test_node_whose_ram_grows_becomes_a_candidate_and_the_event_is_publish
             p = await bus.get(keys.placement("m"), decoder(records.PlacementRecord))
             return p.value if p and p.value.explanation else None
 
-        rec = await _until(waiting)
+        rec = await until(waiting)
         assert rec.explanation.startswith("0/1 nodes fit: 1 ") and "RAM" in rec.explanation
         await anyio.sleep(0.3)
         await vm.set_ram(32)  # the hypervisor gave it more
-        reps = await _until(lambda: _replicas(bus))
+        reps = await until(lambda: _replicas(bus))
         assert reps[0].members[0].node == "vm1"
-        await _until(lambda: _has_event(events, "node-qualifies"))
+        await until(lambda: _has_event(events, "node-qualifies"))
         tg.cancel_scope.cancel()
     ev = next(e for e in events if e.kind == "node-qualifies")
     assert ev.subject == "vm1" and ev.data["model"] == "m"
@@ -305,7 +297,7 @@ async def test_malformed_catalog_and_desired_values_are_skipped_with_a_log_line(
         await bus.put("desired.broken", b'{"model": "broken", "replicas": "lots"}')
         await bus.put("catalog.garbage", b"not json at all")
         tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
-        placed = await _until(lambda: _replicas(bus, "good"))
+        placed = await until(lambda: _replicas(bus, "good"))
         assert len(placed) == 1
         # a placed model's catalog entry garbled by hand: its replica stays, the record says why
         await bus.put("catalog.good", b'{"id": "good", "profiles": [{"name": 1}]}')
@@ -314,7 +306,7 @@ async def test_malformed_catalog_and_desired_values_are_skipped_with_a_log_line(
             p = await bus.get(keys.placement("good"), decoder(records.PlacementRecord))
             return p.value if p and "catalog entry is invalid" in p.value.explanation else None
 
-        await _until(frozen)
+        await until(frozen)
         assert [r.rid for r in await _replicas(bus, "good")] == [placed[0].rid]
         assert (await _replicas(bus, "good"))[0].phase != "draining"
         tg.cancel_scope.cancel()
@@ -328,14 +320,14 @@ async def test_desired_zero_drains_then_removes_replicas(bus, second_bus):
         await _sim(bus, tg, inventory("gpu-a", gpus=2))
         await _apply(bus, _model(), 2)
         tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
-        await _until(lambda: _count(bus, 2))
+        await until(lambda: _count(bus, 2))
         await bus.put(keys.desired("m"), records.Desired(model="m", replicas=0, updated_at=2.0))
 
         async def draining():
             a = await _assigns(bus)
             return a if a and all(x.action == "drain" for x in a.values()) else None
 
-        assigns = await _until(draining)
+        assigns = await until(draining)
         assert all(x.generation == 2 for x in assigns.values())
         # the agent reports its engines stopped: the controller then removes everything
         for node, rid in assigns:
@@ -345,7 +337,7 @@ async def test_desired_zero_drains_then_removes_replicas(bus, second_bus):
                     node=node, rid=rid, model="m", generation=2, phase="stopped", since=1.0
                 ),
             )
-        await _until(lambda: _count(bus, 0))
+        await until(lambda: _count(bus, 0))
         assert await _assigns(bus) == {}
         tg.cancel_scope.cancel()
 
@@ -378,11 +370,11 @@ async def test_nats_outage_longer_than_lost_after_neither_crashes_the_controller
     async with anyio.create_task_group() as tg:
         tg.start_soon(beats)
         tg.start_soon(controller.run)
-        (before,) = await _until(lambda: _replicas(bus))
+        (before,) = await until(lambda: _replicas(bus))
         nats_server.stop()
         await anyio.sleep(FAST["lost_after"] + 1.5)  # the controller saw no lease move meanwhile
         nats_server.start()
-        await _until(lambda: _leader_is(bus, controller.id), timeout=30)
+        await until(lambda: _leader_is(bus, controller.id), timeout=30)
         await anyio.sleep(FAST["lost_after"])  # time enough to have (wrongly) declared it lost
         after = await _replicas(bus)
         health = await bus.get(keys.health("gpu-a"), decoder(records.Health))
@@ -391,7 +383,9 @@ async def test_nats_outage_longer_than_lost_after_neither_crashes_the_controller
     assert health.value.phase == "ready"
 
 
-async def test_a_hand_edited_replica_without_members_does_not_stop_placement(bus, second_bus, caplog):
+async def test_a_hand_edited_replica_without_members_does_not_stop_placement(
+    bus, second_bus, caplog
+):
     async with anyio.create_task_group() as tg:
         await _sim(bus, tg, inventory("gpu-a", gpus=2))
         await bus.put("replicas.m.rX", b'{"model":"m","rid":"rX","profile":"p","members":[]}')
@@ -401,6 +395,6 @@ async def test_a_hand_edited_replica_without_members_does_not_stop_placement(bus
         async def assigned():
             return [a for a in (await _assigns(bus)).values() if a.rid != "rX"]
 
-        assert len(await _until(assigned)) == 1
+        assert len(await until(assigned)) == 1
         tg.cancel_scope.cancel()
     assert "skipping replicas.m.rX" in caplog.text and "at least one member" in caplog.text

@@ -12,11 +12,34 @@ from llmgw.bus import records
 
 DOC = (Path(__file__).parent.parent / "docs" / "bucket.md").read_text()
 
-STORED = [records.NodeInventory, records.Cpu, records.Memory, records.Gpus, records.Gpu, records.IbAdapter,
-          records.IbPort, records.EngineInstall, records.Weights, records.WeightsDir, records.HeldModel,
-          records.IncompleteModel, records.Store, records.Lease, records.Health, records.Desired, records.Replica,
-          records.ReplicaMember, records.Assignment, records.Shard, records.FabricHoldings, records.FabricModel,
-          records.ModelCopy, records.PlacementRecord, records.Leader, records.Event]
+STORED = [
+    records.NodeInventory,
+    records.Cpu,
+    records.Memory,
+    records.Gpus,
+    records.Gpu,
+    records.IbAdapter,
+    records.IbPort,
+    records.EngineInstall,
+    records.Weights,
+    records.WeightsDir,
+    records.HeldModel,
+    records.IncompleteModel,
+    records.Store,
+    records.Lease,
+    records.Health,
+    records.Desired,
+    records.Replica,
+    records.ReplicaMember,
+    records.Assignment,
+    records.Shard,
+    records.FabricHoldings,
+    records.FabricModel,
+    records.ModelCopy,
+    records.PlacementRecord,
+    records.Leader,
+    records.Event,
+]
 
 
 def _documented(name: str) -> bool:

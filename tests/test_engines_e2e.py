@@ -14,6 +14,7 @@ import msgspec
 import psutil
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
+from waiting import until
 
 from llmgw import catalog
 from llmgw.agent.config import Engines
@@ -88,15 +89,6 @@ async def _place(bus: Bus, model: catalog.Model, n: int) -> None:
     )
 
 
-async def _until(cond, timeout: float = 20.0):
-    with anyio.fail_after(timeout):
-        while True:
-            got = await cond()
-            if got:
-                return got
-            await anyio.sleep(0.05)
-
-
 async def _shard(bus: Bus, phase: str | None = None):
     got = await bus.list("shards.node1.*", decoder(records.Shard))
     shards = [e.value for e in got.values()]
@@ -147,7 +139,7 @@ async def test_placed_replica_is_validated_launched_loaded_ready_and_streams(bus
     events = Events()
     await bus.subscribe("llmgw.events.>", events.on_message)
     await _place(bus, _catalog(node["tmp"], env={"FAKE_ENGINE_LOAD_SECONDS": "1"}), 1)
-    shard = await _until(lambda: _shard(bus, "ready"))
+    shard = await until(lambda: _shard(bus, "ready"))
     assert shard.endpoint.endswith(str((await _replica(bus)).members[0].port))
     assert shard.served_name == "tiny-chat"
     chunks = await _stream_chat(shard.endpoint, "tiny-chat")
@@ -162,7 +154,7 @@ async def test_placed_replica_is_validated_launched_loaded_ready_and_streams(bus
         "shard-loading",
         "shard-ready",
     ]
-    rep = await _until(lambda: _replica(bus, "ready"))
+    rep = await until(lambda: _replica(bus, "ready"))
     assert rep.endpoint == shard.endpoint
 
 
@@ -182,7 +174,7 @@ async def test_bad_profile_fails_validation_and_nothing_is_launched(bus, node, c
         node["tmp"], path=str(node["tmp"] / "no-such.gguf"), env={"FAKE_ENGINE_RECORD": str(record)}
     )
     await _place(bus, model, 1)
-    shard = await _until(lambda: _shard(bus, "failed"))
+    shard = await until(lambda: _shard(bus, "failed"))
     assert shard.reason.startswith("refused before launch:")
     assert "no-such.gguf" in shard.reason
     await anyio.sleep(0.5)
@@ -200,7 +192,7 @@ async def test_engine_crashing_while_loading_reports_its_output_and_retries_with
         s = await _shard(bus, "failed")
         return s if s and s.restarts >= 3 else None
 
-    shard = await _until(failed_twice, timeout=30)
+    shard = await until(failed_twice, timeout=30)
     assert any("CUDA out of memory (simulated)" in line for line in shard.output_tail)
     assert len("\n".join(shard.output_tail)) <= 8192 and len(shard.output_tail) <= 64
     # "restart N in D s": the delays grow
@@ -216,7 +208,7 @@ async def test_engine_crashing_while_loading_reports_its_output_and_retries_with
 async def test_drain_waits_for_an_in_flight_streaming_request(bus, node, controller):
     model = _catalog(node["tmp"], env={"FAKE_ENGINE_TOKENS": "30", "FAKE_ENGINE_TOKEN_RATE": "15"})
     await _place(bus, model, 1)
-    shard = await _until(lambda: _shard(bus, "ready"))
+    shard = await until(lambda: _shard(bus, "ready"))
     async with anyio.create_task_group() as tg:
         result: dict[str, list[str]] = {}
 
@@ -228,7 +220,7 @@ async def test_drain_waits_for_an_in_flight_streaming_request(bus, node, control
         await bus.put(
             keys.desired("tiny"), records.Desired(model="tiny", replicas=0, updated_at=2.0)
         )
-        await _until(lambda: _shard(bus, "draining"))
+        await until(lambda: _shard(bus, "draining"))
         assert "chunks" not in result  # still streaming while draining
     assert result["chunks"][-1] == "[DONE]"  # finished, not cut off
     tokens = [
@@ -239,14 +231,14 @@ async def test_drain_waits_for_an_in_flight_streaming_request(bus, node, control
     async def all_gone():
         return (await _shard(bus)) == [] and await _replica(bus) is None
 
-    await _until(all_gone)
+    await until(all_gone)
 
 
 async def test_nats_restart_while_serving_engines_keep_answering_and_the_agent_re_reports(
     bus, node, controller, nats_server
 ):
     await _place(bus, _catalog(node["tmp"]), 1)
-    shard = await _until(lambda: _shard(bus, "ready"))
+    shard = await until(lambda: _shard(bus, "ready"))
     before = (await bus.get(keys.shard("node1", shard.rid), decoder(records.Shard))).revision
     nats_server.stop()
     chunks = await _stream_chat(shard.endpoint, "tiny-chat")  # no NATS: the engine still serves
@@ -257,12 +249,12 @@ async def test_nats_restart_while_serving_engines_keep_answering_and_the_agent_r
         e = await bus.get(keys.shard("node1", shard.rid), decoder(records.Shard))
         return e if e and e.revision > before and e.value.phase == "ready" else None
 
-    await _until(re_reported, timeout=30)
+    await until(re_reported, timeout=30)
 
 
 async def test_agent_sigterm_stops_its_engines_with_it(bus, node, controller):
     await _place(bus, _catalog(node["tmp"]), 1)
-    shard = await _until(lambda: _shard(bus, "ready"))
+    shard = await until(lambda: _shard(bus, "ready"))
     engine = psutil.Process(shard.pid)
     node["proc"].send_signal(signal.SIGTERM)
     assert node["proc"].wait(timeout=5) == 0  # well within systemd's stop timeout: no SIGKILL
@@ -273,7 +265,7 @@ async def test_agent_killed_hard_its_successor_reaps_the_leftover_engine_before_
     bus, node, controller
 ):
     await _place(bus, _catalog(node["tmp"]), 1)
-    first = await _until(lambda: _shard(bus, "ready"))
+    first = await until(lambda: _shard(bus, "ready"))
     leftover = psutil.Process(first.pid)
     node["proc"].send_signal(signal.SIGKILL)  # no chance to stop its engines
     node["proc"].wait(5)
@@ -287,7 +279,7 @@ async def test_agent_killed_hard_its_successor_reaps_the_leftover_engine_before_
             s = await _shard(bus, "ready")
             return s if s and s.pid != first.pid else None
 
-        second = await _until(relaunched, timeout=30)
+        second = await until(relaunched, timeout=30)
         assert not _alive(leftover), "a second engine was started beside the leftover one"
     finally:
         if _alive(leftover):
@@ -309,10 +301,10 @@ def _alive(p: psutil.Process) -> bool:
 async def test_fixing_a_refused_profile_in_the_catalog_launches_it(bus, node, controller):
     bad = _catalog(node["tmp"], path=str(node["tmp"] / "typo.gguf"))
     await _place(bus, bad, 1)
-    await _until(lambda: _shard(bus, "failed"))
+    await until(lambda: _shard(bus, "failed"))
     fixed = _catalog(node["tmp"])  # the operator corrects the path and applies again
     await bus.put(keys.catalog("tiny"), catalog.encode_model(fixed))
-    ready = await _until(lambda: _shard(bus, "ready"))
+    ready = await until(lambda: _shard(bus, "ready"))
     assert ready.generation == 2 and "refused" not in ready.reason
 
 
@@ -330,7 +322,7 @@ async def test_new_replica_on_the_port_of_one_being_drained_waits_for_it_instead
         )
 
     await bus.put(keys.assign("node1", "rold"), assignment("rold", "run", 1))
-    await _until(lambda: _shard(bus, "ready"))
+    await until(lambda: _shard(bus, "ready"))
     await bus.put(keys.assign("node1", "rold"), assignment("rold", "drain", 2))
     await bus.put(keys.assign("node1", "rnew"), assignment("rnew", "run", 1))
 
@@ -338,7 +330,7 @@ async def test_new_replica_on_the_port_of_one_being_drained_waits_for_it_instead
         got = await bus.get(keys.shard("node1", "rnew"), decoder(records.Shard))
         return got.value if got and got.value.phase == "ready" else None
 
-    shard = await _until(new_ready)
+    shard = await until(new_ready)
     assert shard.endpoint.endswith(":18000")
     text = node["log"].read_text()
     assert "rnew waits for rold to stop (same port or GPUs)" in text
@@ -364,7 +356,7 @@ async def test_shard_record_of_an_assignment_removed_while_the_agent_was_down_is
     async def gone():
         return await bus.get(keys.shard("node1", "rgone"), decoder(records.Shard)) is None
 
-    await _until(gone)
+    await until(gone)
 
 
 async def test_a_replica_that_cannot_start_for_a_local_error_fails_alone_and_the_agent_keeps_serving(
@@ -378,7 +370,7 @@ async def test_a_replica_that_cannot_start_for_a_local_error_fails_alone_and_the
             model="tiny", rid="rok", profile="cpu", action="run", generation=1, port=18000
         ),
     )
-    ok = await _until(lambda: _shard(bus, "ready"))
+    ok = await until(lambda: _shard(bus, "ready"))
     logs = node["dirs"]["state"] / "logs"
     moved = logs.with_name("logs.real")
     logs.rename(moved)
@@ -395,7 +387,7 @@ async def test_a_replica_that_cannot_start_for_a_local_error_fails_alone_and_the
             got = await bus.get(keys.shard("node1", "rbad"), decoder(records.Shard))
             return got.value if got and got.value.phase == "failed" else None
 
-        bad = await _until(bad_failed)
+        bad = await until(bad_failed)
         assert "logs" in bad.reason and "retrying" in bad.reason
         assert node["proc"].poll() is None  # the agent is still running
         chunks = await _stream_chat(ok.endpoint, "tiny-chat")  # and so is the other engine
@@ -408,4 +400,4 @@ async def test_a_replica_that_cannot_start_for_a_local_error_fails_alone_and_the
         got = await bus.get(keys.shard("node1", "rbad"), decoder(records.Shard))
         return got.value if got and got.value.phase == "ready" else None
 
-    await _until(bad_recovered, timeout=30)
+    await until(bad_recovered, timeout=30)

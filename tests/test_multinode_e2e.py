@@ -14,6 +14,7 @@ import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
 from samples.infiniband import FABRIC_MAP, FILES, LINKS
 from samples.sysfs import write_tree
+from waiting import until
 
 from llmgw import catalog
 from llmgw.agent.config import Engines
@@ -74,13 +75,6 @@ async def controller(nats_settings):
     await b.close()
 
 
-async def _until(cond, timeout: float = 30.0):
-    with anyio.fail_after(timeout):
-        while not (got := await cond()):
-            await anyio.sleep(0.05)
-        return got
-
-
 async def test_two_node_replica_runs_rank0_serving_and_rank1_headless_in_one_fabric(
     bus, fleet, controller
 ):
@@ -112,7 +106,7 @@ async def test_two_node_replica_runs_rank0_serving_and_rank1_headless_in_one_fab
         reps = [e.value for e in got.values() if e.value.phase == "ready"]
         return reps[0] if reps else None
 
-    replica = await _until(ready_replica)
+    replica = await until(ready_replica)
     by_rank = {m.rank: m for m in replica.members}
     assert {m.node for m in replica.members} == set(NODES)
     rank0, rank1 = by_rank[0], by_rank[1]

@@ -18,6 +18,11 @@ def test_there_are_configs_to_check() -> None:
 
 @pytest.mark.parametrize("conf", CONFIGS, ids=lambda p: p.name)
 def test_nats_config_is_valid(conf: Path) -> None:
-    out = subprocess.run([str(find_nats_server()), "-t", "-c", str(conf)], capture_output=True, text=True,
-                         timeout=30, cwd=conf.parent)
+    out = subprocess.run(
+        [str(find_nats_server()), "-t", "-c", str(conf)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=conf.parent,
+    )
     assert out.returncode == 0, out.stderr + out.stdout

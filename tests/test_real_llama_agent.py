@@ -12,6 +12,7 @@ import msgspec
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
 from real_llama import llama_server_binary, tiny_gguf
+from waiting import until
 
 from llmgw import catalog
 from llmgw.agent.config import Engines
@@ -86,18 +87,11 @@ async def _shard(bus: Bus, phase: str):
     return next((e.value for e in got.values() if e.value.phase == phase), None)
 
 
-async def _until(cond, timeout: float = 60.0):
-    with anyio.fail_after(timeout):
-        while not (got := await cond()):
-            await anyio.sleep(0.05)
-        return got
-
-
 async def test_real_llama_server_is_launched_loads_and_streams_a_chat(
     bus, node, controller, tiny_model
 ):
     await _place(bus, str(tiny_model))
-    shard = await _until(lambda: _shard(bus, "ready"))
+    shard = await until(lambda: _shard(bus, "ready"))
     body = {
         "model": "tiny-random",
         "stream": True,
@@ -122,7 +116,7 @@ async def test_real_llama_server_is_launched_loads_and_streams_a_chat(
 
 async def test_missing_model_file_is_refused_before_launch(bus, node, controller):
     await _place(bus, str(node["tmp"] / "not-downloaded.gguf"))
-    shard = await _until(lambda: _shard(bus, "failed"))
+    shard = await until(lambda: _shard(bus, "failed"))
     assert (
         shard.reason.startswith("refused before launch: weights file")
         and "does not exist" in shard.reason
@@ -136,7 +130,7 @@ async def test_truncated_gguf_is_refused_before_launch_not_after_loading(
     cut = node["tmp"] / "half-downloaded.gguf"
     cut.write_bytes(tiny_model.read_bytes()[: tiny_model.stat().st_size // 2])
     await _place(bus, str(cut))
-    shard = await _until(lambda: _shard(bus, "failed"))
+    shard = await until(lambda: _shard(bus, "failed"))
     assert "is not complete" in shard.reason and shard.pid is None
 
 
@@ -153,7 +147,7 @@ async def test_a_gguf_the_engine_refuses_leaves_its_output_tail_in_the_failed_sh
     bogus = node["tmp"] / "bogus-arch.gguf"
     bogus.write_bytes(bytes(data))
     await _place(bus, str(bogus))
-    shard = await _until(lambda: _shard(bus, "failed"))
+    shard = await until(lambda: _shard(bus, "failed"))
     tail = "\n".join(shard.output_tail)
     assert "unknown model architecture: 'llamz'" in tail, tail  # llama.cpp's own words
     assert "exited with code" in shard.reason and "while loading" in shard.reason
