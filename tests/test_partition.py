@@ -1,0 +1,133 @@
+"""One node cut off from NATS (only it: a proxy between its agent and the server is cut)
+for longer than lost_after, while its engine keeps serving; then healed. The fleet must
+end with the model ready again on that node, nothing failed, nothing left behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+import msgspec
+import pytest
+from agent_helpers import agent_config, host_dirs, start_agent, stop
+from test_engines_e2e import _catalog, _place, _stream_chat
+from waiting import until
+
+from llmgw.agent.config import Engines
+from llmgw.bus import records
+from llmgw.bus.client import Bus, decoder
+from llmgw.bus.server import free_port
+from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.testing.fake_engine import install_fake_engines
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+
+class CuttableLink:
+    """A TCP proxy on loopback between one client and the server: cut() drops that client
+    alone (its connections and new ones), heal() lets it back; everyone else is untouched."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port, self.port = upstream_port, free_port()
+        self._server: asyncio.Server | None = None
+        self._streams: list[asyncio.StreamWriter] = []
+
+    async def heal(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for w in self._streams:
+            w.close()
+        self._streams.clear()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            writer.close()
+            return
+        self._streams += [writer, up_w]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (OSError, asyncio.CancelledError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+
+
+async def _shards(bus: Bus) -> list[records.Shard]:
+    got = await bus.list("shards.node1.*", decoder(records.Shard))
+    return [e.value for e in got.values()]
+
+
+async def test_node_cut_off_past_lost_after_serves_throughout_and_ends_ready_again(
+    bus, nats_server, tmp_path
+):
+    link = CuttableLink(nats_server.port)
+    await link.heal()
+    dirs = host_dirs(tmp_path)
+    install_fake_engines(dirs["bin"])
+    cfg = agent_config(f"nats://127.0.0.1:{link.port}", dirs, id="node1")
+    cfg = msgspec.structs.replace(
+        cfg,
+        engines=Engines(
+            listen_host="127.0.0.1",
+            backoff_base=0.2,
+            backoff_cap=2,
+            poll_interval=0.1,
+            stop_grace=3,
+            drain_timeout=10,
+        ),
+    )
+    agent = start_agent(
+        cfg, tmp_path / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], tmp_path / "agent.log"
+    )
+    settings = ControllerSettings(
+        unreachable_after=1.0, lost_after=3.0, leader_ttl=1.0, tick=0.05, resync=0.5
+    )
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(Controller(bus, settings).run)
+            await _place(bus, _catalog(tmp_path), 1)
+            first = await until(lambda: _ready(bus))
+            await link.cut()  # node1 alone loses NATS; its engine does not notice
+            await anyio.sleep(settings.lost_after + 2)
+            assert (await _stream_chat(first.endpoint, "tiny-chat"))[
+                -1
+            ] == "[DONE]"  # still serving
+            await link.heal()
+
+            async def settled():
+                shards = await _shards(bus)
+                reps = await bus.list("replicas.tiny.*", decoder(records.Replica))
+                live = [e.value for e in reps.values()]
+                done = (
+                    len(live) == 1
+                    and live[0].phase == "ready"
+                    and [s.phase for s in shards] == ["ready"]
+                )
+                return (live[0], shards[0]) if done else None
+
+            replica, shard = await until(settled, timeout=60)
+            tg.cancel_scope.cancel()
+    finally:
+        stop(agent)
+        await link.cut()
+    # the node was declared lost, so its replica was replaced (on the same node: it is the
+    # only one); the new engine waited for the old one instead of failing on its port
+    assert replica.rid != first.rid  # it was replaced
+    assert shard.rid == replica.rid and shard.endpoint == replica.endpoint
+    assert f"{replica.rid} waits for {first.rid} to stop" in (tmp_path / "agent.log").read_text()
+    assert "refused before launch" not in (tmp_path / "agent.log").read_text()
+
+
+async def _ready(bus: Bus) -> records.Shard | None:
+    return next((s for s in await _shards(bus) if s.phase == "ready"), None)
