@@ -51,3 +51,26 @@ def _documented(name: str) -> bool:
 def test_every_record_field_is_documented_in_bucket_md(struct) -> None:
     missing = [f.name for f in msgspec.structs.fields(struct) if not _documented(f.name)]
     assert not missing, f"docs/bucket.md does not mention {struct.__name__} fields {missing}"
+
+
+def test_agent_md_example_is_a_valid_config_naming_every_key() -> None:
+    from llmgw.agent import config
+
+    text = (Path(__file__).parent.parent / "docs" / "agent.md").read_text()
+    example = re.search(r"```toml\n(.*?)```", text, re.S).group(1)
+    parsed = config.parse_config(example)  # refused (with the key) if the docs drift
+    for section, struct in (
+        ("nats", config.Nats),
+        ("node", config.Node),
+        ("weights", config.Weights),
+        ("intervals", config.Intervals),
+        ("engines", config.Engines),
+        ("paths", config.Paths),
+    ):
+        missing = [
+            f.name
+            for f in msgspec.structs.fields(struct)
+            if not re.search(rf"^{f.name} = ", example.split(f"[{section}]")[1], re.M)
+        ]
+        assert not missing, f"docs/agent.md [{section}] does not show {missing}"
+    assert parsed.fabrics

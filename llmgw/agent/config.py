@@ -117,7 +117,7 @@ def _explain(path: Path, err: Exception) -> ConfigError:
     if unknown:
         key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
         return ConfigError(
-            f"{path}: unknown key {key!r}; see `llmgw agent init --help` for the keys"
+            f"{path}: unknown key {key!r}; docs/agent.md lists every key"
         )
     if where:
         return ConfigError(f"{path}: key {where!r}: {msg.replace('Expected', 'expected')}")
@@ -187,7 +187,7 @@ def load_config(path: Path | None = None, *, missing_ok: bool = False) -> AgentC
 
 def render_config(cfg: AgentConfig) -> str:
     """TOML holding only what differs from the defaults: what onboarding was given."""
-    header = "# llmgw agent config: only overrides of discovery belong here (see docs/agent.md)\n"
+    header = "# llmgw agent config: only overrides of discovery belong here (docs/agent.md lists every key)\n"
     import tomli_w
 
     data = {k: v for k, v in msgspec.to_builtins(cfg).items() if v != {}}
