@@ -15,7 +15,7 @@ from waiting import until
 
 from llmgw import catalog
 from llmgw.bus import keys, records
-from llmgw.bus.client import Bus, decoder
+from llmgw.bus.client import Bus, NatsSettings, decoder
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.testing.sim import SimNode, inventory
 
@@ -354,7 +354,12 @@ def test_sim_inventory_round_trips():
 async def test_nats_outage_longer_than_lost_after_neither_crashes_the_controller_nor_moves_replicas(
     bus, second_bus, nats_server
 ):
-    node = SimNode(bus, inventory("gpu-a", gpus=1))
+    # the node reconnects within a fraction of a second of the server's return (a real
+    # agent may take up to its backoff cap, well inside the default lost_after of 60 s)
+    node_bus = await Bus.connect(
+        NatsSettings(urls=(nats_server.url,), backoff_base=0.05, backoff_cap=0.2), give_up_after=5
+    )
+    node = SimNode(node_bus, inventory("gpu-a", gpus=1))
     await node.register()
     await _apply(bus, _model(), 1)
 
@@ -379,6 +384,7 @@ async def test_nats_outage_longer_than_lost_after_neither_crashes_the_controller
         after = await _replicas(bus)
         health = await bus.get(keys.health("gpu-a"), decoder(records.Health))
         tg.cancel_scope.cancel()
+    await node_bus.close()
     assert [r.rid for r in after] == [before.rid] and after[0].phase != "draining"
     assert health.value.phase == "ready"
 
@@ -398,3 +404,51 @@ async def test_a_hand_edited_replica_without_members_does_not_stop_placement(
         assert len(await until(assigned)) == 1
         tg.cancel_scope.cancel()
     assert "skipping replicas.m.rX" in caplog.text and "at least one member" in caplog.text
+
+
+@pytest.mark.slow
+async def test_leader_cut_off_without_a_reconnect_does_not_drain_the_fleet_when_it_comes_back(
+    bus, nats_server
+):
+    # JetStream without quorum, or a stalled link: the controller's connection stays up,
+    # nothing is delivered, so no reconnect (and no watch re-sync) tells it anything happened
+    from links import ProxyLink
+
+    link = ProxyLink(nats_server.port)
+    await link.start()
+    cut_off = await Bus.connect(NatsSettings(urls=(link.url,), name="cut-off"), give_up_after=5)
+    node = SimNode(bus, inventory("gpu-a", gpus=1))
+    await node.register()
+    await _apply(bus, _model(), 1)
+    settings = ControllerSettings(
+        unreachable_after=1.5, lost_after=4.0, leader_ttl=1.5, tick=0.1, resync=0.5
+    )
+    controller = Controller(cut_off, settings)
+    beating = True
+
+    async def beats():
+        while True:
+            if beating:
+                await node.beat()
+            await anyio.sleep(0.2)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(beats)
+            tg.start_soon(controller.run)
+            (before,) = await until(lambda: _replicas(bus))
+            beating = False  # no lease lands anywhere while the controller is cut off either
+            link.stall()
+            await anyio.sleep(8)  # past lost_after, and long enough to have to step down
+            await link.heal()
+            await until(lambda: _leader_is(bus, controller.id), timeout=30)
+            await anyio.sleep(1.0)  # the node's first beat lands only now
+            beating = True
+            await anyio.sleep(settings.lost_after)
+            after = await _replicas(bus)
+            tg.cancel_scope.cancel()
+    finally:
+        await cut_off.close()
+        await link.cut()
+    assert cut_off.reconnects == 0  # the case the re-sync on reconnect cannot see
+    assert [(r.rid, r.phase) for r in after] == [(before.rid, before.phase)]

@@ -4,63 +4,21 @@ end with the model ready again on that node, nothing failed, nothing left behind
 
 from __future__ import annotations
 
-import asyncio
-
 import anyio
 import msgspec
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
+from links import ProxyLink
 from test_engines_e2e import _catalog, _place, _stream_chat
 from waiting import until
 
 from llmgw.agent.config import Engines
 from llmgw.bus import records
 from llmgw.bus.client import Bus, decoder
-from llmgw.bus.server import free_port
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.testing.fake_engine import install_fake_engines
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
-
-
-class CuttableLink:
-    """A TCP proxy on loopback between one client and the server: cut() drops that client
-    alone (its connections and new ones), heal() lets it back; everyone else is untouched."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port, self.port = upstream_port, free_port()
-        self._server: asyncio.Server | None = None
-        self._streams: list[asyncio.StreamWriter] = []
-
-    async def heal(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
-
-    async def cut(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for w in self._streams:
-            w.close()
-        self._streams.clear()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            writer.close()
-            return
-        self._streams += [writer, up_w]
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            try:
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            except (OSError, asyncio.CancelledError):
-                pass
-            finally:
-                dst.close()
-
-        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
 
 
 async def _shards(bus: Bus) -> list[records.Shard]:
@@ -71,11 +29,11 @@ async def _shards(bus: Bus) -> list[records.Shard]:
 async def test_node_cut_off_past_lost_after_serves_throughout_and_ends_ready_again(
     bus, nats_server, tmp_path
 ):
-    link = CuttableLink(nats_server.port)
-    await link.heal()
+    link = ProxyLink(nats_server.port)
+    await link.start()
     dirs = host_dirs(tmp_path)
     install_fake_engines(dirs["bin"])
-    cfg = agent_config(f"nats://127.0.0.1:{link.port}", dirs, id="node1")
+    cfg = agent_config(link.url, dirs, id="node1")
     cfg = msgspec.structs.replace(
         cfg,
         engines=Engines(

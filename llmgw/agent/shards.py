@@ -49,8 +49,8 @@ class ShardManager:
         self._engines: dict[str, _Engine] = {}
         self._assignments: dict[str, records.Assignment] = {}
         self._tg: anyio.abc.TaskGroup | None = None
-        self._locks: dict[str, anyio.Lock] = {}
-        self._retrying: set[str] = set()
+        # replicas whose reconcile loop is running -> set when something new arrives for it
+        self._again: dict[str, anyio.Event] = {}
 
     @property
     def node(self) -> str:
@@ -104,91 +104,99 @@ class ShardManager:
     # --- one assignment ----------------------------------------------------------------
 
     async def _reconcile(self, rid: str) -> None:
-        """Reconcile one assignment; on an error (NATS away, a full disk) or a transient
-        refusal (its port still held by an engine being stopped), try again with a growing
-        delay. One replica's trouble never ends the agent: the other engines keep serving."""
-        if rid in self._retrying:
-            return  # a retry is already scheduled and will see the latest assignment
+        """Reconcile one assignment, in one loop per replica: an event that arrives while
+        the loop is busy (a long drain) or waiting makes it run once more with the latest
+        assignment. On an error (NATS away, a full disk) or a transient refusal (its port
+        still held by an engine being stopped) it tries again with a growing delay. One
+        replica's trouble never ends the agent: the other engines keep serving."""
+        if rid in self._again:
+            self._again[rid].set()
+            return
         delay = 1.0
-        while True:
-            try:
-                again = await self._reconcile_once(rid)
-            except Exception as e:  # noqa: BLE001
-                log.exception("reconciling %s failed; retrying in %g s", rid, delay)
-                want = self._assignments.get(rid)
-                if want is not None and rid not in self._engines:
-                    try:
-                        await self._report(
-                            rid, want, "failed", reason=f"{e or type(e).__name__}; retrying"
-                        )
-                    except Exception:  # noqa: BLE001 - NATS away: re-reported on reconnect
-                        pass
-                again = True
-            if not again or rid not in self._assignments:
-                return
-            self._retrying.add(rid)
-            try:
-                await anyio.sleep(delay)
-            finally:
-                self._retrying.discard(rid)
-            delay = min(delay * 2, 60.0)
+        try:
+            while True:
+                self._again[rid] = changed = anyio.Event()
+                try:
+                    retry = await self._reconcile_once(rid)
+                except Exception as e:  # noqa: BLE001
+                    log.exception("reconciling %s failed; retrying in %g s", rid, delay)
+                    await self._report_trouble(rid, e)
+                    retry = True
+                if changed.is_set():
+                    delay = 1.0  # something new arrived meanwhile: look again at once
+                    continue
+                if not retry or (rid not in self._assignments and rid not in self._engines):
+                    return
+                with anyio.move_on_after(delay):
+                    await changed.wait()
+                delay = 1.0 if changed.is_set() else min(delay * 2, 60.0)
+        finally:
+            self._again.pop(rid, None)
+
+    async def _report_trouble(self, rid: str, e: Exception) -> None:
+        want = self._assignments.get(rid)
+        if want is None or rid in self._engines:
+            return
+        try:
+            await self._report(rid, want, "failed", reason=f"{e or type(e).__name__}; retrying")
+        except Exception:  # noqa: BLE001 - NATS away: re-reported on reconnect
+            pass
 
     async def _reconcile_once(self, rid: str) -> bool:
-        """One decision; True when it should be tried again later."""
-        # one decision at a time per replica; a long drain of one never delays another
-        async with self._locks.setdefault(rid, anyio.Lock()):
-            want = self._assignments.get(rid)
-            running = self._engines.get(rid)
-            if want is None:
-                if running is not None:
-                    await self._stop(rid, running, drain=True)
-                await self._forget(rid)
-                return False
-            if running is not None and running.assignment.generation == want.generation:
-                return False
-            if want.action in ("drain", "stop"):
-                if running is not None:
-                    running.assignment = want
-                    await self._stop(rid, running, drain=want.action == "drain")
-                await self._report(rid, want, "stopped", reason=f"assignment says {want.action}")
-                return False
-            spec, problems = await self._launch_spec(want)
+        """One decision; True when it should be tried again later. Only `_reconcile`'s loop
+        calls it, so decisions for one replica never overlap; other replicas go on meanwhile."""
+        want = self._assignments.get(rid)
+        running = self._engines.get(rid)
+        if want is None:
             if running is not None:
-                healthy = rid in self.shards and self.shards[rid].phase != "failed"
-                if spec == running.spec or (
-                    healthy and spec is not None and _same_place(spec, running.spec)
-                ):
-                    # Nothing the engine sees changed, or only the catalog did: a serving
-                    # engine keeps its launch until it is replaced (editing a profile does
-                    # not restart a fleet); a failing one is relaunched with the new one.
-                    if spec != running.spec:
-                        log.info(
-                            "%s %s: catalog changed; the running engine keeps its launch "
-                            "until replaced",
-                            want.model,
-                            rid,
-                        )
-                    running.assignment = want
-                    await self._report(
-                        rid, want, self.shards[rid].phase if rid in self.shards else "starting"
-                    )
-                    return False
                 await self._stop(rid, running, drain=True)
-            if spec is not None:
-                await self._wait_for_overlapping_engines(rid, spec)
-            await self._report(rid, want, "validating")
-            if spec is not None and not problems:
-                problems = await anyio.to_thread.run_sync(validate_launch, spec, self._facts())
-            if problems:
-                reason = "; ".join(problems)
-                log.error("%s %s refused before launch: %s", want.model, rid, reason)
-                await self._report(rid, want, "failed", reason=f"refused before launch: {reason}")
-                # a port still held (an engine of a removed replica not yet gone) clears
-                # by itself; everything else waits for a new assignment or catalog entry
-                return all(" is in use" in p for p in problems)
-            assert spec is not None
-            self._start(rid, want, spec)
+            await self._forget(rid)
             return False
+        if running is not None and running.assignment.generation == want.generation:
+            return False
+        if want.action in ("drain", "stop"):
+            if running is not None:
+                running.assignment = want
+                await self._stop(rid, running, drain=want.action == "drain")
+            await self._report(rid, want, "stopped", reason=f"assignment says {want.action}")
+            return False
+        spec, problems = await self._launch_spec(want)
+        if running is not None:
+            healthy = rid in self.shards and self.shards[rid].phase != "failed"
+            if spec == running.spec or (
+                healthy and spec is not None and _same_place(spec, running.spec)
+            ):
+                # Nothing the engine sees changed, or only the catalog did: a serving
+                # engine keeps its launch until it is replaced (editing a profile does
+                # not restart a fleet); a failing one is relaunched with the new one.
+                if spec != running.spec:
+                    log.info(
+                        "%s %s: catalog changed; the running engine keeps its launch "
+                        "until replaced",
+                        want.model,
+                        rid,
+                    )
+                running.assignment = want
+                await self._report(
+                    rid, want, self.shards[rid].phase if rid in self.shards else "starting"
+                )
+                return False
+            await self._stop(rid, running, drain=True)
+        if spec is not None:
+            await self._wait_for_overlapping_engines(rid, spec)
+        await self._report(rid, want, "validating")
+        if spec is not None and not problems:
+            problems = await anyio.to_thread.run_sync(validate_launch, spec, self._facts())
+        if problems:
+            reason = "; ".join(problems)
+            log.error("%s %s refused before launch: %s", want.model, rid, reason)
+            await self._report(rid, want, "failed", reason=f"refused before launch: {reason}")
+            # a port still held (an engine of a removed replica not yet gone) clears
+            # by itself; everything else waits for a new assignment or catalog entry
+            return all(" is in use" in p for p in problems)
+        assert spec is not None
+        self._start(rid, want, spec)
+        return False
 
     def _start(self, rid: str, want: records.Assignment, spec: LaunchSpec) -> None:
         log_dir = self.state_dir / "logs"

@@ -265,6 +265,13 @@ class Bus:
     def reconnects(self) -> int:
         return self._state.reconnects
 
+    async def round_trip(self, timeout: float = 2.0) -> float:
+        """Seconds for a PING/PONG with the server; raises if none within `timeout`. What a
+        component checks before concluding that others went silent, not itself."""
+        started = time.monotonic()
+        await self.nc.flush(timeout=timeout)
+        return time.monotonic() - started
+
     async def close(self) -> None:
         """Stop watches, then close the connection; bounded so shutdown never hangs."""
         self._closed = True

@@ -33,6 +33,11 @@ from llmgw.controller.view import View
 log = logging.getLogger(__name__)
 
 _SEVERITY = {"ready": 0, "unreachable": 1, "lost": 2}
+_STUCK_S = 3.0  # one bucket write this slow: the server was not answering meanwhile
+
+
+class _NotLeading(Exception):
+    """Leadership was lost during a pass: stop writing."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ class Controller:
         self.leading = False
         self._synced = anyio.Event()
         self._in_sync = False
+        self._slowest_write = 0.0
+        self._link_suspect = False  # a write failed or hung: this controller may have been cut off
         self._dirty = True
         self._held: dict[str, tuple[str, int]] = {}  # node -> (stored phase, seq at start)
         self._leader_seen: tuple[int, float] = (0, 0.0)  # (revision, when first seen)
@@ -152,6 +159,7 @@ class Controller:
                 # a leader that cannot renew must not act on what may be a stale view; it
                 # takes the key back at the next step if nobody else did
                 self._step_down(f"cannot renew the leader key: {e or type(e).__name__}")
+                self._link_suspect = True
             await anyio.sleep(interval)
 
     async def _leadership_step(self) -> None:
@@ -181,6 +189,12 @@ class Controller:
             )
         if rev is not None:
             self._my_rev = rev
+            # A controller that starts leading judges from now, as after a restart: it may
+            # come back from being cut off (JetStream without quorum, a stalled link: no
+            # reconnect, so no re-sync) with leases that only look still. Nodes already
+            # recorded unreachable or lost stay so until their lease moves.
+            self.tracker.restart_grace(time.monotonic())
+            self._hold_stored_phases()
             self.leading = True
             self._dirty = True
             prev = current.holder if current else None
@@ -195,6 +209,10 @@ class Controller:
             since if since is not None else (held.since if held and held.holder == self.id else now)
         )
         return records.Leader(holder=self.id, since=start, renewed_at=now)
+
+    def _require_leading(self) -> None:
+        if not self.leading:
+            raise _NotLeading
 
     def _step_down(self, why: str) -> None:
         if self.leading:
@@ -221,21 +239,39 @@ class Controller:
             # Judge nothing while the view may be stale: disconnected, or reconnected but the
             # watch has not replayed the bucket yet (its leases would all look still).
             if self.leading and self.bus.connected and self._in_sync:
+                self._slowest_write = 0.0
                 try:
                     changed = await self._write_health(now)
-                    if self._dirty or changed or now - last_full >= self.settings.resync:
+                    if self._slowest_write <= _STUCK_S and (
+                        self._dirty or changed or now - last_full >= self.settings.resync
+                    ):
                         self._dirty = False
                         last_full = now
                         await self.reconcile(now)
+                except _NotLeading:
+                    self._dirty = True
                 except Exception:  # noqa: BLE001 - the next pass starts from the bucket again
                     log.exception("reconcile pass failed; retrying")
                     self._dirty = True
+                    self._link_suspect = True
+                if self._slowest_write > _STUCK_S:
+                    log.warning("a bucket write hung for %.0f s", self._slowest_write)
+                    self._link_suspect = True
             await anyio.sleep(self.settings.tick)
 
     async def _on_reconnected(self) -> None:
         self._in_sync = False  # until the watch has replayed the bucket
 
     async def _write_health(self, now: float) -> bool:
+        if self._link_suspect:
+            # A write failed or hung: while it did, this controller heard nothing, which says
+            # nothing about the nodes. Once the bucket answers promptly again, every node
+            # gets a fresh grace period, and only then is any node judged.
+            if await self._link_answers():
+                self._link_suspect = False
+                self.tracker.restart_grace(time.monotonic())
+                log.info("the bucket answers again; nodes get a fresh grace period")
+            return False
         changes: list[tuple[records.Health, str | None]] = []
         for node, phase in self.phases(now).items():
             stored = self.view.health.get(node)
@@ -255,6 +291,8 @@ class Controller:
                 last_seq=lease.seq if lease else 0,
             )
             changes.append((record, stored.phase if stored else None))
+        if any(r.phase != "ready" for r, _ in changes) and not await self._link_answers():
+            return False
         # a fleet's worth at start-up: written concurrently (sequential puts are ~3,000/s)
         await _bounded_gather(
             [self._write_one_health(r, prev, many=len(changes) > 20) for r, prev in changes]
@@ -273,10 +311,28 @@ class Controller:
             self.view.health.pop(node, None)
         return bool(changes)
 
+    async def _link_answers(self) -> bool:
+        """Before declaring nodes silent, check this controller is not the silent one (a
+        stalled link delivers nothing, so every lease looks still): a round trip to the
+        server must come back promptly. If not, judge nothing and start over from now."""
+        try:
+            took = await self.bus.round_trip(timeout=_STUCK_S)
+        except Exception:  # noqa: BLE001 - no answer at all
+            took = float("inf")
+        if took < _STUCK_S:
+            return True
+        log.warning("the bucket did not answer for %.0f s; judging no node meanwhile", _STUCK_S)
+        self._link_suspect = True
+        return False
+
     async def _write_one_health(
         self, record: records.Health, previous: str | None, *, many: bool
     ) -> None:
-        await self.bus.put(keys.health(record.node), record)
+        started = time.monotonic()
+        try:
+            await self.bus.put(keys.health(record.node), record)
+        finally:
+            self._slowest_write = max(self._slowest_write, time.monotonic() - started)
         self.view.health[record.node] = record
         level = logging.INFO if record.phase == "ready" else logging.WARNING
         log.log(
@@ -319,6 +375,7 @@ class Controller:
         invalid = self.view.invalid_catalog()
         # A catalog entry garbled by hand is not a removed model: leave its replicas alone.
         removals = [r for r in plan.remove if r.model not in invalid]
+        self._require_leading()  # a pass outlived by its leadership writes nothing more
         for replica in plan.create:
             await self.bus.put(keys.replica(replica.model, replica.rid), replica)
             self.view.replicas[replica.rid] = replica
@@ -346,6 +403,7 @@ class Controller:
                     rid=replica.rid,
                 )
         phases = snap.health
+        self._require_leading()
         await self._sync_replica_phases(phases)
         await self._sync_assignments()
         await self._write_placements(plan, invalid)
@@ -528,15 +586,23 @@ class Controller:
 
 
 async def _bounded_gather(coros, limit: int = 64) -> None:
+    """Run them all, `limit` at a time; one failing does not cancel the others (their
+    writes may have landed), the first error is raised at the end."""
     limiter = anyio.CapacityLimiter(limit)
+    errors: list[Exception] = []
 
     async def one(c) -> None:
         async with limiter:
-            await c
+            try:
+                await c
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
 
     async with anyio.create_task_group() as tg:
         for c in coros:
             tg.start_soon(one, c)
+    if errors:
+        raise errors[0]
 
 
 def _catalog_hash(model) -> str:

@@ -60,6 +60,8 @@ class View:
             value = None
             if prefix == keys.CATALOG:
                 return prefix  # keep nothing, but remember it is invalid rather than absent
+            if prefix == keys.REPLICAS:
+                return prefix  # keep the last valid value: its engines are still running
         self._store(prefix, ids, value, revision)
         return prefix
 
