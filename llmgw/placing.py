@@ -128,7 +128,11 @@ async def follow_placement(
             live = [e.value for e in reps.values() if e.value.phase != "draining"]
             if p and not wait:
                 return 0
-            if p and p.desired == len(live) and all(r.phase == "ready" for r in live):
+            if p and p.desired == 0 and wait:
+                if not reps:  # drained, then removed
+                    echo("  all replicas removed")
+                    return 0
+            elif p and p.desired == len(live) and all(r.phase == "ready" for r in live):
                 echo(f"  {len(live)}/{p.desired} ready")
                 return 0
             if p and p.explanation and p.placed < p.desired:

@@ -138,6 +138,16 @@ def test_up_then_catalog_place_status_serve_and_ctrl_c_stops_everything(up):
     with urllib.request.urlopen(req, timeout=10) as r:
         assert json.load(r)["choices"][0]["message"]["content"]
 
+    removed = llmgw("place", "tiny", "--replicas", "0", "--wait", "--timeout", "60", env=up["env"])
+    assert removed.returncode == 0 and "all replicas removed" in removed.stdout  # drained first
+    assert json.loads(llmgw("status", "--json", env=up["env"]).stdout)["replicas"] == []
+    assert (
+        llmgw(
+            "place", "tiny", "--replicas", "1", "--wait", "--timeout", "60", env=up["env"]
+        ).returncode
+        == 0
+    )
+
     children = psutil.Process(up["proc"].pid).children(recursive=True)
     assert any("nats-server" in " ".join(c.cmdline()) for c in children)
     up["proc"].send_signal(signal.SIGINT)  # Ctrl-C
