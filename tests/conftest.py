@@ -6,6 +6,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
@@ -39,6 +40,23 @@ async def bus(nats_settings: NatsSettings) -> AsyncIterator[Bus]:
         yield b
     finally:
         await b.close()
+
+
+@pytest.fixture
+async def controller(nats_settings: NatsSettings) -> AsyncIterator[None]:
+    """A leading controller in this process, quick to react, slow to declare nodes lost
+    (end-to-end tests are about engines, not liveness)."""
+    from llmgw.controller.loop import Controller, ControllerSettings
+
+    settings = ControllerSettings(
+        unreachable_after=2, lost_after=30, leader_ttl=1, tick=0.05, resync=0.5
+    )
+    b = await Bus.connect(nats_settings, give_up_after=5)
+    async with anyio.create_task_group() as tg:
+        await tg.start(Controller(b, settings).run)
+        yield
+        tg.cancel_scope.cancel()
+    await b.close()
 
 
 @pytest.fixture(autouse=True)

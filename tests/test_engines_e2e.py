@@ -20,12 +20,9 @@ from llmgw import catalog
 from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
-from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
-
-FAST = dict(unreachable_after=2.0, lost_after=30.0, leader_ttl=1.0, tick=0.05, resync=0.5)
 
 
 @pytest.fixture
@@ -106,16 +103,6 @@ class Events:
 
     def kinds(self, prefix: str = "shard-") -> list[str]:
         return [e.kind for e in self.items if e.kind.startswith(prefix)]
-
-
-@pytest.fixture
-async def controller(nats_settings):
-    b = await Bus.connect(nats_settings, give_up_after=5)
-    async with anyio.create_task_group() as tg:
-        await tg.start(Controller(b, ControllerSettings(**FAST)).run)
-        yield
-        tg.cancel_scope.cancel()
-    await b.close()
 
 
 async def _stream_chat(endpoint: str, served: str, n_tokens: int | None = None) -> list[str]:

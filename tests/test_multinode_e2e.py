@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import aiohttp
-import anyio
 import msgspec
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
@@ -19,8 +18,7 @@ from waiting import until
 from llmgw import catalog
 from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
-from llmgw.bus.client import Bus, decoder
-from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.bus.client import decoder
 from llmgw.testing.fake_engine import install_fake_engines
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -61,18 +59,6 @@ def fleet(tmp_path, nats_server):
     yield records_at
     for p in procs:
         stop(p)
-
-
-@pytest.fixture
-async def controller(nats_settings):
-    b = await Bus.connect(nats_settings, give_up_after=5)
-    async with anyio.create_task_group() as tg:
-        await tg.start(
-            Controller(b, ControllerSettings(unreachable_after=3, lost_after=30, tick=0.05)).run
-        )
-        yield
-        tg.cancel_scope.cancel()
-    await b.close()
 
 
 async def test_two_node_replica_runs_rank0_serving_and_rank1_headless_in_one_fabric(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import aiohttp
-import anyio
 import msgspec
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
@@ -18,7 +17,6 @@ from llmgw import catalog
 from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
-from llmgw.controller.loop import Controller, ControllerSettings
 
 pytestmark = [pytest.mark.anyio, pytest.mark.llama]
 
@@ -43,18 +41,6 @@ def node(tmp_path, nats_server):
     )
     yield {"tmp": tmp_path, "log": tmp_path / "agent.log"}
     stop(proc)
-
-
-@pytest.fixture
-async def controller(nats_settings):
-    b = await Bus.connect(nats_settings, give_up_after=5)
-    async with anyio.create_task_group() as tg:
-        await tg.start(
-            Controller(b, ControllerSettings(unreachable_after=3, lost_after=30, tick=0.05)).run
-        )
-        yield
-        tg.cancel_scope.cancel()
-    await b.close()
 
 
 async def _place(bus: Bus, gguf: str) -> None:
