@@ -104,8 +104,14 @@ async def test_two_node_replica_runs_rank0_serving_and_rank1_headless_in_one_fab
     assert fabric in ("ib-a", "ib-b")  # both nodes are on both; one fabric is chosen
     hca = {"ib-a": "mlx5_0", "ib-b": "mlx5_1"}[fabric]  # only the ACTIVE adapter of that fabric
 
-    head = json.loads(fleet[rank0.node].read_text())
-    worker = json.loads(fleet[rank1.node].read_text())
+    # A headless rank is ready as soon as its process is alive, which can be before the
+    # fake engine has written what it was started with: wait for both records.
+    async def launched(node: str) -> dict | None:
+        path = fleet[node]
+        return json.loads(path.read_text()) if path.exists() else None
+
+    head = await until(lambda: launched(rank0.node))
+    worker = await until(lambda: launched(rank1.node))
     for rec, member in ((head, rank0), (worker, rank1)):
         args = rec["args"]
         assert args[:2] == ["serve", "org/big-70b"]

@@ -371,7 +371,10 @@ def _record(extra: dict) -> None:
     env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
     # sys.argv: [module path, engine name, *the args the engine was given]
     data = {"args": sys.argv[2:], "pid": os.getpid(), "pgid": os.getpgid(0), "env": env, **extra}
-    Path(path).write_text(json.dumps(data))
+    # written whole or not at all: a test polling for the file never reads half of it
+    tmp = Path(f"{path}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
 
 
 def _fail(lines: list[str], *, err: bool = True) -> NoReturn:
@@ -508,6 +511,10 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
         except TimeoutError:
             return False
 
+    def record() -> None:
+        # before the engine can be seen ready: a test that saw it ready reads a whole record
+        _record({"served_name": served, "host": host, "port": ns.port, "workers": workers})
+
     if vllm:
         local_world = (
             ns.tensor_parallel_size
@@ -549,6 +556,7 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
             f"INFO [gpu_model_runner.py:2000] Model loading took 1.00 GiB and {load_seconds:.2f} seconds",
             err=False,
         )
+        record()
         engine.loading = False
         if ns.headless:
             log(
@@ -590,12 +598,11 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
                     "main: exiting due to model loading error",
                 ]
             )
+        record()
         engine.loading = False
         log("main: model loaded")
         log(f"main: server is listening on http://{host}:{ns.port} - starting the main loop")
         log("srv  update_slots: all slots are idle")
-
-    _record({"served_name": served, "host": host, "port": ns.port, "workers": workers})
 
     crash_after = os.environ.get("FAKE_ENGINE_CRASH_AFTER_LOAD")
     if crash_after is not None:
