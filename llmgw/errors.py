@@ -1,0 +1,12 @@
+"""The root of every error llmgw raises for a person to read.
+
+An `LlmgwError` says what is wrong and what to do about it; the CLI prints its message and
+exits non-zero. Any other exception is a bug and surfaces as one, with its traceback (as
+httpx has `HTTPError` under which all of its own errors live).
+"""
+
+from __future__ import annotations
+
+
+class LlmgwError(Exception):
+    """A problem stated for the operator: the thing, what is wrong with it, and the fix."""
