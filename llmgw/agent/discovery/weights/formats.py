@@ -9,11 +9,14 @@ safetensors: u64 little-endian header length N, N bytes of JSON whose tensors ca
 GGUF: "GGUF", u32 version (2 or 3), u64 tensor count, u64 key-value count, key-values,
 tensor infos (name, dims, ggml type, offset), padding to `general.alignment`, data;
 size >= data start + max(offset + bytes of that tensor).
+
+Anyone who can drop a file into a shared weights directory controls these bytes, so every
+reader here is bounded (nesting depth, counts, string lengths, bytes read) and a file that
+breaks a bound is a bad file with a reason, never an exception out of the scan.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
@@ -23,6 +26,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 import msgspec
+
+from llmgw.agent.files import NotRegularFile, TooLarge, open_regular, read_bounded
 
 # --- results
 
@@ -64,6 +69,14 @@ def _bad(file: str, problem: str, detail: str = "") -> Check:
     return Check(complete=False, file=file, problem=problem, detail=detail)
 
 
+def _unopenable(name: str, exc: OSError) -> Check:
+    if isinstance(exc, NotRegularFile):
+        return _bad(name, "not a regular file", exc.kind)
+    if isinstance(exc, FileNotFoundError):
+        return _bad(name, "missing")
+    return _bad(name, "unreadable", exc.strerror or str(exc))
+
+
 def combine(checks: Iterable[Check]) -> Check:
     """All complete -> one complete Check summing bytes and files; else the first problem."""
     total = files = 0
@@ -97,6 +110,9 @@ def safetensors_required_size(header_len: int, header: bytes) -> int:
         entries = _HEADER.decode(header)
     except msgspec.DecodeError as exc:
         raise ValueError(f"header is not a safetensors header ({exc})") from None
+    except RecursionError:
+        # msgspec bounds nesting by the interpreter's recursion limit; real headers nest 3 deep
+        raise ValueError("header nests JSON deeper than any safetensors header") from None
     end = 0
     for name, entry in entries.items():
         offsets = entry.data_offsets
@@ -116,7 +132,7 @@ def check_safetensors(path: Path) -> Check:
     """One .safetensors file: complete exactly when size == 8 + N + max end offset."""
     name = path.name
     try:
-        with path.open("rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
@@ -129,10 +145,8 @@ def check_safetensors(path: Path) -> Check:
             if 8 + n > size:
                 return _bad(name, "truncated", f"{size} of at least {8 + n} bytes (header cut)")
             header = f.read(n)
-    except FileNotFoundError:
-        return _bad(name, "missing")
     except OSError as exc:
-        return _bad(name, "unreadable", exc.strerror or str(exc))
+        return _unopenable(name, exc)
     try:
         required = safetensors_required_size(n, header)
     except ValueError as exc:
@@ -149,22 +163,48 @@ SAFETENSORS_INDEX_SUFFIX = ".safetensors.index.json"
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.(?P<ext>safetensors|gguf)$")
 
 
-def index_files(index_path: Path) -> list[str]:
-    """The file names a `*.safetensors.index.json` weight_map points to, sorted. Raises
-    ValueError when the index is not one."""
+# the largest real indexes (~100k tensors) are ~10 MB
+SAFETENSORS_MAX_INDEX = 64 << 20
+
+
+class _Index(msgspec.Struct):
+    # metadata and anything else is skipped by the C decoder, never built
+    weight_map: dict[str, str] | None = None
+
+
+_INDEX = msgspec.json.Decoder(_Index)
+
+
+def parse_index(data: bytes, name: str) -> list[str]:
+    """The file names the weight_map of an index (`name`, for messages) points to, sorted.
+    Raises ValueError when the bytes are not such an index."""
     try:
-        data = json.loads(index_path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{index_path.name} is not JSON ({exc.__class__.__name__})") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{index_path.name} has no weight_map")
-    files = set()
-    for value in weight_map.values():
-        if not isinstance(value, str) or "/" in value or value in ("", ".", ".."):
-            raise ValueError(f"{index_path.name} names a file {value!r} outside its directory")
-        files.add(value)
+        index = _INDEX.decode(data)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"{name} is not a safetensors index ({exc})") from None
+    except msgspec.DecodeError:
+        raise ValueError(f"{name} is not JSON") from None
+    except RecursionError:
+        raise ValueError(f"{name} nests JSON deeper than any index") from None
+    if not index.weight_map:
+        raise ValueError(f"{name} has no weight_map")
+    files = set(index.weight_map.values())
+    for value in sorted(files):
+        if "/" in value or value in ("", ".", ".."):
+            raise ValueError(f"{name} names a file {value[:200]!r} outside its directory")
     return sorted(files)
+
+
+def index_files(index_path: Path) -> list[str]:
+    """`parse_index` of a `*.safetensors.index.json` file, read up to SAFETENSORS_MAX_INDEX
+    bytes. Raises ValueError when it is not an index, OSError when it cannot be read."""
+    try:
+        data = read_bounded(index_path, SAFETENSORS_MAX_INDEX)
+    except TooLarge:
+        raise ValueError(
+            f"{index_path.name} is larger than {SAFETENSORS_MAX_INDEX} bytes; no index is"
+        ) from None
+    return parse_index(data, index_path.name)
 
 
 def missing_numbered_shards(names: Iterable[str]) -> list[str]:
@@ -200,7 +240,7 @@ def check_safetensors_dir(
             except ValueError as exc:
                 return _bad(index, "does not parse", str(exc))
             except OSError as exc:
-                return _bad(index, "unreadable", exc.strerror or str(exc))
+                return _unopenable(index, exc)
     else:
         wanted = {n for n in files if n.endswith(".safetensors")}
         if not wanted:
@@ -270,10 +310,14 @@ _GGUF_SCALAR = {
     12: "d",
 }
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
-# beyond these a header is garbage, not a model (largest real ones: ~2k tensors, ~50 keys)
+# beyond these a header is garbage, not a model (largest real ones: ~2k tensors, ~50 keys,
+# a ~30 MB header holding a 256k-token vocabulary, arrays of arrays one level deep)
 _GGUF_MAX_TENSORS = 1_000_000
 _GGUF_MAX_KV = 100_000
 _GGUF_MAX_DIMS = 8
+_GGUF_MAX_DEPTH = 8  # arrays within arrays
+_GGUF_MAX_NAME = 65_535  # keys (the spec's limit) and tensor names, read into memory
+GGUF_MAX_HEADER = 256 << 20  # bytes from the start of the file to the end of the header
 # zeros parse as empty strings: a file preallocated (aria2) or sparse where the header goes
 _ZEROS = "empty key or tensor name: zeros where the header should be (a download in progress?)"
 
@@ -288,8 +332,8 @@ class _Malformed(Exception):
 
 class _Reader:
     """Sequential reads of a GGUF header through an in-memory window of the file, bounded by
-    the file size. A vocabulary is ~150k strings, so the string-array loop stays in memory
-    rather than costing a call into the file object per token."""
+    the file size and GGUF_MAX_HEADER. A vocabulary is ~150k strings, so the string-array
+    loop stays in memory rather than costing a call into the file object per token."""
 
     _CHUNK = 1 << 20
 
@@ -304,10 +348,17 @@ class _Reader:
     def pos(self) -> int:
         return self.base + self.off
 
+    def _need(self, n: int) -> None:
+        """The header goes on for n more bytes: is that possible?"""
+        end = self.pos + n
+        if end > self.size:
+            raise _Truncated  # first: a download in progress is cut, not malformed
+        if end > GGUF_MAX_HEADER:
+            raise _Malformed(f"header runs past {GGUF_MAX_HEADER} bytes; no real one does")
+
     def _fill(self, n: int) -> None:
         """Make n bytes available at self.off."""
-        if self.pos + n > self.size:
-            raise _Truncated
+        self._need(n)
         parts = [self.buf[self.off :]]
         have = len(parts[0])
         want = max(n, self._CHUNK)
@@ -330,8 +381,7 @@ class _Reader:
         return data
 
     def skip(self, n: int) -> None:
-        if self.pos + n > self.size:
-            raise _Truncated
+        self._need(n)
         if self.off + n <= len(self.buf):
             self.off += n
             return
@@ -350,7 +400,12 @@ class _Reader:
         return int(self.unpack("Q"))
 
     def string(self) -> bytes:
-        return self.take(self.u64())
+        """A key or tensor name: short, so it is read into memory."""
+        n = self.u64()
+        self._need(n)
+        if n > _GGUF_MAX_NAME:
+            raise _Malformed(f"a key or tensor name of {n} bytes (at most {_GGUF_MAX_NAME})")
+        return self.take(n)
 
     def skip_strings(self, count: int) -> None:
         length = struct.Struct(self.e + "Q")
@@ -367,7 +422,7 @@ class _Reader:
                 self.skip(self.u64())
                 count -= 1
 
-    def value(self, vtype: int, want: bool) -> object:
+    def value(self, vtype: int, want: bool, depth: int = 0) -> object:
         """Read (want=True) or skip one value; arrays and strings are only ever skipped."""
         if vtype in _GGUF_SCALAR:
             if want:
@@ -386,8 +441,10 @@ class _Reader:
             elif etype == _GGUF_STRING:
                 self.skip_strings(count)
             elif etype == _GGUF_ARRAY:
+                if depth >= _GGUF_MAX_DEPTH:
+                    raise _Malformed(f"arrays nested more than {_GGUF_MAX_DEPTH} deep")
                 for _ in range(count):
-                    self.value(etype, False)
+                    self.value(etype, False, depth + 1)
             else:
                 raise _Malformed(f"array of unknown value type {etype}")
         else:
@@ -492,13 +549,11 @@ def check_gguf(path: Path) -> Check:
     """One .gguf file: complete when its size reaches the end of its last tensor."""
     name = path.name
     try:
-        with path.open("rb", buffering=0) as f:
+        with open_regular(path, buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             layout = gguf_layout(f, size)
-    except FileNotFoundError:
-        return _bad(name, "missing")
     except OSError as exc:
-        return _bad(name, "unreadable", exc.strerror or str(exc))
+        return _unopenable(name, exc)
     except ValueError as exc:
         text = str(exc)
         if text.startswith("truncated"):

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.agent.files import TooLarge, open_regular, read_text_bounded
 from llmgw.bus.records import Store
 
 # filesystem types whose contents other nodes can see; everything else is local
@@ -180,8 +181,9 @@ def share_identity(mount: Mount, mgmt_hosts: Mapping[str, str] | None = None) ->
     return None
 
 
-def _is_under(path: str, top: str) -> bool:
-    return path == top or top == "/" or path.startswith(top.rstrip("/") + "/")
+def is_under(path: str, top: str) -> bool:
+    """`path` is `top` or inside it, by name (both absolute, normalised)."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +206,7 @@ class MountTable:
         mounts stacked on one point, the last listed (the one on top)."""
         best: Mount | None = None
         for m in self.mounts:
-            if _is_under(path, m.mount_point) and (
+            if is_under(path, m.mount_point) and (
                 best is None or len(m.mount_point) >= len(best.mount_point)
             ):
                 best = m
@@ -248,8 +250,8 @@ def check_declared_identity(identity: str, where: str) -> str:
 def read_share_id(directory: Path) -> str | None:
     """`.llmgw-share-id` at the top of a weights directory, when present and sane."""
     try:
-        with (directory / SHARE_ID_FILE).open("r", errors="replace") as f:
-            return parse_share_id(f.read(1024))
+        with open_regular(directory / SHARE_ID_FILE) as f:
+            return parse_share_id(f.read(1024).decode(errors="replace"))
     except OSError:
         return None
 
@@ -263,21 +265,26 @@ def parse_beegfs_client_conf(text: str) -> str | None:
     return None
 
 
+# a Kubernetes node with ~10k mounts has ~2 MB of mountinfo; a client config is a few KB
+_MOUNTINFO_LIMIT = 64 << 20
+_BEEGFS_CONF_LIMIT = 1 << 20
+
+
 def read_mount_table(procfs: Path = Path("/proc")) -> MountTable:
     """This process's mounts, and the BeeGFS management host of each BeeGFS mount. An
     unreadable mountinfo gives an empty table: every path is then local."""
     try:
-        text = (procfs / "self" / "mountinfo").read_text(errors="replace")
-    except OSError:
+        text = read_text_bounded(procfs / "self" / "mountinfo", _MOUNTINFO_LIMIT)
+        table = MountTable.from_text(text)
+    except (OSError, ValueError):  # TooLarge, or a line that is not mountinfo
         return MountTable.empty()
-    table = MountTable.from_text(text)
     hosts: dict[str, str] = {}
     for m in table.mounts:
         cfg = m.option("cfgFile") if m.fs_type == "beegfs" else None
         if cfg and cfg not in hosts:
             try:
-                host = parse_beegfs_client_conf(Path(cfg).read_text(errors="replace"))
-            except OSError:
+                host = parse_beegfs_client_conf(read_text_bounded(cfg, _BEEGFS_CONF_LIMIT))
+            except (OSError, TooLarge):
                 host = None
             if host:
                 hosts[cfg] = host
@@ -297,11 +304,11 @@ def resolve_store(
     first, so a link into a filer is the filer."""
     real = os.path.realpath(path)
     for declared, identity in sorted(shared_overrides.items(), key=lambda kv: -len(kv[0])):
-        if _is_under(real, os.path.realpath(declared)):
+        if is_under(real, os.path.realpath(declared)):
             return Store(kind="shared", identity=identity, source="config")
     mount_store = mounts.store_for(real, node)
     for top, share_id in sorted((share_ids or {}).items(), key=lambda kv: -len(kv[0])):
-        if _is_under(real, top):
+        if is_under(real, top):
             return Store(
                 kind="shared", identity=share_id, fs_type=mount_store.fs_type, source="id-file"
             )

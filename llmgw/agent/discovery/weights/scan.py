@@ -17,11 +17,12 @@ one and would send placement to a node whose engine then fails to load.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw.agent.discovery.weights.formats import (
@@ -35,7 +36,13 @@ from llmgw.agent.discovery.weights.formats import (
     gguf_part_names,
     gguf_split,
 )
-from llmgw.agent.discovery.weights.mounts import MountTable, read_share_id, resolve_store
+from llmgw.agent.discovery.weights.mounts import (
+    MountTable,
+    is_under,
+    read_share_id,
+    resolve_store,
+)
+from llmgw.agent.files import TooLarge, read_text_bounded
 from llmgw.bus.records import HeldModel, IncompleteModel, Store, Weights, WeightsDir
 
 DEFAULT_FETCH_DIR = Path("/var/lib/llmgw-weights")
@@ -46,9 +53,45 @@ _RSYNC_TEMP = re.compile(r"^\.(?P<name>.+\..+)\.[A-Za-z0-9]{6}$")
 MAX_DEPTH = 2  # dir/model, dir/org/model, dir/hub/models--org--name
 _NOT_MODELS = frozenset({"lost+found"})
 
+log = logging.getLogger(__name__)
+
 
 class _Timeout(Exception):
-    pass
+    """The scan's deadline passed inside one model: that model is left unjudged."""
+
+
+# --- what a scan finds
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """What one part of a scan found: models held, things that look like models but are not
+    weights yet, and whether the deadline cut it short (then what is here was verified, and
+    the rest of that part was not looked at)."""
+
+    held: tuple[HeldModel, ...] = ()
+    incomplete: tuple[IncompleteModel, ...] = ()
+    timed_out: bool = False
+
+    def __add__(self, other: Found) -> Found:
+        return Found(
+            self.held + other.held,
+            self.incomplete + other.incomplete,
+            self.timed_out or other.timed_out,
+        )
+
+    @property
+    def anything(self) -> bool:
+        """Something that looks like a model, complete or not."""
+        return bool(self.held or self.incomplete)
+
+
+_NOTHING = Found()
+_STOPPED = Found(timed_out=True)
+
+
+def _not_weights(key: str, path: Path, reason: str) -> Found:
+    return Found(incomplete=(IncompleteModel(key=key, path=str(path), reason=reason),))
 
 
 # --- caching header checks between scans
@@ -87,16 +130,16 @@ class _NoCache(FileCheckCache):
 # --- one scan
 
 
-@dataclass
-class _Scan:
+@dataclass(frozen=True)
+class _Context:
+    """What every part of one scan reads; nothing here is written during the scan."""
+
     node: str
     mounts: MountTable
     overrides: Mapping[str, str]
-    share_ids: dict[str, str]
+    share_ids: Mapping[str, str]
     cache: FileCheckCache
     expired: Callable[[], bool]
-    models: list[HeldModel] = field(default_factory=list)
-    incomplete: list[IncompleteModel] = field(default_factory=list)
 
     def tick(self) -> None:
         if self.expired():
@@ -105,20 +148,22 @@ class _Scan:
     def store(self, path: Path) -> Store:
         return resolve_store(path, self.mounts, self.node, self.overrides, self.share_ids)
 
-    def held(self, key: str, fmt: str, path: Path, check: Check) -> None:
-        self.models.append(
-            HeldModel(
-                key=key,
-                format=fmt,  # type: ignore[arg-type]
-                path=str(path),
-                bytes=check.bytes,
-                files=check.files,
-                store=self.store(path),
-            )
+    def held(self, key: str, fmt: str, path: Path, check: Check) -> Found:
+        model = HeldModel(
+            key=key,
+            format=fmt,  # type: ignore[arg-type]
+            path=str(path),
+            bytes=check.bytes,
+            files=check.files,
+            store=self.store(path),
         )
+        return Found(held=(model,))
 
-    def not_weights(self, key: str, path: Path, reason: str) -> None:
-        self.incomplete.append(IncompleteModel(key=key, path=str(path), reason=reason))
+    def judged(self, key: str, fmt: str, path: Path, check: Check) -> Found:
+        """Held when the check says complete, else not weights with its reason."""
+        if check.complete:
+            return self.held(key, fmt, path, check)
+        return _not_weights(key, path, check.reason)
 
     def safetensors_file(self, path: Path) -> Check:
         self.tick()
@@ -127,6 +172,21 @@ class _Scan:
     def gguf_file(self, path: Path) -> Check:
         self.tick()
         return self.cache.check(path, check_gguf)
+
+
+def _one_model(key: str, path: Path, judge: Callable[..., Found], *args: object) -> Found:
+    """One model's verdict. The deadline passing inside it leaves it unjudged; anything else
+    going wrong while reading it makes it not weights, with the reason: one hostile or
+    broken file never ends the scan of everything else."""
+    try:
+        return judge(*args)
+    except _Timeout:
+        return _STOPPED
+    except OSError as exc:
+        return _not_weights(key, path, f"unreadable: {exc.strerror or exc}")
+    except Exception as exc:  # noqa: BLE001 - a bug or a bound missed; logged as one
+        log.exception("checking %s (%s) failed", key, path)
+        return _not_weights(key, path, f"could not be checked ({type(exc).__name__})")
 
 
 def _download_target(name: str) -> str | None:
@@ -142,7 +202,9 @@ def _download_target(name: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class _Listing:
-    files: list[str]  # regular files and links to them, sorted
+    # regular files, links to them, and other things that are not directories (a FIFO, a
+    # device): those are reported as "not a regular file" when named as weights, never opened
+    files: list[str]
     dirs: list[str]  # directories not hidden, sorted
     names: set[str]  # everything, hidden included
     pending: dict[str, str]  # file being downloaded -> its companion (first by name)
@@ -160,7 +222,10 @@ def _list(directory: Path) -> _Listing:
                 if entry.is_dir():
                     if not entry.name.startswith(".") and entry.name not in _NOT_MODELS:
                         dirs.append(entry.name)
-                elif entry.is_file():
+                elif entry.is_file() or not entry.is_symlink():
+                    files.append(entry.name)
+                else:
+                    entry.stat()  # a link to a FIFO or a device: listed; dangling: not
                     files.append(entry.name)
             except OSError:
                 continue  # vanished or unreadable between listing and stat
@@ -172,12 +237,13 @@ def _list(directory: Path) -> _Listing:
     return _Listing(sorted(files), sorted(dirs), names, pending)
 
 
-def _hf_local_dir_pending(directory: Path) -> str | None:
+def _hf_local_dir_pending(ctx: _Context, directory: Path) -> str | None:
     """`hf download --local-dir` keeps partial files under .cache/huggingface/download/."""
     pending = directory / ".cache" / "huggingface" / "download"
     if not pending.is_dir():
         return None
     for dirpath, _, filenames in os.walk(pending):
+        ctx.tick()
         for name in sorted(filenames):
             if name.endswith(".incomplete"):
                 return os.path.relpath(os.path.join(dirpath, name), directory)
@@ -187,8 +253,8 @@ def _hf_local_dir_pending(directory: Path) -> str | None:
 # --- GGUF files at one level
 
 
-def _scan_ggufs(s: _Scan, directory: Path, listing: _Listing) -> bool:
-    """Every GGUF (single or split) in one directory; True when any was seen."""
+def _scan_ggufs(ctx: _Context, directory: Path, listing: _Listing) -> Found:
+    """Every GGUF (single or split) in one directory."""
     singles: list[str] = []
     splits: dict[tuple[str, int], GgufSplit] = {}
     for name in listing.files:
@@ -199,35 +265,38 @@ def _scan_ggufs(s: _Scan, directory: Path, listing: _Listing) -> bool:
             singles.append(name)
         else:
             splits.setdefault((split.stem, split.total), split)
-    found: list[tuple[str, list[str]]] = [(n[: -len(".gguf")], [n]) for n in singles]
-    found += [(stem, gguf_part_names(split)) for (stem, _), split in sorted(splits.items())]
-    for key, parts in found:
-        s.tick()
+    models: list[tuple[str, list[str]]] = [(n[: -len(".gguf")], [n]) for n in singles]
+    models += [(stem, gguf_part_names(split)) for (stem, _), split in sorted(splits.items())]
+
+    def judge(key: str, parts: list[str]) -> Found:
         path = directory / parts[0]
         mark = listing.pending_for(parts)
         if mark:
-            s.not_weights(key, path, f"download in progress ({mark})")
-            continue
+            return _not_weights(key, path, f"download in progress ({mark})")
         if len(parts) == 1:
-            check = s.gguf_file(path)
+            check = ctx.gguf_file(path)
         else:
-            check = check_gguf_split(
-                directory, splits[(key, len(parts))], listing.files, s.gguf_file
-            )
-        if check.complete:
-            s.held(key, "gguf", path, check)
-        else:
-            s.not_weights(key, path, check.reason)
+            split = splits[(key, len(parts))]
+            check = check_gguf_split(directory, split, listing.files, ctx.gguf_file)
+        return ctx.judged(key, "gguf", path, check)
+
+    found = _NOTHING
+    for key, parts in models:
+        if ctx.expired():
+            return found + _STOPPED
+        found += _one_model(key, directory / parts[0], judge, key, parts)
+        if found.timed_out:
+            return found
     # a GGUF that so far exists only as its download companion
-    keys = {key for key, _ in found}
+    keys = {key for key, _ in models}
     for target, mark in sorted(listing.pending.items()):
         if target.endswith(".gguf") and target not in listing.names:
             split = gguf_split(target)
             key = split.stem if split else target[: -len(".gguf")]
             if key not in keys:
                 keys.add(key)
-                s.not_weights(key, directory / target, f"download in progress ({mark})")
-    return bool(keys)
+                found += _not_weights(key, directory / target, f"download in progress ({mark})")
+    return found
 
 
 # --- safetensors in one directory
@@ -237,16 +306,15 @@ def _has_safetensors(listing: _Listing) -> bool:
     return any(n.endswith((".safetensors", SAFETENSORS_INDEX_SUFFIX)) for n in listing.files)
 
 
-def _scan_safetensors_dir(s: _Scan, key: str, directory: Path, listing: _Listing) -> None:
-    mark = min(listing.pending.values(), default=None) or _hf_local_dir_pending(directory)
-    if mark:
-        s.not_weights(key, directory, f"download in progress ({mark})")
-        return
-    check = check_safetensors_dir(directory, listing.files, s.safetensors_file)
-    if check.complete:
-        s.held(key, "safetensors", directory, check)
-    else:
-        s.not_weights(key, directory, check.reason)
+def _scan_safetensors_dir(ctx: _Context, key: str, directory: Path, listing: _Listing) -> Found:
+    def judge() -> Found:
+        mark = min(listing.pending.values(), default=None) or _hf_local_dir_pending(ctx, directory)
+        if mark:
+            return _not_weights(key, directory, f"download in progress ({mark})")
+        check = check_safetensors_dir(directory, listing.files, ctx.safetensors_file)
+        return ctx.judged(key, "safetensors", directory, check)
+
+    return _one_model(key, directory, judge)
 
 
 # --- Hugging Face cache repos
@@ -257,11 +325,12 @@ def _hf_key(repo_dir_name: str) -> str:
     return repo_dir_name[len("models--") :].replace("--", "/")
 
 
-def _snapshot_problem(snapshot: Path, pending_blobs: list[str]) -> str | None:
+def _snapshot_problem(ctx: _Context, snapshot: Path, pending_blobs: list[str]) -> str | None:
     """A link into blobs/ whose blob is gone, or a blob still downloading that this
     snapshot's links do not account for."""
     targets: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(snapshot):
+        ctx.tick()
         depth = len(Path(dirpath).relative_to(snapshot).parts)
         if depth >= MAX_DEPTH:
             dirnames.clear()
@@ -279,31 +348,42 @@ def _snapshot_problem(snapshot: Path, pending_blobs: list[str]) -> str | None:
     return None
 
 
-def _scan_snapshot(s: _Scan, key: str, snapshot: Path, pending_blobs: list[str]) -> bool:
-    """Models in one snapshot; False when it holds none (so an older one may be tried)."""
-    s.tick()
-    problem = _snapshot_problem(snapshot, pending_blobs)
+def _scan_snapshot(ctx: _Context, key: str, snapshot: Path, pending_blobs: list[str]) -> Found:
+    """Models in one snapshot; nothing held means an older one may be tried."""
+    if ctx.expired():
+        return _STOPPED
+
+    def links() -> Found:
+        problem = _snapshot_problem(ctx, snapshot, pending_blobs)
+        return _not_weights(key, snapshot, problem) if problem else _NOTHING
+
+    def safetensors() -> Found:
+        check = check_safetensors_dir(snapshot, listing.files, ctx.safetensors_file)
+        return ctx.judged(key, "safetensors", snapshot, check)
+
+    problem = _one_model(key, snapshot, links)
+    if problem.anything or problem.timed_out:
+        return problem
     listing = _list(snapshot)
-    if problem:
-        s.not_weights(key, snapshot, problem)
-        return False
-    before = len(s.models)
+    found = _NOTHING
     if _has_safetensors(listing):
-        check = check_safetensors_dir(snapshot, listing.files, s.safetensors_file)
-        if check.complete:
-            s.held(key, "safetensors", snapshot, check)
-        else:
-            s.not_weights(key, snapshot, check.reason)
+        found += _one_model(key, snapshot, safetensors)
     # GGUF repos often keep each quantisation in its own folder
-    _scan_ggufs(s, snapshot, listing)
+    found += _scan_ggufs(ctx, snapshot, listing)
     for sub in listing.dirs:
-        _scan_ggufs(s, snapshot / sub, _list(snapshot / sub))
-    if len(s.models) == before and not any(i.path.startswith(str(snapshot)) for i in s.incomplete):
-        s.not_weights(key, snapshot, "no weight files")
-    return len(s.models) > before
+        if found.timed_out:
+            return found
+        found += _scan_ggufs(ctx, snapshot / sub, _list(snapshot / sub))
+    if not found.anything and not found.timed_out:
+        return _not_weights(key, snapshot, "no weight files")
+    return found
 
 
-def _scan_hf_repo(s: _Scan, repo: Path) -> None:
+# a commit hash; anything much longer is not a ref
+_REF_LIMIT = 4096
+
+
+def _scan_hf_repo(ctx: _Context, repo: Path) -> Found:
     """refs/main's snapshot when it exists (the revision an engine loading by repo id
     resolves); otherwise the newest snapshot that holds complete weights."""
     key = _hf_key(repo.name)
@@ -315,15 +395,15 @@ def _scan_hf_repo(s: _Scan, repo: Path) -> None:
     try:
         revs = sorted(os.listdir(snapshots))
     except OSError:
-        s.not_weights(key, repo, "no snapshots (download not finished)")
-        return
+        return _not_weights(key, repo, "no snapshots (download not finished)")
     try:
-        main = (repo / "refs" / "main").read_text().strip()
-    except OSError:
+        main = read_text_bounded(repo / "refs" / "main", _REF_LIMIT).strip()
+    except (OSError, TooLarge):
         main = ""
     if main and main in revs:
-        _scan_snapshot(s, key, snapshots / main, pending)
-        return
+        return _scan_snapshot(ctx, key, snapshots / main, pending)
+    if not revs:
+        return _not_weights(key, repo, "no snapshots (download not finished)")
 
     def newest_first(rev: str) -> tuple[float, str]:
         try:
@@ -331,65 +411,73 @@ def _scan_hf_repo(s: _Scan, repo: Path) -> None:
         except OSError:
             return (0.0, rev)
 
-    mark = len(s.incomplete)
+    problems = _NOTHING
     for rev in sorted(revs, key=newest_first):
-        if _scan_snapshot(s, key, snapshots / rev, pending):
-            # older snapshots' problems do not matter once one is complete
-            del s.incomplete[mark:]
-            return
-    if not revs:
-        s.not_weights(key, repo, "no snapshots (download not finished)")
+        found = _scan_snapshot(ctx, key, snapshots / rev, pending)
+        if found.held:
+            # older snapshots' problems, and this one's, do not matter once it holds weights
+            return Found(held=found.held, timed_out=found.timed_out)
+        problems += found
+        if found.timed_out:
+            break
+    return problems
 
 
 # --- walking a weights directory
 
 
-def _scan_level(s: _Scan, directory: Path, key: str, depth: int) -> bool:
-    """One directory `depth` levels under a weights directory; True when it held anything
-    that looks like a model (complete or not)."""
-    s.tick()
+def _scan_level(ctx: _Context, directory: Path, key: str, depth: int) -> Found:
+    """One directory `depth` levels under a weights directory."""
+    if ctx.expired():
+        return _STOPPED
     try:
         listing = _list(directory)
     except OSError as exc:
         if depth == 0:
             raise
-        s.not_weights(key, directory, f"unreadable: {exc.strerror or exc}")
-        return True
-    found = _scan_ggufs(s, directory, listing)
+        return _not_weights(key, directory, f"unreadable: {exc.strerror or exc}")
+    found = _scan_ggufs(ctx, directory, listing)
+    if found.timed_out:
+        return found
     if _has_safetensors(listing):
-        _scan_safetensors_dir(s, key, directory, listing)
-        return True  # a model directory: what is below it is part of it
+        # a model directory: what is below it is part of it
+        return found + _scan_safetensors_dir(ctx, key, directory, listing)
     for name in listing.dirs:
         sub = directory / name
         if name.startswith("models--"):
             try:
-                _scan_hf_repo(s, sub)
+                found += _scan_hf_repo(ctx, sub)
             except OSError as exc:
-                s.not_weights(_hf_key(name), sub, f"unreadable: {exc.strerror or exc}")
-            found = True
+                found += _not_weights(_hf_key(name), sub, f"unreadable: {exc.strerror or exc}")
         elif not name.startswith(("datasets--", "spaces--")) and depth < MAX_DEPTH:
             sub_key = name if depth == 0 else f"{key}/{name}"
-            found = _scan_level(s, sub, sub_key, depth + 1) or found
-    if not found and depth > 0 and not listing.dirs:
+            found += _scan_level(ctx, sub, sub_key, depth + 1)
+        if found.timed_out:
+            return found
+    if not found.anything and depth > 0 and not listing.dirs:
         # only config files, or nothing: a model whose weights have not arrived
-        s.not_weights(key, directory, "no weight files" if listing.names else "empty directory")
-        return True
+        return _not_weights(
+            key, directory, "no weight files" if listing.names else "empty directory"
+        )
     return found
 
 
-def _scan_dir(s: _Scan, directory: Path) -> WeightsDir:
-    store = s.store(directory)
+def _scan_dir(ctx: _Context, directory: Path) -> tuple[WeightsDir, Found]:
     try:
+        store = ctx.store(directory)
         if not directory.is_dir():
             status = "missing" if not directory.exists() else "unreadable"
             detail = "does not exist" if status == "missing" else "not a directory"
-            return WeightsDir(path=str(directory), status=status, store=None, detail=detail)
-        _scan_level(s, directory, directory.name, 0)
+            return WeightsDir(path=str(directory), status=status, detail=detail), _NOTHING
+        found = _scan_level(ctx, directory, directory.name, 0)
     except OSError as exc:
-        return WeightsDir(
-            path=str(directory), status="unreadable", store=store, detail=exc.strerror or str(exc)
-        )
-    return WeightsDir(path=str(directory), status="ok", store=store)
+        detail = exc.strerror or str(exc)
+        return WeightsDir(path=str(directory), status="unreadable", detail=detail), _NOTHING
+    except Exception as exc:  # noqa: BLE001 - a bug or a bound missed; this directory only
+        log.exception("scanning %s failed", directory)
+        detail = f"scan failed ({type(exc).__name__}); see the agent log"
+        return WeightsDir(path=str(directory), status="unreadable", detail=detail), _NOTHING
+    return WeightsDir(path=str(directory), status="ok", store=store), found
 
 
 def scan_weights(
@@ -404,6 +492,7 @@ def scan_weights(
     cache: FileCheckCache | None = None,
     clock: Callable[[], float] = time.monotonic,
     now: Callable[[], float] = time.time,
+    on_dir: Callable[[Path], None] | None = None,
 ) -> Weights:
     """Scan the configured `dirs` and, always, `fetch_dir` (fetched weights land there).
 
@@ -413,23 +502,25 @@ def scan_weights(
     listed "unreadable"; after `deadline_s` seconds the directory being scanned and all
     later ones are "timeout" (models already verified in it are kept; see
     `carry_over_timed_out`). The deadline is checked between file operations: a hard-hung
-    NFS mount blocks the calling thread inside one, so run one scan at a time.
+    NFS mount blocks the calling thread inside one, so run one scan at a time; `on_dir` is
+    called with each directory as its turn begins, so the caller can say which one hangs.
     """
     started = clock()
     overrides = dict(shared_overrides or {})
     ordered: list[Path] = []
     seen_real: set[str] = set()
+    share_ids: dict[str, str] = {}
     for d in [*dirs, fetch_dir]:
+        if on_dir is not None:
+            on_dir(Path(d))
         real = os.path.realpath(d)
         if real not in seen_real:
             seen_real.add(real)
             ordered.append(Path(d))
-    share_ids: dict[str, str] = {}
-    for d in ordered:
-        share_id = read_share_id(d)
-        if share_id is not None:
-            share_ids[os.path.realpath(d)] = share_id
-    s = _Scan(
+            share_id = read_share_id(Path(d))
+            if share_id is not None:
+                share_ids[real] = share_id
+    ctx = _Context(
         node=node,
         mounts=mounts,
         overrides=overrides,
@@ -438,29 +529,34 @@ def scan_weights(
         expired=lambda: clock() - started >= deadline_s,
     )
     results: list[WeightsDir] = []
+    found = _NOTHING
     for i, d in enumerate(ordered):
-        try:
-            s.tick()
-            results.append(_scan_dir(s, d))
-        except _Timeout:
-            for late in ordered[i:]:
-                results.append(
-                    WeightsDir(
-                        path=str(late),
-                        status="timeout",
-                        detail=f"scan stopped after {deadline_s:g} s (weights.scan_timeout)",
-                    )
-                )
-            break
+        if on_dir is not None:
+            on_dir(d)
+        if not ctx.expired():
+            result, in_dir = _scan_dir(ctx, d)
+            found += in_dir
+            if not in_dir.timed_out:
+                results.append(result)
+                continue
+        results += [
+            WeightsDir(
+                path=str(late),
+                status="timeout",
+                detail=f"scan stopped after {deadline_s:g} s (weights.scan_timeout)",
+            )
+            for late in ordered[i:]
+        ]
+        break
     if cache is not None:
         cache.end_scan()
     return Weights(
         looked=configured,
         scanned_at=now(),
         dirs=results,
-        models=_dedupe_models(s.models),
+        models=_dedupe_models(found.held),
         incomplete=sorted(
-            {(i.key, i.path): i for i in s.incomplete}.values(), key=lambda i: (i.key, i.path)
+            {(i.key, i.path): i for i in found.incomplete}.values(), key=lambda i: (i.key, i.path)
         ),
     )
 
@@ -479,10 +575,6 @@ def weights_equal_for_resend(a: Weights, b: Weights) -> bool:
     return (a.looked, a.dirs, a.models, a.incomplete) == (b.looked, b.dirs, b.models, b.incomplete)
 
 
-def _under(path: str, top: str) -> bool:
-    return path == top or path.startswith(top.rstrip("/") + "/")
-
-
 def carry_over_timed_out(previous: Weights | None, current: Weights) -> Weights:
     """Keep the previous scan's models under directories this scan did not finish, so a slow
     filer does not make models vanish and reappear between scans."""
@@ -495,7 +587,7 @@ def carry_over_timed_out(previous: Weights | None, current: Weights) -> Weights:
     kept = [
         m
         for m in previous.models
-        if (m.key, m.path) not in have and any(_under(m.path, t) for t in timed_out)
+        if (m.key, m.path) not in have and any(is_under(m.path, t) for t in timed_out)
     ]
     if not kept:
         return current

@@ -1,0 +1,88 @@
+"""Reading files the agent does not control: weights, their indexes, share-id files, TLS files.
+
+Anyone who can write into a shared weights directory decides what these are. A FIFO named
+`model.safetensors` blocks a plain `open()` until someone writes to it, and a device file
+can be read forever; so only regular files are read, they are opened without blocking, and
+every read has a bound.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+
+class NotRegularFile(OSError):
+    """The path is a FIFO, socket, device or directory: nothing the agent reads."""
+
+    def __init__(self, path: str | Path, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"is {kind}, not a regular file", str(path))
+        self.kind = kind  # "a FIFO"
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a special file"
+
+
+def _refuse(path: str | Path, mode: int) -> NotRegularFile:
+    return NotRegularFile(path, _kind(mode))
+
+
+def open_regular(path: str | Path, *, buffering: int = -1) -> BinaryIO:
+    """`path` opened for binary reading when it is a regular file (links to one are fine);
+    NotRegularFile (an OSError) otherwise. Never blocks on a FIFO or a device:
+    the kind is checked before opening, and again on what was opened, in case the path was
+    swapped in between."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse(path, st.st_mode)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(path, st.st_mode)
+        os.set_blocking(fd, True)  # regular files ignore O_NONBLOCK; say what is meant
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class TooLarge(ValueError):
+    pass
+
+
+_CHUNK = 1 << 20
+
+
+def read_bounded(path: str | Path, limit: int) -> bytes:
+    """The whole of a regular file of at most `limit` bytes. TooLarge (a ValueError naming
+    the file and the limit) when it is longer; OSError when it cannot be read."""
+    with open_regular(path) as f:
+        # files in /proc say size 0: read in chunks to the end or just past the bound
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = f.read(min(_CHUNK, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    if total > limit:
+        raise TooLarge(f"{path} is larger than {limit} bytes, more than such a file ever holds")
+    return b"".join(chunks)
+
+
+def read_text_bounded(path: str | Path, limit: int) -> str:
+    """`read_bounded`, decoded as UTF-8 with undecodable bytes replaced."""
+    return read_bounded(path, limit).decode(errors="replace")
