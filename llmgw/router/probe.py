@@ -1,0 +1,87 @@
+"""Asking each engine's own /health in the background.
+
+The bucket says what the agents last saw; the engine may have died since, or its node may
+be cut off from NATS while still serving. An engine whose /health fails
+takes no new requests until it answers below 500 again (llama-server answers 503 while
+loading; vLLM 503 after its engine died; a static endpoint without /health answers 404). Failed requests eject an engine faster (balancer.py); this is what
+brings a quiet one back, or takes away one no request has tried yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from llmgw.router.table import Backend, EndpointTable
+from llmgw.router.upstream import ConnectFailed, UpstreamFailed, UpstreamPool
+
+log = logging.getLogger(__name__)
+
+
+class HealthProber:
+    def __init__(
+        self,
+        table: EndpointTable,
+        pool: UpstreamPool,
+        *,
+        interval: float = 5.0,
+        timeout: float = 2.0,
+        engine_api_key: str | None = None,
+    ) -> None:
+        self.table = table
+        self.pool = pool
+        self.interval = interval
+        self.timeout = timeout
+        self._auth = (
+            b"authorization: Bearer %s\r\n" % engine_api_key.encode() if engine_api_key else b""
+        )
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.probe_all()
+            except Exception:  # noqa: BLE001 - a bug here must not stop the router serving
+                log.exception("router: health probes failed")
+            await asyncio.sleep(self.interval)
+
+    async def probe_all(self) -> None:
+        backends = [b for b in self.table.backends() if b.routable]
+        if backends:
+            await asyncio.gather(*(self.probe(b) for b in backends))
+
+    async def probe(self, b: Backend) -> bool:
+        ok, why = await self._ask(b)
+        if ok != b.probe_ok:
+            if ok:
+                log.info("router: %s (%s) answers its health check again", b.id, b.address)
+            else:
+                log.warning("router: %s (%s) fails its health check: %s", b.id, b.address, why)
+        b.probe_ok = ok
+        return ok
+
+    async def _ask(self, b: Backend) -> tuple[bool, str]:
+        request = b"GET %s/health HTTP/1.1\r\nhost: %s:%d\r\n%s\r\n" % (
+            b.path_prefix.encode(),
+            b.host.encode(),
+            b.port,
+            self._auth,
+        )
+        conn = None
+        try:
+            async with asyncio.timeout(self.timeout):
+                conn = await self.pool.send(b.host, b.port, request, tls=b.tls)
+                status, _ = await conn.response_head()
+                async for _chunk in conn.body():
+                    pass
+        except TimeoutError:
+            return False, f"no answer within {self.timeout:g} s"
+        except (ConnectFailed, UpstreamFailed) as e:
+            return False, str(e)
+        finally:
+            if conn is not None:
+                if conn.complete:
+                    self.pool.release(conn)
+                else:
+                    conn.abort()
+        # 404: an OpenAI-compatible server without /health, up all the same
+        return status < 500, f"/health answered {status}"

@@ -1,0 +1,326 @@
+"""The router's request handler: OpenAI routes in, a chosen engine's answer out, unchanged.
+
+Bodies go to the engine as they came and its answer comes back as it goes: the engine's
+status, its error body, and a stream relayed chunk by chunk as each arrives (never
+buffered whole). A request is sent a second time, to another engine, only when nothing
+of it reached the first (its connection failed); once an engine may have started on it,
+its failure is the client's answer (502), because generating twice is not harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llmgw.router.balancer import Balancer
+from llmgw.router.http import Request, Response
+from llmgw.router.metrics import CONTENT_TYPE as METRICS_TYPE
+from llmgw.router.metrics import RouterMetrics
+from llmgw.router.request import BadRequest, parse
+from llmgw.router.table import Backend, EndpointTable
+from llmgw.router.upstream import ConnectFailed, UpstreamConnection, UpstreamFailed, UpstreamPool
+
+log = logging.getLogger(__name__)
+
+# path -> (chat, embeddings)
+_PROXIED = {
+    b"/v1/chat/completions": (True, False),
+    b"/v1/completions": (False, False),
+    b"/v1/embeddings": (False, True),
+}
+# client headers worth passing on; Authorization never is (the client's key is not the
+# engine's), nor anything about this hop
+_FORWARDED = (b"content-type", b"accept", b"x-request-id", b"traceparent", b"tracestate")
+_NOT_RELAYED = frozenset(
+    (
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"content-length",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"date",
+        b"server",
+    )
+)
+_GATEWAY_FAILURES = (502, 503, 504)
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    engine_api_key: str | None = None  # sent to engines as a bearer token
+    client_api_keys: frozenset[str] = frozenset()  # empty: clients need no key
+    session_header: str = "x-session-id"
+
+
+def error_body(
+    status: int, message: str, *, code: str | None = None, param: str | None = None
+) -> bytes:
+    """OpenAI's error shape, which its client libraries read."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 401:
+        kind = "authentication_error"
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    ).encode()
+
+
+class Proxy:
+    def __init__(
+        self,
+        table: EndpointTable,
+        balancer: Balancer,
+        pool: UpstreamPool,
+        metrics: RouterMetrics,
+        settings: ProxySettings | None = None,
+        health: Callable[[], dict[str, object]] = dict,
+    ) -> None:
+        self.table = table
+        self.balancer = balancer
+        self.pool = pool
+        self.metrics = metrics
+        self.settings = settings or ProxySettings()
+        self._health = health
+        key = self.settings.engine_api_key
+        self._engine_auth = b"authorization: Bearer %s\r\n" % key.encode() if key else b""
+        self._client_keys = {b"Bearer " + k.encode() for k in self.settings.client_api_keys}
+        self._session = self.settings.session_header.lower().encode()
+
+    async def handle(self, req: Request, resp: Response) -> None:
+        route = _PROXIED.get(req.path)
+        if route is not None:
+            if req.method != b"POST":
+                await self._fail(resp, 405, "use POST", "", kind=None)
+            elif self._client_keys and req.header(b"authorization") not in self._client_keys:
+                await self._fail(resp, 401, "missing or unknown API key", "", kind="unauthorized")
+            else:
+                await self._proxy(req, resp, *route)
+        elif req.path == b"/v1/models" and req.method in (b"GET", b"HEAD"):
+            if self._client_keys and req.header(b"authorization") not in self._client_keys:
+                await self._fail(resp, 401, "missing or unknown API key", "", kind="unauthorized")
+            else:
+                await resp.send(200, self._models())
+        elif req.path == b"/health" and req.method in (b"GET", b"HEAD"):
+            await resp.send(200, json.dumps({"status": "ok", **self._health()}).encode())
+        elif req.path == b"/metrics" and req.method in (b"GET", b"HEAD"):
+            await resp.send(200, self.metrics.render(), content_type=METRICS_TYPE)
+        else:
+            await self._fail(
+                resp,
+                404,
+                f"no route {req.method.decode(errors='replace')} {req.path.decode(errors='replace')}: "
+                "this router serves POST /v1/chat/completions, /v1/completions, /v1/embeddings "
+                "and GET /v1/models, /health, /metrics",
+                "",
+                kind=None,
+            )
+
+    def _models(self) -> bytes:
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+            for name in self.table.served_names()
+        ]
+        return json.dumps({"object": "list", "data": data}).encode()
+
+    async def _fail(
+        self,
+        resp: Response,
+        status: int,
+        message: str,
+        model: str,
+        *,
+        kind: str | None,
+        code: str | None = None,
+        param: str | None = None,
+        backend: Backend | None = None,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
+        replica = backend.id if backend else ""
+        if kind:
+            self.metrics.errors.labels(model, replica, kind).inc()
+        self.metrics.requests.labels(model, replica, str(status)).inc()
+        await resp.send(
+            status, error_body(status, message, code=code, param=param), headers=headers
+        )
+
+    # --- proxying ---------------------------------------------------------------------------
+
+    async def _proxy(self, req: Request, resp: Response, chat: bool, embeddings: bool) -> None:
+        try:
+            parsed = parse(
+                req.body, chat=chat, embeddings=embeddings, session=req.header(self._session)
+            )
+        except BadRequest as e:
+            await self._fail(resp, 400, str(e), "", kind="bad_request")
+            return
+        route = self.table.route(parsed.model)
+        if route is None:
+            names = ", ".join(self.table.known_names()) or "none yet"
+            await self._fail(
+                resp,
+                404,
+                f"model {parsed.model!r} does not exist; models: {names}",
+                "",
+                kind="unknown_model",
+                code="model_not_found",
+                param="model",
+            )
+            return
+        now = time.monotonic()
+        backend = self.balancer.pick(route.backends, parsed.affinity, now)
+        if backend is None:
+            await self._fail(
+                resp,
+                503,
+                f"model {parsed.model!r} has no ready replica: {route.why_none}",
+                route.model,
+                kind="no_replica",
+                code="no_ready_replica",
+                headers=((b"retry-after", b"5"),),
+            )
+            return
+        head = self._forwarded_head(req)
+        for attempt in (0, 1):
+            try:
+                conn = await self._send(backend, req, head)
+            except ConnectFailed as e:
+                self._count_failure(backend, str(e))
+                self.metrics.errors.labels(route.model, backend.id, "connect").inc()
+                other = self.balancer.pick(route.backends, parsed.affinity, now, exclude=backend)
+                if attempt == 0 and other is not None:
+                    log.info("router: %s; sending the request to %s instead", e, other.id)
+                    self.metrics.retries.labels(route.model).inc()
+                    backend = other
+                    continue
+                await self._fail(
+                    resp,
+                    502,
+                    f"no engine of model {parsed.model!r} could be reached: {e}",
+                    route.model,
+                    kind=None,
+                    code="engine_unreachable",
+                    backend=backend,
+                )
+                return
+            break
+        try:
+            await self._relay(backend, conn, resp, route.model, now)
+        finally:
+            backend.in_flight -= 1
+            self.metrics.in_flight.labels(route.model, backend.id).dec()
+
+    def _forwarded_head(self, req: Request) -> bytes:
+        lines = [self._engine_auth]
+        has_type = False
+        for name, value in req.headers:
+            if name in _FORWARDED:
+                has_type = has_type or name == b"content-type"
+                lines.append(b"%s: %s\r\n" % (name, value))
+        if not has_type:
+            lines.append(b"content-type: application/json\r\n")
+        return b"".join(lines)
+
+    async def _send(self, b: Backend, req: Request, head: bytes) -> UpstreamConnection:
+        data = b"POST %s%s HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: %d\r\n%s\r\n%s" % (
+            b.path_prefix.encode(),
+            req.target,
+            b.host.encode(),
+            b.port,
+            len(req.body),
+            head,
+            req.body,
+        )
+        b.in_flight += 1
+        self.metrics.in_flight.labels(b.model, b.id).inc()
+        try:
+            return await self.pool.send(b.host, b.port, data, tls=b.tls)
+        except BaseException:
+            b.in_flight -= 1
+            self.metrics.in_flight.labels(b.model, b.id).dec()
+            raise
+
+    async def _relay(
+        self, b: Backend, conn: UpstreamConnection, resp: Response, model: str, started: float
+    ) -> None:
+        relayed = False
+        try:
+            try:
+                status, headers = await conn.response_head()
+            except UpstreamFailed as e:
+                self._count_failure(b, str(e))
+                await self._fail(
+                    resp,
+                    502,
+                    f"engine {b.id} of model {model!r} at {b.address} failed before answering: {e}",
+                    model,
+                    kind="upstream",
+                    code="engine_failed",
+                    backend=b,
+                )
+                return
+            if status in _GATEWAY_FAILURES:
+                self._count_failure(b, f"answered {status}")
+            else:
+                self.balancer.succeeded(b, time.monotonic())
+            out, length = _relayed_headers(headers, b.id)
+            await resp.start(status, out, length)
+            first = True
+            try:
+                async for chunk in conn.body():
+                    if first:
+                        first = False
+                        self.metrics.ttfb.labels(model, b.id).observe(time.monotonic() - started)
+                    await resp.write(chunk)
+            except UpstreamFailed as e:
+                # The client already has part of the answer: the only honest signal left is to
+                # close its connection before the answer is complete.
+                self._count_failure(b, str(e))
+                self.metrics.errors.labels(model, b.id, "upstream").inc()
+                log.warning("router: engine %s (%s) failed mid-answer: %s", b.id, b.address, e)
+                return
+            if first:
+                self.metrics.ttfb.labels(model, b.id).observe(time.monotonic() - started)
+            relayed = True
+            self.pool.release(conn)
+            await resp.end()
+            self.metrics.requests.labels(model, b.id, str(status)).inc()
+        except (asyncio.CancelledError, ConnectionError):
+            self.metrics.errors.labels(model, b.id, "client_disconnect").inc()
+            raise
+        finally:
+            if not relayed:
+                conn.abort()  # the engine sees its client leave and stops generating
+
+    def _count_failure(self, b: Backend, why: str) -> None:
+        if self.balancer.failed(b, time.monotonic(), why):
+            self.metrics.ejections.labels(b.model, b.id).inc()
+
+
+def _relayed_headers(
+    headers: list[tuple[bytes, bytes]], replica: str
+) -> tuple[list[tuple[bytes, bytes]], int | None]:
+    out: list[tuple[bytes, bytes]] = []
+    length: int | None = None
+    chunked = False
+    sse = False
+    for name, value in headers:
+        if name == b"content-length":
+            length = int(value) if value.isdigit() else None
+        elif name == b"transfer-encoding":
+            chunked = True
+        elif name not in _NOT_RELAYED:
+            out.append((name, value))
+            if name == b"content-type" and value.startswith(b"text/event-stream"):
+                sse = True
+    if sse:
+        # nginx in front buffers a stream unless told not to
+        out.append((b"x-accel-buffering", b"no"))
+    out.append((b"x-llmgw-replica", replica.encode()))
+    return out, None if chunked else length

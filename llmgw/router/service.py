@@ -1,0 +1,191 @@
+"""A router process: the HTTP server, its endpoint table, and what keeps the table true.
+
+Two ways to fill the table:
+- from the bucket (`llmgw router --nats URL`): watches of `catalog.*`, `replicas.*.*`,
+  `shards.*.*`, `health.*` and `placement.*`. The router starts answering before NATS
+  does (503s that say it has not read the fleet yet), and when NATS goes away it keeps
+  serving from its last table while the bus reconnects and re-reads the bucket;
+- from a catalog file (`llmgw router --catalog FILE`): models with `endpoints = [...]`,
+  no NATS at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import anyio
+
+from llmgw import catalog
+from llmgw.bus import keys
+from llmgw.router.balancer import Balancer, BalancerSettings
+from llmgw.router.http import HttpLimits, serve
+from llmgw.router.metrics import RouterMetrics
+from llmgw.router.probe import HealthProber
+from llmgw.router.proxy import Proxy, ProxySettings, error_body
+from llmgw.router.table import EndpointTable
+from llmgw.router.upstream import UpstreamPool, UpstreamSettings
+
+log = logging.getLogger(__name__)
+
+# what the router reads of the bucket (never nodes.* or leases.*: big, or frequent)
+WATCHED = (
+    keys.pattern(keys.CATALOG),
+    keys.pattern(keys.REPLICAS),
+    keys.pattern(keys.SHARDS),
+    keys.pattern(keys.HEALTH),
+    keys.pattern(keys.PLACEMENT),
+)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    limits: HttpLimits = field(default_factory=HttpLimits)
+    upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
+    balancer: BalancerSettings = field(default_factory=BalancerSettings)
+    proxy: ProxySettings = field(default_factory=ProxySettings)
+    probe_interval: float = 5.0
+    probe_timeout: float = 2.0
+
+
+class Router:
+    def __init__(self, settings: RouterSettings | None = None) -> None:
+        self.settings = settings or RouterSettings()
+        self.table = EndpointTable()
+        self.metrics = RouterMetrics()
+        self.source = "none"
+        self.bus = None  # the Bus, once connected (a bucket-fed router)
+        self.proxy: Proxy | None = None
+        self.server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        host, port = self.server.sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    async def serve_static(
+        self,
+        models: list[catalog.Model],
+        *,
+        task_status: anyio.abc.TaskStatus[Router] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """A router-only run: the given models' `endpoints`, no NATS."""
+        served = [m for m in models if m.endpoints]
+        for m in models:
+            if not m.endpoints:
+                log.warning(
+                    "router: model %s has profiles but no endpoints; a router-only run cannot "
+                    "place it (run with --nats to serve placed replicas)",
+                    m.id,
+                )
+        self.table.set_static(served)
+        self.source = "catalog file"
+        await self._serve(None, task_status)
+
+    async def serve_bucket(
+        self,
+        connect,
+        *,
+        task_status: anyio.abc.TaskStatus[Router] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve from the bucket; `connect()` returns a connected `Bus` (retrying as it likes)."""
+        self.table.synced = False
+        self.source = "nats"
+        await self._serve(connect, task_status)
+
+    async def _serve(self, connect, task_status) -> None:
+        s = self.settings
+        pool = UpstreamPool(s.upstream)
+        probe_pool = UpstreamPool(
+            UpstreamSettings(
+                connect_timeout=s.probe_timeout,
+                read_timeout=s.probe_timeout,
+                idle_timeout=s.upstream.idle_timeout,
+            )
+        )
+        self.proxy = Proxy(
+            self.table, Balancer(s.balancer), pool, self.metrics, s.proxy, health=self.health
+        )
+        prober = HealthProber(
+            self.table,
+            probe_pool,
+            interval=s.probe_interval,
+            timeout=s.probe_timeout,
+            engine_api_key=s.proxy.engine_api_key,
+        )
+        self.server = await serve(
+            self.proxy.handle,
+            s.host,
+            s.port,
+            limits=s.limits,
+            error_body=lambda status, message: error_body(status, message),
+        )
+        log.info("router listening on %s", self.url)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pool.sweep_forever)
+                tg.start_soon(probe_pool.sweep_forever)
+                tg.start_soon(prober.run)
+                tg.start_soon(self._count_endpoints)
+                if connect is not None:
+                    tg.start_soon(self._follow_bucket, connect)
+                task_status.started(self)
+        finally:
+            self.server.close()
+            pool.close_idle()
+            probe_pool.close_idle()
+
+    def health(self) -> dict[str, object]:
+        """What GET /health adds to {"status": "ok"}."""
+        out: dict[str, object] = {
+            "source": self.source,
+            "models": len(self.table.known_names()),
+            "models_ready": len(self.table.served_names()),
+        }
+        if self.source == "nats":
+            if self.bus is None:
+                out["nats"] = "connecting"
+            else:
+                out["nats"] = "connected" if self.bus.connected else "reconnecting"
+            out["bucket_read"] = self.table.synced
+        return out
+
+    async def _count_endpoints(self) -> None:
+        while True:
+            for name in self.table.known_names():
+                route = self.table.route(name)
+                if route is not None:
+                    self.metrics.endpoints.labels(route.model).set(len(route.backends))
+            await anyio.sleep(self.settings.probe_interval)
+
+    async def _follow_bucket(self, connect) -> None:
+        from llmgw.bus.client import Synced
+
+        bus = self.bus = await connect()
+        synced: set[str] = set()
+        try:
+            async with anyio.create_task_group() as tg:
+                for pattern in WATCHED:
+                    tg.start_soon(self._follow, bus, pattern, synced, Synced)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await bus.close()
+
+    async def _follow(self, bus, pattern: str, synced: set[str], synced_type) -> None:
+        async for item in bus.watch(pattern, lambda data: data):
+            if isinstance(item, synced_type):
+                synced.add(pattern)
+                if not self.table.synced and len(synced) == len(WATCHED):
+                    self.table.synced = True
+                    self.table.rebuild()
+                    log.info(
+                        "router: read the bucket: %d model(s), %d with a ready engine",
+                        len(self.table.known_names()),
+                        len(self.table.served_names()),
+                    )
+                continue
+            self.table.apply(item.key, item.value)

@@ -1,0 +1,310 @@
+"""Which engines serve which model: the router's endpoint table. Pure, no I/O.
+
+Fed the bucket's records (`catalog.*`, `replicas.*.*`, `shards.*.*`, `health.*`,
+`placement.*`) as they change, or a catalog file's static endpoints for a router-only run,
+it answers `route(served_name)`: the model, its engines that may take a new request, and
+why there are none when there are none.
+
+An engine takes new requests only when every one of these holds (each rule a way an
+engine could otherwise be sent work it will not do):
+- its replica is current (`replicas.<model>.<rid>` exists) and not draining, failed or
+  stopped: a draining replica's in-flight requests finish, new ones go elsewhere;
+- every member's shard record is `ready`, and the shard is on the node the replica names:
+  a shard left behind by a replica that moved can still say `ready` while its agent is
+  gone, and it takes nothing;
+- no member is on a node the controller has declared lost;
+- the replica's API endpoint (rank 0's) is known.
+The controller's own `phase` of the replica is not waited for: engines keep serving while
+the control plane is away, and so does the router.
+
+Owners come from keys, never from values: `shards.node05.r1` is node05's shard of r1
+whatever its body says. A value that does not decode is logged; the last good catalog
+entry and replica are kept (their engines still run), a garbled shard or health record
+counts as absent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import msgspec
+
+from llmgw import catalog
+from llmgw.bus import keys, records
+
+log = logging.getLogger(__name__)
+
+_NOT_SERVING = ("draining", "failed", "stopped")
+
+
+def stable_hash(data: bytes) -> int:
+    """A 64-bit hash that is the same in every process (Python's hash() is not): routers
+    that never talk must still agree where a prefix goes."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+@dataclass(eq=False)
+class Backend:
+    """One engine the router sends requests to: a replica's API endpoint, or a static URL.
+    Its balancing state lives here and survives every rebuild of the table."""
+
+    id: str  # the replica id, or the static URL: the same on every router
+    model: str
+    host: str
+    port: int
+    tls: bool = False
+    path_prefix: str = ""  # a static endpoint's base path ("http://h:8000/api" -> "/api")
+    routable: bool = True  # the table's verdict: ready, current, not on a lost node
+    in_flight: int = 0
+    failures: int = 0  # consecutive
+    ejections: int = 0  # how often in a row it was ejected: the next ejection lasts longer
+    ejected_until: float = 0.0
+    probe_ok: bool = True  # the engine's own /health, probed in the background
+    id_hash: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.id_hash = stable_hash(self.id.encode())
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def available(self, now: float) -> bool:
+        """Takes new requests: routable, not ejected, and its /health answers."""
+        return self.routable and self.probe_ok and now >= self.ejected_until
+
+
+@dataclass
+class Route:
+    model: str  # catalog id
+    served_name: str
+    backends: list[Backend]  # routable ones
+    why_none: str = ""  # filled when `backends` is empty
+
+
+class EndpointTable:
+    def __init__(self) -> None:
+        self.models: dict[str, catalog.Model] = {}
+        self.replicas: dict[tuple[str, str], records.Replica] = {}  # (model, rid)
+        self.shards: dict[tuple[str, str], records.Shard] = {}  # (node, rid)
+        self.health: dict[str, str] = {}  # node -> phase
+        self.placements: dict[str, records.PlacementRecord] = {}
+        self.synced = True  # False until a bucket follower has read the bucket once
+        self._backends: dict[str, Backend] = {}
+        self._routes: dict[str, Route] = {}
+        self._dirty = True
+        self._ambiguous_logged: set[str] = set()
+
+    # --- feeding it ---------------------------------------------------------------------
+
+    def apply(self, key: str, data: bytes | None) -> None:
+        """One bucket change: `data` None means the key is gone."""
+        parsed = keys.parse(key)
+        if parsed is None:
+            return
+        prefix, ids = parsed.prefix, parsed.ids
+        try:
+            self._apply(prefix, ids, data)
+        except (
+            msgspec.DecodeError,
+            msgspec.ValidationError,
+            catalog.CatalogError,
+            ValueError,
+        ) as e:
+            kept = prefix in (keys.CATALOG, keys.REPLICAS)
+            log.warning(
+                "router: %s does not decode (%s); %s; fix it or remove it with `nats kv del`",
+                key,
+                str(e).replace("\n", " "),
+                "keeping its last good value" if kept else "treating it as absent",
+            )
+            if not kept:
+                self._apply(prefix, ids, None)
+        self._dirty = True
+
+    def _apply(self, prefix: str, ids: tuple[str, ...], data: bytes | None) -> None:
+        if prefix == keys.CATALOG:
+            _put(self.models, ids[0], None if data is None else catalog.decode_model(data, ids[0]))
+        elif prefix == keys.REPLICAS:
+            value = None if data is None else records.decode(data, records.Replica)
+            if value is not None and (value.model, value.rid) != ids:
+                raise ValueError(f"its body names {value.model}/{value.rid}")
+            if value is not None and not value.members:
+                raise ValueError("a replica has at least one member")
+            _put(self.replicas, (ids[0], ids[1]), value)
+        elif prefix == keys.SHARDS:
+            _put(self.shards, (ids[0], ids[1]), _decode(data, records.Shard))
+        elif prefix == keys.HEALTH:
+            h = _decode(data, records.Health)
+            _put(self.health, ids[0], None if h is None else h.phase)
+        elif prefix == keys.PLACEMENT:
+            _put(self.placements, ids[0], _decode(data, records.PlacementRecord))
+
+    def set_static(self, models: list[catalog.Model]) -> None:
+        """A router-only run: models with `endpoints` from a catalog file, no bucket."""
+        self.models = {m.id: m for m in models}
+        self._dirty = True
+
+    # --- asking it ----------------------------------------------------------------------
+
+    def route(self, served_name: str) -> Route | None:
+        """The model clients call `served_name`; None if no model is called that."""
+        if self._dirty:
+            self.rebuild()
+        return self._routes.get(served_name)
+
+    def served_names(self) -> list[str]:
+        """Names with an engine to send to (what /v1/models lists)."""
+        if self._dirty:
+            self.rebuild()
+        return sorted(n for n, r in self._routes.items() if r.backends)
+
+    def known_names(self) -> list[str]:
+        if self._dirty:
+            self.rebuild()
+        return sorted(self._routes)
+
+    def backends(self) -> list[Backend]:
+        """Every engine the table knows, routable or not (what the prober checks)."""
+        if self._dirty:
+            self.rebuild()
+        return list(self._backends.values())
+
+    def rebuild(self) -> None:
+        self._dirty = False
+        routes: dict[str, Route] = {}
+        seen: dict[str, Backend] = {}
+        for model_id in sorted(self.models):
+            model = self.models[model_id]
+            if model.served_name in routes:
+                if model.served_name not in self._ambiguous_logged:
+                    self._ambiguous_logged.add(model.served_name)
+                    log.warning(
+                        "router: served name %r belongs to models %s and %s; requests go to %s",
+                        model.served_name,
+                        routes[model.served_name].model,
+                        model_id,
+                        routes[model.served_name].model,
+                    )
+                continue
+            if model.endpoints:
+                backends = [self._static(model, url, seen) for url in model.endpoints]
+                routes[model.served_name] = Route(model_id, model.served_name, backends)
+                continue
+            backends, notes = [], []
+            for (mid, rid), replica in sorted(self.replicas.items()):
+                if mid != model_id:
+                    continue
+                b, why = self._placed(replica, seen)
+                if b is not None:
+                    backends.append(b)
+                else:
+                    notes.append(f"{rid} {why}")
+            route = Route(model_id, model.served_name, backends)
+            if not backends:
+                route.why_none = self._why_none(model_id, notes)
+            routes[model.served_name] = route
+        for gone in set(self._backends) - set(seen):
+            self._backends[gone].routable = False  # in-flight requests still finish
+        self._backends = seen
+        self._routes = routes
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _backend(self, seen: dict[str, Backend], new: Backend) -> Backend:
+        """The Backend already known under this id (keeping its in-flight count and health),
+        unless it now points elsewhere."""
+        old = self._backends.get(new.id)
+        b = old if old is not None and _same_place(old, new) else new
+        b.routable = True
+        seen[b.id] = b
+        return b
+
+    def _static(self, model: catalog.Model, url: str, seen: dict[str, Backend]) -> Backend:
+        parts = urlsplit(url)
+        tls = parts.scheme == "https"
+        port = parts.port or (443 if tls else 80)
+        new = Backend(
+            url,
+            model.id,
+            parts.hostname or "",
+            port,
+            tls=tls,
+            path_prefix=parts.path.rstrip("/"),
+        )
+        return self._backend(seen, new)
+
+    def _placed(
+        self, replica: records.Replica, seen: dict[str, Backend]
+    ) -> tuple[Backend | None, str]:
+        """The replica's API engine if it may take new requests, else why not."""
+        if replica.phase in _NOT_SERVING:
+            return None, replica.phase
+        endpoint = None
+        for m in replica.members:
+            shard = self.shards.get((m.node, replica.rid))
+            if self.health.get(m.node) == "lost":
+                return None, f"on {m.node}, which is lost"
+            if shard is None:
+                return None, f"waiting for {m.node}"
+            if shard.phase != "ready":
+                return None, f"{shard.phase} on {m.node}"
+            if m.rank == 0:
+                endpoint = shard.endpoint
+        parsed = _host_port(endpoint) if endpoint else None
+        if parsed is None:
+            return None, "ready, but its endpoint is not known"
+        return self._backend(seen, Backend(replica.rid, replica.model, *parsed)), ""
+
+    def _why_none(self, model_id: str, notes: list[str]) -> str:
+        placed = self.placements.get(model_id)
+        parts = []
+        if notes:
+            parts.append(f"{len(notes)} replica(s), none ready: " + "; ".join(notes[:5]))
+        if placed is not None and placed.explanation:
+            parts.append(placed.explanation)
+        if not parts:
+            if placed is None or placed.desired == 0:
+                parts.append(
+                    f"no replica is placed: `llmgw place {model_id} --replicas N` asks for some"
+                )
+            else:
+                parts.append(f"{placed.placed}/{placed.desired} replica(s) placed, none ready yet")
+        if not self.synced:
+            parts.insert(0, "the router has not read the fleet's state from NATS yet")
+        return "; ".join(parts)
+
+
+def _same_place(a: Backend, b: Backend) -> bool:
+    return (a.model, a.host, a.port, a.tls, a.path_prefix) == (
+        b.model,
+        b.host,
+        b.port,
+        b.tls,
+        b.path_prefix,
+    )
+
+
+def _put(table: dict, k, value) -> None:
+    if value is None:
+        table.pop(k, None)
+    else:
+        table[k] = value
+
+
+def _decode(data: bytes | None, type_):
+    return None if data is None else records.decode(data, type_)
+
+
+def _host_port(endpoint: str) -> tuple[str, int] | None:
+    """'10.0.0.5:18000' or '[fe80::1]:18000' -> (host, port); None if it is not one."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    port_n = int(port)
+    if not 0 < port_n < 65536:
+        return None
+    return host.strip("[]"), port_n
