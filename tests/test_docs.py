@@ -37,6 +37,7 @@ STORED = [
     records.FabricModel,
     records.ModelCopy,
     records.PlacementRecord,
+    records.RefusedNodes,
     records.Leader,
     records.Event,
 ]

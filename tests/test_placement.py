@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import anyio
 import msgspec
+import pytest
+from waiting import until
 
+from llmgw.bus import keys
+from llmgw.bus.client import Bus, decoder
 from llmgw.bus.records import (
     Cpu,
     Desired,
     EngineInstall,
+    Event,
     Gpu,
     Gpus,
     HeldModel,
@@ -18,15 +24,29 @@ from llmgw.bus.records import (
     Lease,
     Memory,
     NodeInventory,
+    PlacementRecord,
+    RefusedNodes,
     Replica,
     ReplicaMember,
     Store,
     Weights,
+    decode,
 )
-from llmgw.catalog import Model, validate_models
-from llmgw.controller.placement import Snapshot, plan, qualifying_nodes
+from llmgw.catalog import Model, encode_model, validate_models
+from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.controller.placement import (
+    Snapshot,
+    plan,
+    qualifying_nodes,
+    remove_surplus,
+    replace_lost,
+    same_decision,
+    switch_profile,
+)
+from llmgw.testing.sim import SimNode, inventory
 
 GB = 1_000_000_000
+GIB = 1 << 30
 KEY = "org/model"
 
 
@@ -91,11 +111,12 @@ def model(
     ram_gb: float = 0,
     nodes: int = 1,
     key: str = KEY,
+    weights: dict | None = None,
 ) -> Model:
     profile = {
         "name": "p",
         "engine": engine,
-        "weights": {"key": key},
+        "weights": weights or {"key": key},
         "gpus_per_node": gpus,
         "gpu_memory_gb": gpu_gb,
         "host_ram_gb": ram_gb,
@@ -185,7 +206,9 @@ def test_no_holder_anywhere_still_places():
     assert placed_on(result) == [["n1"], ["n1"]]
     assert result.placements["m"].placed == 2
     assert result.placements["m"].explanation == ""
-    assert "no weights nearby (the engine fetches them)" in result.create[0].reason
+    assert result.create[0].reason.startswith(
+        "no copy of the weights nearby (the engine fetches nobody/has-this)"
+    )
 
 
 def test_node_never_asked_ranks_with_node_that_found_nothing():
@@ -208,10 +231,10 @@ def test_gpu_accounting_across_replicas_in_snapshot_and_in_the_same_plan():
     assert member.gpus == ["GPU-n1-4", "GPU-n1-5", "GPU-n1-6", "GPU-n1-7"]
     record = result.placements["m"]
     assert (record.desired, record.placed) == (2, 1)
-    assert record.explanation == (
-        "0/2 nodes fit: 1 has 0 of 8 GPUs free (needs 4), 1 has 2 of 2 GPUs free (needs 4)"
-    )
-    assert record.reasons == {"gpus": 2}
+    assert record.explanation == "0/2 nodes fit: 2 short of free GPUs (0-2 free, needs 4)"
+    assert record.refused == [
+        RefusedNodes(profile="p", reason="gpus", nodes=2, needs=4, least=0, most=2)
+    ]
 
 
 def test_gpu_memory_too_small_refuses_node():
@@ -219,9 +242,13 @@ def test_gpu_memory_too_small_refuses_node():
     result = plan(snapshot(nodes, [model(gpus=4, gpu_gb=80)], {"m": 1}))
     assert result.create == []
     assert result.placements["m"].explanation == (
-        "0/2 nodes fit: 1 GPUs have 24 GB (needs 80), 1 has 2 of 2 GPUs free (needs 4)"
+        "0/2 nodes fit: 1 with GPUs too small (24 GB, needs 80), "
+        "1 short of free GPUs (2 free, needs 4)"
     )
-    assert result.placements["m"].reasons == {"gpu-memory": 1, "gpus": 1}
+    assert [(g.reason, g.nodes) for g in result.placements["m"].refused] == [
+        ("gpu-memory", 1),
+        ("gpus", 1),
+    ]
 
 
 def test_ram_of_replicas_not_yet_running_is_reserved():
@@ -230,7 +257,9 @@ def test_ram_of_replicas_not_yet_running_is_reserved():
     starting = replica("r-old", [("n1", [0])], phase="starting")
     result = plan(snapshot(nodes, [big], {"m": 2}, replicas=[starting]))
     assert result.create == []
-    assert result.placements["m"].explanation == "0/1 nodes fit: 1 has 36 GB RAM free (needs 64)"
+    assert result.placements["m"].explanation == (
+        "0/1 nodes fit: 1 short of host RAM (36 GB free, needs 64)"
+    )
 
     # once running, its RAM is already out of MemAvailable: not subtracted twice
     running = replica("r-old", [("n1", [0])], phase="ready")
@@ -260,7 +289,9 @@ def test_ports_are_not_shared_on_a_node_and_run_out():
     result = plan(
         snapshot(nodes, [model()], {"m": 2}, replicas=[existing], port_range=(18000, 18000))
     )
-    assert result.placements["m"].explanation == "0/1 nodes fit: 1 no free port in 18000-18000"
+    assert result.placements["m"].explanation == (
+        "0/1 nodes fit: 1 with no free port in 18000-18000"
+    )
 
 
 def test_cpu_profile_prefers_node_without_gpus():
@@ -290,11 +321,15 @@ def test_ties_break_by_node_id_and_plan_is_deterministic():
 
 def test_new_rids_never_reuse_one_in_use():
     nodes = [node("n1")]
-    existing = [replica(f"r{i}", [("n1", [i])], port=18000 + i) for i in range(3)]
+    # the rids this very snapshot would give its first three new replicas...
+    first = plan(snapshot(nodes, [model()], {"m": 3}))
+    would_be = [r.rid for r in first.create]
+    # ...are in use already: the next three must be others
+    existing = [replica(rid, [("n1", [i])], port=18000 + i) for i, rid in enumerate(would_be)]
     result = plan(snapshot(nodes, [model()], {"m": 6}, replicas=existing))
     rids = [r.rid for r in result.create]
     assert len(set(rids)) == 3
-    assert not set(rids) & {"r0", "r1", "r2"}
+    assert not set(rids) & set(would_be)
 
 
 # --- stability, lost nodes, surplus -------------------------------------------------------
@@ -369,7 +404,9 @@ def test_draining_replicas_hold_gpus_but_do_not_count():
     draining = replica("r-old", [("n1", [0, 1])], phase="draining")
     result = plan(snapshot(nodes, [model(gpus=2)], {"m": 1}, replicas=[draining]))
     assert result.remove == [] and result.create == []
-    assert result.placements["m"].explanation == "0/1 nodes fit: 1 has 0 of 2 GPUs free (needs 2)"
+    assert result.placements["m"].explanation == (
+        "0/1 nodes fit: 1 short of free GPUs (0 free, needs 2)"
+    )
 
 
 def test_model_removed_from_catalog_has_its_replicas_removed():
@@ -398,18 +435,88 @@ def test_explanation_counts_nodes_per_reason_exactly():
     health = {"l1": "lost", "l2": "lost", "l3": "lost"}
     result = plan(snapshot(nodes, [model(gpus=4)], {"m": 1}, replicas=[busy], health=health))
     record = result.placements["m"]
-    assert (
-        record.explanation == "0/6 nodes fit: 3 lost, 2 no vllm, 1 has 2 of 8 GPUs free (needs 4)"
+    assert record.explanation == (
+        "0/6 nodes fit: 3 lost, 2 no vllm, 1 short of free GPUs (2 free, needs 4)"
     )
-    assert record.reasons == {"gpus": 1, "lost": 3, "no-vllm": 2}
+    assert record.judged == 6
+    assert [(g.reason, g.nodes, g.detail) for g in record.refused] == [
+        ("lost", 3, ""),
+        ("no-engine", 2, "vllm"),
+        ("gpus", 1, ""),
+    ]
     assert record.decisions[-1] == "1 replica not placed: " + record.explanation
+
+
+def _short_of_ram(free_gb: list[float], *, lost: int = 0) -> PlacementRecord:
+    nodes = [node(f"n{i:02d}", ram_gb=gb) for i, gb in enumerate(free_gb)]
+    nodes += [node(f"x{i}") for i in range(lost)]
+    health = {f"x{i}": "lost" for i in range(lost)}
+    return plan(snapshot(nodes, [model(ram_gb=128)], {"m": 1}, health=health)).placements["m"]
+
+
+def test_nodes_refused_for_one_reason_are_one_clause_with_the_range():
+    free = [62, 90, 64.5, 66, 70.25, 71, 75, 79.5, 80, 84, 88, 89.75]
+    record = _short_of_ram(free, lost=2)
+    assert record.explanation == (
+        "0/14 nodes fit: 12 short of host RAM (62-90 GB free, needs 128), 2 lost"
+    )
+    ram = record.refused[0]
+    assert (ram.reason, ram.nodes, ram.needs, ram.least, ram.most) == (
+        "ram",
+        12,
+        128 * GB,
+        62 * GB,
+        90 * GB,
+    )
+
+
+def test_free_ram_moving_is_not_a_new_decision_but_a_lost_node_is():
+    before = _short_of_ram([62, 70, 90])
+    wobbled = _short_of_ram([61.9, 70.3, 90.1])
+    assert wobbled.explanation != before.explanation  # the text shows what was seen...
+    assert same_decision(before, wobbled)  # ...the decision did not change
+    assert not same_decision(before, _short_of_ram([62, 70, 90], lost=1))
+    assert not same_decision(before, _short_of_ram([62, 70]))
+    assert not same_decision(before, _short_of_ram([62, 70, 128]))  # one fits now
+
+
+def test_weights_by_path_are_never_said_to_be_fetched():
+    by_path = model(weights={"path": "/srv/models/x"})
+    result = plan(snapshot([node("n1")], [by_path], {"m": 1}))
+    why = result.create[0].reason
+    assert why.startswith("weights path /srv/models/x not reported by this node")
+    assert "fetch" not in why
+    by_source = model(weights={"source": "hf://org/y"})
+    why = plan(snapshot([node("n1")], [by_source], {"m": 1})).create[0].reason
+    assert why.startswith("no copy of the weights nearby (the engine fetches hf://org/y)")
+
+
+def test_each_step_decides_one_thing():
+    a = replica("ra", [("n1", [0])], created_at=1.0)
+    b = replica("rb", [("n2", [0])], created_at=2.0)
+    c = replica("rc", [("n1", [1])], created_at=3.0)
+    snap = snapshot([node("n1"), node("n2")], [model()], {"m": 1}, health={"n2": "lost"})
+
+    lost = replace_lost(snap, model(), [a, b, c])
+    assert [r.rid for r in lost.kept] == ["ra", "rc"]
+    assert [(r.rid, why) for r, why in lost.removed] == [("rb", "node n2 is lost; replaced")]
+
+    surplus = remove_surplus(lost.kept, 1)
+    assert [r.rid for r in surplus.kept] == ["ra"]
+    assert [(r.rid, why) for r, why in surplus.removed] == [("rc", "desired lowered to 1")]
+
+    # an old profile's replica stays until the wanted profile has the full count ready
+    starting = replica("rn", [("n1", [2])], phase="starting")
+    assert switch_profile([a], [starting], 1, {"q"}).kept == [a]
+    ready = replica("rn", [("n1", [2])], phase="ready")
+    assert switch_profile([a], [ready], 1, {"q"}).removed == [(a, "replaced by profile q")]
 
 
 def test_node_without_lease_is_not_a_candidate():
     nodes = [node("n1")]
     snap = snapshot(nodes, [model()], {"m": 1})
     snap = Snapshot(**{**snap.__dict__, "health": {}})
-    assert plan(snap).placements["m"].explanation == "0/1 nodes fit: 1 no lease seen"
+    assert plan(snap).placements["m"].explanation == "0/1 nodes fit: 1 with no lease seen"
 
 
 def test_fallback_profile_is_used_when_the_first_fits_nowhere():
@@ -443,7 +550,10 @@ def test_fallback_profile_is_used_when_the_first_fits_nowhere():
     assert result.placements["m"].explanation == (
         "profile gpu: 0/1 nodes fit: 1 no vllm; profile cpu: 0/1 nodes fit: 1 no llama-server"
     )
-    assert result.placements["m"].reasons == {"cpu:no-llama-server": 1, "gpu:no-vllm": 1}
+    assert [(g.profile, g.reason, g.detail) for g in result.placements["m"].refused] == [
+        ("gpu", "no-engine", "vllm"),
+        ("cpu", "no-engine", "llama-server"),
+    ]
 
 
 # --- multi-node ---------------------------------------------------------------------------
@@ -482,8 +592,8 @@ def test_multi_node_explains_fabrics_too_small():
     result = plan(snapshot(nodes, [model(gpus=8, nodes=2)], {"m": 1}))
     assert result.create == []
     assert result.placements["m"].explanation == (
-        "0/3 nodes fit: 1 not on an active IB fabric, 1 on ib-a with 1 fitting node (needs 2), "
-        "1 on ib-b with 1 fitting node (needs 2)"
+        "0/3 nodes fit: 1 not on an active IB fabric, 1 on ib-a, which has 1 fitting node "
+        "(needs 2), 1 on ib-b, which has 1 fitting node (needs 2)"
     )
 
 
@@ -550,3 +660,75 @@ def test_profile_switch_keeps_old_replica_until_new_profile_is_ready():
     result = plan(snap)
     assert result.create == []
     assert [(r.rid, r.reason) for r in result.remove] == [("r-old", "replaced by profile q")]
+
+
+# --- through the real controller loop -------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_waiting_models_record_and_events_stay_still_while_free_ram_wobbles(
+    bus, nats_settings, caplog
+):
+    events: list[Event] = []
+
+    async def on_event(msg) -> None:
+        events.append(decode(msg.data, Event))
+
+    await bus.subscribe("llmgw.events.>", on_event)
+    sims = [
+        SimNode(bus, inventory(f"vm{i}", gpus=0, ram_gib=60 + 10 * i, engines=("llama-server",)))
+        for i in range(3)
+    ]
+    big = model(engine="llama-server", gpus=0, ram_gb=128)
+    await bus.put(keys.catalog("m"), encode_model(big))
+    await bus.put(keys.desired("m"), Desired(model="m", replicas=1, updated_at=1.0))
+    settings = ControllerSettings(
+        unreachable_after=10, lost_after=30, leader_ttl=1, tick=0.05, resync=0.2
+    )
+    controller_bus = await Bus.connect(nats_settings, give_up_after=5)
+    controller = Controller(controller_bus, settings)
+    try:
+        async with anyio.create_task_group() as tg:
+            for sim in sims:
+                await sim.register()
+                tg.start_soon(sim.run)
+            tg.start_soon(controller.run)
+
+            async def explained():
+                e = await bus.get(keys.placement("m"), decoder(PlacementRecord))
+                return e if e and "short of host RAM" in e.value.explanation else None
+
+            first = await until(explained)
+            assert first.value.explanation.startswith("0/3 nodes fit: 3 short of host RAM (")
+            unplaced = sum(1 for e in events if e.kind == "unplaced")
+            said = caplog.text.count("m: 0/1 placed")
+
+            for wobble in (0.3, -0.2, 0.7, 0.1):  # GiB, as MemAvailable moves on a busy host
+                for i, sim in enumerate(sims):
+                    free = int((60 + 10 * i + wobble) * GIB)
+                    sim.inv = msgspec.structs.replace(
+                        sim.inv,
+                        memory=Memory(total_bytes=sim.inv.memory.total_bytes, available_bytes=free),
+                    )
+                    await sim.beat()  # the lease carries it, as an agent's heartbeat does
+
+                async def seen(node=sims[-1].node, free=free):
+                    lease = controller.view.leases.get(node)
+                    return lease is not None and lease.memory.available_bytes == free
+
+                await until(seen)
+                # two passes started after the controller saw it: the first one has ended
+                passes = controller.passes
+                await until(lambda passes=passes: _true(controller.passes >= passes + 2))
+
+            now = await bus.get(keys.placement("m"), decoder(PlacementRecord))
+            assert now.revision == first.revision, now.value.explanation
+            assert sum(1 for e in events if e.kind == "unplaced") == unplaced
+            assert caplog.text.count("m: 0/1 placed") == said
+            tg.cancel_scope.cancel()
+    finally:
+        await controller_bus.close()
+
+
+async def _true(value: bool) -> bool:
+    return value

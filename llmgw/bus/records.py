@@ -288,12 +288,32 @@ class FabricHoldings(msgspec.Struct, kw_only=True):
 # --- placement.<model>: the latest decision and its explanation
 
 
+class RefusedNodes(msgspec.Struct, kw_only=True, frozen=True):
+    """Nodes one profile could not use, for one reason: a constant `reason` key and its
+    numbers (controller/explain.py renders the text). `least`/`most` are what the nodes
+    had, observed: they move by themselves (free RAM) and never make a new decision."""
+
+    profile: str
+    reason: str  # "ram", "gpus", "lost", "no-engine", ... (docs/placement.md lists them)
+    nodes: int
+    needs: int | None = None  # bytes for memory, else a count
+    least: int | None = None
+    most: int | None = None
+    detail: str = ""  # the engine, the port range, the fabric
+
+
 class PlacementRecord(msgspec.Struct, kw_only=True):
     model: str
     desired: int
     placed: int
-    explanation: str = ""  # "0/6 nodes fit: 3 lost, 2 no vllm, ..." for unplaced replicas
-    reasons: dict[str, int] = {}
+    # why the model as a whole places nothing ("unknown-profile"), and its subject
+    blocked: str = ""
+    blocked_detail: str = ""
+    judged: int = 0  # nodes judged: the 6 in "0/6 nodes fit"
+    refused: list[RefusedNodes] = []  # for unplaced replicas: nodes per profile and reason
+    # rendered from the fields above when decided, for people (`nats kv get`, the router):
+    # "0/6 nodes fit: 3 lost, 2 no vllm, 1 short of free GPUs (2 free, needs 4)"
+    explanation: str = ""
     decided_at: float = 0.0
     decisions: list[str] = []
     # the `updated_at` of the desired.<model> this decision answers: `llmgw place` waits

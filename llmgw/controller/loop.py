@@ -521,13 +521,12 @@ class Controller:
             placed = sum(
                 1 for r in self.view.replicas.values() if r.model == model and r.phase != "draining"
             )
-            records_by_model[model] = records.PlacementRecord(
-                model=model,
+            records_by_model[model] = placement.invalid_catalog_record(
+                model,
                 desired=self.view.desired[model].replicas if model in self.view.desired else 0,
                 placed=placed,
-                explanation=f"catalog entry is invalid, nothing changed until it is fixed: {why}",
-                reasons={"invalid-catalog": 1},
-                decided_at=time.time(),
+                why=why,
+                now=time.time(),
                 decisions=current.decisions if current else [],
             )
         for model, rec in records_by_model.items():
@@ -546,7 +545,7 @@ class Controller:
                     f"{model}: {rec.explanation}",
                     desired=rec.desired,
                     placed=rec.placed,
-                    reasons=rec.reasons,
+                    refused=rec.refused,
                 )
         for model in [
             m
@@ -639,7 +638,5 @@ def _shared_fabric(replica: records.Replica, nodes: dict[str, records.NodeInvent
 
 
 def _same_decision(a: records.PlacementRecord, b: records.PlacementRecord) -> bool:
-    def key(r: records.PlacementRecord) -> tuple:
-        return (r.desired, r.placed, r.explanation, r.reasons, r.desired_at)
-
-    return key(a) == key(b)
+    # by the data, never the text: free RAM moves at every heartbeat, a decision does not
+    return placement.same_decision(a, b)

@@ -5,10 +5,12 @@ what to remove and, per model, a record that explains it. No I/O, no clock: the
 reconcile loop builds the Snapshot, calls plan, and writes the result; running it again
 on the same snapshot gives the same plan.
 
-Shaped like the Kubernetes scheduler: FILTERS (each returns None or a FitReason) decide
-whether a node can take a replica, then SCORES rank the nodes that can. An unplaced
-replica's explanation is the count of nodes per reason: "0/6 nodes fit: 3 lost, 2 no
-vllm, 1 has 2 of 8 GPUs free (needs 4)".
+Shaped like the Kubernetes scheduler: FILTERS (each returns None or a Refusal) decide
+whether a node can take a replica, then the scores in `Rank` order the nodes that can.
+Each model's plan is a list of steps: replace replicas on lost nodes, remove surplus,
+fill, switch profile, explain. An unplaced replica's explanation is the count of nodes
+per reason (controller/explain.py): "0/6 nodes fit: 3 lost, 2 no vllm, 1 short of free
+GPUs (2 free, needs 4)".
 
 Rules kept here (docs/placement.md says why for each):
 - weights nearby is a preference, never a filter; a node that never looked for weights
@@ -26,6 +28,7 @@ import heapq
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 from llmgw.bus.records import (
     Desired,
@@ -40,10 +43,11 @@ from llmgw.bus.records import (
     ReplicaMember,
 )
 from llmgw.catalog import Model, Profile
+from llmgw.controller import explain
+from llmgw.controller.explain import GB, Blocked, Refusal
 from llmgw.controller.fabrics import fabric_view
 
 DEFAULT_PORTS = (18000, 18999)
-GB = 1_000_000_000  # catalog sizes are 10^9 bytes, like the "80GB" on the card
 
 # Replica phases whose engine is going away: they still hold their GPUs and ports (the
 # engine drains before it stops) but no longer count toward the desired number.
@@ -51,14 +55,7 @@ _GOING = frozenset({"draining", "stopped"})
 # Not yet running: their engine has not taken its host RAM yet, so it is reserved here.
 _NOT_RUNNING = frozenset({"placed", "starting"})
 
-
-@dataclass(frozen=True, slots=True)
-class FitReason:
-    """Why a node cannot take a replica: `key` groups counts in PlacementRecord.reasons,
-    `text` is what a person reads ("has 2 of 8 GPUs free (needs 4)")."""
-
-    key: str
-    text: str
+same_decision = explain.same_decision  # what the loop compares before rewriting a record
 
 
 @dataclass(frozen=True)
@@ -102,6 +99,7 @@ class NodeState:
     used_gpus: set[str]
     free: list[Gpu]  # not used by any replica, index order; kept in step with used_gpus
     smallest_gpu: int  # bytes: when a profile needs no more, no GPU needs checking
+    largest_gpu: int  # bytes: when a profile needs more, no GPU here will ever do
     engines: frozenset[str]
     ram_free: int  # bytes: available, minus what not-yet-running replicas will take
     used_ports: set[int]
@@ -154,6 +152,7 @@ def _fleet(snapshot: Snapshot) -> dict[str, NodeState]:
         lease = snapshot.leases.get(node_id)
         memory = lease.memory if lease is not None else inv.memory
         gpus = sorted(inv.gpus.devices, key=lambda g: g.index)
+        sizes = [g.memory_total_bytes for g in gpus]
         nodes[node_id] = NodeState(
             id=node_id,
             inventory=inv,
@@ -161,7 +160,8 @@ def _fleet(snapshot: Snapshot) -> dict[str, NodeState]:
             gpus=gpus,
             used_gpus=set(),
             free=gpus,
-            smallest_gpu=min((g.memory_total_bytes for g in gpus), default=0),
+            smallest_gpu=min(sizes, default=0),
+            largest_gpu=max(sizes, default=0),
             engines=frozenset(e.name for e in inv.engines),
             ram_free=memory.available_bytes,
             used_ports=set(),
@@ -203,87 +203,76 @@ def _take(node: NodeState, need: Need, rank: int) -> ReplicaMember:
 # --- filters: each one rule, None when the node fits ---------------------------------------
 
 
-def _gb(n: float) -> str:
-    return f"{max(n, 0) / GB:.1f}".removesuffix(".0")
-
-
-def node_ready(node: NodeState, need: Need) -> FitReason | None:
+def node_ready(node: NodeState, need: Need) -> Refusal | None:
     if node.phase == "ready":
         return None
-    if node.phase is None:
-        return FitReason("no-lease", "no lease seen")
-    return FitReason(node.phase, node.phase)
+    return Refusal("no-lease" if node.phase is None else node.phase)
 
 
-def engine_installed(node: NodeState, need: Need) -> FitReason | None:
-    engine = need.profile.engine
-    if engine not in node.engines:
-        return FitReason(f"no-{engine}", f"no {engine}")
+def engine_installed(node: NodeState, need: Need) -> Refusal | None:
+    if need.profile.engine not in node.engines:
+        return Refusal("no-engine", detail=need.profile.engine)
     return None
 
 
-_NO_GPU_TEXT = {"no_driver": "no GPU driver", "error": "GPU discovery failed"}
+def on_active_fabric(node: NodeState, need: Need) -> Refusal | None:
+    # multi-node engines talk NCCL over InfiniBand; the management network is far too slow
+    if need.profile.nodes > 1 and not node.fabrics:
+        return Refusal("no-fabric")
+    return None
 
 
-def enough_gpus(node: NodeState, need: Need) -> FitReason | None:
+_NO_GPUS = {"no_driver": "no-gpu-driver", "error": "gpu-discovery-failed"}
+
+
+def enough_gpus(node: NodeState, need: Need) -> Refusal | None:
     wanted = need.profile.gpus_per_node
     if wanted == 0:
         return None
     if not node.gpus:
-        return FitReason("no-gpus", _NO_GPU_TEXT.get(node.inventory.gpus.status, "no GPUs"))
-    free = node.free
-    if len(free) < wanted:
-        return FitReason("gpus", f"has {len(free)} of {len(node.gpus)} GPUs free (needs {wanted})")
-    big = len(node.free_gpus(need.gpu_bytes))
-    if big < wanted:
-        if big == 0:
-            largest = max(g.memory_total_bytes for g in free)
-            text = f"GPUs have {_gb(largest)} GB (needs {_gb(need.gpu_bytes)})"
-        else:
-            text = f"has {big} free GPUs with {_gb(need.gpu_bytes)} GB (needs {wanted})"
-        return FitReason("gpu-memory", text)
+        return Refusal(_NO_GPUS.get(node.inventory.gpus.status, "no-gpus"))
+    if need.gpu_bytes > node.largest_gpu:  # no waiting will fix this one
+        return Refusal("gpu-memory", needs=need.gpu_bytes, has=node.largest_gpu)
+    usable = len(node.free_gpus(need.gpu_bytes))
+    if usable < wanted:
+        return Refusal("gpus", needs=wanted, has=usable)
     return None
 
 
-def enough_ram(node: NodeState, need: Need) -> FitReason | None:
+def enough_ram(node: NodeState, need: Need) -> Refusal | None:
     if node.ram_free < need.ram_bytes:
-        return FitReason(
-            "ram", f"has {_gb(node.ram_free)} GB RAM free (needs {_gb(need.ram_bytes)})"
-        )
+        return Refusal("ram", needs=need.ram_bytes, has=max(node.ram_free, 0))
     return None
 
 
-def free_port(node: NodeState, need: Need) -> FitReason | None:
+def free_port(node: NodeState, need: Need) -> Refusal | None:
     if node.free_port(*need.ports) is None:
         lo, hi = need.ports
-        return FitReason("ports", f"no free port in {lo}-{hi}")
+        return Refusal("ports", detail=f"{lo}-{hi}")
     return None
 
 
-def on_active_fabric(node: NodeState, need: Need) -> FitReason | None:
-    # multi-node engines talk NCCL over InfiniBand; the management network is far too slow
-    if need.profile.nodes > 1 and not node.fabrics:
-        return FitReason("no-fabric", "not on an active IB fabric")
-    return None
-
-
-Filter = Callable[[NodeState, Need], FitReason | None]
+Filter = Callable[[NodeState, Need], Refusal | None]
+# The first refusal is the one the explanation reports, so the order goes from what says
+# most about the node to what placements use up: a lost node is reported lost, not short of
+# RAM; what the node is (engine, fabric, GPU model) comes before what waiting may free up
+# (free GPUs, RAM, ports), so a person sees first what no amount of waiting will fix.
 FILTERS: tuple[Filter, ...] = (
     node_ready,
     engine_installed,
+    on_active_fabric,
     enough_gpus,
     enough_ram,
     free_port,
-    on_active_fabric,
 )
 
 
-def fit(node: NodeState, need: Need) -> FitReason | None:
+def fit(node: NodeState, need: Need) -> Refusal | None:
     """The first filter that refuses the node, or None when it fits."""
     for check in FILTERS:
-        reason = check(node, need)
-        if reason is not None:
-            return reason
+        refusal = check(node, need)
+        if refusal is not None:
+            return refusal
     return None
 
 
@@ -345,10 +334,15 @@ class WeightsNearby:
         if store is not None:
             where = "on node" if store.startswith("local:") else "on a share the node sees"
             return f"weights {where} ({store})"
+        ref = need.profile.weights
+        if ref.path is not None:
+            # the engine is given the path as it is: nothing fetches a path
+            return f"weights path {ref.path} not reported by this node (the engine reads it there)"
+        fetched = f"the engine fetches {ref.source or ref.key}"
         fabric = self._fabric(node, need)
         if fabric is not None:
-            return f"weights elsewhere in fabric {fabric}"
-        return "no weights nearby (the engine fetches them)"
+            return f"weights elsewhere in fabric {fabric}, not on this node ({fetched})"
+        return f"no copy of the weights nearby ({fetched})"
 
 
 def weights_nearby(node: NodeState, need: Need, weights: WeightsNearby) -> int:
@@ -366,14 +360,28 @@ def spread(node: NodeState, need: Need, weights: WeightsNearby) -> int:
     return -node.models[need.model]
 
 
-Score = Callable[[NodeState, Need, WeightsNearby], int]
-SCORES: tuple[Score, ...] = (weights_nearby, packing, spread)
+class Rank(NamedTuple):
+    """How good a node is for one need: the scores, each higher-is-better and compared in
+    this order, then the node id so that ties always break the same way."""
+
+    weights: int  # weights_nearby
+    packing: int
+    spread: int
+    node: str
+
+    @property
+    def order(self) -> tuple[int, int, int, str]:
+        """Sort key, best first."""
+        return (-self.weights, -self.packing, -self.spread, self.node)
 
 
-def rank_key(node: NodeState, need: Need, weights: WeightsNearby) -> tuple:
-    """Sort key, smallest first: the scores in order (higher better), then the node id so
-    that ties always break the same way."""
-    return (*[-score(node, need, weights) for score in SCORES], node.id)
+def rank(node: NodeState, need: Need, weights: WeightsNearby) -> Rank:
+    return Rank(
+        weights=weights_nearby(node, need, weights),
+        packing=packing(node, need, weights),
+        spread=spread(node, need, weights),
+        node=node.id,
+    )
 
 
 def _why_here(node: NodeState, need: Need, weights: WeightsNearby) -> str:
@@ -389,56 +397,73 @@ def _why_here(node: NodeState, need: Need, weights: WeightsNearby) -> str:
 # --- pickers: the best node (or nodes) for the next replica of one profile -----------------
 
 
-class _SingleNodePicker:
+@dataclass(frozen=True, slots=True)
+class Pick:
+    members: list[ReplicaMember]
+    why: str
+
+
+class Picker(Protocol):
+    def pick(self) -> Pick | None:
+        """Take the best place for one more replica, or None when there is none left."""
+
+    def refusals(self) -> dict[str, Refusal]:
+        """Why each node that cannot take one more replica cannot."""
+
+
+class SingleNodePicker:
     """All nodes are judged once; afterwards only the node just used changes (within one
     plan resources only shrink), so it alone is judged again."""
 
     def __init__(self, nodes: dict[str, NodeState], need: Need, weights: WeightsNearby) -> None:
         self.nodes, self.need, self.weights = nodes, need, weights
-        self.refused: dict[str, FitReason] = {}
-        self.heap: list[tuple] = []
+        self.refused: dict[str, Refusal] = {}
+        self.heap: list[tuple[int, int, int, str]] = []  # Rank.order: the node id last
         for node in nodes.values():
-            self._judge(node)
+            order = self._judge(node)
+            if order is not None:
+                self.heap.append(order)
         heapq.heapify(self.heap)
 
-    def _judge(self, node: NodeState) -> None:
-        reason = fit(node, self.need)
-        if reason is None:
-            self.heap.append(rank_key(node, self.need, self.weights))
-        else:
-            self.refused[node.id] = reason
+    def _judge(self, node: NodeState) -> tuple[int, int, int, str] | None:
+        refusal = fit(node, self.need)
+        if refusal is not None:
+            self.refused[node.id] = refusal
+            return None
+        return rank(node, self.need, self.weights).order
 
-    def pick(self) -> tuple[list[ReplicaMember], str] | None:
+    def pick(self) -> Pick | None:
         if not self.heap:
             return None
         node = self.nodes[heapq.heappop(self.heap)[-1]]
         why = _why_here(node, self.need, self.weights)
         member = _take(node, self.need, rank=0)
-        reason = fit(node, self.need)
-        if reason is None:
-            heapq.heappush(self.heap, rank_key(node, self.need, self.weights))
-        else:
-            self.refused[node.id] = reason
-        return [member], why
+        order = self._judge(node)
+        if order is not None:
+            heapq.heappush(self.heap, order)
+        return Pick([member], why)
+
+    def refusals(self) -> dict[str, Refusal]:
+        return dict(self.refused)
 
 
-class _MultiNodePicker:
+class MultiNodePicker:
     """N nodes in ONE fabric: NCCL runs over InfiniBand, and fabrics are not connected."""
 
     def __init__(self, nodes: dict[str, NodeState], need: Need, weights: WeightsNearby) -> None:
         self.nodes, self.need, self.weights = nodes, need, weights
-        self.refused: dict[str, FitReason] = {}
-        self.fitting: dict[str, tuple] = {}  # node -> rank key
+        self.refused: dict[str, Refusal] = {}
+        self.fitting: dict[str, Rank] = {}
         for node in nodes.values():
             self._judge(node)
 
     def _judge(self, node: NodeState) -> None:
-        reason = fit(node, self.need)
-        if reason is None:
-            self.fitting[node.id] = rank_key(node, self.need, self.weights)
+        refusal = fit(node, self.need)
+        if refusal is None:
+            self.fitting[node.id] = rank(node, self.need, self.weights)
         else:
             self.fitting.pop(node.id, None)
-            self.refused[node.id] = reason
+            self.refused[node.id] = refusal
 
     def _by_fabric(self) -> dict[str, list[str]]:
         groups: dict[str, list[str]] = defaultdict(list)
@@ -447,19 +472,21 @@ class _MultiNodePicker:
                 groups[name].append(node_id)
         return groups
 
-    def pick(self) -> tuple[list[ReplicaMember], str] | None:
+    def pick(self) -> Pick | None:
         count = self.need.profile.nodes
         best: tuple | None = None
         for name, members in self._by_fabric().items():
             if len(members) < count:
                 continue
-            chosen = heapq.nsmallest(count, (self.fitting[n] for n in members))
-            weights_total = -sum(k[0] for k in chosen)
+            chosen = heapq.nsmallest(
+                count, (self.fitting[n] for n in members), key=lambda r: r.order
+            )
+            weights_total = sum(r.weights for r in chosen)
             capacity = sum(len(self.nodes[n].free) for n in members)
             # best weights across the chosen nodes, then most free capacity, then the name
             key = (-weights_total, -capacity, name)
             if best is None or key < best[0]:
-                best = (key, name, [k[-1] for k in chosen])
+                best = (key, name, [r.node for r in chosen])
         if best is None:
             return None
         _, fabric, chosen_ids = best
@@ -469,11 +496,10 @@ class _MultiNodePicker:
         ]
         for node_id in chosen_ids:
             self._judge(self.nodes[node_id])
-        return members, f"{count} nodes in fabric {fabric}; rank 0: {why}"
+        return Pick(members, f"{count} nodes in fabric {fabric}; rank 0: {why}")
 
-    @property
-    def refused_all(self) -> dict[str, FitReason]:
-        """Per node reasons, counting nodes that fit alone but whose fabric is too small."""
+    def refusals(self) -> dict[str, Refusal]:
+        """Per node, counting nodes that fit alone but whose fabric is too small."""
         out = dict(self.refused)
         groups = self._by_fabric()
         for node_id in self.fitting:
@@ -481,41 +507,300 @@ class _MultiNodePicker:
                 ((n, len(groups[n])) for n in sorted(self.nodes[node_id].fabrics)),
                 key=lambda item: item[1],
             )
-            out[node_id] = FitReason(
-                "fabric-size",
-                f"on {name} with {size} fitting node{'s' if size != 1 else ''} "
-                f"(needs {self.need.profile.nodes})",
+            out[node_id] = Refusal(
+                "fabric-size", needs=self.need.profile.nodes, has=size, detail=name
             )
         return out
 
 
-def _picker(nodes: dict[str, NodeState], need: Need, weights: WeightsNearby):
+def picker(nodes: dict[str, NodeState], need: Need, weights: WeightsNearby) -> Picker:
     if need.profile.nodes > 1:
-        return _MultiNodePicker(nodes, need, weights)
-    return _SingleNodePicker(nodes, need, weights)
+        return MultiNodePicker(nodes, need, weights)
+    return SingleNodePicker(nodes, need, weights)
 
 
-def _refusals(picker) -> dict[str, FitReason]:
-    return picker.refused_all if isinstance(picker, _MultiNodePicker) else picker.refused
+# --- the plan: per model, a list of steps ----------------------------------------------------
 
 
-# --- explanations ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fleet:
+    """What every model's steps share within one plan: the nodes (their resources shrink as
+    replicas are placed), where weights are, and the rids already taken."""
+
+    snapshot: Snapshot
+    nodes: dict[str, NodeState]
+    weights: WeightsNearby
+    taken: set[str]
 
 
-def explain(total: int, refused: Mapping[str, FitReason]) -> tuple[str, dict[str, int]]:
-    """("0/6 nodes fit: 3 lost, 2 no vllm, 1 has 2 of 8 GPUs free (needs 4)", reasons):
-    same texts grouped, most nodes first, then by text, so the line never changes order."""
-    texts = Counter(r.text for r in refused.values())
-    keys = Counter(r.key for r in refused.values())
-    fit_count = total - len(refused)
-    head = f"{fit_count}/{total} nodes fit"
-    if total == 0:
-        return f"{head}: no node has reported an inventory", {}
-    parts = [f"{n} {text}" for text, n in sorted(texts.items(), key=lambda kv: (-kv[1], kv[0]))]
-    return (f"{head}: " + ", ".join(parts)) if parts else head, dict(sorted(keys.items()))
+@dataclass(frozen=True, slots=True)
+class Sorted:
+    """What a step keeps, and what it removes with the reason."""
+
+    kept: list[Replica]
+    removed: list[tuple[Replica, str]] = field(default_factory=list)
 
 
-# --- the plan -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ModelPlan:
+    create: list[Replica]
+    remove: list[Removal]
+    record: PlacementRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Filled:
+    """Replicas placed by the fill step; per profile tried, why each node refused the next."""
+
+    created: list[Replica]
+    refusals: list[tuple[str, dict[str, Refusal]]]
+
+
+def plan(snapshot: Snapshot) -> Plan:
+    """Decide replicas to create and remove for every model, with the reasons."""
+    fleet = Fleet(
+        snapshot, _fleet(snapshot), WeightsNearby(snapshot), {r.rid for r in snapshot.replicas}
+    )
+    by_model: dict[str, list[Replica]] = defaultdict(list)
+    for replica in snapshot.replicas:
+        by_model[replica.model].append(replica)
+
+    create: list[Replica] = []
+    remove: list[Removal] = []
+    records: dict[str, PlacementRecord] = {}
+    # earliest request first: when GPUs are short, the model asked for first gets them
+    models = sorted(
+        set(snapshot.desired) | set(by_model) | set(snapshot.catalog),
+        key=lambda m: (snapshot.desired[m].updated_at if m in snapshot.desired else 0.0, m),
+    )
+    for model_id in models:
+        outcome = plan_model(fleet, model_id, by_model.get(model_id, []))
+        if outcome is not None:
+            create.extend(outcome.create)
+            remove.extend(outcome.remove)
+            records[model_id] = outcome.record
+    return Plan(create=create, remove=remove, placements=records)
+
+
+def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan | None:
+    """One model's steps. None when there is nothing to say: not asked for, nothing running."""
+    snapshot = fleet.snapshot
+    model = snapshot.catalog.get(model_id)
+    desired = snapshot.desired.get(model_id)
+    want = desired.replicas if desired is not None else 0
+    live = sorted(
+        (r for r in current if r.phase not in _GOING), key=lambda r: (r.created_at, r.rid)
+    )
+    if not live and desired is None:
+        return None
+    record = _Record(model_id, want, snapshot.now)
+    lines = _Lines()
+
+    blocked = blocked_model(model, desired)
+    if blocked is not None:
+        reason, detail = blocked
+        if reason == "unknown-profile":  # keep what runs, place nothing, say why
+            return ModelPlan([], [], record.blocked(reason, detail, len(live), lines.text))
+        text = explain.render(record.blocked(reason, detail, 0, []))
+        removals = lines.removed((r, text) for r in _newest_first(live))
+        return ModelPlan([], removals, record.blocked(reason, detail, 0, lines.text))
+
+    assert model is not None
+    profiles = _profiles(model, desired)
+    allowed = {p.name for p in profiles}
+
+    runnable = replace_lost(snapshot, model, live)
+    right = [r for r in runnable.kept if r.profile in allowed]
+    switching = [r for r in runnable.kept if r.profile not in allowed]
+    surplus = remove_surplus(right, want)
+    filled = fill(fleet, model_id, profiles, want - len(surplus.kept))
+    switched = switch_profile(switching, surplus.kept, want, allowed)
+
+    removals = lines.removed(runnable.removed) + lines.removed(surplus.removed)
+    lines.add(f"keep {r.rid} on {_where(r)} ({r.phase})" for r in surplus.kept)
+    lines.add(f"place {r.rid} on {_where(r)}: {r.reason}" for r in filled.created)
+    removals += lines.removed(switched.removed)
+    lines.add(f"keep {r.rid} on {_where(r)} until the new profile is ready" for r in switched.kept)
+
+    placed = len(surplus.kept) + len(filled.created)
+    rec = record.placed(placed, len(fleet.nodes), filled.refusals, lines.text)
+    if placed < want:
+        short = want - placed
+        lines.add([f"{short} replica{'s' if short != 1 else ''} not placed: {rec.explanation}"])
+    return ModelPlan(filled.created, removals, rec)
+
+
+def blocked_model(model: Model | None, desired: Desired | None) -> tuple[Blocked, str] | None:
+    """Why nothing of the model can be placed at all, or None."""
+    if model is None:
+        return "not-in-catalog", ""
+    if not model.profiles:
+        return "static-endpoints", ""
+    if desired is not None and desired.profile and model.profile(desired.profile) is None:
+        return "unknown-profile", desired.profile
+    return None
+
+
+def _profiles(model: Model, desired: Desired | None) -> list[Profile]:
+    if desired is not None and desired.profile:
+        chosen = model.profile(desired.profile)
+        assert chosen is not None  # blocked_model refused an unknown one
+        return [chosen]
+    return list(model.profiles)
+
+
+def replace_lost(snapshot: Snapshot, model: Model, live: list[Replica]) -> Sorted:
+    """Step 1: a replica with a member on a lost node, or whose profile left the catalog, is
+    removed (and so replaced by the fill step); a multi-node replica goes whole."""
+    kept, removed = [], []
+    for replica in live:
+        gone = _gone_node(snapshot, replica)
+        if gone is not None:
+            removed.append((replica, f"{gone}; replaced"))
+        elif model.profile(replica.profile) is None:
+            removed.append((replica, f"profile '{replica.profile}' is no longer in the catalog"))
+        else:
+            kept.append(replica)
+    return Sorted(kept, removed)
+
+
+def remove_surplus(replicas: list[Replica], want: int) -> Sorted:
+    """Step 2: more than desired: the newest go first."""
+    extra = _newest_first(replicas)[: max(len(replicas) - want, 0)]
+    going = {r.rid for r in extra}
+    why = "desired is 0: draining" if want == 0 else f"desired lowered to {want}"
+    return Sorted([r for r in replicas if r.rid not in going], [(r, why) for r in extra])
+
+
+def fill(fleet: Fleet, model_id: str, profiles: list[Profile], missing: int) -> Filled:
+    """Step 3: place each missing replica with the first profile (in catalog order) that
+    fits somewhere. A profile that found no node stays exhausted: resources only shrink
+    within a plan."""
+    pickers: list[tuple[Profile, Picker]] = []
+    created: list[Replica] = []
+    for _ in range(missing):
+        found = _place_one(fleet, model_id, profiles, pickers)
+        if found is None:
+            break
+        created.append(found)
+    if len(created) == missing:
+        return Filled(created, [])  # nothing to explain
+    return Filled(created, [(p.name, pk.refusals()) for p, pk in pickers])
+
+
+def _place_one(
+    fleet: Fleet, model_id: str, profiles: list[Profile], pickers: list[tuple[Profile, Picker]]
+) -> Replica | None:
+    snapshot = fleet.snapshot
+    for i, profile in enumerate(profiles):
+        if i == len(pickers):
+            need = Need.of(model_id, profile, snapshot.port_range)
+            pickers.append((profile, picker(fleet.nodes, need, fleet.weights)))
+        found = pickers[i][1].pick()
+        if found is None:
+            continue
+        return Replica(
+            model=model_id,
+            rid=_new_rid(model_id, fleet.taken, snapshot.now),
+            profile=profile.name,
+            members=found.members,
+            phase="placed",
+            created_at=snapshot.now,
+            reason=found.why,
+        )
+    return None
+
+
+def switch_profile(old: list[Replica], new: list[Replica], want: int, allowed: set[str]) -> Sorted:
+    """Step 4: replicas of a profile no longer wanted stay until the wanted profile serves
+    the full count ready; then they go, newest first."""
+    ready = sum(1 for r in new if r.phase == "ready")
+    if want == 0 or ready >= want:
+        why = f"replaced by profile {'/'.join(sorted(allowed))}"
+        return Sorted([], [(r, why) for r in _newest_first(old)])
+    return Sorted(_newest_first(old))
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """Step 5, explain: the PlacementRecord, its text rendered from its data. `decisions` is
+    the steps' list of lines, which may still grow ("not placed: <explanation>")."""
+
+    model: str
+    desired: int
+    now: float
+
+    def blocked(
+        self, reason: Blocked, detail: str, placed: int, decisions: list[str]
+    ) -> PlacementRecord:
+        rec = PlacementRecord(
+            model=self.model,
+            desired=self.desired,
+            placed=placed,
+            blocked=reason,
+            blocked_detail=detail,
+        )
+        return self._done(rec, decisions)
+
+    def placed(
+        self,
+        placed: int,
+        judged: int,
+        refusals: list[tuple[str, dict[str, Refusal]]],
+        decisions: list[str],
+    ) -> PlacementRecord:
+        rec = PlacementRecord(model=self.model, desired=self.desired, placed=placed)
+        if placed < self.desired:
+            rec.judged = judged
+            rec.refused = [
+                g for profile, by_node in refusals for g in explain.group(profile, by_node)
+            ]
+        return self._done(rec, decisions)
+
+    def _done(self, rec: PlacementRecord, decisions: list[str]) -> PlacementRecord:
+        rec.explanation = explain.render(rec)
+        rec.decided_at = self.now
+        rec.decisions = decisions
+        return rec
+
+
+class _Lines:
+    """The record's decision lines, one per thing decided, in the order the steps ran."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+
+    def add(self, lines: Iterable[str]) -> None:
+        self.text.extend(lines)
+
+    def removed(self, removed: Iterable[tuple[Replica, str]]) -> list[Removal]:
+        out = []
+        for replica, why in removed:
+            self.text.append(f"remove {replica.rid} on {_where(replica)}: {why}")
+            out.append(Removal(replica.model, replica.rid, why))
+        return out
+
+
+def invalid_catalog_record(
+    model: str, desired: int, placed: int, why: str, now: float, decisions: list[str]
+) -> PlacementRecord:
+    """The record for a model whose catalog entry does not decode: nothing changes for it
+    until it is fixed (the loop keeps its replicas)."""
+    return _Record(model, desired, now).blocked("invalid-catalog", why, placed, decisions)
+
+
+def frozen_record(
+    model: str,
+    blocked: Blocked,
+    detail: str,
+    desired: int,
+    placed: int,
+    now: float,
+    decisions: list[str],
+) -> PlacementRecord:
+    """The record for a model the loop leaves exactly as it is, nothing placed and nothing
+    removed: its catalog entry is invalid, or was deleted while replicas are desired."""
+    return _Record(model, desired, now).blocked(blocked, detail, placed, decisions)
 
 
 def _new_rid(model: str, taken: set[str], now: float) -> str:
@@ -550,180 +835,7 @@ def _where(replica: Replica) -> str:
     return ", ".join(m.node for m in sorted(replica.members, key=lambda m: m.rank))
 
 
-def plan(snapshot: Snapshot) -> Plan:
-    """Decide replicas to create and remove for every model, with the reasons."""
-    nodes = _fleet(snapshot)
-    weights = WeightsNearby(snapshot)
-    taken = {r.rid for r in snapshot.replicas}
-    by_model: dict[str, list[Replica]] = defaultdict(list)
-    for replica in snapshot.replicas:
-        by_model[replica.model].append(replica)
-
-    create: list[Replica] = []
-    remove: list[Removal] = []
-    records: dict[str, PlacementRecord] = {}
-
-    # earliest request first: when GPUs are short, the model asked for first gets them
-    models = sorted(
-        set(snapshot.desired) | set(by_model) | set(snapshot.catalog),
-        key=lambda m: (snapshot.desired[m].updated_at if m in snapshot.desired else 0.0, m),
-    )
-    for model_id in models:
-        record = _plan_model(snapshot, model_id, by_model.get(model_id, []), nodes, weights, taken)
-        if record is None:
-            continue
-        made, dropped, placement = record
-        create.extend(made)
-        remove.extend(dropped)
-        if placement is not None:
-            records[model_id] = placement
-    return Plan(create=create, remove=remove, placements=records)
-
-
-def _plan_model(
-    snapshot: Snapshot,
-    model_id: str,
-    current: list[Replica],
-    nodes: dict[str, NodeState],
-    weights: WeightsNearby,
-    taken: set[str],
-) -> tuple[list[Replica], list[Removal], PlacementRecord | None] | None:
-    model = snapshot.catalog.get(model_id)
-    desired = snapshot.desired.get(model_id)
-    want = desired.replicas if desired is not None else 0
-    live = [r for r in current if r.phase not in _GOING]
-    if not live and desired is None:
-        return None
-    decisions: list[str] = []
-    removals: list[Removal] = []
-
-    def record(placed: int, explanation: str = "", reasons: dict[str, int] | None = None):
-        return PlacementRecord(
-            model=model_id,
-            desired=want,
-            placed=placed,
-            explanation=explanation,
-            reasons=reasons or {},
-            decided_at=snapshot.now,
-            decisions=decisions,
-        )
-
-    def drop(replica: Replica, why: str) -> None:
-        removals.append(Removal(model_id, replica.rid, why))
-        decisions.append(f"remove {replica.rid} on {_where(replica)}: {why}")
-
-    refusal: str | None = None
-    if model is None:
-        refusal = f"model '{model_id}' is not in the catalog"
-    elif not model.profiles:
-        refusal = f"model '{model_id}' is served from static endpoints, not placed"
-    elif desired is not None and desired.profile and model.profile(desired.profile) is None:
-        names = ", ".join(p.name for p in model.profiles)
-        refusal = f"profile '{desired.profile}' is not in model '{model_id}' (profiles: {names})"
-    if refusal is not None:
-        if model is None or not model.profiles:
-            for replica in _newest_first(live):
-                drop(replica, refusal)
-            return [], removals, record(0, refusal, {"catalog": 1})
-        # an unknown desired profile: keep what runs, place nothing, say why
-        return [], removals, record(len(live), refusal, {"unknown-profile": 1})
-
-    assert model is not None
-    profiles = (
-        [model.profile(desired.profile)]
-        if desired is not None and desired.profile
-        else list(model.profiles)
-    )
-    allowed = {p.name for p in profiles if p is not None}
-
-    kept: list[Replica] = []
-    for replica in sorted(live, key=lambda r: (r.created_at, r.rid)):
-        gone = _gone_node(snapshot, replica)
-        if gone is not None:
-            drop(replica, f"{gone}; replaced")
-        elif model.profile(replica.profile) is None:
-            drop(replica, f"profile '{replica.profile}' is no longer in the catalog")
-        else:
-            kept.append(replica)
-    right = [r for r in kept if r.profile in allowed]
-    switching = [r for r in kept if r.profile not in allowed]
-
-    for replica in _newest_first(right)[: max(len(right) - want, 0)]:
-        drop(replica, "desired is 0: draining" if want == 0 else f"desired lowered to {want}")
-        right.remove(replica)
-    for replica in right:
-        decisions.append(f"keep {replica.rid} on {_where(replica)} ({replica.phase})")
-
-    made: list[Replica] = []
-    missing = want - len(right)
-    pickers: list = []
-    for _ in range(missing):
-        placed = _place_one(snapshot, model_id, profiles, nodes, weights, pickers, taken)
-        if placed is None:
-            break
-        made.append(placed)
-        decisions.append(f"place {placed.rid} on {_where(placed)}: {placed.reason}")
-
-    # a profile switch: the old replicas go once the new profile serves the full count
-    ready = sum(1 for r in right if r.phase == "ready")
-    for replica in _newest_first(switching):
-        if want == 0 or ready >= want:
-            drop(replica, f"replaced by profile {'/'.join(sorted(allowed))}")
-        else:
-            decisions.append(
-                f"keep {replica.rid} on {_where(replica)} until the new profile is ready"
-            )
-
-    placed_count = len(right) + len(made)
-    if placed_count >= want:
-        return made, removals, record(placed_count)
-    explanation, reasons = _explain_pickers(len(nodes), profiles, pickers)
-    short = want - placed_count
-    decisions.append(f"{short} replica{'s' if short != 1 else ''} not placed: {explanation}")
-    return made, removals, record(placed_count, explanation, reasons)
-
-
-def _place_one(
-    snapshot: Snapshot,
-    model_id: str,
-    profiles: list[Profile],
-    nodes: dict[str, NodeState],
-    weights: WeightsNearby,
-    pickers: list,
-    taken: set[str],
-) -> Replica | None:
-    """Place one replica with the first profile (in catalog order) that fits somewhere.
-    A profile that found no node stays exhausted: resources only shrink within a plan."""
-    for i, profile in enumerate(profiles):
-        if i == len(pickers):
-            pickers.append(_picker(nodes, Need.of(model_id, profile, snapshot.port_range), weights))
-        found = pickers[i].pick()
-        if found is None:
-            continue
-        members, why = found
-        return Replica(
-            model=model_id,
-            rid=_new_rid(model_id, taken, snapshot.now),
-            profile=profile.name,
-            members=members,
-            phase="placed",
-            created_at=snapshot.now,
-            reason=why,
-        )
-    return None
-
-
-def _explain_pickers(
-    total: int, profiles: list[Profile], pickers: list
-) -> tuple[str, dict[str, int]]:
-    if len(profiles) == 1:
-        return explain(total, _refusals(pickers[0]))
-    lines, reasons = [], {}
-    for profile, picker in zip(profiles, pickers, strict=False):
-        text, counts = explain(total, _refusals(picker))
-        lines.append(f"profile {profile.name}: {text}")
-        reasons.update({f"{profile.name}:{k}": n for k, n in counts.items()})
-    return "; ".join(lines), reasons
+# --- who qualifies now: the loop reports changes for waiting models ------------------------
 
 
 def qualifying_nodes(snapshot: Snapshot, model: str, profile: str | None = None) -> set[str]:

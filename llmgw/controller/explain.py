@@ -1,0 +1,192 @@
+"""Why replicas are not placed, as data first and text second.
+
+A filter refuses a node with a `Refusal`: a constant reason key plus the numbers it is
+about (what the profile needs, what the node has), like Kubernetes'
+`InsufficientResource{Requested, Used, Capacity}`. `group` folds the refusals of one
+profile into one `RefusedNodes` per reason for the `placement.<model>` record, and
+`render` writes the text a person reads from that record:
+
+    0/14 nodes fit: 12 short of host RAM (62-90 GB free, needs 128), 2 lost
+
+A node's free RAM moves a little at every heartbeat; the numbers it moves are kept in
+`least`/`most`, and `same_decision` compares records without them, so a model waiting
+for RAM is not rewritten (nor logged, nor announced) at every pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from llmgw.bus.records import PlacementRecord, RefusedNodes
+
+GB = 1_000_000_000  # catalog sizes are 10^9 bytes, like the "80GB" on the card
+
+# Why one node cannot take a replica of one profile. Constant keys: the numbers go in
+# the Refusal's fields, never into the key.
+Reason = Literal[
+    "unreachable",  # node phase: its lease stopped moving
+    "lost",
+    "no-lease",  # an inventory, but no lease judged yet
+    "no-engine",  # detail: the engine
+    "no-fabric",  # a multi-node profile on a node on no active IB fabric
+    "no-gpus",  # a GPU profile on a node without NVIDIA GPUs
+    "no-gpu-driver",
+    "gpu-discovery-failed",
+    "gpu-memory",  # needs/has: bytes per GPU (has: the node's largest GPU)
+    "gpus",  # needs/has: count of free GPUs with enough memory
+    "ram",  # needs/has: bytes of host RAM free
+    "ports",  # detail: the port range, all in use
+    "fabric-size",  # needs/has: fitting nodes in the fabric; detail: the fabric
+]
+
+_REASON_ORDER = {r: i for i, r in enumerate(get_args(Reason))}
+
+# Why a model as a whole places nothing (PlacementRecord.blocked).
+Blocked = Literal[
+    "not-in-catalog", "static-endpoints", "unknown-profile", "invalid-catalog", "catalog-deleted"
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a node cannot take a replica: `reason`, plus what the profile needs and what
+    the node has, in the reason's unit (bytes, GPUs, nodes; see Reason)."""
+
+    reason: Reason
+    needs: int | None = None
+    has: int | None = None
+    detail: str = ""
+
+
+def group(profile: str, refusals: Mapping[str, Refusal]) -> list[RefusedNodes]:
+    """One RefusedNodes per (reason, needs, detail): most nodes first, then in the order of
+    Reason (the filters' order), so the order depends on no number that moves by itself."""
+    groups: dict[tuple[str, int | None, str], list[int | None]] = {}
+    for r in refusals.values():
+        groups.setdefault((r.reason, r.needs, r.detail), []).append(r.has)
+    out = []
+    for (reason, needs, detail), has in groups.items():
+        known = [h for h in has if h is not None]
+        out.append(
+            RefusedNodes(
+                profile=profile,
+                reason=reason,
+                nodes=len(has),
+                needs=needs,
+                least=min(known) if known else None,
+                most=max(known) if known else None,
+                detail=detail,
+            )
+        )
+    out.sort(key=lambda g: (-g.nodes, _REASON_ORDER.get(g.reason, -1), g.detail, g.needs or 0))
+    return out
+
+
+def same_decision(a: PlacementRecord, b: PlacementRecord) -> bool:
+    """Whether two records say the same: everything but when, the rendered text, the
+    decision lines and the observed numbers (`least`/`most`), which move by themselves."""
+    return _decision(a) == _decision(b)
+
+
+def _decision(r: PlacementRecord) -> tuple:
+    return (
+        r.model,
+        r.desired,
+        r.placed,
+        r.desired_at,
+        r.blocked,
+        r.blocked_detail,
+        r.judged,
+        tuple((g.profile, g.reason, g.nodes, g.needs, g.detail) for g in r.refused),
+    )
+
+
+# --- text, rendered from the record's data ------------------------------------------------
+
+
+def render(record: PlacementRecord) -> str:
+    """The text a person reads: "" when nothing is missing and nothing blocks the model."""
+    if record.blocked:
+        return _render_blocked(record)
+    if record.placed >= record.desired:
+        return ""
+    profiles = list(dict.fromkeys(g.profile for g in record.refused))
+    if len(profiles) <= 1:
+        return _render_profile(record.judged, record.refused)
+    return "; ".join(
+        f"profile {p}: "
+        + _render_profile(record.judged, [g for g in record.refused if g.profile == p])
+        for p in profiles
+    )
+
+
+def _render_blocked(r: PlacementRecord) -> str:
+    if r.blocked == "not-in-catalog":
+        return f"model '{r.model}' is not in the catalog"
+    if r.blocked == "static-endpoints":
+        return f"model '{r.model}' is served from static endpoints, not placed"
+    if r.blocked == "unknown-profile":
+        return (
+            f"profile '{r.blocked_detail}' is not in model '{r.model}'; "
+            "`llmgw catalog ls` lists its profiles"
+        )
+    if r.blocked == "invalid-catalog":
+        return f"catalog entry is invalid, nothing changed until it is fixed: {r.blocked_detail}"
+    if r.blocked == "catalog-deleted":
+        n = f"{r.desired} replica{'s' if r.desired != 1 else ''}"
+        return (
+            f"catalog entry deleted while {n} are desired, nothing placed or removed: re-apply "
+            f"it (`llmgw catalog apply`), then `llmgw place {r.model} --replicas 0` to remove them"
+        )
+    return f"{r.blocked}: {r.blocked_detail}" if r.blocked_detail else r.blocked
+
+
+def _render_profile(judged: int, groups: Iterable[RefusedNodes]) -> str:
+    groups = list(groups)
+    head = f"{judged - sum(g.nodes for g in groups)}/{judged} nodes fit"
+    if judged == 0:
+        return f"{head}: no node has reported an inventory"
+    parts = [render_group(g) for g in groups]
+    return f"{head}: " + ", ".join(parts) if parts else head
+
+
+def render_group(g: RefusedNodes) -> str:
+    """ "12 short of host RAM (62-90 GB free, needs 128)" """
+    n = g.nodes
+    if g.reason in ("lost", "unreachable"):
+        return f"{n} {g.reason}"
+    if g.reason == "no-lease":
+        return f"{n} with no lease seen"
+    if g.reason == "no-engine":
+        return f"{n} no {g.detail}"
+    if g.reason == "no-fabric":
+        return f"{n} not on an active IB fabric"
+    if g.reason == "no-gpus":
+        return f"{n} without GPUs"
+    if g.reason == "no-gpu-driver":
+        return f"{n} without a GPU driver"
+    if g.reason == "gpu-discovery-failed":
+        return f"{n} where GPU discovery failed"
+    if g.reason == "gpu-memory":
+        return f"{n} with GPUs too small ({_range(g, _gb)} GB, needs {_gb(g.needs)})"
+    if g.reason == "gpus":
+        return f"{n} short of free GPUs ({_range(g, str)} free, needs {g.needs})"
+    if g.reason == "ram":
+        return f"{n} short of host RAM ({_range(g, _gb)} GB free, needs {_gb(g.needs)})"
+    if g.reason == "ports":
+        return f"{n} with no free port in {g.detail}"
+    if g.reason == "fabric-size":
+        fitting = f"{_range(g, str)} fitting node{'s' if g.most != 1 else ''}"
+        return f"{n} on {g.detail}, which has {fitting} (needs {g.needs})"
+    return f"{n} {g.reason}" + (f" ({g.detail})" if g.detail else "")  # a newer writer's key
+
+
+def _gb(n: int | None) -> str:
+    return f"{max(n or 0, 0) / GB:.1f}".removesuffix(".0")
+
+
+def _range(g: RefusedNodes, show) -> str:
+    lo, hi = show(g.least), show(g.most)
+    return lo if lo == hi else f"{lo}-{hi}"
