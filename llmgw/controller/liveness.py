@@ -3,7 +3,8 @@
 Pure: the reconcile loop feeds what it saw (`observe(node, seq, now)`) with `now` from
 its monotonic clock, and asks for phases. A lease that stops moving makes its node
 unreachable (no new placements, its replicas stay) and later lost (its replicas are
-placed elsewhere).
+placed elsewhere). `health_changes` turns the phases into the `health.<node>` records to
+write.
 
 The agent's clock is never used: nodes' clocks drift, and a lease's wall time says
 nothing about when this controller last saw it change. A node first seen by this
@@ -13,31 +14,28 @@ fleet a fresh grace period instead of declaring it lost.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
-from llmgw.bus.records import NodePhase
+from llmgw.bus.records import Health, Lease, NodePhase
 
 HEARTBEAT_S = 5.0
 UNREACHABLE_AFTER_S = 3 * HEARTBEAT_S  # three missed heartbeats
 LOST_AFTER_S = 60.0
 
-
-@dataclass(frozen=True, slots=True)
-class Transition:
-    """A node's phase changed (`previous` None: first seen by this controller)."""
-
-    node: str
-    previous: NodePhase | None
-    phase: NodePhase
-    reason: str
-    seq: int
-    at: float  # the controller's clock
+_SEVERITY: dict[NodePhase, int] = {"ready": 0, "unreachable": 1, "lost": 2}
 
 
 @dataclass(slots=True)
 class _Seen:
     seq: int
     moved_at: float  # when this controller saw seq change, or first saw the node
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    phase: NodePhase
+    seq: int | None  # the lease's seq when held; None: no lease then
 
 
 class LivenessTracker:
@@ -54,7 +52,7 @@ class LivenessTracker:
         self.unreachable_after = unreachable_after
         self.lost_after = lost_after
         self._seen: dict[str, _Seen] = {}
-        self._reported: dict[str, NodePhase] = {}
+        self._held: dict[str, _Held] = {}
 
     def observe(self, node: str, seq: int, now: float) -> None:
         """Record the lease sequence seen for `node` at `now`. Any change counts as
@@ -62,6 +60,16 @@ class LivenessTracker:
         seen = self._seen.get(node)
         if seen is None or seen.seq != seq:
             self._seen[node] = _Seen(seq, now)
+        held = self._held.get(node)
+        if held is not None and held.seq != seq:
+            del self._held[node]  # it moved: judged on its own again
+
+    def hold(self, node: str, phase: NodePhase, seq: int | None) -> None:
+        """`node` is recorded `phase` by an earlier judgement (a previous controller): it stays
+        at least that bad until its lease moves from `seq`. A fresh grace period then never
+        places replicas on a node that was already dead."""
+        if phase != "ready":
+            self._held[node] = _Held(phase, seq)
 
     def restart_grace(self, now: float) -> None:
         """Every node counts as having moved `now`: after this controller was cut off (it saw
@@ -72,9 +80,16 @@ class LivenessTracker:
     def forget(self, node: str) -> None:
         """The node's lease was deleted (node decommissioned): stop tracking it."""
         self._seen.pop(node, None)
-        self._reported.pop(node, None)
 
     def phase(self, node: str, now: float) -> NodePhase | None:
+        """None: no lease seen and nothing held."""
+        judged = self._judged(node, now)
+        held = self._held.get(node)
+        if held is not None and (judged is None or _SEVERITY[held.phase] > _SEVERITY[judged]):
+            return held.phase
+        return judged
+
+    def _judged(self, node: str, now: float) -> NodePhase | None:
         seen = self._seen.get(node)
         if seen is None:
             return None
@@ -89,26 +104,66 @@ class LivenessTracker:
         return {node: self.phase(node, now) for node in sorted(self._seen)}  # type: ignore[misc]
 
     def reason(self, node: str, now: float) -> str:
+        phase = self.phase(node, now)
+        held = self._held.get(node)
+        if held is not None and held.phase == phase:
+            return f"recorded {phase} before this controller started; waiting for its lease to move"
         seen = self._seen.get(node)
         if seen is None:
-            return "no lease seen by this controller"
+            return "no heartbeat seen"
         still = now - seen.moved_at
-        phase = self.phase(node, now)
         if phase == "ready":
             return f"lease seq {seen.seq} moved {still:.0f} s ago"
         limit = self.lost_after if phase == "lost" else self.unreachable_after
         return f"lease seq {seen.seq} has not moved for {still:.0f} s ({phase} after {limit:g} s)"
 
-    def transitions(self, now: float) -> list[Transition]:
-        """Phases that changed since the previous call (every node on the first call),
-        in node order; the loop writes `health.<node>` and publishes an event for each."""
-        out: list[Transition] = []
-        for node, phase in self.phases(now).items():
-            previous = self._reported.get(node)
-            if previous == phase:
-                continue
-            self._reported[node] = phase
-            out.append(
-                Transition(node, previous, phase, self.reason(node, now), self._seen[node].seq, now)
-            )
-        return out
+
+def node_phases(nodes: Iterable[str], tracker: LivenessTracker, now: float) -> dict[str, NodePhase]:
+    """The phase of every node with an inventory; one with no lease yet is unreachable."""
+    return {node: tracker.phase(node, now) or "unreachable" for node in nodes}
+
+
+@dataclass(frozen=True, slots=True)
+class HealthChange:
+    record: Health
+    previous: NodePhase | None  # None: the node had no health record
+
+
+@dataclass(frozen=True)
+class HealthChanges:
+    write: list[HealthChange] = field(default_factory=list)
+    delete: list[str] = field(default_factory=list)  # nodes whose inventory was removed
+
+    @property
+    def declares_silence(self) -> bool:
+        """Whether any node is to be written unreachable or lost: a judgement that needs this
+        controller's own link checked first."""
+        return any(c.record.phase != "ready" for c in self.write)
+
+
+def health_changes(
+    phases: Mapping[str, NodePhase],
+    stored: Mapping[str, Health],
+    leases: Mapping[str, Lease],
+    tracker: LivenessTracker,
+    now: float,
+    wall: float,
+) -> HealthChanges:
+    """The `health.<node>` records to write (phases that differ from the stored ones) and
+    to delete (nodes without an inventory any more). `now` is the tracker's clock, `wall`
+    the records' timestamp."""
+    write = []
+    for node, phase in phases.items():
+        old = stored.get(node)
+        if old is not None and old.phase == phase:
+            continue
+        lease = leases.get(node)
+        record = Health(
+            node=node,
+            phase=phase,
+            since=wall,
+            reason=tracker.reason(node, now),
+            last_seq=lease.seq if lease else 0,
+        )
+        write.append(HealthChange(record, old.phase if old else None))
+    return HealthChanges(write=write, delete=[n for n in stored if n not in phases])

@@ -6,8 +6,9 @@ weights view, replicas and their phases, assignments derived from the replicas, 
 placement record with its explanation. Replicas are written before their assignments and
 assignments are derived from replicas on every pass, so a controller killed between two
 writes finishes the job after its restart instead of duplicating or orphaning anything.
-One controller leads through the `leader` key; the others watch and take over when its
-revision stops moving for `leader_ttl` seconds (judged on their own clock).
+One controller leads through the `leader` key (controller/leadership.py); it judges nodes
+only while its own link to the bucket is trusted (controller/link.py). Time comes from one
+clock passed in (controller/clock.py).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 import socket
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import anyio
@@ -26,14 +28,22 @@ from llmgw import catalog
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, Synced, Update, decoder
 from llmgw.controller import placement
+from llmgw.controller.clock import Clock, SystemClock
 from llmgw.controller.fabrics import fabric_view
-from llmgw.controller.liveness import LOST_AFTER_S, UNREACHABLE_AFTER_S, LivenessTracker
-from llmgw.controller.view import View
+from llmgw.controller.leadership import CREATE, LeaderKey
+from llmgw.controller.link import Link, LinkState
+from llmgw.controller.liveness import (
+    LOST_AFTER_S,
+    UNREACHABLE_AFTER_S,
+    HealthChange,
+    HealthChanges,
+    LivenessTracker,
+    health_changes,
+    node_phases,
+)
+from llmgw.controller.view import Freeze, View
 
 log = logging.getLogger(__name__)
-
-_SEVERITY = {"ready": 0, "unreachable": 1, "lost": 2}
-_STUCK_S = 3.0  # one bucket write this slow: the server was not answering meanwhile
 
 
 class _NotLeading(Exception):
@@ -54,22 +64,26 @@ class ControllerSettings:
 
 
 class Controller:
-    def __init__(self, bus: Bus, settings: ControllerSettings | None = None) -> None:
+    def __init__(
+        self, bus: Bus, settings: ControllerSettings | None = None, clock: Clock | None = None
+    ) -> None:
         self.bus = bus
         self.settings = settings or ControllerSettings()
+        self.clock = clock or SystemClock()
+        self.instance = secrets.token_hex(8)  # tells this process's lease from a namesake's
         self.view = View()
         self.tracker = LivenessTracker(self.settings.unreachable_after, self.settings.lost_after)
+        self.link = Link()
+        self.leader_key = LeaderKey()
         self.leading = False
-        self._synced = anyio.Event()
-        self._in_sync = False
-        self._slowest_write = 0.0
-        self._link_suspect = False  # a write failed or hung: this controller may have been cut off
-        self._dirty = True
-        self._held: dict[str, tuple[str, int]] = {}  # node -> (stored phase, seq at start)
-        self._leader_seen: tuple[int, float] = (0, 0.0)  # (revision, when first seen)
-        self._my_rev = 0
-        self._qualifying: dict[str, set[str]] = {}
+        self.leadership_steps = 0  # times it looked at the leader key: what tests wait on
         self.passes = 0
+        self._synced = anyio.Event()
+        self._pass_due = True  # something a pass reads changed since the last one
+        self._last_pass = float("-inf")  # event-loop time of the last full pass
+        self._my_rev = 0
+        self._since = 0.0  # when this controller took the lead
+        self._qualifying: dict[str, set[str]] = {}
 
     @property
     def id(self) -> str:
@@ -98,55 +112,45 @@ class Controller:
                 if not self._synced.is_set():
                     self._hold_stored_phases()
                     self._synced.set()
-                elif not self._in_sync:
+                if self.link.synced():
                     # Back after an outage: this controller saw no lease move while it was
                     # away, which says nothing about the nodes. Every node gets a fresh grace
                     # period, as after a restart; a network blip must not drain the fleet.
-                    self.tracker.restart_grace(time.monotonic())
-                    log.info("bucket re-read after reconnecting; nodes get a fresh grace period")
-                self._in_sync = True
-                self._dirty = True
+                    self.tracker.restart_grace(self.clock.monotonic())
+                self._pass_due = True
                 continue
             self._apply(item)
 
+    async def _on_reconnected(self) -> None:
+        self.link.disconnected()  # stale until the watch has replayed the bucket
+
     def _apply(self, item: Update[bytes]) -> None:
         family = self.view.apply(item.key, item.value, item.revision)
+        now = self.clock.monotonic()
         if family == keys.LEASES:
             parsed = keys.parse(item.key)
             assert parsed is not None
             node = parsed.ids[0]
             lease = self.view.leases.get(node)
             if lease is not None:
-                self.tracker.observe(node, lease.seq, time.monotonic())
-                held = self._held.get(node)
-                if held is not None and held[1] != lease.seq:
-                    del self._held[node]  # it moved: alive again
+                self.tracker.observe(node, lease.seq, now)
             else:
                 self.tracker.forget(node)
         elif family == keys.LEADER:
-            if self.view.leader_rev != self._leader_seen[0]:
-                self._leader_seen = (self.view.leader_rev, time.monotonic())
+            self.leader_key.saw(self.view.leader_rev, self.view.leader, now)
         elif family not in (None, keys.HEALTH, keys.PLACEMENT, keys.FABRICS):
-            self._dirty = True
+            self._pass_due = True
 
     def _hold_stored_phases(self) -> None:
         # A restarted controller gives every node a fresh grace period, so it never declares
         # the fleet lost; but a node already recorded lost stays lost until its lease moves,
         # so the grace period never places replicas on a dead node.
         for node, h in self.view.health.items():
-            if h.phase != "ready":
-                lease = self.view.leases.get(node)
-                self._held[node] = (h.phase, lease.seq if lease else -1)
+            lease = self.view.leases.get(node)
+            self.tracker.hold(node, h.phase, lease.seq if lease else None)
 
     def phases(self, now: float) -> dict[str, str]:
-        out = {}
-        for node in self.view.nodes:
-            phase = self.tracker.phase(node, now) or "unreachable"  # inventory but no lease yet
-            held = self._held.get(node)
-            if held is not None and _SEVERITY[held[0]] > _SEVERITY[phase]:
-                phase = held[0]
-            out[node] = phase
-        return out
+        return dict(node_phases(self.view.nodes, self.tracker, now))
 
     # --- leadership -----------------------------------------------------------------------
 
@@ -154,61 +158,65 @@ class Controller:
         interval = self.settings.leader_ttl / 3
         while True:
             try:
-                await self._leadership_step()
+                if self.leading:
+                    await self._renew()
+                else:
+                    await self._claim()
             except Exception as e:  # noqa: BLE001 - NATS away: try again next interval
                 # a leader that cannot renew must not act on what may be a stale view; it
                 # takes the key back at the next step if nobody else did
-                self._step_down(f"cannot renew the leader key: {e or type(e).__name__}")
-                self._link_suspect = True
+                why = str(e) or type(e).__name__
+                self._step_down(f"cannot renew the leader key: {why}")
+                self.link.write_failed(f"the leader key: {why}")
+            self.leadership_steps += 1
             await anyio.sleep(interval)
 
-    async def _leadership_step(self) -> None:
-        now = time.time()
-        if self.leading:
-            rev = await self.bus.update(keys.leader(), self._leader_record(now), last=self._my_rev)
-            if rev is None:
-                # A renewal whose acknowledgement was lost may still have been stored: if the
-                # key is still ours, adopt its revision instead of stepping down.
-                entry = await self.bus.get(keys.leader(), decoder(records.Leader))
-                if entry is not None and entry.value.holder == self.id:
-                    self._my_rev = entry.revision
-                else:
-                    self._step_down("another controller took the leader key")
-            else:
-                self._my_rev = rev
-            return
-        current = self.view.leader
-        if current is None:
-            rev = await self.bus.create(keys.leader(), self._leader_record(now, since=now))
-        else:
-            seen_rev, seen_at = self._leader_seen
-            if current.holder != self.id and time.monotonic() - seen_at < self.settings.leader_ttl:
-                return
-            rev = await self.bus.update(
-                keys.leader(), self._leader_record(now, since=now), last=seen_rev
-            )
+    def _leader_record(self) -> records.Leader:
+        return records.Leader(
+            holder=self.id, since=self._since, renewed_at=self.clock.wall(), instance=self.instance
+        )
+
+    async def _renew(self) -> None:
+        rev = await self.bus.update(keys.leader(), self._leader_record(), last=self._my_rev)
         if rev is not None:
             self._my_rev = rev
-            # A controller that starts leading judges from now, as after a restart: it may
-            # come back from being cut off (JetStream without quorum, a stalled link: no
-            # reconnect, so no re-sync) with leases that only look still. Nodes already
-            # recorded unreachable or lost stay so until their lease moves.
-            self.tracker.restart_grace(time.monotonic())
-            self._hold_stored_phases()
-            self.leading = True
-            self._dirty = True
-            prev = current.holder if current else None
-            log.info("controller %s leads (previous: %s)", self.id, prev or "none")
-            await self.bus.publish_event(
-                "leader", keys.sanitize_token(self.id), f"controller {self.id} leads", previous=prev
-            )
+            return
+        # A renewal whose acknowledgement was lost may still have been stored: if the key is
+        # still ours, adopt its revision instead of stepping down.
+        entry = await self.bus.get(keys.leader(), decoder(records.Leader))
+        if entry is not None and entry.value.instance == self.instance:
+            self._my_rev = entry.revision
+        else:
+            self._step_down("another controller took the leader key")
 
-    def _leader_record(self, now: float, since: float | None = None) -> records.Leader:
-        held = self.view.leader
-        start = (
-            since if since is not None else (held.since if held and held.holder == self.id else now)
+    async def _claim(self) -> None:
+        held = self.leader_key
+        at = held.claim(self.instance, self.clock.monotonic(), self.settings.leader_ttl)
+        if at is None:
+            return
+        previous = held.value.holder if held.value else None
+        self._since = self.clock.wall()
+        if at == CREATE:
+            rev = await self.bus.create(keys.leader(), self._leader_record())
+        else:
+            rev = await self.bus.update(keys.leader(), self._leader_record(), last=at)
+        if rev is None:
+            return  # another controller was quicker
+        self._my_rev = rev
+        # A controller that starts leading judges from now, as after a restart: it may
+        # come back from being cut off (JetStream without quorum, a stalled link: no
+        # reconnect, so no re-sync) with leases that only look still. Nodes already
+        # recorded unreachable or lost stay so until their lease moves.
+        self.tracker.restart_grace(self.clock.monotonic())
+        self._hold_stored_phases()
+        self.leading = True
+        self._pass_due = True
+        if at != CREATE and held.value is None:
+            previous = "a value that does not decode"
+        log.info("controller %s leads (previous: %s)", self.id, previous or "none")
+        await self.bus.publish_event(
+            "leader", keys.sanitize_token(self.id), f"controller {self.id} leads", previous=previous
         )
-        return records.Leader(holder=self.id, since=start, renewed_at=now)
 
     def _require_leading(self) -> None:
         if not self.leading:
@@ -223,116 +231,96 @@ class Controller:
         if self.leading and self._my_rev:
             try:
                 with anyio.move_on_after(1):
-                    await self.bus.delete(
-                        keys.leader(), last=self._my_rev
-                    )  # others take over at once
+                    # others take over at once
+                    await self.bus.delete(keys.leader(), last=self._my_rev)
             except Exception:  # noqa: BLE001
                 pass
         self.leading = False
 
-    # --- reconcile --------------------------------------------------------------------------
+    # --- judging nodes --------------------------------------------------------------------
 
     async def _reconcile_forever(self) -> None:
-        last_full = 0.0
         while True:
-            now = time.monotonic()
-            # Judge nothing while the view may be stale: disconnected, or reconnected but the
-            # watch has not replayed the bucket yet (its leases would all look still).
-            if self.leading and self.bus.connected and self._in_sync:
-                self._slowest_write = 0.0
-                try:
-                    changed = await self._write_health(now)
-                    if self._slowest_write <= _STUCK_S and (
-                        self._dirty or changed or now - last_full >= self.settings.resync
-                    ):
-                        self._dirty = False
-                        last_full = now
-                        await self.reconcile(now)
-                except _NotLeading:
-                    self._dirty = True
-                except Exception:  # noqa: BLE001 - the next pass starts from the bucket again
-                    log.exception("reconcile pass failed; retrying")
-                    self._dirty = True
-                    self._link_suspect = True
-                if self._slowest_write > _STUCK_S:
-                    log.warning("a bucket write hung for %.0f s", self._slowest_write)
-                    self._link_suspect = True
+            if not self.bus.connected:
+                self.link.disconnected()
+            if self.leading:
+                await self._pass()
             await anyio.sleep(self.settings.tick)
 
-    async def _on_reconnected(self) -> None:
-        self._in_sync = False  # until the watch has replayed the bucket
+    async def _pass(self) -> None:
+        if self.link.state is LinkState.SUSPECT:
+            await self._check_link()
+        if not self.link.may_judge:
+            return  # the view may be stale: judge nothing
+        try:
+            changed = await self._judge_nodes()
+            due = self._pass_due or changed
+            if anyio.current_time() - self._last_pass >= self.settings.resync:
+                due = True
+            if due and self.link.may_judge:  # (a health write that hung made it suspect)
+                self._pass_due = False
+                self._last_pass = anyio.current_time()
+                await self.reconcile()
+        except _NotLeading:
+            self._pass_due = True
+        except Exception as e:  # noqa: BLE001 - the next pass starts from the bucket again
+            log.exception("reconcile pass failed; retrying")
+            self._pass_due = True
+            self.link.write_failed(str(e) or type(e).__name__)
 
-    async def _write_health(self, now: float) -> bool:
-        if self._link_suspect:
-            # A write failed or hung: while it did, this controller heard nothing, which says
-            # nothing about the nodes. Once the bucket answers promptly again, every node
-            # gets a fresh grace period, and only then is any node judged.
-            if await self._link_answers():
-                self._link_suspect = False
-                self.tracker.restart_grace(time.monotonic())
-                log.info("the bucket answers again; nodes get a fresh grace period")
-            return False
-        changes: list[tuple[records.Health, str | None]] = []
-        for node, phase in self.phases(now).items():
-            stored = self.view.health.get(node)
-            if stored is not None and stored.phase == phase:
-                continue
-            reason = (
-                self.tracker.reason(node, now) if node in self.view.leases else "no heartbeat seen"
-            )
-            if node in self._held and phase == self._held[node][0]:
-                reason = f"recorded {phase} before this controller started; waiting for its lease to move"
-            lease = self.view.leases.get(node)
-            record = records.Health(
-                node=node,
-                phase=phase,
-                since=time.time(),
-                reason=reason,
-                last_seq=lease.seq if lease else 0,
-            )
-            changes.append((record, stored.phase if stored else None))
-        if any(r.phase != "ready" for r, _ in changes) and not await self._link_answers():
-            return False
-        # a fleet's worth at start-up: written concurrently (sequential puts are ~3,000/s)
-        await _bounded_gather(
-            [self._write_one_health(r, prev, many=len(changes) > 20) for r, prev in changes]
-        )
-        if len(changes) > 20:
-            counts: dict[str, int] = {}
-            for r, _ in changes:
-                counts[r.phase] = counts.get(r.phase, 0) + 1
-            log.info(
-                "%d nodes changed phase: %s",
-                len(changes),
-                ", ".join(f"{n} {p}" for p, n in counts.items()),
-            )
-        for node in [n for n in self.view.health if n not in self.view.nodes]:
-            await self.bus.delete(keys.health(node))  # decommissioned: its inventory was removed
-            self.view.health.pop(node, None)
-        return bool(changes)
-
-    async def _link_answers(self) -> bool:
+    async def _check_link(self) -> None:
         """Before declaring nodes silent, check this controller is not the silent one (a
         stalled link delivers nothing, so every lease looks still): a round trip to the
-        server must come back promptly. If not, judge nothing and start over from now."""
+        server must come back promptly."""
         try:
-            took = await self.bus.round_trip(timeout=_STUCK_S)
+            took: float | None = await self.bus.round_trip(timeout=self.link.stuck_after)
         except Exception:  # noqa: BLE001 - no answer at all
-            took = float("inf")
-        if took < _STUCK_S:
-            return True
-        log.warning("the bucket did not answer for %.0f s; judging no node meanwhile", _STUCK_S)
-        self._link_suspect = True
-        return False
+            took = None
+        if self.link.round_trip(took):
+            self.tracker.restart_grace(self.clock.monotonic())
 
-    async def _write_one_health(
-        self, record: records.Health, previous: str | None, *, many: bool
-    ) -> None:
-        started = time.monotonic()
+    async def _judge_nodes(self) -> bool:
+        """Write `health.<node>` where a node's phase changed; True if any did."""
+        now = self.clock.monotonic()
+        changes = health_changes(
+            self.phases(now),
+            self.view.health,
+            self.view.leases,
+            self.tracker,
+            now,
+            self.clock.wall(),
+        )
+        if changes.declares_silence:
+            await self._check_link()  # no node is declared silent without a round trip
+            if not self.link.may_judge:
+                return False
+        await self._write_health(changes)
+        return bool(changes.write)
+
+    async def _write_health(self, changes: HealthChanges) -> None:
+        many = len(changes.write) > 20
+        # a fleet's worth at start-up: written concurrently (sequential puts are ~3,000/s)
+        await _bounded_gather([self._write_one_health(c, many=many) for c in changes.write])
+        if many:
+            counts: dict[str, int] = {}
+            for c in changes.write:
+                counts[c.record.phase] = counts.get(c.record.phase, 0) + 1
+            log.info(
+                "%d nodes changed phase: %s",
+                len(changes.write),
+                ", ".join(f"{n} {p}" for p, n in counts.items()),
+            )
+        for node in changes.delete:
+            await self.bus.delete(keys.health(node))  # decommissioned: its inventory was removed
+            self.view.health.pop(node, None)
+
+    async def _write_one_health(self, change: HealthChange, *, many: bool) -> None:
+        record, previous = change.record, change.previous
+        started = anyio.current_time()
         try:
             await self.bus.put(keys.health(record.node), record)
         finally:
-            self._slowest_write = max(self._slowest_write, time.monotonic() - started)
+            self.link.wrote(anyio.current_time() - started)
         self.view.health[record.node] = record
         level = logging.INFO if record.phase == "ready" else logging.WARNING
         log.log(
@@ -350,31 +338,35 @@ class Controller:
             previous=previous,
         )
 
-    def snapshot(self, now_wall: float) -> placement.Snapshot:
-        v = self.view
+    # --- reconcile ------------------------------------------------------------------------
+
+    def snapshot(self, frozen: Mapping[str, Freeze] | None = None) -> placement.Snapshot:
+        """The plan's input. A frozen model is left out of what is asked for, so nothing is
+        placed for it; its replicas stay in (they hold GPUs and ports)."""
+        v, frozen = self.view, frozen or {}
         return placement.Snapshot(
-            catalog=v.catalog,
-            desired=v.desired,
+            catalog={m: entry for m, entry in v.catalog.items() if m not in frozen},
+            desired={m: d for m, d in v.desired.items() if m not in frozen},
             inventories=v.nodes,
-            health=self.phases(time.monotonic()),
+            health=self.phases(self.clock.monotonic()),
             replicas=list(v.replicas.values()),
             fabrics=fabric_view(v.nodes.values()),
             leases=v.leases,
             port_range=self.settings.port_range,
-            now=now_wall,
+            now=self.clock.wall(),
         )
 
-    async def reconcile(self, now: float) -> None:
+    async def reconcile(self) -> None:
         self.passes += 1
-        wall = time.time()
-        snap = self.snapshot(wall)
+        frozen = self.view.frozen()
+        snap = self.snapshot(frozen)
         await self._write_fabrics(snap.fabrics or {})
         # before planning: a node that just started qualifying is placed on in this same pass
         await self._report_qualifying(snap)
         plan = placement.plan(snap)
-        invalid = self.view.invalid_catalog()
-        # A catalog entry garbled by hand is not a removed model: leave its replicas alone.
-        removals = [r for r in plan.remove if r.model not in invalid]
+        # A frozen model keeps its replicas: a garbled or deleted catalog entry is not a
+        # request to remove the model.
+        removals = [r for r in plan.remove if r.model not in frozen]
         self._require_leading()  # a pass outlived by its leadership writes nothing more
         for replica in plan.create:
             await self.bus.put(keys.replica(replica.model, replica.rid), replica)
@@ -406,7 +398,7 @@ class Controller:
         self._require_leading()
         await self._sync_replica_phases(phases)
         await self._sync_assignments()
-        await self._write_placements(plan, invalid)
+        await self._write_placements(plan, frozen)
         new_waiting = [  # a baseline for models now waiting
             model
             for model, rec in self.view.placements.items()
@@ -514,19 +506,20 @@ class Controller:
             await self.bus.delete(keys.assign(node, rid))  # its replica is gone: an orphan
             self.view.assigns.pop((node, rid), None)
 
-    async def _write_placements(self, plan: placement.Plan, invalid: dict[str, str]) -> None:
+    async def _write_placements(self, plan: placement.Plan, frozen: Mapping[str, Freeze]) -> None:
         records_by_model = dict(plan.placements)
-        for model, why in invalid.items():
+        for model, freeze in frozen.items():
             current = self.view.placements.get(model)
             placed = sum(
                 1 for r in self.view.replicas.values() if r.model == model and r.phase != "draining"
             )
-            records_by_model[model] = placement.invalid_catalog_record(
+            records_by_model[model] = placement.frozen_record(
                 model,
+                freeze.blocked,
+                freeze.detail,
                 desired=self.view.desired[model].replicas if model in self.view.desired else 0,
                 placed=placed,
-                why=why,
-                now=time.time(),
+                now=self.clock.wall(),
                 decisions=current.decisions if current else [],
             )
         for model, rec in records_by_model.items():

@@ -1,8 +1,9 @@
 """The controller's view of the bucket: the latest value of every key, kept by one watch.
 
 Rebuilt from scratch at every start (the controller remembers nothing across restarts).
-Values that do not decode are logged and remembered as invalid, so a catalog entry garbled
-by hand is not mistaken for a model that was removed (which would drain its replicas).
+Values that do not decode are logged, left out, and remembered as invalid: a catalog entry
+garbled by hand freezes its model (`frozen`) instead of reading as a model that was removed
+(which would drain its replicas).
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ class View:
                 e,
             )
             value = None
-            if prefix == keys.CATALOG:
-                return prefix  # keep nothing, but remember it is invalid rather than absent
             if prefix == keys.REPLICAS:
                 return prefix  # keep the last valid value: its engines are still running
-        self._store(prefix, ids, value, revision)
+        if prefix == keys.LEADER:
+            # a value that does not decode still has a revision: the one to take it over at
+            self.leader, self.leader_rev = value, (revision if data is not None else 0)
+            return prefix
+        self._store(prefix, ids, value)
         return prefix
 
     @staticmethod
@@ -74,10 +77,7 @@ class View:
             _check_replica(ids, value)
         return value
 
-    def _store(self, prefix: str, ids: tuple[str, ...], value, revision: int) -> None:
-        if prefix == keys.LEADER:
-            self.leader, self.leader_rev = value, (revision if value is not None else 0)
-            return
+    def _store(self, prefix: str, ids: tuple[str, ...], value) -> None:
         table, k = self._slot(prefix, ids)
         if value is None:
             table.pop(k, None)
@@ -104,6 +104,33 @@ class View:
             for k, why in self.invalid.items()
             if k.startswith(keys.CATALOG + ".")
         }
+
+    def frozen(self) -> dict[str, Freeze]:
+        """Models whose replicas stay exactly as they are (nothing placed, nothing removed)
+        because their catalog entry cannot be trusted to say what is wanted."""
+        out = {
+            model: Freeze("invalid-catalog", why) for model, why in self.invalid_catalog().items()
+        }
+        models_placed = {r.model for r in self.replicas.values()}
+        for model, desired in self.desired.items():
+            # one `nats kv del` must not drain a model someone still asks replicas of
+            if (
+                desired.replicas > 0
+                and model not in self.catalog
+                and model not in out
+                and model in models_placed
+            ):
+                out[model] = Freeze("catalog-deleted", "")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Freeze:
+    """Why a model is frozen: `blocked` is its PlacementRecord.blocked key
+    ("invalid-catalog", "catalog-deleted"), `detail` what is wrong with the entry."""
+
+    blocked: str
+    detail: str
 
 
 def _check_replica(ids: tuple[str, ...], r: records.Replica) -> None:
