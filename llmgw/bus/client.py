@@ -3,18 +3,26 @@
 `Bus.connect()` keeps trying until the first connection succeeds and then reconnects
 forever, with a jittered exponential delay chosen by us (nats-py has no jitter or cap):
 the backoff resets only after a connection has stayed up for `healthy_after` seconds.
-Values are msgspec records (llmgw.bus.records); a value that does not decode is logged
-with its key and skipped, never fatal (anyone can `nats kv put` garbage).
+Values are msgspec records (llmgw.bus.records). A value that does not decode, is too big,
+or names another owner than its key (llmgw.bus.trust) is logged with its key and skipped,
+never fatal: anyone allowed to write a key can put anything in it.
+
+    async with Bus.open(settings, give_up_after=5) as bus:
+        await bus.put(keys.lease("node05"), lease)
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import ssl
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -24,8 +32,11 @@ from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
-from . import keys, records
+from llmgw.errors import LlmgwError
+
+from . import keys, records, requests, trust
 from .backoff import Backoff
+from .watcher import CAUGHT_UP, KeyWatch, RawEntry
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +44,15 @@ T = TypeVar("T")
 Decoder = Callable[[bytes], T]
 
 DEFAULT_HEALTHY_AFTER = 10.0
+# Values are state, not data: a whole node inventory is a few KB. The cap keeps one value
+# (with its headers) under nats-server's default max_payload of 1 MiB, and bounds what a
+# reader accepts from a writer it does not control.
+MAX_VALUE_BYTES = 1_000_000
+_MAX_PEM_BYTES = 1 << 20  # a certificate chain or key file; anything bigger is not one
+_SCHEMES = ("nats", "tls", "ws", "wss")
 
 
-class BusError(RuntimeError):
+class BusError(LlmgwError):
     """A NATS problem stated for the operator (what failed and what to do)."""
 
 
@@ -55,17 +72,113 @@ class NatsSettings:
     backoff_base: float = 0.5
     backoff_cap: float = 30.0
 
+    def check_urls(self) -> None:
+        """Raise BusError naming the first URL that is not a NATS URL, and the fix."""
+        if not self.urls:
+            raise BusError("no NATS URL given: set --nats (or nats.urls) to nats://HOST:4222")
+        schemes = {check_url(u) for u in self.urls}
+        if schemes & {"ws", "wss"} and schemes - {"ws", "wss"}:
+            raise BusError(
+                f"NATS URLs {', '.join(self.urls)} mix websocket (ws://, wss://) and plain "
+                "(nats://, tls://) servers, which one connection cannot: list one kind"
+            )
+
     def ssl_context(self) -> ssl.SSLContext | None:
-        if not (self.tls_ca or self.tls_cert):
+        """The TLS context for the configured files; BusError naming the file and what is
+        wrong with it (missing, unreadable, not PEM, encrypted, key not the certificate's)."""
+        if not (self.tls_ca or self.tls_cert or self.tls_key):
             return None
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca)
-        if self.tls_cert:
-            if not self.tls_key:
+        if self.tls_cert and not self.tls_key:
+            raise BusError(f"TLS certificate {self.tls_cert} given without its key: set tls_key")
+        if self.tls_key and not self.tls_cert:
+            raise BusError(f"TLS key {self.tls_key} given without its certificate: set tls_cert")
+        if self.tls_ca:
+            _check_pem(self.tls_ca, "TLS CA file", "tls_ca", b"CERTIFICATE")
+        try:
+            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca)
+        except ssl.SSLError as e:
+            raise BusError(
+                f"TLS CA file {self.tls_ca} holds no usable CA certificate ({e.reason or e}): "
+                "give the PEM file of the CA that signed the server's certificate"
+            ) from None
+        if self.tls_cert and self.tls_key:
+            _check_pem(self.tls_cert, "TLS certificate", "tls_cert", b"CERTIFICATE")
+            key = _check_pem(self.tls_key, "TLS key", "tls_key", b"PRIVATE KEY")
+            if b"ENCRYPTED" in key:
                 raise BusError(
-                    f"TLS certificate {self.tls_cert} given without its key: set tls_key"
+                    f"TLS key {self.tls_key} is encrypted, and llmgw cannot ask for its "
+                    "passphrase: store it unencrypted (`openssl pkey -in KEY -out KEY.plain`), "
+                    "readable only by the user llmgw runs as"
                 )
-            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+            try:
+                # a callback that refuses: OpenSSL must never prompt on a terminal
+                ctx.load_cert_chain(self.tls_cert, self.tls_key, password=_no_passphrase)
+            except (ssl.SSLError, ValueError) as e:
+                raise BusError(
+                    f"cannot use TLS certificate {self.tls_cert} with key {self.tls_key} "
+                    f"({getattr(e, 'reason', None) or e}): the key must be that certificate's "
+                    "private key (compare `openssl x509 -noout -pubkey -in CERT` with "
+                    "`openssl pkey -pubout -in KEY`)"
+                ) from None
         return ctx
+
+
+def check_url(url: str) -> str:
+    """The scheme of a NATS URL (nats, tls, ws, wss; `host:port` alone reads as nats, as
+    nats-py reads it); BusError naming the URL and the fix for anything else."""
+    scheme, sep, rest = url.strip().partition("://")
+    if not sep:
+        scheme, rest = "nats", url.strip()
+    fix = "write nats://HOST:4222 (tls:// insists on TLS; ws://, wss:// reach a websocket port)"
+    if scheme.lower() not in _SCHEMES:
+        raise BusError(f"{url!r} is not a NATS URL (scheme {scheme}://): {fix}")
+    try:
+        parsed = urllib.parse.urlsplit(f"{scheme}://{rest}")
+        parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError as e:
+        raise BusError(f"{url!r} is not a NATS URL ({e}): {fix}") from None
+    if not parsed.hostname or parsed.path not in ("", "/") or parsed.query:
+        raise BusError(f"{url!r} is not a NATS URL (expected only a host and a port): {fix}")
+    return scheme.lower()
+
+
+def _no_passphrase() -> bytes:
+    raise ValueError("the key is encrypted")
+
+
+def _check_pem(path: str, what: str, setting: str, kind: bytes) -> bytes:
+    """The file's bytes, if it is a readable PEM file holding `kind`; BusError otherwise."""
+    fix = f"set {setting} (--{setting.replace('_', '-')}) to the right PEM file"
+    try:
+        size = os.stat(path).st_size
+        if os.path.isdir(path):
+            raise IsADirectoryError
+        with open(path, "rb") as f:
+            data = f.read(_MAX_PEM_BYTES + 1)
+    except FileNotFoundError:
+        raise BusError(f"{what} {path} does not exist: {fix}") from None
+    except IsADirectoryError:
+        raise BusError(f"{what} {path} is a directory, not a file: {fix}") from None
+    except PermissionError:
+        raise BusError(
+            f"{what} {path} cannot be read by this user (uid {os.getuid()}): make it readable "
+            "by the user llmgw runs as"
+        ) from None
+    except OSError as e:
+        raise BusError(f"{what} {path} cannot be read ({e.strerror or e}): {fix}") from None
+    if size > _MAX_PEM_BYTES or len(data) > _MAX_PEM_BYTES:
+        raise BusError(f"{what} {path} is {size:,} bytes, too big for a PEM file: {fix}")
+    if b"-----BEGIN " not in data:
+        raise BusError(
+            f"{what} {path} is not PEM (no '-----BEGIN' line; DER or another format?): {fix}; "
+            "convert DER with `openssl x509 -inform der -in FILE -out FILE.pem` "
+            "(`openssl pkey -inform der ...` for a key)"
+        )
+    if kind + b"-----" not in data:
+        raise BusError(
+            f"{what} {path} is PEM but holds no {kind.decode()} (another file given here?): {fix}"
+        )
+    return data
 
 
 @dataclass(frozen=True)
@@ -121,19 +234,46 @@ class Bus:
         settings: NatsSettings,
         bucket: BucketSettings,
         state: _ConnState,
+        max_value_bytes: int = MAX_VALUE_BYTES,
     ) -> None:
         self.nc = nc
         self.kv = kv
         self.js = nc.jetstream()
         self.settings = settings
         self.bucket = bucket
+        self.max_value_bytes = max_value_bytes
         self._state = state
         self._reconnect_listeners: list[Callable[[], Awaitable[None]]] = []
         self._health_task: asyncio.Task[None] | None = None
-        self._watchers: set[Any] = set()
+        self._watchers: set[KeyWatch] = set()
         self._closed = False
 
     # --- connecting -----------------------------------------------------------------
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(
+        cls,
+        settings: NatsSettings,
+        bucket: BucketSettings | None = None,
+        *,
+        give_up_after: float | None = None,
+    ) -> AsyncIterator[Bus]:
+        """`connect`, then `close` when the block ends: `async with Bus.open(...) as bus:`."""
+        bus = await cls.connect(settings, bucket, give_up_after=give_up_after)
+        async with bus:
+            yield bus
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
 
     @classmethod
     async def connect(
@@ -144,8 +284,11 @@ class Bus:
         give_up_after: float | None = None,
     ) -> Bus:
         """Connect (retrying with backoff until it works, or for `give_up_after` seconds) and
-        open the bucket, creating it if missing."""
+        open the bucket, creating it if missing. Settings that can never work (a URL that is
+        not NATS's, a TLS file that is missing or not PEM) raise BusError at once."""
         bucket = bucket or BucketSettings()
+        settings.check_urls()
+        tls = settings.ssl_context()
         state = _ConnState(Backoff(base=settings.backoff_base, cap=settings.backoff_cap))
         holder: dict[str, Bus] = {}
 
@@ -174,7 +317,6 @@ class Bus:
             return server, delay
 
         deadline = None if give_up_after is None else time.monotonic() + give_up_after
-        tls = settings.ssl_context()
         # One attempt = one pass over the servers. nats-py's own first-connect loop retries at
         # a fixed interval forever, so each pass is bounded here and the delay between passes
         # is our jittered backoff.
@@ -215,11 +357,11 @@ class Bus:
                 await asyncio.sleep(delay)
         state.connected_since = time.monotonic()
         try:
-            kv = await ensure_bucket(nc, bucket)
+            kv, max_value = await ensure_bucket(nc, bucket)
         except BaseException:
             await nc.close()
             raise
-        bus = cls(nc, kv, settings, bucket, state)
+        bus = cls(nc, kv, settings, bucket, state, max_value)
         holder["bus"] = bus
         bus._health_task = asyncio.create_task(bus._reset_backoff_when_healthy())
         return bus
@@ -290,21 +432,30 @@ class Bus:
 
     # --- the bucket ---------------------------------------------------------------------
 
+    def _sized(self, key: str, data: bytes) -> bytes:
+        if len(data) > self.max_value_bytes:
+            raise BusError(
+                f"not writing {key}: its value is {len(data):,} bytes, over the bucket's limit "
+                f"of {self.max_value_bytes:,}; values are state, not data: keep them small "
+                "(a node inventory is a few KB)"
+            )
+        return data
+
     async def put(self, key: str, record: msgspec.Struct | bytes) -> int:
         data = record if isinstance(record, bytes) else records.encode(record)
-        return await self.kv.put(key, data)
+        return await self.kv.put(key, self._sized(key, data))
 
     async def create(self, key: str, record: msgspec.Struct) -> int | None:
         """Write only if the key does not exist; None if it does."""
         try:
-            return await self.kv.create(key, records.encode(record))
+            return await self.kv.create(key, self._sized(key, records.encode(record)))
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
 
     async def update(self, key: str, record: msgspec.Struct, last: int) -> int | None:
         """Compare-and-set on the revision; None if someone else wrote in between."""
         try:
-            return await self.kv.update(key, records.encode(record), last=last)
+            return await self.kv.update(key, self._sized(key, records.encode(record)), last=last)
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
 
@@ -317,15 +468,21 @@ class Bus:
         return True
 
     async def get_raw(self, key: str) -> tuple[bytes, int] | None:
+        """The value's bytes and revision; None when absent (or over the size limit: logged)."""
         try:
             e = await self.kv.get(key)
         except nats.js.errors.KeyNotFoundError:
             return None
         if e.value is None or e.operation in (KV_DEL, KV_PURGE):
             return None  # a just-expired key can come back with value None
-        return e.value, e.revision or 0
+        revision = e.revision or 0
+        if _too_big(key, e.value, revision, self.max_value_bytes):
+            return None
+        return e.value, revision
 
     async def get(self, key: str, decode: Decoder[T]) -> Entry[T] | None:
+        """The key's value, decoded and checked against the key (llmgw.bus.trust); None when
+        absent or not believable (logged)."""
         raw = await self.get_raw(key)
         if raw is None:
             return None
@@ -333,7 +490,8 @@ class Bus:
         return None if value is None else Entry(key, value, raw[1])
 
     async def list(self, pattern: str, decode: Decoder[T]) -> dict[str, Entry[T]]:
-        """Current values of every key matching `pattern` (undecodable ones logged and skipped)."""
+        """Current values of every key matching `pattern` (the ones that do not decode or must
+        not be believed are logged and skipped). Its consumer is gone seconds after."""
         out: dict[str, Entry[T]] = {}
         async for item in self.watch(pattern, decode, until_synced=True):
             if isinstance(item, Update):
@@ -348,23 +506,24 @@ class Bus:
     ) -> AsyncIterator[Update[T] | Synced]:
         """Latest value per key, then `Synced`, then live updates; re-created after every
         reconnect, reporting keys that vanished meanwhile as deletions. A view of the latest
-        state, not a log: intermediate values may be skipped."""
+        state, not a log: intermediate values may be skipped. `Synced` comes only once every
+        value stored when the watch (re)started has been yielded (llmgw.bus.watcher)."""
         known: dict[str, int] = {}
         backoff = Backoff(base=0.2, cap=5.0)
         while not self._closed:
             try:
-                watcher = await self.kv.watch(pattern)
+                watch = await KeyWatch.start(self.js, self.bucket.name, pattern)
             except Exception as e:  # noqa: BLE001 - disconnected: retry
                 log.debug("watch %s: cannot start (%s); retrying", pattern, _describe(e))
                 await asyncio.sleep(backoff.next_delay())
                 continue
             backoff.reset()
-            self._watchers.add(watcher)
+            self._watchers.add(watch)
             seen: set[str] | None = set()
             try:
-                async for entry in watcher:
-                    if entry is None:  # initial replay done
-                        for gone in [k for k in known if k not in seen]:
+                async for item in watch:
+                    if item is CAUGHT_UP:
+                        for gone in [k for k in known if k not in (seen or ())]:
                             del known[gone]
                             yield Update(gone, None, 0)
                         seen = None
@@ -372,23 +531,24 @@ class Bus:
                         if until_synced:
                             return
                         continue
+                    assert isinstance(item, RawEntry)
                     if seen is not None:
-                        seen.add(entry.key)
-                    if entry.operation in (KV_DEL, KV_PURGE) or entry.value is None:
-                        if known.pop(entry.key, None) is not None:
-                            yield Update(entry.key, None, entry.revision)
-                        continue
-                    value = _decode_or_log(entry.key, entry.value, entry.revision, decode)
+                        seen.add(item.key)
+                    value = None
+                    if not item.deleted and not _too_big(
+                        item.key, item.data, item.revision, self.max_value_bytes
+                    ):
+                        value = _decode_or_log(item.key, item.data, item.revision, decode)
                     if value is None:
-                        if known.pop(entry.key, None) is not None:
-                            yield Update(entry.key, None, entry.revision)
+                        if known.pop(item.key, None) is not None:
+                            yield Update(item.key, None, item.revision)
                         continue
-                    known[entry.key] = entry.revision
-                    yield Update(entry.key, value, entry.revision)
+                    known[item.key] = item.revision
+                    yield Update(item.key, value, item.revision)
             finally:
-                self._watchers.discard(watcher)
+                self._watchers.discard(watch)
                 try:
-                    await asyncio.wait_for(watcher.stop(), 0.5)
+                    await asyncio.wait_for(watch.stop(), 0.5)
                 except Exception:  # noqa: BLE001
                     pass
 
@@ -407,13 +567,44 @@ class Bus:
     async def subscribe(self, subject: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
         return await self.nc.subscribe(subject, cb=cb)
 
+    async def serve(self, subject: str, handler: Callable[[bytes], Awaitable[bytes]]) -> Any:
+        """Answer requests on `subject` with `await handler(payload)`. Acts only on requests a
+        client published there: what the server delivers there on another's behalf (a
+        JetStream consumer aimed at the subject, a forged reply; llmgw.bus.requests) is
+        dropped and logged as a spoof attempt, once per source."""
+        reported: set[str] = set()
+
+        async def on_msg(msg: Any) -> None:
+            why = requests.forged(subject, msg.subject, msg.reply, msg.headers)
+            if why is not None:
+                source = str(requests.consumer_of(msg.reply) or why)
+                first = source not in reported and len(reported) < 1000
+                reported.add(source)
+                log.log(
+                    logging.WARNING if first else logging.DEBUG,
+                    "ignoring a message on %s: %s; only a request published there by the "
+                    "controller or the operator is acted on (spoof attempt?)",
+                    subject,
+                    why,
+                )
+                return
+            try:
+                answer = await handler(msg.data)
+            except Exception:  # noqa: BLE001 - one failed request must not end the subscription
+                log.exception("request on %s failed", subject)
+                return
+            await msg.respond(answer)
+
+        return await self.nc.subscribe(subject, cb=on_msg)
+
     async def request(self, subject: str, payload: bytes = b"", timeout: float = 5.0) -> bytes:
         msg = await self.nc.request(subject, payload, timeout=timeout)
         return msg.data
 
 
-async def ensure_bucket(nc: Client, settings: BucketSettings) -> KeyValue:
-    """Open the bucket, creating it if missing; never silently recreate one that differs."""
+async def ensure_bucket(nc: Client, settings: BucketSettings) -> tuple[KeyValue, int]:
+    """Open the bucket, creating it if missing; never silently recreate one that differs.
+    Returns it with the largest value llmgw writes to or accepts from it."""
     js = nc.jetstream()
     try:
         kv = await js.key_value(settings.name)
@@ -424,6 +615,7 @@ async def ensure_bucket(nc: Client, settings: BucketSettings) -> KeyValue:
                     bucket=settings.name,
                     history=settings.history or 1,
                     replicas=settings.replicas or 1,
+                    max_value_size=MAX_VALUE_BYTES,
                     description="llmgw: inventory, weights, desired state, assignments (docs/bucket.md)",
                 )
             )
@@ -433,7 +625,7 @@ async def ensure_bucket(nc: Client, settings: BucketSettings) -> KeyValue:
                 settings.replicas or 1,
                 settings.history or 1,
             )
-            return kv
+            return kv, MAX_VALUE_BYTES
         except nats.js.errors.BadRequestError:
             kv = await js.key_value(settings.name)  # another component created it first
         except nats.errors.TimeoutError as e:
@@ -461,12 +653,36 @@ async def ensure_bucket(nc: Client, settings: BucketSettings) -> KeyValue:
             f"(that would lose its contents): change the setting to match, or edit the bucket with "
             f"`nats kv edit {settings.name}`"
         )
-    return kv
+    # a bucket made by another tool may allow bigger values; llmgw still keeps to its own cap
+    bucket_max = info.config.max_msg_size or -1
+    return kv, MAX_VALUE_BYTES if bucket_max <= 0 else min(bucket_max, MAX_VALUE_BYTES)
+
+
+def _too_big(key: str, data: bytes, revision: int, limit: int) -> bool:
+    if len(data) <= limit:
+        return False
+    log.warning(
+        "skipping %s (revision %d): its value is %s bytes, over the limit of %s; remove it "
+        "with `nats kv del <bucket> %s` and fix its writer",
+        key,
+        revision,
+        f"{len(data):,}",
+        f"{limit:,}",
+        key,
+    )
+    return True
 
 
 def _decode_or_log(key: str, data: bytes, revision: int, decode: Decoder[T]) -> T | None:
+    """Decode and check against the key (llmgw.bus.trust); log and return None if either
+    fails."""
     try:
-        return decode(data)
+        value = decode(data)
+        trust.check(key, value)
+    except trust.RecordRejected as e:
+        # names the key, and says "spoof attempt" when the value claims another owner
+        log.warning("skipping %s (revision %d): %s", key, revision, e)
+        return None
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
         preview = data[:80].decode("utf-8", "replace")
         log.warning(
@@ -479,6 +695,7 @@ def _decode_or_log(key: str, data: bytes, revision: int, decode: Decoder[T]) -> 
             key,
         )
         return None
+    return value
 
 
 def _server_url(nc: Client) -> str:

@@ -1,0 +1,247 @@
+"""A record's owner is its key, never its value: every reader checks one against the other.
+
+NATS permissions protect keys, not values: node05 may write only `nodes.node05`,
+`leases.node05` and `shards.node05.*`, but it chooses every byte it writes there. So a
+value that names another owner than its key (node05 writing `"node": "node06"` into its own
+`nodes.node05`) is a spoof attempt: it is rejected here, naming the key, and readers log it
+and treat the key as absent. Numbers are checked against their ranges for the same reason:
+a writer's claim is trusted no further than its key.
+
+`check(key, value)` is what the bus applies to every typed read (get, list, watch);
+`decode_for_key(key, data)` is for readers that take raw bytes (the controller's view).
+Imports no nats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from llmgw.errors import LlmgwError
+
+from . import keys, records
+
+# `llmgw place` refuses more; a bigger number in the bucket is a typo or an attack
+MAX_REPLICAS = 10_000
+MAX_PORT = 65_535
+
+
+class RecordRejected(LlmgwError, ValueError):
+    """A value that decodes but must not be believed: out of range, or not agreeing with its
+    key. A ValueError, so readers that skip undecodable values skip these too."""
+
+    def __init__(self, key: str, problems: list[str]) -> None:
+        self.key = key
+        self.problems = problems
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        return (
+            f"{self.key}: {'; '.join(self.problems)}; fix its writer, or remove it with "
+            f"`nats kv del <bucket> {self.key}`"
+        )
+
+
+class SpoofedRecord(RecordRejected):
+    """The value names another owner than its key: someone writing their own key to pass
+    as someone else (only the key is protected by NATS permissions)."""
+
+    def _message(self) -> str:
+        return (
+            f"{self.key}: rejected as a spoof attempt: {'; '.join(self.problems)} (a record's "
+            f"owner is its key, and only that owner may write it); see who wrote it with "
+            f"`nats kv history <bucket> {self.key}`"
+        )
+
+
+class _Problems:
+    """The problems found in one value: those about ownership, and the rest."""
+
+    def __init__(self, ids: tuple[str, ...]) -> None:
+        self.ids = ids
+        self.spoofs: list[str] = []
+        self.others: list[str] = []
+
+    def owner(self, field: str, said: object, key_id: str) -> None:
+        if said != key_id:
+            self.spoofs.append(f"its {field} is {said!r} but the key says {key_id!r}")
+
+    def at_least(self, field: str, value: float | None, low: float) -> None:
+        if value is not None and value < low:
+            self.others.append(f"{field} {value!r} is below {low!r}")
+
+    def within(self, field: str, value: float | None, low: float, high: float) -> None:
+        if value is not None and not low <= value <= high:
+            self.others.append(f"{field} {value!r} is outside {low!r}..{high!r}")
+
+    def token(self, field: str, value: str | None) -> None:
+        if value is not None and not keys.is_token(value):
+            self.others.append(f"{field} {value!r} is not an id (letters, digits, '-', '_')")
+
+    def raise_if_any(self, key: str) -> None:
+        if self.spoofs:
+            raise SpoofedRecord(key, self.spoofs + self.others)
+        if self.others:
+            raise RecordRejected(key, self.others)
+
+
+# --- one check per key family: `p.ids` are the key's ids -----------------------------------
+
+
+def _memory(p: _Problems, where: str, m: records.Memory) -> None:
+    p.at_least(f"{where}.total_bytes", m.total_bytes, 0)
+    p.at_least(f"{where}.available_bytes", m.available_bytes, 0)
+
+
+def _store(p: _Problems, where: str, store: records.Store, node: str) -> None:
+    # a local copy is on the writer's own disk: "local:node06" in node05's inventory is a lie
+    if store.kind == "local" and store.identity != f"local:{node}":
+        p.spoofs.append(f"{where}.identity is {store.identity!r}, a local store of another node")
+
+
+def _node(p: _Problems, inv: records.NodeInventory) -> None:
+    node = p.ids[0]
+    p.owner("node", inv.node, node)
+    p.at_least("started_at", inv.started_at, 0)
+    p.at_least("cpu.count", inv.cpu.count, 0)
+    _memory(p, "memory", inv.memory)
+    for i, g in enumerate(inv.gpus.devices):
+        p.at_least(f"gpus.devices[{i}].index", g.index, 0)
+        p.at_least(f"gpus.devices[{i}].memory_total_bytes", g.memory_total_bytes, 0)
+    for i, m in enumerate(inv.weights.models):
+        p.at_least(f"weights.models[{i}].bytes", m.bytes, 0)
+        p.at_least(f"weights.models[{i}].files", m.files, 0)
+        _store(p, f"weights.models[{i}].store", m.store, node)
+    for i, d in enumerate(inv.weights.dirs):
+        if d.store is not None:
+            _store(p, f"weights.dirs[{i}].store", d.store, node)
+
+
+def _lease(p: _Problems, lease: records.Lease) -> None:
+    p.owner("node", lease.node, p.ids[0])
+    p.at_least("seq", lease.seq, 0)
+    _memory(p, "memory", lease.memory)
+
+
+def _health(p: _Problems, h: records.Health) -> None:
+    p.owner("node", h.node, p.ids[0])
+    p.at_least("last_seq", h.last_seq, 0)
+
+
+def _desired(p: _Problems, d: records.Desired) -> None:
+    p.owner("model", d.model, p.ids[0])
+    p.within("replicas", d.replicas, 0, MAX_REPLICAS)
+
+
+def _fabric(p: _Problems, f: records.FabricHoldings) -> None:
+    p.owner("fabric", f.fabric, p.ids[0])
+    for n in f.nodes:
+        p.token("nodes[]", n)
+
+
+def _replica(p: _Problems, r: records.Replica) -> None:
+    p.owner("model", r.model, p.ids[0])
+    p.owner("rid", r.rid, p.ids[1])
+    if not r.members:
+        p.others.append("members is empty: a replica has at least one member")
+    ranks = sorted(m.rank for m in r.members)
+    if ranks != list(range(len(r.members))):
+        p.others.append(f"member ranks {ranks} are not 0..{len(r.members) - 1}, each once")
+    for i, m in enumerate(r.members):
+        p.token(f"members[{i}].node", m.node)
+        p.within(f"members[{i}].port", m.port, 0, MAX_PORT)
+
+
+def _assignment(p: _Problems, a: records.Assignment) -> None:
+    # the node is the key's: an assignment names no node, so it cannot claim another
+    p.owner("rid", a.rid, p.ids[1])
+    p.token("model", a.model)
+    p.at_least("generation", a.generation, 0)
+    p.within("nodes", a.nodes, 1, MAX_REPLICAS)
+    p.within("rank", a.rank, 0, max(a.nodes - 1, 0))
+    p.within("port", a.port, 0, MAX_PORT)
+
+
+def _shard(p: _Problems, s: records.Shard) -> None:
+    p.owner("node", s.node, p.ids[0])
+    p.owner("rid", s.rid, p.ids[1])
+    p.token("model", s.model)
+    p.at_least("generation", s.generation, 0)
+    p.at_least("restarts", s.restarts, 0)
+    if s.pid is not None:
+        p.at_least("pid", s.pid, 1)
+
+
+def _placement(p: _Problems, rec: records.PlacementRecord) -> None:
+    p.owner("model", rec.model, p.ids[0])
+    p.within("desired", rec.desired, 0, MAX_REPLICAS)
+    p.within("placed", rec.placed, 0, MAX_REPLICAS)
+
+
+def _leader(p: _Problems, lead: records.Leader) -> None:
+    # the one key without an owner in its name: any controller may hold it
+    if not lead.holder:
+        p.others.append("holder is empty")
+
+
+def _catalog(p: _Problems, model: Any) -> None:
+    # decoded and checked by llmgw.catalog (which the bus does not import); the id rule is
+    # the one every family shares
+    p.owner("id", getattr(model, "id", None), p.ids[0])
+
+
+_Check = Callable[[_Problems, Any], None]
+
+# key family -> (the Struct its values decode to, its check); catalog's type lives in catalog
+FAMILIES: dict[str, tuple[type[msgspec.Struct] | None, _Check]] = {
+    keys.CATALOG: (None, _catalog),
+    keys.DESIRED: (records.Desired, _desired),
+    keys.NODES: (records.NodeInventory, _node),
+    keys.LEASES: (records.Lease, _lease),
+    keys.HEALTH: (records.Health, _health),
+    keys.FABRICS: (records.FabricHoldings, _fabric),
+    keys.REPLICAS: (records.Replica, _replica),
+    keys.ASSIGN: (records.Assignment, _assignment),
+    keys.SHARDS: (records.Shard, _shard),
+    keys.PLACEMENT: (records.PlacementRecord, _placement),
+    keys.LEADER: (records.Leader, _leader),
+}
+
+
+def _parsed(key: str | keys.Key) -> tuple[str, keys.Key | None]:
+    if isinstance(key, keys.Key):
+        return ".".join((key.prefix, *key.ids)), key
+    return key, keys.parse(key)
+
+
+def check(key: str | keys.Key, value: object) -> None:
+    """Raise RecordRejected (SpoofedRecord when it names another owner) unless `value` may be
+    believed at `key`. Values of keys that are not llmgw's, and raw bytes, are not checked."""
+    name, parsed = _parsed(key)
+    if parsed is None or not isinstance(value, msgspec.Struct):
+        return
+    type_, rule = FAMILIES[parsed.prefix]
+    if type_ is not None and not isinstance(value, type_):
+        raise RecordRejected(
+            name, [f"read as {type(value).__name__}, but the key holds a {type_.__name__}"]
+        )
+    problems = _Problems(parsed.ids)
+    rule(problems, value)
+    problems.raise_if_any(name)
+
+
+def decode_for_key(key: str | keys.Key, data: bytes) -> msgspec.Struct:
+    """Decode `data` as the record its key holds, and check it (`check`). Raises msgspec's
+    errors for a value that does not decode, RecordRejected for one that must not be
+    believed. Catalog values are decoded by `llmgw.catalog.decode_model`."""
+    name, parsed = _parsed(key)
+    if parsed is None:
+        raise RecordRejected(name, ["not an llmgw key"])
+    type_, _ = FAMILIES[parsed.prefix]
+    if type_ is None:
+        raise TypeError(f"{name}: decode catalog values with llmgw.catalog.decode_model")
+    value = records.decode(data, type_)
+    check(parsed, value)
+    return value
