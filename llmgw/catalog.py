@@ -115,6 +115,8 @@ class Model(msgspec.Struct, kw_only=True, omit_defaults=True):
 # --- the checks: every one appends to the list of errors instead of stopping ------------
 
 _MISSING: Any = object()
+# JSON integers can be any length; engines read theirs (context, parallel) as 32-bit
+_MAX_INT = 2**31 - 1
 
 _MODEL_FIELDS = ("id", "served_name", "profiles", "endpoints")
 _PROFILE_FIELDS = tuple(Profile.__struct_fields__)
@@ -146,16 +148,23 @@ class _Checker:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             self.expected(where, path, f"an integer >= {minimum}", value)
             return None
+        if value > _MAX_INT:
+            self.expected(where, path, f"an integer <= {_MAX_INT}", value)
+            return None
         return value
 
     def number(self, where, path, value, *, default=_MISSING) -> float | None:
         if value is _MISSING and default is not _MISSING:
             return default
         ok = isinstance(value, int | float) and not isinstance(value, bool)
-        if not ok or not math.isfinite(value) or value < 0:
+        try:
+            number = float(value) if ok else math.nan  # a JSON integer can be any length
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number) or number < 0:
             self.expected(where, path, "a number >= 0", value)
             return None
-        return float(value)
+        return number
 
     def text(self, where, path, value, *, default=_MISSING) -> str | None:
         if value is _MISSING and default is not _MISSING:
@@ -166,13 +175,18 @@ class _Checker:
         return value
 
 
+_SHOWN = 120  # characters of a refused value quoted in its error: enough to recognise it
+
+
 def _show(value: Any) -> str:
-    if isinstance(value, str):
-        return repr(value)
     try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
+        text = repr(value) if isinstance(value, str) else json.dumps(value)
+    except (TypeError, ValueError):  # not JSON (a TOML date), or an integer too long to print
+        try:
+            text = repr(value)
+        except ValueError:
+            text = f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
 
 
 def validate_models(raw: Mapping[str, Any]) -> list[Model]:
@@ -191,17 +205,21 @@ def validate_models(raw: Mapping[str, Any]) -> list[Model]:
         model = _check_model(check, entry, f"models[{i}]")
         if model is not None:
             models.append(model)
-    _check_unique(check, entries, models)
+    _check_unique(check, entries)
     if check.errors:
         raise CatalogError(check.errors)
     return models
 
 
-def _check_unique(check: _Checker, entries: list, models: list[Model]) -> None:
+def _check_unique(check: _Checker, entries: list) -> None:
+    """Ids and served names across every entry, valid or not: a clash is an error to list
+    even when one of the two models has others."""
     seen_ids: dict[str, int] = {}
-    seen_names: dict[str, str] = {}
+    seen_names: dict[str, tuple[Any, str]] = {}  # served name -> (id, where)
     for i, entry in enumerate(entries):
-        mid = entry.get("id") if isinstance(entry, Mapping) else None
+        if not isinstance(entry, Mapping):
+            continue
+        mid = entry.get("id")
         if isinstance(mid, str):
             if mid in seen_ids:
                 check.problem(
@@ -210,15 +228,32 @@ def _check_unique(check: _Checker, entries: list, models: list[Model]) -> None:
                     f"defined twice (models[{seen_ids[mid]}] and models[{i}])",
                 )
             seen_ids.setdefault(mid, i)
-    for m in models:
-        other = seen_names.setdefault(m.served_name, m.id)
-        if other != m.id:
-            # the router could not tell which of the two a request means
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            continue
+        served, mid, where = _served_name(entry), entry.get("id"), _where(entry, f"models[{i}]")
+        if served is None:
+            continue
+        other = seen_names.setdefault(served, (mid, where))
+        if other[1] != where and not (isinstance(mid, str) and mid == other[0]):
+            # the router could not tell which of the two a request means (a repeated id is
+            # reported as such)
             check.problem(
-                f"model '{m.id}'",
-                "served_name",
-                f"{m.served_name!r} is already the served name of model '{other}'",
+                where, "served_name", f"{served!r} is already the served name of {other[1]}"
             )
+
+
+def _served_name(raw: Mapping[str, Any]) -> str | None:
+    """The name clients would send, when the entry gives one that is a name at all."""
+    served = raw.get("served_name", _MISSING)
+    if served is _MISSING:
+        served = raw.get("id")
+    return served if isinstance(served, str) and served.strip() else None
+
+
+def _where(raw: Mapping[str, Any], fallback: str) -> str:
+    mid = raw.get("id", _MISSING)
+    return f"model '{mid}'" if isinstance(mid, str) and mid else f"{fallback} (no id)"
 
 
 def decode_model(data: bytes, model_id: str | None = None) -> Model:
@@ -263,7 +298,7 @@ def _check_model(check: _Checker, raw: Any, fallback: str) -> Model | None:
         check.problem(fallback, "", f"expected a table (a model), got {_show(raw)}")
         return None
     mid = raw.get("id", _MISSING)
-    where = f"model '{mid}'" if isinstance(mid, str) and mid else f"{fallback} (no id)"
+    where = _where(raw, fallback)
     before = len(check.errors)
     check.unknown_fields(where, "", raw, _MODEL_FIELDS)
     if not (isinstance(mid, str) and is_token(mid)):

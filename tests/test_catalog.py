@@ -4,6 +4,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmgw.catalog import (
     CatalogError,
@@ -246,3 +248,126 @@ def test_decode_refuses_value_stored_under_another_key():
 def test_decode_refuses_non_json():
     with pytest.raises(CatalogError, match="catalog.m: not JSON"):
         decode_model(b"{nope", "m")
+
+
+def test_served_name_clash_with_a_model_that_has_other_errors_is_listed_too():
+    raw = {
+        "models": [
+            {"id": "a", "served_name": "llama", "profiles": [_profile()]},
+            {"id": "b", "served_name": "llama", "profiles": [_profile(gpus_per_node=-1)]},
+        ]
+    }
+    assert _errors(raw) == [
+        "model 'b', profiles[0].gpus_per_node: expected an integer >= 0, got -1",
+        "model 'b', served_name: 'llama' is already the served name of model 'a'",
+    ]
+
+
+def test_an_integer_too_long_for_a_float_or_an_engine_is_an_error_not_a_crash():
+    raw = {
+        "models": [
+            {
+                "id": "m",
+                "profiles": [_profile(host_ram_gb=10**400, context=2**31, parallel=10**5000)],
+            }
+        ]
+    }
+    errors = _errors(raw)
+    assert [e.split(":")[0] for e in errors] == [
+        "model 'm', profiles[0].host_ram_gb",
+        "model 'm', profiles[0].context",
+        "model 'm', profiles[0].parallel",
+    ]
+    assert "expected an integer <= 2147483647, got 2147483648" in errors[1]
+    assert max(len(e) for e in errors) < 200  # the value is quoted, not copied whole
+
+
+# --- fuzzed: every error listed, and nothing else --------------------------------------------
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+_PROFILE_FIELDS = [*_profile(), "gpu_memory_gb", "host_ram_gb", "nodes", "context", "extra_args"]
+
+
+@st.composite
+def _entry(draw) -> dict:
+    """A model table, often valid, often broken in a few fields; ids and served names are
+    drawn from small sets so that clashes are common."""
+    profiles = [
+        _profile(name=name) for name in draw(st.sampled_from([["a"], ["a", "b"], ["a", "a"]]))
+    ]
+    for profile in profiles:
+        for field in draw(st.sets(st.sampled_from([*_PROFILE_FIELDS, "hostram_gb"]), max_size=2)):
+            if draw(st.booleans()):
+                profile.pop(field, None)
+            else:
+                profile[field] = draw(_JSON)
+    entry: dict = {"profiles": profiles}
+    mid = draw(st.sampled_from(["m1", "m2", "m3", "m.4", "", None]))
+    if mid is not None:
+        entry["id"] = mid
+    served = draw(st.sampled_from([None, "chat", "m1", " "]))
+    if served is not None:
+        entry["served_name"] = served
+    for field in draw(
+        st.sets(st.sampled_from(["id", "served_name", "profiles", "endpoints", "x"]), max_size=1)
+    ):
+        entry[field] = draw(_JSON)
+    return entry
+
+
+def _alone(entry: dict, index: int) -> list[str]:
+    """The entry's own errors, as if the catalog held only it (renumbered to its place)."""
+    try:
+        validate_models({"models": [entry]})
+    except CatalogError as e:
+        return [err.replace("models[0]", f"models[{index}]") for err in e.errors]
+    return []
+
+
+def _where(entry: dict, index: int) -> str:
+    mid = entry.get("id")
+    return f"model '{mid}'" if isinstance(mid, str) and mid else f"models[{index}] (no id)"
+
+
+def _served(entry: dict):
+    served = entry.get("served_name", entry.get("id"))
+    return served if isinstance(served, str) and served.strip() else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_entry(), max_size=5))
+def test_a_catalog_is_refused_with_every_error_of_every_model_and_every_clash(entries):
+    try:
+        validate_models({"models": entries})
+        errors: list[str] = []
+    except CatalogError as e:
+        errors = e.errors
+    expected = [err for i, entry in enumerate(entries) for err in _alone(entry, i)]
+    first_id: dict[str, int] = {}
+    named: dict[str, tuple] = {}  # served name -> (id, where) of its first entry
+    for i, entry in enumerate(entries):
+        mid = entry.get("id")
+        if isinstance(mid, str):
+            if mid in first_id:
+                expected.append(
+                    f"model '{mid}', id: defined twice (models[{first_id[mid]}] and models[{i}])"
+                )
+            first_id.setdefault(mid, i)
+    for i, entry in enumerate(entries):
+        served = _served(entry)
+        if served is None:
+            continue
+        where = _where(entry, i)
+        other_id, other_where = named.setdefault(served, (entry.get("id"), where))
+        same_id = isinstance(other_id, str) and entry.get("id") == other_id  # said once already
+        if other_where != where and not same_id:
+            expected.append(
+                f"{where}, served_name: {served!r} is already the served name of {other_where}"
+            )
+    assert sorted(errors) == sorted(expected)
