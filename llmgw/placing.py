@@ -3,17 +3,22 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import anyio
+import msgspec
 
 from llmgw.bus import keys, records
-from llmgw.bus.client import Bus, decoder
+from llmgw.bus.client import Bus
 from llmgw.catalog import decode_model
 from llmgw.controller import placement
 from llmgw.controller.fabrics import fabric_view
 from llmgw.controller.view import View
+
+log = logging.getLogger(__name__)
 
 
 async def _check_model(bus: Bus, model: str, profile: str | None) -> None:
@@ -78,7 +83,8 @@ async def dry_run_plan(bus: Bus, model: str, replicas: int, profile: str | None)
     rec = plan.placements.get(model)
     for r in plan.create:
         if r.model == model:
-            lines.append(f"  would place {r.rid} on {_members(r)}: {r.reason}")
+            # no rid: the controller names its replicas from its own clock when it places them
+            lines.append(f"  would place a replica on {_members(r)}: {r.reason}")
     for rm in plan.remove:
         if rm.model == model:
             lines.append(f"  would remove {rm.rid}: {rm.reason}")
@@ -97,7 +103,14 @@ def _members(r: records.Replica) -> str:
 
 
 async def follow_placement(
-    bus: Bus, model: str, since: float, *, wait: bool, timeout: float, echo: Callable[[str], None]
+    bus: Bus,
+    model: str,
+    since: float,
+    *,
+    wait: bool,
+    timeout: float,
+    echo: Callable[[str], None],
+    poll: float = 0.2,
 ) -> int:
     """Print the controller's decision on the desired.<model> written at `since` (it echoes
     that value back in `desired_at`); with `wait`, follow until all replicas are ready
@@ -106,14 +119,14 @@ async def follow_placement(
     last_explanation = None
     deadline = time.monotonic() + (timeout if wait else 5.0)
     decided = False
+    reader = _PollReader(bus)
     while time.monotonic() < deadline:
-        rec = await bus.get(keys.placement(model), decoder(records.PlacementRecord))
-        reps = await bus.list(f"{keys.REPLICAS}.{model}.*", decoder(records.Replica))
-        if rec is not None and rec.value.desired_at == since:
+        p = await reader.get(keys.placement(model), records.PlacementRecord)
+        reps = await reader.list(f"{keys.REPLICAS}.{model}.*", records.Replica)
+        if p is not None and p.desired_at == since:
             decided = True
         if decided:
-            for e in sorted(reps.values(), key=lambda e: e.value.rid):
-                r = e.value
+            for r in sorted(reps, key=lambda r: r.rid):
                 line = f"  {r.rid} {r.phase} on {_members(r)}" + (
                     f" at {r.endpoint}" if r.endpoint else ""
                 )
@@ -121,11 +134,10 @@ async def follow_placement(
                     first = r.rid not in shown
                     shown[r.rid] = line
                     echo(line + (f"\n      why: {r.reason}" if r.reason and first else ""))
-            p = rec.value if rec else None
             if p and p.explanation and p.explanation != last_explanation:
                 last_explanation = p.explanation
                 echo(f"  {p.placed}/{p.desired} placed: {p.explanation}")
-            live = [e.value for e in reps.values() if e.value.phase != "draining"]
+            live = [r for r in reps if r.phase != "draining"]
             if p and not wait:
                 return 0
             if p and p.desired == 0 and wait:
@@ -137,7 +149,44 @@ async def follow_placement(
                 return 0
             if p and p.explanation and p.placed < p.desired:
                 return 1
-        await anyio.sleep(0.2)
+        await anyio.sleep(poll)
     if not decided:
         echo("  no controller has decided yet: is one running? (`llmgw up` or `llmgw controller`)")
     return 0 if not wait else 2
+
+
+T = TypeVar("T")
+
+
+class _PollReader:
+    """Reads for a loop that polls the same keys: a value that does not decode is logged
+    once per revision, not at every poll (the bus logs at every read)."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.said: set[tuple[str, int]] = set()
+
+    async def get(self, key: str, type_: type[T]) -> T | None:
+        raw = await self.bus.get_raw(key)
+        return None if raw is None else self._decode(key, raw[0], raw[1], type_)
+
+    async def list(self, pattern: str, type_: type[T]) -> list[T]:
+        entries = await self.bus.list(pattern, lambda data: data)
+        values = (self._decode(k, e.value, e.revision, type_) for k, e in entries.items())
+        return [v for v in values if v is not None]
+
+    def _decode(self, key: str, data: bytes, revision: int, type_: type[T]) -> T | None:
+        try:
+            return records.decode(data, type_)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            if (key, revision) not in self.said:
+                self.said.add((key, revision))
+                log.warning(
+                    "skipping %s (revision %d): value does not decode: %s; "
+                    "fix it or remove it with `nats kv del <bucket> %s`",
+                    key,
+                    revision,
+                    e,
+                    key,
+                )
+            return None

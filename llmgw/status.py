@@ -7,6 +7,7 @@ controller has published `fabrics.<fabric>` yet.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -90,6 +91,18 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
+# after "ready", the phases worth a count, in the order a replica goes through them
+_PHASES = ("placed", "starting", "failed", "draining", "stopped")
+
+
+def _replica_counts(replicas: list[dict[str, Any]], want: int) -> str:
+    """ "1/1 ready, 1 draining": a draining replica is going away, not one too many."""
+    phases = Counter(r["phase"] for r in replicas)
+    return f"{phases['ready']}/{want} ready" + "".join(
+        f", {phases[p]} {p}" for p in _PHASES if phases[p]
+    )
+
+
 def render(view: dict[str, Any], now: float) -> str:
     lines = [f"bucket {view['bucket']}: {len(view['nodes'])} node(s)"]
     for node_id, n in sorted(view["nodes"].items()):
@@ -113,7 +126,8 @@ def render(view: dict[str, Any], now: float) -> str:
         else:
             lines.append("  weights not configured to look (fetch dir only)")
         if health and health.get("reason"):
-            lines.append(f"  health  {health['reason']}")
+            # written when the phase last changed: its age says how old the reason is
+            lines.append(f"  health  recorded {_age(now - health['since'])}: {health['reason']}")
         if inv["from_config"]:
             lines.append(f"  config  {', '.join(inv['from_config'])}")
     fabrics = render_fabrics(
@@ -130,7 +144,7 @@ def render(view: dict[str, Any], now: float) -> str:
     for model in models:
         want = view["desired"].get(model, {}).get("replicas", 0)
         mine = [r for r in view["replicas"] if r["model"] == model]
-        lines.append(f"  {model}: {len(mine)}/{want} replica(s)")
+        lines.append(f"  {model}: {_replica_counts(mine, want)}")
         for r in sorted(mine, key=lambda r: r["rid"]):
             where = ", ".join(m["node"] for m in r["members"])
             shard_phases = [s["phase"] for s in view["shards"] if s["rid"] == r["rid"]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,8 +17,13 @@ import pytest
 from agent_helpers import host_dirs
 
 from llmgw.agent.config import AgentConfig, Engines, Intervals, Paths, write_config
+from llmgw.bus import keys, records
 from llmgw.bus.server import free_port
+from llmgw.catalog import Model, encode_model, validate_models
+from llmgw.placing import dry_run_plan, follow_placement
+from llmgw.status import gather, render
 from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
+from llmgw.testing.sim import SimNode, inventory
 
 LLMGW = [sys.executable, "-m", "llmgw.cli"]
 
@@ -123,7 +129,7 @@ def test_up_then_catalog_place_status_serve_and_ctrl_c_stops_everything(up):
     (replica,) = status["replicas"]
     assert replica["phase"] == "ready" and replica["endpoint"]
     text = llmgw("status", env=up["env"]).stdout
-    assert f"{replica['rid']}  ready" in text and "tiny: 1/1 replica(s)" in text
+    assert f"{replica['rid']}  ready" in text and "tiny: 1/1 ready" in text
 
     import urllib.request
 
@@ -254,3 +260,58 @@ def test_agent_init_writes_only_what_it_was_given(tmp_path):
         "mlx5_0",
     )
     assert bad.returncode == 2 and "ADAPTER=FABRIC" in bad.stderr
+
+
+# --- status and place, on a real bus without `llmgw up` -----------------------------------
+
+
+def _tiny_gpu_model(mid: str = "m") -> Model:
+    profile = {"name": "p", "engine": "vllm", "weights": {"key": "org/m"}, "gpus_per_node": 1}
+    return validate_models({"models": [{"id": mid, "profiles": [profile]}]})[0]
+
+
+def _replica(rid: str, phase: str, gpu: int) -> records.Replica:
+    member = records.ReplicaMember(node="n1", rank=0, gpus=[f"GPU-n1-{gpu:02d}"], port=18000 + gpu)
+    return records.Replica(model="m", rid=rid, profile="p", members=[member], phase=phase)
+
+
+@pytest.mark.anyio
+async def test_status_counts_a_draining_replica_apart_and_dates_the_health_reason(bus):
+    now = time.time()
+    await bus.put(keys.node("n1"), inventory("n1", gpus=2))
+    health = records.Health(
+        node="n1", phase="ready", since=now - 7200, reason="lease seq 1 moved 1 s ago"
+    )
+    await bus.put(keys.health("n1"), health)
+    await bus.put(keys.desired("m"), records.Desired(model="m", replicas=1))
+    await bus.put(keys.replica("m", "r-new"), _replica("r-new", "ready", 0))
+    await bus.put(keys.replica("m", "r-old"), _replica("r-old", "draining", 1))
+    text = render(await gather(bus), now=now)
+    assert "  m: 1/1 ready, 1 draining" in text
+    assert "  health  recorded 2.0h ago: lease seq 1 moved 1 s ago" in text
+
+
+@pytest.mark.anyio
+async def test_dry_run_names_no_replica_id_the_controller_would_not_use(bus):
+    await bus.put(keys.catalog("m"), encode_model(_tiny_gpu_model()))
+    sim = SimNode(bus, inventory("n1", gpus=2))
+    await sim.register()
+    lines = await dry_run_plan(bus, "m", 2, None)
+    placed = [line for line in lines if "would place" in line]
+    assert len(placed) == 2, lines
+    assert all(line.startswith("  would place a replica on n1 (rank 0, 1 GPU") for line in placed)
+    assert not re.search(r"\br[0-9a-f]{10}\b", "\n".join(lines)), lines
+
+
+@pytest.mark.anyio
+async def test_place_wait_says_once_that_a_value_does_not_decode(bus, caplog):
+    await bus.put(keys.placement("m"), b'{"model": "m", "desired": "one"}')
+    await bus.put(keys.replica("m", "rbad"), b"not json")
+    said: list[str] = []
+    code = await follow_placement(
+        bus, "m", 1.0, wait=True, timeout=1.0, echo=said.append, poll=0.02
+    )
+    assert code == 2  # no decision came
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert sum("skipping placement.m " in w for w in warnings) == 1, warnings
+    assert sum("skipping replicas.m.rbad " in w for w in warnings) == 1, warnings
