@@ -135,9 +135,9 @@ def _render_blocked(r: PlacementRecord) -> str:
     if r.blocked == "invalid-catalog":
         return f"catalog entry is invalid, nothing changed until it is fixed: {r.blocked_detail}"
     if r.blocked == "catalog-deleted":
-        n = f"{r.desired} replica{'s' if r.desired != 1 else ''}"
+        n = "1 replica is" if r.desired == 1 else f"{r.desired} replicas are"
         return (
-            f"catalog entry deleted while {n} are desired, nothing placed or removed: re-apply "
+            f"catalog entry deleted while {n} desired, nothing placed or removed: re-apply "
             f"it (`llmgw catalog apply`), then `llmgw place {r.model} --replicas 0` to remove them"
         )
     return f"{r.blocked}: {r.blocked_detail}" if r.blocked_detail else r.blocked
