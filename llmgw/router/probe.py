@@ -37,12 +37,14 @@ class HealthProber:
         )
 
     async def run(self) -> None:
+        # An engine is taken as healthy when it appears (its agent saw it ready; a static
+        # one proves otherwise on its first request, which is then retried elsewhere).
         while True:
+            await asyncio.sleep(self.interval)
             try:
                 await self.probe_all()
             except Exception:  # noqa: BLE001 - a bug here must not stop the router serving
                 log.exception("router: health probes failed")
-            await asyncio.sleep(self.interval)
 
     async def probe_all(self) -> None:
         backends = [b for b in self.table.backends() if b.routable]

@@ -15,6 +15,9 @@ Behaviour knobs (environment):
     FAKE_ENGINE_EXIT_CODE         exit code of a failure or crash (default 1)
     FAKE_ENGINE_TOKENS            tokens per completion (default 8; max_tokens lowers it)
     FAKE_ENGINE_TOKEN_RATE        tokens per second (default 1000)
+    FAKE_ENGINE_FIRST_TOKEN_SECONDS  time before the first token, besides prefill (default 0)
+    FAKE_ENGINE_PREFILL_RATE      prompt tokens processed per second; cached ones are free
+                                  (default 0: prefill takes no time)
     FAKE_ENGINE_IGNORE_SIGTERM=1  ignore SIGTERM (tests SIGKILL escalation)
     FAKE_ENGINE_RECORD            path: write args, pid, pgid and engine env there as JSON
     FAKE_ENGINE_GPUS              GPUs on the "node" when CUDA_VISIBLE_DEVICES is unset (default 8)
@@ -150,12 +153,74 @@ class Engine:
     busy_slots: set[int] = field(default_factory=set)
     tokens: int = 8
     token_rate: float = 1000.0
+    first_token_seconds: float = 0.0
+    prefill_rate: float = 0.0
     started: float = field(default_factory=time.time)
+    # per slot: the tokens its KV cache holds (prompt and answer of its last request)
+    slot_tokens: dict[int, list[str]] = field(default_factory=dict)
+    slot_used: dict[int, float] = field(default_factory=dict)
+
+    def take_slot(self, prompt: list[str]) -> tuple[int, int]:
+        """llama-server's choice (server-context.cpp get_available_slot): the idle slot whose
+        cache shares the longest prefix with the prompt if it covers at least 10% of it, else
+        the least recently used idle slot. Returns (slot, cached tokens); slot -1 when every
+        slot is busy (the request then runs uncached)."""
+        idle = [i for i in range(self.slots) if i not in self.busy_slots]
+        if not idle:
+            return -1, 0
+        best = max(idle, key=lambda i: _common_prefix(self.slot_tokens.get(i, []), prompt))
+        cached = _common_prefix(self.slot_tokens.get(best, []), prompt)
+        if not prompt or cached < 0.1 * len(prompt):
+            best = min(idle, key=lambda i: self.slot_used.get(i, 0.0))
+            cached = _common_prefix(self.slot_tokens.get(best, []), prompt)
+        self.busy_slots.add(best)
+        self.slot_used[best] = time.monotonic()
+        # never the whole prompt: the last token is always evaluated, as in llama.cpp
+        return best, min(cached, max(0, len(prompt) - 1))
 
     def authorized(self, request) -> bool:
         if not self.api_key:
             return True
         return request.headers.get("Authorization", "") == f"Bearer {self.api_key}"
+
+
+def _common_prefix(a: list[str], b: list[str]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _text_of(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def prompt_text(body: dict, chat: bool) -> str:
+    """The prompt as the engine would see it after its chat template: each message's role and
+    content in order (so the next turn's prompt starts with this turn's prompt and answer)."""
+    if chat:
+        messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+        return (
+            "".join(
+                f"<|{m.get('role')}|>{_text_of(m.get('content'))}"
+                for m in messages
+                if isinstance(m, dict)
+            )
+            + "<|assistant|>"
+        )
+    prompt = body.get("prompt", "")
+    return prompt if isinstance(prompt, str) else "".join(str(p) for p in prompt)
+
+
+def tokenize(text: str) -> list[str]:
+    """About four characters a token, as for English text with a real tokenizer."""
+    return [text[i : i + 4] for i in range(0, len(text), 4)]
 
 
 def _llama_error(status: int, message: str, kind: str) -> dict:
@@ -266,10 +331,26 @@ def build_app(engine: Engine):
         finish = "length" if n < engine.tokens else "stop"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        slot = next((i for i in range(engine.slots) if i not in engine.busy_slots), 0)
+        text = "".join(f"tok{i} " for i in range(n))
+        prompt = tokenize(prompt_text(body, chat))
+        slot, cached = engine.take_slot(prompt)
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": n,
+            "total_tokens": len(prompt) + n,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        prefill = (len(prompt) - cached) / engine.prefill_rate if engine.prefill_rate else 0.0
+        timings = {
+            "cache_n": cached,
+            "prompt_n": len(prompt) - cached,
+            "prompt_ms": prefill * 1000,
+            "predicted_n": n,
+            "predicted_ms": n / engine.token_rate * 1000,
+        }
         engine.in_flight += 1
-        engine.busy_slots.add(slot)
         try:
+            await asyncio.sleep(engine.first_token_seconds + prefill)
             if body.get("stream"):
                 resp = web.StreamResponse(
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -306,13 +387,18 @@ def build_app(engine: Engine):
                 for i in range(n):
                     await asyncio.sleep(1.0 / engine.token_rate)
                     await resp.write(chunk(f"tok{i} ", None))
-                await resp.write(chunk(None if chat else "", finish))
+                last = json.loads(chunk(None if chat else "", finish)[len(b"data: ") :])
+                last["timings"] = timings  # llama-server puts them on its last chunk
+                await resp.write(f"data: {json.dumps(last)}\n\n".encode())
+                options = body.get("stream_options")
+                if isinstance(options, dict) and options.get("include_usage"):
+                    only_usage = {**last, "choices": [], "usage": usage}
+                    only_usage.pop("timings")
+                    await resp.write(f"data: {json.dumps(only_usage)}\n\n".encode())
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 return resp
             await asyncio.sleep(n / engine.token_rate)
-            text = "".join(f"tok{i} " for i in range(n))
-            usage = {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
             if chat:
                 choice = {
                     "index": 0,
@@ -331,11 +417,38 @@ def build_app(engine: Engine):
                     "model": model,
                     "choices": [choice],
                     "usage": usage,
+                    "timings": timings,
                 }
             )
         finally:
             engine.in_flight -= 1
-            engine.busy_slots.discard(slot)
+            if slot >= 0:
+                engine.busy_slots.discard(slot)
+                # what the slot's KV cache holds now: this prompt and its answer
+                engine.slot_tokens[slot] = tokenize(prompt_text(body, chat) + text)
+
+    async def embeddings(request):
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response(
+                _llama_error(400, "invalid JSON body", "invalid_request_error"), status=400
+            )
+        inputs = body.get("input", "")
+        inputs = inputs if isinstance(inputs, list) else [inputs]
+        data = [
+            {"object": "embedding", "index": i, "embedding": [float(len(str(x)) % 7), 0.5, -0.5]}
+            for i, x in enumerate(inputs)
+        ]
+        n = sum(len(tokenize(str(x))) for x in inputs)
+        return web.json_response(
+            {
+                "object": "list",
+                "data": data,
+                "model": body.get("model") or engine.served_name,
+                "usage": {"prompt_tokens": n, "total_tokens": n},
+            }
+        )
 
     app = web.Application(middlewares=[gate])
     app.router.add_get("/health", health)
@@ -345,6 +458,7 @@ def build_app(engine: Engine):
         app.router.add_get("/slots", slots)
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
     return app
 
 
@@ -480,10 +594,17 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
         ctx=(ns.max_model_len or 4096) if vllm else ns.ctx_size,
         tokens=int(_env_float("FAKE_ENGINE_TOKENS", 8)),
         token_rate=max(0.001, _env_float("FAKE_ENGINE_TOKEN_RATE", 1000.0)),
+        first_token_seconds=max(0.0, _env_float("FAKE_ENGINE_FIRST_TOKEN_SECONDS", 0.0)),
+        prefill_rate=max(0.0, _env_float("FAKE_ENGINE_PREFILL_RATE", 0.0)),
     )
     host = ns.host or ("0.0.0.0" if vllm else "127.0.0.1")
     runner = web.AppRunner(
-        build_app(engine), shutdown_timeout=0.5, handle_signals=False, access_log=None
+        build_app(engine),
+        shutdown_timeout=0.5,
+        handle_signals=False,
+        access_log=None,
+        # like llama-server and vLLM: a client that leaves stops its generation
+        handler_cancellation=True,
     )
     await runner.setup()
 
