@@ -72,7 +72,10 @@ def start_agent(
     path_dirs: list[Path],
     log_path: Path,
     env_extra: dict[str, str] | None = None,
+    simulate: list[str] | None = None,
 ) -> subprocess.Popen:
+    """llmgw-agent as a process; with `simulate` (options of llmgw.testing.agent, such as
+    ["--recorded-nvml", "count=2"]) the same agent on simulated hardware."""
     write_config(cfg, config_path)
     env = {**os.environ, **(env_extra or {})}
     env["PATH"] = os.pathsep.join(str(p) for p in path_dirs)
@@ -82,7 +85,8 @@ def start_agent(
             [
                 sys.executable,
                 "-m",
-                "llmgw.agent.service",
+                "llmgw.testing.agent" if simulate else "llmgw.agent.service",
+                *(simulate or []),
                 "--config",
                 str(config_path),
                 "--log-level",

@@ -14,11 +14,16 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent.engines import LaunchSpec, adapter_for
-from llmgw.agent.engines.validate import NodeFacts, validate_launch
+from llmgw.agent.engines.validate import NodeFacts, Problem, validate_launch
 from llmgw.bus.records import EngineInstall, Gpu
 from llmgw.testing import free_port, install_fake_engines, write_fake_gguf
 
 UUIDS = [f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd" for i in range(8)]
+
+
+def refusals(spec: LaunchSpec, node: NodeFacts) -> list[str]:
+    """What validation says, as a person reads it."""
+    return [p.reason for p in validate_launch(spec, node)]
 
 
 def gpus(n: int = 8, gb: float = 80) -> list[Gpu]:
@@ -161,11 +166,11 @@ def test_download_sources_an_engine_cannot_fetch_are_refused(bins, node):
     vllm_url = vllm_spec(
         str(bins["vllm"]), Path("/x"), weights_path=None, download_source="https://x.org/m.gguf"
     )
-    assert "vLLM downloads from the Hub only" in validate_launch(vllm_url, node)[0]
+    assert "vLLM downloads from the Hub only" in refusals(vllm_url, node)[0]
     llama_bad = llama_spec(
         str(bins["llama-server"]), Path("/x"), weights_path=None, download_source="s3://b/m.gguf"
     )
-    assert "neither hf://org/name[:QUANT] nor an http(s) URL" in validate_launch(llama_bad, node)[0]
+    assert "neither hf://org/name[:QUANT] nor an http(s) URL" in refusals(llama_bad, node)[0]
 
 
 def test_api_key_travels_in_the_environment_not_in_argv():
@@ -288,28 +293,28 @@ def test_in_flight_counts_running_and_queued_requests_across_label_sets():
 
 
 def test_valid_profiles_pass_validation(bins, node, gguf, model_dir):
-    assert validate_launch(llama_spec(str(bins["llama-server"]), gguf), node) == []
-    assert validate_launch(llama_spec(str(bins["llama-server"]), gguf, gpu_uuids=()), node) == []
-    assert validate_launch(vllm_spec(str(bins["vllm"]), model_dir), node) == []
+    assert refusals(llama_spec(str(bins["llama-server"]), gguf), node) == []
+    assert refusals(llama_spec(str(bins["llama-server"]), gguf, gpu_uuids=()), node) == []
+    assert refusals(vllm_spec(str(bins["vllm"]), model_dir), node) == []
     two_nodes = vllm_spec(str(bins["vllm"]), model_dir, nodes=2, rank=1, master_addr="10.0.0.5")
-    assert validate_launch(two_nodes, node) == []
+    assert refusals(two_nodes, node) == []
 
 
 def test_missing_model_file_is_refused_naming_the_path(bins, node, tmp_path):
     missing = tmp_path / "nope.gguf"
-    reasons = validate_launch(llama_spec(str(bins["llama-server"]), missing), node)
+    reasons = refusals(llama_spec(str(bins["llama-server"]), missing), node)
     assert reasons == [
         f"weights file {missing} does not exist on this node; check the path or fetch it"
     ]
 
 
 def test_gguf_directory_and_non_gguf_file_are_refused(bins, node, tmp_path, model_dir):
-    reasons = validate_launch(llama_spec(str(bins["llama-server"]), model_dir), node)
+    reasons = refusals(llama_spec(str(bins["llama-server"]), model_dir), node)
     assert "is a directory" in reasons[0]
     bogus = tmp_path / "model.gguf"
     bogus.write_bytes(b"<html>rate limited</html>")
     assert (
-        "not a GGUF file" in validate_launch(llama_spec(str(bins["llama-server"]), bogus), node)[0]
+        "not a GGUF file" in refusals(llama_spec(str(bins["llama-server"]), bogus), node)[0]
     )
 
 
@@ -327,13 +332,13 @@ def test_gguf_directory_and_non_gguf_file_are_refused(bins, node, tmp_path, mode
 )
 def test_llama_extra_arg_clashing_with_a_managed_flag_is_refused(bins, node, gguf, extra, clash):
     spec = llama_spec(str(bins["llama-server"]), gguf, extra_args=extra)
-    reasons = validate_launch(spec, node)
+    reasons = refusals(spec, node)
     assert len(reasons) == 1 and f"clashes with {clash}" in reasons[0], reasons
 
 
 @pytest.mark.parametrize("extra", [("-tp", "4"), ("--tensor_parallel_size", "4"), ("--host=::",)])
 def test_vllm_extra_arg_clashing_in_any_spelling_is_refused(bins, node, model_dir, extra):
-    reasons = validate_launch(vllm_spec(str(bins["vllm"]), model_dir, extra_args=extra), node)
+    reasons = refusals(vllm_spec(str(bins["vllm"]), model_dir, extra_args=extra), node)
     assert len(reasons) == 1 and "clashes with" in reasons[0], reasons
 
 
@@ -341,10 +346,10 @@ def test_duplicated_flag_is_refused_even_through_an_alias(bins, node, gguf):
     spec = llama_spec(
         str(bins["llama-server"]), gguf, extra_args=("-fa", "on", "--flash-attn", "off")
     )
-    assert validate_launch(spec, node) == ["extra arg --flash-attn repeats -fa; keep one"]
+    assert refusals(spec, node) == ["extra arg --flash-attn repeats -fa; keep one"]
     repeatable = ("--override-kv", "a=int:1", "--override-kv", "b=int:-2", "-t", "-1")
     assert (
-        validate_launch(llama_spec(str(bins["llama-server"]), gguf, extra_args=repeatable), node)
+        refusals(llama_spec(str(bins["llama-server"]), gguf, extra_args=repeatable), node)
         == []
     )
 
@@ -353,17 +358,17 @@ def test_profile_env_setting_a_managed_variable_is_refused(bins, node, gguf):
     spec = llama_spec(
         str(bins["llama-server"]), gguf, env={"LLAMA_ARG_PORT": "1", "CUDA_VISIBLE_DEVICES": "0"}
     )
-    reasons = validate_launch(spec, node)
+    reasons = refusals(spec, node)
     assert [r.split()[1] for r in reasons] == ["LLAMA_ARG_PORT", "CUDA_VISIBLE_DEVICES"]
 
 
 def test_tensor_parallel_larger_than_assigned_gpus_is_refused(bins, node, model_dir):
     spec = vllm_spec(str(bins["vllm"]), model_dir, gpu_uuids=tuple(UUIDS[:4]), tensor_parallel=8)
-    assert validate_launch(spec, node) == [
+    assert refusals(spec, node) == [
         "tensor_parallel 8 x pipeline_parallel 1 over 1 node(s) needs 8 GPUs on this node, 4 assigned"
     ]
     dp = vllm_spec(str(bins["vllm"]), model_dir, tensor_parallel=4, extra_args=("-dp", "4"))
-    assert "needs 16 GPUs" in validate_launch(dp, node)[0]
+    assert "needs 16 GPUs" in refusals(dp, node)[0]
 
 
 def test_gpu_with_too_little_memory_or_not_on_the_node_is_refused(bins, model_dir):
@@ -374,7 +379,7 @@ def test_gpu_with_too_little_memory_or_not_on_the_node_is_refused(bins, model_di
     spec = vllm_spec(
         str(bins["vllm"]), model_dir, gpu_uuids=(UUIDS[0], "GPU-missing"), tensor_parallel=2
     )
-    reasons = validate_launch(spec, facts)
+    reasons = refusals(spec, facts)
     assert (
         reasons[0]
         == f"GPU {UUIDS[0]} (NVIDIA H100 80GB HBM3) has 42.8 GB, the profile needs 80 GB per GPU"
@@ -384,7 +389,7 @@ def test_gpu_with_too_little_memory_or_not_on_the_node_is_refused(bins, model_di
 
 def test_an_80gb_card_satisfies_an_80gb_profile(bins, node, model_dir):
     # NVML reports 79.6 GiB for an "80 GB" H100: GB here are the decimal ones on the box
-    assert validate_launch(vllm_spec(str(bins["vllm"]), model_dir, gpu_memory_gb=80), node) == []
+    assert refusals(vllm_spec(str(bins["vllm"]), model_dir, gpu_memory_gb=80), node) == []
 
 
 def test_port_in_use_is_refused(bins, node, gguf):
@@ -392,20 +397,34 @@ def test_port_in_use_is_refused(bins, node, gguf):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        reasons = validate_launch(llama_spec(str(bins["llama-server"]), gguf, port=port), node)
+        reasons = refusals(llama_spec(str(bins["llama-server"]), gguf, port=port), node)
     assert reasons == [
         f"port {port} on 127.0.0.1 is in use by another process; a leftover engine? (see `ss -ltnp`)"
     ]
 
 
+def test_port_in_use_is_the_one_problem_that_clears_by_itself(bins, node, gguf, tmp_path):
+    # the agent retries a launch only when every problem is transient
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        held = validate_launch(llama_spec(str(bins["llama-server"]), gguf, port=port), node)
+        missing = tmp_path / "nope.gguf"
+        both = validate_launch(llama_spec(str(bins["llama-server"]), missing, port=port), node)
+    assert [p.transient for p in held] == [True]
+    assert [p.transient for p in both] == [False, True]
+    assert isinstance(held[0], Problem) and str(held[0]) == held[0].reason
+
+
 def test_missing_binary_and_unknown_version_are_refused(bins, node, gguf, tmp_path):
     gone = tmp_path / "nowhere" / "llama-server"
-    assert "not found on this node" in validate_launch(llama_spec(str(gone), gguf), node)[0]
+    assert "not found on this node" in refusals(llama_spec(str(gone), gguf), node)[0]
     no_version = NodeFacts(
         gpus=node.gpus,
         engines=[EngineInstall(name="llama-server", path=str(bins["llama-server"]), version="")],
     )
-    reasons = validate_launch(llama_spec(str(bins["llama-server"]), gguf), no_version)
+    reasons = refusals(llama_spec(str(bins["llama-server"]), gguf), no_version)
     assert reasons == [
         f"llama-server at {bins['llama-server']} did not report a version; run "
         f"`{bins['llama-server']} --version` to see why (a missing shared library is the usual cause)"
@@ -414,7 +433,7 @@ def test_missing_binary_and_unknown_version_are_refused(bins, node, gguf, tmp_pa
 
 def test_profile_without_weights_or_source_and_multinode_llama_are_refused(bins, node):
     spec = llama_spec(str(bins["llama-server"]), Path("/x"), weights_path=None, nodes=2)
-    reasons = validate_launch(spec, node)
+    reasons = refusals(spec, node)
     assert "names neither a weights path" in reasons[0]
     assert "llama-server runs on one node" in reasons[1]
 

@@ -4,11 +4,14 @@ keeping the inventory true, overrides, stopping."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop, write_meminfo
@@ -28,6 +31,12 @@ GIB = 1 << 30
 async def _node(bus: Bus, node: str) -> records.NodeInventory | None:
     e = await bus.get(f"nodes.{node}", decoder(records.NodeInventory))
     return e.value if e else None
+
+
+async def _scanned(bus: Bus, node: str) -> records.NodeInventory | None:
+    """nodes.<node> once it carries a finished weights scan (registration comes first)."""
+    inv = await _node(bus, node)
+    return inv if inv is not None and inv.weights.scanned_at > 0 else None
 
 
 async def _lease(bus: Bus, node: str) -> records.Lease | None:
@@ -236,7 +245,7 @@ async def test_agent_reports_complete_weights_and_rescans_on_request(
     )
     proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
     try:
-        inv = await until(lambda: _node(bus, "w1"))
+        inv = await until(lambda: _scanned(bus, "w1"))
         assert inv.weights.looked is True
         assert [m.key for m in inv.weights.models] == ["llama-a"]
         assert inv.weights.models[0].store.kind == "local"
@@ -257,7 +266,7 @@ async def test_agent_never_configured_to_look_says_so(bus, nats_server, host, tm
         tmp_path / "agent.log",
     )
     try:
-        inv = await until(lambda: _node(bus, "w2"))
+        inv = await until(lambda: _scanned(bus, "w2"))
         assert inv.weights.looked is False
         assert [d.path for d in inv.weights.dirs] == [str(host["fetch"])]
         assert (
@@ -265,3 +274,239 @@ async def test_agent_never_configured_to_look_says_so(bus, nats_server, host, tm
         )  # reported, not an error that stops the agent
     finally:
         stop(proc)
+
+
+# --- hostile files and bad certificates -----------------------------------------------------
+
+
+def _weights_config(url: str, host, node: str, models, **weights: object):
+    import msgspec
+
+    cfg = agent_config(url, host, id=node)
+    return msgspec.structs.replace(
+        cfg,
+        weights=msgspec.structs.replace(
+            cfg.weights, dirs=[str(models)], scan_interval=3600, **weights
+        ),
+    )
+
+
+async def test_malformed_weights_files_are_reported_and_the_agent_keeps_running(
+    bus, nats_server, host, tmp_path
+):
+    from test_weights_formats import write_nested_gguf
+    from test_weights_scan import write_safetensors
+
+    models = tmp_path / "models"
+    write_safetensors(models / "good" / "model.safetensors")
+    write_nested_gguf(models / "nested.gguf", 5000)  # 60 KB; RecursionError in a naive reader
+    (models / "deep").mkdir()
+    (models / "deep" / "model.safetensors.index.json").write_bytes(b"[" * 100_000)
+    cfg = _weights_config(nats_server.url, host, "h1", models)
+    proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
+    try:
+        inv = await until(lambda: _scanned(bus, "h1"))
+        assert [m.key for m in inv.weights.models] == ["good"]
+        assert {i.key: i.reason for i in inv.weights.incomplete} == {
+            "nested": "nested.gguf header does not parse",
+            "deep": "model.safetensors.index.json does not parse",
+        }
+        # still alive: a rescan answers, and it starts again with the files in place
+        reply = json.loads(await bus.request("llmgw.agent.h1.rescan", b"", timeout=10))
+        assert reply["models"] == 1
+    finally:
+        assert stop(proc) == 0
+
+
+async def test_fifos_among_the_weights_never_block_registration(bus, nats_server, host, tmp_path):
+    from test_weights_scan import write_hf_repo, write_safetensors
+
+    models = tmp_path / "models"
+    write_safetensors(models / "good" / "model.safetensors")
+    (models / "piped").mkdir()
+    os.mkfifo(models / "piped" / "model.safetensors")  # a FIFO named as a shard
+    os.mkfifo(models / ".llmgw-share-id")  # read before anything else is scanned
+    repo = write_hf_repo(models / "hub", "org/name", main=False)
+    (repo / "refs").mkdir()
+    os.mkfifo(repo / "refs" / "main")
+    cfg = _weights_config(nats_server.url, host, "f1", models)
+    proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
+    try:
+        inv = await until(lambda: _scanned(bus, "f1"))
+        assert [m.key for m in inv.weights.models] == ["good", "org/name"]
+        assert inv.weights.models[0].store.kind == "local"  # the FIFO names no share
+        assert {i.key: i.reason for i in inv.weights.incomplete} == {
+            "piped": "model.safetensors not a regular file"
+        }
+    finally:
+        assert stop(proc) == 0
+
+
+async def test_a_weights_scan_stuck_in_a_filer_shows_in_the_inventory_and_never_blocks_heartbeats(
+    bus, nats_server, host, tmp_path
+):
+    filer = tmp_path / "filer"
+    filer.mkdir()
+    cfg = _weights_config(nats_server.url, host, "s1", filer, scan_timeout=0.5)
+    proc = start_agent(
+        cfg,
+        tmp_path / "a.toml",
+        [host["bin"]],
+        tmp_path / "agent.log",
+        simulate=["--hung-weights-dir", str(filer)],
+    )
+    try:
+        registered = await until(lambda: _node(bus, "s1"))  # before any scan finished
+        assert registered.weights.scanned_at == 0
+
+        async def stuck():
+            inv = await _node(bus, "s1")
+            dirs = inv.weights.dirs if inv else []
+            return dirs[0] if dirs and dirs[0].status == "timeout" else None
+
+        d = await until(stuck)
+        assert d.path == str(filer)
+        assert re.fullmatch(rf"scan of {re.escape(str(filer))} running for \d+ s", d.detail)
+        first = await until(lambda: _lease(bus, "s1"))
+
+        async def beat_after_first():
+            lease = await _lease(bus, "s1")
+            return lease if lease and lease.seq > first.seq + 2 else None
+
+        await until(beat_after_first)  # heartbeats go on while the scan thread is stuck
+    finally:
+        assert stop(proc) == 0  # SIGTERM is not held up by the stuck scan either
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    trustme = pytest.importorskip("trustme", reason="test extra: pip install trustme")
+    d = tmp_path_factory.mktemp("certs")
+    ca = trustme.CA(organization_name="llmgw-test")
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    leaf = ca.issue_cert("node05.fleet.test", common_name="node05")
+    leaf.cert_chain_pems[0].write_to_path(str(d / "node05.pem"))
+    leaf.private_key_pem.write_to_path(str(d / "node05-key.pem"))
+    return d
+
+
+def _run_agent_once(cfg, tmp_path) -> subprocess.CompletedProcess[str]:
+    from llmgw.agent.config import write_config
+
+    write_config(cfg, tmp_path / "agent.toml")
+    return subprocess.run(
+        [sys.executable, "-m", "llmgw.agent.service", "--config", str(tmp_path / "agent.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _tls(cfg, certs, **files: str):
+    import msgspec
+
+    paths = {
+        "tls_ca": str(certs / "ca.pem"),
+        "tls_cert": str(certs / "node05.pem"),
+        "tls_key": str(certs / "node05-key.pem"),
+        **files,
+    }
+    return msgspec.structs.replace(cfg, nats=msgspec.structs.replace(cfg.nats, **paths))
+
+
+def test_a_certificate_naming_another_node_refuses_to_start_in_one_line(host, tmp_path, certs):
+    cfg = _tls(agent_config(f"tls://127.0.0.1:{free_port()}", host, id="node06"), certs)
+    out = _run_agent_once(cfg, tmp_path)
+    assert out.returncode == 78  # EX_CONFIG: restarting does not help
+    assert "Traceback" not in out.stderr and "ExceptionGroup" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"Error: certificate CN=node05 ({certs / 'node05.pem'}) does not match node id node06 "
+        f"(from config node.id); set node.id in {tmp_path / 'agent.toml'} or reissue the certificate"
+    )
+
+
+@pytest.mark.parametrize(
+    "which, content, problem",
+    [
+        ("tls_cert", None, "does not exist; fix nats.tls_cert or install the file"),
+        ("tls_cert", b"\x30\x82\x01\x0a not pem", "is not a PEM file holding a certificate"),
+        (
+            "tls_key",
+            b"-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n",
+            "private key",
+        ),
+        ("tls_ca", b"", "is not a PEM file holding a certificate"),
+    ],
+)
+def test_a_missing_or_non_pem_tls_file_is_named_with_what_is_wrong(
+    host, tmp_path, certs, which, content, problem
+):
+    bad = tmp_path / f"bad-{which}.pem"
+    if content is not None:
+        bad.write_bytes(content)
+    cfg = _tls(agent_config(f"tls://127.0.0.1:{free_port()}", host, id="node05"), certs)
+    out = _run_agent_once(_tls(cfg, certs, **{which: str(bad)}), tmp_path)
+    assert out.returncode == 78
+    assert "Traceback" not in out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"Error: {bad} (nats.{which} in {tmp_path / 'agent.toml'})"), line
+    assert problem in line
+
+
+# --- the config -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "toml, key, allowed",
+    [
+        ("[engines]\nbackoff_cap = -1\n", "engines.backoff_cap", "0 < value <= 86400 seconds"),
+        ("[engines]\nstop_grace = -0.5\n", "engines.stop_grace", "0 <= value <= 3600 seconds"),
+        ("[intervals]\nheartbeat = nan\n", "intervals.heartbeat", "0 < value <= 3600 seconds"),
+        ("[weights]\nscan_timeout = inf\n", "weights.scan_timeout", "0 < value <= 86400 seconds"),
+        ("[node]\nram_total_gb = 0\n", "node.ram_total_gb", "0 < value <= 1.04858e+06 GiB"),
+    ],
+)
+def test_config_numbers_out_of_range_are_refused_naming_file_key_and_range(toml, key, allowed):
+    from llmgw.agent.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError) as refused:
+        parse_config(toml, Path("/etc/llmgw/agent.toml"))
+    assert str(refused.value).startswith(f"/etc/llmgw/agent.toml: key '{key}': ")
+    assert str(refused.value).endswith(f"is out of range; allowed: {allowed}")
+
+
+def test_every_number_of_the_config_has_a_range():
+    import msgspec
+
+    from llmgw.agent import config
+
+    numbers = {
+        f"{section}.{f.name}"
+        for section, struct in (
+            ("nats", config.Nats),
+            ("node", config.Node),
+            ("weights", config.Weights),
+            ("intervals", config.Intervals),
+            ("engines", config.Engines),
+            ("paths", config.Paths),
+        )
+        for f in msgspec.structs.fields(struct)
+        if "float" in str(f.type) or "int" in str(f.type)
+    }
+    assert numbers == set(config.RANGES)
+
+
+def test_backoff_cap_below_its_base_is_refused():
+    from llmgw.agent.config import ConfigError, parse_config
+
+    with pytest.raises(
+        ConfigError, match="'engines.backoff_cap': 2 is below engines.backoff_base 5"
+    ):
+        parse_config("[engines]\nbackoff_base = 5\nbackoff_cap = 2\n")
+
+
+def test_config_error_is_an_llmgw_error_and_still_a_value_error():
+    from llmgw.agent.config import ConfigError
+    from llmgw.errors import LlmgwError
+
+    assert issubclass(ConfigError, LlmgwError) and issubclass(ConfigError, ValueError)

@@ -50,10 +50,8 @@ def fleet(tmp_path, nats_server):
                 root / "agent.toml",
                 [dirs["bin"], "/usr/bin", "/bin"],
                 root / "agent.log",
-                env_extra={
-                    "LLMGW_RECORDED_NVML": f"count=2,node={node}",
-                    "FAKE_ENGINE_RECORD": str(records_at[node]),
-                },
+                env_extra={"FAKE_ENGINE_RECORD": str(records_at[node])},
+                simulate=["--recorded-nvml", f"count=2,node={node}"],
             )
         )
     yield records_at

@@ -6,14 +6,18 @@ import io
 import json
 import os
 import struct
+from datetime import timedelta
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from llmgw.agent.discovery.weights.formats import (
     GGML_BLOCK,
+    GgufLayout,
     check_gguf,
     check_gguf_split,
     check_safetensors,
@@ -21,6 +25,8 @@ from llmgw.agent.discovery.weights.formats import (
     gguf_layout,
     gguf_split,
     missing_numbered_shards,
+    parse_index,
+    safetensors_required_size,
 )
 
 
@@ -247,3 +253,180 @@ def test_unsplit_names_are_not_splits() -> None:
 def test_ggml_block_table_matches_the_gguf_package() -> None:
     theirs = {int(t): size for t, size in gguf.GGML_QUANT_SIZES.items()}
     assert GGML_BLOCK == theirs
+
+
+# --- hostile files: anyone who can write into a shared weights directory wrote these
+
+
+def write_nested_gguf(path: Path, depth: int) -> Path:
+    """A GGUF whose one key holds an array of an array of ... `depth` deep: 12 bytes a level."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = b"k"
+    data = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+    data += struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * depth + struct.pack("<IQ", 4, 0)
+    path.write_bytes(data)
+    return path
+
+
+def test_gguf_of_deeply_nested_arrays_is_a_bad_file_not_a_crash(tmp_path: Path) -> None:
+    check = check_gguf(write_nested_gguf(tmp_path / "nested.gguf", 5000))
+    assert (check.problem, check.detail) == (
+        "header does not parse",
+        "arrays nested more than 8 deep",
+    )
+
+
+def test_gguf_with_a_huge_key_in_a_large_file_is_refused_without_reading_it(tmp_path: Path) -> None:
+    # a 4 GiB sparse file claiming a 100 MiB key: refused by length, never read into memory
+    data = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 100 << 20)
+    (tmp_path / "m.gguf").write_bytes(data)
+    os.truncate(tmp_path / "m.gguf", 4 << 30)
+    check = check_gguf(tmp_path / "m.gguf")
+    assert check.problem == "header does not parse" and "at most 65535" in check.detail
+
+
+def test_gguf_header_longer_than_any_real_one_is_refused(tmp_path: Path) -> None:
+    # one string value of 300 MiB, in a sparse file: skipped by seek, refused by position
+    data = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k"
+    data += struct.pack("<IQ", 8, 300 << 20)
+    (tmp_path / "m.gguf").write_bytes(data)
+    os.truncate(tmp_path / "m.gguf", 1 << 30)
+    check = check_gguf(tmp_path / "m.gguf")
+    assert check.problem == "header does not parse" and "no real one does" in check.detail
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b'{"__metadata__":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"t":{"data_offsets":[0,1],"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}}",
+    ],
+)
+def test_safetensors_header_of_deeply_nested_json_is_a_bad_file(tmp_path: Path, header) -> None:
+    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
+    check = check_safetensors(tmp_path / "m.safetensors")
+    assert check.problem == "header does not parse"
+
+
+def test_index_of_deeply_nested_json_is_a_bad_file(tmp_path: Path) -> None:
+    nested = b'{"metadata":' + b"[" * 100_000 + b"]" * 100_000 + b', "weight_map": {}}'
+    (tmp_path / "model.safetensors.index.json").write_bytes(nested)
+    check = check_safetensors_dir(tmp_path, ["model.safetensors.index.json"])
+    assert check.reason == "model.safetensors.index.json does not parse"
+    assert "deeper than any index" in check.detail
+
+
+def test_fifo_named_as_weights_is_not_a_regular_file_and_is_never_opened(tmp_path: Path) -> None:
+    # opening a FIFO for reading blocks until a writer comes: this test would hang
+    os.mkfifo(tmp_path / "m.gguf")
+    os.mkfifo(tmp_path / "m.safetensors")
+    assert check_gguf(tmp_path / "m.gguf").why == "m.gguf not a regular file: a FIFO"
+    assert (
+        check_safetensors(tmp_path / "m.safetensors").reason == "m.safetensors not a regular file"
+    )
+    os.mkfifo(tmp_path / "model.safetensors.index.json")
+    check = check_safetensors_dir(tmp_path, ["model.safetensors.index.json"])
+    assert check.reason == "model.safetensors.index.json not a regular file"
+
+
+# Fuzzing: any bytes give a result or a reason, quickly. Headers are built from parts real
+# files have, so the search gets past the magic.
+
+QUICKLY = timedelta(milliseconds=500)  # per example, on a shared 2-core machine
+
+_u32 = st.integers(0, 2**32 - 1).map(lambda n: struct.pack("<I", n))
+_u64 = st.one_of(st.integers(0, 64), st.integers(0, 2**64 - 1)).map(lambda n: struct.pack("<Q", n))
+_small_u64 = st.integers(0, 16).map(lambda n: struct.pack("<Q", n))
+_vtype = st.integers(0, 13).map(lambda n: struct.pack("<I", n))
+# a run of array-of-array headers: what a 60 KB file of 5,000 nested arrays is made of
+_nesting = st.integers(1, 6000).map(lambda n: struct.pack("<IQ", 9, 1) * n)
+_gguf_parts = st.lists(
+    st.one_of(
+        _u32, _u64, _small_u64, _vtype, st.binary(max_size=24), st.just(b"\x09\0\0\0"), _nesting
+    ),
+    max_size=40,
+)
+
+
+@st.composite
+def gguf_headers(draw: st.DrawFn) -> bytes:
+    version = draw(
+        st.sampled_from([struct.pack("<I", 3), struct.pack(">I", 3), struct.pack("<I", 2)])
+    )
+    counts = draw(st.tuples(_small_u64, _small_u64)).__iter__()
+    return b"GGUF" + version + next(counts) + next(counts) + b"".join(draw(_gguf_parts))
+
+
+@settings(max_examples=400, deadline=QUICKLY, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(gguf_headers(), st.binary(max_size=512)))
+def test_gguf_reader_gives_a_layout_or_a_reason_for_any_bytes(data: bytes) -> None:
+    try:
+        layout = gguf_layout(io.BytesIO(data), len(data))
+    except ValueError as exc:
+        assert str(exc)
+    else:
+        assert isinstance(layout, GgufLayout) and layout.data_start >= 24
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+_entry = st.fixed_dictionaries(
+    {"data_offsets": st.lists(st.integers(-(2**70), 2**70), max_size=3)},
+    optional={"dtype": _json, "shape": _json},
+)
+_deep = st.integers(1, 100_000).map(lambda n: b"[" * n + b"]" * n)
+_header_json = st.one_of(
+    st.dictionaries(st.text(max_size=12), st.one_of(_entry, _json), max_size=6).map(
+        lambda d: json.dumps(d).encode()
+    ),
+    _deep.map(lambda nest: b'{"t":{"data_offsets":[0,1],"x":' + nest + b"}}"),
+)
+
+
+@settings(max_examples=400, deadline=QUICKLY)
+@given(st.one_of(_header_json, st.binary(max_size=256)))
+def test_safetensors_header_gives_a_size_or_a_reason_for_any_bytes(header: bytes) -> None:
+    try:
+        size = safetensors_required_size(len(header), header)
+    except ValueError as exc:
+        assert str(exc)
+    else:
+        assert size >= 8 + len(header)
+
+
+_index_json = st.fixed_dictionaries(
+    {},
+    optional={
+        "weight_map": st.one_of(st.dictionaries(st.text(max_size=8), _json), _json),
+        "metadata": _json,
+    },
+).map(lambda d: json.dumps(d).encode())
+
+
+@settings(max_examples=400, deadline=QUICKLY)
+@given(st.one_of(_index_json, _deep.map(lambda n: b'{"metadata":' + n + b"}"), st.binary()))
+def test_index_gives_file_names_or_a_reason_for_any_bytes(data: bytes) -> None:
+    try:
+        files = parse_index(data, "model.safetensors.index.json")
+    except ValueError as exc:
+        assert str(exc).startswith("model.safetensors.index.json ")
+    else:
+        assert files and all("/" not in f and f not in ("", ".", "..") for f in files)
+
+
+@settings(
+    max_examples=150,
+    deadline=QUICKLY,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.one_of(gguf_headers(), _header_json.map(lambda h: struct.pack("<Q", len(h)) + h)))
+def test_checking_any_file_gives_a_check(tmp_path: Path, data: bytes) -> None:
+    (tmp_path / "m.gguf").write_bytes(data)
+    (tmp_path / "m.safetensors").write_bytes(data)
+    assert isinstance(check_gguf(tmp_path / "m.gguf").complete, bool)
+    assert isinstance(check_safetensors(tmp_path / "m.safetensors").complete, bool)

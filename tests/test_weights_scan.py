@@ -393,3 +393,84 @@ def test_growing_download_does_not_change_what_is_resent(tmp_path: Path) -> None
     first = scan(tmp_path / "w")
     os.truncate(tmp_path / "w" / "m" / "model.safetensors", size - 10)
     assert weights_equal_for_resend(first, scan(tmp_path / "w"))
+
+
+# --- hostile files: one bad file is reported, never the end of the scan
+
+
+def test_fifos_are_reported_not_read_and_the_scan_goes_on(tmp_path: Path) -> None:
+    # each of these blocks a plain open() until a writer comes: the scan would hang
+    write_gguf(tmp_path / "w" / "good.gguf")
+    os.mkfifo(tmp_path / "w" / "piped.gguf")
+    os.mkfifo(tmp_path / "w" / SHARE_ID_FILE)
+    (tmp_path / "w" / "split").mkdir()
+    write_gguf(tmp_path / "w" / "split" / "s-00001-of-00002.gguf")
+    os.mkfifo(tmp_path / "w" / "split" / "s-00002-of-00002.gguf")
+    repo = write_hf_repo(tmp_path / "w" / "hub", "org/name", main=False)
+    (repo / "refs").mkdir()
+    os.mkfifo(repo / "refs" / "main")
+    w = scan(tmp_path / "w")
+    assert keys(w) == ["good", "org/name"]
+    assert reasons(w) == {
+        "piped": "piped.gguf not a regular file",
+        "s": "s-00002-of-00002.gguf not a regular file",
+    }
+    assert w.dirs[0].store == Store(kind="local", identity="local:node05", fs_type="ext4")
+
+
+def test_malformed_files_are_bad_files_beside_good_ones(tmp_path: Path) -> None:
+    from test_weights_formats import write_nested_gguf
+
+    write_gguf(tmp_path / "w" / "good.gguf")
+    write_nested_gguf(tmp_path / "w" / "nested.gguf", 5000)
+    write_sharded(tmp_path / "w" / "deep", 2)
+    (tmp_path / "w" / "deep" / "model.safetensors.index.json").write_bytes(
+        b'{"weight_map": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    )
+    w = scan(tmp_path / "w")
+    assert keys(w) == ["good"]
+    assert reasons(w) == {
+        "deep": "model.safetensors.index.json does not parse",
+        "nested": "nested.gguf header does not parse",
+    }
+
+
+def test_an_exception_checking_one_model_is_reported_and_the_scan_goes_on(tmp_path: Path) -> None:
+    class Failing(FileCheckCache):
+        def check(self, path, fn):
+            if path.name == "bad.gguf":
+                raise RuntimeError("a bug, or a bound someone missed")
+            return super().check(path, fn)
+
+    write_gguf(tmp_path / "w" / "bad.gguf")
+    write_gguf(tmp_path / "w" / "good.gguf")
+    w = scan(tmp_path / "w", cache=Failing())
+    assert keys(w) == ["good"]
+    assert reasons(w) == {"bad": "could not be checked (RuntimeError)"}
+    assert [d.status for d in w.dirs] == ["ok", "missing"]
+
+
+def test_the_scan_says_which_directory_it_is_in(tmp_path: Path) -> None:
+    write_gguf(tmp_path / "a" / "m.gguf")
+    seen: list[Path] = []
+    scan(tmp_path / "a", tmp_path / "b", on_dir=seen.append)
+    # each directory once for its share id, then once as its scan begins
+    assert seen == [tmp_path / "a", tmp_path / "b", tmp_path / "fetch-absent"] * 2
+
+
+def test_a_stuck_scan_marks_its_directory_and_keeps_what_was_known() -> None:
+    from llmgw.agent.weights import stuck_scan
+    from llmgw.bus.records import WeightsDir
+
+    known = Weights(
+        looked=True,
+        scanned_at=5.0,
+        dirs=[WeightsDir(path="/filer", status="ok"), WeightsDir(path="/fetch", status="ok")],
+    )
+    after = stuck_scan(known, "/filer", 300.4)
+    assert [(d.path, d.status, d.detail) for d in after.dirs] == [
+        ("/filer", "timeout", "scan of /filer running for 300 s"),
+        ("/fetch", "ok", ""),
+    ]
+    first = stuck_scan(Weights(looked=True), "/filer", 62)
+    assert [d.path for d in first.dirs] == ["/filer"] and first.scanned_at == 0

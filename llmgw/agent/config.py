@@ -4,24 +4,29 @@ One TOML file (default /etc/llmgw/agent.toml). It holds the NATS URLs and TLS fi
 same on every node, plus only the overrides given at onboarding: anything discovery finds
 can be overridden, and an override always beats discovery (the inventory lists which values
 came from here in `from_config`). Unknown keys and wrong types are refused with the file,
-the key and what was expected, so a typo never silently turns into "use discovery".
+the key and what was expected, so a typo never silently turns into "use discovery"; every
+number is checked against the range it may take (`RANGES`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+
+from llmgw.errors import LlmgwError
 
 DEFAULT_CONFIG_PATH = Path(os.environ.get("LLMGW_AGENT_CONFIG", "/etc/llmgw/agent.toml"))
 DEFAULT_FETCH_DIR = "/var/lib/llmgw-weights"
 DEFAULT_STATE_DIR = "/var/lib/llmgw"
 
 
-class ConfigError(ValueError):
-    pass
+class ConfigError(LlmgwError, ValueError):
+    """The agent config cannot be used; the message names the file, the key and the fix."""
 
 
 class Nats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -135,6 +140,47 @@ def parse_config(text: str, path: Path = Path("<config>")) -> AgentConfig:
     return cfg
 
 
+DAY = 86_400.0
+
+
+@dataclass(frozen=True)
+class Range:
+    """Where a number may lie: above `low` (or at it, when `low_ok`), at most `high`."""
+
+    low: float
+    high: float
+    unit: str
+    low_ok: bool = False
+
+    def holds(self, value: float) -> bool:
+        above = value >= self.low if self.low_ok else value > self.low
+        return math.isfinite(value) and above and value <= self.high
+
+    def __str__(self) -> str:
+        return f"{self.low:g} {'<=' if self.low_ok else '<'} value <= {self.high:g} {self.unit}"
+
+
+# every number of the config; a test checks that none is left out
+RANGES: dict[str, Range] = {
+    "node.ram_total_gb": Range(0, 1 << 20, "GiB"),
+    "weights.scan_interval": Range(0, DAY, "seconds"),
+    "weights.scan_timeout": Range(0, DAY, "seconds"),
+    "intervals.heartbeat": Range(0, 3600, "seconds"),
+    "intervals.engine_probe": Range(0, DAY, "seconds"),
+    "engines.readiness_timeout": Range(0, 7 * DAY, "seconds"),
+    "engines.drain_timeout": Range(0, DAY, "seconds", low_ok=True),
+    "engines.stop_grace": Range(0, 3600, "seconds", low_ok=True),
+    "engines.backoff_base": Range(0, 3600, "seconds"),
+    "engines.backoff_cap": Range(0, DAY, "seconds"),
+    "engines.poll_interval": Range(0, 3600, "seconds"),
+}
+
+
+def _number(cfg: AgentConfig, dotted: str) -> float | None:
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
 def _check(cfg: AgentConfig, path: Path) -> None:
     from llmgw.bus.keys import InvalidId, check_token
 
@@ -143,16 +189,15 @@ def _check(cfg: AgentConfig, path: Path) -> None:
             check_token(cfg.node.id, "node.id")
         except InvalidId as e:
             raise ConfigError(f"{path}: key 'node.id': {e}") from None
-    for name, value in (
-        ("intervals.heartbeat", cfg.intervals.heartbeat),
-        ("intervals.engine_probe", cfg.intervals.engine_probe),
-        ("weights.scan_interval", cfg.weights.scan_interval),
-        ("weights.scan_timeout", cfg.weights.scan_timeout),
-    ):
-        if value <= 0:
-            raise ConfigError(
-                f"{path}: key {name!r}: expected a number of seconds > 0, got {value}"
-            )
+    for name, allowed in RANGES.items():
+        value = _number(cfg, name)
+        if value is not None and not allowed.holds(value):
+            raise ConfigError(f"{path}: key {name!r}: {value:g} is out of range; allowed: {allowed}")
+    if cfg.engines.backoff_cap < cfg.engines.backoff_base:
+        raise ConfigError(
+            f"{path}: key 'engines.backoff_cap': {cfg.engines.backoff_cap:g} is below "
+            f"engines.backoff_base {cfg.engines.backoff_base:g}; the cap must be at least the base"
+        )
     for adapter, fabric in cfg.fabrics.items():
         try:
             check_token(fabric, f"fabric of adapter {adapter}")

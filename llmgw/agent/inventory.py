@@ -3,13 +3,15 @@
 What is written still wins: every override beats discovery and is listed in
 `from_config`, so `nats kv get llmgw nodes.<id>` shows which values a person set.
 The functions here block (subprocesses, sysfs, NVML): the agent calls them in a worker thread.
+Hardware facts that are not files under `paths.procfs`/`paths.sysfs` come from a `Hardware`
+the agent is given: the real machine unless a simulated node (llmgw.testing) passes its own.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,14 @@ from llmgw.bus import records
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Where the hardware facts not read from files come from. `gpus` answers what NVML
+    would (see discovery.gpus.discover_gpus for what each status means)."""
+
+    gpus: Callable[[], records.Gpus] = gpus.discover_gpus
 
 
 @dataclass(frozen=True)
@@ -47,16 +57,10 @@ def read_memory(cfg: AgentConfig) -> records.Memory:
     return mem
 
 
-def read_gpus(cfg: AgentConfig) -> records.Gpus:
+def read_gpus(cfg: AgentConfig, hardware: Hardware) -> records.Gpus:
     if not cfg.node.gpus:
         return records.Gpus(status="disabled", detail="node.gpus = false in the agent config")
-    recording = os.environ.get("LLMGW_RECORDED_NVML")
-    if recording:  # tests and demos: a recorded node answers instead of the NVML library
-        from llmgw.testing.nvml import from_env
-
-        log.warning("GPUs from the recording LLMGW_RECORDED_NVML=%s, not from NVML", recording)
-        return gpus.discover_gpus(from_env(recording))
-    return gpus.discover_gpus()
+    return hardware.gpus()
 
 
 def read_engines(cfg: AgentConfig) -> list[records.EngineInstall]:
@@ -75,10 +79,15 @@ def read_ib(cfg: AgentConfig) -> list[records.IbAdapter]:
 
 
 def discover(
-    cfg: AgentConfig, ident: Identity, started_at: float, weights: records.Weights | None = None
+    cfg: AgentConfig,
+    ident: Identity,
+    started_at: float,
+    weights: records.Weights | None = None,
+    hardware: Hardware | None = None,
 ) -> records.NodeInventory:
     """Everything, each fact on its own: one failing never cuts the others short (the seed's
     missing nvidia-smi stopped discovery before InfiniBand)."""
+    hardware = hardware or Hardware()
     return records.NodeInventory(
         node=ident.node,
         hostname=ident.hostname,
@@ -89,7 +98,7 @@ def discover(
         memory=read_memory(cfg),
         gpus=_safely(
             "gpus",
-            lambda: read_gpus(cfg),
+            lambda: read_gpus(cfg, hardware),
             records.Gpus(status="error", detail="discovery failed; see the agent log"),
         ),
         ib=_safely("infiniband", lambda: read_ib(cfg), []),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from llmgw import catalog
 from llmgw.agent.config import AgentConfig
 from llmgw.agent.engines.base import LaunchSpec
 from llmgw.agent.engines.pidfile import reap_leftover_engines
-from llmgw.agent.engines.validate import NodeFacts, validate_launch
+from llmgw.agent.engines.validate import NodeFacts, Problem, validate_launch
 from llmgw.agent.supervisor import EngineSupervisor, PhaseChange, SupervisorTiming
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, Synced, decoder
@@ -188,12 +188,12 @@ class ShardManager:
         if spec is not None and not problems:
             problems = await anyio.to_thread.run_sync(validate_launch, spec, self._facts())
         if problems:
-            reason = "; ".join(problems)
+            reason = "; ".join(p.reason for p in problems)
             log.error("%s %s refused before launch: %s", want.model, rid, reason)
             await self._report(rid, want, "failed", reason=f"refused before launch: {reason}")
-            # a port still held (an engine of a removed replica not yet gone) clears
-            # by itself; everything else waits for a new assignment or catalog entry
-            return all(" is in use" in p for p in problems)
+            # only when every problem clears by itself; the rest wait for a new assignment
+            # or catalog entry
+            return all(p.transient for p in problems)
         assert spec is not None
         self._start(rid, want, spec)
         return False
@@ -296,15 +296,15 @@ class ShardManager:
         inv = self._inventory()
         return NodeFacts(gpus=inv.gpus.devices, engines=inv.engines)
 
-    async def _launch_spec(self, a: records.Assignment) -> tuple[LaunchSpec | None, list[str]]:
+    async def _launch_spec(self, a: records.Assignment) -> tuple[LaunchSpec | None, list[Problem]]:
         entry = await self.bus.get(
             keys.catalog(a.model), lambda b: catalog.decode_model(b, a.model)
         )
         if entry is None:
-            return None, [f"catalog.{a.model} is missing or invalid; nothing to launch"]
+            return None, [Problem(f"catalog.{a.model} is missing or invalid; nothing to launch")]
         profile = entry.value.profile(a.profile)
         if profile is None:
-            return None, [f"model {a.model} has no profile {a.profile!r} in the catalog"]
+            return None, [Problem(f"model {a.model} has no profile {a.profile!r} in the catalog")]
         return launch_spec(self.cfg, self._inventory(), entry.value, profile, a), []
 
     # --- reporting ----------------------------------------------------------------------------
@@ -322,29 +322,24 @@ class ShardManager:
     ) -> None:
         inv = self._inventory()
         old = self.shards.get(rid)
-        endpoint = f"{inv.address}:{a.port}" if phase == "ready" and a.rank == 0 else None
-        served = ""
         engine = self._engines.get(rid)
-        if engine is not None:
-            served = engine.spec.served_name
-        elif old is not None:
-            served = old.served_name
-        shard = records.Shard(
-            node=inv.node,
-            rid=rid,
-            model=a.model,
-            generation=a.generation,
-            phase=phase,  # type: ignore[arg-type]
-            since=time.time() if old is None or old.phase != phase else old.since,
-            endpoint=endpoint,
-            served_name=served,
-            reason=reason,
-            output_tail=tail or [],
-            restarts=restarts if restarts is not None else (old.restarts if old else 0),
-            pid=pid
-            if pid is not None
-            else (old.pid if old and phase not in ("stopped", "failed") else None),
+        shard = next_shard(
+            old,
+            ShardEvent(
+                node=inv.node,
+                rid=rid,
+                assignment=a,
+                phase=phase,
+                at=time.time(),
+                endpoint=f"{inv.address}:{a.port}" if phase == "ready" and a.rank == 0 else None,
+                served_name=engine.spec.served_name if engine is not None else None,
+                reason=reason,
+                tail=tail or (),
+                restarts=restarts,
+                pid=pid,
+            ),
         )
+        endpoint = shard.endpoint
         self.shards[rid] = shard
         await self._put(shard)
         if old is None or old.phase != phase:
@@ -365,6 +360,67 @@ class ShardManager:
             await self.bus.put(keys.shard(shard.node, shard.rid), shard)
         except Exception as e:  # noqa: BLE001 - re-reported after the reconnect
             log.warning("could not write shards.%s.%s: %s", shard.node, shard.rid, e)
+
+
+# --- the shard record, from what happened -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardEvent:
+    """One thing that happened to a shard: a phase it entered, with what is known now.
+    None in `served_name`, `restarts` or `pid` means "not known here": keep the old value."""
+
+    node: str
+    rid: str
+    assignment: records.Assignment
+    phase: str
+    at: float  # unix seconds
+    endpoint: str | None = None
+    served_name: str | None = None  # the running engine's; None when no engine runs
+    reason: str = ""
+    tail: Sequence[str] = ()
+    restarts: int | None = None
+    pid: int | None = None
+
+
+_ENGINE_GONE = ("stopped", "failed")
+
+
+def next_shard(old: records.Shard | None, event: ShardEvent) -> records.Shard:
+    """The shard record after `event`. Each field is the event's, except four that keep the
+    old value unless the event says otherwise:
+    - `since` moves only when the phase changes;
+    - `served_name` is the running engine's, else the old one (a stopped engine's name is
+      still the name it served);
+    - `restarts` is kept unless the event counts them;
+    - `pid` is kept unless the event gives one, or the engine is gone (stopped, failed)."""
+    a = event.assignment
+    if event.served_name is not None:
+        served = event.served_name
+    else:
+        served = old.served_name if old is not None else ""
+    if event.restarts is not None:
+        restarts = event.restarts
+    else:
+        restarts = old.restarts if old is not None else 0
+    if event.pid is not None:
+        pid: int | None = event.pid
+    else:
+        pid = old.pid if old is not None and event.phase not in _ENGINE_GONE else None
+    return records.Shard(
+        node=event.node,
+        rid=event.rid,
+        model=a.model,
+        generation=a.generation,
+        phase=event.phase,  # type: ignore[arg-type]
+        since=event.at if old is None or old.phase != event.phase else old.since,
+        endpoint=event.endpoint,
+        served_name=served,
+        reason=event.reason,
+        output_tail=list(event.tail),
+        restarts=restarts,
+        pid=pid,
+    )
 
 
 def _overlaps(a: LaunchSpec, b: LaunchSpec) -> bool:

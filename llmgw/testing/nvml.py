@@ -140,17 +140,14 @@ class RecordedNvml:
         return (9, 0)
 
 
-RECORDING_ENV = "LLMGW_RECORDED_NVML"
-
-
-def from_env(value: str) -> RecordedNvml:
-    """`LLMGW_RECORDED_NVML="count=2,node=gpu-a"`: an agent on a machine without GPUs answers
-    with this recording instead of the NVML library (tests and demos of GPU placement).
-    Recognised keys: count (GPUs, default 8), node (makes the UUIDs unique to it)."""
+def from_spec(spec: str) -> RecordedNvml:
+    """`count=2,node=gpu-a`: the recording a simulated agent answers GPU discovery with
+    (`python -m llmgw.testing.agent --recorded-nvml count=2,node=gpu-a`). Recognised keys:
+    count (GPUs, default 8), node (makes the UUIDs unique to it)."""
     options: dict[str, str] = {}
-    for part in filter(None, value.split(",")):
+    for part in filter(None, spec.split(",")):
         key, sep, val = part.partition("=")
         if not sep or key not in ("count", "node"):
-            raise ValueError(f"{RECORDING_ENV}={value!r}: expected count=N,node=NAME")
+            raise ValueError(f"recorded NVML {spec!r}: expected count=N,node=NAME")
         options[key] = val
     return RecordedNvml(count=int(options.get("count", "8")), node=options.get("node"))

@@ -1,8 +1,9 @@
 """Refuse a launch the engine would refuse, before starting it.
 
 An engine refuses a bad profile only after minutes of loading, and says so in a log
-nobody reads. Each check here takes microseconds to a millisecond and returns reasons
-a person can act on; an empty list means launch.
+nobody reads. Each check here takes microseconds to a millisecond and returns problems
+a person can act on; an empty list means launch. A problem says whether it clears by
+itself (transient: wait and check again) or stays until the profile or the node changes.
 """
 
 from __future__ import annotations
@@ -19,9 +20,27 @@ from llmgw.agent.discovery.weights.formats import check_gguf, check_gguf_split, 
 from llmgw.agent.engines import adapter_for
 from llmgw.agent.engines.base import EngineAdapter, LaunchSpec, flag_tokens, hf_repo
 from llmgw.agent.engines.vllm import pipeline_parallel, tensor_parallel
+from llmgw.agent.files import NotRegularFile, open_regular
 from llmgw.bus.records import EngineInstall, Gpu
 
 GB = 1_000_000_000  # decimal, as cards are sold: an "80 GB" H100 reports 79.6 GiB
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One reason a launch would fail. `transient`: it clears by itself (a port still held
+    by an engine that is being stopped), so the launch is tried again; otherwise it stays
+    until a new assignment or catalog entry."""
+
+    reason: str
+    transient: bool = False
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def _refuse(*reasons: str) -> list[Problem]:
+    return [Problem(r) for r in reasons]
 
 
 @dataclass(frozen=True)
@@ -32,75 +51,88 @@ class NodeFacts:
     engines: Sequence[EngineInstall] = ()
 
 
-def validate_launch(spec: LaunchSpec, node: NodeFacts) -> list[str]:
+def validate_launch(spec: LaunchSpec, node: NodeFacts) -> list[Problem]:
     """Every reason this launch would fail; empty = go."""
     adapter = adapter_for(spec.engine)
-    reasons: list[str] = []
+    problems: list[Problem] = []
     for check in CHECKS:
-        reasons += check(spec, node, adapter)
-    reasons += adapter.check(spec)
-    return reasons
+        problems += check(spec, node, adapter)
+    problems += _refuse(*adapter.check(spec))
+    return problems
 
 
-Check = Callable[[LaunchSpec, NodeFacts, EngineAdapter], list[str]]
+Check = Callable[[LaunchSpec, NodeFacts, EngineAdapter], list[Problem]]
 
 
-def check_binary(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[str]:
+def check_binary(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[Problem]:
     path = spec.binary if os.sep in spec.binary else shutil.which(spec.binary)
     if not path or not os.path.isfile(path):
-        return [
+        return _refuse(
             f"{spec.engine} binary {spec.binary} not found on this node; install it "
             "(discovery looks on PATH and where release archives unpack) or fix the engine path"
-        ]
+        )
     if not os.access(path, os.X_OK):
-        return [f"{spec.engine} binary {path} is not executable; chmod +x it"]
+        return _refuse(f"{spec.engine} binary {path} is not executable; chmod +x it")
     install = next((e for e in node.engines if e.name == spec.engine), None)
     if install is None:
-        return [f"{spec.engine} was not found by discovery on this node, so its version is unknown"]
+        return _refuse(
+            f"{spec.engine} was not found by discovery on this node, so its version is unknown"
+        )
     if not install.version:
-        return [
+        return _refuse(
             f"{spec.engine} at {install.path} did not report a version; run "
             f"`{install.path} --version` to see why (a missing shared library is the usual cause)"
-        ]
+        )
     return []
 
 
-def check_weights(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[str]:
+def check_weights(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[Problem]:
     if spec.weights_path is None:
         if spec.download_source:
             return _check_fetch_dir(spec)
-        return [
+        return _refuse(
             f"profile for {spec.served_name} names neither a weights path on this node nor "
             "a download source; give the model's weights key or a Hugging Face repo"
-        ]
+        )
     path = spec.weights_path
     if spec.engine == "llama-server":
         if os.path.isdir(path):
-            return [
+            return _refuse(
                 f"weights {path} is a directory; llama-server needs the .gguf file "
                 "(the first one, -00001-of-N, for split models)"
-            ]
-        if not os.path.isfile(path):
-            return [f"weights file {path} does not exist on this node; check the path or fetch it"]
+            )
+        if not os.path.exists(path):
+            return _refuse(
+                f"weights file {path} does not exist on this node; check the path or fetch it"
+            )
         try:
-            with open(path, "rb") as f:
+            # a FIFO named as weights would block a plain open() and the replica with it
+            with open_regular(path) as f:
                 magic = f.read(4)
+        except NotRegularFile as e:
+            return _refuse(f"weights file {path} {e.strerror}; point the profile at the .gguf file")
         except OSError as e:
-            return [f"weights file {path} cannot be read: {e.strerror}; check its permissions"]
+            return _refuse(
+                f"weights file {path} cannot be read: {e.strerror}; check its permissions"
+            )
         if magic != b"GGUF":
-            return [f"weights file {path} is not a GGUF file (starts with {magic!r})"]
+            return _refuse(f"weights file {path} is not a GGUF file (starts with {magic!r})")
         return _gguf_complete(path)
     # vllm: a model directory (config.json + weights) or a single .gguf
     if os.path.isfile(path) and path.endswith(".gguf"):
         return []
     if not os.path.isdir(path):
-        return [f"weights directory {path} does not exist on this node; check the path or fetch it"]
+        return _refuse(
+            f"weights directory {path} does not exist on this node; check the path or fetch it"
+        )
     if not os.path.isfile(os.path.join(path, "config.json")):
-        return [f"weights directory {path} has no config.json; vLLM needs a Hugging Face model dir"]
+        return _refuse(
+            f"weights directory {path} has no config.json; vLLM needs a Hugging Face model dir"
+        )
     return []
 
 
-def _gguf_complete(path: str) -> list[str]:
+def _gguf_complete(path: str) -> list[Problem]:
     """Headers and sizes only (milliseconds): a half-finished download is refused here, not
     by the engine after it has read gigabytes. The same rule the weights scan uses."""
     file = Path(path)
@@ -111,28 +143,32 @@ def _gguf_complete(path: str) -> list[str]:
         check = check_gguf(file)
     if check.complete:
         return []
-    return [f"weights file {path} is not complete ({check.why}); a download still running, or cut short?"]
+    return _refuse(
+        f"weights file {path} is not complete ({check.why}); a download still running, or cut short?"
+    )
 
 
-def _check_fetch_dir(spec: LaunchSpec) -> list[str]:
+def _check_fetch_dir(spec: LaunchSpec) -> list[Problem]:
     source = spec.download_source or ""
     if spec.engine == "vllm" and (hf_repo(source) is None or ":" in source.removeprefix("hf://")):
-        return [
+        return _refuse(
             f"download source {source!r} is not a Hugging Face repo (hf://org/name); "
             "vLLM downloads from the Hub only"
-        ]
+        )
     if not spec.fetch_dir:
         return []  # the engine's own cache
     d = spec.fetch_dir
     while not os.path.exists(d):  # the engine creates missing parents, if it may write there
         d = os.path.dirname(d) or "."
     if not os.access(d, os.W_OK | os.X_OK):
-        return [f"fetch dir {spec.fetch_dir} is not writable by the agent; downloads would fail"]
+        return _refuse(
+            f"fetch dir {spec.fetch_dir} is not writable by the agent; downloads would fail"
+        )
     return []
 
 
-def check_gpus(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[str]:
-    reasons = []
+def check_gpus(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[Problem]:
+    reasons: list[str] = []
     by_uuid = {g.uuid: g for g in node.gpus}
     seen: set[str] = set()
     for uuid in spec.gpu_uuids:
@@ -149,35 +185,37 @@ def check_gpus(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> lis
                 f"GPU {uuid} ({gpu.name}) has {gpu.memory_total_bytes / GB:.1f} GB, the profile "
                 f"needs {spec.gpu_memory_gb:g} GB per GPU"
             )
-    return reasons
+    return _refuse(*reasons)
 
 
-def check_parallelism(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[str]:
+def check_parallelism(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[Problem]:
     if spec.engine != "vllm":
         return []
     tp, pp = tensor_parallel(spec), pipeline_parallel(spec)
     dp = _int_value(spec.extra_args, adapter, "--data-parallel-size") or 1
     if tp < 1 or pp < 1 or spec.nodes < 1:
-        return [f"tensor_parallel {tp}, pipeline_parallel {pp}, nodes {spec.nodes} must be >= 1"]
+        return _refuse(
+            f"tensor_parallel {tp}, pipeline_parallel {pp}, nodes {spec.nodes} must be >= 1"
+        )
     world = tp * pp * dp
     if world % spec.nodes:
-        return [
+        return _refuse(
             f"tensor_parallel {tp} x pipeline_parallel {pp} x data_parallel {dp} = {world} GPUs "
             f"does not divide over {spec.nodes} nodes"
-        ]
+        )
     per_node = world // spec.nodes
     if per_node > len(spec.gpu_uuids):
-        return [
+        return _refuse(
             f"tensor_parallel {tp} x pipeline_parallel {pp}"
             + (f" x data_parallel {dp}" if dp > 1 else "")
             + f" over {spec.nodes} node(s) needs {per_node} GPUs on this node, "
             f"{len(spec.gpu_uuids)} assigned"
-        ]
+        )
     return []
 
 
-def check_extra_args(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[str]:
-    reasons = []
+def check_extra_args(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[Problem]:
+    reasons: list[str] = []
     seen: dict[str, str] = {}
     for token in flag_tokens(spec.extra_args):
         if adapter.managed.lookup(token):
@@ -200,14 +238,14 @@ def check_extra_args(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) 
                 f"env {name} clashes with what llmgw sets for {spec.engine}; remove it from "
                 "the profile's env"
             )
-    return reasons
+    return _refuse(*reasons)
 
 
-def check_port(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[str]:
+def check_port(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[Problem]:
     if spec.headless:
         return []
     if not 0 < spec.port < 65536:
-        return [f"port {spec.port} is not a usable TCP port"]
+        return _refuse(f"port {spec.port} is not a usable TCP port")
     family = socket.AF_INET6 if ":" in spec.host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         # the engines set SO_REUSEADDR too, so a port in TIME_WAIT is free for them
@@ -216,11 +254,15 @@ def check_port(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> lis
             s.bind((spec.host, spec.port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
+                # an engine of a removed replica may still be stopping: this clears by itself
                 return [
-                    f"port {spec.port} on {spec.host} is in use by another process; "
-                    "a leftover engine? (see `ss -ltnp`)"
+                    Problem(
+                        f"port {spec.port} on {spec.host} is in use by another process; "
+                        "a leftover engine? (see `ss -ltnp`)",
+                        transient=True,
+                    )
                 ]
-            return [f"cannot bind {spec.host}:{spec.port}: {e.strerror}"]
+            return _refuse(f"cannot bind {spec.host}:{spec.port}: {e.strerror}")
     return []
 
 
