@@ -191,6 +191,9 @@ def main() -> None:
     print(f"bare loop:   {base_s:8.3f} s  ({pairs / base_s:,.0f} pairs/s)")
     print(f"ratio plan/bare loop: {plan_s / base_s:.2f}")
     print(f"steady state, nothing to place: {steady_s:.3f} s ({steady_s / base_s:.2f} x bare loop)")
+    # refusals are grouped per reason, so an explanation stays one line at any fleet size
+    longest = max((p.explanation for p in result.placements.values()), key=len, default="")
+    print(f"longest explanation: {len(longest)} characters: {longest[:200]}")
 
 
 def _timed(fn, arg):

@@ -650,7 +650,7 @@ def _profiles(model: Model, desired: Desired | None) -> list[Profile]:
 
 
 def replace_lost(snapshot: Snapshot, model: Model, live: list[Replica]) -> Sorted:
-    """Step 1: a replica with a member on a lost node, or whose profile left the catalog, is
+    """A replica with a member on a lost node, or whose profile left the catalog, is
     removed (and so replaced by the fill step); a multi-node replica goes whole."""
     kept, removed = [], []
     for replica in live:
@@ -665,7 +665,7 @@ def replace_lost(snapshot: Snapshot, model: Model, live: list[Replica]) -> Sorte
 
 
 def remove_surplus(replicas: list[Replica], want: int) -> Sorted:
-    """Step 2: more than desired: the newest go first."""
+    """More than desired: the newest go first."""
     extra = _newest_first(replicas)[: max(len(replicas) - want, 0)]
     going = {r.rid for r in extra}
     why = "desired is 0: draining" if want == 0 else f"desired lowered to {want}"
@@ -673,7 +673,7 @@ def remove_surplus(replicas: list[Replica], want: int) -> Sorted:
 
 
 def fill(fleet: Fleet, model_id: str, profiles: list[Profile], missing: int) -> Filled:
-    """Step 3: place each missing replica with the first profile (in catalog order) that
+    """Place each missing replica with the first profile (in catalog order) that
     fits somewhere. A profile that found no node stays exhausted: resources only shrink
     within a plan."""
     pickers: list[tuple[Profile, Picker]] = []
@@ -712,7 +712,7 @@ def _place_one(
 
 
 def switch_profile(old: list[Replica], new: list[Replica], want: int, allowed: set[str]) -> Sorted:
-    """Step 4: replicas of a profile no longer wanted stay until the wanted profile serves
+    """Replicas of a profile no longer wanted stay until the wanted profile serves
     the full count ready; then they go, newest first."""
     ready = sum(1 for r in new if r.phase == "ready")
     if want == 0 or ready >= want:
@@ -723,7 +723,7 @@ def switch_profile(old: list[Replica], new: list[Replica], want: int, allowed: s
 
 @dataclass(frozen=True, slots=True)
 class _Record:
-    """Step 5, explain: the PlacementRecord, its text rendered from its data. `decisions` is
+    """The last step, explain: the PlacementRecord, its text rendered from its data. `decisions` is
     the steps' list of lines, which may still grow ("not placed: <explanation>")."""
 
     model: str
