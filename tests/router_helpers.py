@@ -139,9 +139,9 @@ class FakeEngines:
             e.stop()
 
 
-@pytest.fixture
-def engines(tmp_path: Path) -> Iterator[FakeEngines]:
-    fleet = FakeEngines(tmp_path)
+@contextlib.contextmanager
+def fake_engines(directory: Path) -> Iterator[FakeEngines]:
+    fleet = FakeEngines(directory)
     try:
         yield fleet
     finally:

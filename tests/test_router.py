@@ -12,7 +12,7 @@ import pytest
 from router_helpers import (
     SERVED,
     chat_body,
-    engines,  # noqa: F401 - fixture
+    fake_engines,
     router_settings,
     running_router,
     static_model,
@@ -24,6 +24,13 @@ from llmgw.router.http import HttpLimits
 from llmgw.router.proxy import ProxySettings
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def engines(tmp_path):
+    with fake_engines(tmp_path) as fleet:
+        yield fleet
+
 
 SLOW = {"FAKE_ENGINE_TOKENS": "2000", "FAKE_ENGINE_TOKEN_RATE": "50"}  # 40 s of tokens
 
@@ -43,9 +50,7 @@ async def _events(resp: aiohttp.ClientResponse):
 async def test_stream_arrives_in_order_and_before_the_engine_finishes(engines):
     engine = engines.start({"FAKE_ENGINE_TOKENS": "40", "FAKE_ENGINE_TOKEN_RATE": "20"})
     async with running_router([static_model(engine)]) as r, aiohttp.ClientSession() as http:
-        async with http.post(
-            f"{r.url}/v1/chat/completions", json=chat_body(stream=True)
-        ) as resp:
+        async with http.post(f"{r.url}/v1/chat/completions", json=chat_body(stream=True)) as resp:
             assert resp.status == 200
             assert resp.headers["content-type"].startswith("text/event-stream")
             texts = []
@@ -159,12 +164,12 @@ async def test_a_conversation_stays_on_one_replica_and_two_routers_agree(engines
         # a session header and the `user` field keep a client's requests together too
         for key in ("alice", "bob"):
             by_header = {
-                await _replica_of(
-                    http, r1.url, chat_body(f"q{i}"), headers={"x-session-id": key}
-                )
+                await _replica_of(http, r1.url, chat_body(f"q{i}"), headers={"x-session-id": key})
                 for i in range(4)
             }
-            by_user = {await _replica_of(http, r2.url, chat_body(f"q{i}", user=key)) for i in range(4)}
+            by_user = {
+                await _replica_of(http, r2.url, chat_body(f"q{i}", user=key)) for i in range(4)
+            }
             assert len(by_header) == 1 and len(by_user) == 1
 
 
@@ -202,7 +207,12 @@ async def test_a_killed_engine_is_ejected_and_unsent_requests_go_elsewhere(engin
         metrics = await _metrics(http, r.url)
         assert metrics[f'llmgw_router_ejections_total{{model="tiny",replica="{dead.url}"}}'] == 1
         # three connection failures, each retried on the live engine; none after the ejection
-        assert metrics[f'llmgw_router_errors_total{{kind="connect",model="tiny",replica="{dead.url}"}}'] == 3
+        assert (
+            metrics[
+                f'llmgw_router_errors_total{{kind="connect",model="tiny",replica="{dead.url}"}}'
+            ]
+            == 3
+        )
         assert metrics['llmgw_router_retries_total{model="tiny"}'] == 3
 
 
@@ -266,7 +276,9 @@ async def test_errors_are_openai_shaped_and_say_what_to_do(engines):
             err = (await resp.json())["error"]
             assert err["code"] == "model_not_found" and SERVED in err["message"]
         for bad in (b"{not json", b"[1, 2]", b'{"messages": []}', b'{"model": 7}', b""):
-            async with http.post(url, data=bad, headers={"content-type": "application/json"}) as resp:
+            async with http.post(
+                url, data=bad, headers={"content-type": "application/json"}
+            ) as resp:
                 assert resp.status == 400, bad
                 assert (await resp.json())["error"]["type"] == "invalid_request_error"
         big = chat_body("x" * 4096)
@@ -314,9 +326,7 @@ async def test_a_client_that_pauses_reading_still_gets_the_whole_stream(engines)
     on both hops); nothing is lost when it reads again."""
     engine = engines.start({"FAKE_ENGINE_TOKENS": "3000", "FAKE_ENGINE_TOKEN_RATE": "100000"})
     async with running_router([static_model(engine)]) as r, aiohttp.ClientSession() as http:
-        async with http.post(
-            f"{r.url}/v1/chat/completions", json=chat_body(stream=True)
-        ) as resp:
+        async with http.post(f"{r.url}/v1/chat/completions", json=chat_body(stream=True)) as resp:
             await anyio.sleep(1)  # not reading: socket buffers fill, both hops pause
             body = await resp.read()
     assert body.count(b"data: ") == 3000 + 3
