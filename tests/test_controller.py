@@ -22,6 +22,24 @@ from llmgw.testing.sim import SimNode, inventory
 pytestmark = pytest.mark.anyio
 
 FAST = dict(unreachable_after=0.6, lost_after=1.5, leader_ttl=1.0, tick=0.05, resync=0.5)
+# for a ManualClock: real liveness settings, since time passes only when the test says so
+MANUAL = dict(unreachable_after=15, lost_after=60, leader_ttl=10, tick=0.05, resync=0.5)
+
+
+class ManualClock:
+    """Time that moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return 1.7e9 + self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def _model(
@@ -94,36 +112,47 @@ async def test_lost_node_goes_unreachable_then_lost_and_its_replica_moves(bus, s
         events.append(records.decode(msg.data, records.Event))
 
     await bus.subscribe("llmgw.events.>", on_event)
+    clock = ManualClock()
+    a, b = SimNode(bus, inventory("gpu-a", gpus=1)), SimNode(bus, inventory("gpu-b", gpus=1))
+    for node in (a, b):
+        await node.register()
+    await _apply(bus, _model(), 1)
+    controller = Controller(second_bus, ControllerSettings(**MANUAL), clock)
     async with anyio.create_task_group() as tg:
-        a, b = await _sim(bus, tg, inventory("gpu-a", gpus=1), inventory("gpu-b", gpus=1))
-        await _apply(bus, _model(), 1)
-        tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
+        tg.start_soon(controller.run)
         placed = (await until(lambda: _replicas(bus)))[0]
         first = placed.members[0].node
-        victim = a if first == "gpu-a" else b
-        victim.alive = False  # the node dies
+        victim, survivor = (a, b) if first == "gpu-a" else (b, a)
+
+        async def time_passes(seconds: int) -> None:
+            # the victim is silent; the survivor beats, and is seen, every 10 s
+            for _ in range(seconds // 10):
+                await survivor.beat()
+                await until(lambda: _seen_beat(controller, survivor))
+                clock.advance(10)
 
         async def phase_of(node, phase):
             h = await bus.get(keys.health(node), decoder(records.Health))
             return h if h and h.value.phase == phase else None
 
-        await until(lambda: phase_of(first, "unreachable"))
+        await time_passes(20)
+        await until(lambda: phase_of(victim.node, "unreachable"))
         # unreachable: its replica stays (its engine may still be serving)
         assert [r.rid for r in await _replicas(bus)] == [placed.rid]
-        await until(lambda: phase_of(first, "lost"))
+        await time_passes(50)
+        await until(lambda: phase_of(victim.node, "lost"))
 
         async def moved():
             reps = [r for r in await _replicas(bus) if r.phase != "draining"]
             return reps if reps and reps[0].members[0].node != first else None
 
         now = (await until(moved))[0]
-        assert now.rid != placed.rid and now.members[0].node == victim.node.replace(
-            first, "gpu-b" if first == "gpu-a" else "gpu-a"
-        )
+        assert now.rid != placed.rid and now.members[0].node == survivor.node
         # the old replica's assignment on the lost node is gone: nothing to drain there
         await until(lambda: _no_assign(bus, first, placed.rid))
+        assert (await phase_of(survivor.node, "ready")) is not None
         # and with both nodes down there is nowhere to go, and the controller says why
-        (a if victim is b else b).alive = False
+        clock.advance(70)
 
         async def explained():
             p = await bus.get(keys.placement("m"), decoder(records.PlacementRecord))
@@ -136,6 +165,11 @@ async def test_lost_node_goes_unreachable_then_lost_and_its_replica_moves(bus, s
         tg.cancel_scope.cancel()
     kinds = [e.kind for e in events]
     assert "node-unreachable" in kinds and "node-lost" in kinds and "placed" in kinds
+
+
+async def _seen_beat(controller: Controller, node: SimNode) -> bool:
+    lease = controller.view.leases.get(node.node)
+    return lease is not None and lease.seq == node.seq
 
 
 async def _no_assign(bus, node, rid):
@@ -240,19 +274,76 @@ async def test_two_controllers_one_leads_and_the_other_takes_over(bus, second_bu
 
 async def test_a_crashed_leader_is_replaced_once_its_lease_stops_moving(bus, second_bus):
     # c0 "crashed": its lease is in the bucket but nobody renews it
-    await bus.put("leader", records.Leader(holder="c0", since=1, renewed_at=1))
+    await bus.put("leader", records.Leader(holder="c0", since=1, renewed_at=1, instance="x"))
+    clock = ManualClock()
+    settings = ControllerSettings(controller_id="c1", **{**MANUAL, "leader_ttl": 0.3})
     async with anyio.create_task_group() as tg:
-        c = Controller(second_bus, ControllerSettings(controller_id="c1", **FAST))
+        c = Controller(second_bus, settings, clock)
         tg.start_soon(c.run)
-        await anyio.sleep(FAST["leader_ttl"] / 2)
-        assert not c.leading
+        await until(lambda: _steps(c, 3))  # it looked at the lease three times: too fresh
+        assert not c.leading and await _leader_is(bus, "c0")
+        clock.advance(2 * settings.leader_ttl)  # well past it
         await until(lambda: _leader_is(bus, "c1"))
         tg.cancel_scope.cancel()
 
 
-async def _leader_is(bus, holder):
+async def _steps(controller: Controller, n: int) -> bool:
+    return controller.leadership_steps >= n
+
+
+async def test_a_leader_value_that_does_not_decode_is_taken_over_and_placement_goes_on(
+    bus, second_bus
+):
+    await bus.put("leader", b"42")  # before any controller starts
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, inventory("gpu-a", gpus=2))
+        c = Controller(second_bus, ControllerSettings(controller_id="c1", **FAST))
+        tg.start_soon(c.run)
+        await until(lambda: _leader_is(bus, "c1"), timeout=5)
+        garbage_rev = await bus.put("leader", b"42")  # and while one leads
+        await until(lambda: _leader_is(bus, "c1", after=garbage_rev), timeout=5)
+        await _apply(bus, _model(), 1)
+        await until(lambda: _replicas(bus))
+        tg.cancel_scope.cancel()
+
+
+async def test_a_controller_restarted_with_the_same_id_waits_for_the_old_lease(
+    bus, second_bus, nats_settings
+):
+    third = await Bus.connect(nats_settings, give_up_after=5)
+    try:
+        async with anyio.create_task_group() as tg:
+            old = Controller(second_bus, ControllerSettings(controller_id="ctl", **FAST))
+            # its clock stands still: the old lease can never look expired to it
+            new = Controller(third, ControllerSettings(controller_id="ctl", **FAST), ManualClock())
+            old_scope = anyio.CancelScope()
+
+            async def run_old():
+                with old_scope:
+                    await old.run()
+
+            tg.start_soon(run_old)
+            await until(lambda: _leader_is(bus, "ctl"))
+            tg.start_soon(new.run)
+            await until(lambda: _steps(new, 3))  # it looked at the key three times
+            assert old.leading and not new.leading
+            lease = (await bus.get("leader", decoder(records.Leader))).value
+            assert lease.instance == old.instance != new.instance
+            old_scope.cancel()  # the old process stops (it resigns: deletes its lease)
+            await until(lambda: _instance_leads(bus, new))
+            tg.cancel_scope.cancel()
+    finally:
+        await third.close()
+
+
+async def _instance_leads(bus, controller: Controller) -> bool:
     e = await bus.get("leader", decoder(records.Leader))
-    return e is not None and e.value.holder == holder
+    return e is not None and e.value.instance == controller.instance and controller.leading
+
+
+async def _leader_is(bus, holder, after: int = 0):
+    e = await bus.get("leader", decoder(records.Leader))
+    return e is not None and e.value.holder == holder and e.revision > after
 
 
 async def test_node_whose_ram_grows_becomes_a_candidate_and_the_event_is_published(bus, second_bus):
@@ -265,7 +356,8 @@ async def test_node_whose_ram_grows_becomes_a_candidate_and_the_event_is_publish
     async with anyio.create_task_group() as tg:
         (vm,) = await _sim(bus, tg, inventory("vm1", gpus=0, ram_gib=8, engines=("llama-server",)))
         await _apply(bus, _model(engine="llama-server", gpus=0, ram_gb=16), 1)
-        tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
+        controller = Controller(second_bus, ControllerSettings(**FAST))
+        tg.start_soon(controller.run)
 
         async def waiting():
             p = await bus.get(keys.placement("m"), decoder(records.PlacementRecord))
@@ -273,7 +365,9 @@ async def test_node_whose_ram_grows_becomes_a_candidate_and_the_event_is_publish
 
         rec = await until(waiting)
         assert rec.explanation.startswith("0/1 nodes fit: 1 ") and "RAM" in rec.explanation
-        await anyio.sleep(0.3)
+        # the pass that wrote the record notes which nodes qualify as it ends: let it end
+        passes = controller.passes
+        await until(lambda: _passes_beyond(controller, passes))
         await vm.set_ram(32)  # the hypervisor gave it more
         reps = await until(lambda: _replicas(bus))
         assert reps[0].members[0].node == "vm1"
@@ -281,6 +375,10 @@ async def test_node_whose_ram_grows_becomes_a_candidate_and_the_event_is_publish
         tg.cancel_scope.cancel()
     ev = next(e for e in events if e.kind == "node-qualifies")
     assert ev.subject == "vm1" and ev.data["model"] == "m"
+
+
+async def _passes_beyond(controller: Controller, n: int) -> bool:
+    return controller.passes > n
 
 
 async def _has_event(events, kind):
@@ -313,6 +411,74 @@ async def test_malformed_catalog_and_desired_values_are_skipped_with_a_log_line(
     text = caplog.text
     assert "skipping desired.broken" in text and "skipping catalog.garbage" in text
     assert "skipping catalog.good" in text
+
+
+async def _placement(bus: Bus, model: str = "m") -> records.PlacementRecord | None:
+    p = await bus.get(keys.placement(model), decoder(records.PlacementRecord))
+    return p.value if p else None
+
+
+async def test_a_garbled_catalog_entry_places_nothing_even_when_more_replicas_are_desired(
+    bus, second_bus
+):
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, inventory("gpu-a", gpus=2))
+        await _apply(bus, _model(), 1)
+        tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
+        (placed,) = await until(lambda: _replicas(bus))
+        await bus.put("catalog.m", b'{"id": "m", "profiles": [{"name": 1}]}')
+        await bus.put(keys.desired("m"), records.Desired(model="m", replicas=2, updated_at=2.0))
+
+        async def answered():  # the record answering desired=2, written after any placement
+            rec = await _placement(bus)
+            return rec if rec and rec.desired_at == 2.0 else None
+
+        rec = await until(answered)
+        assert rec.blocked == "invalid-catalog" and rec.placed == 1
+        assert rec.explanation.startswith("catalog entry is invalid, nothing changed")
+        assert [(r.rid, r.phase) for r in await _replicas(bus)] == [(placed.rid, placed.phase)]
+        tg.cancel_scope.cancel()
+
+
+async def test_deleting_the_catalog_entry_of_a_model_with_desired_replicas_freezes_it(
+    bus, second_bus
+):
+    events: list[records.Event] = []
+
+    async def on_event(msg):
+        events.append(records.decode(msg.data, records.Event))
+
+    await bus.subscribe("llmgw.events.>", on_event)
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, inventory("gpu-a", gpus=2))
+        await _apply(bus, _model(), 1)
+        tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
+        (placed,) = await until(lambda: _replicas(bus))
+        await bus.delete(keys.catalog("m"))  # `nats kv del llmgw catalog.m`
+
+        async def frozen():
+            rec = await _placement(bus)
+            return rec if rec and rec.blocked == "catalog-deleted" else None
+
+        rec = await until(frozen)
+        assert rec.explanation == (
+            "catalog entry deleted while 1 replica is desired, nothing placed or removed: "
+            "re-apply it (`llmgw catalog apply`), then `llmgw place m --replicas 0` to remove them"
+        )
+        await until(lambda: _has_event(events, "unplaced"))
+        assert "catalog entry deleted" in next(e for e in events if e.kind == "unplaced").message
+        assert [(r.rid, r.phase) for r in await _replicas(bus)] == [(placed.rid, placed.phase)]
+        assert [a.action for a in (await _assigns(bus)).values()] == ["run"]
+        # re-applied: the model is placed as before, the same replica kept
+        await _apply(bus, _model(), 1)
+
+        async def thawed():
+            rec = await _placement(bus)
+            return rec if rec and not rec.blocked else None
+
+        assert (await until(thawed)).placed == 1
+        assert [r.rid for r in await _replicas(bus)] == [placed.rid]
+        tg.cancel_scope.cancel()
 
 
 async def test_desired_zero_drains_then_removes_replicas(bus, second_bus):

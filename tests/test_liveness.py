@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.controller.liveness import LivenessTracker
+from llmgw.bus.records import Health, Lease, Memory
+from llmgw.controller.liveness import LivenessTracker, health_changes, node_phases
 
 
 def _moving(tracker: LivenessTracker, node: str, start: float, until: float, every: float = 5.0):
@@ -59,29 +60,79 @@ def test_controller_restart_gives_stale_fleet_a_fresh_grace_period():
     assert restarted.phases(5060.0) == {"node01": "ready", "node02": "ready", "node03": "lost"}
 
 
-def test_transitions_report_each_change_once_with_reason():
+def test_reason_says_how_long_a_lease_stood_still():
+    tracker = LivenessTracker(unreachable_after=15, lost_after=60)
+    tracker.observe("node01", 3, 0.0)
+    assert tracker.reason("node01", 4.0) == "lease seq 3 moved 4 s ago"
+    assert tracker.reason("node01", 20.0) == (
+        "lease seq 3 has not moved for 20 s (unreachable after 15 s)"
+    )
+    assert tracker.reason("node01", 65.0) == "lease seq 3 has not moved for 65 s (lost after 60 s)"
+    assert tracker.reason("node02", 65.0) == "no heartbeat seen"
+
+
+def test_node_recorded_lost_before_a_restart_stays_lost_until_its_lease_moves():
+    tracker = LivenessTracker(unreachable_after=15, lost_after=60)
+    tracker.observe("node01", 7, 100.0)  # a fresh grace period: it would read ready
+    tracker.hold("node01", "lost", 7)
+    tracker.observe("node01", 7, 101.0)  # the same seq again is not movement
+    assert tracker.phase("node01", 102.0) == "lost"
+    assert tracker.reason("node01", 102.0) == (
+        "recorded lost before this controller started; waiting for its lease to move"
+    )
+    tracker.observe("node01", 8, 103.0)
+    assert tracker.phase("node01", 103.0) == "ready"
+
+
+def test_a_held_phase_never_hides_a_worse_judgement():
+    tracker = LivenessTracker(unreachable_after=15, lost_after=60)
+    tracker.observe("node01", 7, 0.0)
+    tracker.hold("node01", "unreachable", 7)
+    assert tracker.phase("node01", 1.0) == "unreachable"
+    assert tracker.phase("node01", 61.0) == "lost"
+    tracker.hold("node02", "lost", None)  # recorded lost, no lease at all
+    assert tracker.phase("node02", 61.0) == "lost"
+    tracker.observe("node02", 1, 62.0)
+    assert tracker.phase("node02", 62.0) == "ready"
+
+
+def test_health_changes_write_only_changed_phases_and_delete_removed_nodes():
     tracker = LivenessTracker(unreachable_after=15, lost_after=60)
     tracker.observe("node01", 3, 0.0)
     tracker.observe("node02", 9, 0.0)
-    first = tracker.transitions(0.0)
-    assert [(t.node, t.previous, t.phase) for t in first] == [
-        ("node01", None, "ready"),
-        ("node02", None, "ready"),
-    ]
     tracker.observe("node02", 10, 10.0)
-    assert tracker.transitions(10.0) == []
-    went = tracker.transitions(20.0)
-    assert [(t.node, t.previous, t.phase) for t in went] == [("node01", "ready", "unreachable")]
-    assert went[0].reason == "lease seq 3 has not moved for 20 s (unreachable after 15 s)"
-    assert tracker.transitions(21.0) == []
-    lost = tracker.transitions(65.0)
-    assert [(t.node, t.phase) for t in lost] == [("node01", "lost"), ("node02", "unreachable")]
-    tracker.observe("node01", 1, 80.0)
-    back = tracker.transitions(80.0)
-    assert [(t.node, t.previous, t.phase, t.seq) for t in back] == [
-        ("node01", "lost", "ready", 1),
-        ("node02", "unreachable", "lost", 10),
+    stored = {
+        "node01": Health(node="node01", phase="ready", since=1.0),
+        "node02": Health(node="node02", phase="ready", since=1.0),
+        "gone": Health(node="gone", phase="lost", since=1.0),
+    }
+    leases = {n: _lease(n, s) for n, s in (("node01", 3), ("node02", 10))}
+    nodes = ["node01", "node02", "node03"]  # node03: an inventory, never a lease
+    changes = health_changes(
+        node_phases(nodes, tracker, 20.0), stored, leases, tracker, 20.0, wall=5000.0
+    )
+    assert [(c.record.node, c.previous, c.record.phase) for c in changes.write] == [
+        ("node01", "ready", "unreachable"),
+        ("node03", None, "unreachable"),
     ]
+    first = changes.write[0].record
+    assert (first.since, first.last_seq) == (5000.0, 3)
+    assert first.reason == "lease seq 3 has not moved for 20 s (unreachable after 15 s)"
+    assert changes.write[1].record.reason == "no heartbeat seen"
+    assert changes.delete == ["gone"]
+    assert changes.declares_silence
+    calm = health_changes(node_phases(["node02"], tracker, 20.0), {}, leases, tracker, 20.0, 1.0)
+    assert [c.record.phase for c in calm.write] == ["ready"] and not calm.declares_silence
+
+
+def _lease(node: str, seq: int) -> Lease:
+    return Lease(
+        node=node,
+        seq=seq,
+        time=0.0,
+        started_at=0.0,
+        memory=Memory(total_bytes=1, available_bytes=1),
+    )
 
 
 def test_forgotten_node_has_no_phase():

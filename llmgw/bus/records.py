@@ -328,6 +328,8 @@ class Leader(msgspec.Struct, kw_only=True):
     holder: str
     since: float
     renewed_at: float
+    # random per controller process: a restart under the same id is not the same holder
+    instance: str = ""
 
 
 # --- events on llmgw.events.<kind>.<id>
