@@ -6,12 +6,26 @@ import logging
 import random
 
 import anyio
+import msgspec
 import pytest
+from links import ProxyLink
+from nats.js.api import KeyValueConfig
+from waiting import until
 
-from llmgw.bus import keys, records
+from llmgw.bus import keys, records, requests, trust
 from llmgw.bus.backoff import Backoff
-from llmgw.bus.client import BucketSettings, Bus, BusError, Synced, Update, decoder
+from llmgw.bus.client import (
+    MAX_VALUE_BYTES,
+    BucketSettings,
+    Bus,
+    BusError,
+    NatsSettings,
+    Synced,
+    Update,
+    decoder,
+)
 from llmgw.bus.server import EmbeddedNats, free_port
+from llmgw.errors import LlmgwError
 
 pytestmark = pytest.mark.anyio
 
@@ -87,17 +101,14 @@ async def test_cas_update_refuses_a_stale_revision(bus: Bus) -> None:
     )
 
 
-async def test_watch_sees_changes_made_while_the_server_was_down(tmp_path) -> None:
+async def test_watch_resumes_and_syncs_again_after_a_server_restart(tmp_path) -> None:
     port = free_port()
     server = EmbeddedNats(data_dir=tmp_path / "n", port=port)
     server.start()
-    from llmgw.bus.client import NatsSettings
-
     settings = NatsSettings(urls=(server.url,), backoff_base=0.05, backoff_cap=0.2)
     watcher_bus = await Bus.connect(settings, give_up_after=5)
     writer = await Bus.connect(settings, give_up_after=5)
     await writer.put("leases.a", _lease("a", 1))
-    await writer.put("leases.b", _lease("b", 1))
     state: dict[str, int] = {}
     syncs = 0
     try:
@@ -115,20 +126,56 @@ async def test_watch_sees_changes_made_while_the_server_was_down(tmp_path) -> No
 
             tg.start_soon(consume)
             await _until(lambda: syncs == 1)
-            assert state == {"leases.a": 1, "leases.b": 1}
-            # restart the server; while watcher_bus reconnects, the writer changes things
             before = writer.reconnects
             server.stop()
             server.start()
             await _until(lambda: writer.reconnects > before and writer.connected, timeout=10)
-            await writer.delete("leases.a")
-            await writer.put("leases.b", _lease("b", 2))
-            await _until(lambda: state == {"leases.b": 2}, timeout=10)
+            await writer.put("leases.a", _lease("a", 2))
+            await _until(lambda: state == {"leases.a": 2} and syncs == 2, timeout=10)
             tg.cancel_scope.cancel()
     finally:
         await watcher_bus.close()
         await writer.close()
         server.stop()
+
+
+async def test_a_key_that_vanished_while_the_watcher_was_cut_off_is_reported_deleted(
+    nats_server, bus
+) -> None:
+    # only the watcher's link goes down: the writer changes the bucket meanwhile, and the
+    # key it removes leaves no trace (no delete marker), so only the replay's absence tells
+    link = ProxyLink(nats_server.port)
+    await link.start()
+    watcher_bus = await Bus.connect(
+        NatsSettings(urls=(link.url,), backoff_base=0.05, backoff_cap=0.2), give_up_after=5
+    )
+    await bus.put("leases.a", _lease("a", 1))
+    await bus.put("leases.b", _lease("b", 1))
+    seen: list[Update[records.Lease] | Synced] = []
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def consume() -> None:
+                async for item in watcher_bus.watch("leases.*", decoder(records.Lease)):
+                    seen.append(item)
+
+            tg.start_soon(consume)
+            await _until(lambda: sum(isinstance(i, Synced) for i in seen) == 1)
+            await link.cut()
+            await _until(lambda: not watcher_bus.connected)
+            await bus.js.purge_stream("KV_llmgw", subject="$KV.llmgw.leases.a")
+            await bus.put("leases.b", _lease("b", 2))
+            await link.heal()
+            await _until(lambda: sum(isinstance(i, Synced) for i in seen) == 2, timeout=15)
+            tg.cancel_scope.cancel()
+    finally:
+        await watcher_bus.close()
+        await link.cut()
+    after_cut = seen[seen.index(Synced()) + 1 :]
+    # the vanished key is reported by the replay's end (revision 0: there is no message)
+    assert Update("leases.a", None, 0) in after_cut
+    assert after_cut.index(Update("leases.a", None, 0)) < after_cut.index(Synced())
+    assert [i.value.seq for i in after_cut if isinstance(i, Update) and i.key == "leases.b"] == [2]
 
 
 async def test_first_connect_gives_up_with_a_clear_error_when_asked() -> None:
@@ -153,25 +200,44 @@ def test_backoff_grows_with_jitter_and_is_reset_only_explicitly() -> None:
 
 
 async def test_reconnect_delays_grow_while_the_server_stays_down(tmp_path, caplog) -> None:
-    from llmgw.bus.client import NatsSettings
-
     server = EmbeddedNats(data_dir=tmp_path / "n", port=free_port())
-    server.start()
+    # healthy_after leaves time to see the count before it is reset
     settings = NatsSettings(
-        urls=(server.url,), backoff_base=0.05, backoff_cap=10, healthy_after=0.5
+        urls=(server.url,),
+        backoff_base=0.05,
+        backoff_cap=10,
+        healthy_after=2.0,
+        connect_timeout=0.3,  # each first-connect attempt lasts about this long
     )
-    b = await Bus.connect(settings, give_up_after=5)
+    async with anyio.create_task_group() as tg:
+        # the first connect fails until the server exists: its failures count up the backoff
+        connected: list[Bus] = []
+
+        async def first_connect() -> None:
+            connected.append(await Bus.connect(settings))
+
+        tg.start_soon(first_connect)
+        # the Bus does not exist yet: read the attempts from the log of failed connects
+        await _until(lambda: caplog.text.count("cannot connect to NATS") >= 3, timeout=15)
+        server.start()
+        await _until(lambda: bool(connected), timeout=10)
+    b = connected[0]
     try:
-        await anyio.sleep(0.6)  # healthy: backoff at zero
-        assert b.backoff.attempt == 0
+        assert b.backoff.attempt >= 3  # the first connect's failures were counted...
+        await _until(lambda: b.backoff.attempt == 0, timeout=10)  # ...and reset once healthy
         server.kill()
-        await _until(lambda: b.backoff.attempt >= 4, timeout=10)
-        # failed attempts never reset it: still counting up while the server is away
-        await anyio.sleep(1.0)
-        assert b.backoff.attempt >= 4
+        counts: list[int] = []
+
+        def grown() -> bool:
+            counts.append(b.backoff.attempt)
+            return b.backoff.attempt >= 6
+
+        await _until(grown, timeout=15)
+        # failed attempts never reset it: it only counted up while the server was away
+        assert counts == sorted(counts) and counts[-1] >= 6
         server.start()
         await _until(lambda: b.connected, timeout=20)
-        await _until(lambda: b.backoff.attempt == 0, timeout=5)
+        await _until(lambda: b.backoff.attempt == 0, timeout=10)
     finally:
         await b.close()
         server.stop()
@@ -186,3 +252,314 @@ async def _until(cond, timeout: float = 5.0) -> None:
 def test_log_level_fixture_is_active(caplog) -> None:
     logging.getLogger("llmgw.x").info("hello")
     assert "hello" in caplog.text
+
+
+# --- caught up means caught up ---------------------------------------------------------------
+
+
+async def test_synced_comes_only_after_every_stored_value_even_large_ones(bus: Bus) -> None:
+    # nats-py's own marker came before a 900 KB value in a few runs out of twenty
+    await bus.put("catalog.big", b'"' + b"x" * 900_000 + b'"')
+    await bus.put("nodes.n1", b'"' + b"y" * 300_000 + b'"')
+    for run in range(300):
+        got = await bus.list(">", lambda b: b)
+        assert set(got) == {"catalog.big", "nodes.n1"}, f"run {run}: synced with {set(got)}"
+    items = [i async for i in bus.watch(">", lambda b: len(b), until_synced=True)]
+    assert isinstance(items[-1], Synced) and len(items) == 3
+
+
+async def test_an_empty_pattern_syncs_at_once_and_then_follows(bus: Bus) -> None:
+    seen: list[object] = []
+    async with anyio.create_task_group() as tg:
+
+        async def consume() -> None:
+            async for item in bus.watch("health.*", decoder(records.Health)):
+                seen.append(item)
+
+        tg.start_soon(consume)
+        await _until(lambda: seen == [Synced()])
+        await bus.put("health.n1", records.Health(node="n1", phase="ready", since=1.0))
+        await _until(lambda: len(seen) == 2)
+        tg.cancel_scope.cancel()
+    assert isinstance(seen[1], Update) and seen[1].key == "health.n1"
+
+
+# --- value sizes ---------------------------------------------------------------------------
+
+
+async def test_a_value_over_the_limit_is_refused_on_write_naming_key_and_sizes(bus: Bus) -> None:
+    with pytest.raises(BusError, match=r"not writing nodes\.n1: its value is 1,100,002 bytes"):
+        await bus.put("nodes.n1", b'"' + b"x" * 1_100_000 + b'"')
+    assert await bus.get_raw("nodes.n1") is None
+
+
+async def test_a_value_over_the_limit_is_skipped_on_read(nats_settings, caplog) -> None:
+    # a bucket made by another tool, with no value limit of its own
+    async with Bus.open(nats_settings, give_up_after=5) as writer:
+        kv = await writer.js.create_key_value(KeyValueConfig(bucket="wide"))
+        await kv.put("nodes.n1", b'"' + b"x" * (MAX_VALUE_BYTES + 10) + b'"')
+        await kv.put("nodes.n2", b'"small"')
+    async with Bus.open(nats_settings, BucketSettings(name="wide"), give_up_after=5) as reader:
+        assert reader.max_value_bytes == MAX_VALUE_BYTES
+        assert await reader.get_raw("nodes.n1") is None
+        assert set(await reader.list("nodes.*", lambda b: b)) == {"nodes.n2"}
+    assert "skipping nodes.n1" in caplog.text and "over the limit of 1,000,000" in caplog.text
+
+
+# --- a record's owner is its key --------------------------------------------------------------
+
+
+def _inventory(node: str) -> records.NodeInventory:
+    return records.NodeInventory(
+        node=node,
+        hostname=node,
+        address="10.0.0.5",
+        agent_version="0",
+        started_at=1.0,
+        cpu=records.Cpu(count=8),
+        memory=records.Memory(total_bytes=64 << 30, available_bytes=60 << 30),
+        gpus=records.Gpus(status="no_library"),
+    )
+
+
+async def test_a_node_lying_about_another_node_is_rejected_as_a_spoof_attempt(
+    bus: Bus, caplog
+) -> None:
+    from llmgw.controller.view import View
+    from llmgw.status import gather
+
+    # what node05 may write (its own key) claiming to be node06 with 8 GPUs and a model
+    gpus = [
+        records.Gpu(
+            index=i,
+            name="H100",
+            uuid=f"GPU-{i}",
+            memory_total_bytes=80 << 30,
+            pci_bus_id=f"0000:0{i}:00.0",
+            compute_capability="9.0",
+        )
+        for i in range(8)
+    ]
+    store = records.Store(kind="local", identity="local:node06")
+    held = records.HeldModel(
+        key="llama", format="gguf", path="/m/llama.gguf", bytes=1, files=1, store=store
+    )
+    lie = msgspec.structs.replace(
+        _inventory("node06"),
+        gpus=records.Gpus(status="ok", devices=gpus),
+        weights=records.Weights(looked=True, models=[held]),
+    )
+    await bus.put("nodes.node05", lie)
+    await bus.put("desired.tiny", b'{"model": "other", "replicas": -5}')
+    await bus.put("nodes.node07", _inventory("node07"))
+
+    view = await gather(bus)
+    assert set(view["nodes"]) == {"node07"}
+    assert view["desired"] == {}
+    assert view["fabrics"] == {"node-node07": view["fabrics"]["node-node07"]}
+
+    controller_view = View()
+    for key, entry in (await bus.list(">", lambda b: b)).items():
+        controller_view.apply(key, entry.value, entry.revision)
+    assert set(controller_view.nodes) == {"node07"} and controller_view.desired == {}
+
+    said = caplog.text
+    assert "nodes.node05: rejected as a spoof attempt" in said
+    assert "its node is 'node06' but the key says 'node05'" in said
+    assert "desired.tiny: rejected as a spoof attempt" in said
+    assert "replicas -5 is outside 0..10000" in said
+
+
+def _assignment(rid: str, **kw: object) -> records.Assignment:
+    fields: dict[str, object] = dict(model="m1", rid=rid, profile="p", action="run", generation=1)
+    return records.Assignment(**{**fields, **kw})  # type: ignore[arg-type]
+
+
+def _shard(node: str, rid: str) -> records.Shard:
+    return records.Shard(node=node, rid=rid, model="m1", generation=1, phase="ready", since=1.0)
+
+
+def _replica(model: str, rid: str, *ranks: int) -> records.Replica:
+    members = [records.ReplicaMember(node=f"n{r}", rank=r) for r in ranks or (0,)]
+    return records.Replica(model=model, rid=rid, profile="p", members=members)
+
+
+class _Catalog(msgspec.Struct):
+    id: str  # the one field the bus checks; llmgw.catalog checks the rest
+
+
+# every key family: a value that names another owner than its key
+SPOOFS = [
+    ("nodes.node05", _inventory("node06")),
+    ("leases.node05", _lease("node06", 1)),
+    ("health.node05", records.Health(node="node06", phase="ready", since=1.0)),
+    ("shards.node05.r1", _shard("node06", "r1")),
+    ("shards.node05.r1", _shard("node05", "r2")),
+    ("assign.node05.r1", _assignment("r2")),
+    ("replicas.m1.r1", _replica("m2", "r1")),
+    ("replicas.m1.r1", _replica("m1", "r2")),
+    ("desired.m1", records.Desired(model="m2", replicas=1)),
+    ("placement.m1", records.PlacementRecord(model="m2", desired=1, placed=0)),
+    ("fabrics.ib-a", records.FabricHoldings(fabric="ib-b", nodes=["n1"])),
+    ("catalog.m1", _Catalog(id="m2")),
+    (
+        "nodes.node05",
+        msgspec.structs.replace(
+            _inventory("node05"),
+            weights=records.Weights(
+                models=[
+                    records.HeldModel(
+                        key="k",
+                        format="gguf",
+                        path="/m",
+                        bytes=1,
+                        files=1,
+                        store=records.Store(kind="local", identity="local:node06"),
+                    )
+                ]
+            ),
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), SPOOFS, ids=[f"{k}-{i}" for i, (k, _) in enumerate(SPOOFS)]
+)
+async def test_every_record_type_is_read_against_its_key(bus: Bus, caplog, key, value) -> None:
+    await bus.put(key, records.encode(value))
+    assert await bus.get(key, decoder(type(value))) is None
+    assert f"{key}: rejected as a spoof attempt" in caplog.text
+    with pytest.raises(trust.SpoofedRecord):
+        trust.check(key, value)
+
+
+OUT_OF_RANGE = [
+    ("desired.m1", records.Desired(model="m1", replicas=-5), "replicas -5"),
+    ("desired.m1", records.Desired(model="m1", replicas=10**9), "replicas 1000000000"),
+    ("leases.n1", _lease("n1", -1), "seq -1"),
+    ("assign.n1.r1", _assignment("r1", rank=2, nodes=2), "rank 2 is outside 0..1"),
+    ("assign.n1.r1", _assignment("r1", port=70000), "port 70000"),
+    ("assign.n1.r1", _assignment("r1", model="a.b"), "model 'a.b' is not an id"),
+    ("replicas.m1.r1", _replica("m1", "r1", 0, 0), "ranks [0, 0]"),
+    ("placement.m1", records.PlacementRecord(model="m1", desired=-1, placed=0), "desired -1"),
+    ("leader", records.Leader(holder="", since=1.0, renewed_at=1.0), "holder is empty"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "why"), OUT_OF_RANGE)
+def test_values_are_checked_against_their_ranges(key, value, why) -> None:
+    with pytest.raises(trust.RecordRejected, match=r"^" + key.replace(".", r"\.")) as e:
+        trust.check(key, value)
+    assert why in str(e.value) and not isinstance(e.value, trust.SpoofedRecord)
+    # readers of raw bytes (the controller's view) get the same answer
+    with pytest.raises(trust.RecordRejected):
+        trust.decode_for_key(key, records.encode(value))
+
+
+def test_values_that_agree_with_their_keys_pass() -> None:
+    trust.check("nodes.node05", _inventory("node05"))
+    trust.check("replicas.m1.r1", _replica("m1", "r1", 1, 0))
+    trust.check("assign.n1.r1", _assignment("r1", rank=1, nodes=2, port=8000))
+    trust.check("not.an.llmgw.key.at.all", _inventory("x"))  # not ours: not checked
+    got = trust.decode_for_key("shards.node05.r1", records.encode(_shard("node05", "r1")))
+    assert isinstance(got, records.Shard)
+
+
+def test_a_record_read_as_another_type_is_rejected() -> None:
+    with pytest.raises(
+        trust.RecordRejected, match="read as Lease, but the key holds a NodeInventory"
+    ):
+        trust.check("nodes.n1", _lease("n1", 1))
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+SERVED = "llmgw.agent.node06.rescan"
+
+
+def test_a_request_published_on_the_subject_with_an_inbox_reply_is_a_request() -> None:
+    assert requests.forged(SERVED, SERVED, "_INBOX.abc.1", None) is None
+
+
+@pytest.mark.parametrize(
+    ("subject", "reply", "headers", "why"),
+    [
+        # a consumer aimed at the subject delivers stored messages under their own subject
+        (
+            "$KV.llmgw.catalog.x",
+            "$JS.ACK.KV_llmgw.edN5g7W5.1.1.1.1796241512220935076.1",
+            None,
+            "nats consumer rm KV_llmgw edN5g7W5",
+        ),
+        # ... or, for a stream whose subject it is, under this very subject
+        (SERVED, "$JS.ACK.S.c1.1.5.5.179624151.0", None, "consumer c1 of stream S"),
+        (SERVED, "", {"Status": "100", "Description": "Idle Heartbeat"}, "status message"),
+        (SERVED, "", None, "no reply subject"),  # an API response sent to a forged reply
+        (SERVED, "$JS.FC.KV_llmgw.x.y", None, "server message"),
+    ],
+)
+def test_what_the_server_sends_on_someones_behalf_is_not_a_request(
+    subject, reply, headers, why
+) -> None:
+    said = requests.forged(SERVED, subject, reply, headers)
+    assert said is not None and why in said
+
+
+# --- settings that can never work ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://127.0.0.1:4222", "nats//127.0.0.1:4222", "nats://127.0.0.1:port", "nats://:4222"],
+)
+async def test_a_url_that_is_not_nats_is_refused_at_once_naming_it(url) -> None:
+    with anyio.fail_after(5), pytest.raises(BusError) as e:
+        await Bus.connect(NatsSettings(urls=(url,)))  # no give_up_after: it would retry forever
+    assert repr(url) in str(e.value) and "nats://HOST:4222" in str(e.value)
+    assert isinstance(e.value, LlmgwError)
+
+
+@pytest.mark.parametrize(
+    "url", ["nats://h:4222", "tls://h:4222", "ws://h:80", "wss://h", "h:4222", "h"]
+)
+def test_nats_urls_pass(url) -> None:
+    NatsSettings(urls=(url,)).check_urls()
+
+
+def test_websocket_and_plain_urls_do_not_mix() -> None:
+    with pytest.raises(BusError, match="mix websocket"):
+        NatsSettings(urls=("nats://a:4222", "ws://b:80")).check_urls()
+
+
+# --- the Bus as a context manager ---------------------------------------------------------------
+
+
+async def test_bus_closes_when_its_block_ends(nats_settings) -> None:
+    async with Bus.open(nats_settings, give_up_after=5) as bus:
+        await bus.put("leases.a", _lease("a", 1))
+    assert bus.nc.is_closed
+    async with await Bus.connect(nats_settings, give_up_after=5) as again:
+        assert (await again.get("leases.a", decoder(records.Lease))).value.seq == 1
+    assert again.nc.is_closed
+    with pytest.raises(RuntimeError, match="boom"):
+        async with Bus.open(nats_settings, give_up_after=5) as failing:
+            raise RuntimeError("boom")
+    assert failing.nc.is_closed
+
+
+# --- no consumer left behind ------------------------------------------------------------------------
+
+
+async def test_reading_the_bucket_leaves_no_consumer_behind(bus: Bus) -> None:
+    from llmgw.status import gather
+
+    await bus.put("nodes.n1", _inventory("n1"))
+    await gather(bus)  # `llmgw status`: one list per key family
+    info = await bus.js.stream_info("KV_llmgw")
+    assert info.state.consumer_count >= 1  # they did exist
+
+    async def none_left() -> bool:
+        return (await bus.js.stream_info("KV_llmgw")).state.consumer_count == 0
+
+    await until(none_left, timeout=20)

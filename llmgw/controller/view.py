@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from llmgw import catalog
-from llmgw.bus import keys, records
+from llmgw.bus import keys, records, trust
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +72,8 @@ class View:
     def _decode(prefix: str, ids: tuple[str, ...], data: bytes):
         if prefix == keys.CATALOG:
             return catalog.decode_model(data, ids[0])
-        value = records.decode(data, _TYPES[prefix])
-        if prefix == keys.REPLICAS:
-            _check_replica(ids, value)
-        return value
+        # the owner comes from the key, never the value; ranges and ids are checked there
+        return trust.decode_for_key(keys.Key(prefix, ids), data)
 
     def _store(self, prefix: str, ids: tuple[str, ...], value) -> None:
         table, k = self._slot(prefix, ids)
