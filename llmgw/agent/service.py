@@ -5,28 +5,39 @@ a reconnecting agent refreshes what the control plane knows), then `leases.<id>`
 heartbeat with the RAM read that beat. RAM total changing, an engine appearing or
 disappearing, or the weights held changing rewrites `nodes.<id>`; nothing else does.
 SIGTERM/SIGINT stop it within a second (the seed's agent took 90 s and ended in SIGKILL).
+
+It registers before it scans weights: a weights directory is anyone's to fill, and a filer
+that hangs must not keep a node from being seen. Scans run in the background, one at a
+time, and a scan stuck inside a filer is reported as such while heartbeats go on.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import click
 import msgspec
 
 from llmgw import __version__
 from llmgw.agent import inventory
-from llmgw.agent.certificate import certificate_mismatch
+from llmgw.agent.certificate import CertificateError, check_tls_files
 from llmgw.agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_config
 from llmgw.agent.discovery.weights.scan import weights_equal_for_resend
 from llmgw.agent.shards import ShardManager
-from llmgw.agent.weights import WeightsScanner
+from llmgw.agent.weights import WeightsScanner, stuck_scan
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, BusError, NatsSettings
+from llmgw.errors import LlmgwError
 from llmgw.shutdown import cancel_on_signal
 
 log = logging.getLogger("llmgw.agent.service")  # also when run as __main__
@@ -45,9 +56,19 @@ def nats_settings(cfg: AgentConfig, node_id: str, identity_source: str) -> NatsS
     )
 
 
+# A scan past its deadline stops at its next file operation; one still running this long
+# after the deadline is stuck inside one (a hung filer), where no deadline reaches.
+STUCK_GRACE = 2.0
+
+
 class Agent:
     def __init__(
-        self, cfg: AgentConfig, *, weights_scanner=None, config_path: str = "the agent config"
+        self,
+        cfg: AgentConfig,
+        *,
+        weights_scanner: WeightsScanner | None = None,
+        hardware: inventory.Hardware | None = None,
+        config_path: str = "the agent config",
     ) -> None:
         self.cfg = cfg
         self.config_path = config_path
@@ -59,6 +80,10 @@ class Agent:
         self._seq = 0
         self._scan_now = anyio.Event()
         self._weights_scanner = weights_scanner or WeightsScanner()
+        self._hardware = hardware or inventory.Hardware()
+        self._tg: anyio.abc.TaskGroup | None = None
+        # the scan in progress: set when it ends, and when it began (anyio.current_time)
+        self._scan: tuple[anyio.Event, float] | None = None
 
     @property
     def node(self) -> str:
@@ -78,12 +103,20 @@ class Agent:
             source,
             ident.address,
         )
-        if cfg.nats.tls_cert:
-            problem = certificate_mismatch(cfg.nats.tls_cert, ident.node, source, self.config_path)
-            if problem:
-                log.error("%s", problem)  # the server decides; this says why it will refuse
-        weights = await _blocking(self._weights_scanner, cfg, ident.node, None)
-        self.inventory = await _blocking(inventory.discover, cfg, ident, self.started_at, weights)
+        # refused here, not by the server 5 s into a crash loop
+        check_tls_files(
+            cfg.nats.tls_ca,
+            cfg.nats.tls_cert,
+            cfg.nats.tls_key,
+            ident.node,
+            source,
+            self.config_path,
+        )
+        # weights come later, from a scan in the background: scanned_at 0 says "not yet"
+        not_scanned = records.Weights(looked=bool(cfg.weights.dirs))
+        self.inventory = await _blocking(
+            inventory.discover, cfg, ident, self.started_at, not_scanned, self._hardware
+        )
         self.bus = await Bus.connect(
             nats_settings(cfg, ident.node, source), BucketSettings(name=cfg.nats.bucket)
         )
@@ -91,6 +124,7 @@ class Agent:
             await self._write_inventory(force=True)
             self.bus.on_reconnected(self._on_reconnected)
             async with anyio.create_task_group() as tg:
+                self._tg = tg
                 tg.start_soon(self._heartbeats)
                 tg.start_soon(self._engine_probes)
                 tg.start_soon(self._weights_scans)
@@ -174,19 +208,61 @@ class Agent:
 
     async def _weights_scans(self) -> None:
         while True:
+            await self._scan_weights()
             with anyio.move_on_after(self.cfg.weights.scan_interval):
                 await self._scan_now.wait()
             self._scan_now = anyio.Event()
-            await self._scan_weights()
 
     async def _scan_weights(self) -> None:
+        """Start a scan unless one is running, and wait for it until it counts as stuck
+        (weights.scan_timeout + STUCK_GRACE after it began). A stuck scan is reported and
+        left to end by itself; a second one is never started beside it."""
+        if self._scan is None:
+            finished = anyio.Event()
+            self._scan = (finished, anyio.current_time())
+            assert self._tg is not None
+            self._tg.start_soon(self._run_scan, finished)
+        finished, began = self._scan
+        stuck_at = began + self.cfg.weights.scan_timeout + STUCK_GRACE
+        with anyio.move_on_after(max(0.0, stuck_at - anyio.current_time())):
+            await finished.wait()
+        if not finished.is_set():
+            await self._report_stuck_scan()
+
+    async def _run_scan(self, finished: anyio.Event) -> None:
         assert self.inventory is not None
-        weights = await _blocking(
-            self._weights_scanner, self.cfg, self.node, self.inventory.weights
+        try:
+            try:
+                weights = await _in_daemon_thread(
+                    self._weights_scanner, self.cfg, self.node, self.inventory.weights
+                )
+            except Exception:  # noqa: BLE001 - a bug in the scan; the agent and its engines go on
+                log.exception(
+                    "weights scan failed; the next one in %g s", self.cfg.weights.scan_interval
+                )
+                return
+            if not weights_equal_for_resend(weights, self.inventory.weights):
+                self.inventory = msgspec.structs.replace(self.inventory, weights=weights)
+                await self._write_inventory(why="weights held changed")
+        finally:
+            self._scan = None
+            finished.set()
+
+    async def _report_stuck_scan(self) -> None:
+        assert self.inventory is not None
+        where = self._weights_scanner.scanning()
+        if where is None:
+            return  # it ended meanwhile
+        directory, seconds = where
+        log.warning(
+            "weights scan of %s running for %.0f s, past weights.scan_timeout: stuck in a "
+            "file operation (a hung filer?); reported, not waited for",
+            directory,
+            seconds,
         )
-        if not weights_equal_for_resend(weights, self.inventory.weights):
-            self.inventory = msgspec.structs.replace(self.inventory, weights=weights)
-            await self._write_inventory(why="weights held changed")
+        weights = stuck_scan(self.inventory.weights, directory, seconds)
+        self.inventory = msgspec.structs.replace(self.inventory, weights=weights)
+        await self._write_inventory(why=f"weights scan stuck in {directory}")
 
     async def _on_rescan(self, payload: bytes) -> bytes:
         """`llmgw.agent.<node>.rescan`: scan weights and probe engines now, reply with counts.
@@ -203,17 +279,38 @@ class Agent:
         return msgspec.json.encode(reply)
 
 
-def _default_weights_scanner(
-    cfg: AgentConfig, node: str, previous: records.Weights | None
-) -> records.Weights:
-    from llmgw.agent.weights import scan_node_weights
-
-    return scan_node_weights(cfg, node, previous)
+T = TypeVar("T")
 
 
 async def _blocking(fn, *args):
     # abandon_on_cancel: SIGTERM must not wait for a slow NVML call or a disk scan
     return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+
+
+async def _in_daemon_thread(fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` in a thread of its own that does not keep the process alive: a scan
+    blocked inside a hung filer never returns, and a worker thread of anyio's would then
+    hold the agent at exit after SIGTERM. Cancelling the caller abandons the thread."""
+    token = anyio.lowlevel.current_token()
+    done = anyio.Event()
+    outcome: list[tuple[bool, object]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn(*args)))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            outcome.append((False, e))
+        try:
+            anyio.from_thread.run_sync(done.set, token=token)
+        except Exception:  # noqa: BLE001 - the event loop is gone: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name=f"llmgw {fn.__class__.__name__}", daemon=True).start()
+    await done.wait()
+    ok, value = outcome[0]
+    if not ok:
+        raise value  # type: ignore[misc]
+    return value  # type: ignore[return-value]
 
 
 async def run_until_signalled(agent: Agent) -> None:
@@ -229,6 +326,56 @@ def setup_logging(level: str = "INFO") -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("nats").setLevel(logging.WARNING)
+
+
+# sysexits.h EX_CONFIG: the config or a file it names cannot work, and restarting will not
+# help (systemd's RestartPreventExitStatus= can name it)
+EX_CONFIG = 78
+
+
+def _for_a_person(exc: BaseException) -> LlmgwError | BusError | None:
+    """The problem stated for the operator that ended the agent, also from inside a task
+    group's ExceptionGroup; None when it was anything else (a bug: it keeps its traceback)."""
+    if isinstance(exc, LlmgwError | BusError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        stated, rest = exc.split((LlmgwError, BusError))
+        if stated is not None and rest is None:
+            return _for_a_person(stated.exceptions[0])
+    return None
+
+
+def serve(
+    config_path: Path | None,
+    nats_urls: tuple[str, ...],
+    log_level: str,
+    *,
+    hardware: inventory.Hardware | None = None,
+    weights_scanner: WeightsScanner | None = None,
+) -> None:
+    """Load the config and run the agent until SIGTERM or SIGINT. A problem stated for a
+    person ends it with that one line on stderr and a non-zero exit, without a traceback."""
+    setup_logging(log_level)
+    try:
+        cfg = load_config(config_path, missing_ok=bool(nats_urls) and config_path is None)
+        if nats_urls:
+            cfg = msgspec.structs.replace(
+                cfg, nats=msgspec.structs.replace(cfg.nats, urls=list(nats_urls))
+            )
+        agent = Agent(
+            cfg,
+            config_path=str(config_path or DEFAULT_CONFIG_PATH),
+            hardware=hardware,
+            weights_scanner=weights_scanner,
+        )
+        anyio.run(run_until_signalled, agent)
+    except BaseException as e:
+        problem = _for_a_person(e)
+        if problem is None:
+            raise
+        click.echo(f"Error: {problem}", err=True)
+        # systemd restarts it after anything else (a NATS refusal may clear), with its backoff
+        sys.exit(EX_CONFIG if isinstance(problem, ConfigError | CertificateError) else 1)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -250,20 +397,7 @@ def setup_logging(level: str = "INFO") -> None:
 @click.version_option(__version__)
 def main(config_path: Path | None, nats_urls: tuple[str, ...], log_level: str) -> None:
     """Run the llmgw agent on this node."""
-    setup_logging(log_level)
-    try:
-        cfg = load_config(config_path, missing_ok=bool(nats_urls) and config_path is None)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
-    if nats_urls:
-        cfg = msgspec.structs.replace(
-            cfg, nats=msgspec.structs.replace(cfg.nats, urls=list(nats_urls))
-        )
-    try:
-        agent = Agent(cfg, config_path=str(config_path or DEFAULT_CONFIG_PATH))
-        anyio.run(run_until_signalled, agent)
-    except BusError as e:  # systemd restarts it (Restart=on-failure), with its own backoff
-        raise click.ClickException(str(e)) from None
+    serve(config_path, nats_urls, log_level)
 
 
 if __name__ == "__main__":
