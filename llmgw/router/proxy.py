@@ -161,6 +161,17 @@ class Proxy:
             await self._fail(resp, 400, str(e), "", kind="bad_request")
             return
         route = self.table.route(parsed.model)
+        if route is None and not self.table.synced:
+            await self._fail(
+                resp,
+                503,
+                "the router has not read the fleet's state from NATS yet; try again shortly",
+                "",
+                kind="no_replica",
+                code="not_ready",
+                headers=((b"retry-after", b"2"),),
+            )
+            return
         if route is None:
             names = ", ".join(self.table.known_names()) or "none yet"
             await self._fail(
