@@ -105,11 +105,14 @@ class Events:
         return [e.kind for e in self.items if e.kind.startswith(prefix)]
 
 
-async def _stream_chat(endpoint: str, served: str, n_tokens: int | None = None) -> list[str]:
+async def _stream_chat(
+    endpoint: str, served: str, n_tokens: int | None = None, chunks: list[str] | None = None
+) -> list[str]:
+    """The data lines of a streamed chat completion; `chunks`, when given, fills as they come."""
     body = {"model": served, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     if n_tokens:
         body["max_tokens"] = n_tokens
-    chunks = []
+    chunks = [] if chunks is None else chunks
     async with (
         aiohttp.ClientSession() as http,
         http.post(f"http://{endpoint}/v1/chat/completions", json=body) as r,
@@ -156,6 +159,8 @@ async def _replica(bus, phase=None):
 
 
 async def test_bad_profile_fails_validation_and_nothing_is_launched(bus, node, controller):
+    events = Events()
+    await bus.subscribe("llmgw.events.>", events.on_message)
     record = node["tmp"] / "launched.json"
     model = _catalog(
         node["tmp"], path=str(node["tmp"] / "no-such.gguf"), env={"FAKE_ENGINE_RECORD": str(record)}
@@ -164,9 +169,17 @@ async def test_bad_profile_fails_validation_and_nothing_is_launched(bus, node, c
     shard = await until(lambda: _shard(bus, "failed"))
     assert shard.reason.startswith("refused before launch:")
     assert "no-such.gguf" in shard.reason
-    await anyio.sleep(0.5)
-    assert not record.exists(), "the engine was launched despite the refusal"
     assert shard.pid is None
+    # The agent decides for one replica in one loop: once it has acted on the removal, the
+    # refusing decision is over, launch or not. A launch reports "starting" first.
+    await bus.put(keys.desired("tiny"), records.Desired(model="tiny", replicas=0, updated_at=2.0))
+
+    async def gone():
+        return await _shard(bus) == [] and await _replica(bus) is None
+
+    await until(gone)
+    assert "shard-starting" not in events.kinds(), "the engine was launched despite the refusal"
+    assert not record.exists()
 
 
 async def test_engine_crashing_while_loading_reports_its_output_and_retries_with_growing_delays(
@@ -198,12 +211,16 @@ async def test_drain_waits_for_an_in_flight_streaming_request(bus, node, control
     shard = await until(lambda: _shard(bus, "ready"))
     async with anyio.create_task_group() as tg:
         result: dict[str, list[str]] = {}
+        arrived: list[str] = []
 
         async def stream():
-            result["chunks"] = await _stream_chat(shard.endpoint, "tiny-chat")
+            result["chunks"] = await _stream_chat(shard.endpoint, "tiny-chat", chunks=arrived)
+
+        async def in_flight():
+            return len(arrived) >= 2  # tokens are coming: the request is in flight (2 s of them)
 
         tg.start_soon(stream)
-        await anyio.sleep(0.3)  # the request is in flight (2 s of tokens)
+        await until(in_flight)
         await bus.put(
             keys.desired("tiny"), records.Desired(model="tiny", replicas=0, updated_at=2.0)
         )

@@ -54,6 +54,15 @@ def engine(argv: list[str], **env: str) -> Iterator[subprocess.Popen[bytes]]:
         proc.stdout.close()
 
 
+def read_until(proc: subprocess.Popen[bytes], text: str) -> str:
+    """The engine's output line holding `text`; fails if the engine exits first."""
+    for raw in proc.stdout:
+        line = raw.decode(errors="replace")
+        if text in line:
+            return line
+    raise AssertionError(f"the engine exited ({proc.wait()}) without printing {text!r}")
+
+
 def wait_for(port: int, path: str, status: int, proc: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -144,8 +153,8 @@ def test_vllm_does_not_listen_while_loading_and_lists_its_served_name(bins, tmp_
         "--served-model-name",
         "m2",
     ]
-    with engine(argv, FAKE_ENGINE_LOAD_SECONDS="0.8", CUDA_VISIBLE_DEVICES="GPU-a") as proc:
-        time.sleep(0.4)
+    with engine(argv, FAKE_ENGINE_LOAD_SECONDS="2", CUDA_VISIBLE_DEVICES="GPU-a") as proc:
+        read_until(proc, "Starting to load model")  # what vLLM prints as loading begins
         with pytest.raises(URLError):
             get(f"http://127.0.0.1:{port}/health")
         wait_for(port, "/health", 200, proc)
