@@ -13,7 +13,7 @@ from test_engines_e2e import _catalog, _place, _stream_chat
 from waiting import until
 
 from llmgw.agent.config import Engines
-from llmgw.bus import records
+from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.testing.fake_engine import install_fake_engines
@@ -57,7 +57,7 @@ async def test_node_cut_off_past_lost_after_serves_throughout_and_ends_ready_aga
             await _place(bus, _catalog(tmp_path), 1)
             first = await until(lambda: _ready(bus))
             await link.cut()  # node1 alone loses NATS; its engine does not notice
-            await anyio.sleep(settings.lost_after + 2)
+            await until(lambda: _health_is(bus, "node1", "lost"), timeout=30)
             assert (await _stream_chat(first.endpoint, "tiny-chat"))[
                 -1
             ] == "[DONE]"  # still serving
@@ -85,6 +85,11 @@ async def test_node_cut_off_past_lost_after_serves_throughout_and_ends_ready_aga
     assert shard.rid == replica.rid and shard.endpoint == replica.endpoint
     assert f"{replica.rid} waits for {first.rid} to stop" in (tmp_path / "agent.log").read_text()
     assert "refused before launch" not in (tmp_path / "agent.log").read_text()
+
+
+async def _health_is(bus: Bus, node: str, phase: str) -> bool:
+    h = await bus.get(keys.health(node), decoder(records.Health))
+    return h is not None and h.value.phase == phase
 
 
 async def _ready(bus: Bus) -> records.Shard | None:
