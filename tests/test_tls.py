@@ -20,6 +20,8 @@ import anyio
 import msgspec
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from waiting import until
 
 from llmgw.agent.config import Nats
 from llmgw.bus import records
@@ -254,15 +256,17 @@ async def _wait_node(bus: Bus, node: str) -> records.NodeInventory:
             await anyio.sleep(0.05)
 
 
-def _wait_log(path: Path, pattern: str, timeout: float = 15.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+async def _wait_log(path: Path, pattern: str, timeout: float = 15.0) -> str:
+    async def matched() -> str | None:
         text = path.read_text(errors="replace") if path.exists() else ""
         m = re.search(pattern, text)
-        if m:
-            return m.group(0)
-        time.sleep(0.05)
-    raise AssertionError(f"no line matching {pattern!r} in {path}:\n{text[-3000:]}")
+        return m.group(0) if m else None
+
+    try:
+        return await until(matched, timeout=timeout)
+    except TimeoutError:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        raise AssertionError(f"no line matching {pattern!r} in {path}:\n{text[-3000:]}") from None
 
 
 async def test_agent_registers_over_mtls(verify_server, pki, host, tmp_path) -> None:
@@ -310,7 +314,7 @@ async def test_agent_with_an_unmapped_certificate_is_refused_naming_certificate_
     log_path = tmp_path / "agent.log"
     proc = start_agent(cfg, tmp_path / "agent.toml", [host["bin"]], log_path)
     try:
-        line = _wait_log(log_path, r".*authorization violation.*")
+        line = await _wait_log(log_path, r".*authorization violation.*")
     finally:
         assert stop(proc) == 0  # still stops promptly while retrying
     assert "node99.pem" in line
@@ -428,6 +432,115 @@ async def test_node_watches_its_assignments_through_its_own_inbox(mapped_server,
     finally:
         await node.close()
         await operator.close()
+
+
+async def test_no_node_can_make_another_node_act_through_a_consumer_aimed_at_it(
+    mapped_server, pki, host, tmp_path, caplog
+) -> None:
+    # node05 may create consumers (its watches need them) and a consumer's deliver subject
+    # travels in the request body, where permissions cannot look: it aims one at node06's
+    # request subject, and forges a reply to the same subject on a JetStream API request
+    operator = await connect(mapped_server, pki, "operator")  # creates the bucket
+    cfg = tls_agent_config(mapped_server, pki, host, "node06", "node06")
+    log_path = tmp_path / "agent.log"
+    proc = start_agent(cfg, tmp_path / "agent.toml", [host["bin"]], log_path)
+    subject = "llmgw.agent.node06.rescan"
+
+    async def answered() -> bytes | None:
+        try:
+            return await operator.request(subject, timeout=1.0)
+        except Exception:  # noqa: BLE001 - not serving yet
+            return None
+
+    try:
+        await until(answered)  # the agent serves its subject: one real rescan
+        node05 = await connect(mapped_server, pki, "node05", inbox_prefix="_INBOX.node05")
+        rogue = await node05.js.add_consumer(
+            "KV_llmgw",
+            ConsumerConfig(
+                deliver_subject=subject,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_policy=AckPolicy.NONE,
+                idle_heartbeat=0.5,
+            ),
+        )
+        await node05.nc.publish("$JS.API.STREAM.INFO.KV_llmgw", b"", reply=subject)
+        await node05.close()
+        # the consumer outlives node05's connection: what is written now reaches node06 too
+        last = await operator.put("catalog.after", b"{}")
+
+        async def all_delivered() -> bool:
+            info = await operator.js.consumer_info("KV_llmgw", rogue.name)
+            return info.delivered.stream_seq >= last
+
+        await until(all_delivered)
+        # one subscription, handled in order: once this is answered, every delivery before
+        # it has been handled too
+        assert json.loads(await operator.request(subject, timeout=10))["node"] == "node06"
+    finally:
+        assert stop(proc) == 0
+        await operator.close()
+    text = log_path.read_text()
+    assert text.count("rescan requested") == 2, text[-3000:]  # the operator's two, only
+    assert "spoof attempt" in text
+    assert f"nats consumer rm KV_llmgw {rogue.name}" in text  # how to remove it
+
+
+def test_tls_files_that_cannot_work_are_named_with_what_is_wrong(pki, tmp_path) -> None:
+    cert, key = pki.cert("node05")
+    _, other_key = pki.cert("node06")
+    der = tmp_path / "ca.der"
+    der.write_bytes(b"0\x82\x01\x0a" + b"\x00" * 64)  # what a DER file starts with
+    encrypted = tmp_path / "encrypted-key.pem"
+    encrypted.write_text(
+        "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n"
+    )
+    missing = str(tmp_path / "nowhere.pem")
+    cases = [
+        (dict(tls_ca=missing), f"TLS CA file {missing} does not exist"),
+        (dict(tls_ca=str(tmp_path)), f"TLS CA file {tmp_path} is a directory"),
+        (dict(tls_ca=str(der)), f"TLS CA file {der} is not PEM"),
+        (dict(tls_ca=key), f"TLS CA file {key} is PEM but holds no CERTIFICATE"),
+        (dict(tls_cert=missing, tls_key=key), f"TLS certificate {missing} does not exist"),
+        (dict(tls_cert=key, tls_key=key), f"TLS certificate {key} is PEM but holds no CERT"),
+        (dict(tls_cert=cert, tls_key=cert), f"TLS key {cert} is PEM but holds no PRIVATE KEY"),
+        (dict(tls_cert=cert, tls_key=str(encrypted)), f"TLS key {encrypted} is encrypted"),
+        (dict(tls_cert=cert, tls_key=other_key), f"cannot use TLS certificate {cert} with key"),
+        (dict(tls_cert=cert), f"TLS certificate {cert} given without its key"),
+        (dict(tls_key=key), f"TLS key {key} given without its certificate"),
+    ]
+    wrong = []
+    for files, expected in cases:
+        try:
+            NatsSettings(**files).ssl_context()  # type: ignore[arg-type]
+            wrong.append(f"{files}: accepted")
+        except BusError as e:
+            if expected not in str(e):
+                wrong.append(f"{files}: {e}")
+        except Exception as e:  # noqa: BLE001 - the bug: a raw traceback
+            wrong.append(f"{files}: {type(e).__name__}: {e}")
+    assert not wrong, "\n".join(wrong)
+
+
+async def test_a_missing_tls_file_fails_the_connect_at_once(pki, tmp_path) -> None:
+    settings = NatsSettings(urls=("nats://127.0.0.1:1",), tls_ca=str(tmp_path / "ca.pem"))
+    with anyio.fail_after(5), pytest.raises(BusError, match="ca.pem does not exist"):
+        await Bus.connect(settings)  # no give_up_after: a retry loop would never end
+
+
+def test_the_cli_names_a_tls_file_that_is_not_pem_without_a_traceback(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from llmgw.cli import main
+
+    not_pem = tmp_path / "ca.pem"
+    not_pem.write_text("this is not a certificate\n")
+    result = CliRunner().invoke(
+        main, ["status", "--nats", "nats://127.0.0.1:1", "--tls-ca", str(not_pem)]
+    )
+    assert result.exit_code != 0
+    assert f"TLS CA file {not_pem} is not PEM" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
 # --- the generator and the shipped example ------------------------------------------------
