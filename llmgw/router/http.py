@@ -201,8 +201,9 @@ class HttpServerProtocol(asyncio.Protocol):
             self._refuse(400, f"malformed HTTP request: {e}")
 
     def eof_received(self) -> bool | None:
-        # a client that half-closes after sending keeps getting its answer
-        return True if (self._task is not None or self._queue) else None
+        # EOF is a client gone, not a half-close (HTTP clients do not half-close, and one
+        # that closed while its request was being generated must cancel it): close.
+        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
