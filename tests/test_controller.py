@@ -610,7 +610,7 @@ async def test_leader_cut_off_without_a_reconnect_does_not_drain_the_fleet_when_
             await until(lambda: _leader_is(bus, controller.id), timeout=30)
             await anyio.sleep(1.0)  # the node's first beat lands only now
             beating = True
-            await anyio.sleep(settings.lost_after)
+            await anyio.sleep(settings.lost_after)  # time enough to have (wrongly) drained it
             after = await _replicas(bus)
             tg.cancel_scope.cancel()
     finally:

@@ -27,6 +27,7 @@ import msgspec
 from llmgw import catalog
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, Synced, Update, decoder
+from llmgw.bus.records import NodePhase
 from llmgw.controller import placement
 from llmgw.controller.clock import Clock, SystemClock
 from llmgw.controller.fabrics import fabric_view
@@ -149,8 +150,8 @@ class Controller:
             lease = self.view.leases.get(node)
             self.tracker.hold(node, h.phase, lease.seq if lease else None)
 
-    def phases(self, now: float) -> dict[str, str]:
-        return dict(node_phases(self.view.nodes, self.tracker, now))
+    def phases(self, now: float) -> dict[str, NodePhase]:
+        return node_phases(self.view.nodes, self.tracker, now)
 
     # --- leadership -----------------------------------------------------------------------
 
@@ -195,6 +196,8 @@ class Controller:
         if at is None:
             return
         previous = held.value.holder if held.value else None
+        if at != CREATE and held.value is None:
+            previous = "a value that does not decode"
         self._since = self.clock.wall()
         if at == CREATE:
             rev = await self.bus.create(keys.leader(), self._leader_record())
@@ -211,8 +214,6 @@ class Controller:
         self._hold_stored_phases()
         self.leading = True
         self._pass_due = True
-        if at != CREATE and held.value is None:
-            previous = "a value that does not decode"
         log.info("controller %s leads (previous: %s)", self.id, previous or "none")
         await self.bus.publish_event(
             "leader", keys.sanitize_token(self.id), f"controller {self.id} leads", previous=previous
