@@ -108,6 +108,92 @@ def main(log_level: str) -> None:
     setup_logging(log_level)
 
 
+# --- router options (llmgw router, llmgw up) ------------------------------------------
+
+
+def _listen(ctx, param, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"{value!r}: expected HOST:PORT, e.g. 0.0.0.0:8080")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def router_options(fn):
+    """What `llmgw router` and `llmgw up` share about the router."""
+    options = [
+        click.option(
+            "--engine-api-key-file",
+            envvar="LLMGW_ENGINE_API_KEY_FILE",
+            type=click.Path(dir_okay=False, path_type=Path),
+            default=None,
+            help="file holding the API key engines were started with (the agents' "
+            "engines.api_key_file); sent to engines, never to clients",
+        ),
+        click.option(
+            "--api-keys-file",
+            envvar="LLMGW_ROUTER_API_KEYS_FILE",
+            type=click.Path(dir_okay=False, path_type=Path),
+            default=None,
+            help="client API keys, one per line; requests without one get 401 [default: no keys needed]",
+        ),
+        click.option(
+            "--max-body-mb",
+            type=click.FloatRange(min=0.001),
+            default=16.0,
+            show_default=True,
+            help="largest request body; larger ones get 413",
+        ),
+        click.option(
+            "--affinity-load-factor",
+            type=click.FloatRange(min=0.0),
+            default=1.25,
+            show_default=True,
+            help="a conversation stays on its replica while that replica carries at most this "
+            "times the average load; 0 turns prefix affinity off",
+        ),
+        click.option(
+            "--session-header",
+            default="x-session-id",
+            show_default=True,
+            help="request header naming a session, kept on one replica like a conversation",
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def router_settings(
+    listen: tuple[str, int],
+    engine_api_key_file: Path | None,
+    api_keys_file: Path | None,
+    max_body_mb: float,
+    affinity_load_factor: float,
+    session_header: str,
+):
+    from llmgw.router.balancer import BalancerSettings
+    from llmgw.router.http import HttpLimits
+    from llmgw.router.proxy import ProxySettings
+    from llmgw.router.service import RouterSettings
+    from llmgw.secrets import read_key, read_keys
+
+    engine_key = read_key(engine_api_key_file, "engine API key") if engine_api_key_file else None
+    client_keys = (
+        frozenset(read_keys(api_keys_file, "client API keys")) if api_keys_file else frozenset()
+    )
+    return RouterSettings(
+        host=listen[0],
+        port=listen[1],
+        limits=HttpLimits(max_body=int(max_body_mb * 1024 * 1024)),
+        balancer=BalancerSettings(affinity_load_factor=affinity_load_factor),
+        proxy=ProxySettings(
+            engine_api_key=engine_key,
+            client_api_keys=client_keys,
+            session_header=session_header,
+        ),
+    )
+
+
 # --- llmgw up ---------------------------------------------------------------------------
 
 
@@ -127,16 +213,37 @@ def main(log_level: str) -> None:
     help="agent config for the local agent (its NATS URLs are replaced by the embedded server)",
 )
 @click.option("--no-agent", is_flag=True, help="do not run a local agent")
+@click.option(
+    "--router-listen",
+    "router_listen",
+    callback=_listen,
+    default="127.0.0.1:8080",
+    show_default=True,
+    help="HOST:PORT of the OpenAI API",
+)
+@click.option("--no-router", is_flag=True, help="do not run a router")
+@router_options
 def up(
-    data_dir: Path | None, host: str, port: int, agent_config: Path | None, no_agent: bool
+    data_dir: Path | None,
+    host: str,
+    port: int,
+    agent_config: Path | None,
+    no_agent: bool,
+    router_listen: tuple[str, int],
+    no_router: bool,
+    **router_opts,
 ) -> None:
-    """Run llmgw on this machine: embedded NATS, a local agent (and controller, router)."""
+    """Run llmgw on this machine: embedded NATS, a controller, a router and a local agent."""
     import platformdirs
 
     from llmgw.bus.server import EmbeddedNats, NatsServerError
 
     logging.getLogger("llmgw").setLevel(logging.INFO)
     data_dir = data_dir or Path(platformdirs.user_data_dir("llmgw"))
+    try:
+        router = None if no_router else router_settings(router_listen, **router_opts)
+    except LlmgwError as e:
+        raise click.ClickException(str(e)) from None
     server = EmbeddedNats(data_dir=data_dir / "nats", host=host, port=port)
     try:
         server.start()
@@ -145,16 +252,34 @@ def up(
     url = server.url
     try:
         cfg = _up_agent_config(agent_config, url, data_dir)
-        click.echo(f"NATS listening on {url} (store {data_dir / 'nats'})")
-        click.echo(f"  export LLMGW_NATS={url}; llmgw status")
+        cmd = _this_command()
+        click.echo(f"NATS listening on {url}")
+        click.echo(
+            f"store {data_dir}: the catalog, the replicas asked for and the agent's state persist "
+            f"there across runs (`{cmd} place MODEL --replicas 0` removes replicas; an empty "
+            "--data-dir starts from nothing)"
+        )
+        click.echo(f"  export LLMGW_NATS={url}; {cmd} status")
         click.echo(
             f"  nats --server {url} kv ls {keys.DEFAULT_BUCKET}; nats --server {url} kv watch {keys.DEFAULT_BUCKET}"
         )
         click.echo("Ctrl-C stops everything.")
-        anyio.run(_run_up, cfg, no_agent)
+        _run_fast(functools.partial(_run_up, cfg, no_agent, router, cmd))
     finally:
         server.stop()
         click.echo("stopped")
+
+
+def _this_command() -> str:
+    """How to run llmgw again from any shell, venv activated or not."""
+    import shutil
+    import sys
+
+    argv0 = Path(sys.argv[0])
+    if argv0.name == "llmgw" and argv0.exists():
+        path = str(argv0.resolve())
+        return "llmgw" if shutil.which("llmgw") == path else path
+    return f"{sys.executable} -m llmgw.cli"
 
 
 def _up_agent_config(path: Path | None, url: str, data_dir: Path) -> AgentConfig:
@@ -172,31 +297,79 @@ def _up_agent_config(path: Path | None, url: str, data_dir: Path) -> AgentConfig
     return msgspec.structs.replace(cfg, nats=msgspec.structs.replace(cfg.nats, urls=[url]))
 
 
-async def _run_up(cfg: AgentConfig, no_agent: bool) -> None:
-
+async def _run_up(cfg: AgentConfig, no_agent: bool, router, cmd: str) -> None:
     bus = await Bus.connect(
         NatsSettings(urls=tuple(cfg.nats.urls), name="llmgw controller"),
         BucketSettings(name=cfg.nats.bucket),
         give_up_after=10,
     )
     try:
-        await _run_up_parts(cfg, no_agent, bus)
+        await _run_up_parts(cfg, no_agent, router, cmd, bus)
     finally:
         with anyio.CancelScope(shield=True):
             await bus.close()
 
 
-async def _run_up_parts(cfg: AgentConfig, no_agent: bool, bus: Bus) -> None:
+async def _run_up_parts(cfg: AgentConfig, no_agent: bool, router, cmd: str, bus: Bus) -> None:
     from llmgw.controller.loop import Controller
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(cancel_on_signal, tg.cancel_scope)
         await tg.start(Controller(bus).run)
         click.echo("controller running")
+        agent = None
         if not no_agent:
-            await tg.start(Agent(cfg).run)
+            agent = await tg.start(Agent(cfg).run)
             click.echo("agent running")
+        if router is not None:
+            from llmgw.router.service import Router
+
+            r = Router(router)
+            settings = NatsSettings(urls=tuple(cfg.nats.urls), name="llmgw router")
+            bucket = BucketSettings(name=cfg.nats.bucket)
+            await tg.start(
+                r.serve_bucket, lambda: Bus.connect(settings, bucket, give_up_after=None)
+            )
+            click.echo(f"router listening on {r.url}/v1 (OpenAI base URL; `model` = a served name)")
+        for line in await _earlier_run(bus, agent, cmd):
+            click.echo(line)
         await anyio.sleep_forever()
+
+
+async def _earlier_run(bus: Bus, agent, cmd: str) -> list[str]:
+    """What a restarted `llmgw up` brings back from its store, and what this machine lacks
+    for it: yesterday's model relaunching and failing must not be a mystery."""
+    from llmgw.bus import records
+    from llmgw.bus.client import decoder
+    from llmgw.catalog import decode_model
+
+    desired = await bus.list(keys.pattern(keys.DESIRED), decoder(records.Desired))
+    wanted = sorted(
+        (e.value for e in desired.values() if e.value.replicas > 0), key=lambda d: d.model
+    )
+    if not wanted:
+        return []
+    lines = [
+        "replicas asked for in an earlier run, placed again now: "
+        + ", ".join(f"{d.model} x{d.replicas}" for d in wanted)
+    ]
+    if agent is None or agent.inventory is None:
+        return lines
+    have = {e.name for e in agent.inventory.engines}
+    models = await bus.list(keys.pattern(keys.CATALOG), lambda b: decode_model(b))
+    by_id = {e.value.id: e.value for e in models.values()}
+    for d in wanted:
+        model = by_id.get(d.model)
+        if model is None or model.endpoints:
+            continue
+        engines = sorted({p.engine for p in model.profiles})
+        if not set(engines) & have:
+            lines.append(
+                f"  {d.model} needs {' or '.join(engines)}, which this machine does not have "
+                f"(not on PATH or in the agent config): install it, or `{cmd} place {d.model} "
+                "--replicas 0`"
+            )
+    return lines
 
 
 # --- llmgw status -----------------------------------------------------------------------
@@ -395,89 +568,6 @@ def catalog_ls(nats: NatsSettings, bucket: BucketSettings, as_json: bool) -> Non
 
 
 # --- llmgw router -----------------------------------------------------------------------
-
-
-def _listen(ctx, param, value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise click.BadParameter(f"{value!r}: expected HOST:PORT, e.g. 0.0.0.0:8080")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
-def router_options(fn):
-    """What `llmgw router` and `llmgw up` share about the router."""
-    options = [
-        click.option(
-            "--engine-api-key-file",
-            envvar="LLMGW_ENGINE_API_KEY_FILE",
-            type=click.Path(dir_okay=False, path_type=Path),
-            default=None,
-            help="file holding the API key engines were started with (the agents' "
-            "engines.api_key_file); sent to engines, never to clients",
-        ),
-        click.option(
-            "--api-keys-file",
-            envvar="LLMGW_ROUTER_API_KEYS_FILE",
-            type=click.Path(dir_okay=False, path_type=Path),
-            default=None,
-            help="client API keys, one per line; requests without one get 401 [default: no keys needed]",
-        ),
-        click.option(
-            "--max-body-mb",
-            type=click.FloatRange(min=0.001),
-            default=16.0,
-            show_default=True,
-            help="largest request body; larger ones get 413",
-        ),
-        click.option(
-            "--affinity-load-factor",
-            type=click.FloatRange(min=0.0),
-            default=1.25,
-            show_default=True,
-            help="a conversation stays on its replica while that replica carries at most this "
-            "times the average load; 0 turns prefix affinity off",
-        ),
-        click.option(
-            "--session-header",
-            default="x-session-id",
-            show_default=True,
-            help="request header naming a session, kept on one replica like a conversation",
-        ),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
-
-
-def router_settings(
-    listen: tuple[str, int],
-    engine_api_key_file: Path | None,
-    api_keys_file: Path | None,
-    max_body_mb: float,
-    affinity_load_factor: float,
-    session_header: str,
-):
-    from llmgw.router.balancer import BalancerSettings
-    from llmgw.router.http import HttpLimits
-    from llmgw.router.proxy import ProxySettings
-    from llmgw.router.service import RouterSettings
-    from llmgw.secrets import read_key, read_keys
-
-    engine_key = read_key(engine_api_key_file, "engine API key") if engine_api_key_file else None
-    client_keys = (
-        frozenset(read_keys(api_keys_file, "client API keys")) if api_keys_file else frozenset()
-    )
-    return RouterSettings(
-        host=listen[0],
-        port=listen[1],
-        limits=HttpLimits(max_body=int(max_body_mb * 1024 * 1024)),
-        balancer=BalancerSettings(affinity_load_factor=affinity_load_factor),
-        proxy=ProxySettings(
-            engine_api_key=engine_key,
-            client_api_keys=client_keys,
-            session_header=session_header,
-        ),
-    )
 
 
 @main.command()

@@ -66,7 +66,7 @@ def up(tmp_path):
         paths=Paths(state_dir=str(tmp_path / "state"), llama_search_dirs=[]),
     )
     write_config(cfg, tmp_path / "agent.toml")
-    port = free_port()
+    port, router_port = free_port(), free_port()
     env = {**os.environ, "PATH": f"{dirs['bin']}{os.pathsep}{os.environ['PATH']}"}
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -79,6 +79,8 @@ def up(tmp_path):
             str(tmp_path / "data"),
             "--agent-config",
             str(tmp_path / "agent.toml"),
+            "--router-listen",
+            f"127.0.0.1:{router_port}",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -86,13 +88,14 @@ def up(tmp_path):
     )
     url = f"nats://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
-    while "agent running" not in (tmp_path / "up.log").read_text():
+    while "router listening" not in (tmp_path / "up.log").read_text():
         assert proc.poll() is None and time.monotonic() < deadline, (
             tmp_path / "up.log"
         ).read_text()
         time.sleep(0.1)
     yield {
         "url": url,
+        "router": f"http://127.0.0.1:{router_port}",
         "proc": proc,
         "tmp": tmp_path,
         "env": {"LLMGW_NATS": url},
@@ -133,16 +136,21 @@ def test_up_then_catalog_place_status_serve_and_ctrl_c_stops_everything(up):
 
     import urllib.request
 
+    # through the router, by the served name: no engine port in sight
     body = json.dumps(
         {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}]}
     ).encode()
     req = urllib.request.Request(
-        f"http://{replica['endpoint']}/v1/chat/completions",
+        f"{up['router']}/v1/chat/completions",
         data=body,
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.headers["x-llmgw-replica"] == replica["rid"]
         assert json.load(r)["choices"][0]["message"]["content"]
+    startup = up["log"].read_text()
+    assert f"router listening on {up['router']}/v1" in startup
+    assert f"store {up['tmp'] / 'data'}" in startup and "persist" in startup
 
     removed = llmgw("place", "tiny", "--replicas", "0", "--wait", "--timeout", "60", env=up["env"])
     assert removed.returncode == 0 and "all replicas removed" in removed.stdout  # drained first
