@@ -323,3 +323,121 @@ async def test_place_wait_says_once_that_a_value_does_not_decode(bus, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert sum("skipping placement.m " in w for w in warnings) == 1, warnings
     assert sum("skipping replicas.m.rbad " in w for w in warnings) == 1, warnings
+
+
+# --- llmgw up remembers, llmgw router ------------------------------------------------------
+
+
+def _start_up(tmp_path: Path, env: dict, log_name: str) -> tuple[subprocess.Popen, Path]:
+    log_path = tmp_path / log_name
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                *LLMGW,
+                "up",
+                "--port",
+                str(free_port()),
+                "--data-dir",
+                str(tmp_path / "data"),
+                "--agent-config",
+                str(tmp_path / "agent.toml"),
+                "--router-listen",
+                f"127.0.0.1:{free_port()}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    deadline = time.monotonic() + 30
+    while "router listening" not in log_path.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.1)
+    return proc, log_path
+
+
+@pytest.mark.slow
+def test_up_restarted_without_the_engine_says_which_replicas_return_and_what_is_missing(up):
+    gguf = write_fake_gguf(up["tmp"] / "tiny.gguf")
+    assert llmgw("catalog", "apply", str(_catalog(up["tmp"], gguf)), env=up["env"]).returncode == 0
+    assert llmgw("place", "tiny", "--replicas", "1", env=up["env"]).returncode == 0
+    up["proc"].send_signal(signal.SIGINT)
+    assert up["proc"].wait(15) == 0
+    # the next day: same store, but llama-server is no longer on PATH
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + "/usr/bin:/bin"}
+    proc, log_path = _start_up(up["tmp"], env, "up-again.log")
+    try:
+        deadline = time.monotonic() + 20
+        while "needs llama-server" not in log_path.read_text():
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        out = log_path.read_text()
+        assert "placed again now: tiny x1" in out
+        assert "place tiny --replicas 0" in out
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(15)
+
+
+def _router_proc(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    log_path = tmp_path / "router.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [*LLMGW, "router", *args, "--listen", f"127.0.0.1:{port}"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    return proc, f"http://127.0.0.1:{port}", log_path
+
+
+def test_router_only_run_serves_static_endpoints_without_any_nats(tmp_path):
+    import urllib.request
+
+    from router_helpers import fake_engines
+
+    with fake_engines(tmp_path) as fleet:
+        engine = fleet.start()
+        cat = tmp_path / "static.toml"
+        cat.write_text(
+            f'[[models]]\nid = "tiny"\nserved_name = "tiny-chat"\nendpoints = ["{engine.url}"]\n'
+        )
+        proc, url, log_path = _router_proc(["--catalog", str(cat)], tmp_path)
+        try:
+            deadline = time.monotonic() + 20
+            while "router listening" not in log_path.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.1)
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+                assert [m["id"] for m in json.load(r)["data"]] == ["tiny-chat"]
+            body = json.dumps(
+                {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}]}
+            )
+            req = urllib.request.Request(
+                f"{url}/v1/chat/completions",
+                data=body.encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=10) as r:
+                assert json.load(r)["choices"][0]["message"]["content"]
+            with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+                assert json.load(r)["source"] == "catalog file"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(10) == 0
+    assert "nats" not in log_path.read_text().lower()
+
+
+def test_router_refuses_what_it_cannot_serve_and_says_why(tmp_path):
+    cat = tmp_path / "placed-only.toml"
+    cat.write_text(_catalog(tmp_path, tmp_path / "x.gguf").read_text())
+    out = llmgw("router", "--catalog", str(cat))
+    assert out.returncode != 0 and "no model with `endpoints`" in out.stderr
+    out = llmgw("router", "--catalog", str(cat), "--nats", "nats://127.0.0.1:4222")
+    assert out.returncode != 0 and "--catalog runs the router without NATS" in out.stderr
+    out = llmgw("router", "--catalog", str(cat), "--engine-api-key-file", str(tmp_path / "none"))
+    assert out.returncode != 0 and "cannot read the engine API key file" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = llmgw("router", "--listen", "8080")
+    assert out.returncode != 0 and "expected HOST:PORT" in out.stderr
