@@ -20,6 +20,7 @@ from llmgw.bus.client import (
     Bus,
     BusError,
     NatsSettings,
+    NatsUnreachable,
     Synced,
     Update,
     decoder,
@@ -184,7 +185,8 @@ async def test_first_connect_gives_up_with_a_clear_error_when_asked() -> None:
     settings = NatsSettings(
         urls=(f"nats://127.0.0.1:{free_port()}",), backoff_base=0.05, backoff_cap=0.1
     )
-    with pytest.raises(BusError, match="cannot connect to NATS at nats://127.0.0.1"):
+    # its own type: the one BusError where "is NATS running?" is the right hint
+    with pytest.raises(NatsUnreachable, match="cannot connect to NATS at nats://127.0.0.1"):
         await Bus.connect(settings, give_up_after=0.5)
 
 

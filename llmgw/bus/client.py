@@ -56,6 +56,11 @@ class BusError(LlmgwError):
     """A NATS problem stated for the operator (what failed and what to do)."""
 
 
+class NatsUnreachable(BusError):
+    """No server answered (or all refused) for as long as the caller would wait: the one
+    BusError where "is NATS running? is --nats right?" is the useful hint."""
+
+
 @dataclass(frozen=True)
 class NatsSettings:
     urls: tuple[str, ...] = ("nats://127.0.0.1:4222",)
@@ -351,7 +356,7 @@ class Bus:
                 _log_nats_error(cause, settings, first_connect=True)
                 delay = state.backoff.next_delay()
                 if deadline is not None and time.monotonic() + delay > deadline:
-                    raise BusError(
+                    raise NatsUnreachable(
                         f"cannot connect to NATS at {', '.join(settings.urls)}: {_describe(cause)}"
                     ) from e
                 await asyncio.sleep(delay)
@@ -565,6 +570,8 @@ class Bus:
             log.debug("event %s not published: %s", kind, _describe(e))
 
     async def subscribe(self, subject: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
+        """Every message on `subject` (events). Requests that make a component act go
+        through `serve`, which tells them from what the server delivers on others' behalf."""
         return await self.nc.subscribe(subject, cb=cb)
 
     async def serve(self, subject: str, handler: Callable[[bytes], Awaitable[bytes]]) -> Any:
