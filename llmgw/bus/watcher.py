@@ -116,14 +116,15 @@ class KeyWatch:
         try:
             if self._sub is not None:
                 await self._sub.unsubscribe()
-        finally:
-            # make room for the end marker: a stopped watch's unread entries do not matter
-            while True:
-                try:
-                    self._queue.put_nowait(_STOP)
-                    break
-                except asyncio.QueueFull:
-                    self._queue.get_nowait()
+        except Exception as e:  # noqa: BLE001 - a closed connection: the server drops it anyway
+            log.debug("watch: unsubscribe failed (%s); the consumer expires by itself", e)
+        # make room for the end marker: a stopped watch's unread entries do not matter
+        while True:
+            try:
+                self._queue.put_nowait(_STOP)
+                break
+            except asyncio.QueueFull:
+                self._queue.get_nowait()
 
     def __aiter__(self) -> KeyWatch:
         return self
