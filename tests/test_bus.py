@@ -176,7 +176,8 @@ async def test_a_key_that_vanished_while_the_watcher_was_cut_off_is_reported_del
     # the vanished key is reported by the replay's end (revision 0: there is no message)
     assert Update("leases.a", None, 0) in after_cut
     assert after_cut.index(Update("leases.a", None, 0)) < after_cut.index(Synced())
-    assert [i.value.seq for i in after_cut if isinstance(i, Update) and i.key == "leases.b"] == [2]
+    # a view, not a log: the old watch may pass on the new value before the new one replays it
+    assert {i.value.seq for i in after_cut if isinstance(i, Update) and i.key == "leases.b"} == {2}
 
 
 async def test_first_connect_gives_up_with_a_clear_error_when_asked() -> None:
