@@ -163,5 +163,6 @@ def events_pattern() -> str:
 
 
 def agent_subject(node_id: str, verb: str) -> str:
-    """`llmgw.agent.<node>.<verb>`: request/reply to one agent (rescan, probe, tail)."""
+    """`llmgw.agent.<node>.<verb>`: request/reply to one agent (rescan, probe, tail). Serve
+    it with `Bus.serve`, which acts only on requests (llmgw.bus.requests)."""
     return f"llmgw.agent.{check_token(node_id, 'node id')}.{check_token(verb, 'verb')}"
