@@ -340,11 +340,15 @@ _small_u64 = st.integers(0, 16).map(lambda n: struct.pack("<Q", n))
 _vtype = st.integers(0, 13).map(lambda n: struct.pack("<I", n))
 # a run of array-of-array headers: what a 60 KB file of 5,000 nested arrays is made of
 _nesting = st.integers(1, 6000).map(lambda n: struct.pack("<IQ", 9, 1) * n)
+_key = st.binary(min_size=1, max_size=12).map(lambda k: struct.pack("<Q", len(k)) + k)
+_value = st.one_of(
+    st.tuples(_vtype, st.binary(max_size=16)).map(b"".join),
+    st.tuples(st.just(struct.pack("<I", 9)), _nesting, _u32, _small_u64).map(b"".join),
+    st.tuples(st.just(struct.pack("<II", 9, 8)), _small_u64, st.binary(max_size=32)).map(b"".join),
+)
+_kv = st.tuples(_key, _value).map(b"".join)
 _gguf_parts = st.lists(
-    st.one_of(
-        _u32, _u64, _small_u64, _vtype, st.binary(max_size=24), st.just(b"\x09\0\0\0"), _nesting
-    ),
-    max_size=40,
+    st.one_of(_kv, _u32, _u64, _small_u64, _vtype, st.binary(max_size=24)), max_size=20
 )
 
 
@@ -353,8 +357,9 @@ def gguf_headers(draw: st.DrawFn) -> bytes:
     version = draw(
         st.sampled_from([struct.pack("<I", 3), struct.pack(">I", 3), struct.pack("<I", 2)])
     )
-    counts = draw(st.tuples(_small_u64, _small_u64)).__iter__()
-    return b"GGUF" + version + next(counts) + next(counts) + b"".join(draw(_gguf_parts))
+    tensors, kvs = draw(_small_u64), draw(st.integers(1, 4).map(lambda n: struct.pack("<Q", n)))
+    # a key-value first, so the search starts inside the key-values, where nesting lives
+    return b"GGUF" + version + tensors + kvs + draw(_kv) + b"".join(draw(_gguf_parts))
 
 
 @settings(max_examples=400, deadline=QUICKLY, suppress_health_check=[HealthCheck.too_slow])
