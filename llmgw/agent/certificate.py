@@ -43,15 +43,16 @@ def _read_pem(path: str, key: str, label: str, config_path: str) -> bytes:
     except OSError as e:
         raise CertificateError(f"{where} cannot be read: {e.strerror or e}") from None
     labels = [
-        line[len(b"-----BEGIN ") : -len(b"-----")].decode(errors="replace")
-        for line in data.splitlines()
-        if line.startswith(b"-----BEGIN ") and line.rstrip().endswith(b"-----")
+        stripped[len(b"-----BEGIN ") : -len(b"-----")].decode(errors="replace")
+        for stripped in (line.strip() for line in data.splitlines())
+        if stripped.startswith(b"-----BEGIN ") and stripped.endswith(b"-----")
     ]
     if not any(label in found for found in labels):
-        what = f"'-----BEGIN {label}-----'" if labels == [] else f"{label} block, only {labels}"
+        holds = f"it holds {', '.join(labels)}" if labels else "no '-----BEGIN' line"
+        tool = "x509" if label == "CERTIFICATE" else "pkey"
         raise CertificateError(
-            f"{where} is not a PEM file holding a {label.lower()} (no {what}); "
-            "give it in PEM form (a DER file converts with `openssl x509 -inform der`)"
+            f"{where} is not a PEM file holding a {label.lower()} ({holds}); give it in PEM "
+            f"form (a DER file converts with `openssl {tool} -inform der -in FILE`)"
         )
     return data
 
