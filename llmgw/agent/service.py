@@ -78,7 +78,6 @@ class Agent:
         self._written: records.NodeInventory | None = None
         self._write_lock = anyio.Lock()
         self._seq = 0
-        self._scan_now = anyio.Event()
         self._weights_scanner = weights_scanner or WeightsScanner()
         self._hardware = hardware or inventory.Hardware()
         self._tg: anyio.abc.TaskGroup | None = None
@@ -208,10 +207,8 @@ class Agent:
 
     async def _weights_scans(self) -> None:
         while True:
-            await self._scan_weights()
-            with anyio.move_on_after(self.cfg.weights.scan_interval):
-                await self._scan_now.wait()
-            self._scan_now = anyio.Event()
+            await self._scan_weights()  # rescan requests call it too; it never runs two
+            await anyio.sleep(self.cfg.weights.scan_interval)
 
     async def _scan_weights(self) -> None:
         """Start a scan unless one is running, and wait for it until it counts as stuck
