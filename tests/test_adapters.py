@@ -313,9 +313,7 @@ def test_gguf_directory_and_non_gguf_file_are_refused(bins, node, tmp_path, mode
     assert "is a directory" in reasons[0]
     bogus = tmp_path / "model.gguf"
     bogus.write_bytes(b"<html>rate limited</html>")
-    assert (
-        "not a GGUF file" in refusals(llama_spec(str(bins["llama-server"]), bogus), node)[0]
-    )
+    assert "not a GGUF file" in refusals(llama_spec(str(bins["llama-server"]), bogus), node)[0]
 
 
 @pytest.mark.parametrize(
@@ -348,10 +346,7 @@ def test_duplicated_flag_is_refused_even_through_an_alias(bins, node, gguf):
     )
     assert refusals(spec, node) == ["extra arg --flash-attn repeats -fa; keep one"]
     repeatable = ("--override-kv", "a=int:1", "--override-kv", "b=int:-2", "-t", "-1")
-    assert (
-        refusals(llama_spec(str(bins["llama-server"]), gguf, extra_args=repeatable), node)
-        == []
-    )
+    assert refusals(llama_spec(str(bins["llama-server"]), gguf, extra_args=repeatable), node) == []
 
 
 def test_profile_env_setting_a_managed_variable_is_refused(bins, node, gguf):

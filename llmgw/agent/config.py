@@ -121,9 +121,7 @@ def _explain(path: Path, err: Exception) -> ConfigError:
     unknown = re.match(r"Object contains unknown field `([^`]+)`", msg)
     if unknown:
         key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
-        return ConfigError(
-            f"{path}: unknown key {key!r}; docs/agent.md lists every key"
-        )
+        return ConfigError(f"{path}: unknown key {key!r}; docs/agent.md lists every key")
     if where:
         return ConfigError(f"{path}: key {where!r}: {msg.replace('Expected', 'expected')}")
     return ConfigError(f"{path}: {msg}")
@@ -192,7 +190,9 @@ def _check(cfg: AgentConfig, path: Path) -> None:
     for name, allowed in RANGES.items():
         value = _number(cfg, name)
         if value is not None and not allowed.holds(value):
-            raise ConfigError(f"{path}: key {name!r}: {value:g} is out of range; allowed: {allowed}")
+            raise ConfigError(
+                f"{path}: key {name!r}: {value:g} is out of range; allowed: {allowed}"
+            )
     if cfg.engines.backoff_cap < cfg.engines.backoff_base:
         raise ConfigError(
             f"{path}: key 'engines.backoff_cap': {cfg.engines.backoff_cap:g} is below "
