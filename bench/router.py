@@ -1,0 +1,493 @@
+"""What the router costs and what its routing buys, each figure beside its baseline.
+
+    .venv/bin/python bench/router.py            # everything (about 4 minutes)
+    .venv/bin/python bench/router.py latency ceiling stream   # some sections
+
+Sections:
+- latency:  non-streaming chat completions at concurrency 1, 64 and 256 against an engine
+            with a realistic service time (first token after 100 ms, then one every 10 ms,
+            16 tokens), straight to the engine and through the router (wrk);
+- ceiling:  against an engine that answers at once: the most requests/s one router
+            process sustains, the latency it adds at concurrency 1, its CPU per 1,000 requests;
+- stream:   streamed completions at concurrency 64 (realistic engine): time to first token
+            and tokens/s relayed, direct and through the router;
+- balance:  a simulation of exact least-in-flight against power-of-two choices and random
+            (the same arrivals and service times for each);
+- affinity: a multi-turn chat workload over 4 real llama-servers (the tiny model, built by
+            tools/build-llama-server.sh): prompt tokens served from the engines' cache and
+            time to first token, with prefix affinity and with plain least-in-flight.
+
+The engine, the router and the load generator share this machine's cores. The engine is
+bench/instant_engine.py (raw asyncio, microseconds a request) on a realistic schedule, so
+that the comparison measures the router and not an engine competing with it for CPU.
+wrk (Debian package `wrk`) drives the non-streaming load; without it those sections say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from llmgw.bus.server import free_port  # noqa: E402
+
+PY = sys.executable
+# first token after 100 ms, then one every 10 ms, 16 in all
+REALISTIC = ("--first-token", "0.1", "--token-interval", "0.01", "--tokens", "16")
+CHAT = {"model": "bench", "messages": [{"role": "user", "content": "hello there"}]}
+
+
+# --- processes ---------------------------------------------------------------------------
+
+
+def _wait_http(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    import http.client
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"process {proc.args} exited with {proc.returncode}")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise SystemExit(f"{proc.args} not ready on port {port}")
+
+
+@contextlib.contextmanager
+def process(argv: list[str], port: int, env: dict[str, str] | None = None, log: Path | None = None):
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(
+        argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+    )
+    try:
+        _wait_http(port, proc)
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if log:
+            out.close()
+
+
+def bench_engine(*schedule: str):
+    """bench/instant_engine.py: costs microseconds a request, so the router is what is measured."""
+    port = free_port()
+    argv = [PY, str(ROOT / "bench" / "instant_engine.py"), str(port), *schedule]
+    return port, process(argv, port)
+
+
+def router(tmp: Path, engine_ports: list[int], *args: str, served: str = "bench"):
+    port = free_port()
+    cat = tmp / f"catalog-{port}.toml"
+    urls = ", ".join(f'"http://127.0.0.1:{p}"' for p in engine_ports)
+    cat.write_text(f'[[models]]\nid = "m"\nserved_name = "{served}"\nendpoints = [{urls}]\n')
+    argv = [PY, "-m", "llmgw.cli", "--log-level", "ERROR", "router", "--catalog", str(cat)]
+    argv += ["--listen", f"127.0.0.1:{port}", *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    return port, process(argv, port, env)
+
+
+# --- wrk ---------------------------------------------------------------------------------
+
+
+def wrk(port: int, connections: int, seconds: float, body: dict) -> dict[str, float]:
+    script = Path(tempfile.mkstemp(suffix=".lua")[1])
+    script.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.body = {json.dumps(json.dumps(body))}\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+    )
+    out = subprocess.run(
+        [
+            "wrk",
+            "-t1",
+            f"-c{connections}",
+            f"-d{seconds}s",
+            "--latency",
+            "-s",
+            str(script),
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    script.unlink()
+    if "Non-2xx" in out:
+        raise SystemExit(f"errors under load:\n{out}")
+
+    def latency(label: str) -> float:
+        m = re.search(rf"^\s+{label}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
+        assert m, out
+        return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
+
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    return {"rps": rps, "p50_ms": latency("50"), "p99_ms": latency("99"), "requests": total}
+
+
+def need_wrk() -> bool:
+    if shutil.which("wrk"):
+        return True
+    print("  (skipped: wrk is not installed; `apt-get install wrk`)")
+    return False
+
+
+# --- sections ----------------------------------------------------------------------------
+
+
+def section_latency(tmp: Path) -> None:
+    print("\n## Non-streaming chat completions, realistic engine (100 ms + 16 x 10 ms)")
+    if not need_wrk():
+        return
+    eport, engine = bench_engine(*REALISTIC)
+    with engine:
+        rport, rt = router(tmp, [eport])
+        with rt:
+            print(
+                f"{'concurrency':>11} | {'direct req/s':>12} {'p50':>8} {'p99':>8} | "
+                f"{'router req/s':>12} {'p50':>8} {'p99':>8} | {'ratio':>5} {'added p50':>9}"
+            )
+            for c in (1, 64, 256):
+                seconds = 8 if c > 1 else 6
+                wrk(eport, c, 2, CHAT)  # warm both paths
+                wrk(rport, c, 2, CHAT)
+                d = wrk(eport, c, seconds, CHAT)
+                r = wrk(rport, c, seconds, CHAT)
+                print(
+                    f"{c:>11} | {d['rps']:>12.0f} {d['p50_ms']:>6.2f}ms {d['p99_ms']:>6.1f}ms | "
+                    f"{r['rps']:>12.0f} {r['p50_ms']:>6.2f}ms {r['p99_ms']:>6.1f}ms | "
+                    f"{r['rps'] / d['rps']:>5.2f} {r['p50_ms'] - d['p50_ms']:>7.2f}ms"
+                )
+
+
+def section_ceiling(tmp: Path) -> None:
+    print("\n## Against an engine that answers at once")
+    if not need_wrk():
+        return
+    eport, engine = bench_engine()
+    with engine:
+        rport, rt = router(tmp, [eport])
+        with rt as proc:
+            p = psutil.Process(proc.pid)
+            for c in (1, 64):
+                wrk(eport, c, 2, CHAT)
+                wrk(rport, c, 2, CHAT)
+                d = wrk(eport, c, 8, CHAT)
+                cpu0 = sum(p.cpu_times()[:2])
+                r = wrk(rport, c, 8, CHAT)
+                cpu = sum(p.cpu_times()[:2]) - cpu0
+                print(
+                    f"  concurrency {c:>3}: direct {d['rps']:>7.0f} req/s p50 {d['p50_ms']:.3f} ms | "
+                    f"router {r['rps']:>7.0f} req/s p50 {r['p50_ms']:.3f} ms | "
+                    f"added p50 {r['p50_ms'] - d['p50_ms']:.3f} ms | "
+                    f"router CPU {cpu / r['requests'] * 1000:.3f} s per 1,000 requests"
+                )
+
+
+async def _stream_one(port: int, body: bytes) -> tuple[float, int, float]:
+    """(time to first token, tokens, total time) of one streamed request."""
+    started = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    first = None
+    tokens = 0
+    tail = b""
+    while True:
+        data = await reader.read(65536)
+        if not data:
+            break
+        seen = (tail + data).count(b'"content": "tok') - tail.count(b'"content": "tok')
+        if seen and first is None:
+            first = time.perf_counter() - started
+        tokens += seen
+        tail = (tail + data)[-32:]
+        if tail.endswith(b"0\r\n\r\n"):  # the last chunk: the connection may stay open
+            break
+    writer.close()
+    return first or float("nan"), tokens, time.perf_counter() - started
+
+
+async def _stream_load(port: int, concurrency: int, seconds: float) -> dict[str, float]:
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    ttfts, token_count = [], 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker():
+        nonlocal token_count
+        while time.perf_counter() < deadline:
+            ttft, n, _ = await _stream_one(port, body)
+            ttfts.append(ttft)
+            token_count += n
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    took = time.perf_counter() - started
+    ttfts.sort()
+    return {
+        "ttft_p50_ms": ttfts[len(ttfts) // 2] * 1000,
+        "ttft_p99_ms": ttfts[int(len(ttfts) * 0.99)] * 1000,
+        "tokens_per_s": token_count / took,
+        "streams": len(ttfts),
+    }
+
+
+def section_stream(tmp: Path) -> None:
+    print("\n## Streaming at concurrency 64, realistic engine (100 ms + 16 x 10 ms)")
+    eport, engine = bench_engine(*REALISTIC)
+    with engine:
+        rport, rt = router(tmp, [eport])
+        with rt:
+            d = asyncio.run(_stream_load(eport, 64, 8))
+            r = asyncio.run(_stream_load(rport, 64, 8))
+    for name, x in (("direct", d), ("router", r)):
+        print(
+            f"  {name}: TTFT p50 {x['ttft_p50_ms']:.1f} ms p99 {x['ttft_p99_ms']:.1f} ms, "
+            f"{x['tokens_per_s']:.0f} tokens/s relayed ({x['streams']} streams)"
+        )
+    print(
+        f"  ratio: tokens/s {r['tokens_per_s'] / d['tokens_per_s']:.3f}, "
+        f"added TTFT p50 {r['ttft_p50_ms'] - d['ttft_p50_ms']:.2f} ms"
+    )
+
+
+def section_balance(_tmp: Path) -> None:
+    """Replicas with 4 slots each (FIFO queue behind), Poisson arrivals at 90% of capacity,
+    exponential service times; the same random streams for every policy."""
+    print(
+        "\n## Choosing among 4 replicas: exact least-in-flight vs power of two vs random (simulated)"
+    )
+    import heapq
+
+    def run(policy: str, seed: int, n: int = 200_000, replicas: int = 4, slots: int = 4) -> float:
+        rng = random.Random(seed)
+        pick_rng = random.Random(seed + 1)
+        load = 0.9 * replicas * slots
+        t = 0.0
+        in_flight = [0] * replicas
+        busy = [0] * replicas
+        queues: list[list[float]] = [[] for _ in range(replicas)]
+        events: list[tuple[float, int, int, float]] = []  # (time, kind 0=done, replica, arrived)
+        total = 0.0
+        done = 0
+        arrivals = 0
+        next_arrival = rng.expovariate(load)
+        while done < n:
+            if events and events[0][0] <= next_arrival:
+                t, _, r, arrived = heapq.heappop(events)
+                total += t - arrived
+                done += 1
+                in_flight[r] -= 1
+                busy[r] -= 1
+                if queues[r]:
+                    a = queues[r].pop(0)
+                    busy[r] += 1
+                    heapq.heappush(events, (t + rng.expovariate(1.0), 0, r, a))
+                continue
+            t = next_arrival
+            next_arrival = t + rng.expovariate(load)
+            arrivals += 1
+            if policy == "random":
+                r = pick_rng.randrange(replicas)
+            elif policy == "p2c":
+                a, b = pick_rng.randrange(replicas), pick_rng.randrange(replicas)
+                r = a if in_flight[a] <= in_flight[b] else b
+            else:
+                least = min(in_flight)
+                r = pick_rng.choice([i for i, x in enumerate(in_flight) if x == least])
+            in_flight[r] += 1
+            if busy[r] < slots:
+                busy[r] += 1
+                heapq.heappush(events, (t + rng.expovariate(1.0), 0, r, t))
+            else:
+                queues[r].append(t)
+        return total / done
+
+    results = {p: statistics.mean(run(p, s) for s in (1, 2, 3)) for p in ("exact", "p2c", "random")}
+    for p, v in results.items():
+        print(
+            f"  {p:>6}: mean time in system {v:.3f} service times ({v / results['exact']:.2f}x exact)"
+        )
+
+
+# --- affinity over real llama-servers ----------------------------------------------------
+
+
+def _llama_binary() -> Path | None:
+    if os.environ.get("LLMGW_LLAMA_SERVER"):
+        return Path(os.environ["LLMGW_LLAMA_SERVER"])
+    root = Path(os.environ.get("LLMGW_CACHE") or Path.home() / ".cache" / "llmgw")
+    found = sorted(root.glob("llama-server-*/llama-server"))
+    return found[-1] if found else None
+
+
+async def _chat_turn(port: int, messages: list[dict]) -> tuple[float, int, int, str]:
+    """(time to first token, prompt tokens, of them from cache, answer) of one streamed turn."""
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "messages": messages,
+            "stream": True,
+            "max_tokens": 16,
+            "temperature": 0,
+            "seed": 1,
+        }
+    ).encode()
+    started = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    raw = b""
+    first = None
+    while True:
+        data = await reader.read(65536)
+        if not data:
+            break
+        if first is None and b'"content"' in data:
+            first = time.perf_counter() - started
+        raw += data
+        if raw.endswith(b"0\r\n\r\n"):
+            break
+    writer.close()
+    answer, cached, prompt = "", 0, 0
+    for line in raw.split(b"\n"):
+        line = line.strip()
+        if not line.startswith(b"data: {"):
+            continue
+        event = json.loads(line[6:])
+        for choice in event.get("choices") or []:
+            answer += (choice.get("delta") or {}).get("content") or ""
+        if "timings" in event:
+            cached = event["timings"].get("cache_n", 0)
+            prompt = cached + event["timings"].get("prompt_n", 0)
+    return first or float("nan"), prompt, cached, answer
+
+
+async def _conversations(port: int, n: int, turns: int, concurrency: int, seed: int):
+    rng = random.Random(seed)
+    words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
+    system = {"role": "system", "content": " ".join(rng.choice(words) for _ in range(250))}
+    results: list[tuple[int, float, int, int]] = []  # (turn, ttft, prompt, cached)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def conversation(i: int) -> None:
+        local = random.Random(seed * 1000 + i)
+        messages = [system]
+        async with sem:
+            for turn in range(turns):
+                q = " ".join(local.choice(words) for _ in range(60))
+                messages.append({"role": "user", "content": f"conversation {i}: {q}"})
+                ttft, prompt, cached, answer = await _chat_turn(port, messages)
+                messages.append({"role": "assistant", "content": answer})
+                results.append((turn, ttft, prompt, cached))
+
+    await asyncio.gather(*(conversation(i) for i in range(n)))
+    return results
+
+
+def section_affinity(tmp: Path) -> None:
+    print("\n## Multi-turn chat over 4 real llama-servers: prefix affinity vs least-in-flight")
+    binary = _llama_binary()
+    if binary is None or not binary.exists():
+        print("  (skipped: no llama-server; run tools/build-llama-server.sh)")
+        return
+    vocab = binary.parent / "ggml-vocab-llama-spm.gguf"
+    from llmgw.testing.tiny_gguf import write_tiny_gguf
+
+    model = write_tiny_gguf(vocab, tmp / "tiny.gguf")
+    ports = [free_port() for _ in range(4)]
+    with contextlib.ExitStack() as stack:
+        for p in ports:
+            argv = [
+                str(binary),
+                "-m",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(p),
+                "-c",
+                "8192",
+                "-np",
+                "4",
+                "-ngl",
+                "0",
+                "--alias",
+                "tiny",
+                "-t",
+                "1",
+            ]
+            stack.enter_context(process(argv, p, log=tmp / f"llama-{p}.log")[1])
+        rows = {}
+        for label, args in (("affinity", []), ("least-in-flight", ["--affinity-load-factor", "0"])):
+            rport, rt = router(tmp, ports, *args, served="tiny")
+            with rt:
+                rows[label] = asyncio.run(
+                    _conversations(rport, n=32, turns=6, concurrency=8, seed=7)
+                )
+    print(
+        f"  {'policy':>16} | {'prompt tokens':>13} {'from cache':>10} {'share':>6} | "
+        f"{'TTFT p50':>8} {'p90':>8} (turns 2-6)"
+    )
+    for label, res in rows.items():
+        later = [r for r in res if r[0] > 0]
+        prompt = sum(r[2] for r in later)
+        cached = sum(r[3] for r in later)
+        ttfts = sorted(r[1] for r in later)
+        print(
+            f"  {label:>16} | {prompt:>13} {cached:>10} {cached / max(prompt, 1):>6.1%} | "
+            f"{ttfts[len(ttfts) // 2] * 1000:>6.1f}ms {ttfts[int(len(ttfts) * 0.9)] * 1000:>6.1f}ms"
+        )
+
+
+SECTIONS = {
+    "latency": section_latency,
+    "ceiling": section_ceiling,
+    "stream": section_stream,
+    "balance": section_balance,
+    "affinity": section_affinity,
+}
+
+
+def main() -> None:
+    wanted = sys.argv[1:] or list(SECTIONS)
+    unknown = [w for w in wanted if w not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    print(f"bench/router.py on {os.cpu_count()} CPU(s), Python {sys.version.split()[0]}")
+    with tempfile.TemporaryDirectory() as d:
+        for name in wanted:
+            SECTIONS[name](Path(d))
+
+
+if __name__ == "__main__":
+    main()
