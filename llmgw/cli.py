@@ -727,6 +727,11 @@ def _shared_pair(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
 @click.option(
     "--heartbeat", type=float, default=None, help="heartbeat interval, seconds (default 5)"
 )
+@click.option(
+    "--engine-api-key-file",
+    default=None,
+    help="file holding the key engines are started with (routers get the same file)",
+)
 @click.option("--force", is_flag=True, help="overwrite an existing config")
 def agent_init(
     nats_urls,
@@ -746,6 +751,7 @@ def agent_init(
     fetch_dir,
     shared,
     heartbeat,
+    engine_api_key_file,
     force,
 ) -> None:
     """Write the agent config holding only what is given here (onboarding)."""
@@ -786,6 +792,8 @@ def agent_init(
         raw["weights"] = weights
     if heartbeat:
         raw["intervals"] = {"heartbeat": heartbeat}
+    if engine_api_key_file:
+        raw["engines"] = {"api_key_file": engine_api_key_file}
     import tomli_w
 
     try:  # validated by the same code that reads it, before anything is written

@@ -72,6 +72,9 @@ class Engines(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     backoff_base: float = 1.0  # restart delays after a crash: base, 2x, 4x ... up to the cap
     backoff_cap: float = 60.0
     poll_interval: float = 1.0
+    # a file holding the key engines are started with (llama-server's and vLLM's API key);
+    # routers are given the same file. Never in the bucket: every identity can read that.
+    api_key_file: str | None = None
 
 
 class Paths(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -38,6 +38,7 @@ from llmgw.agent.weights import WeightsScanner, stuck_scan
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, BusError, NatsSettings
 from llmgw.errors import LlmgwError
+from llmgw.secrets import read_key
 from llmgw.shutdown import cancel_on_signal
 
 log = logging.getLogger("llmgw.agent.service")  # also when run as __main__
@@ -111,6 +112,11 @@ class Agent:
             source,
             self.config_path,
         )
+        engine_key = (
+            read_key(cfg.engines.api_key_file, "engine API key")
+            if cfg.engines.api_key_file
+            else None
+        )
         # weights come later, from a scan in the background: scanned_at 0 says "not yet"
         not_scanned = records.Weights(looked=bool(cfg.weights.dirs))
         self.inventory = await _blocking(
@@ -127,7 +133,10 @@ class Agent:
                 tg.start_soon(self._heartbeats)
                 tg.start_soon(self._engine_probes)
                 tg.start_soon(self._weights_scans)
-                tg.start_soon(ShardManager(self.bus, cfg, lambda: self.inventory).run)
+                shards = ShardManager(
+                    self.bus, cfg, lambda: self.inventory, engine_api_key=engine_key
+                )
+                tg.start_soon(shards.run)
                 # serve, not subscribe: a consumer another node aims here must not make us act
                 await self.bus.serve(keys.agent_subject(self.node, "rescan"), self._on_rescan)
                 task_status.started(self)

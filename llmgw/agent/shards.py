@@ -9,6 +9,7 @@ is launched, because an engine refuses a bad one only after minutes of loading.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -40,10 +41,16 @@ class _Engine:
 
 class ShardManager:
     def __init__(
-        self, bus: Bus, cfg: AgentConfig, inventory: Callable[[], records.NodeInventory]
+        self,
+        bus: Bus,
+        cfg: AgentConfig,
+        inventory: Callable[[], records.NodeInventory],
+        *,
+        engine_api_key: str | None = None,
     ) -> None:
         self.bus = bus
         self.cfg = cfg
+        self.engine_api_key = engine_api_key
         self._inventory = inventory
         self.shards: dict[str, records.Shard] = {}
         self._engines: dict[str, _Engine] = {}
@@ -305,7 +312,8 @@ class ShardManager:
         profile = entry.value.profile(a.profile)
         if profile is None:
             return None, [Problem(f"model {a.model} has no profile {a.profile!r} in the catalog")]
-        return launch_spec(self.cfg, self._inventory(), entry.value, profile, a), []
+        spec = launch_spec(self.cfg, self._inventory(), entry.value, profile, a)
+        return dataclasses.replace(spec, api_key=self.engine_api_key), []
 
     # --- reporting ----------------------------------------------------------------------------
 

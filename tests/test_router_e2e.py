@@ -1,0 +1,125 @@
+"""The whole chain: a real agent process runs what the controller placed, with the engine
+key from its config file; the router finds the engines in the bucket and reaches them
+with the same key, while a client without it is refused by the engine itself."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import msgspec
+import pytest
+from agent_helpers import agent_config, host_dirs, start_agent, stop
+from router_helpers import SERVED, chat_body, router_settings, running_router
+from waiting import until
+
+from llmgw import catalog
+from llmgw.agent.config import Engines
+from llmgw.bus import keys, records
+from llmgw.bus.client import Bus
+from llmgw.router.proxy import ProxySettings
+from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+KEY = "engine-key-0123456789"
+
+
+@pytest.fixture
+def keyed_node(tmp_path, nats_server):
+    dirs = host_dirs(tmp_path)
+    install_fake_engines(dirs["bin"])
+    key_file = tmp_path / "engine.key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    cfg = agent_config(nats_server.url, dirs, id="node1")
+    cfg = msgspec.structs.replace(
+        cfg,
+        engines=Engines(
+            listen_host="127.0.0.1", poll_interval=0.1, drain_timeout=30, api_key_file=str(key_file)
+        ),
+    )
+    proc = start_agent(
+        cfg, tmp_path / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], tmp_path / "agent.log"
+    )
+    yield tmp_path
+    stop(proc)
+
+
+def _model(tmp_path) -> catalog.Model:
+    gguf = str(write_fake_gguf(tmp_path / "weights" / "tiny.gguf"))
+    return catalog.validate_models(
+        {
+            "models": [
+                {
+                    "id": "tiny",
+                    "served_name": SERVED,
+                    "profiles": [
+                        {
+                            "name": "cpu",
+                            "engine": "llama-server",
+                            "weights": {"path": gguf},
+                            "gpus_per_node": 0,
+                        }
+                    ],
+                }
+            ]
+        }
+    )[0]
+
+
+async def _desire(bus: Bus, n: int, at: float) -> None:
+    await bus.put(keys.desired("tiny"), records.Desired(model="tiny", replicas=n, updated_at=at))
+
+
+async def test_placed_replicas_are_served_through_the_router_with_the_engine_key(
+    bus, nats_settings, keyed_node, controller
+):
+    await bus.put(keys.catalog("tiny"), catalog.encode_model(_model(keyed_node)))
+    await _desire(bus, 2, 1.0)
+    settings = router_settings(proxy=ProxySettings(engine_api_key=KEY))
+    connect = lambda: Bus.connect(nats_settings, give_up_after=None)  # noqa: E731
+    async with (
+        running_router(connect=connect, settings=settings) as r,
+        aiohttp.ClientSession() as http,
+    ):
+
+        async def two_ready():
+            route = r.table.route(SERVED)
+            return route if route and len(route.backends) == 2 else None
+
+        route = await until(two_ready, timeout=30)
+        async with http.post(f"{r.url}/v1/chat/completions", json=chat_body()) as resp:
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["choices"][0]["message"]["content"]
+        engine = route.backends[0]
+        direct = f"http://{engine.address}/v1/chat/completions"
+        async with http.post(direct, json=chat_body()) as resp:
+            assert resp.status == 401  # the engine refuses a client without the key
+        async with http.post(
+            direct, json=chat_body(), headers={"Authorization": f"Bearer {KEY}"}
+        ) as resp:
+            assert resp.status == 200
+        # the key never reaches the bucket
+        for key in [k async for k in _all_keys(bus)]:
+            raw = await bus.get_raw(key)
+            assert raw is None or KEY.encode() not in raw[0], key
+
+        # one replica fewer: the one drained takes no new request
+        await _desire(bus, 1, 2.0)
+
+        async def one_left():
+            got = r.table.route(SERVED)
+            return got if got and len(got.backends) == 1 else None
+
+        kept = (await until(one_left, timeout=30)).backends[0].id
+        for i in range(5):
+            async with http.post(f"{r.url}/v1/chat/completions", json=chat_body(f"q{i}")) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-llmgw-replica"] == kept
+                json.loads(await resp.read())
+
+
+async def _all_keys(bus: Bus):
+    for key in (await bus.list(">", lambda b: b)).keys():
+        yield key
