@@ -111,6 +111,36 @@ def router(tmp: Path, engine_ports: list[int], *args: str, served: str = "bench"
     return port, process(argv, port, env)
 
 
+def nginx(tmp: Path, engine_port: int):
+    """nginx as a reference proxy (keep-alive upstream, no buffering), when installed."""
+    port = free_port()
+    d = tmp / f"nginx-{port}"
+    d.mkdir()
+    (d / "nginx.conf").write_text(f"""
+worker_processes 1;
+daemon off;
+error_log {d}/error.log;
+pid {d}/nginx.pid;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {d}/body;
+  proxy_temp_path {d}/proxy;
+  upstream engine {{ server 127.0.0.1:{engine_port}; keepalive 1024; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://engine;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+""")
+    return port, process(["nginx", "-c", str(d / "nginx.conf")], port)
+
+
 # --- wrk ---------------------------------------------------------------------------------
 
 
@@ -165,24 +195,38 @@ def section_latency(tmp: Path) -> None:
     if not need_wrk():
         return
     eport, engine = bench_engine(*REALISTIC)
-    with engine:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(engine)
         rport, rt = router(tmp, [eport])
-        with rt:
-            print(
-                f"{'concurrency':>11} | {'direct req/s':>12} {'p50':>8} {'p99':>8} | "
-                f"{'router req/s':>12} {'p50':>8} {'p99':>8} | {'ratio':>5} {'added p50':>9}"
+        stack.enter_context(rt)
+        proxies = [("router", rport)]
+        if shutil.which("nginx"):
+            nport, ngx = nginx(tmp, eport)
+            stack.enter_context(ngx)
+            proxies.append(("nginx", nport))  # a reference point, not a goal
+        print(f"{'':>11} | {'direct':^26} | " + " | ".join(f"{n:^40}" for n, _ in proxies))
+        print(
+            f"{'concurrency':>11} | {'req/s':>8} {'p50':>8} {'p99':>8} | "
+            + " | ".join(
+                f"{'req/s':>8} {'p50':>8} {'p99':>8} {'ratio':>5} {'+p50':>7}" for _ in proxies
             )
-            for c in (1, 64, 256):
-                seconds = 8 if c > 1 else 6
-                wrk(eport, c, 2, CHAT)  # warm both paths
-                wrk(rport, c, 2, CHAT)
-                d = wrk(eport, c, seconds, CHAT)
-                r = wrk(rport, c, seconds, CHAT)
-                print(
-                    f"{c:>11} | {d['rps']:>12.0f} {d['p50_ms']:>6.2f}ms {d['p99_ms']:>6.1f}ms | "
-                    f"{r['rps']:>12.0f} {r['p50_ms']:>6.2f}ms {r['p99_ms']:>6.1f}ms | "
-                    f"{r['rps'] / d['rps']:>5.2f} {r['p50_ms'] - d['p50_ms']:>7.2f}ms"
+        )
+        for c in (1, 64, 256):
+            seconds = 8 if c > 1 else 6
+            for port in [eport] + [p for _, p in proxies]:
+                wrk(port, c, 2, CHAT)  # warm every path
+            d = wrk(eport, c, seconds, CHAT)
+            cells = []
+            for _, port in proxies:
+                r = wrk(port, c, seconds, CHAT)
+                cells.append(
+                    f"{r['rps']:>8.0f} {r['p50_ms']:>6.2f}ms {r['p99_ms']:>6.1f}ms "
+                    f"{r['rps'] / d['rps']:>5.2f} {r['p50_ms'] - d['p50_ms']:>5.2f}ms"
                 )
+            print(
+                f"{c:>11} | {d['rps']:>8.0f} {d['p50_ms']:>6.2f}ms {d['p99_ms']:>6.1f}ms | "
+                + " | ".join(cells)
+            )
 
 
 def section_ceiling(tmp: Path) -> None:

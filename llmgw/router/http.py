@@ -86,12 +86,15 @@ ErrorBody = Callable[[int, str], bytes]
 class Response:
     """Where a handler writes its answer: `send()` once, or `start()`, `write()`..., `end()`."""
 
-    __slots__ = ("_proto", "_head_only", "_chunked", "_close", "started", "ended")
+    __slots__ = ("_proto", "_head_only", "_chunked", "_close", "_head", "started", "ended")
 
     def __init__(self, proto: HttpServerProtocol, request: Request) -> None:
         self._proto = proto
         self._head_only = request.method == b"HEAD"
         self._chunked = False
+        # the status line and headers, held back to leave in one write with the first body
+        # bytes: one system call a small answer, not two
+        self._head = b""
         # a streamed answer of unknown length to an HTTP/1.0 client ends by closing
         self._close = not request.keep_alive
         self.started = False
@@ -134,16 +137,17 @@ class Response:
         if self._close:
             lines.append(b"connection: close\r\n")
         lines.append(b"\r\n")
-        self._proto.write(b"".join(lines))
+        self._head = b"".join(lines)
 
     async def write(self, data: bytes) -> None:
         if not data or self._head_only:
             return
         proto = self._proto
         if self._chunked:
-            proto.write(b"%x\r\n%s\r\n" % (len(data), data))
-        else:
-            proto.write(data)
+            data = b"%x\r\n%s\r\n" % (len(data), data)
+        if self._head:
+            data, self._head = self._head + data, b""
+        proto.write(data)
         if proto.write_paused:
             await proto.drain()
 
@@ -151,8 +155,16 @@ class Response:
         if self.ended:
             return
         self.ended = True
-        if self._chunked and not self._head_only:
-            self._proto.write(b"0\r\n\r\n")
+        tail = b"0\r\n\r\n" if self._chunked and not self._head_only else b""
+        if self._head or tail:
+            self._proto.write(self._head + tail)
+            self._head = b""
+
+    def flush(self) -> None:
+        """Send the head now (a stream whose first bytes may take a while)."""
+        if self._head:
+            self._proto.write(self._head)
+            self._head = b""
 
 
 class HttpServerProtocol(asyncio.Protocol):

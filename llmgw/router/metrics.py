@@ -7,6 +7,8 @@ label set without bound (those are counted under model="").
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -74,5 +76,72 @@ class RouterMetrics:
             registry=r,
         )
 
+        self._replicas: dict[tuple[str, str], ReplicaSeries] = {}
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def replica(self, model: str, replica: str) -> ReplicaSeries:
+        """One replica's series, looked up once (label lookups cost more than the rest of
+        the bookkeeping of a request)."""
+        key = (model, replica)
+        series = self._replicas.get(key)
+        if series is None:
+            series = self._replicas[key] = ReplicaSeries(self, model, replica)
+        return series
+
+    def forget_except(self, alive: set[tuple[str, str]]) -> None:
+        """Drop the series of replicas that are gone and idle: replica ids are new at every
+        placement, and a router that runs for months must not keep them all."""
+        for key in [k for k, s in self._replicas.items() if k not in alive and not s.busy]:
+            self._replicas.pop(key).remove()
+
+
+class ReplicaSeries:
+    __slots__ = ("_m", "model", "replica", "in_flight", "ttfb", "_codes", "_errors", "_busy")
+
+    def __init__(self, metrics: RouterMetrics, model: str, replica: str) -> None:
+        self._m = metrics
+        self.model = model
+        self.replica = replica
+        self.in_flight = metrics.in_flight.labels(model, replica)
+        self.ttfb = metrics.ttfb.labels(model, replica)
+        self._codes: dict[int, object] = {}
+        self._errors: dict[str, object] = {}
+        self._busy = 0
+
+    @property
+    def busy(self) -> bool:
+        return self._busy > 0
+
+    def started(self) -> None:
+        self._busy += 1
+        self.in_flight.inc()
+
+    def finished(self) -> None:
+        self._busy -= 1
+        self.in_flight.dec()
+
+    def answered(self, status: int) -> None:
+        child = self._codes.get(status)
+        if child is None:
+            child = self._codes[status] = self._m.requests.labels(
+                self.model, self.replica, str(status)
+            )
+        child.inc()
+
+    def failed(self, kind: str) -> None:
+        child = self._errors.get(kind)
+        if child is None:
+            child = self._errors[kind] = self._m.errors.labels(self.model, self.replica, kind)
+        child.inc()
+
+    def remove(self) -> None:
+        m, labels = self._m, (self.model, self.replica)
+        for metric in (m.in_flight, m.ttfb, m.ejections):
+            with contextlib.suppress(KeyError):
+                metric.remove(*labels)
+        for code in self._codes:
+            m.requests.remove(*labels, str(code))
+        for kind in self._errors:
+            m.errors.remove(*labels, kind)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from llmgw.router.balancer import Balancer
 from llmgw.router.http import Request, Response
 from llmgw.router.metrics import CONTENT_TYPE as METRICS_TYPE
-from llmgw.router.metrics import RouterMetrics
+from llmgw.router.metrics import ReplicaSeries, RouterMetrics
 from llmgw.router.request import BadRequest, parse
 from llmgw.router.table import Backend, EndpointTable
 from llmgw.router.upstream import ConnectFailed, UpstreamConnection, UpstreamFailed, UpstreamPool
@@ -142,10 +142,10 @@ class Proxy:
         backend: Backend | None = None,
         headers: tuple[tuple[bytes, bytes], ...] = (),
     ) -> None:
-        replica = backend.id if backend else ""
+        series = self.metrics.replica(model, backend.id if backend else "")
         if kind:
-            self.metrics.errors.labels(model, replica, kind).inc()
-        self.metrics.requests.labels(model, replica, str(status)).inc()
+            series.failed(kind)
+        series.answered(status)
         await resp.send(
             status, error_body(status, message, code=code, param=param), headers=headers
         )
@@ -203,7 +203,7 @@ class Proxy:
                 conn = await self._send(backend, req, head)
             except ConnectFailed as e:
                 self._count_failure(backend, str(e))
-                self.metrics.errors.labels(route.model, backend.id, "connect").inc()
+                self.metrics.replica(route.model, backend.id).failed("connect")
                 other = self.balancer.pick(route.backends, parsed.affinity, now, exclude=backend)
                 if attempt == 0 and other is not None:
                     log.info("router: %s; sending the request to %s instead", e, other.id)
@@ -221,11 +221,12 @@ class Proxy:
                 )
                 return
             break
+        series = self.metrics.replica(route.model, backend.id)
         try:
-            await self._relay(backend, conn, resp, route.model, now)
+            await self._relay(backend, conn, resp, series, now)
         finally:
             backend.in_flight -= 1
-            self.metrics.in_flight.labels(route.model, backend.id).dec()
+            series.finished()
 
     def _forwarded_head(self, req: Request) -> bytes:
         lines = [self._engine_auth]
@@ -248,19 +249,26 @@ class Proxy:
             head,
             req.body,
         )
+        series = self.metrics.replica(b.model, b.id)
         b.in_flight += 1
-        self.metrics.in_flight.labels(b.model, b.id).inc()
+        series.started()
         try:
             return await self.pool.send(b.host, b.port, data, tls=b.tls)
         except BaseException:
             b.in_flight -= 1
-            self.metrics.in_flight.labels(b.model, b.id).dec()
+            series.finished()
             raise
 
     async def _relay(
-        self, b: Backend, conn: UpstreamConnection, resp: Response, model: str, started: float
+        self,
+        b: Backend,
+        conn: UpstreamConnection,
+        resp: Response,
+        series: ReplicaSeries,
+        started: float,
     ) -> None:
         relayed = False
+        model = series.model
         try:
             try:
                 status, headers = await conn.response_head()
@@ -282,28 +290,30 @@ class Proxy:
                 self.balancer.succeeded(b, time.monotonic())
             out, length = _relayed_headers(headers, b.id)
             await resp.start(status, out, length)
+            if not conn.has_body_ready:
+                resp.flush()  # the body may take a while (a stream before its first token)
             first = True
             try:
                 async for chunk in conn.body():
                     if first:
                         first = False
-                        self.metrics.ttfb.labels(model, b.id).observe(time.monotonic() - started)
+                        series.ttfb.observe(time.monotonic() - started)
                     await resp.write(chunk)
             except UpstreamFailed as e:
                 # The client already has part of the answer: the only honest signal left is to
                 # close its connection before the answer is complete.
                 self._count_failure(b, str(e))
-                self.metrics.errors.labels(model, b.id, "upstream").inc()
+                series.failed("upstream")
                 log.warning("router: engine %s (%s) failed mid-answer: %s", b.id, b.address, e)
                 return
             if first:
-                self.metrics.ttfb.labels(model, b.id).observe(time.monotonic() - started)
+                series.ttfb.observe(time.monotonic() - started)
             relayed = True
             self.pool.release(conn)
             await resp.end()
-            self.metrics.requests.labels(model, b.id, str(status)).inc()
+            series.answered(status)
         except (asyncio.CancelledError, ConnectionError):
-            self.metrics.errors.labels(model, b.id, "client_disconnect").inc()
+            series.failed("client_disconnect")
             raise
         finally:
             if not relayed:
@@ -311,7 +321,7 @@ class Proxy:
 
     def _count_failure(self, b: Backend, why: str) -> None:
         if self.balancer.failed(b, time.monotonic(), why):
-            self.metrics.ejections.labels(b.model, b.id).inc()
+            self.metrics.ejections.labels(b.model, b.id).inc()  # rare: no cached series
 
 
 def _relayed_headers(

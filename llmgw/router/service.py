@@ -156,10 +156,15 @@ class Router:
 
     async def _count_endpoints(self) -> None:
         while True:
+            # per model and replica, kept while the table knows them (and "" for requests
+            # that reached no replica)
+            alive = {("", "")} | {(b.model, b.id) for b in self.table.backends()}
             for name in self.table.known_names():
                 route = self.table.route(name)
                 if route is not None:
                     self.metrics.endpoints.labels(route.model).set(len(route.backends))
+                    alive.add((route.model, ""))
+            self.metrics.forget_except(alive)
             await anyio.sleep(self.settings.probe_interval)
 
     async def _follow_bucket(self, connect) -> None:

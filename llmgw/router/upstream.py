@@ -111,6 +111,11 @@ class UpstreamConnection(asyncio.Protocol):
     def complete(self) -> bool:
         return self._done
 
+    @property
+    def has_body_ready(self) -> bool:
+        """Body bytes (or its end) arrived already: reading them will not wait."""
+        return bool(self._chunks) or self._done
+
     def abort(self) -> None:
         """Drop the connection now (the engine sees the client leave and stops)."""
         self.closed = True
