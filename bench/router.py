@@ -273,7 +273,7 @@ async def _stream_one(port: int, body: bytes) -> tuple[float, int, float]:
             first = time.perf_counter() - started
         tokens += seen
         tail = (tail + data)[-32:]
-        if tail.endswith(b"0\r\n\r\n"):  # the last chunk: the connection may stay open
+        if tail.endswith(b"\r\n0\r\n\r\n"):  # the last chunk: the connection may stay open
             break
     writer.close()
     return first or float("nan"), tokens, time.perf_counter() - started
@@ -392,8 +392,9 @@ def _llama_binary() -> Path | None:
     return found[-1] if found else None
 
 
-async def _chat_turn(port: int, messages: list[dict]) -> tuple[float, int, int, str]:
-    """(time to first token, prompt tokens, of them from cache, answer) of one streamed turn."""
+async def _chat_turn(port: int, messages: list[dict]) -> tuple[float, int, int, str, float]:
+    """(time to first token, prompt tokens, of them from cache, answer, the engine's own
+    prompt-processing ms) of one streamed turn."""
     body = json.dumps(
         {
             "model": "tiny",
@@ -419,10 +420,12 @@ async def _chat_turn(port: int, messages: list[dict]) -> tuple[float, int, int, 
         if first is None and b'"content"' in data:
             first = time.perf_counter() - started
         raw += data
-        if raw.endswith(b"0\r\n\r\n"):
+        if raw.endswith(b"\r\n0\r\n\r\n"):  # the last chunk (not a header ending in 0)
             break
     writer.close()
-    answer, cached, prompt = "", 0, 0
+    if not raw.startswith(b"HTTP/1.1 200"):
+        raise SystemExit(f"a chat turn failed: {raw[:500]!r}")
+    answer, cached, prompt, prefill_ms = "", 0, 0, 0.0
     for line in raw.split(b"\n"):
         line = line.strip()
         if not line.startswith(b"data: {"):
@@ -433,26 +436,34 @@ async def _chat_turn(port: int, messages: list[dict]) -> tuple[float, int, int, 
         if "timings" in event:
             cached = event["timings"].get("cache_n", 0)
             prompt = cached + event["timings"].get("prompt_n", 0)
-    return first or float("nan"), prompt, cached, answer
+            prefill_ms = event["timings"].get("prompt_ms", 0.0)
+    return first or float("nan"), prompt, cached, answer, prefill_ms
 
 
 async def _conversations(port: int, n: int, turns: int, concurrency: int, seed: int):
-    rng = random.Random(seed)
+    """Conversations that each open with their own document (a few hundred tokens) and then
+    ask short questions about it: what makes a cached prefix worth keeping."""
     words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
-    system = {"role": "system", "content": " ".join(rng.choice(words) for _ in range(250))}
-    results: list[tuple[int, float, int, int]] = []  # (turn, ttft, prompt, cached)
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    results: list[tuple[int, float, int, int, float]] = []  # turn, ttft, prompt, cached, prefill
     sem = asyncio.Semaphore(concurrency)
 
     async def conversation(i: int) -> None:
         local = random.Random(seed * 1000 + i)
+        document = " ".join(local.choice(words) for _ in range(900))
         messages = [system]
         async with sem:
             for turn in range(turns):
-                q = " ".join(local.choice(words) for _ in range(60))
-                messages.append({"role": "user", "content": f"conversation {i}: {q}"})
-                ttft, prompt, cached, answer = await _chat_turn(port, messages)
+                if turn:
+                    # a person reads the answer before asking again: meanwhile the load on
+                    # the replicas moves, as it does in real traffic
+                    await asyncio.sleep(local.uniform(0.2, 1.5))
+                q = " ".join(local.choice(words) for _ in range(12))
+                content = f"Document {i}: {document}\n\nQuestion: {q}" if turn == 0 else q
+                messages.append({"role": "user", "content": content})
+                ttft, prompt, cached, answer, prefill = await _chat_turn(port, messages)
                 messages.append({"role": "assistant", "content": answer})
-                results.append((turn, ttft, prompt, cached))
+                results.append((turn, ttft, prompt, cached, prefill))
 
     await asyncio.gather(*(conversation(i) for i in range(n)))
     return results
@@ -480,17 +491,21 @@ def section_affinity(tmp: Path) -> None:
                 "--port",
                 str(p),
                 "-c",
-                "8192",
+                "16384",
                 "-np",
-                "4",
+                "8",
                 "-ngl",
                 "0",
                 "--alias",
                 "tiny",
                 "-t",
                 "1",
+                # the KV cache is what affinity keeps warm: no second cache in host RAM
+                # (--cache-ram; GPU engines have none), 8 slots of 2,048 tokens each
+                "--cache-ram",
+                "0",
             ]
-            stack.enter_context(process(argv, p, log=tmp / f"llama-{p}.log")[1])
+            stack.enter_context(process(argv, p, log=tmp / f"llama-{p}.log"))
         rows = {}
         for label, args in (("affinity", []), ("least-in-flight", ["--affinity-load-factor", "0"])):
             rport, rt = router(tmp, ports, *args, served="tiny")
@@ -500,16 +515,18 @@ def section_affinity(tmp: Path) -> None:
                 )
     print(
         f"  {'policy':>16} | {'prompt tokens':>13} {'from cache':>10} {'share':>6} | "
-        f"{'TTFT p50':>8} {'p90':>8} (turns 2-6)"
+        f"{'engine prefill':>14} | {'TTFT p50':>8} {'p90':>8}   (turns 2-6)"
     )
     for label, res in rows.items():
         later = [r for r in res if r[0] > 0]
         prompt = sum(r[2] for r in later)
         cached = sum(r[3] for r in later)
+        prefill = sum(r[4] for r in later) / 1000
         ttfts = sorted(r[1] for r in later)
         print(
             f"  {label:>16} | {prompt:>13} {cached:>10} {cached / max(prompt, 1):>6.1%} | "
-            f"{ttfts[len(ttfts) // 2] * 1000:>6.1f}ms {ttfts[int(len(ttfts) * 0.9)] * 1000:>6.1f}ms"
+            f"{prefill:>12.1f} s | {ttfts[len(ttfts) // 2] * 1000:>6.1f}ms "
+            f"{ttfts[int(len(ttfts) * 0.9)] * 1000:>6.1f}ms"
         )
 
 

@@ -330,3 +330,23 @@ async def test_a_client_that_pauses_reading_still_gets_the_whole_stream(engines)
             await anyio.sleep(1)  # not reading: socket buffers fill, both hops pause
             body = await resp.read()
     assert body.count(b"data: ") == 3000 + 3
+
+
+async def test_an_engine_closing_its_kept_alive_connection_costs_the_client_nothing(engines):
+    """llama-server closes its connection after every streamed answer, though its headers
+    promise keep-alive; here it closes 0.2 s later, so the router's next request is sent on
+    a connection that is about to close. The engine never read it: the router sends it
+    again on a new connection, and stops keeping that engine's connections after streams."""
+    engine = engines.start({"FAKE_ENGINE_CLOSE_AFTER_STREAM": "0.2"})
+    async with running_router([static_model(engine)]) as r, aiohttp.ClientSession() as http:
+        for i in range(3):
+            async with http.post(
+                f"{r.url}/v1/chat/completions", json=chat_body(f"s{i}", stream=True)
+            ) as resp:
+                assert resp.status == 200
+                assert (await resp.read()).rstrip().endswith(b"data: [DONE]")
+            async with http.post(f"{r.url}/v1/chat/completions", json=chat_body(f"q{i}")) as resp:
+                assert resp.status == 200, await resp.text()
+        m = await _metrics(http, r.url)
+    assert m[f'llmgw_router_requests_total{{code="200",model="tiny",replica="{engine.url}"}}'] == 6
+    assert not any(k.startswith("llmgw_router_errors_total") for k in m)

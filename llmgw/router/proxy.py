@@ -22,7 +22,13 @@ from llmgw.router.metrics import CONTENT_TYPE as METRICS_TYPE
 from llmgw.router.metrics import ReplicaSeries, RouterMetrics
 from llmgw.router.request import BadRequest, parse
 from llmgw.router.table import Backend, EndpointTable
-from llmgw.router.upstream import ConnectFailed, UpstreamConnection, UpstreamFailed, UpstreamPool
+from llmgw.router.upstream import (
+    ClosedWhileIdle,
+    ConnectFailed,
+    UpstreamConnection,
+    UpstreamFailed,
+    UpstreamPool,
+)
 
 log = logging.getLogger(__name__)
 
@@ -271,8 +277,15 @@ class Proxy:
         model = series.model
         try:
             try:
-                status, headers = await conn.response_head()
-            except UpstreamFailed as e:
+                try:
+                    status, headers = await conn.response_head()
+                except ClosedWhileIdle as e:
+                    # the engine never read it: send it again, once, on a new connection
+                    log.info("router: %s; sending the request again on a new connection", e)
+                    conn.abort()
+                    conn = await self.pool.send(b.host, b.port, conn.sent, tls=b.tls, fresh=True)
+                    status, headers = await conn.response_head()
+            except (UpstreamFailed, ConnectFailed) as e:
                 self._count_failure(b, str(e))
                 await self._fail(
                     resp,

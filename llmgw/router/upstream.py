@@ -34,6 +34,13 @@ class UpstreamFailed(Exception):
     """The engine got the request (or part of it) and did not answer it completely."""
 
 
+class ClosedWhileIdle(UpstreamFailed):
+    """A kept-alive connection the engine had already closed: not one byte came back, so
+    the engine never read the request (Go's net/http retries these for the same reason).
+    llama-server closes its connection right after every streamed answer, without saying
+    so in its headers; the next request on it meets only the EOF."""
+
+
 @dataclass(frozen=True)
 class UpstreamSettings:
     connect_timeout: float = 3.0
@@ -56,7 +63,12 @@ class UpstreamConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.closed = False
+        self.chunked = False
+        self.previous_chunked = False  # the answer before the current request was chunked
         self.idle_since = 0.0
+        self.requests = 0  # sent on this connection so far
+        self.sent = b""
+        self.reused_after = 0.0  # seconds it had been idle when the current request was sent
         self._reset()
 
     def _reset(self) -> None:
@@ -71,12 +83,18 @@ class UpstreamConnection(asyncio.Protocol):
         self._error: BaseException | None = None
         self._length_known = False
         self._reading_paused = False
+        self._got_bytes = False  # anything at all came back for this request
+        self.chunked = False  # the answer came chunked (a stream)
 
     # --- used by the proxy -------------------------------------------------------------
 
     def send(self, data: bytes) -> None:
         assert self._transport is not None
+        self.previous_chunked = self.chunked
         self._reset()
+        self.sent = data  # kept until the engine answers: sent again if it never read it
+        self.requests += 1
+        self.reused_after = time.monotonic() - self.idle_since if self.idle_since else 0.0
         self._head = self._loop.create_future()
         self._transport.write(data)
 
@@ -128,6 +146,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment] (uvloop's is not a subclass)
 
     def data_received(self, data: bytes) -> None:
+        self._got_bytes = True
+        self.sent = b""
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -144,7 +164,17 @@ class UpstreamConnection(asyncio.Protocol):
             self._done = True
             self._wake()
             return
-        self._fail(UpstreamFailed(f"the engine closed the connection ({exc or 'EOF'})"))
+        if self.requests > 1 and not self._got_bytes:
+            self._pool.closes_after(self)
+            self._fail(
+                ClosedWhileIdle(
+                    f"the engine had closed the kept-alive connection (request {self.requests} "
+                    f"on it, after {self.reused_after:.2f} s idle)"
+                )
+            )
+            return
+        how = f"request {self.requests} on this connection" if self.requests > 1 else "new"
+        self._fail(UpstreamFailed(f"the engine closed the connection ({exc or 'EOF'}; {how})"))
 
     # --- parser callbacks --------------------------------------------------------------------
 
@@ -152,6 +182,7 @@ class UpstreamConnection(asyncio.Protocol):
         name = name.lower()
         if name in (b"content-length", b"transfer-encoding"):
             self._length_known = True
+            self.chunked = self.chunked or name == b"transfer-encoding"
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -212,15 +243,18 @@ class UpstreamPool:
         self.loop = asyncio.get_running_loop()
         self._idle: dict[tuple[str, int, bool], list[UpstreamConnection]] = {}
         self.opened = 0  # connections made, for tests and benchmarks
+        # engines seen closing their connection after a chunked answer (llama-server):
+        # their connections are not kept after one
+        self._no_reuse_after_chunked: set[tuple[str, int, bool]] = set()
         self._tls: ssl.SSLContext | None = None
 
     async def send(
-        self, host: str, port: int, data: bytes, *, tls: bool = False
+        self, host: str, port: int, data: bytes, *, tls: bool = False, fresh: bool = False
     ) -> UpstreamConnection:
-        """Send one request on an idle connection or a new one; raises ConnectFailed if
-        nothing could be sent."""
+        """Send one request on an idle connection (unless `fresh`) or a new one; raises
+        ConnectFailed if nothing could be sent."""
         key = (host, port, tls)
-        conn = self._take_idle(key)
+        conn = None if fresh else self._take_idle(key)
         if conn is None:
             conn = await self._connect(key)
         conn.send(data)
@@ -231,12 +265,22 @@ class UpstreamPool:
         if conn.closed or not conn.complete or not conn.keep_alive:
             conn.abort()
             return
+        if conn.chunked and conn.key in self._no_reuse_after_chunked:
+            conn.abort()
+            return
         idle = self._idle.setdefault(conn.key, [])
         if len(idle) >= self.settings.max_idle_per_endpoint:
             conn.abort()
             return
         conn.idle_since = time.monotonic()
         idle.append(conn)
+
+    def closes_after(self, conn: UpstreamConnection) -> None:
+        """`conn` was closed by its engine while idle: if its last answer was chunked,
+        this engine closes after chunked answers, and its connections are not kept after
+        one any more."""
+        if conn.previous_chunked and conn.key not in self._no_reuse_after_chunked:
+            self._no_reuse_after_chunked.add(conn.key)
 
     def forget(self, conn: UpstreamConnection) -> None:
         idle = self._idle.get(conn.key)

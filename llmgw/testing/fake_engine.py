@@ -18,6 +18,9 @@ Behaviour knobs (environment):
     FAKE_ENGINE_FIRST_TOKEN_SECONDS  time before the first token, besides prefill (default 0)
     FAKE_ENGINE_PREFILL_RATE      prompt tokens processed per second; cached ones are free
                                   (default 0: prefill takes no time)
+    FAKE_ENGINE_CLOSE_AFTER_STREAM  llama-server only: seconds after a streamed answer at
+                                  which the connection is closed, without `Connection:
+                                  close`, as llama-server does (default 0; "never" keeps it)
     FAKE_ENGINE_IGNORE_SIGTERM=1  ignore SIGTERM (tests SIGKILL escalation)
     FAKE_ENGINE_RECORD            path: write args, pid, pgid and engine env there as JSON
     FAKE_ENGINE_GPUS              GPUs on the "node" when CUDA_VISIBLE_DEVICES is unset (default 8)
@@ -155,6 +158,7 @@ class Engine:
     token_rate: float = 1000.0
     first_token_seconds: float = 0.0
     prefill_rate: float = 0.0
+    close_after_stream: float | None = None
     started: float = field(default_factory=time.time)
     # per slot: the tokens its KV cache holds (prompt and answer of its last request)
     slot_tokens: dict[int, list[str]] = field(default_factory=dict)
@@ -397,6 +401,14 @@ def build_app(engine: Engine):
                     await resp.write(f"data: {json.dumps(only_usage)}\n\n".encode())
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
+                if engine.close_after_stream is not None and request.transport is not None:
+                    # llama-server closes its connection after every streamed answer while its
+                    # headers promised keep-alive, reading nothing more from it: a request sent
+                    # on it meanwhile is never read
+                    request.transport.pause_reading()
+                    asyncio.get_running_loop().call_later(
+                        engine.close_after_stream, request.transport.close
+                    )
                 return resp
             await asyncio.sleep(n / engine.token_rate)
             if chat:
@@ -596,6 +608,11 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
         token_rate=max(0.001, _env_float("FAKE_ENGINE_TOKEN_RATE", 1000.0)),
         first_token_seconds=max(0.0, _env_float("FAKE_ENGINE_FIRST_TOKEN_SECONDS", 0.0)),
         prefill_rate=max(0.0, _env_float("FAKE_ENGINE_PREFILL_RATE", 0.0)),
+        close_after_stream=(
+            None
+            if vllm or os.environ.get("FAKE_ENGINE_CLOSE_AFTER_STREAM") == "never"
+            else max(0.0, _env_float("FAKE_ENGINE_CLOSE_AFTER_STREAM", 0.0))
+        ),
     )
     host = ns.host or ("0.0.0.0" if vllm else "127.0.0.1")
     runner = web.AppRunner(
