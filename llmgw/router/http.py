@@ -183,6 +183,8 @@ class HttpServerProtocol(asyncio.Protocol):
         self._body_size = 0
         self._head_size = 0
         self._task: asyncio.Task[None] | None = None
+        self._next: asyncio.Future[None] | None = None  # set when a request is queued
+        self._busy = False  # a request is being answered
         self._idle: asyncio.TimerHandle | None = None
         self._stopped_reading = False
         self._read_paused = False
@@ -322,11 +324,21 @@ class HttpServerProtocol(asyncio.Protocol):
             assert self._transport is not None
             self._transport.pause_reading()
         if self._task is None:
+            # one task a connection, for its whole life (a task a request costs more)
             self._task = self._loop.create_task(self._answer_queue())
+        elif self._next is not None and not self._next.done():
+            self._next.set_result(None)
 
     async def _answer_queue(self) -> None:
         try:
-            while self._queue and not self.lost:
+            while not self.lost:
+                if not self._queue:
+                    self._busy = False
+                    self._arm_idle()
+                    self._next = self._loop.create_future()
+                    await self._next
+                    continue
+                self._busy = True
                 item = self._queue.popleft()
                 if self._read_paused and len(self._queue) <= self._limits.max_pipelined // 2:
                     self._read_paused = False
@@ -344,10 +356,11 @@ class HttpServerProtocol(asyncio.Protocol):
                 if not await self._answer(item):
                     self._close()
                     return
+        except asyncio.CancelledError:
+            if not self.lost:
+                raise  # the server is stopping; a lost client is simply done
         finally:
-            self._task = None
-            if not self.lost and not self._queue:
-                self._arm_idle()
+            self._busy = False
 
     async def _answer(self, req: Request) -> bool:
         """Run the handler for one request; True when the connection can carry another."""
@@ -387,7 +400,7 @@ class HttpServerProtocol(asyncio.Protocol):
 
     def _on_idle(self) -> None:
         self._idle = None
-        if self._task is None and not self._queue:
+        if not self._busy and not self._queue:
             self._close()  # silent, or too slow to send a whole request
 
 
