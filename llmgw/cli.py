@@ -6,11 +6,13 @@ and --bucket; read-only commands take --json.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +31,15 @@ from llmgw.agent.config import (
     parse_config,
     render_config,
     write_config,
-)
-from llmgw.agent.service import Agent, setup_logging
+)  # the config alone: plain msgspec
 from llmgw.bus import keys
-from llmgw.bus.client import BucketSettings, Bus, BusError, NatsSettings
-from llmgw.errors import LlmgwError
+from llmgw.bus.client import BucketSettings, Bus, NatsSettings, NatsUnreachable
+from llmgw.controller.liveness import LOST_AFTER_S, UNREACHABLE_AFTER_S
+from llmgw.errors import LlmgwError, stated
+from llmgw.logs import setup_logging
 from llmgw.shutdown import cancel_on_signal
+
+# The agent's stack (psutil, NVML, aiohttp) is imported only by the commands that run an agent.
 
 log = logging.getLogger("llmgw.cli")
 
@@ -70,8 +75,16 @@ def nats_options(fn):
         show_default=True,
         help="the KV bucket",
     )
+    @click.option(
+        "--bucket-replicas",
+        envvar="LLMGW_BUCKET_REPLICAS",
+        type=click.IntRange(1, 5),
+        default=None,
+        help="copies of the bucket a NATS cluster keeps (3 on a 3-server cluster); checked "
+        "against an existing bucket [default: 1 when creating it, else as it is]",
+    )
     @functools.wraps(fn)
-    def wrapper(*args, nats_urls, tls_ca, tls_cert, tls_key, bucket, **kwargs):
+    def wrapper(*args, nats_urls, tls_ca, tls_cert, tls_key, bucket, bucket_replicas, **kwargs):
         urls = tuple(u for item in nats_urls for u in item.split()) or ("nats://127.0.0.1:4222",)
         settings = NatsSettings(
             urls=urls,
@@ -80,7 +93,8 @@ def nats_options(fn):
             tls_key=tls_key,
             name=f"llmgw {fn.__name__}",
         )
-        return fn(*args, nats=settings, bucket=BucketSettings(name=bucket), **kwargs)
+        buckets = BucketSettings(name=bucket, replicas=bucket_replicas)
+        return fn(*args, nats=settings, bucket=buckets, **kwargs)
 
     return wrapper
 
@@ -89,16 +103,36 @@ def json_option(fn):
     return click.option("--json", "as_json", is_flag=True, help="print JSON instead of text")(fn)
 
 
-async def connect(nats: NatsSettings, bucket: BucketSettings) -> Bus:
+@contextlib.asynccontextmanager
+async def open_bus(nats: NatsSettings, bucket: BucketSettings) -> AsyncIterator[Bus]:
+    """The bus for one command, closed when it is done; an unreachable NATS says what to check."""
     try:
-        return await Bus.connect(nats, bucket, give_up_after=5)
-    except BusError as e:
+        bus = await Bus.connect(nats, bucket, give_up_after=5)
+    except NatsUnreachable as e:
         raise click.ClickException(
             f"{e}; is llmgw up (or your NATS cluster) running? set --nats or LLMGW_NATS"
         ) from None
+    async with bus:
+        yield bus
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """Errors llmgw states for a person become messages (exit 1); any other exception is a
+    bug and keeps its traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except BaseException as e:
+            problem = stated(e)
+            if problem is None:
+                raise
+            raise click.ClickException(str(problem)) from None
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__)
 @click.option(
     "--log-level", default=os.environ.get("LLMGW_LOG_LEVEL", "WARNING"), show_default=True
@@ -319,6 +353,8 @@ async def _run_up_parts(cfg: AgentConfig, no_agent: bool, router, cmd: str, bus:
         click.echo("controller running")
         agent = None
         if not no_agent:
+            from llmgw.agent.service import Agent
+
             agent = await tg.start(Agent(cfg).run)
             click.echo("agent running")
         if router is not None:
@@ -383,11 +419,8 @@ def status(nats: NatsSettings, bucket: BucketSettings, as_json: bool) -> None:
     from llmgw.status import gather, render
 
     async def run() -> dict[str, Any]:
-        bus = await connect(nats, bucket)
-        try:
+        async with open_bus(nats, bucket) as bus:
             return await gather(bus)
-        finally:
-            await bus.close()
 
     view = anyio.run(run)
     if as_json:
@@ -404,15 +437,15 @@ def status(nats: NatsSettings, bucket: BucketSettings, as_json: bool) -> None:
 @click.option("--id", "controller_id", default=None, help="controller id (default: hostname-pid)")
 @click.option(
     "--unreachable-after",
-    type=float,
-    default=15.0,
+    type=click.FloatRange(min=0, min_open=True),
+    default=UNREACHABLE_AFTER_S,
     show_default=True,
     help="seconds without a heartbeat before a node is unreachable",
 )
 @click.option(
     "--lost-after",
-    type=float,
-    default=60.0,
+    type=click.FloatRange(min=0, min_open=True),
+    default=LOST_AFTER_S,
     show_default=True,
     help="seconds without a heartbeat before a node is lost and its replicas move",
 )
@@ -430,11 +463,9 @@ def controller(
         )
 
     async def run() -> None:
-        bus = await connect(nats, bucket)
-        try:
+        # a service: it waits for NATS (and JetStream) like for any outage, saying so
+        async with await Bus.connect(nats, bucket) as bus:
             await _until_signalled(Controller(bus, settings).run)
-        finally:
-            await bus.close()
 
     anyio.run(run)
 
@@ -474,8 +505,7 @@ def place(
     from llmgw.placing import dry_run_plan, follow_placement, write_desired
 
     async def run() -> int:
-        bus = await connect(nats, bucket)
-        try:
+        async with open_bus(nats, bucket) as bus:
             if dry_run:
                 for line in await dry_run_plan(bus, model, replicas, profile):
                     click.echo(line)
@@ -488,14 +518,8 @@ def place(
             return await follow_placement(
                 bus, model, written_at, wait=wait, timeout=timeout, echo=click.echo
             )
-        finally:
-            await bus.close()
 
-    try:
-        code = anyio.run(run)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
-    raise SystemExit(code)
+    raise SystemExit(anyio.run(run))
 
 
 @main.group()
@@ -519,8 +543,7 @@ def catalog_apply(path: Path, nats: NatsSettings, bucket: BucketSettings) -> Non
         ) from None
 
     async def run() -> None:
-        bus = await connect(nats, bucket)
-        try:
+        async with open_bus(nats, bucket) as bus:
             for m in models:
                 key = keys.catalog(m.id)
                 old = await bus.get(key, lambda b, i=m.id: decode_model(b, i))
@@ -529,8 +552,6 @@ def catalog_apply(path: Path, nats: NatsSettings, bucket: BucketSettings) -> Non
                     continue
                 await bus.put(key, encode_model(m))
                 click.echo(f"{key}: {'updated' if old else 'created'}")
-        finally:
-            await bus.close()
 
     anyio.run(run)
 
@@ -543,12 +564,9 @@ def catalog_ls(nats: NatsSettings, bucket: BucketSettings, as_json: bool) -> Non
     from llmgw.catalog import decode_model
 
     async def run():
-        bus = await connect(nats, bucket)
-        try:
+        async with open_bus(nats, bucket) as bus:
             entries = await bus.list(keys.pattern(keys.CATALOG), lambda b: decode_model(b))
             return [e.value for e in entries.values()]
-        finally:
-            await bus.close()
 
     models = anyio.run(run)
     if as_json:

@@ -17,21 +17,26 @@ from llmgw.catalog import decode_model
 from llmgw.controller import placement
 from llmgw.controller.fabrics import fabric_view
 from llmgw.controller.view import View
+from llmgw.errors import LlmgwError
 
 log = logging.getLogger(__name__)
+
+
+class PlacingError(LlmgwError):
+    """`llmgw place` cannot ask for this: the model or profile is not in the catalog."""
 
 
 async def _check_model(bus: Bus, model: str, profile: str | None) -> None:
     keys.check_token(model, "model id")
     entry = await bus.get(keys.catalog(model), lambda b: decode_model(b, model))
     if entry is None:
-        raise ValueError(
+        raise PlacingError(
             f"model {model!r} is not in the catalog (or its entry is invalid): "
             "add it with `llmgw catalog apply FILE.toml`; `llmgw catalog ls` lists what is there"
         )
     if profile and entry.value.profile(profile) is None:
         names = ", ".join(p.name for p in entry.value.profiles) or "none: static endpoints"
-        raise ValueError(f"model {model!r} has no profile {profile!r} (profiles: {names})")
+        raise PlacingError(f"model {model!r} has no profile {profile!r} (profiles: {names})")
 
 
 async def write_desired(bus: Bus, model: str, replicas: int, profile: str | None) -> float:

@@ -441,3 +441,22 @@ def test_router_refuses_what_it_cannot_serve_and_says_why(tmp_path):
     assert "Traceback" not in out.stderr
     out = llmgw("router", "--listen", "8080")
     assert out.returncode != 0 and "expected HOST:PORT" in out.stderr
+
+
+def test_commands_that_run_no_agent_do_not_load_its_stack():
+    # (aiohttp is loaded by nats-py itself, for its websocket transport)
+    code = (
+        "import sys, llmgw.cli; "
+        "print(sorted(m for m in ('psutil', 'pynvml', 'llmgw.agent.service', "
+        "'llmgw.agent.discovery', 'llmgw.router.service') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_problem_stated_for_a_person_is_a_message_not_a_traceback(up):
+    out = llmgw("place", "not.a.token", "--replicas", "1", env=up["env"])
+    assert out.returncode == 1
+    assert "is not a valid id" in out.stderr and "Traceback" not in out.stderr
+    out = llmgw("place", "nope", "--replicas", "1", "--bucket-replicas", "9", env=up["env"])
+    assert out.returncode == 2 and "--bucket-replicas" in out.stderr

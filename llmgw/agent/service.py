@@ -36,8 +36,9 @@ from llmgw.agent.discovery.weights.scan import weights_equal_for_resend
 from llmgw.agent.shards import ShardManager
 from llmgw.agent.weights import WeightsScanner, stuck_scan
 from llmgw.bus import keys, records
-from llmgw.bus.client import BucketSettings, Bus, BusError, NatsSettings
-from llmgw.errors import LlmgwError
+from llmgw.bus.client import BucketSettings, Bus, NatsSettings
+from llmgw.errors import stated
+from llmgw.logs import setup_logging
 from llmgw.secrets import read_key
 from llmgw.shutdown import cancel_on_signal
 
@@ -326,29 +327,9 @@ async def run_until_signalled(agent: Agent) -> None:
         tg.cancel_scope.cancel()
 
 
-def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("nats").setLevel(logging.WARNING)
-
-
 # sysexits.h EX_CONFIG: the config or a file it names cannot work, and restarting will not
 # help (systemd's RestartPreventExitStatus= can name it)
 EX_CONFIG = 78
-
-
-def _for_a_person(exc: BaseException) -> LlmgwError | BusError | None:
-    """The problem stated for the operator that ended the agent, also from inside a task
-    group's ExceptionGroup; None when it was anything else (a bug: it keeps its traceback)."""
-    if isinstance(exc, LlmgwError | BusError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        stated, rest = exc.split((LlmgwError, BusError))
-        if stated is not None and rest is None:
-            return _for_a_person(stated.exceptions[0])
-    return None
 
 
 def serve(
@@ -376,7 +357,7 @@ def serve(
         )
         anyio.run(run_until_signalled, agent)
     except BaseException as e:
-        problem = _for_a_person(e)
+        problem = stated(e)
         if problem is None:
             raise
         click.echo(f"Error: {problem}", err=True)

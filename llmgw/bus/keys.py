@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from llmgw.errors import LlmgwError
+
 DEFAULT_BUCKET = "llmgw"
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -42,7 +44,7 @@ _ARITY = {
 }
 
 
-class InvalidId(ValueError):
+class InvalidId(LlmgwError, ValueError):
     """An id that cannot be a single NATS token."""
 
 
