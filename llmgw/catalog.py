@@ -520,5 +520,10 @@ def _check_env(check: _Checker, where: str, path: str, raw: Any) -> dict[str, st
     return dict(raw)
 
 
+# What reading a bucket value by hand-written rules can raise: a reader catches these, logs
+# the key and skips the value (anyone can `nats kv put` anything).
+UNREADABLE = (msgspec.DecodeError, msgspec.ValidationError, CatalogError, ValueError)
+
+
 def by_id(models: list[Model]) -> dict[str, Model]:
     return {m.id: m for m in models}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -435,15 +436,12 @@ def _overlaps(a: LaunchSpec, b: LaunchSpec) -> bool:
     return a.port == b.port or bool(set(a.gpu_uuids) & set(b.gpu_uuids))
 
 
+# what the controller decided, as opposed to the catalog: same GPUs, port and ranks
+_place = operator.attrgetter("gpu_uuids", "port", "rank", "nodes", "master_addr")
+
+
 def _same_place(a: LaunchSpec, b: LaunchSpec) -> bool:
-    """Same GPUs, port and ranks: what the controller decided, as opposed to the catalog."""
-    return (a.gpu_uuids, a.port, a.rank, a.nodes, a.master_addr) == (
-        b.gpu_uuids,
-        b.port,
-        b.rank,
-        b.nodes,
-        b.master_addr,
-    )
+    return _place(a) == _place(b)
 
 
 def launch_spec(

@@ -15,7 +15,7 @@ for RAM is not rewritten (nor logged, nor announced) at every pass.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -152,35 +152,33 @@ def _render_profile(judged: int, groups: Iterable[RefusedNodes]) -> str:
     return f"{head}: " + ", ".join(parts) if parts else head
 
 
+# reason key -> how its group reads; the numbers come from the group's fields
+_GROUP_TEXT: dict[str, Callable[[RefusedNodes], str]] = {
+    "lost": lambda g: "lost",
+    "unreachable": lambda g: "unreachable",
+    "no-lease": lambda g: "with no lease seen",
+    "no-engine": lambda g: f"no {g.detail}",
+    "no-fabric": lambda g: "not on an active IB fabric",
+    "no-gpus": lambda g: "without GPUs",
+    "no-gpu-driver": lambda g: "without a GPU driver",
+    "gpu-discovery-failed": lambda g: "where GPU discovery failed",
+    "gpu-memory": lambda g: f"with GPUs too small ({_range(g, _gb)} GB, needs {_gb(g.needs)})",
+    "gpus": lambda g: f"short of free GPUs ({_range(g, str)} free, needs {g.needs})",
+    "ram": lambda g: f"short of host RAM ({_range(g, _gb)} GB free, needs {_gb(g.needs)})",
+    "ports": lambda g: f"with no free port in {g.detail}",
+    "fabric-size": lambda g: (
+        f"on {g.detail}, which has {_range(g, str)} fitting node{'s' if g.most != 1 else ''} "
+        f"(needs {g.needs})"
+    ),
+}
+
+
 def render_group(g: RefusedNodes) -> str:
     """ "12 short of host RAM (62-90 GB free, needs 128)" """
-    n = g.nodes
-    if g.reason in ("lost", "unreachable"):
-        return f"{n} {g.reason}"
-    if g.reason == "no-lease":
-        return f"{n} with no lease seen"
-    if g.reason == "no-engine":
-        return f"{n} no {g.detail}"
-    if g.reason == "no-fabric":
-        return f"{n} not on an active IB fabric"
-    if g.reason == "no-gpus":
-        return f"{n} without GPUs"
-    if g.reason == "no-gpu-driver":
-        return f"{n} without a GPU driver"
-    if g.reason == "gpu-discovery-failed":
-        return f"{n} where GPU discovery failed"
-    if g.reason == "gpu-memory":
-        return f"{n} with GPUs too small ({_range(g, _gb)} GB, needs {_gb(g.needs)})"
-    if g.reason == "gpus":
-        return f"{n} short of free GPUs ({_range(g, str)} free, needs {g.needs})"
-    if g.reason == "ram":
-        return f"{n} short of host RAM ({_range(g, _gb)} GB free, needs {_gb(g.needs)})"
-    if g.reason == "ports":
-        return f"{n} with no free port in {g.detail}"
-    if g.reason == "fabric-size":
-        fitting = f"{_range(g, str)} fitting node{'s' if g.most != 1 else ''}"
-        return f"{n} on {g.detail}, which has {fitting} (needs {g.needs})"
-    return f"{n} {g.reason}" + (f" ({g.detail})" if g.detail else "")  # a newer writer's key
+    text = _GROUP_TEXT.get(g.reason)
+    if text is None:  # a newer writer's key
+        return f"{g.nodes} {g.reason}" + (f" ({g.detail})" if g.detail else "")
+    return f"{g.nodes} {text(g)}"
 
 
 def _gb(n: int | None) -> str:

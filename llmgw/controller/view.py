@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import msgspec
-
 from llmgw import catalog
 from llmgw.bus import keys, records, trust
 
@@ -45,12 +43,7 @@ class View:
         self.invalid.pop(key, None)
         try:
             value = None if data is None else self._decode(prefix, ids, data)
-        except (
-            msgspec.DecodeError,
-            msgspec.ValidationError,
-            catalog.CatalogError,
-            ValueError,
-        ) as e:
+        except catalog.UNREADABLE as e:
             self.invalid[key] = str(e)
             log.warning(
                 "skipping %s (revision %d): %s; fix it or remove it with `nats kv del` ",

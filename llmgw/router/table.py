@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
-
-import msgspec
 
 from llmgw import catalog
 from llmgw.bus import keys, records
@@ -108,12 +107,7 @@ class EndpointTable:
         prefix, ids = parsed.prefix, parsed.ids
         try:
             self._apply(prefix, ids, data)
-        except (
-            msgspec.DecodeError,
-            msgspec.ValidationError,
-            catalog.CatalogError,
-            ValueError,
-        ) as e:
+        except catalog.UNREADABLE as e:
             kept = prefix in (keys.CATALOG, keys.REPLICAS)
             log.warning(
                 "router: %s does not decode (%s); %s; fix it or remove it with `nats kv del`",
@@ -278,14 +272,12 @@ class EndpointTable:
         return "; ".join(parts)
 
 
+# what makes two Backends the same engine (the rest is balancing state)
+_place = operator.attrgetter("model", "host", "port", "tls", "path_prefix")
+
+
 def _same_place(a: Backend, b: Backend) -> bool:
-    return (a.model, a.host, a.port, a.tls, a.path_prefix) == (
-        b.model,
-        b.host,
-        b.port,
-        b.tls,
-        b.path_prefix,
-    )
+    return _place(a) == _place(b)
 
 
 def _put(table: dict, k, value) -> None:

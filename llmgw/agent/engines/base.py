@@ -203,3 +203,12 @@ def parse_prometheus(text: str, name: str) -> float | None:
             continue
         total = value if total is None else total + value
     return total
+
+
+def requests_at_engine(text: str, running: str, waiting: str) -> int | None:
+    """Requests an engine holds, running and queued, from its Prometheus text; None when it
+    does not report `running` (the adapters name their engine's two gauges)."""
+    busy = parse_prometheus(text, running)
+    if busy is None:
+        return None
+    return int(busy + (parse_prometheus(text, waiting) or 0.0))

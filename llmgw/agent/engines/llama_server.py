@@ -15,7 +15,7 @@ from llmgw.agent.engines.base import (
     cuda_env,
     hf_repo,
     is_url,
-    parse_prometheus,
+    requests_at_engine,
 )
 
 # Flags the adapter sets. Every llama.cpp flag also has a LLAMA_ARG_* variable: a
@@ -144,11 +144,9 @@ class LlamaServerAdapter:
             except (ValueError, TypeError, AttributeError):
                 return None
         text = body.decode("utf-8", "replace")
-        processing = parse_prometheus(text, "llamacpp:requests_processing")
-        if processing is None:
-            return None
-        deferred = parse_prometheus(text, "llamacpp:requests_deferred") or 0.0
-        return int(processing + deferred)
+        return requests_at_engine(
+            text, "llamacpp:requests_processing", "llamacpp:requests_deferred"
+        )
 
     def check(self, spec: LaunchSpec) -> list[str]:
         reasons = []

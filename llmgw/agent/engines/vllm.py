@@ -19,7 +19,7 @@ from llmgw.agent.engines.base import (
     base_url,
     cuda_env,
     hf_repo,
-    parse_prometheus,
+    requests_at_engine,
 )
 
 MANAGED = FlagTable(
@@ -166,11 +166,7 @@ class VllmAdapter:
         if status != 200:
             return None
         text = body.decode("utf-8", "replace")
-        running = parse_prometheus(text, "vllm:num_requests_running")
-        if running is None:
-            return None
-        waiting = parse_prometheus(text, "vllm:num_requests_waiting") or 0.0
-        return int(running + waiting)
+        return requests_at_engine(text, "vllm:num_requests_running", "vllm:num_requests_waiting")
 
     def check(self, spec: LaunchSpec) -> list[str]:
         reasons = []
