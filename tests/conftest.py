@@ -59,6 +59,14 @@ async def controller(nats_settings: NatsSettings) -> AsyncIterator[None]:
     await b.close()
 
 
+@pytest.fixture
+def bins(tmp_path: Path) -> dict[str, Path]:
+    """The fake llama-server and vllm, installed as the real ones are (llmgw.testing)."""
+    from llmgw.testing.fake_engine import install_fake_engines
+
+    return install_fake_engines(tmp_path / "bin")
+
+
 @pytest.fixture(autouse=True)
 def _debug_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="llmgw")

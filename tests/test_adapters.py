@@ -16,7 +16,7 @@ import pytest
 from llmgw.agent.engines import LaunchSpec, adapter_for
 from llmgw.agent.engines.validate import NodeFacts, Problem, validate_launch
 from llmgw.bus.records import EngineInstall, Gpu
-from llmgw.testing import free_port, install_fake_engines, write_fake_gguf
+from llmgw.testing import free_port, write_fake_gguf
 
 UUIDS = [f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd" for i in range(8)]
 
@@ -38,11 +38,6 @@ def gpus(n: int = 8, gb: float = 80) -> list[Gpu]:
         )
         for i in range(n)
     ]
-
-
-@pytest.fixture
-def bins(tmp_path: Path) -> dict[str, Path]:
-    return install_fake_engines(tmp_path / "bin")
 
 
 @pytest.fixture

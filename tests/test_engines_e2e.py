@@ -8,12 +8,12 @@ import json
 import os
 import signal
 
-import aiohttp
 import anyio
 import msgspec
 import psutil
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
+from serving import cpu_model, serve, stream_chat, want
 from waiting import until
 
 from llmgw import catalog
@@ -57,33 +57,7 @@ def node(tmp_path, nats_server):
 
 def _catalog(tmp_path, *, path: str | None = None, env: dict | None = None) -> catalog.Model:
     gguf = path or str(write_fake_gguf(tmp_path / "weights" / "tiny.gguf"))
-    return catalog.validate_models(
-        {
-            "models": [
-                {
-                    "id": "tiny",
-                    "served_name": "tiny-chat",
-                    "profiles": [
-                        {
-                            "name": "cpu",
-                            "engine": "llama-server",
-                            "weights": {"path": gguf},
-                            "gpus_per_node": 0,
-                            "host_ram_gb": 1,
-                            "env": env or {},
-                        }
-                    ],
-                }
-            ]
-        }
-    )[0]
-
-
-async def _place(bus: Bus, model: catalog.Model, n: int) -> None:
-    await bus.put(keys.catalog(model.id), catalog.encode_model(model))
-    await bus.put(
-        keys.desired(model.id), records.Desired(model=model.id, replicas=n, updated_at=1.0)
-    )
+    return cpu_model(gguf, env=env, host_ram_gb=1)
 
 
 async def _shard(bus: Bus, phase: str | None = None):
@@ -105,34 +79,14 @@ class Events:
         return [e.kind for e in self.items if e.kind.startswith(prefix)]
 
 
-async def _stream_chat(
-    endpoint: str, served: str, n_tokens: int | None = None, chunks: list[str] | None = None
-) -> list[str]:
-    """The data lines of a streamed chat completion; `chunks`, when given, fills as they come."""
-    body = {"model": served, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    if n_tokens:
-        body["max_tokens"] = n_tokens
-    chunks = [] if chunks is None else chunks
-    async with (
-        aiohttp.ClientSession() as http,
-        http.post(f"http://{endpoint}/v1/chat/completions", json=body) as r,
-    ):
-        assert r.status == 200
-        async for line in r.content:
-            line = line.decode().strip()
-            if line.startswith("data: "):
-                chunks.append(line[len("data: ") :])
-    return chunks
-
-
 async def test_placed_replica_is_validated_launched_loaded_ready_and_streams(bus, node, controller):
     events = Events()
     await bus.subscribe("llmgw.events.>", events.on_message)
-    await _place(bus, _catalog(node["tmp"], env={"FAKE_ENGINE_LOAD_SECONDS": "1"}), 1)
+    await serve(bus, _catalog(node["tmp"], env={"FAKE_ENGINE_LOAD_SECONDS": "1"}), 1)
     shard = await until(lambda: _shard(bus, "ready"))
     assert shard.endpoint.endswith(str((await _replica(bus)).members[0].port))
     assert shard.served_name == "tiny-chat"
-    chunks = await _stream_chat(shard.endpoint, "tiny-chat")
+    chunks = await stream_chat(f"http://{shard.endpoint}", "tiny-chat")
     assert chunks[-1] == "[DONE]" and len(chunks) > 2
     assert (
         "content" in json.loads(chunks[0])["choices"][0]["delta"]
@@ -165,14 +119,14 @@ async def test_bad_profile_fails_validation_and_nothing_is_launched(bus, node, c
     model = _catalog(
         node["tmp"], path=str(node["tmp"] / "no-such.gguf"), env={"FAKE_ENGINE_RECORD": str(record)}
     )
-    await _place(bus, model, 1)
+    await serve(bus, model, 1)
     shard = await until(lambda: _shard(bus, "failed"))
     assert shard.reason.startswith("refused before launch:")
     assert "no-such.gguf" in shard.reason
     assert shard.pid is None
     # The agent decides for one replica in one loop: once it has acted on the removal, the
     # refusing decision is over, launch or not. A launch reports "starting" first.
-    await bus.put(keys.desired("tiny"), records.Desired(model="tiny", replicas=0, updated_at=2.0))
+    await want(bus, "tiny", 0, at=2.0)
 
     async def gone():
         return await _shard(bus) == [] and await _replica(bus) is None
@@ -186,7 +140,7 @@ async def test_engine_crashing_while_loading_reports_its_output_and_retries_with
     bus, node, controller
 ):
     model = _catalog(node["tmp"], env={"FAKE_ENGINE_FAIL_LOAD": "CUDA out of memory (simulated)"})
-    await _place(bus, model, 1)
+    await serve(bus, model, 1)
 
     async def failed_twice():
         s = await _shard(bus, "failed")
@@ -207,23 +161,23 @@ async def test_engine_crashing_while_loading_reports_its_output_and_retries_with
 
 async def test_drain_waits_for_an_in_flight_streaming_request(bus, node, controller):
     model = _catalog(node["tmp"], env={"FAKE_ENGINE_TOKENS": "30", "FAKE_ENGINE_TOKEN_RATE": "15"})
-    await _place(bus, model, 1)
+    await serve(bus, model, 1)
     shard = await until(lambda: _shard(bus, "ready"))
     async with anyio.create_task_group() as tg:
         result: dict[str, list[str]] = {}
         arrived: list[str] = []
 
         async def stream():
-            result["chunks"] = await _stream_chat(shard.endpoint, "tiny-chat", chunks=arrived)
+            result["chunks"] = await stream_chat(
+                f"http://{shard.endpoint}", "tiny-chat", events=arrived
+            )
 
         async def in_flight():
             return len(arrived) >= 2  # tokens are coming: the request is in flight (2 s of them)
 
         tg.start_soon(stream)
         await until(in_flight)
-        await bus.put(
-            keys.desired("tiny"), records.Desired(model="tiny", replicas=0, updated_at=2.0)
-        )
+        await want(bus, "tiny", 0, at=2.0)
         await until(lambda: _shard(bus, "draining"))
         assert "chunks" not in result  # still streaming while draining
     assert result["chunks"][-1] == "[DONE]"  # finished, not cut off
@@ -241,11 +195,13 @@ async def test_drain_waits_for_an_in_flight_streaming_request(bus, node, control
 async def test_nats_restart_while_serving_engines_keep_answering_and_the_agent_re_reports(
     bus, node, controller, nats_server
 ):
-    await _place(bus, _catalog(node["tmp"]), 1)
+    await serve(bus, _catalog(node["tmp"]), 1)
     shard = await until(lambda: _shard(bus, "ready"))
     before = (await bus.get(keys.shard("node1", shard.rid), decoder(records.Shard))).revision
     nats_server.stop()
-    chunks = await _stream_chat(shard.endpoint, "tiny-chat")  # no NATS: the engine still serves
+    chunks = await stream_chat(
+        f"http://{shard.endpoint}", "tiny-chat"
+    )  # no NATS: the engine still serves
     assert chunks[-1] == "[DONE]"
     nats_server.start()
 
@@ -257,7 +213,7 @@ async def test_nats_restart_while_serving_engines_keep_answering_and_the_agent_r
 
 
 async def test_agent_sigterm_stops_its_engines_with_it(bus, node, controller):
-    await _place(bus, _catalog(node["tmp"]), 1)
+    await serve(bus, _catalog(node["tmp"]), 1)
     shard = await until(lambda: _shard(bus, "ready"))
     engine = psutil.Process(shard.pid)
     node["proc"].send_signal(signal.SIGTERM)
@@ -268,7 +224,7 @@ async def test_agent_sigterm_stops_its_engines_with_it(bus, node, controller):
 async def test_agent_killed_hard_its_successor_reaps_the_leftover_engine_before_launching(
     bus, node, controller
 ):
-    await _place(bus, _catalog(node["tmp"]), 1)
+    await serve(bus, _catalog(node["tmp"]), 1)
     first = await until(lambda: _shard(bus, "ready"))
     leftover = psutil.Process(first.pid)
     node["proc"].send_signal(signal.SIGKILL)  # no chance to stop its engines
@@ -304,7 +260,7 @@ def _alive(p: psutil.Process) -> bool:
 
 async def test_fixing_a_refused_profile_in_the_catalog_launches_it(bus, node, controller):
     bad = _catalog(node["tmp"], path=str(node["tmp"] / "typo.gguf"))
-    await _place(bus, bad, 1)
+    await serve(bus, bad, 1)
     await until(lambda: _shard(bus, "failed"))
     fixed = _catalog(node["tmp"])  # the operator corrects the path and applies again
     await bus.put(keys.catalog("tiny"), catalog.encode_model(fixed))
@@ -394,7 +350,9 @@ async def test_a_replica_that_cannot_start_for_a_local_error_fails_alone_and_the
         bad = await until(bad_failed)
         assert "logs" in bad.reason and "retrying" in bad.reason
         assert node["proc"].poll() is None  # the agent is still running
-        chunks = await _stream_chat(ok.endpoint, "tiny-chat")  # and so is the other engine
+        chunks = await stream_chat(
+            f"http://{ok.endpoint}", "tiny-chat"
+        )  # and so is the other engine
         assert chunks[-1] == "[DONE]"
     finally:
         logs.unlink()

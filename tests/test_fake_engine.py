@@ -10,18 +10,12 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from urllib.error import HTTPError, URLError
 from urllib.request import Request, urlopen
 
 import pytest
 
-from llmgw.testing import free_port, install_fake_engines, write_fake_gguf
-
-
-@pytest.fixture
-def bins(tmp_path: Path) -> dict[str, Path]:
-    return install_fake_engines(tmp_path / "bin")
+from llmgw.testing import free_port, write_fake_gguf
 
 
 def run(argv: list[str], **env: str) -> subprocess.CompletedProcess[str]:

@@ -13,6 +13,7 @@ import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
 from samples.infiniband import FABRIC_MAP, FILES, LINKS
 from samples.sysfs import write_tree
+from serving import serve
 from waiting import until
 
 from llmgw import catalog
@@ -82,8 +83,7 @@ async def test_two_node_replica_runs_rank0_serving_and_rank1_headless_in_one_fab
             ]
         }
     )[0]
-    await bus.put(keys.catalog("big"), catalog.encode_model(model))
-    await bus.put(keys.desired("big"), records.Desired(model="big", replicas=1, updated_at=1.0))
+    await serve(bus, model, 1)
 
     async def ready_replica():
         got = await bus.list("replicas.big.*", decoder(records.Replica))

@@ -9,14 +9,14 @@ import msgspec
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
 from links import ProxyLink
-from test_engines_e2e import _catalog, _place, _stream_chat
+from serving import cpu_model, serve, stream_chat
 from waiting import until
 
 from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
 from llmgw.controller.loop import Controller, ControllerSettings
-from llmgw.testing.fake_engine import install_fake_engines
+from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -54,13 +54,13 @@ async def test_node_cut_off_past_lost_after_serves_throughout_and_ends_ready_aga
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(Controller(bus, settings).run)
-            await _place(bus, _catalog(tmp_path), 1)
+            gguf = write_fake_gguf(tmp_path / "weights" / "tiny.gguf")
+            await serve(bus, cpu_model(str(gguf), host_ram_gb=1), 1)
             first = await until(lambda: _ready(bus))
             await link.cut()  # node1 alone loses NATS; its engine does not notice
             await until(lambda: _health_is(bus, "node1", "lost"), timeout=30)
-            assert (await _stream_chat(first.endpoint, "tiny-chat"))[
-                -1
-            ] == "[DONE]"  # still serving
+            events = await stream_chat(f"http://{first.endpoint}", "tiny-chat")
+            assert events[-1] == "[DONE]"  # still serving
             await link.heal()
 
             async def settled():

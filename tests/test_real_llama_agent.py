@@ -11,11 +11,11 @@ import msgspec
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
 from real_llama import llama_server_binary, tiny_gguf
+from serving import cpu_model, serve
 from waiting import until
 
-from llmgw import catalog
 from llmgw.agent.config import Engines
-from llmgw.bus import keys, records
+from llmgw.bus import records
 from llmgw.bus.client import Bus, decoder
 
 pytestmark = [pytest.mark.anyio, pytest.mark.llama]
@@ -44,28 +44,7 @@ def node(tmp_path, nats_server):
 
 
 async def _place(bus: Bus, gguf: str) -> None:
-    model = catalog.validate_models(
-        {
-            "models": [
-                {
-                    "id": "tiny",
-                    "served_name": "tiny-random",
-                    "profiles": [
-                        {
-                            "name": "cpu",
-                            "engine": "llama-server",
-                            "weights": {"path": gguf},
-                            "gpus_per_node": 0,
-                            "context": 4096,
-                            "parallel": 1,
-                        }
-                    ],
-                }
-            ]
-        }
-    )[0]
-    await bus.put(keys.catalog("tiny"), catalog.encode_model(model))
-    await bus.put(keys.desired("tiny"), records.Desired(model="tiny", replicas=1, updated_at=1.0))
+    await serve(bus, cpu_model(gguf, served_name="tiny-random", context=4096, parallel=1), 1)
 
 
 async def _shard(bus: Bus, phase: str):

@@ -17,6 +17,7 @@ from router_helpers import (
     running_router,
     static_model,
 )
+from serving import sse_events
 from waiting import until
 
 from llmgw.router.balancer import BalancerSettings
@@ -35,18 +36,6 @@ def engines(tmp_path):
 SLOW = {"FAKE_ENGINE_TOKENS": "2000", "FAKE_ENGINE_TOKEN_RATE": "50"}  # 40 s of tokens
 
 
-async def _events(resp: aiohttp.ClientResponse):
-    """SSE `data:` payloads as they arrive."""
-    buf = b""
-    async for chunk in resp.content.iter_any():
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            for line in event.split(b"\n"):
-                if line.startswith(b"data: "):
-                    yield line[len(b"data: ") :].decode()
-
-
 async def test_stream_arrives_in_order_and_before_the_engine_finishes(engines):
     engine = engines.start({"FAKE_ENGINE_TOKENS": "40", "FAKE_ENGINE_TOKEN_RATE": "20"})
     async with running_router([static_model(engine)]) as r, aiohttp.ClientSession() as http:
@@ -54,7 +43,7 @@ async def test_stream_arrives_in_order_and_before_the_engine_finishes(engines):
             assert resp.status == 200
             assert resp.headers["content-type"].startswith("text/event-stream")
             texts = []
-            async for data in _events(resp):
+            async for data in sse_events(resp):
                 if data == "[DONE]":
                     break
                 delta = json.loads(data)["choices"][0]["delta"].get("content")

@@ -11,11 +11,10 @@ import msgspec
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
 from router_helpers import SERVED, chat_body, router_settings, running_router
+from serving import cpu_model, serve, want
 from waiting import until
 
-from llmgw import catalog
 from llmgw.agent.config import Engines
-from llmgw.bus import keys, records
 from llmgw.bus.client import Bus
 from llmgw.router.proxy import ProxySettings
 from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
@@ -46,37 +45,11 @@ def keyed_node(tmp_path, nats_server):
     stop(proc)
 
 
-def _model(tmp_path) -> catalog.Model:
-    gguf = str(write_fake_gguf(tmp_path / "weights" / "tiny.gguf"))
-    return catalog.validate_models(
-        {
-            "models": [
-                {
-                    "id": "tiny",
-                    "served_name": SERVED,
-                    "profiles": [
-                        {
-                            "name": "cpu",
-                            "engine": "llama-server",
-                            "weights": {"path": gguf},
-                            "gpus_per_node": 0,
-                        }
-                    ],
-                }
-            ]
-        }
-    )[0]
-
-
-async def _desire(bus: Bus, n: int, at: float) -> None:
-    await bus.put(keys.desired("tiny"), records.Desired(model="tiny", replicas=n, updated_at=at))
-
-
 async def test_placed_replicas_are_served_through_the_router_with_the_engine_key(
     bus, nats_settings, keyed_node, controller
 ):
-    await bus.put(keys.catalog("tiny"), catalog.encode_model(_model(keyed_node)))
-    await _desire(bus, 2, 1.0)
+    gguf = str(write_fake_gguf(keyed_node / "weights" / "tiny.gguf"))
+    await serve(bus, cpu_model(gguf, served_name=SERVED), 2)
     settings = router_settings(proxy=ProxySettings(engine_api_key=KEY))
     connect = lambda: Bus.connect(nats_settings, give_up_after=None)  # noqa: E731
     async with (
@@ -106,7 +79,7 @@ async def test_placed_replicas_are_served_through_the_router_with_the_engine_key
             assert raw is None or KEY.encode() not in raw[0], key
 
         # one replica fewer: the one drained takes no new request
-        await _desire(bus, 1, 2.0)
+        await want(bus, "tiny", 1, at=2.0)
 
         async def one_left():
             got = r.table.route(SERVED)

@@ -12,6 +12,7 @@ import aiohttp
 import anyio
 import psutil
 import pytest
+from serving import stream_chat
 
 from llmgw.agent.engines import LaunchSpec
 from llmgw.agent.engines.pidfile import (
@@ -21,7 +22,7 @@ from llmgw.agent.engines.pidfile import (
     write_pidfile,
 )
 from llmgw.agent.supervisor import EngineSupervisor, PhaseChange, SupervisorTiming
-from llmgw.testing import free_port, install_fake_engines, write_fake_gguf
+from llmgw.testing import free_port, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -37,11 +38,6 @@ FAST = SupervisorTiming(
     drain_poll=0.05,
     probe_timeout=2,
 )
-
-
-@pytest.fixture
-def bins(tmp_path: Path) -> dict[str, Path]:
-    return install_fake_engines(tmp_path / "bin")
 
 
 class Recorder:
@@ -98,16 +94,10 @@ def group_gone(pgid: int) -> bool:
     return False
 
 
-async def stream_chat(spec: LaunchSpec, max_tokens: int = 100) -> list[bytes]:
-    url = f"http://127.0.0.1:{spec.port}/v1/chat/completions"
-    body = {"model": spec.served_name, "stream": True, "max_tokens": max_tokens, "messages": []}
-    events = []
-    async with aiohttp.ClientSession() as http, http.post(url, json=body) as r:
-        assert r.status == 200
-        async for line in r.content:
-            if line.startswith(b"data: "):
-                events.append(line[6:].strip())
-    return events
+async def _stream(spec: LaunchSpec, max_tokens: int = 100) -> list[str]:
+    return await stream_chat(
+        f"http://127.0.0.1:{spec.port}", spec.served_name, max_tokens=max_tokens
+    )
 
 
 async def test_engine_goes_loading_then_ready_and_streams_a_chat_completion(
@@ -121,8 +111,8 @@ async def test_engine_goes_loading_then_ready_and_streams_a_chat_completion(
         ready = await rec.reached("ready")
         assert rec.phases == ["starting", "loading", "ready"]
         assert pidfile_path(tmp_path / "state", "r1").exists()
-        events = await stream_chat(spec, max_tokens=3)
-        assert events[-1] == b"[DONE]"
+        events = await _stream(spec, max_tokens=3)
+        assert events[-1] == "[DONE]"
         text = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1])
         assert text == "tok0 tok1 tok2 "
         await sup.stop()
@@ -188,7 +178,7 @@ async def test_drain_lets_an_in_flight_stream_finish_before_stopping(bins, tmp_p
     result: list[list[bytes]] = []
 
     async def client() -> None:
-        result.append(await stream_chat(spec, max_tokens=20))
+        result.append(await _stream(spec, max_tokens=20))
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(sup.run)
@@ -204,7 +194,7 @@ async def test_drain_lets_an_in_flight_stream_finish_before_stopping(bins, tmp_p
         await sup.drain()
         assert group_gone(ready.pid)
     events = result[0]
-    assert events[-1] == b"[DONE]"
+    assert events[-1] == "[DONE]"
     assert len(events) == 1 + 20 + 1 + 1  # role, 20 tokens, finish, DONE: nothing cut off
     assert rec.phases[-2:] == ["draining", "stopped"]
 
