@@ -9,13 +9,10 @@ import msgspec
 from llmgw.agent.discovery.weights.mounts import MountTable
 from llmgw.agent.discovery.weights.scan import scan_weights
 from llmgw.bus.records import (
-    Cpu,
     FabricHoldings,
-    Gpus,
     HeldModel,
     IbAdapter,
     IbPort,
-    Memory,
     NodeInventory,
     Store,
     Weights,
@@ -31,6 +28,7 @@ from llmgw.controller.fabrics import (
     nodes_seeing,
     render_fabrics,
 )
+from llmgw.testing.sim import inventory
 
 FILER = Store(kind="shared", identity="nfs:filer01:/export/models", fs_type="nfs")
 GB = 1_000_000_000
@@ -60,17 +58,9 @@ def node(
     *,
     looked: bool = True,
 ) -> NodeInventory:
-    return NodeInventory(
-        node=name,
-        hostname=name,
-        address="10.0.0.1",
-        agent_version="0.1.0",
-        started_at=0.0,
-        cpu=Cpu(count=64),
-        memory=Memory(total_bytes=512 * GB, available_bytes=500 * GB),
-        gpus=Gpus(status="ok"),
-        ib=[adapter(f, name=f"mlx5_{i}") for i, f in enumerate(fabrics)],
-        weights=Weights(looked=looked, models=list(models)),
+    """A node with one IB adapter per entry of `fabrics` (None: not configured)."""
+    return inventory(
+        name, gpus=0, fabrics=fabrics, models=models, looked=looked, address="10.0.0.1"
     )
 
 

@@ -12,15 +12,8 @@ from waiting import until
 from llmgw.bus import keys
 from llmgw.bus.client import Bus, decoder
 from llmgw.bus.records import (
-    Cpu,
     Desired,
-    EngineInstall,
     Event,
-    Gpu,
-    Gpus,
-    HeldModel,
-    IbAdapter,
-    IbPort,
     Lease,
     Memory,
     NodeInventory,
@@ -28,8 +21,6 @@ from llmgw.bus.records import (
     RefusedNodes,
     Replica,
     ReplicaMember,
-    Store,
-    Weights,
     decode,
 )
 from llmgw.catalog import Model, encode_model, validate_models
@@ -61,44 +52,17 @@ def node(
     held: Iterable[tuple[str, str]] = (),  # (model key, store identity)
     looked: bool = True,
 ) -> NodeInventory:
-    devices = [
-        Gpu(
-            index=i,
-            name="H100",
-            uuid=f"GPU-{name}-{i}",
-            memory_total_bytes=int(gpu_gb * GB),
-            pci_bus_id=f"0000:{i:02x}:00.0",
-            compute_capability="9.0",
-        )
-        for i in range(gpus)
-    ]
-    ib = []
-    if fabric is not None:
-        port = IbPort(port=1, state="ACTIVE", phys_state="LinkUp", link_layer="InfiniBand")
-        ib = [IbAdapter(name="mlx5_0", fabric=fabric, ports=[port])]
-    models = [
-        HeldModel(
-            key=key,
-            format="safetensors",
-            path=f"/models/{key}",
-            bytes=1,
-            files=1,
-            store=Store(kind="local" if store.startswith("local:") else "shared", identity=store),
-        )
-        for key, store in held
-    ]
-    return NodeInventory(
-        node=name,
-        hostname=name,
-        address="10.0.0.1",
-        agent_version="test",
+    """An 8x H100 node by default, as its agent would report it."""
+    return inventory(
+        name,
+        gpus=gpus,
+        gpu_gb=gpu_gb,
+        ram_gb=ram_gb,
+        engines=engines,
+        fabric=fabric,
+        held=held,
+        looked=looked,
         started_at=0.0,
-        cpu=Cpu(count=64),
-        memory=Memory(total_bytes=int(ram_gb * GB), available_bytes=int(ram_gb * GB)),
-        gpus=Gpus(status="ok" if gpus else "no_library", devices=devices),
-        ib=ib,
-        engines=[EngineInstall(name=e, path=f"/usr/bin/{e}", version="1") for e in engines],
-        weights=Weights(looked=looked, models=models),
     )
 
 
@@ -139,7 +103,7 @@ def replica(
         rid=rid,
         profile="p",
         members=[
-            ReplicaMember(node=n, rank=i, gpus=[f"GPU-{n}-{g}" for g in gpu_ids], port=port)
+            ReplicaMember(node=n, rank=i, gpus=[f"GPU-{n}-{g:02d}" for g in gpu_ids], port=port)
             for i, (n, gpu_ids) in enumerate(members)
         ],
         phase=phase,
@@ -228,7 +192,7 @@ def test_gpu_accounting_across_replicas_in_snapshot_and_in_the_same_plan():
     result = plan(snapshot(nodes, [model(gpus=4)], {"m": 2}, replicas=[other]))
     assert placed_on(result) == [["n1"]]
     (member,) = result.create[0].members
-    assert member.gpus == ["GPU-n1-4", "GPU-n1-5", "GPU-n1-6", "GPU-n1-7"]
+    assert member.gpus == ["GPU-n1-04", "GPU-n1-05", "GPU-n1-06", "GPU-n1-07"]
     record = result.placements["m"]
     assert (record.desired, record.placed) == (2, 1)
     assert record.explanation == "0/2 nodes fit: 2 short of free GPUs (0-2 free, needs 4)"

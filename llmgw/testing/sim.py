@@ -7,6 +7,7 @@ controller and the CLI can be exercised (and benchmarked) at fleet size on one m
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import anyio
@@ -24,10 +25,20 @@ def inventory(
     gpus: int = 8,
     gpu_gb: float = 80,
     ram_gib: float = 512,
-    engines: tuple[str, ...] = ("llama-server", "vllm"),
+    ram_gb: float | None = None,
+    engines: Iterable[str] = ("llama-server", "vllm"),
     fabric: str | None = None,
+    fabrics: Iterable[str | None] = (),
     address: str | None = None,
+    held: Iterable[tuple[str, str]] = (),
+    models: Iterable[records.HeldModel] = (),
+    looked: bool = False,
+    started_at: float | None = None,
 ) -> records.NodeInventory:
+    """The inventory a node's agent would write: `gpus` H100s of `gpu_gb` (decimal GB, as
+    sold), RAM in GiB (or decimal `ram_gb`), the engines installed, IB adapters on `fabric`
+    (or one adapter per entry of `fabrics`, None meaning not configured), and the weights it
+    holds: `held` (model key, store identity) pairs, or `models` as they are."""
     devices = [
         records.Gpu(
             index=i,
@@ -39,32 +50,37 @@ def inventory(
         )
         for i in range(gpus)
     ]
-    ib = []
-    if fabric:
-        ib = [
-            records.IbAdapter(
-                name="mlx5_0",
-                fabric=fabric,
-                ports=[
-                    records.IbPort(
-                        port=1, state="ACTIVE", phys_state="LinkUp", link_layer="InfiniBand"
-                    )
-                ],
-            )
-        ]
+    active = records.IbPort(port=1, state="ACTIVE", phys_state="LinkUp", link_layer="InfiniBand")
+    on = [fabric] if fabric else list(fabrics)
+    ib = [records.IbAdapter(name=f"mlx5_{i}", fabric=f, ports=[active]) for i, f in enumerate(on)]
+    weights = [
+        records.HeldModel(
+            key=key,
+            format="safetensors",
+            path=f"/models/{key}",
+            bytes=1,
+            files=1,
+            store=records.Store(
+                kind="local" if store.startswith("local:") else "shared", identity=store
+            ),
+        )
+        for key, store in held
+    ] + list(models)
+    ram = int(ram_gb * 1e9) if ram_gb is not None else int(ram_gib * GIB)
     return records.NodeInventory(
         node=node,
         hostname=node,
         address=address or "127.0.0.1",
         agent_version="sim",
-        started_at=time.time(),
+        started_at=time.time() if started_at is None else started_at,
         cpu=records.Cpu(count=64, model="sim"),
-        memory=records.Memory(total_bytes=int(ram_gib * GIB), available_bytes=int(ram_gib * GIB)),
+        memory=records.Memory(total_bytes=ram, available_bytes=ram),
         gpus=records.Gpus(status="ok" if gpus else "no_library", devices=devices),
         ib=ib,
         engines=[
             records.EngineInstall(name=e, path=f"/usr/bin/{e}", version="sim") for e in engines
         ],
+        weights=records.Weights(looked=looked or bool(weights), models=weights),
     )
 
 
