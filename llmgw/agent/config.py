@@ -35,6 +35,9 @@ class Nats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaul
     tls_cert: str | None = None
     tls_key: str | None = None
     bucket: str = "llmgw"
+    # copies a NATS cluster keeps of the bucket: 3 on a 3-server cluster; None: 1 when
+    # creating it, else as it is (an explicit value is checked against the bucket)
+    bucket_replicas: int | None = None
 
 
 class Node(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -163,6 +166,7 @@ class Range:
 
 # every number of the config; a test checks that none is left out
 RANGES: dict[str, Range] = {
+    "nats.bucket_replicas": Range(1, 5, "copies", low_ok=True),  # JetStream's own limit
     "node.ram_total_gb": Range(0, 1 << 20, "GiB"),
     "weights.scan_interval": Range(0, DAY, "seconds"),
     "weights.scan_timeout": Range(0, DAY, "seconds"),

@@ -124,7 +124,8 @@ class Agent:
             inventory.discover, cfg, ident, self.started_at, not_scanned, self._hardware
         )
         self.bus = await Bus.connect(
-            nats_settings(cfg, ident.node, source), BucketSettings(name=cfg.nats.bucket)
+            nats_settings(cfg, ident.node, source),
+            BucketSettings(name=cfg.nats.bucket, replicas=cfg.nats.bucket_replicas),
         )
         try:
             await self._write_inventory(force=True)

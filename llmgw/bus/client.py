@@ -30,7 +30,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
-from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from llmgw.errors import LlmgwError
 
@@ -50,6 +50,16 @@ DEFAULT_HEALTHY_AFTER = 10.0
 MAX_VALUE_BYTES = 1_000_000
 _MAX_PEM_BYTES = 1 << 20  # a certificate chain or key file; anything bigger is not one
 _SCHEMES = ("nats", "tls", "ws", "wss")
+# JetStream's answers to a conditional write (nats-server): 10071 compared and found the
+# subject at another revision ("wrong last sequence: N"); 10164 did not compare, because
+# another conditional write on the subject is in flight on a cluster (decides nothing)
+_WRONG_LAST_SEQUENCE = 10071
+_WRONG_LAST_SEQUENCE_BUSY = 10164
+_EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
+# nats-server >= 2.11: the expected revision is that of this subject, not the written one's
+_EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
+_REPLICAS_NEED_A_CLUSTER = 10074  # "replicas > 1 not supported in non-clustered mode"
+_FENCE_BUSY_ATTEMPTS = 40  # about 3 s of 10164s before a write gives up until the next pass
 
 
 class BusError(LlmgwError):
@@ -216,6 +226,28 @@ class Synced:
     """The watch has delivered the current state (after start and after every reconnect)."""
 
 
+@dataclass(frozen=True)
+class Fence:
+    """A condition the server checks together with a write, atomically: `key` is still at
+    `revision`. The leading controller fences each of its writes with the `leader` key, so
+    a controller deposed meanwhile writes nothing (docs/architecture.md, "Fenced writes")."""
+
+    key: str
+    revision: int
+
+
+class FencedOff(Exception):
+    """The server refused a fenced write: the fence key has moved on from the revision the
+    writer held. Not an operator's problem: the writer lost what the fence stood for."""
+
+    def __init__(self, key: str, fence: Fence, now_at: int | None) -> None:
+        self.key, self.fence, self.now_at = key, fence, now_at
+        at = f"revision {now_at}" if now_at is not None else "another revision"
+        super().__init__(
+            f"write to {key} refused: {fence.key} is at {at}, not {fence.revision} as fenced"
+        )
+
+
 def decoder(type_: type[T]) -> Decoder[T]:
     return lambda data: records.decode(data, type_)
 
@@ -226,6 +258,7 @@ class _ConnState:
     connected_since: float | None = None
     reconnects: int = 0
     refusal: BaseException | None = None  # the last TLS or authorization refusal seen
+    denied: str = ""  # the last subject permissions refused this client, as the server said
     watch_restarts: list[asyncio.Event] = field(default_factory=list)
 
 
@@ -300,6 +333,8 @@ class Bus:
         async def error_cb(e: Exception) -> None:
             if _is_refusal(e):
                 state.refusal = e  # a later "connection lost" must not hide why
+            elif "permissions violation" in _describe(e).lower():
+                state.denied = _describe(e)  # a JetStream request refused so answers nothing
             _log_nats_error(e, settings)
 
         async def disconnected_cb() -> None:
@@ -362,7 +397,7 @@ class Bus:
                 await asyncio.sleep(delay)
         state.connected_since = time.monotonic()
         try:
-            kv, max_value = await ensure_bucket(nc, bucket)
+            kv, max_value = await _open_bucket(nc, bucket, settings, state, deadline)
         except BaseException:
             await nc.close()
             raise
@@ -446,9 +481,14 @@ class Bus:
             )
         return data
 
-    async def put(self, key: str, record: msgspec.Struct | bytes) -> int:
-        data = record if isinstance(record, bytes) else records.encode(record)
-        return await self.kv.put(key, self._sized(key, data))
+    async def put(
+        self, key: str, record: msgspec.Struct | bytes, *, fence: Fence | None = None
+    ) -> int:
+        """Write; with `fence`, only while the fence key is at its revision (FencedOff if not)."""
+        data = self._sized(key, record if isinstance(record, bytes) else records.encode(record))
+        if fence is None:
+            return await self.kv.put(key, data)
+        return await self._fenced(key, data, fence, {})
 
     async def create(self, key: str, record: msgspec.Struct) -> int | None:
         """Write only if the key does not exist; None if it does."""
@@ -464,13 +504,61 @@ class Bus:
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
 
-    async def delete(self, key: str, last: int | None = None) -> bool:
-        """Delete; with `last`, only if the key is still at that revision (False if not)."""
+    async def delete(
+        self, key: str, last: int | None = None, *, fence: Fence | None = None
+    ) -> bool:
+        """Delete; with `last`, only if the key is still at that revision (False if not); with
+        `fence`, only while the fence key is at its revision (FencedOff if not)."""
+        if fence is not None:
+            await self._fenced(key, b"", fence, {KV_OP: KV_DEL})
+            return True
         try:
             await self.kv.delete(key, last=last)
-        except nats.js.errors.KeyWrongLastSequenceError:
-            return False
+        except nats.js.errors.APIError as e:
+            # nats-py's delete does not map a stale `last` to KeyWrongLastSequenceError
+            if e.err_code in (_WRONG_LAST_SEQUENCE, _WRONG_LAST_SEQUENCE_BUSY):
+                return False
+            raise
         return True
+
+    async def _fenced(self, key: str, data: bytes, fence: Fence, headers: dict[str, str]) -> int:
+        """Publish `data` to `key` on the condition that `fence.key` is at `fence.revision`.
+        The stream checks the condition and stores the write as one step, on one server or
+        on a cluster's stream leader."""
+        headers = {
+            **headers,
+            _EXPECTED_LAST_SUBJECT_SEQUENCE: str(fence.revision),
+            _EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT: self._subject(fence.key),
+        }
+        backoff = Backoff(base=0.005, cap=0.1)
+        for _ in range(_FENCE_BUSY_ATTEMPTS):
+            try:
+                ack = await self.js.publish(self._subject(key), data, headers=headers)
+                return ack.seq
+            except nats.js.errors.APIError as e:
+                if e.err_code == _WRONG_LAST_SEQUENCE:
+                    raise FencedOff(key, fence, _revision_in(e.description)) from None
+                if e.err_code != _WRONG_LAST_SEQUENCE_BUSY:
+                    raise
+            # A cluster's stream leader lets one conditional write on a subject be in flight
+            # at a time and refuses the others without comparing: that decides nothing.
+            await asyncio.sleep(backoff.next_delay())
+        raise BusError(
+            f"write to {key} not made: {fence.key} stayed busy with other conditional writes "
+            f"for {_FENCE_BUSY_ATTEMPTS} attempts; it is tried again on the next pass"
+        )
+
+    def _subject(self, key: str) -> str:
+        return f"$KV.{self.bucket.name}.{key}"
+
+    async def deleted_at(self, key: str) -> int | None:
+        """The revision of the key's deletion (what a compare-and-set recreating it names);
+        0 if it never existed; None if it holds a value."""
+        try:
+            e = await self.kv.get(key)
+        except nats.js.errors.KeyNotFoundError as e:
+            return (e.entry.revision or 0) if e.entry is not None else 0
+        return None if e.value is not None else (e.revision or 0)
 
     async def get_raw(self, key: str) -> tuple[bytes, int] | None:
         """The value's bytes and revision; None when absent (or over the size limit: logged)."""
@@ -609,19 +697,100 @@ class Bus:
         return msg.data
 
 
-async def ensure_bucket(nc: Client, settings: BucketSettings) -> tuple[KeyValue, int]:
-    """Open the bucket, creating it if missing; never silently recreate one that differs.
-    Returns it with the largest value llmgw writes to or accepts from it."""
-    js = nc.jetstream()
-    try:
-        kv = await js.key_value(settings.name)
-    except nats.js.errors.BucketNotFoundError:
+async def _open_bucket(
+    nc: Client,
+    bucket: BucketSettings,
+    settings: NatsSettings,
+    state: _ConnState,
+    deadline: float | None,
+) -> tuple[KeyValue, int]:
+    """`ensure_bucket`, waiting for JetStream like for any outage (until `deadline`), and
+    saying what it waits for. A JetStream request that permissions refused also answers
+    nothing: that is said at once instead of waited on."""
+    backoff = Backoff(base=settings.backoff_base, cap=min(settings.backoff_cap, 5.0))
+    said_at: float | None = None
+    while True:
+        state.denied = ""
         try:
-            kv = await js.create_key_value(
+            return await ensure_bucket(nc, bucket, timeout=settings.connect_timeout)
+        except JetStreamNotReady as e:
+            if "$JS.API.STREAM.CREATE" in state.denied:
+                raise BusError(
+                    f"bucket {bucket.name} does not exist and this identity may not create it "
+                    f"({state.denied}): start a controller (or `llmgw up`) first, or check the "
+                    "NATS permissions (docs/security.md)"
+                ) from None
+            if "$JS." in state.denied:
+                raise BusError(
+                    f"NATS refused this identity a JetStream request ({state.denied}): "
+                    "check the NATS permissions (docs/security.md)"
+                ) from None
+            delay = backoff.next_delay()
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise JetStreamNotReady(
+                    e.url,
+                    e.detail,
+                    "a NATS cluster serves JetStream once a majority of its servers is up and "
+                    "has elected a leader: check each server's /healthz",
+                ) from None
+            now = time.monotonic()
+            if said_at is None or now - said_at >= 30:
+                log.warning("JetStream not ready on %s: waiting (%s)", e.url, e.detail)
+                said_at = now
+            await asyncio.sleep(delay)
+
+
+class JetStreamNotReady(BusError):
+    """JetStream gave no answer, or said it is not available yet: a cluster still electing
+    its leader or short of a majority of its servers. A wait, like any outage."""
+
+    def __init__(self, url: str, detail: str, hint: str = "") -> None:
+        self.url, self.detail = url, detail
+        super().__init__(f"JetStream not ready on {url} ({detail})" + (f"; {hint}" if hint else ""))
+
+
+async def ensure_bucket(
+    nc: Client, settings: BucketSettings, *, timeout: float = 5.0
+) -> tuple[KeyValue, int]:
+    """Open the bucket, creating it if missing; never silently recreate one that differs.
+    Returns it with the largest value llmgw writes to or accepts from it. JetStream not
+    answering within `timeout` (or answering 503) raises JetStreamNotReady: the caller waits.
+    """
+    # short answers while starting; the bucket itself is used with the default timeout
+    js = nc.jetstream(timeout=timeout)
+    try:
+        max_value = await _open_or_create(nc, js, settings)
+        return await nc.jetstream().key_value(settings.name), max_value
+    except (
+        nats.errors.TimeoutError,
+        nats.errors.NoRespondersError,
+        nats.js.errors.ServiceUnavailableError,
+    ) as e:
+        if not _server_info(nc).get("jetstream", True):
+            raise BusError(
+                f"NATS at {_server_url(nc)} has no JetStream, which llmgw's bucket needs: "
+                "enable it in the server's config (`jetstream { store_dir: ... }`, nats/dev.conf)"
+            ) from None
+        what = "no answer" if isinstance(e, nats.errors.TimeoutError) else _describe(e)
+        raise JetStreamNotReady(
+            _server_url(nc), f"{what} while opening bucket {settings.name}"
+        ) from None
+
+
+async def _open_or_create(nc: Client, js: Any, settings: BucketSettings) -> int:
+    cluster = _server_info(nc).get("cluster")
+    try:
+        await js.key_value(settings.name)
+    except nats.js.errors.BucketNotFoundError:
+        replicas = settings.replicas or 1
+        if cluster and replicas == 1:
+            _warn_r1(settings.name, cluster, "creating it with replicas=1")
+        try:
+            await js.create_key_value(
                 KeyValueConfig(
                     bucket=settings.name,
                     history=settings.history or 1,
-                    replicas=settings.replicas or 1,
+                    replicas=replicas,
                     max_value_size=MAX_VALUE_BYTES,
                     description="llmgw: inventory, weights, desired state, assignments (docs/bucket.md)",
                 )
@@ -629,19 +798,20 @@ async def ensure_bucket(nc: Client, settings: BucketSettings) -> tuple[KeyValue,
             log.info(
                 "created bucket %s (replicas=%d, history=%d)",
                 settings.name,
-                settings.replicas or 1,
+                replicas,
                 settings.history or 1,
             )
-            return kv, MAX_VALUE_BYTES
-        except nats.js.errors.BadRequestError:
-            kv = await js.key_value(settings.name)  # another component created it first
-        except nats.errors.TimeoutError as e:
-            # permissions that do not allow creating streams answer with silence
-            raise BusError(
-                f"bucket {settings.name} does not exist and creating it timed out: this identity "
-                "may not be allowed to create it; start a controller (or `llmgw up`) first, "
-                "or check the NATS permissions (docs/security.md)"
-            ) from e
+            return MAX_VALUE_BYTES
+        except nats.js.errors.APIError as e:
+            if e.err_code == _REPLICAS_NEED_A_CLUSTER:
+                raise BusError(
+                    f"bucket {settings.name} cannot be created with replicas={replicas}: NATS "
+                    f"at {_server_url(nc)} is a single server, not a cluster; leave "
+                    "--bucket-replicas unset (or 1), or give the cluster's URLs"
+                ) from None
+            if not isinstance(e, nats.js.errors.BadRequestError):
+                raise
+            await js.key_value(settings.name)  # another component created it first
     except nats.js.errors.BadBucketError as e:
         raise BusError(
             f"stream KV_{settings.name} exists but is not a KV bucket: pick another --bucket"
@@ -660,9 +830,37 @@ async def ensure_bucket(nc: Client, settings: BucketSettings) -> tuple[KeyValue,
             f"(that would lose its contents): change the setting to match, or edit the bucket with "
             f"`nats kv edit {settings.name}`"
         )
+    if cluster and (info.config.num_replicas or 1) == 1 and settings.replicas is None:
+        _warn_r1(settings.name, cluster, "it has replicas=1")
     # a bucket made by another tool may allow bigger values; llmgw still keeps to its own cap
     bucket_max = info.config.max_msg_size or -1
-    return kv, MAX_VALUE_BYTES if bucket_max <= 0 else min(bucket_max, MAX_VALUE_BYTES)
+    return MAX_VALUE_BYTES if bucket_max <= 0 else min(bucket_max, MAX_VALUE_BYTES)
+
+
+def _warn_r1(bucket: str, cluster: str, what: str) -> None:
+    log.warning(
+        "bucket %s on NATS cluster %s: %s, so it lives on ONE server of the cluster, and losing "
+        "that server stops the whole control plane; give every component --bucket-replicas 3 "
+        "(LLMGW_BUCKET_REPLICAS; nats.bucket_replicas in the agent config), and raise an "
+        "existing bucket with `nats stream edit KV_%s --replicas 3`",
+        bucket,
+        cluster,
+        what,
+        bucket,
+    )
+
+
+def _server_info(nc: Client) -> dict[str, Any]:
+    # the INFO the server sent: `cluster` is its cluster's name (absent on a lone server),
+    # `jetstream` whether it runs JetStream; nats-py keeps it only privately
+    info = getattr(nc, "_server_info", None)
+    return info if isinstance(info, dict) else {}
+
+
+def _revision_in(description: str | None) -> int | None:
+    """N in JetStream's "wrong last sequence: N"."""
+    _, _, tail = (description or "").rpartition(":")
+    return int(tail) if tail.strip().isdigit() else None
 
 
 def _too_big(key: str, data: bytes, revision: int, limit: int) -> bool:

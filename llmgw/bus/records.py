@@ -185,6 +185,7 @@ class Health(msgspec.Struct, kw_only=True):
     since: float
     reason: str = ""
     last_seq: int = 0
+    epoch: int = 0  # the leadership that wrote it (Leader.epoch)
 
 
 # --- desired.<model>: written by the operator
@@ -218,6 +219,7 @@ class Replica(msgspec.Struct, kw_only=True):
     endpoint: str | None = None  # host:port of the rank-0 engine once ready
     created_at: float = 0.0
     reason: str = ""  # why it was placed where it is
+    epoch: int = 0  # the leadership that last wrote it (Leader.epoch)
 
 
 AssignAction = Literal["run", "drain", "stop"]
@@ -241,6 +243,7 @@ class Assignment(msgspec.Struct, kw_only=True):
     # fingerprint of the catalog entry: a fixed profile reaches the agents (a failed
     # shard is launched again with it; a healthy engine keeps its launch until replaced)
     catalog_hash: str = ""
+    epoch: int = 0  # the leadership that last changed it (Leader.epoch); not a change itself
 
 
 # --- shards.<node>.<rid>: written by the agent
@@ -330,6 +333,9 @@ class Leader(msgspec.Struct, kw_only=True):
     renewed_at: float
     # random per controller process: a restart under the same id is not the same holder
     instance: str = ""
+    # grows at every takeover, constant while renewed: one more than the revision of the
+    # key it took over (a deletion's included), so a later leadership's is always larger
+    epoch: int = 0
 
 
 # --- events on llmgw.events.<kind>.<id>

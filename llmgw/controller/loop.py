@@ -6,9 +6,11 @@ weights view, replicas and their phases, assignments derived from the replicas, 
 placement record with its explanation. Replicas are written before their assignments and
 assignments are derived from replicas on every pass, so a controller killed between two
 writes finishes the job after its restart instead of duplicating or orphaning anything.
-One controller leads through the `leader` key (controller/leadership.py); it judges nodes
-only while its own link to the bucket is trusted (controller/link.py). Time comes from one
-clock passed in (controller/clock.py).
+One controller leads through the `leader` key (controller/leadership.py), and every write
+it makes is fenced with that key: the server stores it only while the key is still at the
+revision this controller gave it, so a leader deposed while stalled writes nothing after
+the takeover. It judges nodes only while its own link to the bucket is trusted
+(controller/link.py). Time comes from one clock passed in (controller/clock.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import anyio
@@ -26,7 +28,7 @@ import msgspec
 
 from llmgw import catalog
 from llmgw.bus import keys, records
-from llmgw.bus.client import Bus, Synced, Update, decoder
+from llmgw.bus.client import Bus, Fence, FencedOff, Synced, Update, decoder
 from llmgw.bus.records import NodePhase
 from llmgw.controller import placement
 from llmgw.controller.clock import Clock, SystemClock
@@ -82,7 +84,14 @@ class Controller:
         self._synced = anyio.Event()
         self._pass_due = True  # something a pass reads changed since the last one
         self._last_pass = float("-inf")  # event-loop time of the last full pass
-        self._my_rev = 0
+        self._my_rev = 0  # the leader key's revision as this controller last wrote it
+        self.epoch = 0  # the number of its latest leadership (records.Leader.epoch)
+        self._epoch_rev = 0  # the leader key's revision when this controller took the lead
+        self.fenced_off = 0  # writes the server refused: another controller had taken over
+        # One write at a time, renewals included: a write is fenced with the revision the
+        # last renewal left, and a cluster's stream leader refuses (without comparing) a
+        # conditional write while another on the same key is in flight.
+        self._writing = anyio.Lock()
         self._since = 0.0  # when this controller took the lead
         self._qualifying: dict[str, set[str]] = {}
 
@@ -159,10 +168,11 @@ class Controller:
         interval = self.settings.leader_ttl / 3
         while True:
             try:
-                if self.leading:
-                    await self._renew()
-                else:
-                    await self._claim()
+                async with self._writing:
+                    if self.leading:
+                        await self._renew()
+                    else:
+                        await self._claim()
             except Exception as e:  # noqa: BLE001 - NATS away: try again next interval
                 # a leader that cannot renew must not act on what may be a stale view; it
                 # takes the key back at the next step if nobody else did
@@ -174,7 +184,11 @@ class Controller:
 
     def _leader_record(self) -> records.Leader:
         return records.Leader(
-            holder=self.id, since=self._since, renewed_at=self.clock.wall(), instance=self.instance
+            holder=self.id,
+            since=self._since,
+            renewed_at=self.clock.wall(),
+            instance=self.instance,
+            epoch=self.epoch,
         )
 
     async def _renew(self) -> None:
@@ -198,14 +212,22 @@ class Controller:
         previous = held.value.holder if held.value else None
         if at != CREATE and held.value is None:
             previous = "a value that does not decode"
+        if at == CREATE:
+            # a deleted key still has a revision, its deletion's: the epoch grows from it
+            deleted = await self.bus.deleted_at(keys.leader())
+            if deleted is None:
+                return  # someone holds it now: this controller's view will show whom
+            at = deleted
         self._since = self.clock.wall()
+        self.epoch = at + 1
         if at == CREATE:
             rev = await self.bus.create(keys.leader(), self._leader_record())
         else:
             rev = await self.bus.update(keys.leader(), self._leader_record(), last=at)
         if rev is None:
+            self.epoch = 0
             return  # another controller was quicker
-        self._my_rev = rev
+        self._my_rev = self._epoch_rev = rev
         # A controller that starts leading judges from now, as after a restart: it may
         # come back from being cut off (JetStream without quorum, a stalled link: no
         # reconnect, so no re-sync) with leases that only look still. Nodes already
@@ -214,14 +236,45 @@ class Controller:
         self._hold_stored_phases()
         self.leading = True
         self._pass_due = True
-        log.info("controller %s leads (previous: %s)", self.id, previous or "none")
+        log.info(
+            "controller %s leads, epoch %d (previous: %s)", self.id, self.epoch, previous or "none"
+        )
         await self.bus.publish_event(
-            "leader", keys.sanitize_token(self.id), f"controller {self.id} leads", previous=previous
+            "leader",
+            keys.sanitize_token(self.id),
+            f"controller {self.id} leads",
+            previous=previous,
+            epoch=self.epoch,
         )
 
     def _require_leading(self) -> None:
         if not self.leading:
             raise _NotLeading
+
+    async def _put(self, key: str, record: msgspec.Struct) -> None:
+        await self._fenced(key, lambda fence: self.bus.put(key, record, fence=fence))
+
+    async def _delete(self, key: str) -> None:
+        await self._fenced(key, lambda fence: self.bus.delete(key, fence=fence))
+
+    async def _fenced(self, key: str, write: Callable[[Fence], Awaitable[object]]) -> None:
+        """Make one write on the condition, checked by the server with the write itself,
+        that the leader key is still at the revision this controller last gave it. A leader
+        deposed while it was stalled (a paused process, a partitioned link whose bytes
+        arrive late) has every later write refused, and stops leading."""
+        async with self._writing:
+            self._require_leading()
+            try:
+                await write(Fence(keys.leader(), self._my_rev))
+            except FencedOff as e:
+                self.fenced_off += 1
+                self._step_down(
+                    f"the server refused its write to {key}: the leader key moved on from "
+                    f"revision {e.fence.revision}"
+                    + (f" to {e.now_at}" if e.now_at is not None else "")
+                    + f" (epoch {self.epoch} is over: another controller took over)"
+                )
+                raise _NotLeading from None
 
     def _step_down(self, why: str) -> None:
         if self.leading:
@@ -253,6 +306,10 @@ class Controller:
             await self._check_link()
         if not self.link.may_judge:
             return  # the view may be stale: judge nothing
+        if self.view.leader_rev < self._epoch_rev:
+            # The watch delivers in the order the bucket stored, so once it shows this
+            # takeover, the view holds every write the previous leader made before it.
+            return
         try:
             changed = await self._judge_nodes()
             due = self._pass_due or changed
@@ -300,8 +357,10 @@ class Controller:
 
     async def _write_health(self, changes: HealthChanges) -> None:
         many = len(changes.write) > 20
-        # a fleet's worth at start-up: written concurrently (sequential puts are ~3,000/s)
-        await _bounded_gather([self._write_one_health(c, many=many) for c in changes.write])
+        # one at a time, as every fenced write (a fleet's worth at start-up: ~1,000 nodes a
+        # second on a 3-server cluster, ~3,000 on one server)
+        for change in changes.write:
+            await self._write_one_health(change, many=many)
         if many:
             counts: dict[str, int] = {}
             for c in changes.write:
@@ -312,14 +371,15 @@ class Controller:
                 ", ".join(f"{n} {p}" for p, n in counts.items()),
             )
         for node in changes.delete:
-            await self.bus.delete(keys.health(node))  # decommissioned: its inventory was removed
+            await self._delete(keys.health(node))  # decommissioned: its inventory was removed
             self.view.health.pop(node, None)
 
     async def _write_one_health(self, change: HealthChange, *, many: bool) -> None:
-        record, previous = change.record, change.previous
+        record = msgspec.structs.replace(change.record, epoch=self.epoch)
+        previous = change.previous
         started = anyio.current_time()
         try:
-            await self.bus.put(keys.health(record.node), record)
+            await self._put(keys.health(record.node), record)
         finally:
             self.link.wrote(anyio.current_time() - started)
         self.view.health[record.node] = record
@@ -370,7 +430,8 @@ class Controller:
         removals = [r for r in plan.remove if r.model not in frozen]
         self._require_leading()  # a pass outlived by its leadership writes nothing more
         for replica in plan.create:
-            await self.bus.put(keys.replica(replica.model, replica.rid), replica)
+            replica = msgspec.structs.replace(replica, epoch=self.epoch)
+            await self._put(keys.replica(replica.model, replica.rid), replica)
             self.view.replicas[replica.rid] = replica
             where = ", ".join(m.node for m in replica.members)
             log.info("placed %s %s on %s: %s", replica.model, replica.rid, where, replica.reason)
@@ -385,8 +446,10 @@ class Controller:
         for removal in removals:
             replica = self.view.replicas.get(removal.rid)
             if replica is not None and replica.phase not in ("draining", "stopped"):
-                drained = msgspec.structs.replace(replica, phase="draining", reason=removal.reason)
-                await self.bus.put(keys.replica(replica.model, replica.rid), drained)
+                drained = msgspec.structs.replace(
+                    replica, phase="draining", reason=removal.reason, epoch=self.epoch
+                )
+                await self._put(keys.replica(replica.model, replica.rid), drained)
                 self.view.replicas[replica.rid] = drained
                 log.info("draining %s %s: %s", replica.model, replica.rid, removal.reason)
                 await self.bus.publish_event(
@@ -410,10 +473,10 @@ class Controller:
     async def _write_fabrics(self, view: dict[str, records.FabricHoldings]) -> None:
         for name, holdings in view.items():
             if self.view.fabrics.get(name) != holdings:
-                await self.bus.put(keys.fabric(name), holdings)
+                await self._put(keys.fabric(name), holdings)
                 self.view.fabrics[name] = holdings
         for name in [n for n in self.view.fabrics if n not in view]:
-            await self.bus.delete(keys.fabric(name))
+            await self._delete(keys.fabric(name))
             self.view.fabrics.pop(name, None)
 
     async def _sync_replica_phases(self, phases: dict[str, str]) -> None:
@@ -428,8 +491,10 @@ class Controller:
                 continue
             phase, endpoint = _phase_from_shards(replica, shards)
             if (phase, endpoint) != (replica.phase, replica.endpoint):
-                updated = msgspec.structs.replace(replica, phase=phase, endpoint=endpoint)
-                await self.bus.put(keys.replica(replica.model, rid), updated)
+                updated = msgspec.structs.replace(
+                    replica, phase=phase, endpoint=endpoint, epoch=self.epoch
+                )
+                await self._put(keys.replica(replica.model, rid), updated)
                 self.view.replicas[rid] = updated
                 if phase in ("ready", "failed"):
                     log.info(
@@ -450,9 +515,9 @@ class Controller:
     async def _forget_replica(self, replica: records.Replica, why: str) -> None:
         for m in replica.members:
             if (m.node, replica.rid) in self.view.assigns:
-                await self.bus.delete(keys.assign(m.node, replica.rid))
+                await self._delete(keys.assign(m.node, replica.rid))
                 self.view.assigns.pop((m.node, replica.rid), None)
-        await self.bus.delete(keys.replica(replica.model, replica.rid))
+        await self._delete(keys.replica(replica.model, replica.rid))
         self.view.replicas.pop(replica.rid, None)
         log.info("removed %s %s: %s", replica.model, replica.rid, why)
         await self.bus.publish_event(
@@ -498,13 +563,16 @@ class Controller:
         wanted = self._wanted_assignments()
         for (node, rid), want in wanted.items():
             have = self.view.assigns.get((node, rid))
-            if have is not None and msgspec.structs.replace(have, generation=0) == want:
+            # the epoch says who wrote it, and is no change by itself
+            if have is not None and msgspec.structs.replace(have, generation=0, epoch=0) == want:
                 continue
-            record = msgspec.structs.replace(want, generation=(have.generation + 1) if have else 1)
-            await self.bus.put(keys.assign(node, rid), record)
+            record = msgspec.structs.replace(
+                want, generation=(have.generation + 1) if have else 1, epoch=self.epoch
+            )
+            await self._put(keys.assign(node, rid), record)
             self.view.assigns[(node, rid)] = record
         for node, rid in [k for k in self.view.assigns if k not in wanted]:
-            await self.bus.delete(keys.assign(node, rid))  # its replica is gone: an orphan
+            await self._delete(keys.assign(node, rid))  # its replica is gone: an orphan
             self.view.assigns.pop((node, rid), None)
 
     async def _write_placements(self, plan: placement.Plan, frozen: Mapping[str, Freeze]) -> None:
@@ -529,7 +597,7 @@ class Controller:
             old = self.view.placements.get(model)
             if old is not None and _same_decision(old, rec):
                 continue
-            await self.bus.put(keys.placement(model), rec)
+            await self._put(keys.placement(model), rec)
             self.view.placements[model] = rec
             if rec.explanation:
                 log.info("%s: %d/%d placed; %s", model, rec.placed, rec.desired, rec.explanation)
@@ -546,7 +614,7 @@ class Controller:
             for m in self.view.placements
             if m not in records_by_model and m not in self.view.desired
         ]:
-            await self.bus.delete(keys.placement(model))
+            await self._delete(keys.placement(model))
             self.view.placements.pop(model, None)
 
     async def _report_qualifying(self, snap: placement.Snapshot) -> None:
@@ -576,26 +644,6 @@ class Controller:
                     f"node {node} no longer qualifies for {model}",
                     model=model,
                 )
-
-
-async def _bounded_gather(coros, limit: int = 64) -> None:
-    """Run them all, `limit` at a time; one failing does not cancel the others (their
-    writes may have landed), the first error is raised at the end."""
-    limiter = anyio.CapacityLimiter(limit)
-    errors: list[Exception] = []
-
-    async def one(c) -> None:
-        async with limiter:
-            try:
-                await c
-            except Exception as e:  # noqa: BLE001
-                errors.append(e)
-
-    async with anyio.create_task_group() as tg:
-        for c in coros:
-            tg.start_soon(one, c)
-    if errors:
-        raise errors[0]
 
 
 def _catalog_hash(model) -> str:
