@@ -132,7 +132,7 @@ def make_ca(org: str, now: dt.datetime, days: int = CA_DAYS) -> KeyPair:
     return KeyPair(cert, key)
 
 
-def _leaf(
+def issue_leaf(
     ca: KeyPair,
     subject: x509.Name,
     usages: Sequence[x509.ObjectIdentifier],
@@ -140,6 +140,7 @@ def _leaf(
     days: int,
     sans: Sequence[x509.GeneralName] = (),
 ) -> KeyPair:
+    """A certificate for `subject`, signed by `ca`, with the extended key `usages`."""
     if days < 1:
         raise PkiError(f"a certificate must be valid for at least 1 day, not {days}")
     key = _new_key()
@@ -206,7 +207,7 @@ def issue_client(
         raise PkiError(f"role {role!r} is none of {', '.join(ROLES)}")
     check_name(name, role)
     subject = client_subject(role, name, _org_of(ca.cert))
-    return _leaf(ca, subject, [ExtendedKeyUsageOID.CLIENT_AUTH], now, days)
+    return issue_leaf(ca, subject, [ExtendedKeyUsageOID.CLIENT_AUTH], now, days)
 
 
 def server_names(names: Sequence[str]) -> list[x509.GeneralName]:
@@ -251,7 +252,7 @@ def issue_server(
         ]
     )
     usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-    return _leaf(ca, subject, usages, now, days, sans)
+    return issue_leaf(ca, subject, usages, now, days, sans)
 
 
 def sans_of(cert: x509.Certificate) -> list[x509.GeneralName]:

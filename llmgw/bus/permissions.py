@@ -4,9 +4,10 @@ Every key has exactly one writer (docs/architecture.md), so an identity may publ
 `$KV` subjects of the keys it writes: a stolen node05 certificate can corrupt node05's own
 records and nothing else. Reads cannot be narrowed this way (a watch's filter travels in the
 consumer-create request body, not in its subject), so every identity may read the whole bucket.
-Static nats-server config has no per-user templates, hence one generated block per node.
+Static nats-server config has no per-user templates, hence one generated block per node:
 
-    python -m llmgw.bus.permissions node01 node02 > /etc/nats/llmgw-users.conf
+    llmgw pki nats-config      # a user per certificate of the fleet's CA (llmgw/pki_cli.py)
+    python -m llmgw.bus.permissions node01 node02 > /etc/nats/llmgw-users.conf  # another CA
 """
 
 from __future__ import annotations
