@@ -243,7 +243,7 @@ def issue(
 def _client_certs(pki_dir: Path, skip: set[Path]) -> list[Path]:
     found = []
     for path in sorted(pki_dir.glob("*.pem")):
-        if path.name == CA_CERT or path.name.endswith("-key.pem") or path in skip:
+        if path.name == CA_CERT or path.name.endswith("-key.pem") or path.resolve() in skip:
             continue
         found.append(path)
         if len(found) > _MAX_CERTS:
@@ -354,7 +354,7 @@ def nats_config(
     ca_pem = _read(pki_dir / CA_CERT, _no_ca(pki_dir))
     ca = certs.load_cert(ca_pem, str(pki_dir / CA_CERT))
     # with --out DIR the server's certificate sits among the clients' and is none of them
-    users = _users(pki_dir, ca, {out / SERVER_CERT})
+    users = _users(pki_dir, ca, {(out / SERVER_CERT).resolve()})
     _mkdir(out, 0o755)
     server, done = _server_cert(pki_dir, ca, out, server_names, days)
     _write(out / CA_CERT, ca_pem, 0o644)

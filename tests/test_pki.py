@@ -219,6 +219,32 @@ def test_nats_config_keeps_the_server_certificate_until_other_names_are_asked(
     assert server.read_bytes() != first
 
 
+def test_nats_config_renews_a_server_certificate_about_to_expire(ca_dir: Path) -> None:
+    server = ca_dir / "nats" / "server.pem"
+    llmgw_pki("nats-config", "--dir", ca_dir, "--server-name", "nats1.example.com", "--days", "10")
+    first = cert_at(server)
+    renewed = llmgw_pki("nats-config", "--dir", ca_dir)
+    assert f"renewed {server} for nats1.example.com" in renewed.output
+    assert cert_at(server).not_valid_after_utc > first.not_valid_after_utc
+
+
+def test_nats_config_names_client_certificates_about_to_expire(ca_dir: Path) -> None:
+    llmgw_pki("issue", "--router", "r1", "--dir", ca_dir, "--days", "10")
+    warned = llmgw_pki("nats-config", "--dir", ca_dir, "--server-name", "localhost")
+    assert f"warning: {ca_dir / 'r1.pem'} (router r1) expires on" in warned.stderr
+    assert "llmgw pki issue --router r1 --force" in warned.stderr
+
+
+def test_nats_config_with_out_in_the_directory_leaves_its_server_certificate_out(
+    ca_dir: Path,
+) -> None:
+    llmgw_pki("issue", "node05", "--dir", ca_dir)
+    for _ in range(2):  # the second run finds server.pem among the clients' certificates
+        llmgw_pki("nats-config", "--dir", ca_dir, "--out", ca_dir, "--server-name", "localhost")
+    users = (ca_dir / "llmgw-users.conf").read_text()
+    assert users.count("{ user:") == 1 and "CN=node05,OU=node,O=Example" in users
+
+
 def test_nats_config_without_a_server_certificate_asks_for_its_names(ca_dir: Path) -> None:
     refused = llmgw_pki("nats-config", "--dir", ca_dir, ok=False)
     assert f"{ca_dir / 'nats' / 'server.pem'} does not exist: pass --server-name" in (
