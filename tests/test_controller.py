@@ -11,11 +11,12 @@ import sys
 import anyio
 import msgspec
 import pytest
+from links import ProxyLink
 from waiting import until
 
 from llmgw import catalog
 from llmgw.bus import keys, records
-from llmgw.bus.client import Bus, NatsSettings, decoder
+from llmgw.bus.client import Bus, FencedOff, NatsSettings, Update, decoder
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.testing.sim import SimNode, inventory
 
@@ -578,7 +579,6 @@ async def test_leader_cut_off_without_a_reconnect_does_not_drain_the_fleet_when_
 ):
     # JetStream without quorum, or a stalled link: the controller's connection stays up,
     # nothing is delivered, so no reconnect (and no watch re-sync) tells it anything happened
-    from links import ProxyLink
 
     link = ProxyLink(nats_server.port)
     await link.start()
@@ -618,3 +618,135 @@ async def test_leader_cut_off_without_a_reconnect_does_not_drain_the_fleet_when_
         await link.cut()
     assert cut_off.reconnects == 0  # the case the re-sync on reconnect cannot see
     assert [(r.rid, r.phase) for r in after] == [(before.rid, before.phase)]
+
+
+# --- fenced takeovers -------------------------------------------------------------------------
+
+
+class _StallsAtFirstReplicaWrite(Bus):
+    """A controller's bus behind a ProxyLink that stalls just as the first replica write
+    leaves: the write waits in the link, as behind a partition, and reaches the server only
+    when the link heals, long after the takeover it did not see."""
+
+    link: ProxyLink
+    stalled: anyio.Event
+    answers: list[object]  # what that write got back: a revision, or the exception
+
+    async def put(self, key, record, **kw):
+        if not key.startswith("replicas.") or self.stalled.is_set():
+            return await super().put(key, record, **kw)
+        self.link.stall()
+        self.stalled.set()
+        try:
+            rev = await super().put(key, record, **kw)
+        except Exception as e:
+            self.answers.append(e)
+            raise
+        self.answers.append(rev)
+        return rev
+
+
+async def test_a_stalled_leaders_late_write_is_refused_and_no_replica_is_placed_twice(
+    bus, second_bus, nats_server
+):
+    link = ProxyLink(nats_server.port)
+    await link.start()
+    stalling = await _StallsAtFirstReplicaWrite.connect(
+        NatsSettings(urls=(link.url,), name="stalls"), give_up_after=5
+    )
+    stalling.link, stalling.stalled, stalling.answers = link, anyio.Event(), []
+    placed_ever: set[str] = set()
+
+    async def every_replica_placed():
+        async for item in bus.watch("replicas.>", decoder(records.Replica)):
+            if isinstance(item, Update) and item.value is not None:
+                placed_ever.add(item.value.rid)
+
+    a = Controller(stalling, ControllerSettings(controller_id="a", **FAST))
+    b = Controller(second_bus, ControllerSettings(controller_id="b", **FAST))
+    try:
+        async with anyio.create_task_group() as tg:
+            await _sim(bus, tg, inventory("gpu-a", gpus=2))
+            tg.start_soon(every_replica_placed)
+            tg.start_soon(a.run)
+            await until(lambda: _leader_is(bus, "a"))
+            tg.start_soon(b.run)
+            await _apply(bus, _model(), 1)
+            await stalling.stalled.wait()  # a decided to place; its write is in the link
+            await until(lambda: _leader_is(bus, "b"))  # a's lease stood still: b took over
+            (placed_by_b,) = await until(lambda: _replicas(bus))
+            await link.heal()  # a's write arrives now, after the takeover
+            await until(lambda: _true(stalling.answers))
+            passes = b.passes
+            await until(lambda: _passes_beyond(b, passes))  # b saw whatever landed
+            after = await _replicas(bus)
+            leading = (a.leading, b.leading)
+            tg.cancel_scope.cancel()
+    finally:
+        await stalling.close()
+        await link.cut()
+    assert isinstance(stalling.answers[0], FencedOff), f"a's late write landed: {stalling.answers}"
+    assert placed_ever == {placed_by_b.rid}, "a replica was placed twice (one by a deposed leader)"
+    assert [r.rid for r in after] == [placed_by_b.rid]
+    assert a.fenced_off == 1 and leading == (False, True)
+    assert 0 < a.epoch < b.epoch == after[0].epoch
+
+
+async def _true(value) -> bool:
+    return bool(value)
+
+
+class _LaggingWatch(Controller):
+    """A controller whose watch lags: what the bucket stores reaches its view, in the order
+    stored, only when the test says so (`catch_up`)."""
+
+    held: list | None = None
+
+    def _apply(self, item):
+        if self.held is not None:
+            self.held.append(item)
+        else:
+            super()._apply(item)
+
+    def catch_up(self) -> None:
+        held, self.held = self.held or [], None
+        for item in held:
+            super()._apply(item)
+
+
+async def test_a_new_leader_acts_only_once_its_view_holds_every_write_before_its_takeover(
+    bus, second_bus
+):
+    old = records.Leader(holder="x", since=1, renewed_at=1, instance="x", epoch=1)
+    settings = dict(unreachable_after=5, lost_after=30, leader_ttl=1, tick=0.05, resync=0.5)
+    b = _LaggingWatch(second_bus, ControllerSettings(controller_id="b", **settings))
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, inventory("gpu-a", gpus=2))
+        await _apply(bus, _model(), 1)
+        held_at = await bus.put("leader", old)  # x leads, and stops renewing from here
+        tg.start_soon(b.run)
+        await until(lambda: _true(b.view.leader_rev == held_at and "m" in b.view.desired))
+        b.held = []  # b's view falls behind from here
+        # x's last write before it died: its replica of m
+        placed_by_x = records.Replica(
+            model="m",
+            rid="r-x",
+            profile="p",
+            members=[
+                records.ReplicaMember(node="gpu-a", rank=0, gpus=["GPU-gpu-a-00"], port=18000)
+            ],
+        )
+        await bus.put(keys.replica("m", "r-x"), placed_by_x)
+        await until(lambda: _leader_is(bus, "b"))  # x's lease stood still: b took over
+        steps = b.leadership_steps
+        await until(lambda: _steps(b, steps + 3))  # b renewed three times meanwhile
+        assert [r.rid for r in await _replicas(bus)] == ["r-x"], "b acted on a stale view"
+        b.catch_up()
+
+        async def answered():
+            rec = await _placement(bus)
+            return rec if rec and rec.placed == 1 else None
+
+        await until(answered)
+        assert [r.rid for r in await _replicas(bus)] == ["r-x"]
+        tg.cancel_scope.cancel()
