@@ -506,7 +506,11 @@ def _record(extra: dict) -> None:
 def _fail(lines: list[str], *, err: bool = True) -> NoReturn:
     for line in lines:
         log(line, err=err)
-    sys.exit(int(_env_float("FAKE_ENGINE_EXIT_CODE", 1)))
+    # at once, as a C++ engine does: no interpreter shutdown printing about pending tasks
+    # (an open keep-alive connection's handler) after the engine's last line
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(_env_float("FAKE_ENGINE_EXIT_CODE", 1)))
 
 
 def _llama_model_problem(ns: argparse.Namespace) -> list[str]:
