@@ -843,5 +843,13 @@ def agent_run(config_path: Path | None, nats_urls: tuple[str, ...]) -> None:
     agent_main.main(args=args, standalone_mode=True)
 
 
+def _register_pki() -> None:
+    from llmgw.pki_cli import pki
+
+    main.add_command(pki)
+
+
+_register_pki()  # `llmgw pki`: a CA, certificates and the NATS users file (docs/security.md)
+
 if __name__ == "__main__":
     main()

@@ -460,3 +460,12 @@ def test_a_problem_stated_for_a_person_is_a_message_not_a_traceback(up):
     assert "is not a valid id" in out.stderr and "Traceback" not in out.stderr
     out = llmgw("place", "nope", "--replicas", "1", "--bucket-replicas", "9", env=up["env"])
     assert out.returncode == 2 and "--bucket-replicas" in out.stderr
+
+
+def test_pki_is_a_command_of_llmgw(tmp_path):
+    out = llmgw("pki", "init", "--dir", str(tmp_path / "pki"))
+    assert out.returncode == 0, out.stderr
+    out = llmgw("pki", "issue", "node05", "--dir", str(tmp_path / "pki"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "pki" / "ca.pem").exists()
+    assert any("node05" in p.name for p in (tmp_path / "pki").iterdir())
