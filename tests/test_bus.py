@@ -19,6 +19,8 @@ from llmgw.bus.client import (
     BucketSettings,
     Bus,
     BusError,
+    Fence,
+    FencedOff,
     NatsSettings,
     NatsUnreachable,
     Synced,
@@ -100,6 +102,81 @@ async def test_cas_update_refuses_a_stale_revision(bus: Bus) -> None:
         await bus.update("leader", records.Leader(holder="b", since=1, renewed_at=2), last=rev)
         is None
     )
+
+
+async def test_a_fenced_write_lands_only_while_the_fence_key_is_at_its_revision(bus: Bus) -> None:
+    held = await bus.put("leader", records.Leader(holder="a", since=1, renewed_at=1))
+    fence = Fence("leader", held)
+    assert await bus.put(keys.health("n1"), _health("n1"), fence=fence)
+    assert await bus.delete(keys.health("n1"), fence=fence)
+    moved = await bus.update("leader", records.Leader(holder="b", since=2, renewed_at=2), last=held)
+    with pytest.raises(FencedOff) as refused:
+        await bus.put(keys.health("n2"), _health("n2"), fence=fence)
+    assert refused.value.now_at == moved and refused.value.fence == fence
+    assert str(refused.value) == (
+        f"write to health.n2 refused: leader is at revision {moved}, not {held} as fenced"
+    )
+    await bus.put(keys.health("n3"), _health("n3"))
+    with pytest.raises(FencedOff):
+        await bus.delete(keys.health("n3"), fence=fence)
+    assert await bus.get_raw(keys.health("n2")) is None  # neither refused write landed
+    assert await bus.get_raw(keys.health("n3")) is not None
+    assert await bus.put(keys.health("n2"), _health("n2"), fence=Fence("leader", moved))
+
+
+def _health(node: str) -> records.Health:
+    return records.Health(node=node, phase="ready", since=1.0)
+
+
+async def test_deleted_at_names_the_deletion_a_compare_and_set_recreates_the_key_at(bus) -> None:
+    assert await bus.deleted_at("leader") == 0  # never existed
+    stale = await bus.put("leader", records.Leader(holder="a", since=1, renewed_at=1))
+    rev = await bus.put("leader", records.Leader(holder="a", since=1, renewed_at=2))
+    assert await bus.deleted_at("leader") is None  # holds a value
+    assert await bus.delete("leader", last=stale) is False  # refused, not raised
+    assert await bus.delete("leader", last=rev)
+    deleted = await bus.deleted_at("leader")
+    assert deleted and deleted > rev
+    again = records.Leader(holder="b", since=2, renewed_at=2)
+    assert await bus.update("leader", again, last=deleted)
+
+
+async def test_more_than_one_copy_asked_of_a_single_server_is_refused_saying_so(
+    nats_settings,
+) -> None:
+    with pytest.raises(BusError, match=r"replicas=3: NATS at nats://127\.0\.0\.1:\d+ is a single"):
+        await Bus.connect(nats_settings, BucketSettings(replicas=3), give_up_after=5)
+
+
+async def test_a_server_without_jetstream_is_named_not_waited_for(tmp_path) -> None:
+    import subprocess
+
+    from llmgw.bus.server import find_nats_server
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(find_nats_server()), "-a", "127.0.0.1", "-p", str(port)],  # no -js
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        settings = NatsSettings(urls=(f"nats://127.0.0.1:{port}",), backoff_base=0.05)
+        with pytest.raises(BusError, match="has no JetStream, which llmgw's bucket needs"):
+            # no give_up_after: a server without JetStream must not be waited on forever
+            with anyio.fail_after(20):
+                await Bus.connect(settings)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+@pytest.mark.parametrize("replicas", [0, 6])
+def test_the_agent_configs_bucket_replicas_is_one_to_five(replicas) -> None:
+    from llmgw.agent.config import ConfigError, parse_config
+
+    assert parse_config("[nats]\nbucket_replicas = 3\n").nats.bucket_replicas == 3
+    with pytest.raises(ConfigError, match="'nats.bucket_replicas'.*1 <= value <= 5 copies"):
+        parse_config(f"[nats]\nbucket_replicas = {replicas}\n")
 
 
 async def test_watch_resumes_and_syncs_again_after_a_server_restart(tmp_path) -> None:

@@ -737,6 +737,8 @@ async def _open_bucket(
             if said_at is None or now - said_at >= 30:
                 log.warning("JetStream not ready on %s: waiting (%s)", e.url, e.detail)
                 said_at = now
+            else:
+                log.debug("JetStream not ready on %s: %s", e.url, e.detail)
             await asyncio.sleep(delay)
 
 
@@ -766,12 +768,17 @@ async def ensure_bucket(
         nats.errors.NoRespondersError,
         nats.js.errors.ServiceUnavailableError,
     ) as e:
-        if not _server_info(nc).get("jetstream", True):
+        if not _server_info(nc).get("jetstream"):  # the INFO of a server with it says so
             raise BusError(
                 f"NATS at {_server_url(nc)} has no JetStream, which llmgw's bucket needs: "
                 "enable it in the server's config (`jetstream { store_dir: ... }`, nats/dev.conf)"
             ) from None
-        what = "no answer" if isinstance(e, nats.errors.TimeoutError) else _describe(e)
+        if isinstance(e, nats.errors.TimeoutError):
+            what = "no answer"
+        elif isinstance(e, nats.js.errors.APIError) and e.description:
+            what = e.description  # "JetStream system temporarily unavailable"
+        else:
+            what = "nothing answers JetStream requests yet"
         raise JetStreamNotReady(
             _server_url(nc), f"{what} while opening bucket {settings.name}"
         ) from None

@@ -1,0 +1,211 @@
+"""llmgw against a 3-server JetStream cluster of real nats-server processes on this host:
+waiting for JetStream while the cluster forms, the bucket's copies, and the fence that
+keeps a deposed controller's writes out, as the cluster's stream leader applies it."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import pytest
+from waiting import until
+
+from llmgw.bus import keys, records
+from llmgw.bus.client import BucketSettings, Bus, Fence, FencedOff, NatsSettings, decoder
+from llmgw.bus.server import find_nats_server, free_port
+from llmgw.controller.loop import Controller, ControllerSettings
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass
+class _Server:
+    name: str
+    store: Path
+    port: int = field(default_factory=free_port)
+    route_port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+
+class LocalCluster:
+    """Three nats-servers with one cluster name and routes to each other (as
+    nats/cluster-1.conf, on loopback ports). A server started alone has no JetStream meta
+    leader until a second one joins: JetStream answers nothing (or 503) until then."""
+
+    def __init__(self, root: Path, size: int = 3) -> None:
+        self.servers = [_Server(f"s{i}", root / f"s{i}") for i in range(size)]
+        routes = ", ".join(f'"nats-route://127.0.0.1:{s.route_port}"' for s in self.servers)
+        for s in self.servers:
+            s.store.mkdir(parents=True)
+            (s.store / "server.conf").write_text(
+                f'server_name: "{s.name}"\nhost: "127.0.0.1"\nport: {s.port}\n'
+                f"http_port: {s.http_port}\n"
+                f'jetstream {{ store_dir: "{s.store / "js"}" }}\n'
+                f'cluster {{ name: "c"\n host: "127.0.0.1"\n port: {s.route_port}\n'
+                f" routes: [{routes}] }}\n"
+            )
+
+    def start(self, i: int) -> None:
+        s = self.servers[i]
+        with open(s.store / "server.log", "ab") as log:
+            s.process = subprocess.Popen(
+                [str(find_nats_server()), "-c", str(s.store / "server.conf")],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 10
+        while True:  # accepting clients; JetStream may not be ready (that is the point)
+            try:
+                socket.create_connection(("127.0.0.1", s.port), timeout=0.2).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or s.process.poll() is not None:
+                    raise RuntimeError(f"nats-server {s.name} did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        for s in self.servers:
+            if s.process is not None and s.process.poll() is None:
+                s.process.terminate()
+        for s in self.servers:
+            if s.process is not None:
+                try:
+                    s.process.wait(5)
+                except subprocess.TimeoutExpired:
+                    s.process.kill()
+                    s.process.wait()
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(s.url for s in self.servers)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = LocalCluster(tmp_path / "cluster")
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _settings(*urls: str) -> NatsSettings:
+    # quick answers: a JetStream that does not answer within connect_timeout is "not ready"
+    return NatsSettings(urls=urls, connect_timeout=0.5, backoff_base=0.1, backoff_cap=0.5)
+
+
+@pytest.mark.slow  # the cluster elects its JetStream leader 0.3 to 9 s after it has a quorum
+async def test_a_controller_started_before_jetstream_is_ready_waits_and_then_leads(cluster, caplog):
+    cluster.start(0)  # alone: no meta leader, so no JetStream yet
+    settings = ControllerSettings(controller_id="c", leader_ttl=1, tick=0.05, resync=0.5)
+    started = anyio.Event()
+
+    async def controller() -> None:
+        # as `llmgw controller --bucket-replicas 3` does: no give_up_after, it waits
+        async with await Bus.connect(_settings(cluster.urls[0]), BucketSettings(replicas=3)) as b:
+            started.set()
+            await Controller(b, settings).run()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(controller)
+        waiting = f"JetStream not ready on {cluster.urls[0]}: waiting"
+        await until(lambda: _true(waiting in caplog.text))
+        assert not started.is_set()
+        cluster.start(1)
+        cluster.start(2)
+        await started.wait()
+        async with await Bus.connect(_settings(*cluster.urls), give_up_after=20) as probe:
+            leader = await until(lambda: probe.get(keys.leader(), decoder(records.Leader)))
+            info = await probe.js.stream_info("KV_llmgw")
+        tg.cancel_scope.cancel()
+    assert leader.value.holder == "c"
+    assert info.config.num_replicas == 3
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+async def _true(value: object) -> bool:
+    return bool(value)
+
+
+async def test_a_bucket_of_one_copy_on_a_cluster_is_warned_about_naming_the_fix(cluster, caplog):
+    for i in range(3):
+        cluster.start(i)
+    caplog.set_level(logging.WARNING, logger="llmgw")
+    settings = _settings(*cluster.urls)
+    async with await Bus.connect(settings, BucketSettings(name="one"), give_up_after=20):
+        pass
+    created = caplog.text
+    caplog.clear()
+    async with await Bus.connect(settings, BucketSettings(name="one"), give_up_after=20):
+        pass
+    found = caplog.text
+    caplog.clear()
+    async with await Bus.connect(
+        settings, BucketSettings(name="three", replicas=3), give_up_after=20
+    ) as bus:
+        info = await bus.js.stream_info("KV_three")
+    assert "bucket one on NATS cluster c: creating it with replicas=1" in created
+    assert "bucket one on NATS cluster c: it has replicas=1" in found
+    for text in (created, found):
+        assert "give every component --bucket-replicas 3" in text
+        assert "`nats stream edit KV_one --replicas 3`" in text
+    assert caplog.text == "" and info.config.num_replicas == 3
+
+
+async def test_on_a_cluster_a_fenced_write_lands_before_a_takeover_or_not_at_all(cluster):
+    for i in range(3):
+        cluster.start(i)
+    settings = _settings(*cluster.urls)
+    async with (
+        await Bus.connect(settings, BucketSettings(replicas=3), give_up_after=20) as old,
+        await Bus.connect(settings, BucketSettings(replicas=3), give_up_after=20) as new,
+    ):
+        held = await old.put(keys.leader(), records.Leader(holder="old", since=1, renewed_at=1))
+        fence = Fence(keys.leader(), held)
+        outcomes: dict[int, int | FencedOff] = {}
+
+        async def write(i: int) -> None:
+            try:
+                outcomes[i] = await old.put(keys.health(f"n{i}"), _health(f"n{i}"), fence=fence)
+            except FencedOff as e:
+                outcomes[i] = e
+
+        async def take_over() -> int:
+            # a takeover's compare-and-set is refused, without comparing, while one of the
+            # fenced writes is in flight on the stream leader: it tries again, as a
+            # controller does at its next step
+            taker = records.Leader(holder="new", since=2, renewed_at=2)
+            while (rev := await new.update(keys.leader(), taker, last=held)) is None:
+                await anyio.sleep(0.01)
+            return rev
+
+        # one controller's writes go one at a time: so do these, with the takeover racing
+        async with anyio.create_task_group() as tg:
+
+            async def writes() -> None:
+                for i in range(150):
+                    await write(i)
+
+            tg.start_soon(writes)
+            await until(lambda: _true(len(outcomes) >= 20))
+            took_over_at = await take_over()
+        landed = {i: o for i, o in outcomes.items() if isinstance(o, int)}
+        refused = {i: o for i, o in outcomes.items() if isinstance(o, FencedOff)}
+    assert landed and refused, "the takeover did not land among the writes"
+    assert max(landed.values()) < took_over_at, "a fenced write landed after the takeover"
+    assert min(refused) > max(landed)  # once refused, every later one is refused too
+    assert all(e.now_at is not None and e.now_at >= took_over_at for e in refused.values())
+
+
+def _health(node: str) -> records.Health:
+    return records.Health(node=node, phase="ready", since=1.0)
