@@ -170,6 +170,35 @@ async def test_a_server_without_jetstream_is_named_not_waited_for(tmp_path) -> N
         proc.wait()
 
 
+async def test_a_bucket_this_identity_may_not_create_is_said_at_once_not_waited_for(
+    tmp_path,
+) -> None:
+    import subprocess
+
+    from llmgw.bus.server import find_nats_server
+
+    port = free_port()
+    config = tmp_path / "nats.conf"
+    config.write_text(
+        f'port: {port}\nhost: "127.0.0.1"\njetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
+        'authorization { users: [ { user: "node", password: "pw", permissions: {\n'
+        '  publish: { allow: ">", deny: "$JS.API.STREAM.CREATE.>" } } } ] }\n'
+    )
+    proc = subprocess.Popen(
+        [str(find_nats_server()), "-c", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        settings = NatsSettings(urls=(f"nats://node:pw@127.0.0.1:{port}",), connect_timeout=0.5)
+        with pytest.raises(BusError, match="does not exist and this identity may not create it"):
+            with anyio.fail_after(20):  # no give_up_after: a refusal must not be waited on
+                await Bus.connect(settings)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
 @pytest.mark.parametrize("replicas", [0, 6])
 def test_the_agent_configs_bucket_replicas_is_one_to_five(replicas) -> None:
     from llmgw.agent.config import ConfigError, parse_config

@@ -714,13 +714,14 @@ async def _open_bucket(
         try:
             return await ensure_bucket(nc, bucket, timeout=settings.connect_timeout)
         except JetStreamNotReady as e:
-            if "$JS.API.STREAM.CREATE" in state.denied:
+            denied = state.denied.lower()  # nats-py lowercases what the server said
+            if "$js.api.stream.create" in denied:
                 raise BusError(
                     f"bucket {bucket.name} does not exist and this identity may not create it "
                     f"({state.denied}): start a controller (or `llmgw up`) first, or check the "
                     "NATS permissions (docs/security.md)"
                 ) from None
-            if "$JS." in state.denied:
+            if "$js." in denied:
                 raise BusError(
                     f"NATS refused this identity a JetStream request ({state.denied}): "
                     "check the NATS permissions (docs/security.md)"
