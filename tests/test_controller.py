@@ -268,6 +268,9 @@ async def test_two_controllers_one_leads_and_the_other_takes_over(bus, second_bu
             scope1.cancel()  # c1 stops (it resigns: deletes its lease)
             await until(lambda: _leader_is(bus, "c2"))
             assert c2.leading
+            # the epoch grows at every takeover, one after a resignation (a deleted key) too
+            lease = (await bus.get("leader", decoder(records.Leader))).value
+            assert 0 < c1.epoch < c2.epoch == lease.epoch
             tg.cancel_scope.cancel()
     finally:
         await third.close()
