@@ -6,6 +6,8 @@ revision once it has stood still for `leader_ttl`. A value that does not decode 
 as absent, as every reader treats one, so one garbage value cannot stop the control plane.
 A controller recognises its own lease by the random `instance` of its process, not by its
 id: a restart under the same `--id` must wait for the old process's lease like anyone's.
+While it leads, the key's revision is also the fence of every write it makes (loop.py): a
+takeover moves the revision, and the deposed leader's writes are refused from then on.
 """
 
 from __future__ import annotations
