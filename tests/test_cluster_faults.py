@@ -394,7 +394,7 @@ async def _survive(fleet: Fleet, fault: Fault, request: pytest.FixtureRequest) -
         fault=fault.does,
         undo=fault.undoes,
         bound_s=RECOVERY_BOUND_S,
-        recovered_s={k: None if v is None else round(v, 1) for k, v in times.items()},
+        recovered_s=[(k, None if v is None else round(v, 1)) for k, v in times.items()],
         rejoined_s=None if rejoined is None else round(rejoined, 1),
         chats=len(during),
         chats_ok=sum(s == 200 for s in during),
