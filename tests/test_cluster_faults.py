@@ -1,5 +1,6 @@
 """One server of a 3-server JetStream cluster fails while a fleet runs on it: killed, paused
-(`docker pause`), or cut off from the others (`docker network disconnect`). The cluster runs
+(`docker pause`), cut off from everything, or cut off from the other servers only while its
+clients still reach it (`docker network disconnect`). The cluster runs
 in containers (tests/cluster_helpers.py), the bucket has 3 replicas, and two agent processes
 with fake engines, a controller and a router use it, each connected with all three URLs.
 
@@ -187,17 +188,24 @@ async def fleet(cluster, tmp_path) -> AsyncIterator[Fleet]:
 # --- what runs during the fault ------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Attempt:
+    started: float
+    ended: float
+    ok: bool
+
+
 @dataclass
 class Probe:
     """Through one connection, writes a new key over and over, and reads the last one written
-    back over and over; records when each attempt started and whether it worked. A write
+    back over and over; records when each attempt started and ended and whether it worked. A write
     that timed out may still have been stored (NATS says nothing either way): only
     acknowledged ones must read back."""
 
     bus: Bus
     name: str
-    puts: list[tuple[float, bool]] = field(default_factory=list)
-    gets: list[tuple[float, bool]] = field(default_factory=list)
+    puts: list[Attempt] = field(default_factory=list)
+    gets: list[Attempt] = field(default_factory=list)
     acked: dict[str, bytes] = field(default_factory=dict)
     last: tuple[str, bytes] | None = None
 
@@ -211,9 +219,9 @@ class Probe:
                 await self.bus.put(key, value)
                 self.acked[key] = value
                 self.last = (key, value)
-                self.puts.append((started, True))
+                self.puts.append(Attempt(started, time.monotonic(), True))
             except Exception:  # noqa: BLE001 - the outage is what is measured
-                self.puts.append((started, False))
+                self.puts.append(Attempt(started, time.monotonic(), False))
             await anyio.sleep(0.05)
 
     async def read(self) -> None:
@@ -224,13 +232,25 @@ class Probe:
             key, value = self.last
             started = time.monotonic()
             got = await _quietly(self.bus.get_raw(key))
-            self.gets.append((started, got is not None and got[0] == value))
+            ok = got is not None and got[0] == value
+            self.gets.append(Attempt(started, time.monotonic(), ok))
             await anyio.sleep(0.05)
 
 
-def _first_success(attempts: list[tuple[float, bool]], since: float) -> float | None:
+def _working_again(attempts: list[Attempt], since: float) -> float | None:
+    """Seconds from `since` until the attempts begun after it worked for good: the end of the
+    first success to end after the last failure did (of the first success, when none
+    failed); None while the last to end failed."""
+    ended = sorted((a for a in attempts if a.started >= since), key=lambda a: a.ended)
+    failed = [i for i, a in enumerate(ended) if not a.ok]
+    rest = ended[failed[-1] + 1 :] if failed else ended
+    back = next((a.ended for a in rest if a.ok), None)
+    return None if back is None else back - since
+
+
+def _first_success(attempts: list[Attempt], since: float) -> float | None:
     """Seconds from `since` to the start of the first attempt, begun after it, that worked."""
-    return next((t - since for t, ok in attempts if ok and t >= since), None)
+    return next((a.started - since for a in attempts if a.ok and a.started >= since), None)
 
 
 @dataclass
@@ -313,13 +333,19 @@ class Fault:
     undo: Callable[[NatsCluster, str], None]
 
 
-KILL = Fault("docker kill", "docker start", NatsCluster.kill, NatsCluster.restart)
-PAUSE = Fault("docker pause", "docker unpause", NatsCluster.pause, NatsCluster.unpause)
-CUT_OFF = Fault(
-    "docker network disconnect",
-    "docker network connect",
-    NatsCluster.disconnect,
-    NatsCluster.reconnect,
+KILL = Fault("`docker kill`", "`docker start`", NatsCluster.kill, NatsCluster.restart)
+PAUSE = Fault("`docker pause`", "`docker unpause`", NatsCluster.pause, NatsCluster.unpause)
+ISOLATE = Fault(
+    "`docker network disconnect` from both networks (the other servers' and the clients')",
+    "`docker network connect`",
+    NatsCluster.isolate,
+    NatsCluster.rejoin,
+)
+CUT_FROM_PEERS = Fault(
+    "`docker network disconnect` from the other servers' network only (clients still reach it)",
+    "`docker network connect`",
+    NatsCluster.cut_from_peers,
+    NatsCluster.rejoin_peers,
 )
 
 
@@ -367,8 +393,8 @@ async def _survive(fleet: Fleet, fault: Fault, request: pytest.FixtureRequest) -
             """Seconds from the fault until each thing worked again (None: not yet)."""
             got: dict[str, float | None] = {}
             for p, where in ((near, "the server hit"), (far, "another server")):
-                got[f"writes via {where}"] = _first_success(p.puts, since)
-                got[f"reads via {where}"] = _first_success(p.gets, since)
+                got[f"writes via {where}"] = _working_again(p.puts, since)
+                got[f"reads via {where}"] = _working_again(p.gets, since)
             got["agents' heartbeats"] = _slowest(beats, [keys.lease(n) for n in NODES])
             got["the controller's leader lease"] = (
                 beats.moved.get(keys.leader()) if f.controller.leading else None
@@ -447,7 +473,7 @@ async def _async(value: bool) -> bool:
     return value
 
 
-def _attempts(*probes: Probe) -> list[list[tuple[float, bool]]]:
+def _attempts(*probes: Probe) -> list[list[Attempt]]:
     return [a for p in probes for a in (p.puts, p.gets)]
 
 
@@ -476,5 +502,18 @@ async def test_a_paused_server_is_left_by_its_clients_and_loses_nothing(fleet, r
     await _survive(fleet, PAUSE, request)
 
 
-async def test_a_server_cut_off_from_the_others_costs_an_election_and_loses_nothing(fleet, request):
-    await _survive(fleet, CUT_OFF, request)
+async def test_a_server_cut_off_from_the_network_costs_an_election_and_loses_nothing(
+    fleet, request
+):
+    await _survive(fleet, ISOLATE, request)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=NotRecovered,
+    reason="nothing in llmgw.bus moves a client off a server that answers PINGs but whose "
+    "JetStream cannot (cut off from the other servers): nats-py reconnects only when the "
+    "connection fails, so its clients' reads and writes fail until the partition heals.",
+)
+async def test_a_server_cut_off_from_the_other_servers_is_left_by_its_clients(fleet, request):
+    await _survive(fleet, CUT_FROM_PEERS, request)
