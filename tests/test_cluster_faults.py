@@ -491,13 +491,6 @@ async def test_a_killed_server_costs_an_election_and_loses_nothing(fleet, reques
     await _survive(fleet, KILL, request)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotRecovered,
-    reason="llmgw.bus.client.Bus.connect keeps nats-py's keepalive (a PING every 120 s, 2 "
-    "unanswered before it reconnects): a client of a frozen server waits minutes, its every "
-    "request timing out. Passes with ping_interval=2, max_outstanding_pings=2 there.",
-)
 async def test_a_paused_server_is_left_by_its_clients_and_loses_nothing(fleet, request):
     await _survive(fleet, PAUSE, request)
 
@@ -508,12 +501,5 @@ async def test_a_server_cut_off_from_the_network_costs_an_election_and_loses_not
     await _survive(fleet, ISOLATE, request)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotRecovered,
-    reason="nothing in llmgw.bus moves a client off a server that answers PINGs but whose "
-    "JetStream cannot (cut off from the other servers): nats-py reconnects only when the "
-    "connection fails, so its clients' reads and writes fail until the partition heals.",
-)
 async def test_a_server_cut_off_from_the_other_servers_is_left_by_its_clients(fleet, request):
     await _survive(fleet, CUT_FROM_PEERS, request)

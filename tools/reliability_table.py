@@ -228,28 +228,19 @@ test of the other suites; their times are what those tests allow, not measuremen
 """
 
 GAPS = """\
-## Known gaps
+## Known gaps, and the two the fault tests closed
 
-- **A paused (frozen) server keeps its clients.** Its TCP connections stay open and nothing
-  answers, and nats-py notices only when two keepalive PINGs, sent 2 minutes apart, go
-  unanswered: every request of its clients times out meanwhile, for minutes. The cluster
-  itself elects a new leader in about 10 s, and clients of the other servers go on. Fix in
-  `llmgw/bus/client.py` (`Bus.connect`): `ping_interval=2, max_outstanding_pings=2` leaves
-  a silent server in about 6 s; tried in a scratch copy, the paused-server test then passes
-  (writes through the paused server's clients back in 7–8 s, heartbeats and the leader
-  lease in 15 s). The test is marked xfail (strict) until then.
+- **Closed: a paused (frozen) server kept its clients.** nats-py noticed only when two
+  keepalive PINGs, sent 2 minutes apart, went unanswered. The bus now pings every 3 s and
+  leaves a server after 2 unanswered (`NatsSettings.ping_interval`, `max_outstanding_pings`).
+- **Closed: a server cut off from the other servers, but not from its clients, kept them.**
+  Its PINGs are answered, so nats-py never left it, while its JetStream could not reach the
+  others. The bus now counts JetStream requests that get no answer (timeout, no responders,
+  no stream response, 503) on a connection whose server answers; after 3 in a row it moves
+  to another server (at most once every 20 s), avoiding the silent one.
 - **Reads stop with writes during an election.** The bucket serves reads from its stream
   leader only (nats-py creates KV buckets without `allow_direct`), so a lookup waits for the
   election as a write does. Watches, which most components read through, resume after it.
-- **A server cut off from the other servers, but not from its clients, keeps them.** Its
-  PINGs are answered, so nats-py never leaves it, but its JetStream cannot reach the two
-  others: its clients' writes fail until the partition heals (and their reads, once it has
-  stepped down as the stream leader). Fix in `llmgw/bus/client.py`: after a few JetStream
-  requests in a row time out or find no responders on a connection whose PINGs are
-  answered, call nats-py's `force_reconnect()` so that the client moves to another server
-  (a crude try in a scratch copy passed in 1 run of 2, in about 20 s: which server to move
-  to, and after how many failures, need care). The test is marked xfail (strict) until
-  then.
 """
 
 

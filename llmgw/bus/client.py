@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import ssl
 import time
@@ -62,6 +63,18 @@ _REPLICAS_NEED_A_CLUSTER = 10074  # "replicas > 1 not supported in non-clustered
 _FENCE_BUSY_ATTEMPTS = 40  # about 3 s of 10164s before a write gives up until the next pass
 
 
+# no answer to a JetStream request: silence (timeout), nobody there (no responders), or the
+# server's JetStream saying it cannot (no stream response, 503 unavailable)
+_NO_ANSWER = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+)
+_JS_SILENT_LIMIT = 3  # requests in a row without an answer before moving to another server
+_JS_MOVE_EVERY = 20.0  # seconds: at most one such move this often
+
+
 class BusError(LlmgwError):
     """A NATS problem stated for the operator (what failed and what to do)."""
 
@@ -74,6 +87,8 @@ class NatsUnreachable(BusError):
 @dataclass(frozen=True)
 class NatsSettings:
     urls: tuple[str, ...] = ("nats://127.0.0.1:4222",)
+    ping_interval: float = 3.0  # seconds between keepalive PINGs
+    max_outstanding_pings: int = 2  # unanswered PINGs before the server is left
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -260,6 +275,7 @@ class _ConnState:
     refusal: BaseException | None = None  # the last TLS or authorization refusal seen
     denied: str = ""  # the last subject permissions refused this client, as the server said
     watch_restarts: list[asyncio.Event] = field(default_factory=list)
+    avoid: str = ""  # a server (host:port) whose JetStream stopped answering: reconnect elsewhere
 
 
 class Bus:
@@ -285,6 +301,9 @@ class Bus:
         self._health_task: asyncio.Task[None] | None = None
         self._watchers: set[KeyWatch] = set()
         self._closed = False
+        self._js_silent = 0  # JetStream requests in a row that got no answer
+        self._moved_at = -math.inf
+        self._moving: asyncio.Task[None] | None = None
 
     # --- connecting -----------------------------------------------------------------
 
@@ -345,6 +364,7 @@ class Bus:
 
         async def reconnected_cb() -> None:
             state.connected_since = time.monotonic()
+            state.avoid = ""
             state.reconnects += 1
             log.info("reconnected to NATS at %s", _server_url(holder["bus"].nc) if holder else "?")
             if "bus" in holder:
@@ -352,7 +372,8 @@ class Bus:
 
         def reconnect_to_server(servers: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
             delay = state.backoff.next_delay()
-            server = servers[state.backoff.attempt % len(servers)] if servers else None
+            pool = [s for s in servers if s.uri.netloc != state.avoid] or servers
+            server = pool[state.backoff.attempt % len(pool)] if pool else None
             log.debug("next reconnect attempt in %.2fs", delay)
             return server, delay
 
@@ -374,6 +395,11 @@ class Bus:
                         connect_timeout=settings.connect_timeout,
                         reconnect_time_wait=window,
                         max_reconnect_attempts=-1,
+                        # nats-py's default (a PING every 120 s, 2 unanswered) leaves a client
+                        # of a frozen server timing out for minutes: measured in
+                        # tests/test_cluster_faults.py, a paused server is left in 7-15 s
+                        ping_interval=settings.ping_interval,
+                        max_outstanding_pings=settings.max_outstanding_pings,
                         reconnect_to_server_handler=reconnect_to_server,
                         error_cb=error_cb,
                         disconnected_cb=disconnected_cb,
@@ -487,20 +513,21 @@ class Bus:
         """Write; with `fence`, only while the fence key is at its revision (FencedOff if not)."""
         data = self._sized(key, record if isinstance(record, bytes) else records.encode(record))
         if fence is None:
-            return await self.kv.put(key, data)
+            return await self._js(self.kv.put(key, data))
         return await self._fenced(key, data, fence, {})
 
     async def create(self, key: str, record: msgspec.Struct) -> int | None:
         """Write only if the key does not exist; None if it does."""
         try:
-            return await self.kv.create(key, self._sized(key, records.encode(record)))
+            return await self._js(self.kv.create(key, self._sized(key, records.encode(record))))
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
 
     async def update(self, key: str, record: msgspec.Struct, last: int) -> int | None:
         """Compare-and-set on the revision; None if someone else wrote in between."""
         try:
-            return await self.kv.update(key, self._sized(key, records.encode(record)), last=last)
+            data = self._sized(key, records.encode(record))
+            return await self._js(self.kv.update(key, data, last=last))
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
 
@@ -513,7 +540,7 @@ class Bus:
             await self._fenced(key, b"", fence, {KV_OP: KV_DEL})
             return True
         try:
-            await self.kv.delete(key, last=last)
+            await self._js(self.kv.delete(key, last=last))
         except nats.js.errors.APIError as e:
             # nats-py's delete does not map a stale `last` to KeyWrongLastSequenceError
             if e.err_code in (_WRONG_LAST_SEQUENCE, _WRONG_LAST_SEQUENCE_BUSY):
@@ -533,7 +560,7 @@ class Bus:
         backoff = Backoff(base=0.005, cap=0.1)
         for _ in range(_FENCE_BUSY_ATTEMPTS):
             try:
-                ack = await self.js.publish(self._subject(key), data, headers=headers)
+                ack = await self._js(self.js.publish(self._subject(key), data, headers=headers))
                 return ack.seq
             except nats.js.errors.APIError as e:
                 if e.err_code == _WRONG_LAST_SEQUENCE:
@@ -548,6 +575,45 @@ class Bus:
             f"for {_FENCE_BUSY_ATTEMPTS} attempts; it is tried again on the next pass"
         )
 
+    async def _js(self, request: Awaitable[T]) -> T:
+        """A JetStream request, watching for a server that answers PINGs but whose JetStream
+        no longer answers (cut off from the other servers of its cluster): nats-py stays on
+        it, since the connection is fine, and every read and write would fail until the
+        partition heals. After `_JS_SILENT_LIMIT` requests in a row without an answer, the
+        client moves to another server."""
+        try:
+            result = await request
+        except _NO_ANSWER:
+            self._js_no_answer()
+            raise
+        except nats.js.errors.APIError:
+            self._js_silent = 0  # refused, but answered
+            raise
+        self._js_silent = 0
+        return result
+
+    def _js_no_answer(self) -> None:
+        self._js_silent += 1
+        servers = getattr(self.nc, "servers", [])
+        if (
+            self._js_silent < _JS_SILENT_LIMIT
+            or not self.nc.is_connected
+            or len(servers) < 2
+            or time.monotonic() - self._moved_at < _JS_MOVE_EVERY
+            or self._closed
+        ):
+            return
+        self._js_silent = 0
+        self._moved_at = time.monotonic()
+        url = self.nc.connected_url
+        self._state.avoid = url.netloc if url else ""
+        log.warning(
+            "JetStream does not answer through %s although the server does (cut off from the "
+            "rest of its cluster?): moving to another server",
+            self._state.avoid or "the current server",
+        )
+        self._moving = asyncio.get_running_loop().create_task(self.nc.force_reconnect())
+
     def _subject(self, key: str) -> str:
         return f"$KV.{self.bucket.name}.{key}"
 
@@ -555,7 +621,7 @@ class Bus:
         """The revision of the key's deletion (what a compare-and-set recreating it names);
         0 if it never existed; None if it holds a value."""
         try:
-            e = await self.kv.get(key)
+            e = await self._js(self.kv.get(key))
         except nats.js.errors.KeyNotFoundError as e:
             return (e.entry.revision or 0) if e.entry is not None else 0
         return None if e.value is not None else (e.revision or 0)
@@ -563,7 +629,7 @@ class Bus:
     async def get_raw(self, key: str) -> tuple[bytes, int] | None:
         """The value's bytes and revision; None when absent (or over the size limit: logged)."""
         try:
-            e = await self.kv.get(key)
+            e = await self._js(self.kv.get(key))
         except nats.js.errors.KeyNotFoundError:
             return None
         if e.value is None or e.operation in (KV_DEL, KV_PURGE):
