@@ -7,6 +7,7 @@ import random
 
 import anyio
 import msgspec
+import nats.errors
 import pytest
 from links import ProxyLink
 from nats.js.api import KeyValueConfig
@@ -295,6 +296,51 @@ async def test_first_connect_gives_up_with_a_clear_error_when_asked() -> None:
     # its own type: the one BusError where "is NATS running?" is the right hint
     with pytest.raises(NatsUnreachable, match="cannot connect to NATS at nats://127.0.0.1"):
         await Bus.connect(settings, give_up_after=0.5)
+
+
+async def test_a_link_that_stops_answering_pings_is_left_for_another_url(nats_server) -> None:
+    # a frozen server or a silent link: no reset, nothing delivered; 2 unanswered PINGs
+    # and the client moves to the next URL it knows instead of waiting on it for ever
+    links = {}
+    for _ in range(2):
+        link = ProxyLink(nats_server.port)
+        await link.start()
+        links[link.port] = link
+    urls = tuple(link.url for link in links.values())
+    settings = NatsSettings(urls=urls, name="t", ping_interval=0.3, backoff_base=0.05)
+    async with Bus.open(settings, give_up_after=5) as moving:
+        await moving.put("k", b"1")
+        first = moving.nc.connected_url.port
+        links[first].stall()  # the one it is on (nats-py shuffles the URLs)
+
+        async def moved() -> bool:
+            return moving.reconnects >= 1
+
+        await until(moved, timeout=10)
+        assert moving.nc.connected_url.port != first
+        assert (await moving.get_raw("k"))[0] == b"1"
+    for link in links.values():
+        await link.cut()
+
+
+async def test_a_pong_that_comes_after_round_trip_gave_up_does_not_break_the_connection(
+    nats_server,
+) -> None:
+    # nats-py's own flush(timeout) leaves its cancelled PONG future queued; the late PONG
+    # stops its read loop, and the connection delivers nothing more until it is dropped
+    link = ProxyLink(nats_server.port)
+    await link.start()
+    settings = NatsSettings(urls=(link.url,), name="t", ping_interval=60)
+    async with Bus.open(settings, give_up_after=5) as slow:
+        link.stall()
+        with pytest.raises(nats.errors.FlushTimeoutError):
+            await slow.round_trip(timeout=0.3)
+        await link.heal()  # the PONG arrives now, after round_trip stopped waiting for it
+        assert await slow.round_trip(timeout=2) < 2
+        await slow.put("k", b"after")
+        assert (await slow.get_raw("k"))[0] == b"after"
+        assert slow.reconnects == 0
+    await link.cut()
 
 
 def test_backoff_grows_with_jitter_and_is_reset_only_explicitly() -> None:

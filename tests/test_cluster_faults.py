@@ -453,6 +453,10 @@ async def _survive(fleet: Fleet, fault: Fault, request: pytest.FixtureRequest) -
     # (whose copy of the stream is current again: _stream_whole).
     alone = NatsSettings(urls=(f.cluster.servers[f.target].url,), name="fault-test-check")
     async with Bus.open(alone, give_up_after=30) as check:
+        # a server that has just rejoined may still say "JetStream system temporarily
+        # unavailable" (503) for a moment, its stream copy current or not
+        known = next(iter(before))
+        await until(lambda: _quietly(check.get_raw(known)), timeout=30)
         for probe in (near, far):
             for key, value in probe.acked.items():
                 got = await check.get_raw(key)

@@ -580,12 +580,15 @@ async def test_a_hand_edited_replica_without_members_does_not_stop_placement(
 async def test_leader_cut_off_without_a_reconnect_does_not_drain_the_fleet_when_it_comes_back(
     bus, nats_server
 ):
-    # JetStream without quorum, or a stalled link: the controller's connection stays up,
-    # nothing is delivered, so no reconnect (and no watch re-sync) tells it anything happened
+    # JetStream without quorum: the server still answers the controller's PINGs, so its
+    # connection stays up while nothing is delivered, and no reconnect (and no watch re-sync)
+    # tells it anything happened. A stalled link stands in for it, with keepalive PINGs rarer
+    # than the stall (a stalled link alone is left after 2 unanswered PINGs: test_bus).
 
     link = ProxyLink(nats_server.port)
     await link.start()
-    cut_off = await Bus.connect(NatsSettings(urls=(link.url,), name="cut-off"), give_up_after=5)
+    quorumless = NatsSettings(urls=(link.url,), name="cut-off", ping_interval=60)
+    cut_off = await Bus.connect(quorumless, give_up_after=5)
     node = SimNode(bus, inventory("gpu-a", gpus=1))
     await node.register()
     await _apply(bus, _model(), 1)

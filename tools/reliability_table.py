@@ -236,7 +236,7 @@ GAPS = """\
 - **Closed: a server cut off from the other servers, but not from its clients, kept them.**
   Its PINGs are answered, so nats-py never left it, while its JetStream could not reach the
   others. The bus now counts JetStream requests that get no answer (timeout, no responders,
-  no stream response, 503) on a connection whose server answers; after 3 in a row it moves
+  no stream response, 503) on a connection whose server answers; after 2 in a row it moves
   to another server (at most once every 20 s), avoiding the silent one.
 - **Reads stop with writes during an election.** The bucket serves reads from its stream
   leader only (nats-py creates KV buckets without `allow_direct`), so a lookup waits for the

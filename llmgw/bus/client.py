@@ -71,8 +71,9 @@ _NO_ANSWER = (
     nats.js.errors.NoStreamResponseError,
     nats.js.errors.ServiceUnavailableError,
 )
-_JS_SILENT_LIMIT = 3  # requests in a row without an answer before moving to another server
+_JS_SILENT_LIMIT = 2  # requests in a row without an answer before moving to another server
 _JS_MOVE_EVERY = 20.0  # seconds: at most one such move this often
+_PROBE_PATIENCE = 600  # seconds a round_trip PING may wait for its PONG (a reconnect ends it)
 
 
 class BusError(LlmgwError):
@@ -263,6 +264,12 @@ class FencedOff(Exception):
         )
 
 
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """Done callback for a task whose failure its waiters may have stopped waiting for."""
+    if not task.cancelled():
+        task.exception()
+
+
 def decoder(type_: type[T]) -> Decoder[T]:
     return lambda data: records.decode(data, type_)
 
@@ -304,6 +311,7 @@ class Bus:
         self._js_silent = 0  # JetStream requests in a row that got no answer
         self._moved_at = -math.inf
         self._moving: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None  # the PING in flight for round_trip
 
     # --- connecting -----------------------------------------------------------------
 
@@ -450,6 +458,9 @@ class Bus:
         self._reconnect_listeners.append(cb)
 
     async def _on_reconnected(self) -> None:
+        if self._probe is not None and not self._probe.done():
+            self._probe.cancel()  # its PING went to the old connection: no PONG will come
+        self._probe = None
         # Listeners first: they may need to know the view is stale before the watches
         # replay the bucket.
         for cb in list(self._reconnect_listeners):
@@ -477,7 +488,20 @@ class Bus:
         """Seconds for a PING/PONG with the server; raises if none within `timeout`. What a
         component checks before concluding that others went silent, not itself."""
         started = time.monotonic()
-        await self.nc.flush(timeout=timeout)
+        # nats-py's flush(timeout) cancels its PONG future on timeout but leaves it queued;
+        # the late PONG then raises InvalidStateError in the read loop, which stops reading
+        # for good (a connection that delivers nothing until the pinger gives up on it).
+        # So one PING at a time, waited for with our own timeout and never cancelled: a late
+        # PONG resolves it; a reconnect (which empties nats-py's queue) drops it.
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_task(
+                self.nc.flush(timeout=_PROBE_PATIENCE)
+            )
+            self._probe.add_done_callback(_retrieved)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._probe), timeout)
+        except TimeoutError:
+            raise nats.errors.FlushTimeoutError from None
         return time.monotonic() - started
 
     async def close(self) -> None:
@@ -485,6 +509,8 @@ class Bus:
         self._closed = True
         if self._health_task:
             self._health_task.cancel()
+        if self._probe is not None:
+            self._probe.cancel()
         for w in list(self._watchers):
             try:
                 await asyncio.wait_for(w.stop(), 0.5)
