@@ -30,6 +30,7 @@ from llmgw.bus.client import (
 )
 from llmgw.bus.server import EmbeddedNats, free_port
 from llmgw.errors import LlmgwError
+from llmgw.testing.sim import inventory
 
 pytestmark = pytest.mark.anyio
 
@@ -343,6 +344,31 @@ async def test_a_pong_that_comes_after_round_trip_gave_up_does_not_break_the_con
     await link.cut()
 
 
+async def test_requests_unanswered_while_the_server_still_reaches_jetstream_move_nothing(
+    nats_server, caplog
+) -> None:
+    # what every client sees while the bucket's stream elects a leader: its requests go
+    # unanswered on every server. Asked, the server's JetStream answers: nobody moves (a
+    # client that moved then could land on the one server that is really cut off)
+    links = [ProxyLink(nats_server.port) for _ in range(2)]
+    for link in links:
+        await link.start()
+    settings = NatsSettings(urls=tuple(link.url for link in links), name="t")
+
+    async def unanswered() -> None:
+        raise nats.errors.TimeoutError
+
+    async with Bus.open(settings, give_up_after=5) as client:
+        for _ in range(3):
+            with pytest.raises(nats.errors.TimeoutError):
+                await client._js(unanswered())
+        await client._moving
+        await anyio.sleep(0.5)
+        assert client.reconnects == 0 and "moving to another server" not in caplog.text
+    for link in links:
+        await link.cut()
+
+
 def test_backoff_grows_with_jitter_and_is_reset_only_explicitly() -> None:
     b = Backoff(base=1.0, cap=8.0, rng=random.Random(1))
     delays = [b.next_delay() for _ in range(6)]
@@ -464,19 +490,6 @@ async def test_a_value_over_the_limit_is_skipped_on_read(nats_settings, caplog) 
 # --- a record's owner is its key --------------------------------------------------------------
 
 
-def _inventory(node: str) -> records.NodeInventory:
-    return records.NodeInventory(
-        node=node,
-        hostname=node,
-        address="10.0.0.5",
-        agent_version="0",
-        started_at=1.0,
-        cpu=records.Cpu(count=8),
-        memory=records.Memory(total_bytes=64 << 30, available_bytes=60 << 30),
-        gpus=records.Gpus(status="no_library"),
-    )
-
-
 async def test_a_node_lying_about_another_node_is_rejected_as_a_spoof_attempt(
     bus: Bus, caplog
 ) -> None:
@@ -484,29 +497,10 @@ async def test_a_node_lying_about_another_node_is_rejected_as_a_spoof_attempt(
     from llmgw.status import gather
 
     # what node05 may write (its own key) claiming to be node06 with 8 GPUs and a model
-    gpus = [
-        records.Gpu(
-            index=i,
-            name="H100",
-            uuid=f"GPU-{i}",
-            memory_total_bytes=80 << 30,
-            pci_bus_id=f"0000:0{i}:00.0",
-            compute_capability="9.0",
-        )
-        for i in range(8)
-    ]
-    store = records.Store(kind="local", identity="local:node06")
-    held = records.HeldModel(
-        key="llama", format="gguf", path="/m/llama.gguf", bytes=1, files=1, store=store
-    )
-    lie = msgspec.structs.replace(
-        _inventory("node06"),
-        gpus=records.Gpus(status="ok", devices=gpus),
-        weights=records.Weights(looked=True, models=[held]),
-    )
+    lie = inventory("node06", gpus=8, held=[("llama", "local:node06")], looked=True)
     await bus.put("nodes.node05", lie)
     await bus.put("desired.tiny", b'{"model": "other", "replicas": -5}')
-    await bus.put("nodes.node07", _inventory("node07"))
+    await bus.put("nodes.node07", inventory("node07"))
 
     view = await gather(bus)
     assert set(view["nodes"]) == {"node07"}
@@ -545,7 +539,7 @@ class _Catalog(msgspec.Struct):
 
 # every key family: a value that names another owner than its key
 SPOOFS = [
-    ("nodes.node05", _inventory("node06")),
+    ("nodes.node05", inventory("node06")),
     ("leases.node05", _lease("node06", 1)),
     ("health.node05", records.Health(node="node06", phase="ready", since=1.0)),
     ("shards.node05.r1", _shard("node06", "r1")),
@@ -560,7 +554,7 @@ SPOOFS = [
     (
         "nodes.node05",
         msgspec.structs.replace(
-            _inventory("node05"),
+            inventory("node05"),
             weights=records.Weights(
                 models=[
                     records.HeldModel(
@@ -613,10 +607,10 @@ def test_values_are_checked_against_their_ranges(key, value, why) -> None:
 
 
 def test_values_that_agree_with_their_keys_pass() -> None:
-    trust.check("nodes.node05", _inventory("node05"))
+    trust.check("nodes.node05", inventory("node05"))
     trust.check("replicas.m1.r1", _replica("m1", "r1", 1, 0))
     trust.check("assign.n1.r1", _assignment("r1", rank=1, nodes=2, port=8000))
-    trust.check("not.an.llmgw.key.at.all", _inventory("x"))  # not ours: not checked
+    trust.check("not.an.llmgw.key.at.all", inventory("x"))  # not ours: not checked
     got = trust.decode_for_key("shards.node05.r1", records.encode(_shard("node05", "r1")))
     assert isinstance(got, records.Shard)
 
@@ -709,7 +703,7 @@ async def test_bus_closes_when_its_block_ends(nats_settings) -> None:
 async def test_reading_the_bucket_leaves_no_consumer_behind(bus: Bus) -> None:
     from llmgw.status import gather
 
-    await bus.put("nodes.n1", _inventory("n1"))
+    await bus.put("nodes.n1", inventory("n1"))
     await gather(bus)  # `llmgw status`: one list per key family
     info = await bus.js.stream_info("KV_llmgw")
     assert info.state.consumer_count >= 1  # they did exist

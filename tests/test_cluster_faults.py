@@ -92,8 +92,8 @@ async def _connect_away_from(settings: NatsSettings, cluster: NatsCluster, serve
 
 
 async def _stream_leader(bus: Bus) -> str | None:
-    info = await bus.js.stream_info(STREAM)
-    return info.cluster.leader if info.cluster else None
+    info = await _quietly(bus.js.stream_info(STREAM))  # may go unanswered while it elects
+    return info.cluster.leader if info is not None and info.cluster else None
 
 
 async def _lead_stream_from(bus: Bus, server: str) -> None:
@@ -454,12 +454,17 @@ async def _survive(fleet: Fleet, fault: Fault, request: pytest.FixtureRequest) -
     alone = NatsSettings(urls=(f.cluster.servers[f.target].url,), name="fault-test-check")
     async with Bus.open(alone, give_up_after=30) as check:
         # a server that has just rejoined may still say "JetStream system temporarily
-        # unavailable" (503) for a moment, its stream copy current or not
-        known = next(iter(before))
-        await until(lambda: _quietly(check.get_raw(known)), timeout=30)
+        # unavailable" (503) now and then for a while, its stream copy current or not: a read
+        # that gets no answer is asked again, an answer is what counts
+        async def answered(key: str) -> tuple[tuple[bytes, int] | None]:
+            try:
+                return (await check.get_raw(key),)  # (None,): answered that it is absent
+            except Exception:  # noqa: BLE001 - no answer yet
+                return None
+
         for probe in (near, far):
             for key, value in probe.acked.items():
-                got = await check.get_raw(key)
+                (got,) = await until(lambda: answered(key), timeout=30)  # noqa: B023
                 assert got is not None and got[0] == value, f"{key}: {got}"
     record(request.node.nodeid, **row)
 

@@ -71,8 +71,14 @@ _NO_ANSWER = (
     nats.js.errors.NoStreamResponseError,
     nats.js.errors.ServiceUnavailableError,
 )
-_JS_SILENT_LIMIT = 2  # requests in a row without an answer before moving to another server
-_JS_MOVE_EVERY = 20.0  # seconds: at most one such move this often
+# A server cut off from the rest of its cluster answers PINGs but no JetStream request.
+# An election (of the bucket's stream, or of the cluster's metadata leader after its server
+# died) silences every server alike for a few seconds: 2-10 s measured. Only a silence that
+# outlasts that makes a client move.
+_CUT_OFF_AFTER = 10.0  # seconds of JetStream silence through a server before leaving it
+_JS_ASK_EVERY = 1.0  # seconds between questions to the server's JetStream meanwhile
+_JS_MOVE_EVERY = 5.0  # seconds: at most one move to another server this often
+_AVOID_FOR = 60.0  # seconds a server found cut off is passed over when reconnecting
 _PROBE_PATIENCE = 600  # seconds a round_trip PING may wait for its PONG (a reconnect ends it)
 
 
@@ -282,7 +288,13 @@ class _ConnState:
     refusal: BaseException | None = None  # the last TLS or authorization refusal seen
     denied: str = ""  # the last subject permissions refused this client, as the server said
     watch_restarts: list[asyncio.Event] = field(default_factory=list)
-    avoid: str = ""  # a server (host:port) whose JetStream stopped answering: reconnect elsewhere
+    # servers (host:port) whose JetStream was found cut off, and when: reconnect elsewhere
+    avoid: dict[str, float] = field(default_factory=dict)
+
+    def servers_to_try(self, servers: list[Any]) -> list[Any]:
+        """The servers not found cut off lately; all of them if every one was."""
+        now = time.monotonic()
+        return [s for s in servers if now - self.avoid.get(s.uri.netloc, -math.inf) > _AVOID_FOR]
 
 
 class Bus:
@@ -308,7 +320,7 @@ class Bus:
         self._health_task: asyncio.Task[None] | None = None
         self._watchers: set[KeyWatch] = set()
         self._closed = False
-        self._js_silent = 0  # JetStream requests in a row that got no answer
+        self._js_answered_at = -math.inf  # when a JetStream request last got an answer
         self._moved_at = -math.inf
         self._moving: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None  # the PING in flight for round_trip
@@ -372,7 +384,6 @@ class Bus:
 
         async def reconnected_cb() -> None:
             state.connected_since = time.monotonic()
-            state.avoid = ""
             state.reconnects += 1
             log.info("reconnected to NATS at %s", _server_url(holder["bus"].nc) if holder else "?")
             if "bus" in holder:
@@ -380,7 +391,7 @@ class Bus:
 
         def reconnect_to_server(servers: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
             delay = state.backoff.next_delay()
-            pool = [s for s in servers if s.uri.netloc != state.avoid] or servers
+            pool = state.servers_to_try(servers) or servers
             server = pool[state.backoff.attempt % len(pool)] if pool else None
             log.debug("next reconnect attempt in %.2fs", delay)
             return server, delay
@@ -509,8 +520,9 @@ class Bus:
         self._closed = True
         if self._health_task:
             self._health_task.cancel()
-        if self._probe is not None:
-            self._probe.cancel()
+        for task in (self._probe, self._moving):
+            if task is not None:
+                task.cancel()
         for w in list(self._watchers):
             try:
                 await asyncio.wait_for(w.stop(), 0.5)
@@ -605,40 +617,68 @@ class Bus:
         """A JetStream request, watching for a server that answers PINGs but whose JetStream
         no longer answers (cut off from the other servers of its cluster): nats-py stays on
         it, since the connection is fine, and every read and write would fail until the
-        partition heals. After `_JS_SILENT_LIMIT` requests in a row without an answer, the
-        client moves to another server."""
+        partition heals. A request without an answer starts `_leave_if_cut_off`."""
         try:
             result = await request
         except _NO_ANSWER:
             self._js_no_answer()
             raise
         except nats.js.errors.APIError:
-            self._js_silent = 0  # refused, but answered
+            self._js_answered_at = time.monotonic()  # refused, but answered
             raise
-        self._js_silent = 0
+        self._js_answered_at = time.monotonic()
         return result
 
     def _js_no_answer(self) -> None:
-        self._js_silent += 1
-        servers = getattr(self.nc, "servers", [])
         if (
-            self._js_silent < _JS_SILENT_LIMIT
+            len(getattr(self.nc, "servers", [])) < 2
             or not self.nc.is_connected
-            or len(servers) < 2
             or time.monotonic() - self._moved_at < _JS_MOVE_EVERY
+            or (self._moving is not None and not self._moving.done())
             or self._closed
         ):
             return
-        self._js_silent = 0
-        self._moved_at = time.monotonic()
+        self._moving = asyncio.get_running_loop().create_task(self._leave_if_cut_off())
+
+    async def _leave_if_cut_off(self) -> None:
+        """Ask the server every second for its JetStream account info, which the cluster's
+        metadata leader answers. An answer, or any JetStream request answered meanwhile, or a
+        reconnect, ends it: the silence was an election, the same on every server, and
+        moving could land the client on one that is really cut off. Still no answer after
+        `_CUT_OFF_AFTER` seconds: this server is cut off from its cluster; move to another,
+        passing over this one for a while."""
         url = self.nc.connected_url
-        self._state.avoid = url.netloc if url else ""
+        here = url.netloc if url else ""
+        started, reconnects = time.monotonic(), self._state.reconnects
+        while True:
+            asked = time.monotonic()
+            if await self._jetstream_answers():
+                log.debug("JetStream answers through %s: it was an election", here)
+                return
+            if self._js_answered_at > started or self._state.reconnects != reconnects:
+                return
+            if self._closed or not self.nc.is_connected:
+                return
+            if time.monotonic() - started >= _CUT_OFF_AFTER:
+                break
+            await asyncio.sleep(max(0.0, _JS_ASK_EVERY - (time.monotonic() - asked)))
+        self._moved_at = time.monotonic()
+        if here:
+            self._state.avoid[here] = self._moved_at
         log.warning(
-            "JetStream does not answer through %s although the server does (cut off from the "
-            "rest of its cluster?): moving to another server",
-            self._state.avoid or "the current server",
+            "JetStream has not answered through %s for %.0f s although the server does (cut "
+            "off from the rest of its cluster?): moving to another server",
+            here or "the current server",
+            self._moved_at - started,
         )
-        self._moving = asyncio.get_running_loop().create_task(self.nc.force_reconnect())
+        await self.nc.force_reconnect()
+
+    async def _jetstream_answers(self) -> bool:
+        try:
+            msg = await self.nc.request("$JS.API.INFO", b"", timeout=_JS_ASK_EVERY)
+            return "error" not in msgspec.json.decode(msg.data, type=dict)
+        except Exception:  # noqa: BLE001 - no usable answer is the answer
+            return False
 
     def _subject(self, key: str) -> str:
         return f"$KV.{self.bucket.name}.{key}"

@@ -48,6 +48,9 @@ def _kv_read(bucket: str) -> list[str]:
         f"$JS.API.CONSUMER.CREATE.{stream}.>",
         f"$JS.API.CONSUMER.INFO.{stream}.*",
         f"$JS.FC.{stream}.>",  # flow-control replies of a watch
+        # account info, asked when the bucket stops answering: does this server's JetStream
+        # still reach its cluster, or should the client move to another server?
+        "$JS.API.INFO",
     ]
 
 
