@@ -320,7 +320,6 @@ class Bus:
         self._health_task: asyncio.Task[None] | None = None
         self._watchers: set[KeyWatch] = set()
         self._closed = False
-        self._js_answered_at = -math.inf  # when a JetStream request last got an answer
         self._moved_at = -math.inf
         self._moving: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None  # the PING in flight for round_trip
@@ -623,10 +622,6 @@ class Bus:
         except _NO_ANSWER:
             self._js_no_answer()
             raise
-        except nats.js.errors.APIError:
-            self._js_answered_at = time.monotonic()  # refused, but answered
-            raise
-        self._js_answered_at = time.monotonic()
         return result
 
     def _js_no_answer(self) -> None:
@@ -642,11 +637,11 @@ class Bus:
 
     async def _leave_if_cut_off(self) -> None:
         """Ask the server every second for its JetStream account info, which the cluster's
-        metadata leader answers. An answer, or any JetStream request answered meanwhile, or a
-        reconnect, ends it: the silence was an election, the same on every server, and
-        moving could land the client on one that is really cut off. Still no answer after
-        `_CUT_OFF_AFTER` seconds: this server is cut off from its cluster; move to another,
-        passing over this one for a while."""
+        metadata leader answers. An answer ends it: the silence was an election, the same on
+        every server, and moving could land the client on one that is really cut off. Still
+        no answer after `_CUT_OFF_AFTER` seconds: this server is cut off from its cluster;
+        move to another, passing over this one for a while. (Other requests are no sign: a
+        cut-off server still answers some of them itself, a missing key say.)"""
         url = self.nc.connected_url
         here = url.netloc if url else ""
         started, reconnects = time.monotonic(), self._state.reconnects
@@ -655,8 +650,8 @@ class Bus:
             if await self._jetstream_answers():
                 log.debug("JetStream answers through %s: it was an election", here)
                 return
-            if self._js_answered_at > started or self._state.reconnects != reconnects:
-                return
+            if self._state.reconnects != reconnects:
+                return  # nats-py left it meanwhile (a stale connection)
             if self._closed or not self.nc.is_connected:
                 return
             if time.monotonic() - started >= _CUT_OFF_AFTER:
