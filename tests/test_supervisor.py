@@ -273,17 +273,19 @@ async def test_missing_binary_fails_with_the_reason_and_no_process(tmp_path):
 async def test_engine_not_ready_within_the_timeout_is_stopped_and_reported(
     bins, tmp_path, monkeypatch
 ):
+    # loading for 30 s; the timeout is long enough for a Python process to start listening
+    # on a busy machine (0.8 s was not, 1 run in about 20), so the last answer is the 503
     spec = llama(bins, tmp_path, monkeypatch, FAKE_ENGINE_LOAD_SECONDS="30")
     rec = Recorder()
     sup = supervisor(
-        spec, tmp_path, rec, SupervisorTiming(**{**FAST.__dict__, "readiness_timeout": 0.8})
+        spec, tmp_path, rec, SupervisorTiming(**{**FAST.__dict__, "readiness_timeout": 4.0})
     )
     async with anyio.create_task_group() as tg:
         tg.start_soon(sup.run)
         failed = await rec.reached("failed")
         await sup.stop()
     assert failed.reason.startswith(
-        "not ready after 0.8 s (last: /health answered 503: Loading model)"
+        "not ready after 4 s (last: /health answered 503: Loading model)"
     )
 
 
