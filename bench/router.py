@@ -7,6 +7,9 @@ Sections:
 - latency:  non-streaming chat completions at concurrency 1, 64 and 256 against an engine
             with a realistic service time (first token after 100 ms, then one every 10 ms,
             16 tokens), straight to the engine and through the router (wrk);
+- idle:     the latency added at concurrency 1 against that engine, in alternating rounds
+            (direct, router, nginx, again and again) and as the median over rounds: few
+            requests a round at 4 a second, and a VM whose speed drifts between rounds;
 - ceiling:  against an engine that answers at once: the most requests/s one router
             process sustains, the latency it adds at concurrency 1, its CPU per 1,000 requests;
 - stream:   streamed completions at concurrency 64 (realistic engine): time to first token
@@ -226,6 +229,42 @@ def section_latency(tmp: Path) -> None:
             print(
                 f"{c:>11} | {d['rps']:>8.0f} {d['p50_ms']:>6.2f}ms {d['p99_ms']:>6.1f}ms | "
                 + " | ".join(cells)
+            )
+
+
+def section_idle(tmp: Path) -> None:
+    """Added p50 at concurrency 1 against the realistic engine, measured in alternating rounds:
+    one request every 260 ms gives few samples a round, and the VM's noise drifts between
+    rounds, so direct and proxied runs take turns and the added time is the median over
+    rounds of (proxied p50 - direct p50 of the same round)."""
+    print("\n## Concurrency 1, realistic engine: added p50 over alternating rounds")
+    if not need_wrk():
+        return
+    rounds, seconds = 7, 15
+    eport, engine = bench_engine(*REALISTIC)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(engine)
+        rport, rt = router(tmp, [eport])
+        stack.enter_context(rt)
+        proxies = [("router", rport)]
+        if shutil.which("nginx"):
+            nport, ngx = nginx(tmp, eport)
+            stack.enter_context(ngx)
+            proxies.append(("nginx", nport))
+        for port in [eport] + [p for _, p in proxies]:
+            wrk(port, 1, 2, CHAT)  # warm every path
+        added: dict[str, list[float]] = {name: [] for name, _ in proxies}
+        samples = 0
+        for _ in range(rounds):
+            d = wrk(eport, 1, seconds, CHAT)
+            samples += d["requests"]
+            for name, port in proxies:
+                added[name].append(wrk(port, 1, seconds, CHAT)["p50_ms"] - d["p50_ms"])
+        print(f"{rounds} rounds of {seconds} s each way (~{samples // rounds} requests a round)")
+        for name, values in added.items():
+            print(
+                f"{name:>7}: added p50 median {statistics.median(values):.2f} ms "
+                f"(rounds: {', '.join(f'{v:.2f}' for v in values)})"
             )
 
 
@@ -532,6 +571,7 @@ def section_affinity(tmp: Path) -> None:
 
 SECTIONS = {
     "latency": section_latency,
+    "idle": section_idle,
     "ceiling": section_ceiling,
     "stream": section_stream,
     "balance": section_balance,
