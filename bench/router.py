@@ -193,20 +193,29 @@ def need_wrk() -> bool:
 # --- sections ----------------------------------------------------------------------------
 
 
+def _realistic_behind_proxies(
+    tmp: Path, stack: contextlib.ExitStack
+) -> tuple[int, list[tuple[str, int]]]:
+    """The realistic engine, with the router and (if installed) nginx in front of it: the
+    engine's port and the (name, port) of each proxy, all stopped with `stack`."""
+    eport, engine = bench_engine(*REALISTIC)
+    stack.enter_context(engine)
+    rport, rt = router(tmp, [eport])
+    stack.enter_context(rt)
+    proxies = [("router", rport)]
+    if shutil.which("nginx"):
+        nport, ngx = nginx(tmp, eport)
+        stack.enter_context(ngx)
+        proxies.append(("nginx", nport))  # a reference point, not a goal
+    return eport, proxies
+
+
 def section_latency(tmp: Path) -> None:
     print("\n## Non-streaming chat completions, realistic engine (100 ms + 16 x 10 ms)")
     if not need_wrk():
         return
-    eport, engine = bench_engine(*REALISTIC)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(engine)
-        rport, rt = router(tmp, [eport])
-        stack.enter_context(rt)
-        proxies = [("router", rport)]
-        if shutil.which("nginx"):
-            nport, ngx = nginx(tmp, eport)
-            stack.enter_context(ngx)
-            proxies.append(("nginx", nport))  # a reference point, not a goal
+        eport, proxies = _realistic_behind_proxies(tmp, stack)
         print(f"{'':>11} | {'direct':^26} | " + " | ".join(f"{n:^40}" for n, _ in proxies))
         print(
             f"{'concurrency':>11} | {'req/s':>8} {'p50':>8} {'p99':>8} | "
@@ -241,16 +250,8 @@ def section_idle(tmp: Path) -> None:
     if not need_wrk():
         return
     rounds, seconds = 7, 15
-    eport, engine = bench_engine(*REALISTIC)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(engine)
-        rport, rt = router(tmp, [eport])
-        stack.enter_context(rt)
-        proxies = [("router", rport)]
-        if shutil.which("nginx"):
-            nport, ngx = nginx(tmp, eport)
-            stack.enter_context(ngx)
-            proxies.append(("nginx", nport))
+        eport, proxies = _realistic_behind_proxies(tmp, stack)
         for port in [eport] + [p for _, p in proxies]:
             wrk(port, 1, 2, CHAT)  # warm every path
         added: dict[str, list[float]] = {name: [] for name, _ in proxies}
