@@ -1,7 +1,7 @@
 """A fleet's certificates: a CA, one client certificate per identity, the NATS server's.
 
 Pure: keys and certificates in, certificates and PEM bytes out; where they are kept is
-llmgw/pki_cli.py's. A client certificate's subject says who it is, `CN=<name>,OU=<role>,
+llmgw/cli/pki.py's. A client certificate's subject says who it is, `CN=<name>,OU=<role>,
 O=<the CA's organization>`: nats-server maps the whole subject to a user
 (`verify_and_map`), so a controller and a node of the same name are two users, and the CN
 of a node is its node id, which the agent checks (llmgw/agent/certificate.py).

@@ -493,8 +493,8 @@ async def test_a_value_over_the_limit_is_skipped_on_read(nats_settings, caplog) 
 async def test_a_node_lying_about_another_node_is_rejected_as_a_spoof_attempt(
     bus: Bus, caplog
 ) -> None:
+    from llmgw.cli.status import gather
     from llmgw.controller.view import View
-    from llmgw.status import gather
 
     # what node05 may write (its own key) claiming to be node06 with 8 GPUs and a model
     lie = inventory("node06", gpus=8, held=[("llama", "local:node06")], looked=True)
@@ -701,7 +701,7 @@ async def test_bus_closes_when_its_block_ends(nats_settings) -> None:
 
 
 async def test_reading_the_bucket_leaves_no_consumer_behind(bus: Bus) -> None:
-    from llmgw.status import gather
+    from llmgw.cli.status import gather
 
     await bus.put("nodes.n1", inventory("n1"))
     await gather(bus)  # `llmgw status`: one list per key family

@@ -20,8 +20,8 @@ from llmgw.agent.config import AgentConfig, Engines, Intervals, Paths, write_con
 from llmgw.bus import keys, records
 from llmgw.bus.server import free_port
 from llmgw.catalog import Model, encode_model, validate_models
-from llmgw.placing import dry_run_plan, follow_placement
-from llmgw.status import gather, render
+from llmgw.cli.place import dry_run_plan, follow_placement
+from llmgw.cli.status import gather, render
 from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
 from llmgw.testing.sim import SimNode, inventory
 

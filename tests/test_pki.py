@@ -30,7 +30,7 @@ from llmgw.agent.certificate import CertificateError, check_tls_files
 from llmgw.bus.client import Bus, BusError, NatsSettings
 from llmgw.bus.permissions import User, render_users
 from llmgw.bus.server import find_nats_server, free_port
-from llmgw.pki_cli import pki
+from llmgw.cli.pki import pki
 
 pytestmark = pytest.mark.anyio
 

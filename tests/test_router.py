@@ -21,8 +21,8 @@ from serving import sse_events
 from waiting import until
 
 from llmgw.router.balancer import BalancerSettings
-from llmgw.router.http import HttpLimits
 from llmgw.router.proxy import ProxySettings
+from llmgw.router.server import HttpLimits
 
 pytestmark = pytest.mark.anyio
 

@@ -38,8 +38,8 @@ from llmgw.agent.weights import WeightsScanner, stuck_scan
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 from llmgw.errors import stated
+from llmgw.keyfiles import read_key
 from llmgw.logs import setup_logging
-from llmgw.secrets import read_key
 from llmgw.shutdown import cancel_on_signal
 
 log = logging.getLogger("llmgw.agent.service")  # also when run as __main__

@@ -6,7 +6,7 @@ records and nothing else. Reads cannot be narrowed this way (a watch's filter tr
 consumer-create request body, not in its subject), so every identity may read the whole bucket.
 Static nats-server config has no per-user templates, hence one generated block per node:
 
-    llmgw pki nats-config      # a user per certificate of the fleet's CA (llmgw/pki_cli.py)
+    llmgw pki nats-config      # a user per certificate of the fleet's CA (llmgw/cli/pki.py)
     python -m llmgw.bus.permissions node01 node02 > /etc/nats/llmgw-users.conf  # another CA
 """
 

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmgw.router.balancer import Balancer
-from llmgw.router.http import Request, Response
 from llmgw.router.metrics import CONTENT_TYPE as METRICS_TYPE
 from llmgw.router.metrics import ReplicaSeries, RouterMetrics
 from llmgw.router.request import BadRequest, parse
+from llmgw.router.server import Request, Response
 from llmgw.router.table import Backend, EndpointTable
 from llmgw.router.upstream import (
     ClosedWhileIdle,

@@ -20,10 +20,10 @@ import anyio
 from llmgw import catalog
 from llmgw.bus import keys
 from llmgw.router.balancer import Balancer, BalancerSettings
-from llmgw.router.http import HttpLimits, serve
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.probe import HealthProber
 from llmgw.router.proxy import Proxy, ProxySettings, error_body
+from llmgw.router.server import HttpLimits, serve
 from llmgw.router.table import EndpointTable
 from llmgw.router.upstream import UpstreamPool, UpstreamSettings
 

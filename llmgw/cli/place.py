@@ -9,11 +9,13 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import anyio
+import click
 import msgspec
 
 from llmgw.bus import keys, records
-from llmgw.bus.client import Bus
+from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 from llmgw.catalog import decode_model
+from llmgw.cli.common import nats_options, open_bus
 from llmgw.controller import placement
 from llmgw.controller.fabrics import fabric_view
 from llmgw.controller.view import View
@@ -195,3 +197,47 @@ class _PollReader:
                     key,
                 )
             return None
+
+
+@click.command()
+@click.argument("model")
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=0),
+    required=True,
+    help="how many replicas (0 removes them)",
+)
+@click.option("--profile", default=None, help="catalog profile (default: the first that fits)")
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="follow until every replica is ready or the controller explains why not",
+)
+@click.option(
+    "--dry-run", is_flag=True, help="compute the plan from the current bucket; write nothing"
+)
+@click.option(
+    "--timeout", type=float, default=600.0, show_default=True, help="seconds --wait follows for"
+)
+@nats_options
+def place(
+    model, replicas, profile, wait, dry_run, timeout, nats: NatsSettings, bucket: BucketSettings
+) -> None:
+    """Ask for N replicas of MODEL, then show where they go and why."""
+
+    async def run() -> int:
+        async with open_bus(nats, bucket) as bus:
+            if dry_run:
+                for line in await dry_run_plan(bus, model, replicas, profile):
+                    click.echo(line)
+                return 0
+            written_at = await write_desired(bus, model, replicas, profile)
+            click.echo(
+                f"desired.{model}: {replicas} replica(s)"
+                + (f", profile {profile}" if profile else "")
+            )
+            return await follow_placement(
+                bus, model, written_at, wait=wait, timeout=timeout, echo=click.echo
+            )
+
+    raise SystemExit(anyio.run(run))

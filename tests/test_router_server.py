@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from llmgw.router.http import HttpLimits, Request, Response, serve
+from llmgw.router.server import HttpLimits, Request, Response, serve
 
 pytestmark = pytest.mark.anyio
 

@@ -7,13 +7,18 @@ controller has published `fabrics.<fabric>` yet.
 
 from __future__ import annotations
 
+import json
+import time
 from collections import Counter
 from typing import Any
 
+import anyio
+import click
 import msgspec
 
 from llmgw.bus import keys, records
-from llmgw.bus.client import Bus, decoder
+from llmgw.bus.client import BucketSettings, Bus, NatsSettings, decoder
+from llmgw.cli.common import json_option, nats_options, open_bus
 from llmgw.controller.fabrics import fabric_view, render_fabrics
 
 GIB = 1 << 30
@@ -156,3 +161,20 @@ def render(view: dict[str, Any], now: float) -> str:
         if p and p.get("explanation"):
             lines.append(f"    unplaced: {p['explanation']}")
     return "\n".join(lines)
+
+
+@click.command()
+@nats_options
+@json_option
+def status(nats: NatsSettings, bucket: BucketSettings, as_json: bool) -> None:
+    """What the fleet has: nodes, their hardware, engines, weights and heartbeats."""
+
+    async def run() -> dict[str, Any]:
+        async with open_bus(nats, bucket) as bus:
+            return await gather(bus)
+
+    view = anyio.run(run)
+    if as_json:
+        click.echo(json.dumps(view, indent=2, sort_keys=True))
+    else:
+        click.echo(render(view, now=time.time()))

@@ -1,0 +1,17 @@
+"""The `llmgw` command, one module per command (or group of them):
+
+main.py        the group and its error handling
+common.py      NATS options, opening the bus, running until a signal
+up.py          llmgw up: one machine, everything
+router.py      llmgw router (and the router options `up` shares)
+controller.py  llmgw controller
+place.py       llmgw place: desired.<model>, then what the controller decides
+status.py      llmgw status
+catalog.py     llmgw catalog apply / ls
+agent.py       llmgw agent init / run
+pki.py         llmgw pki: the fleet's CA and certificates
+"""
+
+from llmgw.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,3 @@
+from llmgw.cli.main import main
+
+main()

@@ -1,0 +1,110 @@
+"""What every `llmgw` command shares: the NATS options, opening the bus for one command,
+how errors stated for a person become messages, and running until a signal."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import AsyncIterator
+
+import anyio
+import click
+
+from llmgw.bus import keys
+from llmgw.bus.client import BucketSettings, Bus, NatsSettings, NatsUnreachable
+from llmgw.shutdown import cancel_on_signal
+
+
+def nats_options(fn):
+    @click.option(
+        "--nats",
+        "nats_urls",
+        multiple=True,
+        envvar="LLMGW_NATS",
+        show_envvar=True,
+        help="NATS URL (repeatable) [default: nats://127.0.0.1:4222]",
+    )
+    @click.option(
+        "--tls-ca", envvar="LLMGW_TLS_CA", type=click.Path(dir_okay=False), help="CA file"
+    )
+    @click.option(
+        "--tls-cert",
+        envvar="LLMGW_TLS_CERT",
+        type=click.Path(dir_okay=False),
+        help="client certificate",
+    )
+    @click.option(
+        "--tls-key", envvar="LLMGW_TLS_KEY", type=click.Path(dir_okay=False), help="client key"
+    )
+    @click.option(
+        "--bucket",
+        envvar="LLMGW_BUCKET",
+        default=keys.DEFAULT_BUCKET,
+        show_default=True,
+        help="the KV bucket",
+    )
+    @click.option(
+        "--bucket-replicas",
+        envvar="LLMGW_BUCKET_REPLICAS",
+        type=click.IntRange(1, 5),
+        default=None,
+        help="copies of the bucket a NATS cluster keeps (3 on a 3-server cluster); checked "
+        "against an existing bucket [default: 1 when creating it, else as it is]",
+    )
+    @functools.wraps(fn)
+    def wrapper(*args, nats_urls, tls_ca, tls_cert, tls_key, bucket, bucket_replicas, **kwargs):
+        urls = tuple(u for item in nats_urls for u in item.split()) or ("nats://127.0.0.1:4222",)
+        settings = NatsSettings(
+            urls=urls,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            name=f"llmgw {fn.__name__}",
+        )
+        buckets = BucketSettings(name=bucket, replicas=bucket_replicas)
+        return fn(*args, nats=settings, bucket=buckets, **kwargs)
+
+    return wrapper
+
+
+def json_option(fn):
+    return click.option("--json", "as_json", is_flag=True, help="print JSON instead of text")(fn)
+
+
+@contextlib.asynccontextmanager
+async def open_bus(nats: NatsSettings, bucket: BucketSettings) -> AsyncIterator[Bus]:
+    """The bus for one command, closed when it is done; an unreachable NATS says what to check."""
+    try:
+        bus = await Bus.connect(nats, bucket, give_up_after=5)
+    except NatsUnreachable as e:
+        raise click.ClickException(
+            f"{e}; is llmgw up (or your NATS cluster) running? set --nats or LLMGW_NATS"
+        ) from None
+    async with bus:
+        yield bus
+
+
+def listen(ctx, param, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"{value!r}: expected HOST:PORT, e.g. 0.0.0.0:8080")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+async def until_signalled(*runners) -> None:
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cancel_on_signal, tg.cancel_scope)
+        for run in runners:
+            tg.start_soon(run)
+
+
+def run_fast(fn) -> None:
+    """anyio.run on uvloop when it is installed (the router's throughput doubles; measured in
+    docs/performance.md)."""
+    try:
+        import uvloop  # noqa: F401
+
+        options = {"use_uvloop": True}
+    except ImportError:
+        options = {}
+    anyio.run(fn, backend_options=options)

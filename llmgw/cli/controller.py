@@ -1,0 +1,50 @@
+"""`llmgw controller`: a controller process (several may run; one leads)."""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+import click
+
+from llmgw.bus.client import BucketSettings, Bus, NatsSettings
+from llmgw.cli.common import nats_options, until_signalled
+from llmgw.controller.liveness import LOST_AFTER_S, UNREACHABLE_AFTER_S
+
+
+@click.command()
+@nats_options
+@click.option("--id", "controller_id", default=None, help="controller id (default: hostname-pid)")
+@click.option(
+    "--unreachable-after",
+    type=click.FloatRange(min=0, min_open=True),
+    default=UNREACHABLE_AFTER_S,
+    show_default=True,
+    help="seconds without a heartbeat before a node is unreachable",
+)
+@click.option(
+    "--lost-after",
+    type=click.FloatRange(min=0, min_open=True),
+    default=LOST_AFTER_S,
+    show_default=True,
+    help="seconds without a heartbeat before a node is lost and its replicas move",
+)
+def controller(
+    nats: NatsSettings, bucket: BucketSettings, controller_id, unreachable_after, lost_after
+) -> None:
+    """Run a controller (several may run; one leads)."""
+    from llmgw.controller.loop import Controller, ControllerSettings
+
+    logging.getLogger("llmgw").setLevel(logging.INFO)
+    settings = ControllerSettings(unreachable_after=unreachable_after, lost_after=lost_after)
+    if controller_id:
+        settings = ControllerSettings(
+            controller_id=controller_id, unreachable_after=unreachable_after, lost_after=lost_after
+        )
+
+    async def run() -> None:
+        # a service: it waits for NATS (and JetStream) like for any outage, saying so
+        async with await Bus.connect(nats, bucket) as bus:
+            await until_signalled(Controller(bus, settings).run)
+
+    anyio.run(run)

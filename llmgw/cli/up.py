@@ -1,0 +1,196 @@
+"""`llmgw up`: one machine, everything: embedded NATS, a controller, a router, an agent."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import anyio
+import click
+import msgspec
+
+from llmgw.agent.config import AgentConfig, ConfigError, Paths, Weights, load_config
+from llmgw.bus import keys
+from llmgw.bus.client import BucketSettings, Bus, NatsSettings
+from llmgw.cli.common import listen, run_fast
+from llmgw.cli.router import router_options, router_settings
+from llmgw.errors import LlmgwError
+from llmgw.shutdown import cancel_on_signal
+
+
+@click.command()
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="where NATS stores the bucket and the agent its state [default: the user data dir]",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="address NATS listens on")
+@click.option("--port", default=4222, show_default=True, help="port NATS listens on")
+@click.option(
+    "--agent-config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="agent config for the local agent (its NATS URLs are replaced by the embedded server)",
+)
+@click.option("--no-agent", is_flag=True, help="do not run a local agent")
+@click.option(
+    "--router-listen",
+    "router_listen",
+    callback=listen,
+    default="127.0.0.1:8080",
+    show_default=True,
+    help="HOST:PORT of the OpenAI API",
+)
+@click.option("--no-router", is_flag=True, help="do not run a router")
+@router_options
+def up(
+    data_dir: Path | None,
+    host: str,
+    port: int,
+    agent_config: Path | None,
+    no_agent: bool,
+    router_listen: tuple[str, int],
+    no_router: bool,
+    **router_opts,
+) -> None:
+    """Run llmgw on this machine: embedded NATS, a controller, a router and a local agent."""
+    import platformdirs
+
+    from llmgw.bus.server import EmbeddedNats, NatsServerError
+
+    logging.getLogger("llmgw").setLevel(logging.INFO)
+    data_dir = data_dir or Path(platformdirs.user_data_dir("llmgw"))
+    try:
+        router = None if no_router else router_settings(router_listen, **router_opts)
+    except LlmgwError as e:
+        raise click.ClickException(str(e)) from None
+    server = EmbeddedNats(data_dir=data_dir / "nats", host=host, port=port)
+    try:
+        server.start()
+    except NatsServerError as e:
+        raise click.ClickException(str(e)) from None
+    url = server.url
+    try:
+        cfg = _up_agent_config(agent_config, url, data_dir)
+        cmd = _this_command()
+        click.echo(f"NATS listening on {url}")
+        click.echo(
+            f"store {data_dir}: the catalog, the replicas asked for and the agent's state persist "
+            f"there across runs (`{cmd} place MODEL --replicas 0` removes replicas; an empty "
+            "--data-dir starts from nothing)"
+        )
+        click.echo(f"  export LLMGW_NATS={url}; {cmd} status")
+        click.echo(
+            f"  nats --server {url} kv ls {keys.DEFAULT_BUCKET}; nats --server {url} kv watch {keys.DEFAULT_BUCKET}"
+        )
+        click.echo("Ctrl-C stops everything.")
+        run_fast(functools.partial(_run_up, cfg, no_agent, router, cmd))
+    finally:
+        server.stop()
+        click.echo("stopped")
+
+
+def _this_command() -> str:
+    """How to run llmgw again from any shell, venv activated or not."""
+    import shutil
+    import sys
+
+    argv0 = Path(sys.argv[0])
+    if argv0.name == "llmgw" and argv0.exists():
+        path = str(argv0.resolve())
+        return "llmgw" if shutil.which("llmgw") == path else path
+    return f"{sys.executable} -m llmgw.cli"
+
+
+def _up_agent_config(path: Path | None, url: str, data_dir: Path) -> AgentConfig:
+    try:
+        cfg = (
+            load_config(path)
+            if path
+            else AgentConfig(
+                weights=Weights(fetch_dir=str(data_dir / "weights")),
+                paths=Paths(state_dir=str(data_dir / "agent")),
+            )
+        )
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    return msgspec.structs.replace(cfg, nats=msgspec.structs.replace(cfg.nats, urls=[url]))
+
+
+async def _run_up(cfg: AgentConfig, no_agent: bool, router, cmd: str) -> None:
+    bus = await Bus.connect(
+        NatsSettings(urls=tuple(cfg.nats.urls), name="llmgw controller"),
+        BucketSettings(name=cfg.nats.bucket),
+        give_up_after=10,
+    )
+    try:
+        await _run_up_parts(cfg, no_agent, router, cmd, bus)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await bus.close()
+
+
+async def _run_up_parts(cfg: AgentConfig, no_agent: bool, router, cmd: str, bus: Bus) -> None:
+    from llmgw.controller.loop import Controller
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cancel_on_signal, tg.cancel_scope)
+        await tg.start(Controller(bus).run)
+        click.echo("controller running")
+        agent = None
+        if not no_agent:
+            from llmgw.agent.service import Agent
+
+            agent = await tg.start(Agent(cfg).run)
+            click.echo("agent running")
+        if router is not None:
+            from llmgw.router.service import Router
+
+            r = Router(router)
+            settings = NatsSettings(urls=tuple(cfg.nats.urls), name="llmgw router")
+            bucket = BucketSettings(name=cfg.nats.bucket)
+            await tg.start(
+                r.serve_bucket, lambda: Bus.connect(settings, bucket, give_up_after=None)
+            )
+            click.echo(f"router listening on {r.url}/v1 (OpenAI base URL; `model` = a served name)")
+        for line in await _earlier_run(bus, agent, cmd):
+            click.echo(line)
+        await anyio.sleep_forever()
+
+
+async def _earlier_run(bus: Bus, agent, cmd: str) -> list[str]:
+    """What a restarted `llmgw up` brings back from its store, and what this machine lacks
+    for it: yesterday's model relaunching and failing must not be a mystery."""
+    from llmgw.bus import records
+    from llmgw.bus.client import decoder
+    from llmgw.catalog import decode_model
+
+    desired = await bus.list(keys.pattern(keys.DESIRED), decoder(records.Desired))
+    wanted = sorted(
+        (e.value for e in desired.values() if e.value.replicas > 0), key=lambda d: d.model
+    )
+    if not wanted:
+        return []
+    lines = [
+        "replicas asked for in an earlier run, placed again now: "
+        + ", ".join(f"{d.model} x{d.replicas}" for d in wanted)
+    ]
+    if agent is None or agent.inventory is None:
+        return lines
+    have = {e.name for e in agent.inventory.engines}
+    models = await bus.list(keys.pattern(keys.CATALOG), lambda b: decode_model(b))
+    by_id = {e.value.id: e.value for e in models.values()}
+    for d in wanted:
+        model = by_id.get(d.model)
+        if model is None or model.endpoints:
+            continue
+        engines = sorted({p.engine for p in model.profiles})
+        if not set(engines) & have:
+            lines.append(
+                f"  {d.model} needs {' or '.join(engines)}, which this machine does not have "
+                f"(not on PATH or in the agent config): install it, or `{cmd} place {d.model} "
+                "--replicas 0`"
+            )
+    return lines
