@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import resource
 from pathlib import Path
 
 import anyio
@@ -12,7 +13,7 @@ import click
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 from llmgw.cli.common import listen, nats_options, run_fast
 from llmgw.errors import LlmgwError
-from llmgw.shutdown import cancel_on_signal
+from llmgw.shutdown import drain_then_cancel_on_signal
 
 
 def router_options(fn):
@@ -54,6 +55,22 @@ def router_options(fn):
             show_default=True,
             help="request header naming a session, kept on one replica like a conversation",
         ),
+        click.option(
+            "--shutdown-grace",
+            type=click.FloatRange(min=0.0),
+            default=30.0,
+            show_default=True,
+            help="seconds requests in flight get to finish after SIGTERM or Ctrl-C; what is "
+            "still running then is cut (a second signal cuts at once)",
+        ),
+        click.option(
+            "--max-connections",
+            type=click.IntRange(min=1),
+            default=10_000,
+            show_default=True,
+            help="client connections held at once; past it the oldest idle one is closed, "
+            "or a new one gets 503",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -67,6 +84,8 @@ def router_settings(
     max_body_mb: float,
     affinity_load_factor: float,
     session_header: str,
+    shutdown_grace: float,
+    max_connections: int,
 ):
     from llmgw.keyfiles import read_key, read_keys
     from llmgw.router.balancer import BalancerSettings
@@ -81,7 +100,11 @@ def router_settings(
     return RouterSettings(
         host=listen[0],
         port=listen[1],
-        limits=HttpLimits(max_body=int(max_body_mb * 1024 * 1024)),
+        limits=HttpLimits(
+            max_body=int(max_body_mb * 1024 * 1024),
+            max_connections=fit_fd_limit(max_connections),
+        ),
+        shutdown_grace=shutdown_grace,
         balancer=BalancerSettings(affinity_load_factor=affinity_load_factor),
         proxy=ProxySettings(
             engine_api_key=engine_key,
@@ -157,8 +180,40 @@ def router(
 
     async def run() -> None:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(cancel_on_signal, tg.cancel_scope)
+            tg.start_soon(drain_then_cancel_on_signal, tg.cancel_scope, r.shutdown)
             await tg.start(serve)
             click.echo(f"router listening on {r.url}/v1 ({r.source})")
 
     run_fast(run)
+
+
+# file descriptors a router keeps beside its client connections: NATS, listening sockets,
+# health probes, logs
+_FD_RESERVE = 256
+
+
+def fit_fd_limit(max_connections: int) -> int:
+    """Raise this process's soft limit on open files so that `max_connections` clients,
+    each busy with an engine connection of its own, fit; where the hard limit does not
+    allow that, fewer connections are held, and the log says how to allow more."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * max_connections + _FD_RESERVE
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    if want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:
+            logging.getLogger(__name__).warning("cannot raise the open-file limit: %s", e)
+    fits = max(1, (soft - _FD_RESERVE) // 2)
+    if fits < max_connections:
+        logging.getLogger(__name__).warning(
+            "router: the open-file limit (%d) holds %d client connections, not the %d asked "
+            "for; raise it (ulimit -n, or LimitNOFILE= in the systemd unit)",
+            soft,
+            fits,
+            max_connections,
+        )
+        return fits
+    return max_connections

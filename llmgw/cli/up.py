@@ -16,7 +16,7 @@ from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 from llmgw.cli.common import listen, run_fast
 from llmgw.cli.router import router_options, router_settings
 from llmgw.errors import LlmgwError
-from llmgw.shutdown import cancel_on_signal
+from llmgw.shutdown import drain_then_cancel_on_signal
 
 
 @click.command()
@@ -85,7 +85,7 @@ def up(
         click.echo(
             f"  nats --server {url} kv ls {keys.DEFAULT_BUCKET}; nats --server {url} kv watch {keys.DEFAULT_BUCKET}"
         )
-        click.echo("Ctrl-C stops everything.")
+        click.echo("Ctrl-C stops everything (the router first lets its requests in flight finish).")
         run_fast(functools.partial(_run_up, cfg, no_agent, router, cmd))
     finally:
         server.stop()
@@ -135,8 +135,15 @@ async def _run_up(cfg: AgentConfig, no_agent: bool, router, cmd: str) -> None:
 async def _run_up_parts(cfg: AgentConfig, no_agent: bool, router, cmd: str, bus: Bus) -> None:
     from llmgw.controller.loop import Controller
 
+    routers = []
+
+    async def drain() -> None:
+        # Ctrl-C lets the router's streams finish first, while the engines still serve
+        for r in routers:
+            await r.shutdown()
+
     async with anyio.create_task_group() as tg:
-        tg.start_soon(cancel_on_signal, tg.cancel_scope)
+        tg.start_soon(drain_then_cancel_on_signal, tg.cancel_scope, drain)
         await tg.start(Controller(bus).run)
         click.echo("controller running")
         agent = None
@@ -149,6 +156,7 @@ async def _run_up_parts(cfg: AgentConfig, no_agent: bool, router, cmd: str, bus:
             from llmgw.router.service import Router
 
             r = Router(router)
+            routers.append(r)
             settings = NatsSettings(urls=tuple(cfg.nats.urls), name="llmgw router")
             bucket = BucketSettings(name=cfg.nats.bucket)
             await tg.start(

@@ -62,10 +62,9 @@ class HealthProber:
         return ok
 
     async def _ask(self, b: Backend) -> tuple[bool, str]:
-        request = b"GET %s/health HTTP/1.1\r\nhost: %s:%d\r\n%s\r\n" % (
+        request = b"GET %s/health HTTP/1.1\r\nhost: %s\r\n%s\r\n" % (
             b.path_prefix.encode(),
-            b.host.encode(),
-            b.port,
+            b.host_header,
             self._auth,
         )
         conn = None

@@ -2,9 +2,12 @@
 
 Bodies go to the engine as they came and its answer comes back as it goes: the engine's
 status, its error body, and a stream relayed chunk by chunk as each arrives (never
-buffered whole). A request is sent a second time, to another engine, only when nothing
-of it reached the first (its connection failed); once an engine may have started on it,
-its failure is the client's answer (502), because generating twice is not harmless.
+buffered whole). The request is framed anew for the engine (its own Content-Length, the
+few headers worth passing on), so nothing of the client's framing reaches an engine.
+A request is sent a second time, to another engine, only when nothing of it reached the
+first (its connection could not be made; counted in llmgw_router_retries_total); once an
+engine may have read it, its failure is the client's answer (502), because generating
+twice is not harmless.
 """
 
 from __future__ import annotations
@@ -22,13 +25,7 @@ from llmgw.router.metrics import ReplicaSeries, RouterMetrics
 from llmgw.router.request import BadRequest, parse
 from llmgw.router.server import Request, Response
 from llmgw.router.table import Backend, EndpointTable
-from llmgw.router.upstream import (
-    ClosedWhileIdle,
-    ConnectFailed,
-    UpstreamConnection,
-    UpstreamFailed,
-    UpstreamPool,
-)
+from llmgw.router.upstream import ConnectFailed, UpstreamConnection, UpstreamFailed, UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +111,11 @@ class Proxy:
             else:
                 await resp.send(200, self._models())
         elif req.path == b"/health" and req.method in (b"GET", b"HEAD"):
-            await resp.send(200, json.dumps({"status": "ok", **self._health()}).encode())
+            state = self._health()
+            # a router shutting down says so, for a load balancer in front still asking
+            draining = bool(state.pop("draining", False))
+            body = json.dumps({"status": "draining" if draining else "ok", **state}).encode()
+            await resp.send(503 if draining else 200, body)
         elif req.path == b"/metrics" and req.method in (b"GET", b"HEAD"):
             await resp.send(200, self.metrics.render(), content_type=METRICS_TYPE)
         else:
@@ -246,11 +247,10 @@ class Proxy:
         return b"".join(lines)
 
     async def _send(self, b: Backend, req: Request, head: bytes) -> UpstreamConnection:
-        data = b"POST %s%s HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        data = b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s\r\n%s" % (
             b.path_prefix.encode(),
             req.target,
-            b.host.encode(),
-            b.port,
+            b.host_header,
             len(req.body),
             head,
             req.body,
@@ -277,16 +277,12 @@ class Proxy:
         model = series.model
         try:
             try:
-                try:
-                    status, headers = await conn.response_head()
-                except ClosedWhileIdle as e:
-                    # the engine never read it: send it again, once, on a new connection
-                    log.info("router: %s; sending the request again on a new connection", e)
-                    conn.abort()
-                    conn = await self.pool.send(b.host, b.port, conn.sent, tls=b.tls, fresh=True)
-                    status, headers = await conn.response_head()
-            except (UpstreamFailed, ConnectFailed) as e:
+                status, headers = await conn.response_head()
+            except UpstreamFailed as e:
+                # Never sent again, to this engine or another: it may have read the request.
                 self._count_failure(b, str(e))
+                if e.before_answer:
+                    series.failed("closed_before_answer")
                 await self._fail(
                     resp,
                     502,

@@ -4,26 +4,38 @@ Why not aiohttp's server: a proxy spends most of its time in the HTTP layer, and
 request and response objects cost more than all of the routing. Measured here
 (docs/performance.md): the same proxy logic reached about 2.9k requests/s under aiohttp's
 server and client, against an engine that answers in 20 us, and much more on these
-protocols. The parser is llhttp, the one Node.js uses; this module only keeps connections,
-limits and back-pressure.
+protocols. The parser is llhttp, the one Node.js uses, in its strict mode: it refuses
+obs-fold, duplicate Content-Length, Content-Length beside Transfer-Encoding and bad chunk
+sizes, which is what closes the doors request smuggling uses. This module keeps
+connections, limits, framing and back-pressure.
 
 What it does, and no more:
-- keep-alive (HTTP/1.1, and HTTP/1.0 with `Connection: keep-alive`), pipelined requests
-  answered in order, `Expect: 100-continue`;
-- limits: request head size and header count (431), body size (413, refused from
-  Content-Length before the body is read), a request must arrive complete within
-  `idle_timeout` of the connection going idle (slow or silent clients are closed);
-- responses either whole (`Response.send`) or streamed (`start`/`write`/`end`, chunked
-  when the length is unknown), each `write` waiting while the client's socket is full, so
-  a slow reader holds back its upstream instead of filling memory;
+- keep-alive (HTTP/1.1, and HTTP/1.0 with `Connection: keep-alive`, answered in kind),
+  pipelined requests answered in order, `Expect: 100-continue` answered when that
+  request's turn comes (417 for any other expectation);
+- `Upgrade` (h2c, websocket) is ignored, as RFC 9110 allows: the request is answered over
+  HTTP/1.1 and the connection goes on; CONNECT is answered and the connection closed;
+- limits: the request head in raw bytes while it arrives (431; httptools would otherwise
+  gather one endless header value whole before calling back), header count (431), body
+  size (413, refused from Content-Length before the body is read), bodies queued behind a
+  busy connection (reading pauses), connections (the oldest idle one is closed to make
+  room, else 503), a request must arrive within `idle_timeout` of the connection going
+  idle, and a client that takes nothing of its answer for `send_timeout` is closed;
+- responses whole (`Response.send`) or streamed (`start`/`write`/`end`), framed as RFC 9112
+  says: no body and no chunking for HEAD, 1xx, 204 and 304; Content-Length held to what
+  was declared; chunked when the length is unknown; each `write` waits while the client's
+  socket is full, so a slow reader holds back its upstream instead of filling memory;
 - a client that goes away cancels its handler at once: the proxy's `finally` then closes
-  the upstream connection, which is how an engine learns to stop generating.
+  the upstream connection, which is how an engine learns to stop generating;
+- `HttpServer.shutdown(grace)`: stop accepting, close idle connections, let the requests
+  in flight finish with `connection: close`, and cut what is left when the grace is over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import http
 import logging
 from collections.abc import Awaitable, Callable
@@ -34,17 +46,26 @@ import httptools
 log = logging.getLogger(__name__)
 
 _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+# how long a connection closed after an error or at shutdown keeps reading (and dropping)
+# what the client still sends, so that its unread bytes do not turn our FIN into a reset
+# that destroys the answer it has not read yet (nginx's lingering_close)
+LINGER = 2.0
 
 
 @dataclass(frozen=True)
 class HttpLimits:
     max_body: int = 16 * 1024 * 1024  # 413 above this (images as base64 make big chat bodies)
-    max_head: int = 64 * 1024  # request line and headers together; 431 above
+    max_head: int = 64 * 1024  # request line and headers together, in raw bytes; 431 above
     max_headers: int = 100
     # a complete request must arrive within this of the connection going idle; also the
     # keep-alive time, which must exceed that of any proxy in front (nginx: 60-75 s)
     idle_timeout: float = 75.0
+    # a client that takes none of its answer for this long is closed, freeing the engine's
+    # slot it holds (nginx's send_timeout is 60 s too)
+    send_timeout: float = 60.0
     max_pipelined: int = 16  # requests queued on one connection before reading pauses
+    max_pipelined_bytes: int = 16 * 1024 * 1024  # their bodies, together
+    max_connections: int = 10_000
 
 
 class Request:
@@ -83,26 +104,51 @@ Handler = Callable[[Request, "Response"], Awaitable[None]]
 ErrorBody = Callable[[int, str], bytes]
 
 
+class _Framing(enum.Enum):
+    NONE = "none"  # HEAD, 1xx, 204, 304: a head and nothing after it
+    LENGTH = "length"  # Content-Length, held to
+    CHUNKED = "chunked"
+    CLOSE = "close"  # HTTP/1.0 and no length: the body ends when the connection does
+
+
+def has_no_body(status: int, head_only: bool) -> bool:
+    """RFC 9112 section 6.3: these answers end with their head, whatever their headers say."""
+    return head_only or status < 200 or status in (204, 304)
+
+
 class Response:
     """Where a handler writes its answer: `send()` once, or `start()`, `write()`..., `end()`."""
 
-    __slots__ = ("_proto", "_head_only", "_chunked", "_close", "_head", "started", "ended")
+    __slots__ = (
+        "_conn",
+        "_head_only",
+        "_http_11",
+        "_keep_alive",
+        "_framing",
+        "_remaining",
+        "_head",
+        "started",
+        "ended",
+    )
 
-    def __init__(self, proto: HttpServerProtocol, request: Request) -> None:
-        self._proto = proto
+    def __init__(self, conn: HttpConnection, request: Request) -> None:
+        self._conn = conn
         self._head_only = request.method == b"HEAD"
-        self._chunked = False
+        self._http_11 = request.http_11
+        self._keep_alive = request.keep_alive
+        self._framing = _Framing.NONE
+        self._remaining = 0  # of a declared length
         # the status line and headers, held back to leave in one write with the first body
         # bytes: one system call a small answer, not two
         self._head = b""
-        # a streamed answer of unknown length to an HTTP/1.0 client ends by closing
-        self._close = not request.keep_alive
         self.started = False
         self.ended = False
 
     @property
     def keeps_connection(self) -> bool:
-        return not self._close
+        """The connection can carry the next request: keep-alive was agreed and the answer
+        was framed completely."""
+        return self._keep_alive and self.ended and self._remaining == 0
 
     async def send(
         self,
@@ -125,94 +171,158 @@ class Response:
         """Send the status line and headers. `length` None streams the body (chunked)."""
         assert not self.started, "response already started"
         self.started = True
+        if self._conn.closing:
+            self._keep_alive = False  # the server is shutting down: this is the last answer
         lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
         lines += [b"%s: %s\r\n" % (k, v) for k, v in headers]
-        if length is not None:
+        if has_no_body(status, self._head_only):
+            self._framing = _Framing.NONE
+            # a HEAD or 304 may say the length a GET would have had; a 1xx or 204 never
+            if length is not None and status >= 200 and status != 204:
+                lines.append(b"content-length: %d\r\n" % length)
+        elif length is not None:
+            self._framing = _Framing.LENGTH
+            self._remaining = length
             lines.append(b"content-length: %d\r\n" % length)
-        elif self._proto.request_http_11:
-            self._chunked = True
+        elif self._http_11:
+            self._framing = _Framing.CHUNKED
             lines.append(b"transfer-encoding: chunked\r\n")
         else:
-            self._close = True
-        if self._close:
+            self._framing = _Framing.CLOSE
+            self._keep_alive = False
+        if not self._keep_alive:
             lines.append(b"connection: close\r\n")
+        elif not self._http_11:
+            lines.append(b"connection: keep-alive\r\n")  # HTTP/1.0 keeps it only when told
         lines.append(b"\r\n")
         self._head = b"".join(lines)
 
     async def write(self, data: bytes) -> None:
-        if not data or self._head_only:
+        framing = self._framing
+        if not data or framing is _Framing.NONE:
             return
-        proto = self._proto
-        if self._chunked:
+        if framing is _Framing.LENGTH:
+            if len(data) > self._remaining:
+                log.error(
+                    "a handler wrote %d bytes more than the %d it declared; dropped",
+                    len(data) - self._remaining,
+                    len(data),
+                )
+                data = data[: self._remaining]
+                if not data:
+                    return
+            self._remaining -= len(data)
+        elif framing is _Framing.CHUNKED:
             data = b"%x\r\n%s\r\n" % (len(data), data)
+        conn = self._conn
         if self._head:
             data, self._head = self._head + data, b""
-        proto.write(data)
-        if proto.write_paused:
-            await proto.drain()
+        conn.write(data)
+        if conn.write_paused:
+            await conn.drain()
 
     async def end(self) -> None:
+        """The answer is complete. Shorter than its declared length, it is not: the
+        connection is then closed, which is how the client learns that."""
         if self.ended:
             return
         self.ended = True
-        tail = b"0\r\n\r\n" if self._chunked and not self._head_only else b""
+        tail = b"0\r\n\r\n" if self._framing is _Framing.CHUNKED else b""
         if self._head or tail:
-            self._proto.write(self._head + tail)
+            self._conn.write(self._head + tail)
             self._head = b""
 
     def flush(self) -> None:
         """Send the head now (a stream whose first bytes may take a while)."""
         if self._head:
-            self._proto.write(self._head)
+            self._conn.write(self._head)
             self._head = b""
 
 
-class HttpServerProtocol(asyncio.Protocol):
-    """One client connection."""
+class _Reading(enum.Enum):
+    """Where the parser is in the request it reads (for the raw head count)."""
 
-    def __init__(self, handler: Handler, limits: HttpLimits, error_body: ErrorBody) -> None:
-        self._handler = handler
-        self._limits = limits
-        self._error_body = error_body
+    BETWEEN = "between"  # no request begun
+    HEAD = "head"  # request line and headers arriving
+    BODY = "body"
+
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection: its requests are read by the parser callbacks into a queue,
+    and answered in order by one task, owned by this connection for its whole life."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self._server = server
+        self._handler = server.handler
+        self._limits = server.limits
+        self._error_body = server.error_body
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
+        self._reading = _Reading.BETWEEN
+        self._messages = 0  # requests read completely so far
+        self._raw_head = 0  # raw bytes of the head being read, counted while it arrives
         self._queue: collections.deque[Request | _Refusal] = collections.deque()
+        self._queued_bytes = 0  # bodies in the queue
         self._req: Request | None = None
+        self._last: Request | None = None  # the request read last (an Upgrade names it)
         self._body: list[bytes] = []
         self._body_size = 0
         self._head_size = 0
-        self._task: asyncio.Task[None] | None = None
+        self._continue_pending = False  # a 100 Continue owed once the answers before it end
+        self.task: asyncio.Task[None] | None = None
         self._next: asyncio.Future[None] | None = None  # set when a request is queued
         self._busy = False  # a request is being answered
-        self._idle: asyncio.TimerHandle | None = None
-        self._stopped_reading = False
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._discarding = False  # closed for reading: what arrives is dropped
         self._read_paused = False
         self.write_paused = False
         self._drain: asyncio.Future[None] | None = None
         self.lost = False
-        self.request_http_11 = True
+        self.closing = False  # the server is shutting down: answer what is begun, then close
 
     # --- the transport ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment] (uvloop's is not a subclass)
-        self._arm_idle()
+        if not self._server.admit(self):
+            return
+        self._went_idle()
 
     def data_received(self, data: bytes) -> None:
-        if self._stopped_reading:
+        if self._discarding:
             return
+        reading, messages = self._reading, self._messages
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(501, "protocol upgrades are not supported")
+        except httptools.HttpParserUpgrade as e:
+            self._upgraded(data, e.args[0] if e.args else len(data))
+            return
         except httptools.HttpParserCallbackError as e:
             if isinstance(e.__context__, _Stop):
                 return  # a limit was hit: the refusal is queued already
             log.exception("HTTP parser callback failed")
             self._refuse(500, "internal error while reading the request")
+            return
         except httptools.HttpParserError as e:
             self._refuse(400, f"malformed HTTP request: {e}")
+            return
+        if self._reading is _Reading.HEAD:
+            # httptools hands over a header only once its value is complete, and holds it
+            # meanwhile: count the head's raw bytes as they come. A head that began after
+            # other bytes of this chunk is counted from the next chunk on (the callbacks
+            # count its complete parts), so at most one read more than the limit is held.
+            if self._messages == messages and reading is _Reading.HEAD:
+                self._raw_head += len(data)
+            elif self._messages == messages and reading is _Reading.BETWEEN:
+                self._raw_head = len(data)
+            else:
+                self._raw_head = 0
+            if self._raw_head > self._limits.max_head:
+                self._refuse(
+                    431, f"request head is over the limit of {self._limits.max_head} bytes"
+                )
 
     def eof_received(self) -> bool | None:
         # EOF is a client gone, not a half-close (HTTP clients do not half-close, and one
@@ -221,9 +331,10 @@ class HttpServerProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self._cancel_idle()
-        if self._task is not None:
-            self._task.cancel()  # the client is gone: stop the upstream work at once
+        self._cancel_timers()
+        self._server.forget(self)
+        if self.task is not None:
+            self.task.cancel()  # the client is gone: stop the upstream work at once
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(ConnectionResetError("client disconnected"))
             self._drain.exception()  # retrieved: nobody may be waiting any more
@@ -233,6 +344,9 @@ class HttpServerProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 
@@ -242,15 +356,26 @@ class HttpServerProtocol(asyncio.Protocol):
         if self.write_paused:
             if self._drain is None or self._drain.done():
                 self._drain = self._loop.create_future()
+            if self._send_timer is None:
+                self._send_timer = self._loop.call_later(
+                    self._limits.send_timeout, self._send_timed_out
+                )
             await self._drain
 
     def write(self, data: bytes) -> None:
         if self._transport is not None and not self.lost:
             self._transport.write(data)
 
+    @property
+    def idle(self) -> bool:
+        """Between requests: nothing being answered, queued or read."""
+        return not self._busy and not self._queue and self._reading is _Reading.BETWEEN
+
     # --- parser callbacks ----------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._server.busy(self)  # (its idle timer runs on: the request must arrive in time)
+        self._reading = _Reading.HEAD
         self._req = Request()
         self._body = []
         self._body_size = 0
@@ -259,6 +384,8 @@ class HttpServerProtocol(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         assert self._req is not None
         self._req.target += url
+        if len(self._req.target) > self._limits.max_head:
+            self._stop(414, f"request target is over the limit of {self._limits.max_head} bytes")
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -271,6 +398,8 @@ class HttpServerProtocol(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         req = self._req
         assert req is not None
+        self._reading = _Reading.BODY
+        self._raw_head = 0
         req.method = self._parser.get_method()
         req.path = req.target.split(b"?", 1)[0]
         req.keep_alive = self._parser.should_keep_alive()
@@ -281,8 +410,14 @@ class HttpServerProtocol(asyncio.Protocol):
                 413,
                 f"request body of {int(length)} bytes is over the limit of {self._limits.max_body}",
             )
-        if (req.header(b"expect") or b"").lower() == b"100-continue" and req.http_11:
-            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        expect = req.header(b"expect")
+        if expect is not None and req.http_11:  # HTTP/1.0 has no expectations (RFC 9110)
+            if expect.lower() != b"100-continue":
+                self._stop(417, "the only expectation this server meets is 100-continue")
+            if not self._busy and not self._queue:
+                self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            else:
+                self._continue_pending = True  # after the answers before it, not inside them
 
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
@@ -294,11 +429,30 @@ class HttpServerProtocol(asyncio.Protocol):
         req = self._req
         assert req is not None
         self._req = None
+        self._last = req
+        self._reading = _Reading.BETWEEN
+        self._messages += 1
+        self._continue_pending = False  # the body came anyway
         req.body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
         self._body = []
         self._enqueue(req)
 
     # --- requests in order -----------------------------------------------------------------
+
+    def _upgraded(self, data: bytes, offset: int) -> None:
+        """llhttp stops after a request asking for a protocol upgrade (read whole and
+        queued already). CONNECT turns the rest of the connection into a tunnel, which
+        this server never opens: answered, then closed. Any other Upgrade is ignored
+        (RFC 9110 section 7.8) and reading goes on with a fresh parser."""
+        req = self._last
+        if req is None or req.method == b"CONNECT":
+            if req is not None:
+                req.keep_alive = False
+            self._discarding = True
+            return
+        self._parser = httptools.HttpRequestParser(self)
+        if offset < len(data):
+            self.data_received(data[offset:])
 
     def _count_head(self, n: int) -> None:
         self._head_size += n
@@ -312,49 +466,74 @@ class HttpServerProtocol(asyncio.Protocol):
     def _refuse(self, status: int, message: str) -> None:
         """Answer `status` after the requests before it, then close: what follows on this
         connection cannot be trusted to be framed right."""
-        self._stopped_reading = True
+        self._discarding = True
         self._req = None
+        self._reading = _Reading.BETWEEN
         self._enqueue(_Refusal(status, self._error_body(status, message)))
 
     def _enqueue(self, item: Request | _Refusal) -> None:
+        self._server.busy(self)
         self._cancel_idle()
         self._queue.append(item)
-        if len(self._queue) > self._limits.max_pipelined and not self._read_paused:
+        if isinstance(item, Request):
+            self._queued_bytes += len(item.body)
+        limits = self._limits
+        if not self._read_paused and (
+            len(self._queue) > limits.max_pipelined
+            or self._queued_bytes > limits.max_pipelined_bytes
+        ):
             self._read_paused = True
             assert self._transport is not None
             self._transport.pause_reading()
-        if self._task is None:
+        if self.task is None:
             # one task a connection, for its whole life (a task a request costs more)
-            self._task = self._loop.create_task(self._answer_queue())
+            self.task = self._loop.create_task(self._answer_queue())
         elif self._next is not None and not self._next.done():
             self._next.set_result(None)
+
+    def _dequeue(self) -> Request | _Refusal:
+        item = self._queue.popleft()
+        if isinstance(item, Request):
+            self._queued_bytes -= len(item.body)
+        limits = self._limits
+        if (
+            self._read_paused
+            and len(self._queue) <= limits.max_pipelined // 2
+            and self._queued_bytes <= limits.max_pipelined_bytes // 2
+        ):
+            self._read_paused = False
+            assert self._transport is not None
+            self._transport.resume_reading()
+        return item
 
     async def _answer_queue(self) -> None:
         try:
             while not self.lost:
                 if not self._queue:
                     self._busy = False
-                    self._arm_idle()
+                    if self.closing and self._reading is _Reading.BETWEEN:
+                        self._linger_close()
+                        return
+                    if self._continue_pending:
+                        self._continue_pending = False
+                        self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    if self.idle:
+                        self._went_idle()
                     self._next = self._loop.create_future()
                     await self._next
                     continue
                 self._busy = True
-                item = self._queue.popleft()
-                if self._read_paused and len(self._queue) <= self._limits.max_pipelined // 2:
-                    self._read_paused = False
-                    assert self._transport is not None
-                    self._transport.resume_reading()
+                item = self._dequeue()
                 if isinstance(item, _Refusal):
-                    self.request_http_11 = True
                     self.write(
                         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
                         b"content-length: %d\r\nconnection: close\r\n\r\n%s"
                         % (item.status, _REASONS.get(item.status, b""), len(item.body), item.body)
                     )
-                    self._close()
+                    self._linger_close()
                     return
-                if not await self._answer(item):
-                    self._close()
+                if not await self._answer(item) or self.closing:
+                    self._linger_close()
                     return
         except asyncio.CancelledError:
             if not self.lost:
@@ -364,15 +543,18 @@ class HttpServerProtocol(asyncio.Protocol):
 
     async def _answer(self, req: Request) -> bool:
         """Run the handler for one request; True when the connection can carry another."""
-        self.request_http_11 = req.http_11
         resp = Response(self, req)
         try:
             await self._handler(req, resp)
-        except (asyncio.CancelledError, ConnectionError):
+        except asyncio.CancelledError:
             if self.lost:
                 return False  # the client went away; nothing to answer
             raise
-        except Exception:  # noqa: BLE001 - a bug in a handler must not take the server down
+        except Exception as e:  # noqa: BLE001 - a bug in a handler must not take the server down
+            if self.lost and isinstance(e, ConnectionError):
+                return False  # the client went away while it was being answered
+            # A ConnectionError while the client is still here is a bug like any other
+            # (an upstream error that escaped): it must not leave the connection mute.
             log.exception("handler failed for %s %r", req.method.decode(), req.target)
             if resp.started:
                 return False  # half an answer: closing tells the client it is incomplete
@@ -381,31 +563,193 @@ class HttpServerProtocol(asyncio.Protocol):
         if not resp.started:
             log.error("handler gave no answer to %s %r", req.method.decode(), req.target)
             await resp.send(500, self._error_body(500, "internal error in the router"))
-        elif not resp.ended:
-            return False
         return resp.keeps_connection
 
-    def _close(self) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.close()
+    # --- closing ---------------------------------------------------------------------------
 
-    def _arm_idle(self) -> None:
+    def shut_down(self) -> None:
+        """The server is stopping: an idle connection closes now; a busy one ends its
+        current answer with `connection: close` (if not begun) and then closes."""
+        self.closing = True
+        if self.idle:
+            self._linger_close()
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    def abort_after_write(self) -> None:
+        """Refused before its first request: what was written leaves, then it closes."""
+        self._linger_close()
+
+    def _linger_close(self) -> None:
+        """Close after what was written has left: send FIN, drop what the client still
+        sends for up to LINGER seconds, then close (an abrupt close with unread bytes makes
+        the kernel reset the connection, and the client may lose the answer it was sent)."""
+        self._discarding = True
+        self._cancel_timers()
+        t = self._transport
+        if t is None or t.is_closing():
+            return
+        if self._read_paused:
+            self._read_paused = False
+            t.resume_reading()
+        try:
+            if t.can_write_eof():
+                t.write_eof()
+            else:
+                t.close()
+                return
+        except OSError:
+            t.close()
+            return
+        self._idle_timer = self._loop.call_later(LINGER, t.close)
+
+    def _went_idle(self) -> None:
+        self._server.went_idle(self)
         self._cancel_idle()
-        self._idle = self._loop.call_later(self._limits.idle_timeout, self._on_idle)
+        self._idle_timer = self._loop.call_later(self._limits.idle_timeout, self._idle_timed_out)
 
     def _cancel_idle(self) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
 
-    def _on_idle(self) -> None:
-        self._idle = None
-        if not self._busy and not self._queue:
-            self._close()  # silent, or too slow to send a whole request
+    def _cancel_timers(self) -> None:
+        self._cancel_idle()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _idle_timed_out(self) -> None:
+        self._idle_timer = None
+        if not self._busy and not self._queue and self._transport is not None:
+            self._transport.close()  # silent, or too slow to send a whole request
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        log.info(
+            "closing a client that took none of its answer for %g s (send timeout)",
+            self._limits.send_timeout,
+        )
+        self.abort()  # its handler is cancelled, and with it the engine's request
 
 
 class _Stop(Exception):
     """Raised from a parser callback to stop reading a request that broke a limit."""
+
+
+class HttpServer:
+    """The listening socket and every connection it accepted: what `shutdown` drains."""
+
+    def __init__(self, handler: Handler, limits: HttpLimits, error_body: ErrorBody) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.error_body = error_body
+        self.connections: set[HttpConnection] = set()
+        self._idle: dict[HttpConnection, None] = {}  # in the order they went idle
+        self._server: asyncio.AbstractServer | None = None
+        self._emptied: asyncio.Event | None = None
+        self.refused = 0  # connections refused for want of room (for tests and metrics)
+        self.closing = False
+
+    async def listen(self, host: str, port: int, backlog: int = 4096) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: HttpConnection(self), host, port, backlog=backlog, reuse_address=True
+        )
+
+    @property
+    def sockets(self):
+        assert self._server is not None
+        return self._server.sockets
+
+    # --- what connections tell it -----------------------------------------------------------
+
+    def admit(self, conn: HttpConnection) -> bool:
+        if self.closing:
+            conn.abort()  # accepted just before the listener closed
+            return False
+        if len(self.connections) >= self.limits.max_connections:
+            if self._idle:
+                oldest = next(iter(self._idle))
+                self._idle.pop(oldest)
+                oldest.abort()  # a kept-alive connection doing nothing makes room
+                self.connections.discard(oldest)
+            else:
+                self.refused += 1
+                conn.write(_too_many(self.error_body, self.limits.max_connections))
+                conn.abort_after_write()
+                return False
+        self.connections.add(conn)
+        return True
+
+    def went_idle(self, conn: HttpConnection) -> None:
+        if conn in self.connections:
+            self._idle[conn] = None
+
+    def busy(self, conn: HttpConnection) -> None:
+        self._idle.pop(conn, None)
+
+    def forget(self, conn: HttpConnection) -> None:
+        self.connections.discard(conn)
+        self._idle.pop(conn, None)
+        if self._emptied is not None and not self.connections:
+            self._emptied.set()
+
+    # --- stopping ------------------------------------------------------------------------------
+
+    async def shutdown(self, grace: float) -> int:
+        """Stop accepting, close idle connections, let every request in flight finish for
+        up to `grace` seconds, then cut what is left. Returns how many connections were
+        still busy (their answers cut short) when the grace ran out."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+        self._emptied = asyncio.Event()
+        for conn in list(self.connections):
+            conn.shut_down()
+        if self.connections:
+            try:
+                async with asyncio.timeout(grace):
+                    await self._emptied.wait()
+            except TimeoutError:
+                pass
+        cut = len(self.connections)
+        await self.aclose()
+        return cut
+
+    async def aclose(self) -> None:
+        """Close everything now, and wait for the connections' tasks to finish their
+        clean-up (the proxy closes its engine connections there)."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+        tasks = [c.task for c in self.connections if c.task is not None]
+        for conn in list(self.connections):
+            conn.abort()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def close(self) -> None:
+        """Stop listening and drop every connection, without waiting."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.abort()
+
+
+def _too_many(error_body: ErrorBody, limit: int) -> bytes:
+    body = error_body(
+        503,
+        f"this router holds {limit} connections, all busy; retry shortly, or raise "
+        "--max-connections (each takes a file descriptor)",
+    )
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nretry-after: 1\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+    )
 
 
 async def serve(
@@ -416,14 +760,8 @@ async def serve(
     limits: HttpLimits | None = None,
     error_body: ErrorBody,
     backlog: int = 4096,
-) -> asyncio.Server:
-    """Start listening; the caller closes the returned server."""
-    lim = limits or HttpLimits()
-    loop = asyncio.get_running_loop()
-    return await loop.create_server(
-        lambda: HttpServerProtocol(handler, lim, error_body),
-        host,
-        port,
-        backlog=backlog,
-        reuse_address=True,
-    )
+) -> HttpServer:
+    """Start listening; the caller shuts the returned server down (or closes it)."""
+    server = HttpServer(handler, limits or HttpLimits(), error_body)
+    await server.listen(host, port, backlog)
+    return server

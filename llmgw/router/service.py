@@ -11,7 +11,6 @@ Two ways to fill the table:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field
 
@@ -23,7 +22,7 @@ from llmgw.router.balancer import Balancer, BalancerSettings
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.probe import HealthProber
 from llmgw.router.proxy import Proxy, ProxySettings, error_body
-from llmgw.router.server import HttpLimits, serve
+from llmgw.router.server import HttpLimits, HttpServer, serve
 from llmgw.router.table import EndpointTable
 from llmgw.router.upstream import UpstreamPool, UpstreamSettings
 
@@ -49,6 +48,8 @@ class RouterSettings:
     proxy: ProxySettings = field(default_factory=ProxySettings)
     probe_interval: float = 5.0
     probe_timeout: float = 2.0
+    # SIGTERM: requests in flight get this long to finish before their connections are cut
+    shutdown_grace: float = 30.0
 
 
 class Router:
@@ -59,7 +60,8 @@ class Router:
         self.source = "none"
         self.bus = None  # the Bus, once connected (a bucket-fed router)
         self.proxy: Proxy | None = None
-        self.server: asyncio.Server | None = None
+        self.server: HttpServer | None = None
+        self.draining = False
 
     @property
     def url(self) -> str:
@@ -135,14 +137,42 @@ class Router:
                     tg.start_soon(self._follow_bucket, connect)
                 task_status.started(self)
         finally:
-            self.server.close()
+            with anyio.CancelScope(shield=True):
+                await self.server.aclose()  # every connection's clean-up has run
             pool.close_idle()
             probe_pool.close_idle()
+
+    async def shutdown(self, grace: float | None = None) -> int:
+        """Stop accepting, close idle connections and let the requests in flight finish,
+        for up to `grace` seconds (the settings' shutdown_grace by default); what is still
+        running then is cut: its client sees the answer end early, and its engine stops.
+        Returns how many connections were cut. The caller then cancels `serve_*`."""
+        grace = self.settings.shutdown_grace if grace is None else grace
+        assert self.server is not None
+        self.draining = True
+        busy = sum(1 for c in self.server.connections if not c.idle)
+        log.info(
+            "router stops accepting; %d connection(s) busy, given up to %g s to finish",
+            busy,
+            grace,
+        )
+        cut = await self.server.shutdown(grace)
+        if cut:
+            log.warning(
+                "router: %d connection(s) still busy after the %g s grace were cut; their "
+                "clients got an incomplete answer (raise --shutdown-grace to wait longer)",
+                cut,
+                grace,
+            )
+        else:
+            log.info("router: every request in flight finished")
+        return cut
 
     def health(self) -> dict[str, object]:
         """What GET /health adds to {"status": "ok"}."""
         out: dict[str, object] = {
             "source": self.source,
+            "draining": self.draining,
             "models": len(self.table.known_names()),
             "models_ready": len(self.table.served_names()),
         }

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 from llmgw import catalog
 from llmgw.bus import keys, records
+from llmgw.router.upstream import authority
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +64,16 @@ class Backend:
     ejected_until: float = 0.0
     probe_ok: bool = True  # the engine's own /health, probed in the background
     id_hash: int = field(init=False)
+    host_header: bytes = field(init=False)
 
     def __post_init__(self) -> None:
         self.id_hash = stable_hash(self.id.encode())
+        self.host_header = self.address.encode()
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        """host:port, as the Host header says it ([v6]:port)."""
+        return authority(self.host, self.port)
 
     def available(self, now: float) -> bool:
         """Takes new requests: routable, not ejected, and its /health answers."""

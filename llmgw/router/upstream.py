@@ -8,17 +8,27 @@ engines' own keep-alive (llama-server's and uvicorn's are 5 s), so the router ra
 sends on a connection the engine is closing; one the engine has closed is noticed at once
 (its protocol sees the EOF) and never reused.
 
+A connection carries one request at a time and is in one `Phase`; the next request goes
+on it only once both sides are done with the last one (the answer read completely, the
+engine keeping the connection), as httpcore's connection does. It is never reused after
+an answer that came chunked or ended with the connection: those are streams, and
+llama-server closes its connection after every stream although its headers promise
+keep-alive; a new connection costs a fraction of a millisecond beside a generation.
+
 Failures come in two kinds, because only one can be retried safely:
 - `ConnectFailed`: nothing was sent (refused, unreachable, connect timeout); the proxy
   may try another engine.
-- `UpstreamFailed`: the request was sent and no complete answer came back; the engine may
-  have started generating, so it is never sent again.
+- `UpstreamFailed`: the request was sent and no complete answer came back. Whether the
+  engine read it cannot be known (an engine that read a request and then died looks, from
+  here, exactly like one that closed a kept-alive connection just before it arrived), so
+  it is never sent again: generating twice is not harmless.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import ssl
 import time
 from dataclasses import dataclass
@@ -31,14 +41,12 @@ class ConnectFailed(Exception):
 
 
 class UpstreamFailed(Exception):
-    """The engine got the request (or part of it) and did not answer it completely."""
+    """The engine got the request (or may have) and did not answer it completely.
+    `before_answer`: not one byte of the answer came back."""
 
-
-class ClosedWhileIdle(UpstreamFailed):
-    """A kept-alive connection the engine had already closed: not one byte came back, so
-    the engine never read the request (Go's net/http retries these for the same reason).
-    llama-server closes its connection right after every streamed answer, without saying
-    so in its headers; the next request on it meets only the EOF."""
+    def __init__(self, message: str, *, before_answer: bool = False) -> None:
+        super().__init__(message)
+        self.before_answer = before_answer
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,14 @@ class UpstreamSettings:
     buffer_high: int = 256 * 1024
 
 
+class Phase(enum.Enum):
+    IDLE = "idle"  # nothing outstanding: new, or back in the pool
+    WAITING = "waiting"  # the request is sent; its status line and headers are not back
+    BODY = "body"  # the head is back; the body is arriving
+    DONE = "done"  # the answer is complete
+    CLOSED = "closed"  # by either side; never used again
+
+
 class UpstreamConnection(asyncio.Protocol):
     """One connection to one engine, carrying one request at a time."""
 
@@ -62,37 +78,33 @@ class UpstreamConnection(asyncio.Protocol):
         self._loop = pool.loop
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
-        self.closed = False
-        self.chunked = False
-        self.previous_chunked = False  # the answer before the current request was chunked
-        self.idle_since = 0.0
+        self.phase = Phase.IDLE
         self.requests = 0  # sent on this connection so far
-        self.sent = b""
+        self.idle_since = 0.0
         self.reused_after = 0.0  # seconds it had been idle when the current request was sent
         self._reset()
 
     def _reset(self) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self.keep_alive = False
+        self.keep_alive = False  # the engine keeps the connection after this answer
+        self.streamed = False  # chunked, or delimited by the connection's end
+        self._ends_with_close = False
+        self._complete = False
         self._head: asyncio.Future[None] | None = None
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._waiter: asyncio.Future[None] | None = None
-        self._done = False
-        self._error: BaseException | None = None
-        self._length_known = False
+        self._error: UpstreamFailed | None = None
         self._reading_paused = False
         self._got_bytes = False  # anything at all came back for this request
-        self.chunked = False  # the answer came chunked (a stream)
 
     # --- used by the proxy -------------------------------------------------------------
 
     def send(self, data: bytes) -> None:
-        assert self._transport is not None
-        self.previous_chunked = self.chunked
+        assert self._transport is not None and self.phase is Phase.IDLE, self.phase
         self._reset()
-        self.sent = data  # kept until the engine answers: sent again if it never read it
+        self.phase = Phase.WAITING
         self.requests += 1
         self.reused_after = time.monotonic() - self.idle_since if self.idle_since else 0.0
         self._head = self._loop.create_future()
@@ -117,7 +129,7 @@ class UpstreamConnection(asyncio.Protocol):
                     if self._transport is not None:
                         self._transport.resume_reading()
                 yield chunk
-            if self._done:
+            if self._complete:
                 return
             if self._error is not None:
                 raise self._error
@@ -127,16 +139,23 @@ class UpstreamConnection(asyncio.Protocol):
 
     @property
     def complete(self) -> bool:
-        return self._done
+        """The whole answer is here."""
+        return self._complete
+
+    @property
+    def reusable(self) -> bool:
+        """Both sides are done and the engine keeps the connection: it may carry another
+        request (not after a stream; see the module's docstring)."""
+        return self.phase is Phase.DONE and self._complete and self.keep_alive and not self.streamed
 
     @property
     def has_body_ready(self) -> bool:
         """Body bytes (or its end) arrived already: reading them will not wait."""
-        return bool(self._chunks) or self._done
+        return bool(self._chunks) or self._complete
 
     def abort(self) -> None:
         """Drop the connection now (the engine sees the client leave and stops)."""
-        self.closed = True
+        self.phase = Phase.CLOSED
         if self._transport is not None:
             self._transport.abort()
 
@@ -146,51 +165,71 @@ class UpstreamConnection(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment] (uvloop's is not a subclass)
 
     def data_received(self, data: bytes) -> None:
+        if self.phase is not Phase.WAITING and self.phase is not Phase.BODY:
+            # Bytes nobody asked for: an answer longer than it said, or an engine talking
+            # out of turn. What they belong to cannot be known; the connection goes.
+            self.abort()
+            return
         self._got_bytes = True
-        self.sent = b""
         try:
             self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError:
+            self.abort()  # a second answer began after this one (on_message_begin said so)
         except httptools.HttpParserError as e:
             self._fail(UpstreamFailed(f"malformed HTTP answer from the engine: {e}"))
             self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        phase, self.phase = self.phase, Phase.CLOSED
         self._pool.forget(self)
-        if self._done:
-            return
-        if self._head is not None and self._head.done() and not self._length_known:
-            # an answer with neither length nor chunking ends when the connection does
-            self._done = True
+        if phase is Phase.BODY and self._ends_with_close:
+            self._complete = True  # an answer with neither length nor chunking ends here
             self._wake()
-            return
-        if self.requests > 1 and not self._got_bytes:
-            self._pool.closes_after(self)
+        elif phase is Phase.WAITING:
+            how = (
+                f"request {self.requests} on a connection kept alive for {self.reused_after:.2f} s"
+                if self.requests > 1
+                else "a new connection"
+            )
+            before = not self._got_bytes
             self._fail(
-                ClosedWhileIdle(
-                    f"the engine had closed the kept-alive connection (request {self.requests} "
-                    f"on it, after {self.reused_after:.2f} s idle)"
+                UpstreamFailed(
+                    f"the engine closed the connection before answering ({exc or 'EOF'}; {how}); "
+                    "it may have read the request, so it is not sent again"
+                    if before
+                    else f"the engine closed the connection in the middle of its head ({how})",
+                    before_answer=before,
                 )
             )
-            return
-        how = f"request {self.requests} on this connection" if self.requests > 1 else "new"
-        self._fail(UpstreamFailed(f"the engine closed the connection ({exc or 'EOF'}; {how})"))
+        elif phase is Phase.BODY:
+            self._fail(
+                UpstreamFailed(
+                    f"the engine closed the connection in the middle of its answer ({exc or 'EOF'})"
+                )
+            )
 
     # --- parser callbacks --------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.phase is not Phase.WAITING:
+            raise _SecondAnswer  # more than the one answer asked for: the connection goes
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        name = name.lower()
-        if name in (b"content-length", b"transfer-encoding"):
-            self._length_known = True
-            self.chunked = self.chunked or name == b"transfer-encoding"
-        self.headers.append((name, value))
+        self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
-        if self.status < 200:  # 1xx: informational, the real head follows
+        status = self._parser.get_status_code()
+        if status < 200:  # 1xx: informational, the real head follows
             self.headers = []
             return
+        self.status = status
+        self.phase = Phase.BODY
         self.keep_alive = self._parser.should_keep_alive()
+        chunked = any(n == b"transfer-encoding" for n, _ in self.headers)
+        has_length = any(n == b"content-length" for n, _ in self.headers)
+        # llhttp knows which answers have no body whatever their headers (204, 304)
+        self._ends_with_close = not chunked and not has_length and status not in (204, 304)
+        self.streamed = chunked or self._ends_with_close
         if self._head is not None and not self._head.done():
             self._head.set_result(None)
 
@@ -204,9 +243,10 @@ class UpstreamConnection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
-        if self.status < 200:
-            return
-        self._done = True
+        if self.phase is not Phase.BODY:
+            return  # the end of a 1xx
+        self.phase = Phase.DONE
+        self._complete = True
         self._wake()
 
     # --- internals ---------------------------------------------------------------------------
@@ -216,11 +256,12 @@ class UpstreamConnection(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_result(None)
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: UpstreamFailed) -> None:
         if self._error is None:
             self._error = error
         if self._head is not None and not self._head.done():
             self._head.set_exception(error)
+            self._head.exception()  # retrieved: a caller that gave up may not be waiting
         self._wake()
 
     async def _wait(self, fut: asyncio.Future[None]) -> None:
@@ -237,24 +278,25 @@ class UpstreamConnection(asyncio.Protocol):
             self.abort()
 
 
+class _SecondAnswer(Exception):
+    """Raised from a parser callback: the engine began an answer nobody asked for."""
+
+
 class UpstreamPool:
     def __init__(self, settings: UpstreamSettings | None = None) -> None:
         self.settings = settings or UpstreamSettings()
         self.loop = asyncio.get_running_loop()
         self._idle: dict[tuple[str, int, bool], list[UpstreamConnection]] = {}
         self.opened = 0  # connections made, for tests and benchmarks
-        # engines seen closing their connection after a chunked answer (llama-server):
-        # their connections are not kept after one
-        self._no_reuse_after_chunked: set[tuple[str, int, bool]] = set()
         self._tls: ssl.SSLContext | None = None
 
     async def send(
-        self, host: str, port: int, data: bytes, *, tls: bool = False, fresh: bool = False
+        self, host: str, port: int, data: bytes, *, tls: bool = False
     ) -> UpstreamConnection:
-        """Send one request on an idle connection (unless `fresh`) or a new one; raises
-        ConnectFailed if nothing could be sent."""
+        """Send one request on an idle connection or a new one; raises ConnectFailed if
+        nothing could be sent."""
         key = (host, port, tls)
-        conn = None if fresh else self._take_idle(key)
+        conn = self._take_idle(key)
         if conn is None:
             conn = await self._connect(key)
         conn.send(data)
@@ -262,25 +304,16 @@ class UpstreamPool:
 
     def release(self, conn: UpstreamConnection) -> None:
         """Give back a connection whose answer was read completely."""
-        if conn.closed or not conn.complete or not conn.keep_alive:
-            conn.abort()
-            return
-        if conn.chunked and conn.key in self._no_reuse_after_chunked:
+        if not conn.reusable:
             conn.abort()
             return
         idle = self._idle.setdefault(conn.key, [])
         if len(idle) >= self.settings.max_idle_per_endpoint:
             conn.abort()
             return
+        conn.phase = Phase.IDLE
         conn.idle_since = time.monotonic()
         idle.append(conn)
-
-    def closes_after(self, conn: UpstreamConnection) -> None:
-        """`conn` was closed by its engine while idle: if its last answer was chunked,
-        this engine closes after chunked answers, and its connections are not kept after
-        one any more."""
-        if conn.previous_chunked and conn.key not in self._no_reuse_after_chunked:
-            self._no_reuse_after_chunked.add(conn.key)
 
     def forget(self, conn: UpstreamConnection) -> None:
         idle = self._idle.get(conn.key)
@@ -320,7 +353,7 @@ class UpstreamPool:
         now = time.monotonic()
         while idle:
             conn = idle.pop()  # the most recently used: warm, least likely to be closing
-            if conn.closed:
+            if conn.phase is not Phase.IDLE:
                 continue
             if now - conn.idle_since > self.settings.idle_timeout:
                 conn.abort()
@@ -340,9 +373,16 @@ class UpstreamPool:
                 )
         except TimeoutError:
             raise ConnectFailed(
-                f"no connection to {host}:{port} within {self.settings.connect_timeout:g} s"
+                f"no connection to {authority(host, port)} within {self.settings.connect_timeout:g} s"
             ) from None
         except (OSError, ssl.SSLError) as e:
-            raise ConnectFailed(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
+            raise ConnectFailed(
+                f"cannot connect to {authority(host, port)}: {e.strerror or e}"
+            ) from None
         self.opened += 1
         return conn
+
+
+def authority(host: str, port: int) -> str:
+    """host:port as a Host header and a URL write it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
