@@ -20,6 +20,7 @@ from llmgw.agent.config import AgentConfig, Engines, Paths
 from llmgw.agent.engines.base import LaunchSpec
 from llmgw.agent.shards import (
     LocalShard,
+    NodeShards,
     RetryDelay,
     ShardState,
     Step,
@@ -256,3 +257,26 @@ async def test_a_catalog_edit_keeps_the_serving_engine_and_takes_the_new_generat
         assert (second.phase, second.pid) == ("ready", first.pid)
         assert shard.state is ShardState.RUNNING
         assert shard.engine is not None and shard.engine.spec.context is None
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_a_replica_placed_here_again_after_it_was_gone_runs_again(bus, node, gguf) -> None:
+    # through NodeShards and the bucket: the rid's first LocalShard is gone, a new one runs
+    await _put_model(bus, gguf)
+    shards = NodeShards(bus, node.cfg, node.inventory)
+    a = generation(RUN, 1, port=free_port())
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(shards.run)
+        await bus.put(keys.assign("n1", "r1"), a)
+        first = await until(_phase(bus, "ready"))
+        await bus.delete(keys.assign("n1", "r1"))
+
+        async def forgotten() -> bool:
+            return await _stored(bus) is None
+
+        await until(forgotten)
+        await bus.put(keys.assign("n1", "r1"), generation(a, 2))
+        second = await until(_phase(bus, "ready"))
+        assert second.generation == 2 and second.pid != first.pid
+        tg.cancel_scope.cancel()
