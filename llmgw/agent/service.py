@@ -33,7 +33,7 @@ from llmgw.agent import inventory
 from llmgw.agent.certificate import CertificateError, check_tls_files
 from llmgw.agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_config
 from llmgw.agent.discovery.weights.scan import weights_equal_for_resend
-from llmgw.agent.shards import ShardManager
+from llmgw.agent.shards import NodeShards
 from llmgw.agent.weights import WeightsScanner, stuck_scan
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
@@ -135,7 +135,7 @@ class Agent:
                 tg.start_soon(self._heartbeats)
                 tg.start_soon(self._engine_probes)
                 tg.start_soon(self._weights_scans)
-                shards = ShardManager(
+                shards = NodeShards(
                     self.bus, cfg, lambda: self.inventory, engine_api_key=engine_key
                 )
                 tg.start_soon(shards.run)

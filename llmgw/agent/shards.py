@@ -1,20 +1,24 @@
-"""Running what the node is assigned: one engine supervisor per `assign.<node>.<rid>`.
+"""This node's shards: one `LocalShard` per `assign.<node>.<rid>`, each running its engine.
 
-Watches only this node's assignments and reconciles each: start what is assigned to run,
-drain then stop what is marked drain/stop or removed, leave alone what already matches
-(same generation). Every engine transition is written to `shards.<node>.<rid>` and
-published on `llmgw.events.shard-<phase>.<node>`. A profile is validated before anything
-is launched, because an engine refuses a bad one only after minutes of loading.
+`NodeShards` follows the watch of this node's assignments and keeps one `LocalShard` per
+replica placed here. Each reconciles its replica in one loop: leave alone what already
+matches (same generation), validate then start what is assigned to run, drain then stop
+what is marked drain/stop or removed, then forget it. Every engine transition is written to
+`shards.<node>.<rid>` and published on `llmgw.events.shard-<phase>.<node>`. A profile is
+validated before anything is launched, because an engine refuses a bad one only after
+minutes of loading.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 import anyio
@@ -31,38 +35,19 @@ from llmgw.bus.client import Bus, Synced, decoder
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Engine:
-    assignment: records.Assignment
-    spec: LaunchSpec
-    supervisor: EngineSupervisor
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-    done: anyio.Event = field(default_factory=anyio.Event)
+@dataclass(frozen=True)
+class ThisNode:
+    """What every shard on this node uses: the bus, the agent's config, the node's current
+    inventory and the API key engines are started with."""
 
-
-class ShardManager:
-    def __init__(
-        self,
-        bus: Bus,
-        cfg: AgentConfig,
-        inventory: Callable[[], records.NodeInventory],
-        *,
-        engine_api_key: str | None = None,
-    ) -> None:
-        self.bus = bus
-        self.cfg = cfg
-        self.engine_api_key = engine_api_key
-        self._inventory = inventory
-        self.shards: dict[str, records.Shard] = {}
-        self._engines: dict[str, _Engine] = {}
-        self._assignments: dict[str, records.Assignment] = {}
-        self._tg: anyio.abc.TaskGroup | None = None
-        # replicas whose reconcile loop is running -> set when something new arrives for it
-        self._again: dict[str, anyio.Event] = {}
+    bus: Bus
+    cfg: AgentConfig
+    inventory: Callable[[], records.NodeInventory]
+    engine_api_key: str | None = None
 
     @property
-    def node(self) -> str:
-        return self._inventory().node
+    def name(self) -> str:
+        return self.inventory().node
 
     @property
     def state_dir(self) -> Path:
@@ -81,143 +66,271 @@ class ShardManager:
             drain_timeout=e.drain_timeout,
         )
 
+    def facts(self) -> NodeFacts:
+        inv = self.inventory()
+        return NodeFacts(gpus=inv.gpus.devices, engines=inv.engines)
+
+    async def launch_for(self, a: records.Assignment) -> tuple[LaunchSpec | None, list[Problem]]:
+        """The launch `a` asks for, from its catalog entry; else why there is none."""
+        entry = await self.bus.get(
+            keys.catalog(a.model), lambda b: catalog.decode_model(b, a.model)
+        )
+        if entry is None:
+            return None, [Problem(f"catalog.{a.model} is missing or invalid; nothing to launch")]
+        profile = entry.value.profile(a.profile)
+        if profile is None:
+            return None, [Problem(f"model {a.model} has no profile {a.profile!r} in the catalog")]
+        spec = launch_spec(self.cfg, self.inventory(), entry.value, profile, a)
+        return dataclasses.replace(spec, api_key=self.engine_api_key), []
+
+    async def put(self, shard: records.Shard) -> None:
+        try:
+            await self.bus.put(keys.shard(shard.node, shard.rid), shard)
+        except Exception as e:  # noqa: BLE001 - re-reported after the reconnect
+            log.warning("could not write shards.%s.%s: %s", shard.node, shard.rid, e)
+
+
+class NodeShards:
+    """Follows `assign.<node>.>` and keeps one `LocalShard` per replica, in its task group.
+    What concerns more than one replica is here: leftover engines reaped before anything
+    starts, a new engine waiting for an old one on the same port or GPUs, shard records
+    whose assignment is gone, and reporting every shard again after a reconnect."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        cfg: AgentConfig,
+        inventory: Callable[[], records.NodeInventory],
+        *,
+        engine_api_key: str | None = None,
+    ) -> None:
+        self.node = ThisNode(bus, cfg, inventory, engine_api_key)
+        self._shards: dict[str, LocalShard] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+
     async def run(self) -> None:
         # An earlier agent killed hard may have left engines holding GPUs and ports: stop
         # them before launching anything, so nothing runs twice.
-        for line in await anyio.to_thread.run_sync(reap_leftover_engines, self.state_dir, 10.0):
+        reaped = await anyio.to_thread.run_sync(reap_leftover_engines, self.node.state_dir, 10.0)
+        for line in reaped:
             log.warning("%s", line)
-        self.bus.on_reconnected(self.report_all)
+        bus = self.node.bus
+        bus.on_reconnected(self.report_all)
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            async for item in self.bus.watch(
-                keys.pattern(keys.ASSIGN, self.node), decoder(records.Assignment)
+            async for item in bus.watch(
+                keys.pattern(keys.ASSIGN, self.node.name), decoder(records.Assignment)
             ):
                 if isinstance(item, Synced):
                     # (re)read all assignments: shard records of replicas that were removed
                     # while this agent was down or cut off have no owner left but us
                     tg.start_soon(self._remove_stale_shards)
                     continue
-                rid = item.key.rsplit(".", 1)[1]
-                if item.value is None:
-                    self._assignments.pop(rid, None)
-                else:
-                    self._assignments[rid] = item.value
-                tg.start_soon(self._reconcile, rid)
+                self._assigned(item.key.rsplit(".", 1)[1], item.value)
 
     async def report_all(self) -> None:
         """After a NATS outage: the engines kept running; say so again."""
-        for shard in list(self.shards.values()):
-            await self._put(shard)
+        for shard in list(self._shards.values()):
+            await shard.report_again()
 
-    # --- one assignment ----------------------------------------------------------------
+    def _assigned(self, rid: str, want: records.Assignment | None) -> None:
+        shard = self._shards.get(rid)
+        if shard is None or shard.state is ShardState.GONE:
+            if want is None:
+                return  # nothing here to stop or forget
+            shard = LocalShard(rid, self.node, self._wait_for_overlapping_engines)
+            self._shards[rid] = shard
+            assert self._tg is not None
+            self._tg.start_soon(self._run_shard, shard)
+        shard.assign(want)
 
-    async def _reconcile(self, rid: str) -> None:
-        """Reconcile one assignment, in one loop per replica: an event that arrives while
-        the loop is busy (a long drain) or waiting makes it run once more with the latest
-        assignment. On an error (NATS away, a full disk) or a transient refusal (its port
-        still held by an engine being stopped) it tries again with a growing delay. One
-        replica's trouble never ends the agent: the other engines keep serving."""
-        if rid in self._again:
-            self._again[rid].set()
-            return
-        delay = 1.0
+    async def _run_shard(self, shard: LocalShard) -> None:
         try:
-            while True:
-                self._again[rid] = changed = anyio.Event()
-                try:
-                    retry = await self._reconcile_once(rid)
-                except Exception as e:  # noqa: BLE001
-                    log.exception("reconciling %s failed; retrying in %g s", rid, delay)
-                    await self._report_trouble(rid, e)
-                    retry = True
-                if changed.is_set():
-                    delay = 1.0  # something new arrived meanwhile: look again at once
-                    continue
-                if not retry or (rid not in self._assignments and rid not in self._engines):
-                    return
-                with anyio.move_on_after(delay):
-                    await changed.wait()
-                delay = 1.0 if changed.is_set() else min(delay * 2, 60.0)
+            await shard.run()
         finally:
-            self._again.pop(rid, None)
+            if self._shards.get(shard.rid) is shard:
+                del self._shards[shard.rid]
 
-    async def _report_trouble(self, rid: str, e: Exception) -> None:
-        want = self._assignments.get(rid)
-        if want is None or rid in self._engines:
-            return
+    async def _remove_stale_shards(self) -> None:
+        bus, node = self.node.bus, self.node.name
         try:
-            await self._report(rid, want, "failed", reason=f"{e or type(e).__name__}; retrying")
-        except Exception:  # noqa: BLE001 - NATS away: re-reported on reconnect
-            pass
+            stored = await bus.list(keys.pattern(keys.SHARDS, node), lambda b: b)
+            for key in stored:
+                shard = self._shards.get(key.rsplit(".", 1)[1])
+                if shard is None or shard.state is ShardState.GONE:
+                    await bus.delete(key)
+                    log.info("removed %s: its assignment is gone", key)
+        except Exception as e:  # noqa: BLE001 - tried again at the next re-read
+            log.warning("could not remove stale shard records: %s", e)
 
-    async def _reconcile_once(self, rid: str) -> bool:
-        """One decision; True when it should be tried again later. Only `_reconcile`'s loop
-        calls it, so decisions for one replica never overlap; other replicas go on meanwhile."""
-        want = self._assignments.get(rid)
-        running = self._engines.get(rid)
-        if want is None:
+    async def _wait_for_overlapping_engines(self, rid: str, spec: LaunchSpec) -> None:
+        """An engine of a replica being removed may still hold the port or GPUs the new one
+        is given (a node back after being declared lost gets its model placed again on the
+        same resources): let it finish stopping first, bounded."""
+        for other in list(self._shards.values()):
+            engine = other.engine
+            if other.rid == rid or engine is None or not _overlaps(spec, engine.spec):
+                continue
+            if other.wanted is not None and other.wanted.action == "run":
+                continue  # a real conflict: validation says so
+            e = self.node.cfg.engines
+            log.info("%s waits for %s to stop (same port or GPUs)", rid, other.rid)
+            with anyio.move_on_after(e.drain_timeout + e.stop_grace + 10):
+                await engine.done.wait()
+
+
+# --- one replica on this node -----------------------------------------------------------------
+
+
+class ShardState(Enum):
+    """What a `LocalShard` is doing about its assignment. Its engine, while it has one, is
+    `LocalShard.engine`; the phase the engine reports is in its record."""
+
+    IDLE = "idle"  # no engine: none launched yet, refused, stopped as assigned, or it failed
+    LAUNCHING = "launching"  # reading its launch, waiting for overlapping engines, validating
+    RUNNING = "running"  # its supervisor runs the engine of this generation
+    STOPPING = "stopping"  # its engine drains or stops
+    RETRYING = "retrying"  # a refusal that clears by itself, or an error: looks again soon
+    GONE = "gone"  # no assignment, no engine, no record: its owner drops it
+
+
+@dataclass
+class _Engine:
+    assignment: records.Assignment
+    spec: LaunchSpec
+    supervisor: EngineSupervisor
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+
+WaitForRoom = Callable[[str, LaunchSpec], Awaitable[None]]
+
+
+class LocalShard:
+    """This node's part of one replica: the assignment it is given, the engine it runs for
+    it, its shard record and the loop that reconciles them. `assign()` from the watch,
+    `run()` in a task group until the replica is gone from this node (state GONE)."""
+
+    def __init__(self, rid: str, node: ThisNode, wait_for_room: WaitForRoom) -> None:
+        self.rid = rid
+        self.node = node
+        self.wanted: records.Assignment | None = None
+        self.engine: _Engine | None = None
+        self.record: records.Shard | None = None
+        self.state = ShardState.IDLE
+        self._wait_for_room = wait_for_room
+        self._changed = anyio.Event()
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    def assign(self, want: records.Assignment | None) -> None:
+        """The latest assignment (None: deleted); the loop looks at it at once, or as soon
+        as it is done with what it is doing (a long drain)."""
+        self.wanted = want
+        self._changed.set()
+
+    async def report_again(self) -> None:
+        if self.record is not None:
+            await self.node.put(self.record)
+
+    async def run(self) -> None:
+        """Reconcile until the replica is gone. On an error (NATS away, a full disk) or a
+        transient refusal (its port still held by an engine being stopped) it looks again
+        with a growing delay. One replica's trouble never ends the agent: the other engines
+        keep serving. Its engine's supervisor runs in its task group: cancelling this stops
+        the engine (SIGTERM, then SIGKILL after the supervisor's cancel grace)."""
+        retry = RetryDelay()
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            while True:
+                self._changed = changed = anyio.Event()
+                try:
+                    again = await self._look()
+                except Exception as e:  # noqa: BLE001
+                    log.exception("reconciling %s failed; retrying in %g s", self.rid, retry.delay)
+                    await self._report_trouble(e)
+                    again = True
+                if self.state is ShardState.GONE:
+                    return
+                if changed.is_set():
+                    retry.reset()  # something new arrived meanwhile: look again at once
+                    continue
+                if again:
+                    self._to(ShardState.RETRYING)
+                with anyio.move_on_after(retry.delay if again else math.inf):
+                    await changed.wait()
+                if changed.is_set():
+                    retry.reset()
+                else:
+                    retry.waited()
+
+    async def _look(self) -> bool:
+        """One decision; True when it should be tried again later. Only `run`'s loop calls
+        it, so decisions for one replica never overlap; other replicas go on meanwhile."""
+        want, running = self.wanted, self.engine
+        step = next_step(want, running.assignment if running is not None else None)
+        if step is Step.LEAVE:
+            self._to(ShardState.RUNNING)
+            return False
+        if step is Step.FORGET:
             if running is not None:
-                await self._stop(rid, running, drain=True)
-            await self._forget(rid)
+                await self._stop(running, drain=True)
+            await self._forget()
+            # gone only while nothing is assigned: from then on an assignment for this rid
+            # goes to a new LocalShard (`NodeShards._assigned`)
+            self._to(ShardState.GONE if self.wanted is None else ShardState.IDLE)
             return False
-        if running is not None and running.assignment.generation == want.generation:
-            return False
-        if want.action in ("drain", "stop"):
+        assert want is not None
+        if step is Step.STOP:
             if running is not None:
                 running.assignment = want
-                await self._stop(rid, running, drain=want.action == "drain")
-            await self._report(rid, want, "stopped", reason=f"assignment says {want.action}")
+                await self._stop(running, drain=want.action == "drain")
+            await self._report(want, "stopped", reason=f"assignment says {want.action}")
+            self._to(ShardState.IDLE)
             return False
-        spec, problems = await self._launch_spec(want)
+        spec, problems = await self.node.launch_for(want)
         if running is not None:
-            healthy = rid in self.shards and self.shards[rid].phase != "failed"
-            if spec == running.spec or (
-                healthy and spec is not None and _same_place(spec, running.spec)
-            ):
-                # Nothing the engine sees changed, or only the catalog did: a serving
-                # engine keeps its launch until it is replaced (editing a profile does
-                # not restart a fleet); a failing one is relaunched with the new one.
+            healthy = self.record is not None and self.record.phase != "failed"
+            if keeps_launch(spec, running.spec, healthy=healthy):
                 if spec != running.spec:
                     log.info(
                         "%s %s: catalog changed; the running engine keeps its launch "
                         "until replaced",
                         want.model,
-                        rid,
+                        self.rid,
                     )
                 running.assignment = want
-                await self._report(
-                    rid, want, self.shards[rid].phase if rid in self.shards else "starting"
-                )
+                await self._report(want, self.record.phase if self.record else "starting")
+                self._to(ShardState.RUNNING)
                 return False
-            await self._stop(rid, running, drain=True)
+            await self._stop(running, drain=True)
+        self._to(ShardState.LAUNCHING)
         if spec is not None:
-            await self._wait_for_overlapping_engines(rid, spec)
-        await self._report(rid, want, "validating")
+            await self._wait_for_room(self.rid, spec)
+        await self._report(want, "validating")
         if spec is not None and not problems:
-            problems = await anyio.to_thread.run_sync(validate_launch, spec, self._facts())
+            problems = await anyio.to_thread.run_sync(validate_launch, spec, self.node.facts())
         if problems:
             reason = "; ".join(p.reason for p in problems)
-            log.error("%s %s refused before launch: %s", want.model, rid, reason)
-            await self._report(rid, want, "failed", reason=f"refused before launch: {reason}")
+            log.error("%s %s refused before launch: %s", want.model, self.rid, reason)
+            await self._report(want, "failed", reason=f"refused before launch: {reason}")
             # only when every problem clears by itself; the rest wait for a new assignment
             # or catalog entry
-            return all(p.transient for p in problems)
+            if all(p.transient for p in problems):
+                return True
+            self._to(ShardState.IDLE)
+            return False
         assert spec is not None
-        self._start(rid, want, spec)
+        self._start(want, spec)
         return False
 
-    def _start(self, rid: str, want: records.Assignment, spec: LaunchSpec) -> None:
-        log_dir = self.state_dir / "logs"
+    def _start(self, want: records.Assignment, spec: LaunchSpec) -> None:
+        log_dir = self.node.state_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
 
         async def on_phase(change: PhaseChange) -> None:
-            engine = self._engines.get(rid)
-            current = engine.assignment if engine else want
             # "starting" carries the argv (in the log file already); "ready" says "ready"
             quiet = change.phase == "starting" or change.reason == change.phase
             await self._report(
-                rid,
-                current,
+                engine.assignment,
                 change.phase,
                 reason="" if quiet else change.reason,
                 tail=change.tail if change.phase == "failed" else [],
@@ -227,100 +340,59 @@ class ShardManager:
 
         supervisor = EngineSupervisor(
             spec,
-            shard=f"{self.node}.{rid}",
+            shard=f"{self.node.name}.{self.rid}",
             on_phase=on_phase,
-            log_path=log_dir / f"{rid}.log",
-            state_dir=self.state_dir,
-            timing=self.timing(),
+            log_path=log_dir / f"{self.rid}.log",
+            state_dir=self.node.state_dir,
+            timing=self.node.timing(),
         )
         engine = _Engine(want, spec, supervisor)
-        self._engines[rid] = engine
-
-        async def run() -> None:
-            try:
-                with engine.scope:
-                    await supervisor.run()
-            except Exception as e:  # noqa: BLE001 - e.g. the state dir is full: this engine only
-                log.exception("supervising %s failed", rid)
-                with anyio.CancelScope(shield=True):
-                    await self._report(
-                        rid, engine.assignment, "failed", reason=f"supervision failed: {e}"
-                    )
-            finally:
-                engine.done.set()
-                if self._engines.get(rid) is engine:
-                    del self._engines[rid]
-
+        self.engine = engine
         assert self._tg is not None
-        self._tg.start_soon(run)
+        self._tg.start_soon(self._supervise, engine)
+        self._to(ShardState.RUNNING)
 
-    async def _stop(self, rid: str, engine: _Engine, *, drain: bool) -> None:
+    async def _supervise(self, engine: _Engine) -> None:
+        try:
+            await engine.supervisor.run()
+        except Exception as e:  # noqa: BLE001 - e.g. the state dir is full: this engine only
+            log.exception("supervising %s failed", self.rid)
+            with anyio.CancelScope(shield=True):
+                await self._report(engine.assignment, "failed", reason=f"supervision failed: {e}")
+        finally:
+            engine.done.set()
+            if self.engine is engine:
+                self.engine = None
+                if self.state is ShardState.RUNNING:
+                    self._to(ShardState.IDLE)
+
+    async def _stop(self, engine: _Engine, *, drain: bool) -> None:
+        self._to(ShardState.STOPPING)
         if drain:
             await engine.supervisor.drain()
         else:
             await engine.supervisor.stop()
         await engine.done.wait()
 
-    async def _forget(self, rid: str) -> None:
-        if self.shards.pop(rid, None) is not None:
+    async def _forget(self) -> None:
+        if self.record is not None:
+            self.record = None
             try:
-                await self.bus.delete(keys.shard(self.node, rid))
+                await self.node.bus.delete(keys.shard(self.node.name, self.rid))
             except Exception as e:  # noqa: BLE001 - removed when the assignments are re-read
-                log.warning("could not delete shards.%s.%s: %s", self.node, rid, e)
+                log.warning("could not delete shards.%s.%s: %s", self.node.name, self.rid, e)
 
-    async def _remove_stale_shards(self) -> None:
+    async def _report_trouble(self, e: Exception) -> None:
+        want = self.wanted
+        if want is None or self.engine is not None:
+            return
         try:
-            stored = await self.bus.list(keys.pattern(keys.SHARDS, self.node), lambda b: b)
-            for key in stored:
-                rid = key.rsplit(".", 1)[1]
-                if (
-                    rid not in self._assignments
-                    and rid not in self._engines
-                    and rid not in self.shards
-                ):
-                    await self.bus.delete(key)
-                    log.info("removed %s: its assignment is gone", key)
-        except Exception as e:  # noqa: BLE001 - tried again at the next re-read
-            log.warning("could not remove stale shard records: %s", e)
-
-    async def _wait_for_overlapping_engines(self, rid: str, spec: LaunchSpec) -> None:
-        """An engine of a replica being removed may still hold the port or GPUs the new one
-        is given (a node back after being declared lost gets its model placed again on the
-        same resources): let it finish stopping first, bounded."""
-        for other_rid, other in list(self._engines.items()):
-            if other_rid == rid or not _overlaps(spec, other.spec):
-                continue
-            other_want = self._assignments.get(other_rid)
-            if other_want is not None and other_want.action == "run":
-                continue  # a real conflict: validation says so
-            e = self.cfg.engines
-            log.info("%s waits for %s to stop (same port or GPUs)", rid, other_rid)
-            with anyio.move_on_after(e.drain_timeout + e.stop_grace + 10):
-                await other.done.wait()
-
-    # --- building the launch ----------------------------------------------------------------
-
-    def _facts(self) -> NodeFacts:
-        inv = self._inventory()
-        return NodeFacts(gpus=inv.gpus.devices, engines=inv.engines)
-
-    async def _launch_spec(self, a: records.Assignment) -> tuple[LaunchSpec | None, list[Problem]]:
-        entry = await self.bus.get(
-            keys.catalog(a.model), lambda b: catalog.decode_model(b, a.model)
-        )
-        if entry is None:
-            return None, [Problem(f"catalog.{a.model} is missing or invalid; nothing to launch")]
-        profile = entry.value.profile(a.profile)
-        if profile is None:
-            return None, [Problem(f"model {a.model} has no profile {a.profile!r} in the catalog")]
-        spec = launch_spec(self.cfg, self._inventory(), entry.value, profile, a)
-        return dataclasses.replace(spec, api_key=self.engine_api_key), []
-
-    # --- reporting ----------------------------------------------------------------------------
+            await self._report(want, "failed", reason=f"{e or type(e).__name__}; retrying")
+        except Exception:  # noqa: BLE001 - NATS away: re-reported on reconnect
+            pass
 
     async def _report(
         self,
-        rid: str,
         a: records.Assignment,
         phase: str,
         *,
@@ -329,14 +401,14 @@ class ShardManager:
         restarts: int | None = None,
         pid: int | None = None,
     ) -> None:
-        inv = self._inventory()
-        old = self.shards.get(rid)
-        engine = self._engines.get(rid)
+        inv = self.node.inventory()
+        old = self.record
+        engine = self.engine
         shard = next_shard(
             old,
             ShardEvent(
                 node=inv.node,
-                rid=rid,
+                rid=self.rid,
                 assignment=a,
                 phase=phase,
                 at=time.time(),
@@ -348,27 +420,76 @@ class ShardManager:
                 pid=pid,
             ),
         )
-        endpoint = shard.endpoint
-        self.shards[rid] = shard
-        await self._put(shard)
+        self.record = shard
+        await self.node.put(shard)
         if old is None or old.phase != phase:
             level = logging.WARNING if phase == "failed" else logging.INFO
-            log.log(level, "%s %s: %s%s", a.model, rid, phase, f" ({reason})" if reason else "")
-            await self.bus.publish_event(
+            log.log(
+                level, "%s %s: %s%s", a.model, self.rid, phase, f" ({reason})" if reason else ""
+            )
+            await self.node.bus.publish_event(
                 f"shard-{phase}",
                 inv.node,
-                f"{a.model} {rid} on {inv.node}: {phase}",
-                rid=rid,
+                f"{a.model} {self.rid} on {inv.node}: {phase}",
+                rid=self.rid,
                 model=a.model,
                 reason=reason,
-                endpoint=endpoint,
+                endpoint=shard.endpoint,
             )
 
-    async def _put(self, shard: records.Shard) -> None:
-        try:
-            await self.bus.put(keys.shard(shard.node, shard.rid), shard)
-        except Exception as e:  # noqa: BLE001 - re-reported after the reconnect
-            log.warning("could not write shards.%s.%s: %s", shard.node, shard.rid, e)
+    def _to(self, state: ShardState) -> None:
+        if state is not self.state:
+            log.debug("%s: %s -> %s", self.rid, self.state.value, state.value)
+        self.state = state
+
+
+# --- what a replica does next: pure ------------------------------------------------------------
+
+
+class Step(Enum):
+    LEAVE = "leave"  # its engine runs this generation already
+    FORGET = "forget"  # the assignment is deleted: drain what runs, delete the record
+    STOP = "stop"  # the assignment says drain or stop
+    LAUNCH = "launch"  # a new generation to run: launch it, or keep the engine (`keeps_launch`)
+
+
+def next_step(want: records.Assignment | None, running: records.Assignment | None) -> Step:
+    """What to do about `want` (None: deleted) while an engine runs `running` (None: none)."""
+    if want is None:
+        return Step.FORGET
+    if running is not None and running.generation == want.generation:
+        return Step.LEAVE
+    if want.action in ("drain", "stop"):
+        return Step.STOP
+    return Step.LAUNCH
+
+
+def keeps_launch(new: LaunchSpec | None, running: LaunchSpec, *, healthy: bool) -> bool:
+    """Whether a running engine stays for a new generation of its assignment: nothing it sees
+    changed, or only the catalog did and it is not failing (editing a profile does not
+    restart a fleet: a serving engine keeps its launch until it is replaced; a failing one
+    is launched again with the new one)."""
+    return new == running or (healthy and new is not None and _same_place(new, running))
+
+
+@dataclass
+class RetryDelay:
+    """How long a replica waits before it looks again after a transient refusal or an error:
+    `first`, doubling up to `cap` while nothing new arrives; anything new starts it over."""
+
+    first: float = 1.0
+    cap: float = 60.0
+    delay: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.delay = self.first
+
+    def waited(self) -> None:
+        """The delay passed and nothing new arrived."""
+        self.delay = min(self.delay * 2, self.cap)
+
+    def reset(self) -> None:
+        self.delay = self.first
 
 
 # --- the shard record, from what happened -----------------------------------------------------

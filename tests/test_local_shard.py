@@ -1,0 +1,282 @@
+"""One replica on this node (`LocalShard`): what it does next, without a bus; and its states
+as it runs the fake engine against a real nats-server, without the agent around it."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+from serving import cpu_model
+from waiting import until
+
+from llmgw import catalog
+from llmgw.agent.config import AgentConfig, Engines, Paths
+from llmgw.agent.engines.base import LaunchSpec
+from llmgw.agent.shards import (
+    LocalShard,
+    NodeShards,
+    RetryDelay,
+    ShardState,
+    Step,
+    ThisNode,
+    keeps_launch,
+    next_step,
+)
+from llmgw.bus import keys, records
+from llmgw.bus.client import Bus, decoder
+from llmgw.testing import free_port, write_fake_gguf
+
+RUN = records.Assignment(model="tiny", rid="r1", profile="cpu", action="run", generation=3)
+
+
+def generation(a: records.Assignment, n: int, **kw: object) -> records.Assignment:
+    return msgspec.structs.replace(a, generation=n, **kw)
+
+
+# --- what it does next ------------------------------------------------------------------------
+
+
+def test_a_deleted_assignment_is_forgotten_whether_or_not_an_engine_runs() -> None:
+    assert next_step(None, None) is Step.FORGET
+    assert next_step(None, RUN) is Step.FORGET
+
+
+def test_the_generation_already_running_is_left_alone_whatever_it_says() -> None:
+    assert next_step(RUN, RUN) is Step.LEAVE
+    # a drain already acted on carries the generation it was acted on with
+    assert next_step(generation(RUN, 3, action="drain"), RUN) is Step.LEAVE
+
+
+def test_drain_and_stop_stop_what_runs_or_say_stopped_when_nothing_does() -> None:
+    for action in ("drain", "stop"):
+        assert next_step(generation(RUN, 4, action=action), RUN) is Step.STOP
+        assert next_step(generation(RUN, 4, action=action), None) is Step.STOP
+
+
+def test_a_new_generation_to_run_is_launched_and_so_is_one_with_no_engine() -> None:
+    assert next_step(generation(RUN, 4), RUN) is Step.LAUNCH
+    assert next_step(RUN, None) is Step.LAUNCH  # refused before, or its engine failed
+
+
+SPEC = LaunchSpec(served_name="tiny-chat", engine="llama-server", binary="llama-server", port=8080)
+
+
+def test_a_running_engine_keeps_its_launch_when_nothing_it_sees_changed() -> None:
+    assert keeps_launch(SPEC, SPEC, healthy=True)
+    assert keeps_launch(SPEC, SPEC, healthy=False)
+
+
+def test_only_a_serving_engine_keeps_its_launch_when_only_the_catalog_changed() -> None:
+    edited = replace(SPEC, context=8192)
+    assert keeps_launch(edited, SPEC, healthy=True)
+    assert not keeps_launch(edited, SPEC, healthy=False)  # a failing one gets the fix
+
+
+def test_a_new_place_or_no_launch_at_all_replaces_the_engine() -> None:
+    assert not keeps_launch(replace(SPEC, port=8081), SPEC, healthy=True)
+    assert not keeps_launch(replace(SPEC, gpu_uuids=("GPU-1",)), SPEC, healthy=True)
+    assert not keeps_launch(None, SPEC, healthy=True)  # its catalog entry is gone
+
+
+def test_the_retry_delay_doubles_to_its_cap_while_nothing_new_arrives() -> None:
+    retry = RetryDelay(first=1.0, cap=60.0)
+    seen = []
+    for _ in range(8):
+        seen.append(retry.delay)
+        retry.waited()
+    assert seen == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+    retry.reset()  # something new arrived
+    assert retry.delay == 1.0
+
+
+# --- its states, running the fake engine --------------------------------------------------------
+
+
+@pytest.fixture
+def gguf(tmp_path: Path) -> Path:
+    return write_fake_gguf(tmp_path / "weights" / "tiny.gguf")
+
+
+@pytest.fixture
+def node(bus: Bus, bins: dict[str, Path], tmp_path: Path) -> ThisNode:
+    cfg = AgentConfig(
+        engines=Engines(listen_host="127.0.0.1", poll_interval=0.1, stop_grace=3, drain_timeout=10),
+        paths=Paths(state_dir=str(tmp_path / "state")),
+    )
+    inventory = records.NodeInventory(
+        node="n1",
+        hostname="n1",
+        address="127.0.0.1",
+        agent_version="test",
+        started_at=0.0,
+        cpu=records.Cpu(count=2),
+        memory=records.Memory(total_bytes=64 << 30, available_bytes=60 << 30),
+        gpus=records.Gpus(status="no_library"),
+        engines=[
+            records.EngineInstall(name="llama-server", path=str(bins["llama-server"]), version="1")
+        ],
+        fetch_dir=str(tmp_path / "fetch"),
+    )
+    return ThisNode(bus, cfg, lambda: inventory)
+
+
+async def _no_overlap(rid: str, spec: LaunchSpec) -> None:
+    pass
+
+
+@asynccontextmanager
+async def running(node: ThisNode, first: records.Assignment) -> AsyncIterator[LocalShard]:
+    """A LocalShard for r1, given `first`, running until the block ends."""
+    shard = LocalShard("r1", node, _no_overlap)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(shard.run)
+        shard.assign(first)
+        yield shard
+        tg.cancel_scope.cancel()
+
+
+async def _stored(bus: Bus) -> records.Shard | None:
+    got = await bus.get(keys.shard("n1", "r1"), decoder(records.Shard))
+    return got.value if got else None
+
+
+def _in(shard: LocalShard, state: ShardState):
+    async def check() -> bool:
+        return shard.state is state
+
+    return check
+
+
+def _phase(bus: Bus, phase: str):
+    async def check() -> records.Shard | None:
+        s = await _stored(bus)
+        return s if s is not None and s.phase == phase else None
+
+    return check
+
+
+async def _put_model(bus: Bus, gguf: Path, **profile: object) -> None:
+    await bus.put(keys.catalog("tiny"), catalog.encode_model(cpu_model(str(gguf), **profile)))
+
+
+@asynccontextmanager
+async def serving(
+    bus: Bus, node: ThisNode, gguf: Path
+) -> AsyncIterator[tuple[LocalShard, records.Assignment, records.Shard]]:
+    """r1 given generation 1 of the fake engine's model, and its record once ready."""
+    await _put_model(bus, gguf)
+    a = generation(RUN, 1, port=free_port())
+    async with running(node, a) as shard:
+        yield shard, a, await until(_phase(bus, "ready"))
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_it_runs_its_engine_then_drains_it_stops_and_is_gone_with_its_assignment(
+    bus, node, gguf
+) -> None:
+    async with serving(bus, node, gguf) as (shard, a, ready):
+        assert shard.state is ShardState.RUNNING and shard.engine is not None
+        assert ready.pid == shard.engine.supervisor.pid
+
+        shard.assign(generation(a, 2, action="drain"))
+        await until(_in(shard, ShardState.STOPPING))  # a drain polls twice: a second at least
+        await until(_in(shard, ShardState.IDLE))
+        stopped = await _stored(bus)  # the supervisor's "stopped on request", then this
+        assert stopped is not None and stopped.phase == "stopped"
+        assert (stopped.reason, stopped.generation) == ("assignment says drain", 2)
+        assert shard.engine is None
+
+        shard.assign(None)
+        await until(_in(shard, ShardState.GONE))
+        assert await _stored(bus) is None and shard.record is None
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_a_refusal_that_clears_by_itself_is_retried_until_it_launches(
+    bus, node, gguf
+) -> None:
+    await _put_model(bus, gguf)
+    port = free_port()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    async with running(node, generation(RUN, 1, port=port)) as shard:
+        try:
+            await until(_in(shard, ShardState.RETRYING))
+            refused = await until(_phase(bus, "failed"))
+            assert refused.reason.startswith(f"refused before launch: port {port} ")
+            assert shard.engine is None
+        finally:
+            holder.close()
+        await until(_phase(bus, "ready"))  # the next look, a second later at most
+        assert shard.state is ShardState.RUNNING
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_a_refusal_for_good_waits_idle_until_a_new_assignment(bus, node, gguf) -> None:
+    a = generation(RUN, 1, port=free_port())
+    async with running(node, a) as shard:  # no catalog entry yet
+        refused = await until(_phase(bus, "failed"))
+        assert refused.reason == (
+            "refused before launch: catalog.tiny is missing or invalid; nothing to launch"
+        )
+        assert shard.state is ShardState.IDLE
+        before = await bus.get(keys.shard("n1", "r1"), decoder(records.Shard))
+        await anyio.sleep(1.5)  # past the first retry delay: not retried
+        after = await bus.get(keys.shard("n1", "r1"), decoder(records.Shard))
+        assert after is not None and before is not None and after.revision == before.revision
+
+        await _put_model(bus, gguf)
+        shard.assign(generation(a, 2))
+        assert (await until(_phase(bus, "ready"))).generation == 2
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_a_catalog_edit_keeps_the_serving_engine_and_takes_the_new_generation(
+    bus, node, gguf
+) -> None:
+    async with serving(bus, node, gguf) as (shard, a, first):
+        await _put_model(bus, gguf, context=4096)
+        shard.assign(generation(a, 2))
+
+        async def taken() -> records.Shard | None:
+            s = await _stored(bus)
+            return s if s is not None and s.generation == 2 else None
+
+        second = await until(taken)
+        assert (second.phase, second.pid) == ("ready", first.pid)
+        assert shard.state is ShardState.RUNNING
+        assert shard.engine is not None and shard.engine.spec.context is None
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_a_replica_placed_here_again_after_it_was_gone_runs_again(bus, node, gguf) -> None:
+    # through NodeShards and the bucket: the rid's first LocalShard is gone, a new one runs
+    await _put_model(bus, gguf)
+    shards = NodeShards(bus, node.cfg, node.inventory)
+    a = generation(RUN, 1, port=free_port())
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(shards.run)
+        await bus.put(keys.assign("n1", "r1"), a)
+        first = await until(_phase(bus, "ready"))
+        await bus.delete(keys.assign("n1", "r1"))
+
+        async def forgotten() -> bool:
+            return await _stored(bus) is None
+
+        await until(forgotten)
+        await bus.put(keys.assign("n1", "r1"), generation(a, 2))
+        second = await until(_phase(bus, "ready"))
+        assert second.generation == 2 and second.pid != first.pid
+        tg.cancel_scope.cancel()
