@@ -3,12 +3,14 @@ disconnects, balancing, prefix affinity, ejection, keys, errors and metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
 import anyio
 import openai
 import pytest
+from raw_engine import Action, RawEngine, answer
 from router_helpers import (
     SERVED,
     chat_body,
@@ -20,6 +22,7 @@ from router_helpers import (
 from serving import sse_events
 from waiting import until
 
+from llmgw import catalog
 from llmgw.router.balancer import BalancerSettings
 from llmgw.router.proxy import ProxySettings
 from llmgw.router.server import HttpLimits
@@ -31,6 +34,10 @@ pytestmark = pytest.mark.anyio
 def engines(tmp_path):
     with fake_engines(tmp_path) as fleet:
         yield fleet
+
+
+def _raw_model(engine: RawEngine) -> catalog.Model:
+    return catalog.Model(id="tiny", served_name=SERVED, endpoints=[engine.url])
 
 
 SLOW = {"FAKE_ENGINE_TOKENS": "2000", "FAKE_ENGINE_TOKEN_RATE": "50"}  # 40 s of tokens
@@ -310,22 +317,48 @@ async def test_engine_key_is_sent_to_engines_and_client_keys_are_checked(engines
                 assert resp.status == 200  # health needs no key
 
 
-async def test_a_client_that_pauses_reading_still_gets_the_whole_stream(engines):
+async def test_a_client_that_pauses_reading_holds_back_the_engine_and_gets_the_whole_stream():
     """While a client does not read, the router stops reading from the engine (back-pressure
-    on both hops); nothing is lost when it reads again."""
-    engine = engines.start({"FAKE_ENGINE_TOKENS": "3000", "FAKE_ENGINE_TOKEN_RATE": "100000"})
-    async with running_router([static_model(engine)]) as r, aiohttp.ClientSession() as http:
-        async with http.post(f"{r.url}/v1/chat/completions", json=chat_body(stream=True)) as resp:
-            await anyio.sleep(1)  # not reading: socket buffers fill, both hops pause
-            body = await resp.read()
-    assert body.count(b"data: ") == 3000 + 3
+    on both hops): the engine's own count of what it sent stops growing, far short of the
+    whole stream (a router that buffered the answer would let it all out), and nothing is
+    lost when the client reads again."""
+    events, event = 40_000, b"data: " + b"x" * 1000 + b"\n\n"  # 40 MB: more than any buffer
+    sent = 0
+
+    async def stream(writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        for _ in range(events):
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()  # as an engine's server does: it waits for its socket
+            sent += 1
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    def script(seen, engine) -> Action:
+        return Action(stream) if seen.method == b"POST" else Action(answer(b"{}"))  # /health
+
+    async with RawEngine(script) as engine, running_router([_raw_model(engine)]) as r:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(
+                f"{r.url}/v1/chat/completions", json=chat_body(stream=True)
+            ) as resp:
+                await anyio.sleep(1)  # not reading: socket buffers fill, both hops pause
+                paused_at = sent
+                await anyio.sleep(0.5)
+                assert sent == paused_at < events / 2  # the engine is held back
+                body = await resp.read()
+    assert body.count(b"data: ") == events and sent == events
 
 
 async def test_an_engine_closing_its_kept_alive_connection_costs_the_client_nothing(engines):
     """llama-server closes its connection after every streamed answer, though its headers
-    promise keep-alive; here it closes 0.2 s later, so the router's next request is sent on
-    a connection that is about to close. The engine never read it: the router sends it
-    again on a new connection, and stops keeping that engine's connections after streams."""
+    promise keep-alive; here it closes 0.2 s later. A connection that carried a stream is
+    never used again (a request sent on it could not be sent again safely), so no request
+    meets that close: every one is answered, on a connection of its own after each stream."""
     engine = engines.start({"FAKE_ENGINE_CLOSE_AFTER_STREAM": "0.2"})
     async with running_router([static_model(engine)]) as r, aiohttp.ClientSession() as http:
         for i in range(3):
