@@ -529,8 +529,26 @@ async def test_a_silent_client_is_closed_after_the_idle_timeout():
     server, port = await _server(idle_timeout=0.3)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /a HTTP/1.1\r\nhost: x\r\n")  # never finishes its head
+        writer.write(_get(b"/a"))
+        await _read_answers(reader, 1, Answers())  # then silent, keeping the connection
         assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
+        writer.close()
+    finally:
+        server.close()
+
+
+async def test_a_head_that_does_not_arrive_in_time_closes_the_connection():
+    """A slow head (slowloris) is not idle, so a full server could not take its connection
+    back: it must be whole within head_timeout of its first byte, however long keep-alive is."""
+    server, port = await _server(idle_timeout=60, head_timeout=0.3)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        started = asyncio.get_running_loop().time()
+        writer.write(b"GET /a HTTP/1.1\r\n")
+        await writer.drain()
+        writer.write(b"host: x\r\n")  # a byte now and then, never the end
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert asyncio.get_running_loop().time() - started < 5
         writer.close()
     finally:
         server.close()

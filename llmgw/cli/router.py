@@ -190,30 +190,39 @@ def router(
 # file descriptors a router keeps beside its client connections: NATS, listening sockets,
 # health probes, logs
 _FD_RESERVE = 256
+_NOFILE_CEILING = 1 << 20  # the kernel's usual nr_open
 
 
 def fit_fd_limit(max_connections: int) -> int:
-    """Raise this process's soft limit on open files so that `max_connections` clients,
-    each busy with an engine connection of its own, fit; where the hard limit does not
-    allow that, fewer connections are held, and the log says how to allow more."""
+    """Raise this process's soft limit on open files to the hard one, say what it got, and
+    hold at most as many client connections as fit beside an engine connection each and a
+    reserve (NATS, probes, logs); where that is fewer than asked, the log says how to allow
+    more. Without this, a router under 1,024 idle connections served nobody, and its own
+    engine connections and probes failed with "Too many open files"."""
+    log = logging.getLogger(__name__)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 2 * max_connections + _FD_RESERVE
-    if hard != resource.RLIM_INFINITY:
-        want = min(want, hard)
-    if want > soft:
+    target = _NOFILE_CEILING if hard == resource.RLIM_INFINITY else min(hard, _NOFILE_CEILING)
+    raised_from = None
+    if target > soft:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            raised_from, soft = soft, target
         except (ValueError, OSError) as e:
-            logging.getLogger(__name__).warning("cannot raise the open-file limit: %s", e)
+            log.warning("router: cannot raise the open-file limit from %d: %s", soft, e)
     fits = max(1, (soft - _FD_RESERVE) // 2)
+    held = min(fits, max_connections)
+    log.info(
+        "router: open-file limit %d%s: holds %d client connections",
+        soft,
+        f" (raised from {raised_from})" if raised_from is not None else "",
+        held,
+    )
     if fits < max_connections:
-        logging.getLogger(__name__).warning(
+        log.warning(
             "router: the open-file limit (%d) holds %d client connections, not the %d asked "
-            "for; raise it (ulimit -n, or LimitNOFILE= in the systemd unit)",
+            "for; raise its hard limit (ulimit -Hn, or LimitNOFILE= in the systemd unit)",
             soft,
             fits,
             max_connections,
         )
-        return fits
-    return max_connections
+    return held

@@ -19,8 +19,8 @@ What it does, and no more:
   gather one endless header value whole before calling back), header count (431), body
   size (413, refused from Content-Length before the body is read), bodies queued behind a
   busy connection (reading pauses), connections (the oldest idle one is closed to make
-  room, else 503), a request must arrive within `idle_timeout` of the connection going
-  idle, and a client that takes nothing of its answer for `send_timeout` is closed;
+  room, else 503), a request head must arrive within `head_timeout` of its first byte and
+  the next request within `idle_timeout` of the connection going idle, and a client that takes nothing of its answer for `send_timeout` is closed;
 - responses whole (`Response.send`) or streamed (`start`/`write`/`end`), framed as RFC 9112
   says: no body and no chunking for HEAD, 1xx, 204 and 304; Content-Length held to what
   was declared; chunked when the length is unknown; each `write` waits while the client's
@@ -60,6 +60,9 @@ class HttpLimits:
     # a complete request must arrive within this of the connection going idle; also the
     # keep-alive time, which must exceed that of any proxy in front (nginx: 60-75 s)
     idle_timeout: float = 75.0
+    # from a request's first byte to the end of its head: a slow or stalled head (slowloris)
+    # holds a connection no cap can take back, as it is not idle
+    head_timeout: float = 10.0
     # a client that takes none of its answer for this long is closed, freeing the engine's
     # slot it holds (nginx's send_timeout is 60 s too)
     send_timeout: float = 60.0
@@ -374,7 +377,8 @@ class HttpConnection(asyncio.Protocol):
     # --- parser callbacks ----------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self._server.busy(self)  # (its idle timer runs on: the request must arrive in time)
+        self._server.busy(self)
+        self._arm(self._limits.head_timeout)
         self._reading = _Reading.HEAD
         self._req = Request()
         self._body = []
@@ -400,6 +404,7 @@ class HttpConnection(asyncio.Protocol):
         assert req is not None
         self._reading = _Reading.BODY
         self._raw_head = 0
+        self._arm(self._limits.idle_timeout)  # the body, within the keep-alive time
         req.method = self._parser.get_method()
         req.path = req.target.split(b"?", 1)[0]
         req.keep_alive = self._parser.should_keep_alive()
@@ -607,8 +612,12 @@ class HttpConnection(asyncio.Protocol):
 
     def _went_idle(self) -> None:
         self._server.went_idle(self)
+        self._arm(self._limits.idle_timeout)
+
+    def _arm(self, timeout: float) -> None:
+        """Close the connection unless a whole request is queued within `timeout`."""
         self._cancel_idle()
-        self._idle_timer = self._loop.call_later(self._limits.idle_timeout, self._idle_timed_out)
+        self._idle_timer = self._loop.call_later(timeout, self._idle_timed_out)
 
     def _cancel_idle(self) -> None:
         if self._idle_timer is not None:
