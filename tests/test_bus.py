@@ -7,13 +7,15 @@ import random
 
 import anyio
 import msgspec
+import nats
 import nats.errors
+import nats.js.errors
 import pytest
 from links import ProxyLink
 from nats.js.api import KeyValueConfig
 from waiting import until
 
-from llmgw.bus import keys, records, requests, trust
+from llmgw.bus import classify, keys, records, requests, trust
 from llmgw.bus.backoff import Backoff
 from llmgw.bus.client import (
     MAX_VALUE_BYTES,
@@ -29,6 +31,7 @@ from llmgw.bus.client import (
     Update,
     decoder,
 )
+from llmgw.bus.errors import Unanswered, WrongRevision
 from llmgw.bus.server import EmbeddedNats, free_port
 from llmgw.errors import LlmgwError
 from llmgw.testing.sim import inventory
@@ -125,6 +128,87 @@ async def test_a_fenced_write_lands_only_while_the_fence_key_is_at_its_revision(
     assert await bus.get_raw(keys.health("n2")) is None  # neither refused write landed
     assert await bus.get_raw(keys.health("n3")) is not None
     assert await bus.put(keys.health("n2"), _health("n2"), fence=Fence("leader", moved))
+
+
+async def test_a_write_at_a_stale_revision_reads_as_wrong_revision_at_the_servers_revision(
+    bus: Bus,
+) -> None:
+    # what nats-server 2.15 answers, as nats-py 2.16 raises it: a publish with an expected
+    # revision raises APIError 10071, KeyValue.update its own type without the code; the
+    # revision the key is at is only in the description ("wrong last sequence: N")
+    first = await bus.put("k", b"1")
+    now_at = await bus.put("k", b"2")
+    answers = []
+    for stale in (
+        bus.js.publish("$KV.llmgw.k", b"3", headers={"Nats-Expected-Last-Subject-Sequence": "1"}),
+        bus.kv.update("k", b"3", last=first),
+    ):
+        with pytest.raises(nats.errors.Error) as raised:
+            await stale
+        answers.append(classify.failure(raised.value, "write k"))
+    assert [(type(a), a.now_at, a.err_code) for a in answers] == [
+        (WrongRevision, now_at, classify.WRONG_LAST_SEQUENCE),
+        (WrongRevision, now_at, None),
+    ]
+    assert (
+        await bus.update("k", records.Leader(holder="a", since=1, renewed_at=1), last=first) is None
+    )
+    assert await bus.delete("k", last=first) is False
+
+
+async def test_unanswered_requests_and_a_closed_connection_read_as_bus_unavailable(
+    bus: Bus, nats_settings
+) -> None:
+    silent = await bus.nc.subscribe("llmgw.test.silent", cb=_ignore)  # hears, never answers
+    with pytest.raises(BusUnavailable) as timed_out:
+        await bus.request("llmgw.test.silent", timeout=0.2)
+    with pytest.raises(BusUnavailable) as nobody:
+        await bus.request("llmgw.test.nobody", timeout=1)
+    await silent.unsubscribe()
+    closed = await Bus.connect(nats_settings, give_up_after=5)
+    await closed.close()
+    with pytest.raises(BusUnavailable) as not_connected:
+        await closed.put("k", b"after close")
+    assert [e.value.why for e in (timed_out, nobody, not_connected)] == [
+        Unanswered.TIMEOUT,
+        Unanswered.NO_RESPONDERS,
+        Unanswered.NOT_CONNECTED,
+    ]
+    assert str(not_connected.value) == "put k: not connected to NATS (nats: connection closed)"
+    assert isinstance(not_connected.value.__cause__, nats.errors.ConnectionClosedError)
+
+
+async def _ignore(msg) -> None:
+    pass
+
+
+async def test_an_invalid_key_is_a_bug_of_the_caller_not_a_bus_failure(bus: Bus) -> None:
+    # keys come from llmgw.bus.keys, which validates ids: a key nats-py refuses is a bug, and
+    # surfaces as one rather than as a BusError a caller would retry
+    with pytest.raises(nats.js.errors.InvalidKeyError):
+        await bus.put("no spaces allowed", b"1")
+
+
+async def test_a_dropped_connection_reads_as_dropped(nats_server) -> None:
+    link = ProxyLink(nats_server.port)
+    await link.start()
+    seen: list[Exception] = []
+
+    async def on_error(e: Exception) -> None:
+        seen.append(e)
+
+    nc = await nats.connect(link.url, error_cb=on_error, max_reconnect_attempts=0)
+    try:
+        await link.cut()
+        await until(lambda: _true(bool(seen)), timeout=10)
+    finally:
+        await nc.close()
+    assert classify.problem(seen[0]) is classify.Problem.DROPPED, repr(seen[0])
+    assert not classify.refusal(seen[0])
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 def _health(node: str) -> records.Health:
