@@ -9,7 +9,6 @@ import click
 
 from llmgw.agent.config import (
     DEFAULT_CONFIG_PATH,
-    ConfigError,
     parse_config,
     render_config,
     write_config,
@@ -154,10 +153,8 @@ def agent_init(
         raw["engines"] = {"api_key_file": engine_api_key_file}
     import tomli_w
 
-    try:  # validated by the same code that reads it, before anything is written
-        cfg = parse_config(tomli_w.dumps(raw), config_path)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+    # validated by the same code that reads it, before anything is written
+    cfg = parse_config(tomli_w.dumps(raw), config_path)
     try:
         write_config(cfg, config_path)
     except OSError as e:
