@@ -9,10 +9,12 @@ import click
 
 from llmgw.agent.config import (
     DEFAULT_CONFIG_PATH,
+    DEFAULT_FETCH_DIR,
     parse_config,
     render_config,
     write_config,
 )  # the config alone: plain msgspec
+from llmgw.bus.records import HEARTBEAT_S
 
 
 @click.group()
@@ -72,7 +74,7 @@ def _shared_pair(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
 @click.option(
     "--fetch-dir",
     default=None,
-    help="where engines download weights (default /var/lib/llmgw-weights)",
+    help=f"where engines download weights (default {DEFAULT_FETCH_DIR})",
 )
 @click.option(
     "--shared",
@@ -82,7 +84,10 @@ def _shared_pair(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
     help="DIR=IDENTITY: declare a weights directory shared storage (an exported image)",
 )
 @click.option(
-    "--heartbeat", type=float, default=None, help="heartbeat interval, seconds (default 5)"
+    "--heartbeat",
+    type=float,
+    default=None,
+    help=f"heartbeat interval, seconds (default {HEARTBEAT_S:g})",
 )
 @click.option(
     "--engine-api-key-file",
