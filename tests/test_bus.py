@@ -235,6 +235,14 @@ async def test_more_than_one_copy_asked_of_a_single_server_is_refused_saying_so(
         await Bus.connect(nats_settings, BucketSettings(replicas=3), give_up_after=5)
 
 
+async def test_a_stream_of_the_buckets_name_that_is_no_kv_bucket_is_named(
+    bus: Bus, nats_settings
+) -> None:
+    await bus.js.add_stream(name="KV_other", subjects=["other.>"])  # not KV's config
+    with pytest.raises(BusError, match="stream KV_other exists but is not a KV bucket"):
+        await Bus.connect(nats_settings, BucketSettings(name="other"), give_up_after=5)
+
+
 async def test_a_server_without_jetstream_is_named_not_waited_for(tmp_path) -> None:
     import subprocess
 

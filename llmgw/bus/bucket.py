@@ -14,7 +14,6 @@ import logging
 import time
 from typing import Any
 
-import nats.js.errors
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
@@ -22,7 +21,15 @@ from nats.js.kv import KeyValue
 from . import classify
 from .backoff import Backoff
 from .connection import Connection, server_info, server_url
-from .errors import BusError, BusUnavailable, JetStreamNotReady, Unanswered
+from .errors import (
+    Absent,
+    BusError,
+    BusRefused,
+    BusUnavailable,
+    JetStreamNotReady,
+    NotABucket,
+    Unanswered,
+)
 from .settings import BucketSettings
 
 log = logging.getLogger(__name__)
@@ -87,14 +94,11 @@ async def ensure_bucket(
     js = nc.jetstream(timeout=timeout)
     doing = f"opening bucket {settings.name}"
     try:
-        max_value = await _open_or_create(nc, js, settings)
-        return await nc.jetstream().key_value(settings.name), max_value
-    except Exception as e:
-        failure = classify.failure(e, doing)
-        if failure is None:
+        max_value = await _open_or_create(nc, js, settings, doing)
+        return await classify.answer(nc.jetstream().key_value(settings.name), doing), max_value
+    except BusUnavailable as e:
+        if not e.jetstream_silent:
             raise
-        if not isinstance(failure, BusUnavailable) or not failure.jetstream_silent:
-            raise failure from e
         if not server_info(nc).get("jetstream"):  # the INFO of a server with it says so
             raise BusError(
                 f"NATS at {server_url(nc)} has no JetStream, which llmgw's bucket needs: "
@@ -103,29 +107,28 @@ async def ensure_bucket(
         what = {
             Unanswered.TIMEOUT: "no answer",
             # "JetStream system temporarily unavailable"
-            Unanswered.JETSTREAM_UNAVAILABLE: failure.detail,
-        }.get(failure.why) or "nothing answers JetStream requests yet"
+            Unanswered.JETSTREAM_UNAVAILABLE: e.detail,
+        }.get(e.why) or "nothing answers JetStream requests yet"
         raise JetStreamNotReady(server_url(nc), f"{what} while {doing}") from None
 
 
-async def _open_or_create(nc: Client, js: Any, settings: BucketSettings) -> int:
+async def _open_or_create(nc: Client, js: Any, settings: BucketSettings, doing: str) -> int:
     cluster = server_info(nc).get("cluster")
     try:
-        await js.key_value(settings.name)
-    except nats.js.errors.BucketNotFoundError:
+        await classify.answer(js.key_value(settings.name), doing)
+    except Absent:
         replicas = settings.replicas or 1
         if cluster and replicas == 1:
             _warn_r1(settings.name, cluster, "creating it with replicas=1")
+        config = KeyValueConfig(
+            bucket=settings.name,
+            history=settings.history or 1,
+            replicas=replicas,
+            max_value_size=MAX_VALUE_BYTES,
+            description="llmgw: inventory, weights, desired state, assignments (docs/bucket.md)",
+        )
         try:
-            await js.create_key_value(
-                KeyValueConfig(
-                    bucket=settings.name,
-                    history=settings.history or 1,
-                    replicas=replicas,
-                    max_value_size=MAX_VALUE_BYTES,
-                    description="llmgw: inventory, weights, desired state, assignments (docs/bucket.md)",
-                )
-            )
+            await classify.answer(js.create_key_value(config), doing)
             log.info(
                 "created bucket %s (replicas=%d, history=%d)",
                 settings.name,
@@ -133,21 +136,21 @@ async def _open_or_create(nc: Client, js: Any, settings: BucketSettings) -> int:
                 settings.history or 1,
             )
             return MAX_VALUE_BYTES
-        except nats.js.errors.APIError as e:
+        except BusRefused as e:
             if e.err_code == classify.REPLICAS_NEED_A_CLUSTER:
                 raise BusError(
                     f"bucket {settings.name} cannot be created with replicas={replicas}: NATS "
                     f"at {server_url(nc)} is a single server, not a cluster; leave "
                     "--bucket-replicas unset (or 1), or give the cluster's URLs"
                 ) from None
-            if not isinstance(e, nats.js.errors.BadRequestError):
+            if e.code != 400:  # a bad request: another component created it first
                 raise
-            await js.key_value(settings.name)  # another component created it first
-    except nats.js.errors.BadBucketError as e:
+            await classify.answer(js.key_value(settings.name), doing)
+    except NotABucket as e:
         raise BusError(
             f"stream KV_{settings.name} exists but is not a KV bucket: pick another --bucket"
         ) from e
-    info = await js.stream_info(f"KV_{settings.name}")
+    info = await classify.answer(js.stream_info(f"KV_{settings.name}"), doing)
     problems = []
     if settings.replicas is not None and info.config.num_replicas != settings.replicas:
         problems.append(f"replicas={info.config.num_replicas} (configured {settings.replicas})")

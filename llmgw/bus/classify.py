@@ -11,20 +11,26 @@ from __future__ import annotations
 
 import re
 import ssl
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
 
 from .errors import (
+    Absent,
     BusError,
     BusRefused,
     BusUnavailable,
     ConditionBusy,
+    NotABucket,
     Unanswered,
     WrongRevision,
 )
+
+T = TypeVar("T")
 
 # nats-server's JetStream error codes (JSErrCode, server/errors.json) that llmgw acts on
 WRONG_LAST_SEQUENCE = 10071  # compared, and the subject is at another revision
@@ -49,9 +55,27 @@ def describe(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
+async def answer(request: Awaitable[T], doing: str) -> T:
+    """What the request returns; what nats-py raises instead becomes its BusError
+    (`failure`), anything else surfaces as itself."""
+    try:
+        return await request
+    except Exception as e:
+        bus_failure = failure(e, doing)
+        if bus_failure is None:
+            raise
+        raise bus_failure from e
+
+
 def failure(e: BaseException, doing: str) -> BusError | None:
     """The BusError for what nats-py raised while `doing` (named in its message); None when
     `e` is no failure of the bus (an invalid key, a bug): it surfaces as itself."""
+    if isinstance(e, nats.js.errors.KeyNotFoundError):  # a deletion's entry has its revision
+        return Absent(doing, (e.entry.revision or 0) if e.entry is not None else 0)
+    if isinstance(e, nats.js.errors.NotFoundError):  # BucketNotFoundError among them
+        return Absent(doing)
+    if isinstance(e, nats.js.errors.BadBucketError):
+        return NotABucket(doing)
     if isinstance(e, nats.js.errors.KeyWrongLastSequenceError):
         # nats-py 2.16's KeyValue.update/create raise this for 10071 and 10164 alike and
         # drop the code: only the description is left

@@ -23,7 +23,6 @@ from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 import msgspec
-import nats.js.errors
 from nats.aio.client import Client
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
@@ -32,6 +31,7 @@ from .backoff import Backoff
 from .bucket import MAX_VALUE_BYTES, ensure_bucket, open_bucket
 from .connection import Connection
 from .errors import (
+    Absent,
     BusError,
     BusRefused,
     BusUnavailable,
@@ -232,24 +232,13 @@ class Bus:
 
     # --- requests -------------------------------------------------------------------------
 
-    async def _request(self, request: Awaitable[T], doing: str) -> T:
-        """Await a request; what nats-py raises becomes a BusError (llmgw.bus.classify).
-        Anything else is no failure of the bus and surfaces as itself."""
-        try:
-            return await request
-        except Exception as e:
-            failure = classify.failure(e, doing)
-            if failure is None:
-                raise
-            raise failure from e
-
     async def _js(self, request: Awaitable[T], doing: str) -> T:
         """A JetStream request, watching for a server that answers PINGs but whose JetStream
         no longer answers (cut off from the other servers of its cluster): nats-py stays on
         it, since the connection is fine, and every read and write would fail until the
         partition heals. A request without an answer asks the connection to check."""
         try:
-            return await self._request(request, doing)
+            return await classify.answer(request, doing)
         except BusUnavailable as e:
             if e.jetstream_silent:
                 self.connection.jetstream_silent()
@@ -339,9 +328,9 @@ class Bus:
         """The key's value (None: deleted, purged, expired, or never written) and the
         revision of its last entry (0: it never had one)."""
         try:
-            e = await self.kv.get(key)
-        except nats.js.errors.KeyNotFoundError as gone:
-            return None, (gone.entry.revision or 0) if gone.entry is not None else 0
+            e = await self._js(self.kv.get(key), f"get {key}")
+        except Absent as gone:
+            return None, gone.revision
         if e.value is None or e.operation in (KV_DEL, KV_PURGE):
             return None, e.revision or 0  # a just-expired key can come back with value None
         return e.value, e.revision or 0
@@ -349,12 +338,12 @@ class Bus:
     async def deleted_at(self, key: str) -> int | None:
         """The revision of the key's deletion (what a compare-and-set recreating it names);
         0 if it never existed; None if it holds a value."""
-        value, revision = await self._js(self._last(key), f"get {key}")
+        value, revision = await self._last(key)
         return None if value is not None else revision
 
     async def get_raw(self, key: str) -> tuple[bytes, int] | None:
         """The value's bytes and revision; None when absent (or over the size limit: logged)."""
-        value, revision = await self._js(self._last(key), f"get {key}")
+        value, revision = await self._last(key)
         if value is None or _too_big(key, value, revision, self.max_value_bytes):
             return None
         return value, revision
@@ -446,7 +435,7 @@ class Bus:
     async def subscribe(self, subject: str, cb: Callable[[Any], Awaitable[None]]) -> Any:
         """Every message on `subject` (events). Requests that make a component act go
         through `serve`, which tells them from what the server delivers on others' behalf."""
-        return await self._request(self.nc.subscribe(subject, cb=cb), f"subscribe to {subject}")
+        return await classify.answer(self.nc.subscribe(subject, cb=cb), f"subscribe to {subject}")
 
     async def serve(self, subject: str, handler: Callable[[bytes], Awaitable[bytes]]) -> Any:
         """Answer requests on `subject` with `await handler(payload)`. Acts only on requests a
@@ -476,10 +465,10 @@ class Bus:
                 return
             await msg.respond(answer)
 
-        return await self._request(self.nc.subscribe(subject, cb=on_msg), f"serve {subject}")
+        return await classify.answer(self.nc.subscribe(subject, cb=on_msg), f"serve {subject}")
 
     async def request(self, subject: str, payload: bytes = b"", timeout: float = 5.0) -> bytes:
-        msg = await self._request(
+        msg = await classify.answer(
             self.nc.request(subject, payload, timeout=timeout), f"request on {subject}"
         )
         return msg.data

@@ -75,6 +75,23 @@ class BusRefused(BusError):
         )
 
 
+class Absent(BusRefused):
+    """What the request named is not there: a key (deleted, purged or never written), a
+    bucket, a stream. `revision` is that of the key's deletion, 0 when it has none."""
+
+    def __init__(self, doing: str, revision: int = 0) -> None:
+        super().__init__(doing, 404, None, "not found")
+        self.revision = revision
+
+
+class NotABucket(BusRefused):
+    """The bucket's stream exists but is no KV bucket (made by another tool, or for
+    something else)."""
+
+    def __init__(self, doing: str) -> None:
+        super().__init__(doing, None, None, "the stream is not a KV bucket")
+
+
 class WrongRevision(BusRefused):
     """A conditional write found its key (or its fence key) at another revision: `now_at`,
     when the server said which."""
