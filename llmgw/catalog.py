@@ -27,6 +27,7 @@ import msgspec
 
 from llmgw.bus import records
 from llmgw.bus.keys import is_token
+from llmgw.errors import LlmgwError
 
 Engine = Literal["llama-server", "vllm"]
 ENGINES: tuple[str, ...] = ("llama-server", "vllm")
@@ -42,15 +43,19 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-class CatalogError(ValueError):
-    """A catalog (or one catalog value) that was refused; `errors` lists every problem."""
+# a value read from the bucket is refused by its reader, which writes nothing anyway
+_VALUE_REFUSED = "catalog value refused"
 
-    def __init__(self, errors: list[str]) -> None:
+
+class CatalogError(LlmgwError, ValueError):
+    """A catalog (or one catalog value) that was refused; `errors` lists every problem.
+    Its message is what the CLI prints: a catalog is refused whole, so nothing is written."""
+
+    def __init__(
+        self, errors: list[str], refused: str = "catalog refused, nothing written"
+    ) -> None:
         self.errors = list(errors)
-        n = len(self.errors)
-        super().__init__(
-            f"catalog refused, {n} error{'s' if n != 1 else ''}:\n  " + "\n  ".join(self.errors)
-        )
+        super().__init__(f"{refused} ({len(self.errors)} error(s)):\n  " + "\n  ".join(self.errors))
 
 
 class WeightsRef(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -263,13 +268,13 @@ def decode_model(data: bytes, model_id: str | None = None) -> Model:
         raw = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
         where = f"catalog.{model_id}" if model_id else "catalog value"
-        raise CatalogError([f"{where}: not JSON ({exc})"]) from None
+        raise CatalogError([f"{where}: not JSON ({exc})"], _VALUE_REFUSED) from None
     check = _Checker()
     model = _check_model(check, raw, f"catalog.{model_id}" if model_id else "catalog value")
     if model is not None and model_id is not None and model.id != model_id:
         check.problem(f"model '{model.id}'", "id", f"stored under key catalog.{model_id}")
     if check.errors or model is None:
-        raise CatalogError(check.errors)
+        raise CatalogError(check.errors, _VALUE_REFUSED)
     return model
 
 
@@ -523,7 +528,3 @@ def _check_env(check: _Checker, where: str, path: str, raw: Any) -> dict[str, st
 # What reading a bucket value by hand-written rules can raise: a reader catches these, logs
 # the key and skips the value (anyone can `nats kv put` anything).
 UNREADABLE = (msgspec.DecodeError, msgspec.ValidationError, CatalogError, ValueError)
-
-
-def by_id(models: list[Model]) -> dict[str, Model]:
-    return {m.id: m for m in models}

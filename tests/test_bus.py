@@ -7,19 +7,22 @@ import random
 
 import anyio
 import msgspec
+import nats
 import nats.errors
+import nats.js.errors
 import pytest
 from links import ProxyLink
 from nats.js.api import KeyValueConfig
 from waiting import until
 
-from llmgw.bus import keys, records, requests, trust
+from llmgw.bus import classify, keys, records, requests, trust
 from llmgw.bus.backoff import Backoff
 from llmgw.bus.client import (
     MAX_VALUE_BYTES,
     BucketSettings,
     Bus,
     BusError,
+    BusUnavailable,
     Fence,
     FencedOff,
     NatsSettings,
@@ -28,6 +31,7 @@ from llmgw.bus.client import (
     Update,
     decoder,
 )
+from llmgw.bus.errors import Unanswered, WrongRevision
 from llmgw.bus.server import EmbeddedNats, free_port
 from llmgw.errors import LlmgwError
 from llmgw.testing.sim import inventory
@@ -126,6 +130,87 @@ async def test_a_fenced_write_lands_only_while_the_fence_key_is_at_its_revision(
     assert await bus.put(keys.health("n2"), _health("n2"), fence=Fence("leader", moved))
 
 
+async def test_a_write_at_a_stale_revision_reads_as_wrong_revision_at_the_servers_revision(
+    bus: Bus,
+) -> None:
+    # what nats-server 2.15 answers, as nats-py 2.16 raises it: a publish with an expected
+    # revision raises APIError 10071, KeyValue.update its own type without the code; the
+    # revision the key is at is only in the description ("wrong last sequence: N")
+    first = await bus.put("k", b"1")
+    now_at = await bus.put("k", b"2")
+    answers = []
+    for stale in (
+        bus.js.publish("$KV.llmgw.k", b"3", headers={"Nats-Expected-Last-Subject-Sequence": "1"}),
+        bus.kv.update("k", b"3", last=first),
+    ):
+        with pytest.raises(nats.errors.Error) as raised:
+            await stale
+        answers.append(classify.failure(raised.value, "write k"))
+    assert [(type(a), a.now_at, a.err_code) for a in answers] == [
+        (WrongRevision, now_at, classify.WRONG_LAST_SEQUENCE),
+        (WrongRevision, now_at, None),
+    ]
+    assert (
+        await bus.update("k", records.Leader(holder="a", since=1, renewed_at=1), last=first) is None
+    )
+    assert await bus.delete("k", last=first) is False
+
+
+async def test_unanswered_requests_and_a_closed_connection_read_as_bus_unavailable(
+    bus: Bus, nats_settings
+) -> None:
+    silent = await bus.nc.subscribe("llmgw.test.silent", cb=_ignore)  # hears, never answers
+    with pytest.raises(BusUnavailable) as timed_out:
+        await bus.request("llmgw.test.silent", timeout=0.2)
+    with pytest.raises(BusUnavailable) as nobody:
+        await bus.request("llmgw.test.nobody", timeout=1)
+    await silent.unsubscribe()
+    closed = await Bus.connect(nats_settings, give_up_after=5)
+    await closed.close()
+    with pytest.raises(BusUnavailable) as not_connected:
+        await closed.put("k", b"after close")
+    assert [e.value.why for e in (timed_out, nobody, not_connected)] == [
+        Unanswered.TIMEOUT,
+        Unanswered.NO_RESPONDERS,
+        Unanswered.NOT_CONNECTED,
+    ]
+    assert str(not_connected.value) == "put k: not connected to NATS (nats: connection closed)"
+    assert isinstance(not_connected.value.__cause__, nats.errors.ConnectionClosedError)
+
+
+async def _ignore(msg) -> None:
+    pass
+
+
+async def test_an_invalid_key_is_a_bug_of_the_caller_not_a_bus_failure(bus: Bus) -> None:
+    # keys come from llmgw.bus.keys, which validates ids: a key nats-py refuses is a bug, and
+    # surfaces as one rather than as a BusError a caller would retry
+    with pytest.raises(nats.js.errors.InvalidKeyError):
+        await bus.put("no spaces allowed", b"1")
+
+
+async def test_a_dropped_connection_reads_as_dropped(nats_server) -> None:
+    link = ProxyLink(nats_server.port)
+    await link.start()
+    seen: list[Exception] = []
+
+    async def on_error(e: Exception) -> None:
+        seen.append(e)
+
+    nc = await nats.connect(link.url, error_cb=on_error, max_reconnect_attempts=0)
+    try:
+        await link.cut()
+        await until(lambda: _true(bool(seen)), timeout=10)
+    finally:
+        await nc.close()
+    assert classify.problem(seen[0]) is classify.Problem.DROPPED, repr(seen[0])
+    assert not classify.refusal(seen[0])
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
 def _health(node: str) -> records.Health:
     return records.Health(node=node, phase="ready", since=1.0)
 
@@ -148,6 +233,14 @@ async def test_more_than_one_copy_asked_of_a_single_server_is_refused_saying_so(
 ) -> None:
     with pytest.raises(BusError, match=r"replicas=3: NATS at nats://127\.0\.0\.1:\d+ is a single"):
         await Bus.connect(nats_settings, BucketSettings(replicas=3), give_up_after=5)
+
+
+async def test_a_stream_of_the_buckets_name_that_is_no_kv_bucket_is_named(
+    bus: Bus, nats_settings
+) -> None:
+    await bus.js.add_stream(name="KV_other", subjects=["other.>"])  # not KV's config
+    with pytest.raises(BusError, match="stream KV_other exists but is not a KV bucket"):
+        await Bus.connect(nats_settings, BucketSettings(name="other"), give_up_after=5)
 
 
 async def test_a_server_without_jetstream_is_named_not_waited_for(tmp_path) -> None:
@@ -334,7 +427,7 @@ async def test_a_pong_that_comes_after_round_trip_gave_up_does_not_break_the_con
     settings = NatsSettings(urls=(link.url,), name="t", ping_interval=60)
     async with Bus.open(settings, give_up_after=5) as slow:
         link.stall()
-        with pytest.raises(nats.errors.FlushTimeoutError):
+        with pytest.raises(BusUnavailable):
             await slow.round_trip(timeout=0.3)
         await link.heal()  # the PONG arrives now, after round_trip stopped waiting for it
         assert await slow.round_trip(timeout=2) < 2
@@ -360,9 +453,9 @@ async def test_requests_unanswered_while_the_server_still_reaches_jetstream_move
 
     async with Bus.open(settings, give_up_after=5) as client:
         for _ in range(3):
-            with pytest.raises(nats.errors.TimeoutError):
-                await client._js(unanswered())
-        await client._moving
+            with pytest.raises(BusUnavailable):
+                await client._js(unanswered(), "a request nobody answers")
+        await client.connection._moving
         await anyio.sleep(0.5)
         assert client.reconnects == 0 and "moving to another server" not in caplog.text
     for link in links:

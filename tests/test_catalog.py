@@ -15,6 +15,7 @@ from llmgw.catalog import (
     load_catalog_toml,
     validate_models,
 )
+from llmgw.errors import LlmgwError
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "catalog.toml"
 
@@ -34,6 +35,23 @@ def _errors(raw) -> list[str]:
     with pytest.raises(CatalogError) as info:
         validate_models(raw)
     return info.value.errors
+
+
+def test_a_refused_catalog_reads_as_the_cli_prints_it(tmp_path: Path) -> None:
+    path = tmp_path / "catalog.toml"
+    path.write_text('[[models]]\nid = "m"\n[[models]]\nid = "m"\n')
+    with pytest.raises(CatalogError) as refused:
+        load_catalog_toml(path)
+    assert isinstance(refused.value, LlmgwError)  # the CLI prints it as it is
+    n = len(refused.value.errors)
+    assert n >= 2 and str(refused.value) == (
+        f"catalog refused, nothing written ({n} error(s)):\n  " + "\n  ".join(refused.value.errors)
+    )
+    with pytest.raises(CatalogError) as stored:
+        decode_model(b"{", "m")
+    assert str(stored.value).startswith(
+        "catalog value refused (1 error(s)):\n  catalog.m: not JSON"
+    )
 
 
 def test_example_catalog_loads():

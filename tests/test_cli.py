@@ -441,6 +441,18 @@ def test_router_refuses_what_it_cannot_serve_and_says_why(tmp_path):
     assert "Traceback" not in out.stderr
     out = llmgw("router", "--listen", "8080")
     assert out.returncode != 0 and "expected HOST:PORT" in out.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[models]]\nid = "m"\n')
+    out = llmgw("router", "--catalog", str(bad))
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert f"catalog refused, nothing written (1 error(s)):\n  {bad}: model 'm'" in out.stderr
+
+
+def test_up_on_a_port_nats_already_holds_says_so_without_a_traceback(up, tmp_path):
+    taken = up["env"]["LLMGW_NATS"].rsplit(":", 1)[1]
+    out = llmgw("up", "--port", taken, "--data-dir", str(tmp_path / "second"), timeout=30)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert f"cannot start nats-server on 127.0.0.1:{taken}" in out.stderr
 
 
 def test_commands_that_run_no_agent_do_not_load_its_stack():

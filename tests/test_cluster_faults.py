@@ -51,7 +51,7 @@ STREAM = f"KV_{keys.DEFAULT_BUCKET}"
 RECOVERY_BOUND_S = 30.0
 # A server cut off from its peers alone must first notice it (a metadata leader there answers
 # until it has lost its quorum for a while); its clients then hear silence for 10 s before
-# they leave it (llmgw/bus/client.py: _CUT_OFF_AFTER), after a request that timed out (5 s).
+# they leave it (llmgw/bus/connection.py: CUT_OFF_AFTER), after a request that timed out (5 s).
 CUT_OFF_BOUND_S = 45.0
 NODES = {"node1": "127.0.0.1", "node2": "127.0.0.2"}  # two hosts on one machine
 

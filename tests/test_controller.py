@@ -10,13 +10,15 @@ import sys
 
 import anyio
 import msgspec
+import nats.errors
 import pytest
 from links import ProxyLink
 from waiting import until
 
 from llmgw import catalog
-from llmgw.bus import keys, records
-from llmgw.bus.client import Bus, FencedOff, NatsSettings, Update, decoder
+from llmgw.bus import classify, keys, records
+from llmgw.bus.client import Bus, BusError, FencedOff, NatsSettings, Update, decoder
+from llmgw.controller import placement
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.testing.sim import SimNode, inventory
 
@@ -574,6 +576,85 @@ async def test_a_hand_edited_replica_without_members_does_not_stop_placement(
         assert len(await until(assigned)) == 1
         tg.cancel_scope.cancel()
     assert "skipping replicas.m.rX" in caplog.text and "at least one member" in caplog.text
+
+
+# --- what a failed pass says about the link --------------------------------------------------
+
+
+async def _phase(bus: Bus, node: str) -> str | None:
+    h = await bus.get(keys.health(node), decoder(records.Health))
+    return h.value.phase if h else None
+
+
+async def _phase_is(bus: Bus, node: str, phase: str) -> bool:
+    return await _phase(bus, node) == phase
+
+
+async def _one_failing_pass(
+    bus: Bus, controller_bus: Bus, monkeypatch, error: Exception, tg
+) -> tuple[Controller, ManualClock]:
+    """A leading controller whose node has been silent for 10 s (of the 15 it may be) when
+    one reconcile pass raises `error`; returned once a later pass has run."""
+    clock = ManualClock()
+    node = SimNode(bus, inventory("gpu-a", gpus=1))
+    await node.register()
+    await _apply(bus, _model(), 1)
+    controller = Controller(controller_bus, ControllerSettings(**MANUAL), clock)
+    tg.start_soon(controller.run)
+    await until(lambda: _replicas(bus))
+    await until(lambda: _phase_is(bus, "gpu-a", "ready"))
+    clock.advance(10)
+    plan, raised = placement.plan, anyio.Event()
+
+    def plan_failing_once(snap):
+        if not raised.is_set():
+            raised.set()
+            raise error
+        return plan(snap)
+
+    monkeypatch.setattr(placement, "plan", plan_failing_once)
+    with anyio.fail_after(10):
+        await raised.wait()
+    failed_at = controller.passes
+    await until(lambda: _passes_beyond(controller, failed_at))
+    return controller, clock
+
+
+async def test_a_bug_in_the_reconcile_pass_is_logged_with_its_traceback_and_nodes_are_still_judged(
+    bus, second_bus, monkeypatch, caplog
+) -> None:
+    async with anyio.create_task_group() as tg:
+        controller, clock = await _one_failing_pass(
+            bus, second_bus, monkeypatch, ValueError("a bug in placement"), tg
+        )
+        assert controller.link.may_judge
+        clock.advance(6)  # 16 s since the node's lease last moved: unreachable
+        await until(lambda: _phase_is(bus, "gpu-a", "unreachable"))
+        tg.cancel_scope.cancel()
+    (bug,) = [r for r in caplog.records if "bug in the reconcile pass" in r.getMessage()]
+    assert bug.levelno == logging.ERROR and bug.exc_info and bug.exc_info[0] is ValueError
+    assert "a write failed" not in caplog.text  # the link was never doubted
+
+
+async def test_a_bus_failure_in_the_reconcile_pass_makes_the_controller_doubt_its_link(
+    bus, second_bus, monkeypatch, caplog
+) -> None:
+    # what the Bus raises for a write nats-py saw time out
+    failure = classify.failure(nats.errors.TimeoutError(), "put placement.m")
+    assert isinstance(failure, BusError)
+    async with anyio.create_task_group() as tg:
+        controller, clock = await _one_failing_pass(bus, second_bus, monkeypatch, failure, tg)
+        # the link was suspect until a round trip came back, and nodes got a fresh grace
+        # period then: 6 s of it have passed, not the 16 s since the lease last moved
+        clock.advance(6)
+        seen = controller.passes
+        await until(lambda: _passes_beyond(controller, seen + 2))
+        assert await _phase(bus, "gpu-a") == "ready"
+        clock.advance(10)
+        await until(lambda: _phase_is(bus, "gpu-a", "unreachable"))
+        tg.cancel_scope.cancel()
+    assert "a write failed (put placement.m: no answer in time" in caplog.text
+    assert "bug in the reconcile pass" not in caplog.text
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +20,12 @@ import anyio
 import msgspec
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
+from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from waiting import until
 
 from llmgw.agent.config import Nats
-from llmgw.bus import records
+from llmgw.bus import classify, records
 from llmgw.bus.client import BucketSettings, Bus, BusError, NatsSettings, decoder
 from llmgw.bus.permissions import node_permissions, render_mtls_users
 from llmgw.bus.server import find_nats_server, free_port
@@ -579,8 +580,10 @@ def test_shipped_mtls_conf_holds_what_the_generator_renders() -> None:
     )
 
 
-async def test_shipped_mtls_conf_and_example_certificates_work_together(tmp_path) -> None:
-    # the shipped file as it is, but with its store in tmp
+@pytest.fixture
+def shipped_mtls(tmp_path: Path) -> Iterator[Callable[..., NatsSettings]]:
+    """nats/mtls.conf as it is (its store in tmp), running; yields settings for an example
+    certificate's holder: `shipped_mtls("node05", inbox_prefix=...)`."""
     conf = tmp_path / "mtls.conf"
     conf.write_text(
         re.sub(
@@ -590,22 +593,94 @@ async def test_shipped_mtls_conf_and_example_certificates_work_together(tmp_path
         )
     )
     certs = NATS_DIR / "example-certs"
-
-    def example(who: str, **kw: object) -> NatsSettings:
-        return NatsSettings(
-            urls=(url,),
-            tls_ca=str(certs / "ca.pem"),
-            tls_cert=str(certs / f"{who}.pem"),
-            tls_key=str(certs / f"{who}-key.pem"),
-            **kw,  # type: ignore[arg-type]
-        )
-
     with running_nats(conf, tmp_path / "js", cwd=NATS_DIR) as url:
-        operator = await Bus.connect(example("operator"), give_up_after=5)
-        node = await Bus.connect(example("node05", inbox_prefix="_INBOX.node05"), give_up_after=5)
+
+        def example(who: str, **kw: object) -> NatsSettings:
+            return NatsSettings(
+                urls=(url,),
+                tls_ca=str(certs / "ca.pem"),
+                tls_cert=str(certs / f"{who}.pem"),
+                tls_key=str(certs / f"{who}-key.pem"),
+                **kw,  # type: ignore[arg-type]
+            )
+
+        yield example
+
+
+async def test_shipped_mtls_conf_and_example_certificates_work_together(shipped_mtls) -> None:
+    operator = await Bus.connect(shipped_mtls("operator"), give_up_after=5)
+    node = await Bus.connect(shipped_mtls("node05", inbox_prefix="_INBOX.node05"), give_up_after=5)
+    try:
+        rev = await node.put("nodes.node05", b"{}")
+        assert await operator.get_raw("nodes.node05") == (b"{}", rev)
+    finally:
+        await node.close()
+        await operator.close()
+
+
+# --- how the server's refusals read (llmgw.bus.classify) ------------------------------------
+
+
+async def test_a_publish_the_shipped_permissions_forbid_reads_as_a_denial_naming_the_subject(
+    shipped_mtls, caplog
+) -> None:
+    # nats-py 2.16 hands the server's -ERR to error_cb as a bare error: the classifier reads
+    # its text, and this is the text nats-server 2.15 sends
+    operator = await Bus.connect(shipped_mtls("operator"), give_up_after=5)  # makes the bucket
+    await operator.close()
+    node = await Bus.connect(shipped_mtls("node05", inbox_prefix="_INBOX.node05"), give_up_after=5)
+
+    async def denied(subject: str) -> classify.Denial | None:
+        d = node.connection.denied
+        return d if d is not None and d.subject == subject else None
+
+    try:
+        await node.nc.publish("$KV.llmgw.nodes.node06", b"{}")  # another node's key
+        other_node = await until(lambda: denied("$kv.llmgw.nodes.node06"))
+        await node.nc.publish("$JS.API.STREAM.CREATE.KV_other", b"{}")
+        new_stream = await until(lambda: denied("$js.api.stream.create.kv_other"))
+        assert node.connected  # a refused subject leaves the connection up
+    finally:
+        await node.close()
+    assert (other_node.action, other_node.jetstream, other_node.creates_stream) == (
+        "publish",
+        False,
+        False,
+    )
+    assert (new_stream.jetstream, new_stream.creates_stream) == (True, True)
+    assert 'permissions violation for publish to "$kv.llmgw.nodes.node06"' in errors(caplog)
+
+
+async def test_a_certificate_without_a_user_and_no_certificate_read_as_refusals(
+    mapped_server, verify_server, pki
+) -> None:
+    async def first_connect(url: str, who: str | None) -> BaseException | None:
+        s = settings(url, pki, who)
+        nc = NatsClient()
         try:
-            rev = await node.put("nodes.node05", b"{}")
-            assert await operator.get_raw("nodes.node05") == (b"{}", rev)
+            with anyio.fail_after(5):
+                await nc.connect(
+                    servers=[url],
+                    tls=s.ssl_context(),
+                    connect_timeout=0.5,
+                    allow_reconnect=False,  # the first answer is the one to read
+                    error_cb=_quiet,
+                )
+        except Exception:  # noqa: BLE001 - the refusal is what nats-py kept
+            return nc.last_error
         finally:
-            await node.close()
-            await operator.close()
+            await nc.close()
+        return None
+
+    unmapped = await first_connect(mapped_server, "node99")
+    # nats-py 2.16: "nats: 'Authorization Violation'", the base class, during CONNECT
+    assert classify.problem(unmapped) is classify.Problem.AUTHORIZATION, repr(unmapped)
+    no_cert = await first_connect(verify_server, None)
+    # TLS 1.3 checks the client certificate after the handshake: the server's alert, or a
+    # connection it closed
+    assert classify.problem(no_cert) in (classify.Problem.TLS, classify.Problem.DROPPED)
+    assert classify.refusal(unmapped)
+
+
+async def _quiet(e: Exception) -> None:
+    pass

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import msgspec
 
+from llmgw.bus.records import HEARTBEAT_S
 from llmgw.errors import LlmgwError
 
 DEFAULT_CONFIG_PATH = Path(os.environ.get("LLMGW_AGENT_CONFIG", "/etc/llmgw/agent.toml"))
@@ -61,7 +62,7 @@ class Weights(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_def
 
 
 class Intervals(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
-    heartbeat: float = 5.0
+    heartbeat: float = HEARTBEAT_S
     engine_probe: float = 60.0
 
 

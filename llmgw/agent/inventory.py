@@ -19,6 +19,7 @@ from llmgw import __version__
 from llmgw.agent.config import AgentConfig
 from llmgw.agent.discovery import address, cpu, engines, gpus, identity, infiniband, memory
 from llmgw.bus import records
+from llmgw.bus.settings import DEFAULT_NATS_URL
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class Identity:
 def node_identity(cfg: AgentConfig) -> Identity:
     hostname = identity.read_hostname()
     node = cfg.node.id or identity.node_id_from_hostname(hostname)
-    addr = cfg.node.address or address.address_for_urls(cfg.nats.urls or ["nats://127.0.0.1:4222"])
+    addr = cfg.node.address or address.address_for_urls(cfg.nats.urls or [DEFAULT_NATS_URL])
     return Identity(node=node, hostname=hostname, address=addr)
 
 

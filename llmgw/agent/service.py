@@ -36,7 +36,7 @@ from llmgw.agent.discovery.weights.scan import weights_equal_for_resend
 from llmgw.agent.shards import NodeShards
 from llmgw.agent.weights import WeightsScanner, stuck_scan
 from llmgw.bus import keys, records
-from llmgw.bus.client import BucketSettings, Bus, NatsSettings
+from llmgw.bus.client import DEFAULT_NATS_URL, BucketSettings, Bus, NatsSettings
 from llmgw.errors import stated
 from llmgw.keyfiles import read_key
 from llmgw.logs import setup_logging
@@ -47,7 +47,7 @@ log = logging.getLogger("llmgw.agent.service")  # also when run as __main__
 
 def nats_settings(cfg: AgentConfig, node_id: str, identity_source: str) -> NatsSettings:
     return NatsSettings(
-        urls=tuple(cfg.nats.urls or ["nats://127.0.0.1:4222"]),
+        urls=tuple(cfg.nats.urls or [DEFAULT_NATS_URL]),
         tls_ca=cfg.nats.tls_ca,
         tls_cert=cfg.nats.tls_cert,
         tls_key=cfg.nats.tls_key,

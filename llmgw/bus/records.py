@@ -151,7 +151,9 @@ class NodeInventory(msgspec.Struct, kw_only=True):
     ib: list[IbAdapter] = []
     engines: list[EngineInstall] = []
     weights: Weights = msgspec.field(default_factory=Weights)
-    fetch_dir: str = "/var/lib/llmgw-weights"
+    # the agent's weights.fetch_dir (default llmgw.agent.config.DEFAULT_FETCH_DIR), always
+    # reported; empty only in an inventory that did not say
+    fetch_dir: str = ""
     # dotted names of the values that came from the config file, not discovery
     from_config: list[str] = []
     updated_at: float = 0.0
@@ -164,6 +166,10 @@ class NodeInventory(msgspec.Struct, kw_only=True):
 
 
 # --- leases.<node>: the heartbeat
+
+# seconds between an agent's leases (intervals.heartbeat); the controller's liveness
+# thresholds are counted in them (llmgw.controller.liveness)
+HEARTBEAT_S = 5.0
 
 
 class Lease(msgspec.Struct, kw_only=True):

@@ -22,11 +22,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.errors import LlmgwError
+
 log = logging.getLogger(__name__)
 
 
-class NatsServerError(RuntimeError):
-    pass
+class NatsServerError(LlmgwError, RuntimeError):
+    """The embedded nats-server cannot run: not installed, its port taken, or it exited."""
 
 
 def find_nats_server() -> Path:

@@ -9,11 +9,12 @@ import click
 
 from llmgw.agent.config import (
     DEFAULT_CONFIG_PATH,
-    ConfigError,
+    DEFAULT_FETCH_DIR,
     parse_config,
     render_config,
     write_config,
 )  # the config alone: plain msgspec
+from llmgw.bus.records import HEARTBEAT_S
 
 
 @click.group()
@@ -73,7 +74,7 @@ def _shared_pair(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
 @click.option(
     "--fetch-dir",
     default=None,
-    help="where engines download weights (default /var/lib/llmgw-weights)",
+    help=f"where engines download weights (default {DEFAULT_FETCH_DIR})",
 )
 @click.option(
     "--shared",
@@ -83,7 +84,10 @@ def _shared_pair(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
     help="DIR=IDENTITY: declare a weights directory shared storage (an exported image)",
 )
 @click.option(
-    "--heartbeat", type=float, default=None, help="heartbeat interval, seconds (default 5)"
+    "--heartbeat",
+    type=float,
+    default=None,
+    help=f"heartbeat interval, seconds (default {HEARTBEAT_S:g})",
 )
 @click.option(
     "--engine-api-key-file",
@@ -154,10 +158,8 @@ def agent_init(
         raw["engines"] = {"api_key_file": engine_api_key_file}
     import tomli_w
 
-    try:  # validated by the same code that reads it, before anything is written
-        cfg = parse_config(tomli_w.dumps(raw), config_path)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+    # validated by the same code that reads it, before anything is written
+    cfg = parse_config(tomli_w.dumps(raw), config_path)
     try:
         write_config(cfg, config_path)
     except OSError as e:

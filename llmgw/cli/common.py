@@ -11,8 +11,26 @@ import anyio
 import click
 
 from llmgw.bus import keys
-from llmgw.bus.client import BucketSettings, Bus, NatsSettings, NatsUnreachable
+from llmgw.bus.client import DEFAULT_NATS_URL, BucketSettings, Bus, NatsSettings, NatsUnreachable
+from llmgw.errors import stated
 from llmgw.shutdown import cancel_on_signal
+
+
+class StatedErrors(click.Group):
+    """A group of commands under which an error llmgw states for a person (an LlmgwError)
+    becomes the command's message (exit 1); any other exception is a bug and keeps its
+    traceback. `llmgw` itself, and `llmgw pki` when run on its own."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except BaseException as e:
+            problem = stated(e)
+            if problem is None:
+                raise
+            raise click.ClickException(str(problem)) from None
 
 
 def nats_options(fn):
@@ -22,7 +40,7 @@ def nats_options(fn):
         multiple=True,
         envvar="LLMGW_NATS",
         show_envvar=True,
-        help="NATS URL (repeatable) [default: nats://127.0.0.1:4222]",
+        help=f"NATS URL (repeatable) [default: {DEFAULT_NATS_URL}]",
     )
     @click.option(
         "--tls-ca", envvar="LLMGW_TLS_CA", type=click.Path(dir_okay=False), help="CA file"
@@ -53,7 +71,7 @@ def nats_options(fn):
     )
     @functools.wraps(fn)
     def wrapper(*args, nats_urls, tls_ca, tls_cert, tls_key, bucket, bucket_replicas, **kwargs):
-        urls = tuple(u for item in nats_urls for u in item.split()) or ("nats://127.0.0.1:4222",)
+        urls = tuple(u for item in nats_urls for u in item.split()) or (DEFAULT_NATS_URL,)
         settings = NatsSettings(
             urls=urls,
             tls_ca=tls_ca,

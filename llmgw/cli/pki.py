@@ -11,7 +11,6 @@ certificate in it, so removing a node's files and running it again takes the nod
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import os
 import tempfile
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from llmgw import pki as certs
 from llmgw.agent.files import NotRegularFile, TooLarge, read_bounded
 from llmgw.bus import keys
 from llmgw.bus.permissions import ROLES, Role, User, render_users
-from llmgw.errors import LlmgwError
+from llmgw.cli.common import StatedErrors
 
 DEFAULT_DIR = "llmgw-pki"
 CA_CERT, CA_KEY = "ca.pem", "ca-key.pem"
@@ -107,20 +106,6 @@ def _valid_until(cert: x509.Certificate) -> str:
     return f"{cert.not_valid_after_utc:%Y-%m-%d}"
 
 
-def _stated(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """An LlmgwError becomes the command's message (exit 1), as under `llmgw`'s own group, so
-    that this group behaves the same when invoked by itself."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except LlmgwError as e:
-            raise click.ClickException(str(e)) from None
-
-    return wrapper
-
-
 def _dir_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--dir",
@@ -134,7 +119,7 @@ def _dir_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
 
-@click.group("pki")
+@click.group("pki", cls=StatedErrors)  # the same messages when run by itself
 def pki() -> None:
     """A fleet's certificates: a CA, one per node, controller, router and operator, and the
     NATS server's users (docs/security.md)."""
@@ -154,7 +139,6 @@ def pki() -> None:
     is_flag=True,
     help="replace an existing CA: no certificate it issued is trusted after that",
 )
-@_stated
 def init(pki_dir: Path, org: str, days: int, force: bool) -> None:
     """Make the CA: DIR/ca.pem (give it to every node) and DIR/ca-key.pem (keep it here)."""
     cert_path, key_path = pki_dir / CA_CERT, pki_dir / CA_KEY
@@ -202,7 +186,6 @@ def _identity(
 @_dir_option
 @click.option("--days", type=click.IntRange(min=1), default=certs.LEAF_DAYS, show_default=True)
 @click.option("--force", is_flag=True, help="replace this identity's certificate and key")
-@_stated
 def issue(
     node: str | None,
     controller: str | None,
@@ -343,7 +326,6 @@ def _server_cert(
     show_default=True,
     help="lifetime of a server certificate issued now",
 )
-@_stated
 def nats_config(
     pki_dir: Path, out: Path | None, server_names: tuple[str, ...], bucket: str, days: int
 ) -> None:

@@ -12,7 +12,6 @@ import click
 
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 from llmgw.cli.common import listen, nats_options, run_fast
-from llmgw.errors import LlmgwError
 from llmgw.shutdown import drain_then_cancel_on_signal
 
 
@@ -143,7 +142,7 @@ def router(
     With --nats (or $LLMGW_NATS), the engines come from the bucket and the table follows it;
     with --catalog FILE, from the models' `endpoints` in that file, without NATS.
     """
-    from llmgw.catalog import CatalogError, load_catalog_toml
+    from llmgw.catalog import load_catalog_toml
     from llmgw.router.service import Router
 
     ctx = click.get_current_context()
@@ -154,19 +153,11 @@ def router(
             "--catalog runs the router without NATS; drop --nats, or drop --catalog to serve "
             "the bucket's models"
         )
-    try:
-        settings = router_settings(listen, **options)
-    except LlmgwError as e:
-        raise click.ClickException(str(e)) from None
+    settings = router_settings(listen, **options)
     logging.getLogger("llmgw").setLevel(logging.INFO)
     r = Router(settings)
     if catalog_path is not None:
-        try:
-            models = load_catalog_toml(catalog_path)
-        except CatalogError as e:
-            raise click.ClickException(
-                f"catalog refused ({len(e.errors)} error(s)):\n  " + "\n  ".join(e.errors)
-            ) from None
+        models = load_catalog_toml(catalog_path)
         if not any(m.endpoints for m in models):
             raise click.ClickException(
                 f"{catalog_path} has no model with `endpoints`: a router-only run serves "

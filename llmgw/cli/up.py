@@ -10,12 +10,11 @@ import anyio
 import click
 import msgspec
 
-from llmgw.agent.config import AgentConfig, ConfigError, Paths, Weights, load_config
+from llmgw.agent.config import AgentConfig, Paths, Weights, load_config
 from llmgw.bus import keys
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 from llmgw.cli.common import listen, run_fast
 from llmgw.cli.router import router_options, router_settings
-from llmgw.errors import LlmgwError
 from llmgw.shutdown import drain_then_cancel_on_signal
 
 
@@ -58,19 +57,13 @@ def up(
     """Run llmgw on this machine: embedded NATS, a controller, a router and a local agent."""
     import platformdirs
 
-    from llmgw.bus.server import EmbeddedNats, NatsServerError
+    from llmgw.bus.server import EmbeddedNats
 
     logging.getLogger("llmgw").setLevel(logging.INFO)
     data_dir = data_dir or Path(platformdirs.user_data_dir("llmgw"))
-    try:
-        router = None if no_router else router_settings(router_listen, **router_opts)
-    except LlmgwError as e:
-        raise click.ClickException(str(e)) from None
+    router = None if no_router else router_settings(router_listen, **router_opts)
     server = EmbeddedNats(data_dir=data_dir / "nats", host=host, port=port)
-    try:
-        server.start()
-    except NatsServerError as e:
-        raise click.ClickException(str(e)) from None
+    server.start()
     url = server.url
     try:
         cfg = _up_agent_config(agent_config, url, data_dir)
@@ -105,17 +98,14 @@ def _this_command() -> str:
 
 
 def _up_agent_config(path: Path | None, url: str, data_dir: Path) -> AgentConfig:
-    try:
-        cfg = (
-            load_config(path)
-            if path
-            else AgentConfig(
-                weights=Weights(fetch_dir=str(data_dir / "weights")),
-                paths=Paths(state_dir=str(data_dir / "agent")),
-            )
+    cfg = (
+        load_config(path)
+        if path
+        else AgentConfig(
+            weights=Weights(fetch_dir=str(data_dir / "weights")),
+            paths=Paths(state_dir=str(data_dir / "agent")),
         )
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+    )
     return msgspec.structs.replace(cfg, nats=msgspec.structs.replace(cfg.nats, urls=[url]))
 
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from llmgw.bus.records import Health, Lease, NodePhase
+from llmgw.bus.records import HEARTBEAT_S, Health, Lease, NodePhase
 
-HEARTBEAT_S = 5.0
 UNREACHABLE_AFTER_S = 3 * HEARTBEAT_S  # three missed heartbeats
 LOST_AFTER_S = 60.0
 

@@ -28,7 +28,7 @@ import msgspec
 
 from llmgw import catalog
 from llmgw.bus import keys, records
-from llmgw.bus.client import Bus, Fence, FencedOff, Synced, Update, decoder
+from llmgw.bus.client import Bus, BusError, Fence, FencedOff, Synced, Update, decoder
 from llmgw.bus.records import NodePhase
 from llmgw.controller import placement
 from llmgw.controller.clock import Clock, SystemClock
@@ -321,10 +321,13 @@ class Controller:
                 await self.reconcile()
         except _NotLeading:
             self._pass_due = True
-        except Exception as e:  # noqa: BLE001 - the next pass starts from the bucket again
-            log.exception("reconcile pass failed; retrying")
+        except BusError as e:  # the link failed: the next pass starts from the bucket again
+            log.warning("reconcile pass failed: %s; retrying", e)
             self._pass_due = True
-            self.link.write_failed(str(e) or type(e).__name__)
+            self.link.write_failed(str(e))
+        except Exception:  # noqa: BLE001 - a bug, not the link: nodes are still judged
+            log.exception("bug in the reconcile pass; it runs again, still judging nodes")
+            self._pass_due = True
 
     async def _check_link(self) -> None:
         """Before declaring nodes silent, check this controller is not the silent one (a

@@ -10,7 +10,6 @@ from llmgw.agent.discovery.weights.mounts import (
     resolve_store,
 )
 from llmgw.agent.discovery.weights.scan import (
-    DEFAULT_FETCH_DIR,
     FileCheckCache,
     carry_over_timed_out,
     scan_weights,
@@ -18,7 +17,6 @@ from llmgw.agent.discovery.weights.scan import (
 )
 
 __all__ = [
-    "DEFAULT_FETCH_DIR",
     "SHARED_FS_TYPES",
     "Check",
     "FileCheckCache",

@@ -45,7 +45,6 @@ from llmgw.agent.discovery.weights.mounts import (
 from llmgw.agent.files import TooLarge, read_text_bounded
 from llmgw.bus.records import HeldModel, IncompleteModel, Store, Weights, WeightsDir
 
-DEFAULT_FETCH_DIR = Path("/var/lib/llmgw-weights")
 # companions download tools leave beside a file still being written
 DOWNLOAD_MARKS = (".incomplete", ".part", ".tmp", ".aria2", ".crdownload")
 # rsync writes `.<name>.XXXXXX` and renames it when done
