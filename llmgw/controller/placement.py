@@ -781,14 +781,6 @@ class _Lines:
         return out
 
 
-def invalid_catalog_record(
-    model: str, desired: int, placed: int, why: str, now: float, decisions: list[str]
-) -> PlacementRecord:
-    """The record for a model whose catalog entry does not decode: nothing changes for it
-    until it is fixed (the loop keeps its replicas)."""
-    return _Record(model, desired, now).blocked("invalid-catalog", why, placed, decisions)
-
-
 def frozen_record(
     model: str,
     blocked: Blocked,
