@@ -312,6 +312,24 @@ async def test_dry_run_names_no_replica_id_the_controller_would_not_use(bus):
 
 
 @pytest.mark.anyio
+async def test_place_wait_counts_the_replicas_placement_counts_a_stopped_one_is_not_one_of_them(
+    bus,
+):
+    # placement counts neither a draining nor a stopped replica toward desired; `--wait`
+    # counted the stopped one and waited for a second replica nobody would place
+    decided = records.PlacementRecord(model="m", desired=1, placed=1, desired_at=1.0)
+    await bus.put(keys.placement("m"), decided)
+    await bus.put(keys.replica("m", "r-new"), _replica("r-new", "ready", 0))
+    await bus.put(keys.replica("m", "r-old"), _replica("r-old", "stopped", 1))
+    said: list[str] = []
+    code = await follow_placement(
+        bus, "m", 1.0, wait=True, timeout=2.0, echo=said.append, poll=0.02
+    )
+    assert code == 0, said
+    assert said[-1] == "  1/1 ready"
+
+
+@pytest.mark.anyio
 async def test_place_wait_says_once_that_a_value_does_not_decode(bus, caplog):
     await bus.put(keys.placement("m"), b'{"model": "m", "desired": "one"}')
     await bus.put(keys.replica("m", "rbad"), b"not json")

@@ -144,7 +144,7 @@ async def follow_placement(
             if p and p.explanation and p.explanation != last_explanation:
                 last_explanation = p.explanation
                 echo(f"  {p.placed}/{p.desired} placed: {p.explanation}")
-            live = [r for r in reps if r.phase != "draining"]
+            live = [r for r in reps if r.phase in records.REPLICA_COUNTED]
             if p and not wait:
                 return 0
             if p and p.desired == 0 and wait:

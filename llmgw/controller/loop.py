@@ -445,7 +445,7 @@ class Controller:
             )
         for removal in removals:
             replica = self.view.replicas.get(removal.rid)
-            if replica is not None and replica.phase not in ("draining", "stopped"):
+            if replica is not None and replica.phase not in records.REPLICA_GOING:
                 drained = msgspec.structs.replace(
                     replica, phase="draining", reason=removal.reason, epoch=self.epoch
                 )
@@ -580,7 +580,9 @@ class Controller:
         for model, freeze in frozen.items():
             current = self.view.placements.get(model)
             placed = sum(
-                1 for r in self.view.replicas.values() if r.model == model and r.phase != "draining"
+                1
+                for r in self.view.replicas.values()
+                if r.model == model and r.phase in records.REPLICA_COUNTED
             )
             records_by_model[model] = placement.frozen_record(
                 model,
@@ -653,7 +655,7 @@ def _catalog_hash(model) -> str:
 def _member_done(node: str, shard: records.Shard | None, phases: dict[str, str]) -> bool:
     if phases.get(node, "lost") == "lost":
         return True  # nothing left to wait for there
-    return shard is not None and shard.phase in ("stopped", "failed")
+    return shard is not None and shard.phase in records.SHARD_ENGINE_GONE
 
 
 def _phase_from_shards(

@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from llmgw.bus.records import (
+    REPLICA_COUNTED,
+    REPLICA_HOLDS_GPUS_AND_PORTS,
+    REPLICA_RESERVES_HOST_RAM,
     Desired,
     FabricHoldings,
     Gpu,
@@ -48,12 +51,6 @@ from llmgw.controller.explain import GB, Blocked, Refusal
 from llmgw.controller.fabrics import fabric_view
 
 DEFAULT_PORTS = (18000, 18999)
-
-# Replica phases whose engine is going away: they still hold their GPUs and ports (the
-# engine drains before it stops) but no longer count toward the desired number.
-_GOING = frozenset({"draining", "stopped"})
-# Not yet running: their engine has not taken its host RAM yet, so it is reserved here.
-_NOT_RUNNING = frozenset({"placed", "starting"})
 
 same_decision = explain.same_decision  # what the loop compares before rewriting a record
 
@@ -169,11 +166,11 @@ def _fleet(snapshot: Snapshot) -> dict[str, NodeState]:
             models=Counter(),
         )
     for replica in snapshot.replicas:
-        if replica.phase == "stopped":
+        if replica.phase not in REPLICA_HOLDS_GPUS_AND_PORTS:
             continue
         model = snapshot.catalog.get(replica.model)
         profile = model.profile(replica.profile) if model else None
-        reserve = profile is not None and replica.phase in _NOT_RUNNING
+        reserve = profile is not None and replica.phase in REPLICA_RESERVES_HOST_RAM
         for member in replica.members:
             node = nodes.get(member.node)
             if node is None:
@@ -589,7 +586,7 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
     desired = snapshot.desired.get(model_id)
     want = desired.replicas if desired is not None else 0
     live = sorted(
-        (r for r in current if r.phase not in _GOING), key=lambda r: (r.created_at, r.rid)
+        (r for r in current if r.phase in REPLICA_COUNTED), key=lambda r: (r.created_at, r.rid)
     )
     if not live and desired is None:
         return None

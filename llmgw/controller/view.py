@@ -122,4 +122,3 @@ class Freeze:
 
     blocked: str
     detail: str
-
