@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterable
 
 import anyio
@@ -702,3 +704,13 @@ async def test_waiting_models_record_and_events_stay_still_while_free_ram_wobble
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def test_placement_imports_nothing_that_does_io():
+    code = (
+        "import sys, llmgw.controller.placement; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nats', 'anyio', 'asyncio') "
+        "or m in ('llmgw.bus.client', 'llmgw.controller.loop', 'llmgw.controller.view')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

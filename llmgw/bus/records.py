@@ -315,7 +315,7 @@ class FabricHoldings(msgspec.Struct, kw_only=True):
 
 class RefusedNodes(msgspec.Struct, kw_only=True, frozen=True):
     """Nodes one profile could not use, for one reason: a constant `reason` key and its
-    numbers (controller/explain.py renders the text). `least`/`most` are what the nodes
+    numbers (controller/placement/explain.py renders the text). `least`/`most` are what the nodes
     had, observed: they move by themselves (free RAM) and never make a new decision."""
 
     profile: str
