@@ -31,8 +31,8 @@ from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, Fence, FencedOff, Synced, Update, decoder
 from llmgw.bus.records import NodePhase
 from llmgw.controller import placement
-from llmgw.controller.clock import Clock, SystemClock
-from llmgw.controller.fabrics import fabric_view
+from llmgw.controller.clock import Clock, Instant, SystemClock, instant
+from llmgw.controller.inputs import hold_recorded_phases, placement_snapshot
 from llmgw.controller.leadership import CREATE, LeaderKey
 from llmgw.controller.link import Link, LinkState
 from llmgw.controller.liveness import (
@@ -120,7 +120,7 @@ class Controller:
         async for item in self.bus.watch(">", lambda data: data):
             if isinstance(item, Synced):
                 if not self._synced.is_set():
-                    self._hold_stored_phases()
+                    hold_recorded_phases(self.view, self.tracker)
                     self._synced.set()
                 if self.link.synced():
                     # Back after an outage: this controller saw no lease move while it was
@@ -150,14 +150,6 @@ class Controller:
             self.leader_key.saw(self.view.leader_rev, self.view.leader, now)
         elif family not in (None, keys.HEALTH, keys.PLACEMENT, keys.FABRICS):
             self._pass_due = True
-
-    def _hold_stored_phases(self) -> None:
-        # A restarted controller gives every node a fresh grace period, so it never declares
-        # the fleet lost; but a node already recorded lost stays lost until its lease moves,
-        # so the grace period never places replicas on a dead node.
-        for node, h in self.view.health.items():
-            lease = self.view.leases.get(node)
-            self.tracker.hold(node, h.phase, lease.seq if lease else None)
 
     def phases(self, now: float) -> dict[str, NodePhase]:
         return node_phases(self.view.nodes, self.tracker, now)
@@ -233,7 +225,7 @@ class Controller:
         # reconnect, so no re-sync) with leases that only look still. Nodes already
         # recorded unreachable or lost stay so until their lease moves.
         self.tracker.restart_grace(self.clock.monotonic())
-        self._hold_stored_phases()
+        hold_recorded_phases(self.view, self.tracker)
         self.leading = True
         self._pass_due = True
         log.info(
@@ -302,8 +294,9 @@ class Controller:
             await anyio.sleep(self.settings.tick)
 
     async def _pass(self) -> None:
+        now = instant(self.clock)  # the one "now" of this pass: judged and stamped by it
         if self.link.state is LinkState.SUSPECT:
-            await self._check_link()
+            await self._check_link(now)
         if not self.link.may_judge:
             return  # the view may be stale: judge nothing
         if self.view.leader_rev < self._epoch_rev:
@@ -311,14 +304,14 @@ class Controller:
             # takeover, the view holds every write the previous leader made before it.
             return
         try:
-            changed = await self._judge_nodes()
+            changed = await self._judge_nodes(now)
             due = self._pass_due or changed
             if anyio.current_time() - self._last_pass >= self.settings.resync:
                 due = True
             if due and self.link.may_judge:  # (a health write that hung made it suspect)
                 self._pass_due = False
                 self._last_pass = anyio.current_time()
-                await self.reconcile()
+                await self.reconcile(now)
         except _NotLeading:
             self._pass_due = True
         except Exception as e:  # noqa: BLE001 - the next pass starts from the bucket again
@@ -326,7 +319,7 @@ class Controller:
             self._pass_due = True
             self.link.write_failed(str(e) or type(e).__name__)
 
-    async def _check_link(self) -> None:
+    async def _check_link(self, now: Instant) -> None:
         """Before declaring nodes silent, check this controller is not the silent one (a
         stalled link delivers nothing, so every lease looks still): a round trip to the
         server must come back promptly."""
@@ -335,21 +328,20 @@ class Controller:
         except Exception:  # noqa: BLE001 - no answer at all
             took = None
         if self.link.round_trip(took):
-            self.tracker.restart_grace(self.clock.monotonic())
+            self.tracker.restart_grace(now.monotonic)
 
-    async def _judge_nodes(self) -> bool:
+    async def _judge_nodes(self, now: Instant) -> bool:
         """Write `health.<node>` where a node's phase changed; True if any did."""
-        now = self.clock.monotonic()
         changes = health_changes(
-            self.phases(now),
+            self.phases(now.monotonic),
             self.view.health,
             self.view.leases,
             self.tracker,
-            now,
-            self.clock.wall(),
+            now.monotonic,
+            now.wall,
         )
         if changes.declares_silence:
-            await self._check_link()  # no node is declared silent without a round trip
+            await self._check_link(now)  # no node is declared silent without a round trip
             if not self.link.may_judge:
                 return False
         await self._write_health(changes)
@@ -401,26 +393,20 @@ class Controller:
 
     # --- reconcile ------------------------------------------------------------------------
 
-    def snapshot(self, frozen: Mapping[str, Freeze] | None = None) -> placement.Snapshot:
-        """The plan's input. A frozen model is left out of what is asked for, so nothing is
-        placed for it; its replicas stay in (they hold GPUs and ports)."""
-        v, frozen = self.view, frozen or {}
-        return placement.Snapshot(
-            catalog={m: entry for m, entry in v.catalog.items() if m not in frozen},
-            desired={m: d for m, d in v.desired.items() if m not in frozen},
-            inventories=v.nodes,
-            health=self.phases(self.clock.monotonic()),
-            replicas=list(v.replicas.values()),
-            fabrics=fabric_view(v.nodes.values()),
-            leases=v.leases,
+    def snapshot(self, frozen: Mapping[str, Freeze], now: Instant) -> placement.Snapshot:
+        """The plan's input (controller/inputs.py, as `llmgw place --dry-run` builds it)."""
+        return placement_snapshot(
+            self.view,
+            self.phases(now.monotonic),
+            frozen,
             port_range=self.settings.port_range,
-            now=self.clock.wall(),
+            now=now.wall,
         )
 
-    async def reconcile(self) -> None:
+    async def reconcile(self, now: Instant) -> None:
         self.passes += 1
         frozen = self.view.frozen()
-        snap = self.snapshot(frozen)
+        snap = self.snapshot(frozen, now)
         await self._write_fabrics(snap.fabrics or {})
         # before planning: a node that just started qualifying is placed on in this same pass
         await self._report_qualifying(snap)
@@ -462,7 +448,7 @@ class Controller:
         self._require_leading()
         await self._sync_replica_phases(phases)
         await self._sync_assignments()
-        await self._write_placements(plan, frozen)
+        await self._write_placements(plan, frozen, now)
         new_waiting = [  # a baseline for models now waiting
             model
             for model, rec in self.view.placements.items()
@@ -575,7 +561,9 @@ class Controller:
             await self._delete(keys.assign(node, rid))  # its replica is gone: an orphan
             self.view.assigns.pop((node, rid), None)
 
-    async def _write_placements(self, plan: placement.Plan, frozen: Mapping[str, Freeze]) -> None:
+    async def _write_placements(
+        self, plan: placement.Plan, frozen: Mapping[str, Freeze], now: Instant
+    ) -> None:
         records_by_model = dict(plan.placements)
         for model, freeze in frozen.items():
             current = self.view.placements.get(model)
@@ -590,7 +578,7 @@ class Controller:
                 freeze.detail,
                 desired=self.view.desired[model].replicas if model in self.view.desired else 0,
                 placed=placed,
-                now=self.clock.wall(),
+                now=now.wall,
                 decisions=current.decisions if current else [],
             )
         for model, rec in records_by_model.items():
