@@ -33,7 +33,7 @@ from llmgw.bus.records import NodePhase
 from llmgw.controller import placement
 from llmgw.controller.clock import Clock, Instant, SystemClock, instant
 from llmgw.controller.inputs import hold_recorded_phases, placement_snapshot
-from llmgw.controller.leadership import CREATE, LeaderKey
+from llmgw.controller.leadership import CREATE, Leadership
 from llmgw.controller.link import Link, LinkState
 from llmgw.controller.liveness import (
     LOST_AFTER_S,
@@ -77,27 +77,31 @@ class Controller:
         self.view = View()
         self.tracker = LivenessTracker(self.settings.unreachable_after, self.settings.lost_after)
         self.link = Link()
-        self.leader_key = LeaderKey()
-        self.leading = False
+        self.leadership = Leadership(self.id, self.instance, self.settings.leader_ttl)
         self.leadership_steps = 0  # times it looked at the leader key: what tests wait on
         self.passes = 0
         self._synced = anyio.Event()
         self._pass_due = True  # something a pass reads changed since the last one
         self._last_pass = float("-inf")  # event-loop time of the last full pass
-        self._my_rev = 0  # the leader key's revision as this controller last wrote it
-        self.epoch = 0  # the number of its latest leadership (records.Leader.epoch)
-        self._epoch_rev = 0  # the leader key's revision when this controller took the lead
         self.fenced_off = 0  # writes the server refused: another controller had taken over
         # One write at a time, renewals included: a write is fenced with the revision the
         # last renewal left, and a cluster's stream leader refuses (without comparing) a
         # conditional write while another on the same key is in flight.
         self._writing = anyio.Lock()
-        self._since = 0.0  # when this controller took the lead
         self._qualifying: dict[str, set[str]] = {}
 
     @property
     def id(self) -> str:
         return self.settings.controller_id
+
+    @property
+    def leading(self) -> bool:
+        return self.leadership.leading
+
+    @property
+    def epoch(self) -> int:
+        """The number of its latest leadership (records.Leader.epoch)."""
+        return self.leadership.epoch
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[Controller] = anyio.TASK_STATUS_IGNORED
@@ -147,7 +151,7 @@ class Controller:
             else:
                 self.tracker.forget(node)
         elif family == keys.LEADER:
-            self.leader_key.saw(self.view.leader_rev, self.view.leader, now)
+            self.leadership.saw(self.view.leader_rev, self.view.leader, now)
         elif family not in (None, keys.HEALTH, keys.PLACEMENT, keys.FABRICS):
             self._pass_due = True
 
@@ -161,73 +165,62 @@ class Controller:
         while True:
             try:
                 async with self._writing:
-                    if self.leading:
-                        await self._renew()
+                    now = instant(self.clock)
+                    if self.leadership.leading:
+                        await self._renew(now)
                     else:
-                        await self._claim()
+                        await self._claim(now)
             except Exception as e:  # noqa: BLE001 - NATS away: try again next interval
-                # a leader that cannot renew must not act on what may be a stale view; it
-                # takes the key back at the next step if nobody else did
                 why = str(e) or type(e).__name__
-                self._step_down(f"cannot renew the leader key: {why}")
+                self.leadership.step_down(f"cannot renew the leader key: {why}")
                 self.link.write_failed(f"the leader key: {why}")
             self.leadership_steps += 1
             await anyio.sleep(interval)
 
-    def _leader_record(self) -> records.Leader:
-        return records.Leader(
-            holder=self.id,
-            since=self._since,
-            renewed_at=self.clock.wall(),
-            instance=self.instance,
-            epoch=self.epoch,
-        )
-
-    async def _renew(self) -> None:
-        rev = await self.bus.update(keys.leader(), self._leader_record(), last=self._my_rev)
+    async def _renew(self, now: Instant) -> None:
+        renewal = self.leadership.renewal(now.wall)
+        if renewal is None:
+            return  # it stopped leading meanwhile
+        last, record = renewal
+        rev = await self.bus.update(keys.leader(), record, last=last)
         if rev is not None:
-            self._my_rev = rev
+            self.leadership.renewed(rev)
             return
-        # A renewal whose acknowledgement was lost may still have been stored: if the key is
-        # still ours, adopt its revision instead of stepping down.
+        # refused: another controller took the key, or a renewal of ours whose answer was
+        # lost was stored after all (Leadership.renewal_refused tells which)
         entry = await self.bus.get(keys.leader(), decoder(records.Leader))
-        if entry is not None and entry.value.instance == self.instance:
-            self._my_rev = entry.revision
+        if entry is None:
+            self.leadership.renewal_refused(None, None)
         else:
-            self._step_down("another controller took the leader key")
+            self.leadership.renewal_refused(entry.revision, entry.value)
 
-    async def _claim(self) -> None:
-        held = self.leader_key
-        at = held.claim(self.instance, self.clock.monotonic(), self.settings.leader_ttl)
-        if at is None:
+    async def _claim(self, now: Instant) -> None:
+        takeover = self.leadership.takeover(now.monotonic)
+        if takeover is None:
             return
-        previous = held.value.holder if held.value else None
-        if at != CREATE and held.value is None:
-            previous = "a value that does not decode"
+        at = takeover.at
         if at == CREATE:
             # a deleted key still has a revision, its deletion's: the epoch grows from it
             deleted = await self.bus.deleted_at(keys.leader())
             if deleted is None:
                 return  # someone holds it now: this controller's view will show whom
             at = deleted
-        self._since = self.clock.wall()
-        self.epoch = at + 1
+        record = self.leadership.claiming(at, now.wall)
         if at == CREATE:
-            rev = await self.bus.create(keys.leader(), self._leader_record())
+            rev = await self.bus.create(keys.leader(), record)
         else:
-            rev = await self.bus.update(keys.leader(), self._leader_record(), last=at)
-        if rev is None:
-            self.epoch = 0
+            rev = await self.bus.update(keys.leader(), record, last=at)
+        if not self.leadership.claimed(rev):
             return  # another controller was quicker
-        self._my_rev = self._epoch_rev = rev
         # A controller that starts leading judges from now, as after a restart: it may
         # come back from being cut off (JetStream without quorum, a stalled link: no
         # reconnect, so no re-sync) with leases that only look still. Nodes already
-        # recorded unreachable or lost stay so until their lease moves.
+        # recorded unreachable or lost stay so until their lease moves. Now is when the
+        # claim came back: it may have waited out a stalled link.
         self.tracker.restart_grace(self.clock.monotonic())
         hold_recorded_phases(self.view, self.tracker)
-        self.leading = True
         self._pass_due = True
+        previous = takeover.previous
         log.info(
             "controller %s leads, epoch %d (previous: %s)", self.id, self.epoch, previous or "none"
         )
@@ -239,9 +232,16 @@ class Controller:
             epoch=self.epoch,
         )
 
-    def _require_leading(self) -> None:
-        if not self.leading:
+    def _fence(self) -> Fence:
+        """What this controller's writes are fenced with now; _NotLeading when it may not
+        write (it does not lead, or its view does not hold its takeover yet)."""
+        revision = self.leadership.fence(self.view.leader_rev)
+        if revision is None:
             raise _NotLeading
+        return Fence(keys.leader(), revision)
+
+    def _require_leading(self) -> None:
+        self._fence()
 
     async def _put(self, key: str, record: msgspec.Struct) -> None:
         await self._fenced(key, lambda fence: self.bus.put(key, record, fence=fence))
@@ -255,12 +255,12 @@ class Controller:
         deposed while it was stalled (a paused process, a partitioned link whose bytes
         arrive late) has every later write refused, and stops leading."""
         async with self._writing:
-            self._require_leading()
+            fence = self._fence()
             try:
-                await write(Fence(keys.leader(), self._my_rev))
+                await write(fence)
             except FencedOff as e:
                 self.fenced_off += 1
-                self._step_down(
+                self.leadership.step_down(
                     f"the server refused its write to {key}: the leader key moved on from "
                     f"revision {e.fence.revision}"
                     + (f" to {e.now_at}" if e.now_at is not None else "")
@@ -268,20 +268,15 @@ class Controller:
                 )
                 raise _NotLeading from None
 
-    def _step_down(self, why: str) -> None:
-        if self.leading:
-            log.warning("controller %s stops leading: %s", self.id, why)
-        self.leading = False
-
     async def _resign(self) -> None:
-        if self.leading and self._my_rev:
+        revision = self.leadership.resign()
+        if revision is not None:
             try:
                 with anyio.move_on_after(1):
                     # others take over at once
-                    await self.bus.delete(keys.leader(), last=self._my_rev)
+                    await self.bus.delete(keys.leader(), last=revision)
             except Exception:  # noqa: BLE001
                 pass
-        self.leading = False
 
     # --- judging nodes --------------------------------------------------------------------
 
@@ -289,19 +284,22 @@ class Controller:
         while True:
             if not self.bus.connected:
                 self.link.disconnected()
-            if self.leading:
+            if self.leadership.leading:
                 await self._pass()
             await anyio.sleep(self.settings.tick)
 
     async def _pass(self) -> None:
-        now = instant(self.clock)  # the one "now" of this pass: judged and stamped by it
-        if self.link.state is LinkState.SUSPECT:
-            await self._check_link(now)
+        back = self.link.state is LinkState.SUSPECT and await self._check_link()
+        # the one "now" of this pass, read after the round trip: judged and stamped by it
+        now = instant(self.clock)
+        if back:
+            self.tracker.restart_grace(now.monotonic)
         if not self.link.may_judge:
             return  # the view may be stale: judge nothing
-        if self.view.leader_rev < self._epoch_rev:
-            # The watch delivers in the order the bucket stored, so once it shows this
-            # takeover, the view holds every write the previous leader made before it.
+        if self.leadership.fence(self.view.leader_rev) is None:
+            # Not leading, or leading and its view does not show its takeover yet: the
+            # watch delivers in the order the bucket stored, so once it shows it, the view
+            # holds every write the previous leader made before it.
             return
         try:
             changed = await self._judge_nodes(now)
@@ -319,16 +317,16 @@ class Controller:
             self._pass_due = True
             self.link.write_failed(str(e) or type(e).__name__)
 
-    async def _check_link(self, now: Instant) -> None:
+    async def _check_link(self) -> bool:
         """Before declaring nodes silent, check this controller is not the silent one (a
         stalled link delivers nothing, so every lease looks still): a round trip to the
-        server must come back promptly."""
+        server must come back promptly. True when that ends a suspicion: every node then
+        gets a fresh grace period (the caller restarts it)."""
         try:
             took: float | None = await self.bus.round_trip(timeout=self.link.stuck_after)
         except Exception:  # noqa: BLE001 - no answer at all
             took = None
-        if self.link.round_trip(took):
-            self.tracker.restart_grace(now.monotonic)
+        return self.link.round_trip(took)
 
     async def _judge_nodes(self, now: Instant) -> bool:
         """Write `health.<node>` where a node's phase changed; True if any did."""
@@ -341,7 +339,9 @@ class Controller:
             now.wall,
         )
         if changes.declares_silence:
-            await self._check_link(now)  # no node is declared silent without a round trip
+            # no node is declared silent without a round trip
+            if await self._check_link():
+                self.tracker.restart_grace(now.monotonic)
             if not self.link.may_judge:
                 return False
         await self._write_health(changes)
