@@ -12,16 +12,20 @@ import time
 import tomllib
 from pathlib import Path
 
+import anyio
 import psutil
 import pytest
 from agent_helpers import host_dirs
+from waiting import until
 
 from llmgw.agent.config import AgentConfig, Engines, Intervals, Paths, write_config
 from llmgw.bus import keys, records
+from llmgw.bus.client import Bus, decoder
 from llmgw.bus.server import free_port
 from llmgw.catalog import Model, encode_model, validate_models
 from llmgw.cli.place import dry_run_plan, follow_placement
 from llmgw.cli.status import gather, render
+from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
 from llmgw.testing.sim import SimNode, inventory
 
@@ -309,6 +313,83 @@ async def test_dry_run_names_no_replica_id_the_controller_would_not_use(bus):
     assert len(placed) == 2, lines
     assert all(line.startswith("  would place a replica on n1 (rank 0, 1 GPU") for line in placed)
     assert not re.search(r"\br[0-9a-f]{10}\b", "\n".join(lines)), lines
+
+
+def _health(node: str, phase: str) -> records.Health:
+    return records.Health(node=node, phase=phase, since=1.0, reason="recorded by a leader")
+
+
+@pytest.mark.anyio
+async def test_dry_run_places_where_the_controller_then_does_past_a_node_without_a_lease(
+    bus, nats_settings
+):
+    """The dry run and the controller build the plan's input with one function: a node
+    recorded ready whose lease is gone is unreachable to both (the old dry run took the
+    record's word and placed there); a frozen model's replica holds its GPU for both."""
+    await bus.put(keys.catalog("m"), encode_model(_tiny_gpu_model()))
+    await bus.put(keys.catalog("f"), b'{"id": "f", "profiles": [{"name": 1}]}')  # frozen
+    await bus.put(keys.desired("f"), records.Desired(model="f", replicas=1))
+    member = records.ReplicaMember(node="a", rank=0, gpus=["GPU-a-00"], port=18000)
+    await bus.put(
+        keys.replica("f", "rf"), records.Replica(model="f", rid="rf", profile="p", members=[member])
+    )
+    for name in ("a", "b", "c", "d"):  # one GPU each; a's is held by f's replica
+        sim = SimNode(bus, inventory(name, gpus=1))
+        if name == "b":
+            await bus.put(keys.node("b"), sim.inv)  # its lease is gone, its record says ready
+        else:
+            await sim.register()
+    await bus.put(keys.health("b"), _health("b", "ready"))
+    await bus.put(keys.health("c"), _health("c", "lost"))  # and its lease has not moved since
+
+    lines = await dry_run_plan(bus, "m", 1, None)
+    assert [line for line in lines if "would place" in line] == [
+        "  would place a replica on d (rank 0, 1 GPU, port 18000): "
+        "no copy of the weights nearby (the engine fetches org/m); node has all 1 GPUs free"
+    ], lines
+
+    await bus.put(keys.desired("m"), records.Desired(model="m", replicas=1))
+    async with await Bus.connect(nats_settings, give_up_after=5) as own:
+        controller = Controller(own, ControllerSettings(tick=0.05, resync=0.5))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(controller.run)
+            (placed,) = await until(lambda: _replicas_of(bus, "m"))
+            tg.cancel_scope.cancel()
+    assert [m.node for m in placed.members] == ["d"]
+    assert [r.rid for r in await _replicas_of(bus, "f")] == ["rf"]  # frozen: left as it was
+
+
+async def _replicas_of(bus, model: str) -> list[records.Replica]:
+    got = await bus.list(f"{keys.REPLICAS}.{model}.*", decoder(records.Replica))
+    return [e.value for e in got.values()]
+
+
+@pytest.mark.anyio
+async def test_dry_run_says_what_it_assumed_where_it_cannot_know_what_the_controller_knows(bus):
+    await bus.put(keys.catalog("m"), encode_model(_tiny_gpu_model()))
+    await SimNode(bus, inventory("n1", gpus=1)).register()
+    lines = await dry_run_plan(bus, "m", 1, None)
+    assumed = [line for line in lines if line.startswith("  assumed: ")]
+    assert "ports 18000-18999, the controller's default" in assumed[0], lines
+    assert "(a dry run does not watch leases move)" in assumed[1], lines
+
+
+@pytest.mark.anyio
+async def test_place_wait_counts_the_replicas_placement_counts_a_stopped_one_is_not_one_of_them(
+    bus,
+):
+    # placement counts neither a draining nor a stopped replica toward desired; `--wait`
+    # counted the stopped one and waited for a second replica nobody would place
+    decided = records.PlacementRecord(model="m", desired=1, placed=1, desired_at=1.0)
+    await bus.put(keys.placement("m"), decided)
+    await bus.put(keys.replica("m", "r-new"), _replica("r-new", "ready", 0))
+    await bus.put(keys.replica("m", "r-old"), _replica("r-old", "stopped", 1))
+    said: list[str] = []
+    code = await follow_placement(
+        bus, "m", 1.0, wait=True, timeout=2.0, echo=said.append, poll=0.02
+    )
+    assert code == 0, said
+    assert said[-1] == "  1/1 ready"
 
 
 @pytest.mark.anyio

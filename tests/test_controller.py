@@ -45,6 +45,20 @@ class ManualClock:
         self.now += seconds
 
 
+class TickingClock:
+    """Time that moves a little at every reading: two readings in one pass differ."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        self.now += 0.001
+        return self.now
+
+    def wall(self) -> float:
+        return 1.7e9 + self.monotonic()
+
+
 def _model(
     mid: str = "m",
     *,
@@ -485,6 +499,19 @@ async def test_deleting_the_catalog_entry_of_a_model_with_desired_replicas_freez
         assert (await until(thawed)).placed == 1
         assert [r.rid for r in await _replicas(bus)] == [placed.rid]
         tg.cancel_scope.cancel()
+
+
+async def test_one_pass_judges_and_stamps_all_it_writes_at_one_moment(bus, second_bus):
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, inventory("gpu-a", gpus=1))
+        await _apply(bus, _model(), 1)
+        tg.start_soon(Controller(second_bus, ControllerSettings(**MANUAL), TickingClock()).run)
+        (placed,) = await until(lambda: _replicas(bus))
+        decided = await until(lambda: _placement(bus))
+        health = (await bus.get(keys.health("gpu-a"), decoder(records.Health))).value
+        tg.cancel_scope.cancel()
+    # the first pass judged the node, placed the replica and explained it
+    assert health.since == placed.created_at == decided.decided_at
 
 
 async def test_desired_zero_drains_then_removes_replicas(bus, second_bus):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterable
 
 import anyio
@@ -215,19 +217,25 @@ def test_gpu_memory_too_small_refuses_node():
     ]
 
 
-def test_ram_of_replicas_not_yet_running_is_reserved():
+# a failed one's engine is down until its agent restarts it there: its RAM shows in
+# MemAvailable, and placing on it would leave the restarted engine without it
+@pytest.mark.parametrize("phase", ["placed", "starting", "failed"])
+def test_ram_of_replicas_whose_engine_is_not_running_yet_or_again_is_reserved(phase):
     nodes = [node("n1", ram_gb=100)]
     big = model(gpus=1, ram_gb=64)
-    starting = replica("r-old", [("n1", [0])], phase="starting")
-    result = plan(snapshot(nodes, [big], {"m": 2}, replicas=[starting]))
+    waiting = replica("r-old", [("n1", [0])], phase=phase)
+    result = plan(snapshot(nodes, [big], {"m": 2}, replicas=[waiting]))
     assert result.create == []
     assert result.placements["m"].explanation == (
         "0/1 nodes fit: 1 short of host RAM (36 GB free, needs 64)"
     )
 
-    # once running, its RAM is already out of MemAvailable: not subtracted twice
+
+def test_ram_of_a_running_replica_is_not_subtracted_twice():
+    # once running, its RAM is already out of MemAvailable
+    nodes = [node("n1", ram_gb=100)]
     running = replica("r-old", [("n1", [0])], phase="ready")
-    result = plan(snapshot(nodes, [big], {"m": 2}, replicas=[running]))
+    result = plan(snapshot(nodes, [model(gpus=1, ram_gb=64)], {"m": 2}, replicas=[running]))
     assert placed_on(result) == [["n1"]]
 
 
@@ -696,3 +704,13 @@ async def test_waiting_models_record_and_events_stay_still_while_free_ram_wobble
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def test_placement_imports_nothing_that_does_io():
+    code = (
+        "import sys, llmgw.controller.placement; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nats', 'anyio', 'asyncio') "
+        "or m in ('llmgw.bus.client', 'llmgw.controller.loop', 'llmgw.controller.view')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -513,9 +513,6 @@ class ShardEvent:
     pid: int | None = None
 
 
-_ENGINE_GONE = ("stopped", "failed")
-
-
 def next_shard(old: records.Shard | None, event: ShardEvent) -> records.Shard:
     """The shard record after `event`. Each field is the event's, except four that keep the
     old value unless the event says otherwise:
@@ -536,7 +533,7 @@ def next_shard(old: records.Shard | None, event: ShardEvent) -> records.Shard:
     if event.pid is not None:
         pid: int | None = event.pid
     else:
-        pid = old.pid if old is not None and event.phase not in _ENGINE_GONE else None
+        pid = old.pid if old is not None and event.phase not in records.SHARD_ENGINE_GONE else None
     return records.Shard(
         node=event.node,
         rid=event.rid,

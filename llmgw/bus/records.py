@@ -11,7 +11,7 @@ the wrong type is refused, and readers log and skip it.
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, get_args
 
 import msgspec
 
@@ -206,7 +206,27 @@ class Desired(msgspec.Struct, kw_only=True):
 
 # --- replicas.<model>.<rid>, assign.<node>.<rid>: written by the controller
 
-ReplicaPhase = Literal["placed", "starting", "ready", "draining", "failed", "stopped"]
+# in the order a replica goes through them
+ReplicaPhase = Literal["placed", "starting", "ready", "failed", "draining", "stopped"]
+REPLICA_PHASES: tuple[ReplicaPhase, ...] = get_args(ReplicaPhase)
+
+# What a replica's phase means, in one place: placement, the reconcile loop, the router,
+# `llmgw place` and `llmgw status` ask these sets, never a list of their own.
+# Going away: removed, its engines drain and stop; its successor is placed meanwhile.
+REPLICA_GOING: frozenset[ReplicaPhase] = frozenset({"draining", "stopped"})
+# Counts toward desired.replicas: every one not going away (a failed one is restarted where
+# it is by its agents, so it keeps its place).
+REPLICA_COUNTED: frozenset[ReplicaPhase] = frozenset(REPLICA_PHASES) - REPLICA_GOING
+# Holds its GPUs and ports: an engine may run on them (a draining one until its in-flight
+# requests end); a stopped one's engines are gone.
+REPLICA_HOLDS_GPUS_AND_PORTS: frozenset[ReplicaPhase] = frozenset(REPLICA_PHASES) - {"stopped"}
+# Host RAM placement reserves: its engine is not running, yet or again (a failed one is
+# restarted where it is), so MemAvailable still shows RAM that is promised. A running
+# engine's RAM is gone from MemAvailable already; a loading one counted twice only delays.
+REPLICA_RESERVES_HOST_RAM: frozenset[ReplicaPhase] = frozenset({"placed", "starting", "failed"})
+# May take requests once every shard says ready: the shards decide, the replica's phase is
+# the controller's summary of them and may lag behind.
+REPLICA_MAY_SERVE: frozenset[ReplicaPhase] = frozenset({"placed", "starting", "ready"})
 
 
 class ReplicaMember(msgspec.Struct, kw_only=True):
@@ -255,6 +275,8 @@ class Assignment(msgspec.Struct, kw_only=True):
 # --- shards.<node>.<rid>: written by the agent
 
 ShardPhase = Literal["validating", "starting", "loading", "ready", "draining", "stopped", "failed"]
+# No engine process runs for the shard any more: its pid is void, its GPUs and port are free.
+SHARD_ENGINE_GONE: frozenset[ShardPhase] = frozenset({"stopped", "failed"})
 
 
 class Shard(msgspec.Struct, kw_only=True):
@@ -299,7 +321,7 @@ class FabricHoldings(msgspec.Struct, kw_only=True):
 
 class RefusedNodes(msgspec.Struct, kw_only=True, frozen=True):
     """Nodes one profile could not use, for one reason: a constant `reason` key and its
-    numbers (controller/explain.py renders the text). `least`/`most` are what the nodes
+    numbers (controller/placement/explain.py renders the text). `least`/`most` are what the nodes
     had, observed: they move by themselves (free RAM) and never make a new decision."""
 
     profile: str

@@ -17,7 +17,7 @@ from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 from llmgw.catalog import decode_model
 from llmgw.cli.common import nats_options, open_bus
 from llmgw.controller import placement
-from llmgw.controller.fabrics import fabric_view
+from llmgw.controller.inputs import phases_at_takeover, placement_snapshot
 from llmgw.controller.view import View
 from llmgw.errors import LlmgwError
 
@@ -61,32 +61,29 @@ async def load_view(bus: Bus) -> View:
 async def dry_run_plan(bus: Bus, model: str, replicas: int, profile: str | None) -> list[str]:
     await _check_model(bus, model, profile)
     view = await load_view(bus)
-    desired = dict(view.desired)
-    desired[model] = records.Desired(
-        model=model, replicas=replicas, profile=profile, updated_at=time.time()
+    now = time.time()
+    view.desired[model] = records.Desired(
+        model=model, replicas=replicas, profile=profile, updated_at=now
     )
-    # The controller's phases where it wrote them; a node it has not judged yet counts as
-    # ready if it has a lease. A dry run cannot see how fresh a lease is.
-    health = {
-        n: (
-            view.health[n].phase
-            if n in view.health
-            else ("ready" if n in view.leases else "unreachable")
-        )
-        for n in view.nodes
-    }
-    snap = placement.Snapshot(
-        catalog=view.catalog,
-        desired=desired,
-        inventories=view.nodes,
-        health=health,
-        replicas=list(view.replicas.values()),
-        fabrics=fabric_view(view.nodes.values()),
-        leases=view.leases,
-        now=time.time(),
+    # the controller's own code, given what a dry run cannot know from the bucket: the
+    # controller's port range, and how leases moved (it judges as at a takeover)
+    snap = placement_snapshot(
+        view,
+        phases_at_takeover(view),
+        view.frozen(),
+        port_range=placement.DEFAULT_PORTS,
+        now=now,
     )
     plan = placement.plan(snap)
-    lines = [f"dry run: {model} x{replicas} (nothing written)"]
+    lo, hi = snap.port_range
+    lines = [
+        f"dry run: {model} x{replicas} (nothing written)",
+        f"  assumed: ports {lo}-{hi}, the controller's default (one started with another range"
+        " places on other ports)",
+        "  assumed: nodes as a controller taking the lead now judges them: one recorded"
+        " unreachable or lost stays so, any other is ready while it has a lease (a dry run"
+        " does not watch leases move)",
+    ]
     rec = plan.placements.get(model)
     for r in plan.create:
         if r.model == model:
@@ -144,7 +141,7 @@ async def follow_placement(
             if p and p.explanation and p.explanation != last_explanation:
                 last_explanation = p.explanation
                 echo(f"  {p.placed}/{p.desired} placed: {p.explanation}")
-            live = [r for r in reps if r.phase != "draining"]
+            live = [r for r in reps if r.phase in records.REPLICA_COUNTED]
             if p and not wait:
                 return 0
             if p and p.desired == 0 and wait:

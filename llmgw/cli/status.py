@@ -97,7 +97,7 @@ def _age(seconds: float) -> str:
 
 
 # after "ready", the phases worth a count, in the order a replica goes through them
-_PHASES = ("placed", "starting", "failed", "draining", "stopped")
+_PHASES = tuple(p for p in records.REPLICA_PHASES if p != "ready")
 
 
 def _replica_counts(replicas: list[dict[str, Any]], want: int) -> str:

@@ -8,6 +8,7 @@ long a write took are real time on the event loop: a hung write is hung in real 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -27,3 +28,16 @@ class SystemClock:
 
     def wall(self) -> float:
         return time.time()
+
+
+@dataclass(frozen=True, slots=True)
+class Instant:
+    """One moment on both of a clock's readings. A reconcile pass reads one and hands it
+    down, so everything it judges and stamps is of the same moment."""
+
+    monotonic: float
+    wall: float
+
+
+def instant(clock: Clock) -> Instant:
+    return Instant(clock.monotonic(), clock.wall())

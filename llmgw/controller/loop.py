@@ -31,9 +31,9 @@ from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, BusError, Fence, FencedOff, Synced, Update, decoder
 from llmgw.bus.records import NodePhase
 from llmgw.controller import placement
-from llmgw.controller.clock import Clock, SystemClock
-from llmgw.controller.fabrics import fabric_view
-from llmgw.controller.leadership import CREATE, LeaderKey
+from llmgw.controller.clock import Clock, Instant, SystemClock, instant
+from llmgw.controller.inputs import hold_recorded_phases, placement_snapshot
+from llmgw.controller.leadership import CREATE, Leadership
 from llmgw.controller.link import Link, LinkState
 from llmgw.controller.liveness import (
     LOST_AFTER_S,
@@ -77,27 +77,31 @@ class Controller:
         self.view = View()
         self.tracker = LivenessTracker(self.settings.unreachable_after, self.settings.lost_after)
         self.link = Link()
-        self.leader_key = LeaderKey()
-        self.leading = False
+        self.leadership = Leadership(self.id, self.instance, self.settings.leader_ttl)
         self.leadership_steps = 0  # times it looked at the leader key: what tests wait on
         self.passes = 0
         self._synced = anyio.Event()
         self._pass_due = True  # something a pass reads changed since the last one
         self._last_pass = float("-inf")  # event-loop time of the last full pass
-        self._my_rev = 0  # the leader key's revision as this controller last wrote it
-        self.epoch = 0  # the number of its latest leadership (records.Leader.epoch)
-        self._epoch_rev = 0  # the leader key's revision when this controller took the lead
         self.fenced_off = 0  # writes the server refused: another controller had taken over
         # One write at a time, renewals included: a write is fenced with the revision the
         # last renewal left, and a cluster's stream leader refuses (without comparing) a
         # conditional write while another on the same key is in flight.
         self._writing = anyio.Lock()
-        self._since = 0.0  # when this controller took the lead
         self._qualifying: dict[str, set[str]] = {}
 
     @property
     def id(self) -> str:
         return self.settings.controller_id
+
+    @property
+    def leading(self) -> bool:
+        return self.leadership.leading
+
+    @property
+    def epoch(self) -> int:
+        """The number of its latest leadership (records.Leader.epoch)."""
+        return self.leadership.epoch
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[Controller] = anyio.TASK_STATUS_IGNORED
@@ -120,7 +124,7 @@ class Controller:
         async for item in self.bus.watch(">", lambda data: data):
             if isinstance(item, Synced):
                 if not self._synced.is_set():
-                    self._hold_stored_phases()
+                    hold_recorded_phases(self.view, self.tracker)
                     self._synced.set()
                 if self.link.synced():
                     # Back after an outage: this controller saw no lease move while it was
@@ -147,17 +151,9 @@ class Controller:
             else:
                 self.tracker.forget(node)
         elif family == keys.LEADER:
-            self.leader_key.saw(self.view.leader_rev, self.view.leader, now)
+            self.leadership.saw(self.view.leader_rev, self.view.leader, now)
         elif family not in (None, keys.HEALTH, keys.PLACEMENT, keys.FABRICS):
             self._pass_due = True
-
-    def _hold_stored_phases(self) -> None:
-        # A restarted controller gives every node a fresh grace period, so it never declares
-        # the fleet lost; but a node already recorded lost stays lost until its lease moves,
-        # so the grace period never places replicas on a dead node.
-        for node, h in self.view.health.items():
-            lease = self.view.leases.get(node)
-            self.tracker.hold(node, h.phase, lease.seq if lease else None)
 
     def phases(self, now: float) -> dict[str, NodePhase]:
         return node_phases(self.view.nodes, self.tracker, now)
@@ -169,73 +165,62 @@ class Controller:
         while True:
             try:
                 async with self._writing:
-                    if self.leading:
-                        await self._renew()
+                    now = instant(self.clock)
+                    if self.leadership.leading:
+                        await self._renew(now)
                     else:
-                        await self._claim()
+                        await self._claim(now)
             except Exception as e:  # noqa: BLE001 - NATS away: try again next interval
-                # a leader that cannot renew must not act on what may be a stale view; it
-                # takes the key back at the next step if nobody else did
                 why = str(e) or type(e).__name__
-                self._step_down(f"cannot renew the leader key: {why}")
+                self.leadership.step_down(f"cannot renew the leader key: {why}")
                 self.link.write_failed(f"the leader key: {why}")
             self.leadership_steps += 1
             await anyio.sleep(interval)
 
-    def _leader_record(self) -> records.Leader:
-        return records.Leader(
-            holder=self.id,
-            since=self._since,
-            renewed_at=self.clock.wall(),
-            instance=self.instance,
-            epoch=self.epoch,
-        )
-
-    async def _renew(self) -> None:
-        rev = await self.bus.update(keys.leader(), self._leader_record(), last=self._my_rev)
+    async def _renew(self, now: Instant) -> None:
+        renewal = self.leadership.renewal(now.wall)
+        if renewal is None:
+            return  # it stopped leading meanwhile
+        last, record = renewal
+        rev = await self.bus.update(keys.leader(), record, last=last)
         if rev is not None:
-            self._my_rev = rev
+            self.leadership.renewed(rev)
             return
-        # A renewal whose acknowledgement was lost may still have been stored: if the key is
-        # still ours, adopt its revision instead of stepping down.
+        # refused: another controller took the key, or a renewal of ours whose answer was
+        # lost was stored after all (Leadership.renewal_refused tells which)
         entry = await self.bus.get(keys.leader(), decoder(records.Leader))
-        if entry is not None and entry.value.instance == self.instance:
-            self._my_rev = entry.revision
+        if entry is None:
+            self.leadership.renewal_refused(None, None)
         else:
-            self._step_down("another controller took the leader key")
+            self.leadership.renewal_refused(entry.revision, entry.value)
 
-    async def _claim(self) -> None:
-        held = self.leader_key
-        at = held.claim(self.instance, self.clock.monotonic(), self.settings.leader_ttl)
-        if at is None:
+    async def _claim(self, now: Instant) -> None:
+        takeover = self.leadership.takeover(now.monotonic)
+        if takeover is None:
             return
-        previous = held.value.holder if held.value else None
-        if at != CREATE and held.value is None:
-            previous = "a value that does not decode"
+        at = takeover.at
         if at == CREATE:
             # a deleted key still has a revision, its deletion's: the epoch grows from it
             deleted = await self.bus.deleted_at(keys.leader())
             if deleted is None:
                 return  # someone holds it now: this controller's view will show whom
             at = deleted
-        self._since = self.clock.wall()
-        self.epoch = at + 1
+        record = self.leadership.claiming(at, now.wall)
         if at == CREATE:
-            rev = await self.bus.create(keys.leader(), self._leader_record())
+            rev = await self.bus.create(keys.leader(), record)
         else:
-            rev = await self.bus.update(keys.leader(), self._leader_record(), last=at)
-        if rev is None:
-            self.epoch = 0
+            rev = await self.bus.update(keys.leader(), record, last=at)
+        if not self.leadership.claimed(rev):
             return  # another controller was quicker
-        self._my_rev = self._epoch_rev = rev
         # A controller that starts leading judges from now, as after a restart: it may
         # come back from being cut off (JetStream without quorum, a stalled link: no
         # reconnect, so no re-sync) with leases that only look still. Nodes already
-        # recorded unreachable or lost stay so until their lease moves.
+        # recorded unreachable or lost stay so until their lease moves. Now is when the
+        # claim came back: it may have waited out a stalled link.
         self.tracker.restart_grace(self.clock.monotonic())
-        self._hold_stored_phases()
-        self.leading = True
+        hold_recorded_phases(self.view, self.tracker)
         self._pass_due = True
+        previous = takeover.previous
         log.info(
             "controller %s leads, epoch %d (previous: %s)", self.id, self.epoch, previous or "none"
         )
@@ -247,9 +232,16 @@ class Controller:
             epoch=self.epoch,
         )
 
-    def _require_leading(self) -> None:
-        if not self.leading:
+    def _fence(self) -> Fence:
+        """What this controller's writes are fenced with now; _NotLeading when it may not
+        write (it does not lead, or its view does not hold its takeover yet)."""
+        revision = self.leadership.fence(self.view.leader_rev)
+        if revision is None:
             raise _NotLeading
+        return Fence(keys.leader(), revision)
+
+    def _require_leading(self) -> None:
+        self._fence()
 
     async def _put(self, key: str, record: msgspec.Struct) -> None:
         await self._fenced(key, lambda fence: self.bus.put(key, record, fence=fence))
@@ -263,12 +255,12 @@ class Controller:
         deposed while it was stalled (a paused process, a partitioned link whose bytes
         arrive late) has every later write refused, and stops leading."""
         async with self._writing:
-            self._require_leading()
+            fence = self._fence()
             try:
-                await write(Fence(keys.leader(), self._my_rev))
+                await write(fence)
             except FencedOff as e:
                 self.fenced_off += 1
-                self._step_down(
+                self.leadership.step_down(
                     f"the server refused its write to {key}: the leader key moved on from "
                     f"revision {e.fence.revision}"
                     + (f" to {e.now_at}" if e.now_at is not None else "")
@@ -276,20 +268,15 @@ class Controller:
                 )
                 raise _NotLeading from None
 
-    def _step_down(self, why: str) -> None:
-        if self.leading:
-            log.warning("controller %s stops leading: %s", self.id, why)
-        self.leading = False
-
     async def _resign(self) -> None:
-        if self.leading and self._my_rev:
+        revision = self.leadership.resign()
+        if revision is not None:
             try:
                 with anyio.move_on_after(1):
                     # others take over at once
-                    await self.bus.delete(keys.leader(), last=self._my_rev)
+                    await self.bus.delete(keys.leader(), last=revision)
             except Exception:  # noqa: BLE001
                 pass
-        self.leading = False
 
     # --- judging nodes --------------------------------------------------------------------
 
@@ -297,28 +284,32 @@ class Controller:
         while True:
             if not self.bus.connected:
                 self.link.disconnected()
-            if self.leading:
+            if self.leadership.leading:
                 await self._pass()
             await anyio.sleep(self.settings.tick)
 
     async def _pass(self) -> None:
-        if self.link.state is LinkState.SUSPECT:
-            await self._check_link()
+        back = self.link.state is LinkState.SUSPECT and await self._check_link()
+        # the one "now" of this pass, read after the round trip: judged and stamped by it
+        now = instant(self.clock)
+        if back:
+            self.tracker.restart_grace(now.monotonic)
         if not self.link.may_judge:
             return  # the view may be stale: judge nothing
-        if self.view.leader_rev < self._epoch_rev:
-            # The watch delivers in the order the bucket stored, so once it shows this
-            # takeover, the view holds every write the previous leader made before it.
+        if self.leadership.fence(self.view.leader_rev) is None:
+            # Not leading, or leading and its view does not show its takeover yet: the
+            # watch delivers in the order the bucket stored, so once it shows it, the view
+            # holds every write the previous leader made before it.
             return
         try:
-            changed = await self._judge_nodes()
+            changed = await self._judge_nodes(now)
             due = self._pass_due or changed
             if anyio.current_time() - self._last_pass >= self.settings.resync:
                 due = True
             if due and self.link.may_judge:  # (a health write that hung made it suspect)
                 self._pass_due = False
                 self._last_pass = anyio.current_time()
-                await self.reconcile()
+                await self.reconcile(now)
         except _NotLeading:
             self._pass_due = True
         except BusError as e:  # the link failed: the next pass starts from the bucket again
@@ -329,30 +320,31 @@ class Controller:
             log.exception("bug in the reconcile pass; it runs again, still judging nodes")
             self._pass_due = True
 
-    async def _check_link(self) -> None:
+    async def _check_link(self) -> bool:
         """Before declaring nodes silent, check this controller is not the silent one (a
         stalled link delivers nothing, so every lease looks still): a round trip to the
-        server must come back promptly."""
+        server must come back promptly. True when that ends a suspicion: every node then
+        gets a fresh grace period (the caller restarts it)."""
         try:
             took: float | None = await self.bus.round_trip(timeout=self.link.stuck_after)
         except Exception:  # noqa: BLE001 - no answer at all
             took = None
-        if self.link.round_trip(took):
-            self.tracker.restart_grace(self.clock.monotonic())
+        return self.link.round_trip(took)
 
-    async def _judge_nodes(self) -> bool:
+    async def _judge_nodes(self, now: Instant) -> bool:
         """Write `health.<node>` where a node's phase changed; True if any did."""
-        now = self.clock.monotonic()
         changes = health_changes(
-            self.phases(now),
+            self.phases(now.monotonic),
             self.view.health,
             self.view.leases,
             self.tracker,
-            now,
-            self.clock.wall(),
+            now.monotonic,
+            now.wall,
         )
         if changes.declares_silence:
-            await self._check_link()  # no node is declared silent without a round trip
+            # no node is declared silent without a round trip
+            if await self._check_link():
+                self.tracker.restart_grace(now.monotonic)
             if not self.link.may_judge:
                 return False
         await self._write_health(changes)
@@ -404,26 +396,20 @@ class Controller:
 
     # --- reconcile ------------------------------------------------------------------------
 
-    def snapshot(self, frozen: Mapping[str, Freeze] | None = None) -> placement.Snapshot:
-        """The plan's input. A frozen model is left out of what is asked for, so nothing is
-        placed for it; its replicas stay in (they hold GPUs and ports)."""
-        v, frozen = self.view, frozen or {}
-        return placement.Snapshot(
-            catalog={m: entry for m, entry in v.catalog.items() if m not in frozen},
-            desired={m: d for m, d in v.desired.items() if m not in frozen},
-            inventories=v.nodes,
-            health=self.phases(self.clock.monotonic()),
-            replicas=list(v.replicas.values()),
-            fabrics=fabric_view(v.nodes.values()),
-            leases=v.leases,
+    def snapshot(self, frozen: Mapping[str, Freeze], now: Instant) -> placement.Snapshot:
+        """The plan's input (controller/inputs.py, as `llmgw place --dry-run` builds it)."""
+        return placement_snapshot(
+            self.view,
+            self.phases(now.monotonic),
+            frozen,
             port_range=self.settings.port_range,
-            now=self.clock.wall(),
+            now=now.wall,
         )
 
-    async def reconcile(self) -> None:
+    async def reconcile(self, now: Instant) -> None:
         self.passes += 1
         frozen = self.view.frozen()
-        snap = self.snapshot(frozen)
+        snap = self.snapshot(frozen, now)
         await self._write_fabrics(snap.fabrics or {})
         # before planning: a node that just started qualifying is placed on in this same pass
         await self._report_qualifying(snap)
@@ -448,7 +434,7 @@ class Controller:
             )
         for removal in removals:
             replica = self.view.replicas.get(removal.rid)
-            if replica is not None and replica.phase not in ("draining", "stopped"):
+            if replica is not None and replica.phase not in records.REPLICA_GOING:
                 drained = msgspec.structs.replace(
                     replica, phase="draining", reason=removal.reason, epoch=self.epoch
                 )
@@ -465,7 +451,7 @@ class Controller:
         self._require_leading()
         await self._sync_replica_phases(phases)
         await self._sync_assignments()
-        await self._write_placements(plan, frozen)
+        await self._write_placements(plan, frozen, now)
         new_waiting = [  # a baseline for models now waiting
             model
             for model, rec in self.view.placements.items()
@@ -578,12 +564,16 @@ class Controller:
             await self._delete(keys.assign(node, rid))  # its replica is gone: an orphan
             self.view.assigns.pop((node, rid), None)
 
-    async def _write_placements(self, plan: placement.Plan, frozen: Mapping[str, Freeze]) -> None:
+    async def _write_placements(
+        self, plan: placement.Plan, frozen: Mapping[str, Freeze], now: Instant
+    ) -> None:
         records_by_model = dict(plan.placements)
         for model, freeze in frozen.items():
             current = self.view.placements.get(model)
             placed = sum(
-                1 for r in self.view.replicas.values() if r.model == model and r.phase != "draining"
+                1
+                for r in self.view.replicas.values()
+                if r.model == model and r.phase in records.REPLICA_COUNTED
             )
             records_by_model[model] = placement.frozen_record(
                 model,
@@ -591,7 +581,7 @@ class Controller:
                 freeze.detail,
                 desired=self.view.desired[model].replicas if model in self.view.desired else 0,
                 placed=placed,
-                now=self.clock.wall(),
+                now=now.wall,
                 decisions=current.decisions if current else [],
             )
         for model, rec in records_by_model.items():
@@ -656,7 +646,7 @@ def _catalog_hash(model) -> str:
 def _member_done(node: str, shard: records.Shard | None, phases: dict[str, str]) -> bool:
     if phases.get(node, "lost") == "lost":
         return True  # nothing left to wait for there
-    return shard is not None and shard.phase in ("stopped", "failed")
+    return shard is not None and shard.phase in records.SHARD_ENGINE_GONE
 
 
 def _phase_from_shards(

@@ -122,28 +122,3 @@ class Freeze:
 
     blocked: str
     detail: str
-
-
-def _check_replica(ids: tuple[str, ...], r: records.Replica) -> None:
-    """What the loop relies on beyond the types: a hand-edited replica must not stop every
-    pass (it would stop all placement, fleet-wide)."""
-    if (r.model, r.rid) != ids:
-        raise ValueError(f"model/rid {r.model}/{r.rid} do not match the key")
-    if not r.members:
-        raise ValueError("a replica has at least one member")
-    for m in r.members:
-        keys.check_token(m.node, "member node")
-
-
-_TYPES = {
-    keys.DESIRED: records.Desired,
-    keys.NODES: records.NodeInventory,
-    keys.LEASES: records.Lease,
-    keys.HEALTH: records.Health,
-    keys.FABRICS: records.FabricHoldings,
-    keys.REPLICAS: records.Replica,
-    keys.ASSIGN: records.Assignment,
-    keys.SHARDS: records.Shard,
-    keys.PLACEMENT: records.PlacementRecord,
-    keys.LEADER: records.Leader,
-}

@@ -37,8 +37,6 @@ from llmgw.router.upstream import authority
 
 log = logging.getLogger(__name__)
 
-_NOT_SERVING = ("draining", "failed", "stopped")
-
 
 def stable_hash(data: bytes) -> int:
     """A 64-bit hash that is the same in every process (Python's hash() is not): routers
@@ -239,7 +237,7 @@ class EndpointTable:
         self, replica: records.Replica, seen: dict[str, Backend]
     ) -> tuple[Backend | None, str]:
         """The replica's API engine if it may take new requests, else why not."""
-        if replica.phase in _NOT_SERVING:
+        if replica.phase not in records.REPLICA_MAY_SERVE:
             return None, replica.phase
         endpoint = None
         for m in replica.members:

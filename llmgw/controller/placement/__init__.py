@@ -1,0 +1,77 @@
+"""Placement: which replicas of which model run where, as a pure function of a snapshot.
+
+`plan(snapshot)` reads the whole desired and observed state and returns what to create,
+what to remove and, per model, a record that explains it. No I/O, no clock: the
+reconcile loop builds the Snapshot, calls plan, and writes the result; running it again
+on the same snapshot gives the same plan.
+
+Shaped like the Kubernetes scheduler, one idea per module:
+
+- `snapshot`: the input;
+- `nodes`: what each node has left (GPUs by UUID, ports, host RAM), and taking from it;
+- `filters`: FILTERS, each returning None or a Refusal, decide whether a node can take
+  a replica;
+- `weights`, `scores`: the scores in `Rank` order the nodes that can;
+- `pickers`: the best node, or nodes in one fabric, for the next replica of a profile;
+- `steps`: each model's plan, a list of steps: replace replicas on lost nodes, remove
+  surplus, fill, switch profile, explain;
+- `record`, `explain`: the PlacementRecord, its refusals as data and its text rendered
+  from them: "0/6 nodes fit: 3 lost, 2 no vllm, 1 short of free GPUs (2 free, needs 4)";
+- `qualifying`: which nodes fit a waiting model now.
+
+Rules kept here (docs/placement.md says why for each):
+- weights nearby is a preference, never a filter; a node that never looked for weights
+  ranks exactly like one that looked and found nothing;
+- a placed replica on a ready or unreachable node is never moved to chase a better
+  score; replicas on lost nodes are replaced; surplus replicas go newest first;
+- resources held by replicas in the snapshot and by those placed earlier in the same
+  plan are accounted for (GPUs by UUID, host RAM, ports).
+"""
+
+from llmgw.controller.placement.explain import GB, Blocked, Reason, Refusal, same_decision
+from llmgw.controller.placement.filters import FILTERS, Filter, fit
+from llmgw.controller.placement.nodes import Need, NodeState
+from llmgw.controller.placement.qualifying import qualifying_nodes, qualifying_nodes_by_model
+from llmgw.controller.placement.record import frozen_record
+from llmgw.controller.placement.scores import Rank, rank
+from llmgw.controller.placement.snapshot import DEFAULT_PORTS, Snapshot
+from llmgw.controller.placement.steps import (
+    Plan,
+    Removal,
+    blocked_model,
+    fill,
+    plan,
+    plan_model,
+    remove_surplus,
+    replace_lost,
+    switch_profile,
+)
+
+__all__ = [
+    "DEFAULT_PORTS",
+    "FILTERS",
+    "GB",
+    "Blocked",
+    "Filter",
+    "Need",
+    "NodeState",
+    "Plan",
+    "Rank",
+    "Reason",
+    "Refusal",
+    "Removal",
+    "Snapshot",
+    "blocked_model",
+    "fill",
+    "fit",
+    "frozen_record",
+    "plan",
+    "plan_model",
+    "qualifying_nodes",
+    "qualifying_nodes_by_model",
+    "rank",
+    "remove_surplus",
+    "replace_lost",
+    "same_decision",
+    "switch_profile",
+]

@@ -1,0 +1,75 @@
+"""Where each model's weights are, per node and per fabric: what the weights score reads."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from llmgw.controller.fabrics import fabric_view
+from llmgw.controller.placement.nodes import Need
+from llmgw.controller.placement.snapshot import Snapshot
+
+
+class WeightsNearby:
+    """Where each model's weights are, per node and per fabric, built once per plan.
+
+    From the snapshot's fabric view, or `fabric_view` of its inventories when it has none
+    (a node on no fabric is its own island). Only `models` matter,
+    never `looked`: a node that never looked must rank with one that found nothing, or
+    enabling weights discovery on one node would drain every other.
+    """
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.on_node: dict[str, dict[str, str]] = defaultdict(dict)  # node -> key -> store
+        self.by_path: dict[str, dict[str, str]] = defaultdict(dict)  # node -> path -> store
+        self.in_fabric: dict[str, set[str]] = defaultdict(set)  # fabric -> keys
+        self.fabrics_of: dict[str, list[str]] = defaultdict(list)  # node -> fabrics
+        for node_id, inv in snapshot.inventories.items():
+            for held in inv.weights.models:
+                self.on_node[node_id].setdefault(held.key, held.store.identity)
+                self.by_path[node_id].setdefault(held.path, held.store.identity)
+        view = snapshot.fabrics
+        if view is None:
+            view = fabric_view(snapshot.inventories.values())
+        for name, holdings in view.items():
+            for node_id in holdings.nodes:
+                self.fabrics_of[node_id].append(name)
+            for held in holdings.models:
+                self.in_fabric[name].add(held.key)
+                for copy in held.copies:  # a share seen by a node that did not scan it
+                    for node_id in copy.nodes:
+                        self.on_node[node_id].setdefault(held.key, copy.store)
+
+    def _store(self, node: str, need: Need) -> str | None:
+        held = self.on_node.get(node)
+        store = held.get(need.weights_key) if held else None
+        path = need.profile.weights.path
+        if store is None and path is not None and node in self.by_path:
+            store = self.by_path[node].get(path)
+        return store
+
+    def _fabric(self, node: str, need: Need) -> str | None:
+        for name in self.fabrics_of.get(node, ()):
+            if need.weights_key in self.in_fabric.get(name, ()):
+                return name
+        return None
+
+    def level(self, node: str, need: Need) -> int:
+        """2: on the node or a share it sees; 1: elsewhere in its fabric; 0: nowhere near."""
+        if self._store(node, need) is not None:
+            return 2
+        return 1 if self._fabric(node, need) is not None else 0
+
+    def describe(self, node: str, need: Need) -> str:
+        store = self._store(node, need)
+        if store is not None:
+            where = "on node" if store.startswith("local:") else "on a share the node sees"
+            return f"weights {where} ({store})"
+        ref = need.profile.weights
+        if ref.path is not None:
+            # the engine is given the path as it is: nothing fetches a path
+            return f"weights path {ref.path} not reported by this node (the engine reads it there)"
+        fetched = f"the engine fetches {ref.source or ref.key}"
+        fabric = self._fabric(node, need)
+        if fabric is not None:
+            return f"weights elsewhere in fabric {fabric}, not on this node ({fetched})"
+        return f"no copy of the weights nearby ({fetched})"
