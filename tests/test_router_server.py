@@ -636,3 +636,16 @@ async def test_shutdown_cuts_what_is_still_running_when_the_grace_is_over():
     assert app.cancelled.is_set()  # its handler was cancelled, and had finished, by then
     assert await asyncio.wait_for(reader.read(), 5) == b""
     writer.close()
+
+
+async def test_a_pipelined_head_that_stalls_behind_an_answer_still_times_out():
+    app = App()
+    server, port = await _server(app, idle_timeout=60, head_timeout=0.3)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_get(b"/slow") + b"GET /b HTTP/1.1\r\n")  # the second head never ends
+        out = await asyncio.wait_for(reader.read(), 5)
+        assert out.endswith(b"6\r\nsecond\r\n0\r\n\r\n")  # the first answered, then closed
+        writer.close()
+    finally:
+        server.close()

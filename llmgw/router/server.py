@@ -107,16 +107,14 @@ Handler = Callable[[Request, "Response"], Awaitable[None]]
 ErrorBody = Callable[[int, str], bytes]
 
 
-class _Framing(enum.Enum):
-    NONE = "none"  # HEAD, 1xx, 204, 304: a head and nothing after it
-    LENGTH = "length"  # Content-Length, held to
-    CHUNKED = "chunked"
-    CLOSE = "close"  # HTTP/1.0 and no length: the body ends when the connection does
-
-
-def has_no_body(status: int, head_only: bool) -> bool:
-    """RFC 9112 section 6.3: these answers end with their head, whatever their headers say."""
-    return head_only or status < 200 or status in (204, 304)
+# How an answer's body is framed (ints, not an enum: compared on every write)
+_NONE = 0  # HEAD, 1xx, 204, 304: a head and nothing after it
+_LENGTH = 1  # Content-Length, held to
+_CHUNKED = 2
+_CLOSE = 3  # HTTP/1.0 and no length: the body ends when the connection does
+# statuses whose answer ends with its head, whatever its headers say (RFC 9112 section 6.3);
+# a HEAD's answer too
+_NO_BODY = frozenset((*range(100, 200), 204, 304))
 
 
 class Response:
@@ -124,8 +122,7 @@ class Response:
 
     __slots__ = (
         "_conn",
-        "_head_only",
-        "_http_11",
+        "_request",
         "_keep_alive",
         "_framing",
         "_remaining",
@@ -136,10 +133,9 @@ class Response:
 
     def __init__(self, conn: HttpConnection, request: Request) -> None:
         self._conn = conn
-        self._head_only = request.method == b"HEAD"
-        self._http_11 = request.http_11
+        self._request = request
         self._keep_alive = request.keep_alive
-        self._framing = _Framing.NONE
+        self._framing = _NONE
         self._remaining = 0  # of a declared length
         # the status line and headers, held back to leave in one write with the first body
         # bytes: one system call a small answer, not two
@@ -151,7 +147,7 @@ class Response:
     def keeps_connection(self) -> bool:
         """The connection can carry the next request: keep-alive was agreed and the answer
         was framed completely."""
-        return self._keep_alive and self.ended and self._remaining == 0
+        return self._keep_alive and self.ended and not self._remaining
 
     async def send(
         self,
@@ -174,52 +170,55 @@ class Response:
         """Send the status line and headers. `length` None streams the body (chunked)."""
         assert not self.started, "response already started"
         self.started = True
-        if self._conn.closing:
-            self._keep_alive = False  # the server is shutting down: this is the last answer
+        request = self._request
+        keep = self._keep_alive and not self._conn.closing  # shutting down: the last answer
         lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
-        lines += [b"%s: %s\r\n" % (k, v) for k, v in headers]
-        if has_no_body(status, self._head_only):
-            self._framing = _Framing.NONE
+        lines += [b"%s: %s\r\n" % kv for kv in headers]
+        if status in _NO_BODY or request.method == b"HEAD":
             # a HEAD or 304 may say the length a GET would have had; a 1xx or 204 never
             if length is not None and status >= 200 and status != 204:
                 lines.append(b"content-length: %d\r\n" % length)
         elif length is not None:
-            self._framing = _Framing.LENGTH
+            self._framing = _LENGTH
             self._remaining = length
             lines.append(b"content-length: %d\r\n" % length)
-        elif self._http_11:
-            self._framing = _Framing.CHUNKED
+        elif request.http_11:
+            self._framing = _CHUNKED
             lines.append(b"transfer-encoding: chunked\r\n")
         else:
-            self._framing = _Framing.CLOSE
+            self._framing = _CLOSE
+            keep = False
+        if not keep:
             self._keep_alive = False
-        if not self._keep_alive:
-            lines.append(b"connection: close\r\n")
-        elif not self._http_11:
-            lines.append(b"connection: keep-alive\r\n")  # HTTP/1.0 keeps it only when told
-        lines.append(b"\r\n")
+            lines.append(b"connection: close\r\n\r\n")
+        elif not request.http_11:
+            lines.append(b"connection: keep-alive\r\n\r\n")  # HTTP/1.0 keeps it only when told
+        else:
+            lines.append(b"\r\n")
         self._head = b"".join(lines)
 
     async def write(self, data: bytes) -> None:
         framing = self._framing
-        if not data or framing is _Framing.NONE:
-            return
-        if framing is _Framing.LENGTH:
+        if framing == _LENGTH:
             if len(data) > self._remaining:
                 log.error(
                     "a handler wrote %d bytes more than the %d it declared; dropped",
                     len(data) - self._remaining,
-                    len(data),
+                    self._remaining,
                 )
                 data = data[: self._remaining]
-                if not data:
-                    return
             self._remaining -= len(data)
-        elif framing is _Framing.CHUNKED:
+        elif framing == _CHUNKED:
+            if not data:
+                return  # an empty chunk would end the body
             data = b"%x\r\n%s\r\n" % (len(data), data)
+        elif framing == _NONE:
+            return
         conn = self._conn
         if self._head:
             data, self._head = self._head + data, b""
+        elif not data:
+            return
         conn.write(data)
         if conn.write_paused:
             await conn.drain()
@@ -230,9 +229,11 @@ class Response:
         if self.ended:
             return
         self.ended = True
-        tail = b"0\r\n\r\n" if self._framing is _Framing.CHUNKED else b""
-        if self._head or tail:
-            self._conn.write(self._head + tail)
+        if self._framing == _CHUNKED:
+            self._conn.write(self._head + b"0\r\n\r\n")
+            self._head = b""
+        elif self._head:
+            self._conn.write(self._head)
             self._head = b""
 
     def flush(self) -> None:
@@ -248,6 +249,9 @@ class _Reading(enum.Enum):
     BETWEEN = "between"  # no request begun
     HEAD = "head"  # request line and headers arriving
     BODY = "body"
+
+
+_BETWEEN, _HEAD, _BODY = _Reading.BETWEEN, _Reading.HEAD, _Reading.BODY
 
 
 class HttpConnection(asyncio.Protocol):
@@ -266,7 +270,6 @@ class HttpConnection(asyncio.Protocol):
         self._messages = 0  # requests read completely so far
         self._raw_head = 0  # raw bytes of the head being read, counted while it arrives
         self._queue: collections.deque[Request | _Refusal] = collections.deque()
-        self._queued_bytes = 0  # bodies in the queue
         self._req: Request | None = None
         self._last: Request | None = None  # the request read last (an Upgrade names it)
         self._body: list[bytes] = []
@@ -277,6 +280,7 @@ class HttpConnection(asyncio.Protocol):
         self._next: asyncio.Future[None] | None = None  # set when a request is queued
         self._busy = False  # a request is being answered
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._timed: _Reading = _Reading.BETWEEN  # what the idle timer now times
         self._send_timer: asyncio.TimerHandle | None = None
         self._discarding = False  # closed for reading: what arrives is dropped
         self._read_paused = False
@@ -311,7 +315,14 @@ class HttpConnection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._refuse(400, f"malformed HTTP request: {e}")
             return
-        if self._reading is _Reading.HEAD:
+        reading_now = self._reading
+        if reading_now is _Reading.BETWEEN:
+            return  # the common case: whole requests in this chunk (or none begun)
+        # A request is still arriving. Its timer is armed only now, when it is known to
+        # span chunks: most requests arrive in one, and a timer a request costs.
+        if reading_now is not self._timed:
+            self._arm_for(reading_now)
+        if reading_now is _Reading.HEAD:
             # httptools hands over a header only once its value is complete, and holds it
             # meanwhile: count the head's raw bytes as they come. A head that began after
             # other bytes of this chunk is counted from the next chunk on (the callbacks
@@ -378,8 +389,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._server.busy(self)
-        self._arm(self._limits.head_timeout)
-        self._reading = _Reading.HEAD
+        self._reading = _HEAD
         self._req = Request()
         self._body = []
         self._body_size = 0
@@ -388,8 +398,6 @@ class HttpConnection(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         assert self._req is not None
         self._req.target += url
-        if len(self._req.target) > self._limits.max_head:
-            self._stop(414, f"request target is over the limit of {self._limits.max_head} bytes")
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -402,9 +410,7 @@ class HttpConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         req = self._req
         assert req is not None
-        self._reading = _Reading.BODY
-        self._raw_head = 0
-        self._arm(self._limits.idle_timeout)  # the body, within the keep-alive time
+        self._reading = _BODY
         req.method = self._parser.get_method()
         req.path = req.target.split(b"?", 1)[0]
         req.keep_alive = self._parser.should_keep_alive()
@@ -435,7 +441,7 @@ class HttpConnection(asyncio.Protocol):
         assert req is not None
         self._req = None
         self._last = req
-        self._reading = _Reading.BETWEEN
+        self._reading = _BETWEEN
         self._messages += 1
         self._continue_pending = False  # the body came anyway
         req.body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
@@ -462,7 +468,10 @@ class HttpConnection(asyncio.Protocol):
     def _count_head(self, n: int) -> None:
         self._head_size += n
         if self._head_size > self._limits.max_head:
-            self._stop(431, f"request head is over the limit of {self._limits.max_head} bytes")
+            limit = self._limits.max_head
+            if self._req is not None and not self._req.headers:
+                self._stop(414, f"request target is over the limit of {limit} bytes")
+            self._stop(431, f"request head is over the limit of {limit} bytes")
 
     def _stop(self, status: int, message: str) -> None:
         self._refuse(status, message)
@@ -477,16 +486,10 @@ class HttpConnection(asyncio.Protocol):
         self._enqueue(_Refusal(status, self._error_body(status, message)))
 
     def _enqueue(self, item: Request | _Refusal) -> None:
-        self._server.busy(self)
         self._cancel_idle()
-        self._queue.append(item)
-        if isinstance(item, Request):
-            self._queued_bytes += len(item.body)
-        limits = self._limits
-        if not self._read_paused and (
-            len(self._queue) > limits.max_pipelined
-            or self._queued_bytes > limits.max_pipelined_bytes
-        ):
+        queue = self._queue
+        queue.append(item)
+        if len(queue) > 1 and not self._read_paused and self._pipelined_too_much():
             self._read_paused = True
             assert self._transport is not None
             self._transport.pause_reading()
@@ -496,39 +499,42 @@ class HttpConnection(asyncio.Protocol):
         elif self._next is not None and not self._next.done():
             self._next.set_result(None)
 
-    def _dequeue(self) -> Request | _Refusal:
-        item = self._queue.popleft()
-        if isinstance(item, Request):
-            self._queued_bytes -= len(item.body)
-        limits = self._limits
-        if (
-            self._read_paused
-            and len(self._queue) <= limits.max_pipelined // 2
-            and self._queued_bytes <= limits.max_pipelined_bytes // 2
-        ):
-            self._read_paused = False
-            assert self._transport is not None
-            self._transport.resume_reading()
-        return item
+    def _pipelined_too_much(self, fraction: int = 1) -> bool:
+        """More requests (or bytes of their bodies) queued than a connection may hold, or
+        than `1/fraction` of that. Only pipelining clients queue: counted only then."""
+        limits, queue = self._limits, self._queue
+        if len(queue) > limits.max_pipelined // fraction:
+            return True
+        queued = sum(len(r.body) for r in queue if isinstance(r, Request))
+        return queued > limits.max_pipelined_bytes // fraction
 
     async def _answer_queue(self) -> None:
         try:
             while not self.lost:
-                if not self._queue:
+                queue = self._queue
+                if not queue:
                     self._busy = False
-                    if self.closing and self._reading is _Reading.BETWEEN:
+                    between = self._reading is _BETWEEN
+                    if self.closing and between:
                         self._linger_close()
                         return
                     if self._continue_pending:
                         self._continue_pending = False
                         self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    if self.idle:
+                    if between:
                         self._went_idle()
+                    elif self._idle_timer is None or self._idle_timer.cancelled():
+                        # a pipelined request half here: its time runs from now on
+                        self._arm_for(self._reading)
                     self._next = self._loop.create_future()
                     await self._next
                     continue
                 self._busy = True
-                item = self._dequeue()
+                item = queue.popleft()
+                if self._read_paused and not self._pipelined_too_much(fraction=2):
+                    self._read_paused = False
+                    assert self._transport is not None
+                    self._transport.resume_reading()
                 if isinstance(item, _Refusal):
                     self.write(
                         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
@@ -614,12 +620,19 @@ class HttpConnection(asyncio.Protocol):
         self._server.went_idle(self)
         self._arm(self._limits.idle_timeout)
 
+    def _arm_for(self, reading: _Reading) -> None:
+        """Time the request now arriving: its head, or its body (within the keep-alive time)."""
+        limits = self._limits
+        self._arm(limits.head_timeout if reading is _Reading.HEAD else limits.idle_timeout)
+        self._timed = reading
+
     def _arm(self, timeout: float) -> None:
         """Close the connection unless a whole request is queued within `timeout`."""
         self._cancel_idle()
         self._idle_timer = self._loop.call_later(timeout, self._idle_timed_out)
 
     def _cancel_idle(self) -> None:
+        self._timed = _Reading.BETWEEN
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
@@ -694,8 +707,7 @@ class HttpServer:
         return True
 
     def went_idle(self, conn: HttpConnection) -> None:
-        if conn in self.connections:
-            self._idle[conn] = None
+        self._idle[conn] = None  # (only admitted connections get here)
 
     def busy(self, conn: HttpConnection) -> None:
         self._idle.pop(conn, None)

@@ -69,6 +69,10 @@ class Phase(enum.Enum):
     CLOSED = "closed"  # by either side; never used again
 
 
+_IDLE, _WAITING, _BODY, _DONE, _CLOSED = Phase  # (module names: read at every callback)
+_ANSWERING = frozenset((_WAITING, _BODY))
+
+
 class UpstreamConnection(asyncio.Protocol):
     """One connection to one engine, carrying one request at a time."""
 
@@ -78,7 +82,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._loop = pool.loop
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
-        self.phase = Phase.IDLE
+        self.phase = _IDLE
         self.requests = 0  # sent on this connection so far
         self.idle_since = 0.0
         self.reused_after = 0.0  # seconds it had been idle when the current request was sent
@@ -90,6 +94,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.keep_alive = False  # the engine keeps the connection after this answer
         self.streamed = False  # chunked, or delimited by the connection's end
         self._ends_with_close = False
+        self._chunked = False
+        self._has_length = False
         self._complete = False
         self._head: asyncio.Future[None] | None = None
         self._chunks: collections.deque[bytes] = collections.deque()
@@ -102,9 +108,8 @@ class UpstreamConnection(asyncio.Protocol):
     # --- used by the proxy -------------------------------------------------------------
 
     def send(self, data: bytes) -> None:
-        assert self._transport is not None and self.phase is Phase.IDLE, self.phase
         self._reset()
-        self.phase = Phase.WAITING
+        self.phase = _WAITING
         self.requests += 1
         self.reused_after = time.monotonic() - self.idle_since if self.idle_since else 0.0
         self._head = self._loop.create_future()
@@ -146,7 +151,7 @@ class UpstreamConnection(asyncio.Protocol):
     def reusable(self) -> bool:
         """Both sides are done and the engine keeps the connection: it may carry another
         request (not after a stream; see the module's docstring)."""
-        return self.phase is Phase.DONE and self._complete and self.keep_alive and not self.streamed
+        return self.phase is _DONE and self._complete and self.keep_alive and not self.streamed
 
     @property
     def has_body_ready(self) -> bool:
@@ -155,7 +160,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def abort(self) -> None:
         """Drop the connection now (the engine sees the client leave and stops)."""
-        self.phase = Phase.CLOSED
+        self.phase = _CLOSED
         if self._transport is not None:
             self._transport.abort()
 
@@ -165,7 +170,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment] (uvloop's is not a subclass)
 
     def data_received(self, data: bytes) -> None:
-        if self.phase is not Phase.WAITING and self.phase is not Phase.BODY:
+        if self.phase not in _ANSWERING:
             # Bytes nobody asked for: an answer longer than it said, or an engine talking
             # out of turn. What they belong to cannot be known; the connection goes.
             self.abort()
@@ -180,12 +185,12 @@ class UpstreamConnection(asyncio.Protocol):
             self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        phase, self.phase = self.phase, Phase.CLOSED
+        phase, self.phase = self.phase, _CLOSED
         self._pool.forget(self)
-        if phase is Phase.BODY and self._ends_with_close:
+        if phase is _BODY and self._ends_with_close:
             self._complete = True  # an answer with neither length nor chunking ends here
             self._wake()
-        elif phase is Phase.WAITING:
+        elif phase is _WAITING:
             how = (
                 f"request {self.requests} on a connection kept alive for {self.reused_after:.2f} s"
                 if self.requests > 1
@@ -201,7 +206,7 @@ class UpstreamConnection(asyncio.Protocol):
                     before_answer=before,
                 )
             )
-        elif phase is Phase.BODY:
+        elif phase is _BODY:
             self._fail(
                 UpstreamFailed(
                     f"the engine closed the connection in the middle of its answer ({exc or 'EOF'})"
@@ -211,24 +216,29 @@ class UpstreamConnection(asyncio.Protocol):
     # --- parser callbacks --------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        if self.phase is not Phase.WAITING:
+        if self.phase is not _WAITING:
             raise _SecondAnswer  # more than the one answer asked for: the connection goes
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        name = name.lower()
+        if name == b"transfer-encoding":
+            self._chunked = True
+        elif name == b"content-length":
+            self._has_length = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
         if status < 200:  # 1xx: informational, the real head follows
             self.headers = []
+            self._chunked = self._has_length = False
             return
         self.status = status
-        self.phase = Phase.BODY
+        self.phase = _BODY
         self.keep_alive = self._parser.should_keep_alive()
-        chunked = any(n == b"transfer-encoding" for n, _ in self.headers)
-        has_length = any(n == b"content-length" for n, _ in self.headers)
+        chunked = self._chunked
         # llhttp knows which answers have no body whatever their headers (204, 304)
-        self._ends_with_close = not chunked and not has_length and status not in (204, 304)
+        self._ends_with_close = not chunked and not self._has_length and status not in (204, 304)
         self.streamed = chunked or self._ends_with_close
         if self._head is not None and not self._head.done():
             self._head.set_result(None)
@@ -243,9 +253,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
-        if self.phase is not Phase.BODY:
+        if self.phase is not _BODY:
             return  # the end of a 1xx
-        self.phase = Phase.DONE
+        self.phase = _DONE
         self._complete = True
         self._wake()
 
