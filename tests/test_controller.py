@@ -684,6 +684,36 @@ async def test_a_bus_failure_in_the_reconcile_pass_makes_the_controller_doubt_it
     assert "bug in the reconcile pass" not in caplog.text
 
 
+async def test_a_bug_in_the_leadership_step_steps_down_but_does_not_doubt_the_link(
+    bus, second_bus, caplog
+) -> None:
+    controller = Controller(second_bus, ControllerSettings(**MANUAL), ManualClock())
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(controller.run)
+        await until(lambda: _leading(controller))
+        renew, raised = controller._renew, anyio.Event()
+
+        async def renew_failing_once(now):
+            if not raised.is_set():
+                raised.set()
+                raise ValueError("a bug in renewing")
+            return await renew(now)
+
+        controller._renew = renew_failing_once
+        with anyio.fail_after(10):
+            await raised.wait()
+        assert controller.link.may_judge  # a bug is not the link failing
+        await until(lambda: _leading(controller))  # it takes the key back
+        tg.cancel_scope.cancel()
+    bugs = [r for r in caplog.records if r.getMessage().startswith("bug in the leadership step")]
+    assert bugs and all(r.exc_info and r.exc_info[0] is ValueError for r in bugs)
+    assert "a write failed" not in caplog.text
+
+
+async def _leading(controller: Controller) -> bool:
+    return controller.leading
+
+
 @pytest.mark.slow
 async def test_leader_cut_off_without_a_reconnect_does_not_drain_the_fleet_when_it_comes_back(
     bus, nats_server

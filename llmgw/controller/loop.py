@@ -170,10 +170,13 @@ class Controller:
                         await self._renew(now)
                     else:
                         await self._claim(now)
-            except Exception as e:  # noqa: BLE001 - NATS away: try again next interval
+            except BusError as e:  # NATS away: try again next interval
                 why = str(e) or type(e).__name__
                 self.leadership.step_down(f"cannot renew the leader key: {why}")
                 self.link.write_failed(f"the leader key: {why}")
+            except Exception as e:  # noqa: BLE001 - a bug: step down (safe), trust the link
+                log.exception("bug in the leadership step; stepping down until the next one")
+                self.leadership.step_down(f"a bug in the leadership step: {type(e).__name__}")
             self.leadership_steps += 1
             await anyio.sleep(interval)
 
