@@ -112,6 +112,9 @@ class Model(msgspec.Struct, kw_only=True, omit_defaults=True):
     served_name: str
     profiles: list[Profile] = []
     endpoints: list[str] = []
+    # with endpoints: the file holding the key those endpoints take (read by the router);
+    # the fleet's engine key is sent only to the fleet's own engines
+    api_key_file: str | None = None
 
     def profile(self, name: str) -> Profile | None:
         return next((p for p in self.profiles if p.name == name), None)
@@ -123,7 +126,12 @@ _MISSING: Any = object()
 # JSON integers can be any length; engines read theirs (context, parallel) as 32-bit
 _MAX_INT = 2**31 - 1
 
-_MODEL_FIELDS = ("id", "served_name", "profiles", "endpoints")
+_MODEL_FIELDS = ("id", "served_name", "profiles", "endpoints", "api_key_file")
+# Limits on one model, stated and checked here (`llmgw catalog apply`) before anything else
+# looks at the lists, so that what the controller writes about a model stays small: its
+# placement record holds a line per profile and reason (docs/placement.md).
+MAX_PROFILES = 64
+MAX_ENDPOINTS = 256
 _PROFILE_FIELDS = tuple(Profile.__struct_fields__)
 _WEIGHTS_FIELDS = tuple(WeightsRef.__struct_fields__)
 
@@ -323,27 +331,62 @@ def _check_model(check: _Checker, raw: Any, fallback: str) -> Model | None:
     if profiles_raw is not _MISSING:
         if not isinstance(profiles_raw, list) or not profiles_raw:
             check.expected(where, "profiles", "a non-empty list of profiles", profiles_raw)
+        elif len(profiles_raw) > MAX_PROFILES:
+            # the size first: nothing else is read of a list this long
+            check.problem(
+                where,
+                "profiles",
+                f"{len(profiles_raw)} profiles; a model has at most {MAX_PROFILES} (each is "
+                "a way to run it, and placement explains every one)",
+            )
         else:
+            seen: set[str] = set()
             for i, p in enumerate(profiles_raw):
                 profile = _check_profile(check, where, f"profiles[{i}]", p)
                 if profile is not None:
                     profiles.append(profile)
-            names = [p.get("name") for p in profiles_raw if isinstance(p, Mapping)]
-            for i, name in enumerate(names):
-                if isinstance(name, str) and name in names[:i]:
-                    check.problem(where, f"profiles[{i}].name", f"profile {name!r} defined twice")
+                name = p.get("name") if isinstance(p, Mapping) else None
+                if isinstance(name, str):
+                    if name in seen:
+                        check.problem(
+                            where, f"profiles[{i}].name", f"profile {name!r} defined twice"
+                        )
+                    seen.add(name)
     if endpoints_raw is not _MISSING:
         endpoints = _check_endpoints(check, where, endpoints_raw)
+    key_file = raw.get("api_key_file", _MISSING)
+    if key_file is not _MISSING:
+        key_file = check.text(where, "api_key_file", key_file)
+        if key_file is not None and endpoints_raw is _MISSING:
+            check.problem(
+                where,
+                "api_key_file",
+                "only a model with endpoints takes a key file (placed engines take the "
+                "fleet's key: the agents' engines.api_key_file)",
+            )
+    else:
+        key_file = None
 
     if len(check.errors) > before:
         return None
-    return Model(id=mid, served_name=served or mid, profiles=profiles, endpoints=endpoints)
+    return Model(
+        id=mid,
+        served_name=served or mid,
+        profiles=profiles,
+        endpoints=endpoints,
+        api_key_file=key_file,
+    )
 
 
 def _check_endpoints(check: _Checker, where: str, raw: Any) -> list[str]:
     if not isinstance(raw, list) or not raw:
         check.expected(
             where, "endpoints", 'a non-empty list of base URLs ("http://host:port")', raw
+        )
+        return []
+    if len(raw) > MAX_ENDPOINTS:
+        check.problem(
+            where, "endpoints", f"{len(raw)} endpoints; a model has at most {MAX_ENDPOINTS}"
         )
         return []
     out: list[str] = []
@@ -357,6 +400,16 @@ def _check_endpoints(check: _Checker, where: str, raw: Any) -> list[str]:
             parts.port  # noqa: B018 - raises ValueError on a bad port
         except ValueError:
             parts = None
+        if "@" in url.split("?", 1)[0].split("#", 1)[0].partition("://")[2].split("/", 1)[0]:
+            # userinfo; never quoted back, the value holds a password
+            check.problem(
+                where,
+                path,
+                "credentials in an endpoint URL are never sent (and would show wherever the "
+                "endpoint is named); remove them, and put the endpoints' key in a file named "
+                "by the model's api_key_file",
+            )
+            continue
         if (
             parts is None
             or parts.scheme not in ("http", "https")

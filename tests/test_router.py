@@ -287,20 +287,30 @@ async def test_errors_are_openai_shaped_and_say_what_to_do(engines):
             assert resp.status == 404
 
 
-async def test_engine_key_is_sent_to_engines_and_client_keys_are_checked(engines):
+async def test_a_static_endpoints_own_key_is_sent_to_it_and_client_keys_are_checked(
+    engines, tmp_path
+):
     engine = engines.start({}, "--api-key", "engine-secret")
+    key_file = tmp_path / "vendor.key"
+    key_file.write_text("engine-secret\n")
+    key_file.chmod(0o600)
+    keyed_model = catalog.Model(
+        id="tiny", served_name=SERVED, endpoints=[engine.url], api_key_file=str(key_file)
+    )
     async with aiohttp.ClientSession() as http:
-        async with running_router([static_model(engine)]) as r:
+        fleet_key_only = router_settings(proxy=ProxySettings(engine_api_key="engine-secret"))
+        async with running_router([static_model(engine)], settings=fleet_key_only) as r:
             async with http.post(f"{r.url}/v1/chat/completions", json=chat_body()) as resp:
-                # no key for the engine: the engine's 401, passed through as it is
+                # the fleet's key goes to the fleet's engines, never to a static endpoint:
+                # the engine's 401, passed through as it is
                 assert resp.status == 401
                 assert (await resp.json())["error"]["message"] == "Invalid API Key"
         keyed = router_settings(
             proxy=ProxySettings(
-                engine_api_key="engine-secret", client_api_keys=frozenset({"client-1"})
+                engine_api_key="fleet-secret", client_api_keys=frozenset({"client-1"})
             )
         )
-        async with running_router([static_model(engine)], settings=keyed) as r:
+        async with running_router([keyed_model], settings=keyed) as r:
             url = f"{r.url}/v1/chat/completions"
             async with http.post(url, json=chat_body()) as resp:
                 assert resp.status == 401  # the router's: this client has no key

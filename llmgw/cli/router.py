@@ -55,6 +55,29 @@ def router_options(fn):
             help="request header naming a session, kept on one replica like a conversation",
         ),
         click.option(
+            "--replica-header/--no-replica-header",
+            default=True,
+            show_default=True,
+            help="say in x-llmgw-replica which replica (or static URL) served each answer",
+        ),
+        click.option(
+            "--metrics",
+            "metrics_access",
+            type=click.Choice(["public", "keyed", "off"]),
+            default="public",
+            show_default=True,
+            help="/metrics on the API port: open to all (for Prometheus), only with a client "
+            "key (--api-keys-file), or not served",
+        ),
+        click.option(
+            "--engine-timeout",
+            type=click.FloatRange(min=0.001),
+            default=600.0,
+            show_default=True,
+            help="seconds an engine may stay silent in a request (before its first byte, and "
+            "between two): a long prefill in a queue takes minutes",
+        ),
+        click.option(
             "--shutdown-grace",
             type=click.FloatRange(min=0.0),
             default=30.0,
@@ -85,12 +108,16 @@ def router_settings(
     session_header: str,
     shutdown_grace: float,
     max_connections: int,
+    replica_header: bool,
+    metrics_access: str,
+    engine_timeout: float,
 ):
     from llmgw.keyfiles import read_key, read_keys
     from llmgw.router.balancer import BalancerSettings
     from llmgw.router.proxy import ProxySettings
     from llmgw.router.server import HttpLimits
     from llmgw.router.service import RouterSettings
+    from llmgw.router.upstream import UpstreamSettings
 
     engine_key = read_key(engine_api_key_file, "engine API key") if engine_api_key_file else None
     client_keys = (
@@ -104,11 +131,14 @@ def router_settings(
             max_connections=fit_fd_limit(max_connections),
         ),
         shutdown_grace=shutdown_grace,
+        upstream=UpstreamSettings(read_timeout=engine_timeout),
         balancer=BalancerSettings(affinity_load_factor=affinity_load_factor),
         proxy=ProxySettings(
             engine_api_key=engine_key,
             client_api_keys=client_keys,
             session_header=session_header,
+            replica_header=replica_header,
+            metrics=metrics_access,
         ),
     )
 

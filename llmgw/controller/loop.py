@@ -582,7 +582,11 @@ class Controller:
                 model,
                 freeze.blocked,
                 freeze.detail,
-                desired=self.view.desired[model].replicas if model in self.view.desired else 0,
+                # the last count read (a count that no longer reads leaves it); with none
+                # ever read, what runs
+                desired=(
+                    self.view.desired[model].replicas if model in self.view.desired else placed
+                ),
                 placed=placed,
                 now=now.wall,
                 decisions=current.decisions if current else [],

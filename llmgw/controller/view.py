@@ -2,8 +2,8 @@
 
 Rebuilt from scratch at every start (the controller remembers nothing across restarts).
 Values that do not decode are logged, left out, and remembered as invalid: a catalog entry
-garbled by hand freezes its model (`frozen`) instead of reading as a model that was removed
-(which would drain its replicas).
+or a desired count garbled by hand freezes its model (`frozen`) instead of reading as a
+model that was removed or a count of 0 (either would drain its replicas).
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ class View:
                 e,
             )
             value = None
-            if prefix == keys.REPLICAS:
-                return prefix  # keep the last valid value: its engines are still running
+            if prefix in (keys.REPLICAS, keys.DESIRED):
+                # keep the last valid value: a replica's engines are still running, and a
+                # garbled count is not a request for none (the model is frozen instead)
+                return prefix
         if prefix == keys.LEADER:
             # a value that does not decode still has a revision: the one to take it over at
             self.leader, self.leader_rev = value, (revision if data is not None else 0)
@@ -102,6 +104,11 @@ class View:
         out = {
             model: Freeze("invalid-catalog", why) for model, why in self.invalid_catalog().items()
         }
+        # a count that does not decode or is out of range (a typo, "1" quoted, 10^9) is
+        # never read as 0: that would drain the model
+        for key, why in self.invalid.items():
+            if key.startswith(keys.DESIRED + "."):
+                out.setdefault(key.split(".", 1)[1], Freeze("invalid-desired", why))
         models_placed = {r.model for r in self.replicas.values()}
         for model, desired in self.desired.items():
             # one `nats kv del` must not drain a model someone still asks replicas of
@@ -118,7 +125,7 @@ class View:
 @dataclass(frozen=True, slots=True)
 class Freeze:
     """Why a model is frozen: `blocked` is its PlacementRecord.blocked key
-    ("invalid-catalog", "catalog-deleted"), `detail` what is wrong with the entry."""
+    ("invalid-catalog", "invalid-desired", "catalog-deleted"), `detail` what is wrong."""
 
     blocked: str
     detail: str

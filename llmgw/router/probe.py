@@ -26,15 +26,11 @@ class HealthProber:
         *,
         interval: float = 5.0,
         timeout: float = 2.0,
-        engine_api_key: str | None = None,
     ) -> None:
         self.table = table
         self.pool = pool
         self.interval = interval
         self.timeout = timeout
-        self._auth = (
-            b"authorization: Bearer %s\r\n" % engine_api_key.encode() if engine_api_key else b""
-        )
 
     async def run(self) -> None:
         # An engine is taken as healthy when it appears (its agent saw it ready; a static
@@ -65,7 +61,7 @@ class HealthProber:
         request = b"GET %s/health HTTP/1.1\r\nhost: %s\r\n%s\r\n" % (
             b.path_prefix.encode(),
             b.host_header,
-            self._auth,
+            b.auth,
         )
         conn = None
         try:

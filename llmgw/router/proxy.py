@@ -61,6 +61,11 @@ class ProxySettings:
     engine_api_key: str | None = None  # sent to engines as a bearer token
     client_api_keys: frozenset[str] = frozenset()  # empty: clients need no key
     session_header: str = "x-session-id"
+    # x-llmgw-replica on every proxied answer: which replica (or static URL) served it
+    replica_header: bool = True
+    # /metrics: "public" (no key, for Prometheus), "keyed" (a client key, when keys are
+    # configured), "off" (404)
+    metrics: str = "public"
 
 
 def error_body(
@@ -91,8 +96,6 @@ class Proxy:
         self.metrics = metrics
         self.settings = settings or ProxySettings()
         self._health = health
-        key = self.settings.engine_api_key
-        self._engine_auth = b"authorization: Bearer %s\r\n" % key.encode() if key else b""
         self._client_keys = {b"Bearer " + k.encode() for k in self.settings.client_api_keys}
         self._session = self.settings.session_header.lower().encode()
 
@@ -116,8 +119,19 @@ class Proxy:
             draining = bool(state.pop("draining", False))
             body = json.dumps({"status": "draining" if draining else "ok", **state}).encode()
             await resp.send(503 if draining else 200, body)
-        elif req.path == b"/metrics" and req.method in (b"GET", b"HEAD"):
-            await resp.send(200, self.metrics.render(), content_type=METRICS_TYPE)
+        elif (
+            req.path == b"/metrics"
+            and req.method in (b"GET", b"HEAD")
+            and self.settings.metrics != "off"
+        ):
+            if (
+                self.settings.metrics == "keyed"
+                and self._client_keys
+                and req.header(b"authorization") not in self._client_keys
+            ):
+                await self._fail(resp, 401, "missing or unknown API key", "", kind="unauthorized")
+            else:
+                await resp.send(200, self.metrics.render(), content_type=METRICS_TYPE)
         else:
             await self._fail(
                 resp,
@@ -236,7 +250,7 @@ class Proxy:
             series.finished()
 
     def _forwarded_head(self, req: Request) -> bytes:
-        lines = [self._engine_auth]
+        lines = []
         has_type = False
         for name, value in req.headers:
             if name in _FORWARDED:
@@ -247,11 +261,12 @@ class Proxy:
         return b"".join(lines)
 
     async def _send(self, b: Backend, req: Request, head: bytes) -> UpstreamConnection:
-        data = b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        data = b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s%s\r\n%s" % (
             b.path_prefix.encode(),
             req.target,
             b.host_header,
             len(req.body),
+            b.auth,
             head,
             req.body,
         )
@@ -297,7 +312,7 @@ class Proxy:
                 self._count_failure(b, f"answered {status}")
             else:
                 self.balancer.succeeded(b, time.monotonic())
-            out, length = _relayed_headers(headers, b.id)
+            out, length = _relayed_headers(headers, b.id if self.settings.replica_header else None)
             await resp.start(status, out, length)
             if not conn.has_body_ready:
                 resp.flush()  # the body may take a while (a stream before its first token)
@@ -334,7 +349,7 @@ class Proxy:
 
 
 def _relayed_headers(
-    headers: list[tuple[bytes, bytes]], replica: str
+    headers: list[tuple[bytes, bytes]], replica: str | None
 ) -> tuple[list[tuple[bytes, bytes]], int | None]:
     out: list[tuple[bytes, bytes]] = []
     length: int | None = None
@@ -352,5 +367,6 @@ def _relayed_headers(
     if sse:
         # nginx in front buffers a stream unless told not to
         out.append((b"x-accel-buffering", b"no"))
-    out.append((b"x-llmgw-replica", replica.encode()))
+    if replica is not None:
+        out.append((b"x-llmgw-replica", replica.encode()))
     return out, None if chunked else length

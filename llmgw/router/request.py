@@ -59,6 +59,9 @@ def parse(body: bytes, *, chat: bool, embeddings: bool, session: bytes | None) -
         raise BadRequest("the body must be a JSON object") from None
     except msgspec.DecodeError as e:
         raise BadRequest(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        # msgspec stops at the interpreter's depth limit (about 1,000); no request nests so
+        raise BadRequest("the body nests JSON too deeply to be a request") from None
     if not isinstance(parsed.model, str) or not parsed.model:
         raise BadRequest("`model` is missing or not a string: set it to a name /v1/models lists")
     return Parsed(
@@ -83,7 +86,7 @@ def _affinity(parsed: _Body, chat: bool, session: bytes | None) -> int | None:
 def _opening_hash(raw: msgspec.Raw) -> int | None:
     try:
         messages = _decode_messages(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None  # not a list: the engine will say what is wrong with it
     opening: list[bytes] = []
     size = 0
@@ -96,7 +99,7 @@ def _opening_hash(raw: msgspec.Raw) -> int | None:
         try:
             if _decode_role(data).role == "user":
                 break
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             break
     if not opening:
         return None

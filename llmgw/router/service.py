@@ -18,6 +18,8 @@ import anyio
 
 from llmgw import catalog
 from llmgw.bus import keys
+from llmgw.errors import LlmgwError
+from llmgw.keyfiles import read_key
 from llmgw.router.balancer import Balancer, BalancerSettings
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.probe import HealthProber
@@ -27,6 +29,28 @@ from llmgw.router.table import EndpointTable
 from llmgw.router.upstream import UpstreamPool, UpstreamSettings
 
 log = logging.getLogger(__name__)
+
+
+class StaticKeys:
+    """The keys static endpoints take, from their models' `api_key_file`, read once per
+    file (a file that cannot be read is said once, and its endpoints get no key: their
+    401 then tells the client which engine refused)."""
+
+    def __init__(self) -> None:
+        self._read: dict[str, str | None] = {}
+
+    def __call__(self, model: catalog.Model) -> str | None:
+        path = model.api_key_file
+        if not path:
+            return None
+        if path not in self._read:
+            try:
+                self._read[path] = read_key(path, f"api_key_file of model {model.id}")
+            except LlmgwError as e:
+                log.error("router: %s; its endpoints get no key", e)
+                self._read[path] = None
+        return self._read[path]
+
 
 # what the router reads of the bucket (never nodes.* or leases.*: big, or frequent)
 WATCHED = (
@@ -55,7 +79,7 @@ class RouterSettings:
 class Router:
     def __init__(self, settings: RouterSettings | None = None) -> None:
         self.settings = settings or RouterSettings()
-        self.table = EndpointTable()
+        self.table = EndpointTable(self.settings.proxy.engine_api_key, StaticKeys())
         self.metrics = RouterMetrics()
         self.source = "none"
         self.bus = None  # the Bus, once connected (a bucket-fed router)
@@ -117,7 +141,6 @@ class Router:
             probe_pool,
             interval=s.probe_interval,
             timeout=s.probe_timeout,
-            engine_api_key=s.proxy.engine_api_key,
         )
         self.server = await serve(
             self.proxy.handle,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -55,6 +56,9 @@ class Backend:
     port: int
     tls: bool = False
     path_prefix: str = ""  # a static endpoint's base path ("http://h:8000/api" -> "/api")
+    # the `authorization: Bearer ...` line this engine takes, if any: the fleet's key for a
+    # placed replica, its own model's key file for a static endpoint (never the fleet's)
+    auth: bytes = b""
     routable: bool = True  # the table's verdict: ready, current, not on a lost node
     in_flight: int = 0
     failures: int = 0  # consecutive
@@ -86,8 +90,19 @@ class Route:
     why_none: str = ""  # filled when `backends` is empty
 
 
+def bearer(key: str | None) -> bytes:
+    """The header line that sends `key` to an engine ("" without one)."""
+    return b"authorization: Bearer %s\r\n" % key.encode() if key else b""
+
+
 class EndpointTable:
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        engine_key: str | None = None,
+        static_key: Callable[[catalog.Model], str | None] = lambda model: None,
+    ) -> None:
+        self._fleet_auth = bearer(engine_key)  # for the fleet's own engines only
+        self._static_key = static_key
         self.models: dict[str, catalog.Model] = {}
         self.replicas: dict[tuple[str, str], records.Replica] = {}  # (model, rid)
         self.shards: dict[tuple[str, str], records.Shard] = {}  # (node, rid)
@@ -230,6 +245,7 @@ class EndpointTable:
             port,
             tls=tls,
             path_prefix=parts.path.rstrip("/"),
+            auth=bearer(self._static_key(model)),
         )
         return self._backend(seen, new)
 
@@ -253,7 +269,8 @@ class EndpointTable:
         parsed = _host_port(endpoint) if endpoint else None
         if parsed is None:
             return None, "ready, but its endpoint is not known"
-        return self._backend(seen, Backend(replica.rid, replica.model, *parsed)), ""
+        backend = Backend(replica.rid, replica.model, *parsed, auth=self._fleet_auth)
+        return self._backend(seen, backend), ""
 
     def _why_none(self, model_id: str, notes: list[str]) -> str:
         placed = self.placements.get(model_id)
@@ -275,7 +292,7 @@ class EndpointTable:
 
 
 # what makes two Backends the same engine (the rest is balancing state)
-_place = operator.attrgetter("model", "host", "port", "tls", "path_prefix")
+_place = operator.attrgetter("model", "host", "port", "tls", "path_prefix", "auth")
 
 
 def _same_place(a: Backend, b: Backend) -> bool:

@@ -45,7 +45,12 @@ _REASON_ORDER = {r: i for i, r in enumerate(get_args(Reason))}
 
 # Why a model as a whole places nothing (PlacementRecord.blocked).
 Blocked = Literal[
-    "not-in-catalog", "static-endpoints", "unknown-profile", "invalid-catalog", "catalog-deleted"
+    "not-in-catalog",
+    "static-endpoints",
+    "unknown-profile",
+    "invalid-catalog",
+    "invalid-desired",
+    "catalog-deleted",
 ]
 
 
@@ -134,6 +139,12 @@ def _render_blocked(r: PlacementRecord) -> str:
         )
     if r.blocked == "invalid-catalog":
         return f"catalog entry is invalid, nothing changed until it is fixed: {r.blocked_detail}"
+    if r.blocked == "invalid-desired":
+        return (
+            f"desired.{r.model} cannot be read ({r.blocked_detail}), so nothing is placed or "
+            f"removed: set it with `llmgw place {r.model} --replicas N`, or delete it "
+            f"(`nats kv del llmgw desired.{r.model}`) to remove the model"
+        )
     if r.blocked == "catalog-deleted":
         n = "1 replica is" if r.desired == 1 else f"{r.desired} replicas are"
         return (
