@@ -31,7 +31,7 @@ from llmgw.bus.client import (
     Update,
     decoder,
 )
-from llmgw.bus.errors import Unanswered, WrongRevision
+from llmgw.bus.errors import Unanswered, ValueTooLarge, WrongRevision
 from llmgw.bus.server import EmbeddedNats, free_port
 from llmgw.errors import LlmgwError
 from llmgw.testing.sim import inventory
@@ -562,7 +562,7 @@ async def test_an_empty_pattern_syncs_at_once_and_then_follows(bus: Bus) -> None
 
 
 async def test_a_value_over_the_limit_is_refused_on_write_naming_key_and_sizes(bus: Bus) -> None:
-    with pytest.raises(BusError, match=r"not writing nodes\.n1: its value is 1,100,002 bytes"):
+    with pytest.raises(ValueTooLarge, match=r"not writing nodes\.n1: its value is 1,100,002 bytes"):
         await bus.put("nodes.n1", b'"' + b"x" * 1_100_000 + b'"')
     assert await bus.get_raw("nodes.n1") is None
 

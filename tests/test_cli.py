@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import logging
 import time
 import tomllib
 from pathlib import Path
@@ -562,3 +563,29 @@ def test_pki_is_a_command_of_llmgw(tmp_path):
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "pki" / "ca.pem").exists()
     assert any("node05" in p.name for p in (tmp_path / "pki").iterdir())
+
+
+def test_place_refuses_a_count_over_the_bound_before_writing_anything():
+    """It wrote 20000 unchecked, said 'no controller has decided yet' and exited 0, and the
+    controller read the value as absent: a drained model."""
+    for extra in ([], ["--dry-run"]):
+        out = llmgw(
+            "place", "tiny", "--replicas", "20000", *extra, env={"LLMGW_NATS": "nats://127.0.0.1:1"}
+        )
+        assert out.returncode == 2
+        assert "at most 10,000" in out.stderr and "typo" in out.stderr
+
+
+@pytest.mark.anyio
+async def test_status_names_a_few_bad_keys_and_counts_the_rest(bus, caplog):
+    """2,000 garbage keys made `llmgw status` print 1,334 warnings."""
+    caplog.set_level(logging.WARNING, logger="llmgw")
+    for i in range(200):
+        await bus.put(f"desired.g{i}", b"garbage")
+    view = await gather(bus)
+    await gather(bus)  # read again: nothing said twice
+    said = [r for r in caplog.records if r.getMessage().startswith("skipping desired.g")]
+    assert len(said) == 20
+    assert sum("counted, not named" in r.getMessage() for r in caplog.records) == 1
+    text = render(view, now=time.time())
+    assert "skipped 200 value(s) that do not decode or are not believed" in text

@@ -460,6 +460,49 @@ async def test_a_garbled_catalog_entry_places_nothing_even_when_more_replicas_ar
         tg.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize(
+    "garbled",
+    [
+        b'{"model": "m", "replicas": "1", "updated_at": 3.0}',  # the number quoted by hand
+        b'{"model": "m", "replicas": 1000000000, "updated_at": 3.0}',  # a raw put of 10^9
+        b"{not json",
+    ],
+    ids=["quoted", "ten-to-the-ninth", "not-json"],
+)
+async def test_a_desired_count_that_does_not_read_freezes_the_model_and_never_drains_it(
+    bus, second_bus, caplog, garbled
+):
+    """A garbled desired.<model> read as absent, and absent as 0: the ready replicas were
+    drained and removed. Now the model is frozen as it is, and says so; deleting the key on
+    purpose still removes the model."""
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, inventory("gpu-a", gpus=2))
+        await _apply(bus, _model(), 1)
+        tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
+        (placed,) = await until(lambda: _replicas(bus))
+        await bus.put(keys.desired("m"), garbled)
+
+        async def frozen():
+            rec = await _placement(bus)
+            return rec if rec and rec.blocked == "invalid-desired" else None
+
+        rec = await until(frozen)
+        assert rec.explanation.startswith("desired.m cannot be read (")
+        assert "`llmgw place m --replicas N`" in rec.explanation
+        assert rec.desired == 1 and rec.placed == 1  # the last count read, and what runs
+        await anyio.sleep(0.5)  # passes go on: the replica stays, serving
+        assert [(r.rid, r.phase) for r in await _replicas(bus)] == [(placed.rid, placed.phase)]
+        assert [a.action for a in (await _assigns(bus)).values()] == ["run"]
+        await bus.delete(keys.desired("m"))  # on purpose: the model goes away
+        await until(lambda: _draining(bus))
+        tg.cancel_scope.cancel()
+    assert "skipping desired.m" in caplog.text
+
+
+async def _draining(bus: Bus) -> bool:
+    return [r.phase for r in await _replicas(bus)] == ["draining"]
+
+
 async def test_deleting_the_catalog_entry_of_a_model_with_desired_replicas_freezes_it(
     bus, second_bus
 ):
@@ -682,6 +725,72 @@ async def test_a_bus_failure_in_the_reconcile_pass_makes_the_controller_doubt_it
         tg.cancel_scope.cancel()
     assert "a write failed (put placement.m: no answer in time" in caplog.text
     assert "bug in the reconcile pass" not in caplog.text
+
+
+async def test_a_pass_that_planned_for_long_judges_its_nodes_again_before_placing(
+    bus, second_bus, monkeypatch, caplog
+) -> None:
+    """A 60 s pass once gave 660 replicas to a node dead for 61 s: it had judged the node
+    at the pass's start. Here planning takes 10 s (of a clock the test moves) while the
+    only node, silent 10 s already, turns unreachable at 15."""
+    clock = ManualClock()
+    node = SimNode(bus, inventory("gpu-a", gpus=1))
+    await node.register()
+    controller = Controller(second_bus, ControllerSettings(**MANUAL), clock)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(controller.run)
+        await until(lambda: _phase_is(bus, "gpu-a", "ready"))
+        clock.advance(10)
+        plan, planned = placement.plan, anyio.Event()
+
+        def slow_plan(snap):
+            result = plan(snap)
+            if result.create and not planned.is_set():
+                clock.advance(10)  # planning took 10 s
+                planned.set()
+            return result
+
+        monkeypatch.setattr(placement, "plan", slow_plan)
+        await _apply(bus, _model(), 1)
+        with anyio.fail_after(10):
+            await planned.wait()
+        seen = controller.passes
+        await until(lambda: _passes_beyond(controller, seen + 2))
+        assert await _replicas(bus) == []  # nothing placed on a node no longer ready
+        assert await _phase(bus, "gpu-a") == "unreachable"
+        tg.cancel_scope.cancel()
+    assert "the pass took 10.0 s: not placing m" in caplog.text
+
+
+async def test_a_record_too_large_to_write_is_a_bug_not_a_link_failure(
+    bus, second_bus, monkeypatch, caplog
+) -> None:
+    """Every pass failed writing a 1.6 MB placement record, each failure taken for a bus
+    outage that gave every node a fresh grace period: no node could become lost. Now the
+    record is said as the bug it is, and nodes are still judged."""
+    clock = ManualClock()
+    node = SimNode(bus, inventory("gpu-a", gpus=1))
+    await node.register()
+    plan = placement.plan
+
+    def huge_record(snap):
+        result = plan(snap)
+        for model, rec in result.placements.items():
+            result.placements[model] = msgspec.structs.replace(rec, explanation="x" * 2_000_000)
+        return result
+
+    monkeypatch.setattr(placement, "plan", huge_record)
+    controller = Controller(second_bus, ControllerSettings(**MANUAL), clock)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(controller.run)
+        await _apply(bus, _model(), 1)
+        await until(lambda: _replicas(bus))  # the pass went on past the record
+        assert controller.link.may_judge
+        clock.advance(16)
+        await until(lambda: _phase_is(bus, "gpu-a", "unreachable"))
+        tg.cancel_scope.cancel()
+    assert "bug: the placement record of m is too large to write" in caplog.text
+    assert "a write failed" not in caplog.text
 
 
 async def test_a_bug_in_the_leadership_step_steps_down_but_does_not_doubt_the_link(

@@ -38,3 +38,7 @@ def test_router_unit_waits_longer_than_the_routers_grace_before_killing_it(tmp_p
 def test_agent_unit_verifies_cleanly(tmp_path: Path) -> None:
     text = _verify(UNIT, "/opt/llmgw/bin/llmgw-agent", tmp_path)
     assert "Restart=on-failure" in text and "KillMode=mixed" in text
+    # docs/agent.md: a config problem (exit 78, EX_CONFIG) is not restarted
+    from llmgw.agent.service import EX_CONFIG
+
+    assert f"RestartPreventExitStatus={EX_CONFIG}" in text.splitlines()

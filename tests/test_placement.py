@@ -714,3 +714,40 @@ def test_placement_imports_nothing_that_does_io():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# --- records bounded by construction ----------------------------------------------------------
+
+
+def test_a_model_of_thousands_of_replicas_over_many_profiles_makes_a_small_record():
+    """8,000 replicas once made a 1.11 MB placement record, over the bucket's value limit:
+    every pass then failed writing it. Lines per replica stop at a bound (each replica's own
+    key says the rest), and so does the text; with the catalog's 64 profiles, refusals
+    are a line per profile and reason."""
+    from llmgw.bus.bucket import MAX_VALUE_BYTES
+    from llmgw.bus.records import encode
+    from llmgw.catalog import MAX_PROFILES
+    from llmgw.controller.placement.record import MAX_DECISION_LINES
+
+    nodes = [
+        node(f"node-{i:04d}-rack-{i % 40:02d}-example-cluster", gpus=4, fabric=f"ib-{i % 7}")
+        for i in range(300)
+    ]
+    profiles = [
+        {
+            "name": f"profile-{p:02d}",
+            "engine": "vllm",
+            "weights": {"key": KEY},
+            "gpus_per_node": 1 + p % 8,
+            "gpu_memory_gb": 40 + p,
+            "nodes": 1 + p % 3,
+        }
+        for p in range(MAX_PROFILES)
+    ]
+    (big,) = validate_models({"models": [{"id": "m", "profiles": profiles}]})
+    result = plan(snapshot(nodes, [big], {"m": 10_000}))
+    rec = result.placements["m"]
+    assert rec.placed < rec.desired == 10_000 and len(result.create) > MAX_DECISION_LINES
+    assert len(rec.decisions) <= MAX_DECISION_LINES + 1
+    assert "more (each replica's own key" in rec.decisions[MAX_DECISION_LINES - 1]
+    assert len(encode(rec)) < MAX_VALUE_BYTES / 10

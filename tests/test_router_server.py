@@ -211,7 +211,9 @@ async def test_head_answers_say_the_length_and_send_no_body():
         assert rest.startswith(b"HTTP/1.1 200 ")  # no body in between
         stream_head, stream_rest = out.split(b"\r\n\r\n")[1:3]
         assert stream_rest.startswith(b"4\r\none ")
-        out = await _exchange(port, b"HEAD /stream HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        out = await _exchange(
+            port, b"HEAD /stream HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        )
         head, body = out.split(b"\r\n\r\n", 1)
         assert b"transfer-encoding" not in head and body == b""
     finally:

@@ -322,6 +322,20 @@ async def test_agent_with_an_unmapped_certificate_is_refused_naming_certificate_
     assert "claimed identity node node99 (config node.id)" in line
 
 
+async def test_a_tls_key_of_another_certificate_exits_78_as_every_tls_refusal(
+    mapped_server, pki, host, tmp_path
+) -> None:
+    """It exited 1, where the other TLS refusals exit 78 (EX_CONFIG): one code for a file
+    that cannot work, which systemd's RestartPreventExitStatus=78 names."""
+    cfg = tls_agent_config(mapped_server, pki, host, "node05", "node05")
+    _, other_key = pki.cert("node06")
+    cfg = msgspec.structs.replace(cfg, nats=msgspec.structs.replace(cfg.nats, tls_key=other_key))
+    log_path = tmp_path / "agent.log"
+    proc = start_agent(cfg, tmp_path / "agent.toml", [host["bin"]], log_path)
+    assert proc.wait(timeout=30) == 78
+    assert "the key must be that certificate's private key" in log_path.read_text()
+
+
 async def test_agent_claiming_another_node_refuses_to_start_naming_both(
     mapped_server, pki, host, tmp_path
 ) -> None:

@@ -37,6 +37,7 @@ from llmgw.agent.shards import NodeShards
 from llmgw.agent.weights import WeightsScanner, stuck_scan
 from llmgw.bus import keys, records
 from llmgw.bus.client import DEFAULT_NATS_URL, BucketSettings, Bus, NatsSettings
+from llmgw.bus.errors import BusSettingsError
 from llmgw.errors import stated
 from llmgw.keyfiles import read_key
 from llmgw.logs import setup_logging
@@ -363,7 +364,8 @@ def serve(
             raise
         click.echo(f"Error: {problem}", err=True)
         # systemd restarts it after anything else (a NATS refusal may clear), with its backoff
-        sys.exit(EX_CONFIG if isinstance(problem, ConfigError | CertificateError) else 1)
+        config = isinstance(problem, ConfigError | CertificateError | BusSettingsError)
+        sys.exit(EX_CONFIG if config else 1)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

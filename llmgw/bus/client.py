@@ -39,6 +39,7 @@ from .errors import (
     FencedOff,
     JetStreamNotReady,
     NatsUnreachable,
+    ValueTooLarge,
     WrongRevision,
 )
 from .settings import DEFAULT_NATS_URL, BucketSettings, NatsSettings, check_url
@@ -48,6 +49,7 @@ from .watcher import CAUGHT_UP, KeyWatch, RawEntry
 __all__ = [
     "DEFAULT_NATS_URL",
     "MAX_VALUE_BYTES",
+    "ValueTooLarge",
     "BucketSettings",
     "Bus",
     "BusError",
@@ -129,6 +131,7 @@ class Bus:
         self.settings = connection.settings
         self.bucket = bucket
         self.max_value_bytes = max_value_bytes
+        self.skipped = trust.SkippedValues()  # values its reads left out, said once each
         self._reconnect_listeners: list[Callable[[], Awaitable[None]]] = []
         self._watchers: set[KeyWatch] = set()
         self._closed = False
@@ -248,7 +251,7 @@ class Bus:
 
     def _sized(self, key: str, data: bytes) -> bytes:
         if len(data) > self.max_value_bytes:
-            raise BusError(
+            raise ValueTooLarge(
                 f"not writing {key}: its value is {len(data):,} bytes, over the bucket's limit "
                 f"of {self.max_value_bytes:,}; values are state, not data: keep them small "
                 "(a node inventory is a few KB)"
@@ -354,7 +357,7 @@ class Bus:
         raw = await self.get_raw(key)
         if raw is None:
             return None
-        value = _decode_or_log(key, raw[0], raw[1], decode)
+        value = _decode_or_log(self.skipped, key, raw[0], raw[1], decode)
         return None if value is None else Entry(key, value, raw[1])
 
     async def list(self, pattern: str, decode: Decoder[T]) -> dict[str, Entry[T]]:
@@ -406,7 +409,9 @@ class Bus:
                     if not item.deleted and not _too_big(
                         item.key, item.data, item.revision, self.max_value_bytes
                     ):
-                        value = _decode_or_log(item.key, item.data, item.revision, decode)
+                        value = _decode_or_log(
+                            self.skipped, item.key, item.data, item.revision, decode
+                        )
                     if value is None:
                         if known.pop(item.key, None) is not None:
                             yield Update(item.key, None, item.revision)
@@ -489,7 +494,9 @@ def _too_big(key: str, data: bytes, revision: int, limit: int) -> bool:
     return True
 
 
-def _decode_or_log(key: str, data: bytes, revision: int, decode: Decoder[T]) -> T | None:
+def _decode_or_log(
+    skipped: trust.SkippedValues, key: str, data: bytes, revision: int, decode: Decoder[T]
+) -> T | None:
     """Decode and check against the key (llmgw.bus.trust); log and return None if either
     fails."""
     try:
@@ -497,18 +504,12 @@ def _decode_or_log(key: str, data: bytes, revision: int, decode: Decoder[T]) -> 
         trust.check(key, value)
     except trust.RecordRejected as e:
         # names the key, and says "spoof attempt" when the value claims another owner
-        log.warning("skipping %s (revision %d): %s", key, revision, e)
+        skipped.skipped(log, key, revision, str(e))
         return None
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
         preview = data[:80].decode("utf-8", "replace")
-        log.warning(
-            "skipping %s (revision %d): value does not decode: %s (value starts %r); "
-            "fix it or remove it with `nats kv del <bucket> %s`",
-            key,
-            revision,
-            e,
-            preview,
-            key,
+        skipped.skipped(
+            log, key, revision, f"value does not decode: {e} (value starts {preview!r})"
         )
         return None
     return value

@@ -22,6 +22,18 @@ class BusError(LlmgwError):
     """A NATS problem stated for the operator (what failed and what to do)."""
 
 
+class ValueTooLarge(LlmgwError, ValueError):
+    """A value over the bucket's limit, refused before it is sent. Not a BusError: NATS is
+    fine; the record is wrong (a writer's bug, or an operator's value), and retrying sends
+    the same bytes again. A controller logs it as a bug and never doubts its link for it."""
+
+
+class BusSettingsError(BusError):
+    """A setting or file of the connection that cannot work (a URL that is not a NATS URL,
+    a TLS file missing, unreadable, encrypted, or a key that is not the certificate's):
+    retrying sends the same settings again, so an agent exits 78 (EX_CONFIG) for it."""
+
+
 class NatsUnreachable(BusError):
     """No server answered (or all refused) for as long as the caller would wait: the one
     BusError where "is NATS running? is --nats right?" is the useful hint."""

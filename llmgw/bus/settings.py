@@ -13,7 +13,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from . import keys
-from .errors import BusError
+from .errors import BusSettingsError
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_HEALTHY_AFTER = 10.0
@@ -42,10 +42,12 @@ class NatsSettings:
     def check_urls(self) -> None:
         """Raise BusError naming the first URL that is not a NATS URL, and the fix."""
         if not self.urls:
-            raise BusError("no NATS URL given: set --nats (or nats.urls) to nats://HOST:4222")
+            raise BusSettingsError(
+                "no NATS URL given: set --nats (or nats.urls) to nats://HOST:4222"
+            )
         schemes = {check_url(u) for u in self.urls}
         if schemes & {"ws", "wss"} and schemes - {"ws", "wss"}:
-            raise BusError(
+            raise BusSettingsError(
                 f"NATS URLs {', '.join(self.urls)} mix websocket (ws://, wss://) and plain "
                 "(nats://, tls://) servers, which one connection cannot: list one kind"
             )
@@ -56,15 +58,19 @@ class NatsSettings:
         if not (self.tls_ca or self.tls_cert or self.tls_key):
             return None
         if self.tls_cert and not self.tls_key:
-            raise BusError(f"TLS certificate {self.tls_cert} given without its key: set tls_key")
+            raise BusSettingsError(
+                f"TLS certificate {self.tls_cert} given without its key: set tls_key"
+            )
         if self.tls_key and not self.tls_cert:
-            raise BusError(f"TLS key {self.tls_key} given without its certificate: set tls_cert")
+            raise BusSettingsError(
+                f"TLS key {self.tls_key} given without its certificate: set tls_cert"
+            )
         if self.tls_ca:
             _check_pem(self.tls_ca, "TLS CA file", "tls_ca", b"CERTIFICATE")
         try:
             ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca)
         except ssl.SSLError as e:
-            raise BusError(
+            raise BusSettingsError(
                 f"TLS CA file {self.tls_ca} holds no usable CA certificate ({e.reason or e}): "
                 "give the PEM file of the CA that signed the server's certificate"
             ) from None
@@ -72,7 +78,7 @@ class NatsSettings:
             _check_pem(self.tls_cert, "TLS certificate", "tls_cert", b"CERTIFICATE")
             key = _check_pem(self.tls_key, "TLS key", "tls_key", b"PRIVATE KEY")
             if b"ENCRYPTED" in key:
-                raise BusError(
+                raise BusSettingsError(
                     f"TLS key {self.tls_key} is encrypted, and llmgw cannot ask for its "
                     "passphrase: store it unencrypted (`openssl pkey -in KEY -out KEY.plain`), "
                     "readable only by the user llmgw runs as"
@@ -81,7 +87,7 @@ class NatsSettings:
                 # a callback that refuses: OpenSSL must never prompt on a terminal
                 ctx.load_cert_chain(self.tls_cert, self.tls_key, password=_no_passphrase)
             except (ssl.SSLError, ValueError) as e:
-                raise BusError(
+                raise BusSettingsError(
                     f"cannot use TLS certificate {self.tls_cert} with key {self.tls_key} "
                     f"({getattr(e, 'reason', None) or e}): the key must be that certificate's "
                     "private key (compare `openssl x509 -noout -pubkey -in CERT` with "
@@ -98,14 +104,16 @@ def check_url(url: str) -> str:
         scheme, rest = "nats", url.strip()
     fix = "write nats://HOST:4222 (tls:// insists on TLS; ws://, wss:// reach a websocket port)"
     if scheme.lower() not in _SCHEMES:
-        raise BusError(f"{url!r} is not a NATS URL (scheme {scheme}://): {fix}")
+        raise BusSettingsError(f"{url!r} is not a NATS URL (scheme {scheme}://): {fix}")
     try:
         parsed = urllib.parse.urlsplit(f"{scheme}://{rest}")
         parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
     except ValueError as e:
-        raise BusError(f"{url!r} is not a NATS URL ({e}): {fix}") from None
+        raise BusSettingsError(f"{url!r} is not a NATS URL ({e}): {fix}") from None
     if not parsed.hostname or parsed.path not in ("", "/") or parsed.query:
-        raise BusError(f"{url!r} is not a NATS URL (expected only a host and a port): {fix}")
+        raise BusSettingsError(
+            f"{url!r} is not a NATS URL (expected only a host and a port): {fix}"
+        )
     return scheme.lower()
 
 
@@ -123,26 +131,26 @@ def _check_pem(path: str, what: str, setting: str, kind: bytes) -> bytes:
         with open(path, "rb") as f:
             data = f.read(_MAX_PEM_BYTES + 1)
     except FileNotFoundError:
-        raise BusError(f"{what} {path} does not exist: {fix}") from None
+        raise BusSettingsError(f"{what} {path} does not exist: {fix}") from None
     except IsADirectoryError:
-        raise BusError(f"{what} {path} is a directory, not a file: {fix}") from None
+        raise BusSettingsError(f"{what} {path} is a directory, not a file: {fix}") from None
     except PermissionError:
-        raise BusError(
+        raise BusSettingsError(
             f"{what} {path} cannot be read by this user (uid {os.getuid()}): make it readable "
             "by the user llmgw runs as"
         ) from None
     except OSError as e:
-        raise BusError(f"{what} {path} cannot be read ({e.strerror or e}): {fix}") from None
+        raise BusSettingsError(f"{what} {path} cannot be read ({e.strerror or e}): {fix}") from None
     if size > _MAX_PEM_BYTES or len(data) > _MAX_PEM_BYTES:
-        raise BusError(f"{what} {path} is {size:,} bytes, too big for a PEM file: {fix}")
+        raise BusSettingsError(f"{what} {path} is {size:,} bytes, too big for a PEM file: {fix}")
     if b"-----BEGIN " not in data:
-        raise BusError(
+        raise BusSettingsError(
             f"{what} {path} is not PEM (no '-----BEGIN' line; DER or another format?): {fix}; "
             "convert DER with `openssl x509 -inform der -in FILE -out FILE.pem` "
             "(`openssl pkey -inform der ...` for a key)"
         )
     if kind + b"-----" not in data:
-        raise BusError(
+        raise BusSettingsError(
             f"{what} {path} is PEM but holds no {kind.decode()} (another file given here?): {fix}"
         )
     return data

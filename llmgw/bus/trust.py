@@ -14,6 +14,7 @@ Imports no nats.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -245,3 +246,44 @@ def decode_for_key(key: str | keys.Key, data: bytes) -> msgspec.Struct:
     value = records.decode(data, type_)
     check(parsed, value)
     return value
+
+
+class SkippedValues:
+    """Values skipped because they do not decode or are not believed: the first few keys
+    are said, once each (a key at one revision), and the rest only counted. One per
+    reader: a Bus, the controller's view, the router's table.
+    `llmgw status` printed 1,334 warnings when 2,000 garbage keys were present, and a
+    watch replaying the bucket after every reconnect said them all again."""
+
+    NAMED = 20  # keys said by name per process; past them, counted
+    REMEMBERED = 10_000  # keys remembered as said (a key said again at a new revision)
+
+    def __init__(self) -> None:
+        self._said: dict[str, int] = {}
+        self.count = 0  # values skipped, said or not
+        self.keys: set[str] = set()  # keys skipped (up to REMEMBERED of them)
+
+    def skipped(self, logger: logging.Logger, key: str, revision: int, why: str) -> None:
+        self.count += 1
+        if len(self.keys) < self.REMEMBERED:
+            self.keys.add(key)
+        if self._said.get(key) == revision:
+            return  # said already
+        if key not in self._said and len(self._said) >= self.NAMED:
+            if len(self._said) == self.NAMED:
+                self._said[""] = 0  # said once: that the rest go unnamed
+                logger.warning(
+                    "more values in the bucket are skipped than the %d named above: they "
+                    "are counted, not named (`llmgw status` says how many)",
+                    self.NAMED,
+                )
+            logger.debug("skipping %s (revision %d): %s", key, revision, why)
+            return
+        self._said[key] = revision
+        logger.warning(
+            "skipping %s (revision %d): %s; fix it or remove it with `nats kv del <bucket> %s`",
+            key,
+            revision,
+            why,
+            key,
+        )

@@ -14,6 +14,7 @@ import msgspec
 
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
+from llmgw.bus.trust import MAX_REPLICAS
 from llmgw.catalog import decode_model
 from llmgw.cli.common import nats_options, open_bus
 from llmgw.controller import placement
@@ -196,13 +197,25 @@ class _PollReader:
             return None
 
 
+def _within_bound(replicas: int) -> int:
+    if replicas > MAX_REPLICAS:
+        raise click.BadParameter(
+            f"{replicas:,} replicas of one model: at most {MAX_REPLICAS:,} (the bound every "
+            "reader of desired.<model> holds it to: more engines than a fleet runs is a "
+            "typo, and a controller freezes a model asked for more)",
+            param_hint="'--replicas'",
+        )
+    return replicas
+
+
 @click.command()
 @click.argument("model")
 @click.option(
     "--replicas",
     type=click.IntRange(min=0),
     required=True,
-    help="how many replicas (0 removes them)",
+    callback=lambda ctx, param, n: _within_bound(n),
+    help=f"how many replicas (0 removes them; at most {MAX_REPLICAS:,})",
 )
 @click.option("--profile", default=None, help="catalog profile (default: the first that fits)")
 @click.option(

@@ -22,6 +22,9 @@ from llmgw.cli.common import json_option, nats_options, open_bus
 from llmgw.controller.fabrics import fabric_view, render_fabrics
 
 GIB = 1 << 30
+_SKIPPED_LISTED = 50
+# blocked reasons that leave a model exactly as it is (controller/view.py Freeze)
+_FROZEN = ("invalid-catalog", "invalid-desired", "catalog-deleted")
 
 
 async def gather(bus: Bus) -> dict[str, Any]:
@@ -53,6 +56,11 @@ async def gather(bus: Bus) -> dict[str, Any]:
         "replicas": [msgspec.to_builtins(e.value) for e in replicas.values()],
         "shards": [msgspec.to_builtins(e.value) for e in shards.values()],
         "placement": {e.value.model: msgspec.to_builtins(e.value) for e in placements.values()},
+        # values every list above left out, not decoding or not believed (said in the log)
+        "skipped": {
+            "values": bus.skipped.count,
+            "keys": sorted(bus.skipped.keys)[:_SKIPPED_LISTED],
+        },
     }
 
 
@@ -147,7 +155,9 @@ def render(view: dict[str, Any], now: float) -> str:
     if models:
         lines.append("\nmodels")
     for model in models:
-        want = view["desired"].get(model, {}).get("replicas", 0)
+        p = view["placement"].get(model)
+        # desired.<model> may not read (the model is then frozen): the controller's count
+        want = view["desired"].get(model, {}).get("replicas", p["desired"] if p else 0)
         mine = [r for r in view["replicas"] if r["model"] == model]
         lines.append(f"  {model}: {_replica_counts(mine, want)}")
         for r in sorted(mine, key=lambda r: r["rid"]):
@@ -157,9 +167,19 @@ def render(view: dict[str, Any], now: float) -> str:
             lines.append(
                 f"    {r['rid']}  {r['phase']}  on {where}  shards {'/'.join(shard_phases) or '-'}{ep}"
             )
-        p = view["placement"].get(model)
         if p and p.get("explanation"):
-            lines.append(f"    unplaced: {p['explanation']}")
+            label = "frozen" if p.get("blocked") in _FROZEN else "unplaced"
+            lines.append(f"    {label}: {p['explanation']}")
+    skipped = view.get("skipped") or {}
+    if skipped.get("values"):
+        keys_ = skipped["keys"]
+        lines.append(
+            f"\nskipped {skipped['values']} value(s) that do not decode or are not believed, "
+            f"in {len(keys_)}{'+' if len(keys_) >= _SKIPPED_LISTED else ''} key(s): "
+            + ", ".join(keys_[:5])
+            + (", ..." if len(keys_) > 5 else "")
+            + " (`nats kv get` one to see it; --json lists more)"
+        )
     return "\n".join(lines)
 
 

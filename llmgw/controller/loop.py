@@ -28,7 +28,16 @@ import msgspec
 
 from llmgw import catalog
 from llmgw.bus import keys, records
-from llmgw.bus.client import Bus, BusError, Fence, FencedOff, Synced, Update, decoder
+from llmgw.bus.client import (
+    Bus,
+    BusError,
+    Fence,
+    FencedOff,
+    Synced,
+    Update,
+    ValueTooLarge,
+    decoder,
+)
 from llmgw.bus.records import NodePhase
 from llmgw.controller import placement
 from llmgw.controller.clock import Clock, Instant, SystemClock, instant
@@ -64,6 +73,9 @@ class ControllerSettings:
     tick: float = 1.0
     resync: float = 10.0  # a full pass at least this often, even with nothing new
     port_range: tuple[int, int] = placement.DEFAULT_PORTS
+    # a pass that planned for longer than this judges its chosen nodes again before it
+    # places on them
+    recheck_after: float = 2.0
 
 
 class Controller:
@@ -417,11 +429,12 @@ class Controller:
         # before planning: a node that just started qualifying is placed on in this same pass
         await self._report_qualifying(snap)
         plan = placement.plan(snap)
+        creates = self._still_placeable(plan.create, now)
         # A frozen model keeps its replicas: a garbled or deleted catalog entry is not a
         # request to remove the model.
         removals = [r for r in plan.remove if r.model not in frozen]
         self._require_leading()  # a pass outlived by its leadership writes nothing more
-        for replica in plan.create:
+        for replica in creates:
             replica = msgspec.structs.replace(replica, epoch=self.epoch)
             await self._put(keys.replica(replica.model, replica.rid), replica)
             self.view.replicas[replica.rid] = replica
@@ -461,6 +474,35 @@ class Controller:
             if rec.placed < rec.desired and model not in self._qualifying
         ]
         self._qualifying.update(placement.qualifying_nodes_by_model(snap, new_waiting))
+
+    def _still_placeable(
+        self, creates: list[records.Replica], now: Instant
+    ) -> list[records.Replica]:
+        """A plan made from the pass's instant holds only while that instant is recent: a
+        pass that took long (60 s once gave 660 replicas to a node dead for 61 s) judges
+        the chosen nodes again, now, and leaves a replica whose node is no longer ready to
+        the next pass, which places it elsewhere."""
+        later = self.clock.monotonic()
+        took = later - now.monotonic
+        if not creates or took <= self.settings.recheck_after:
+            return creates
+        phases = self.phases(later)
+        kept = []
+        for r in creates:
+            gone = [m.node for m in r.members if phases.get(m.node) != "ready"]
+            if gone:
+                log.warning(
+                    "the pass took %.1f s: not placing %s %s on %s, no longer ready; the next "
+                    "pass places it",
+                    took,
+                    r.model,
+                    r.rid,
+                    ", ".join(gone),
+                )
+                self._pass_due = True
+            else:
+                kept.append(r)
+        return kept
 
     async def _write_fabrics(self, view: dict[str, records.FabricHoldings]) -> None:
         for name, holdings in view.items():
@@ -597,7 +639,13 @@ class Controller:
             old = self.view.placements.get(model)
             if old is not None and _same_decision(old, rec):
                 continue
-            await self._put(keys.placement(model), rec)
+            try:
+                await self._put(keys.placement(model), rec)
+            except ValueTooLarge:
+                # the record is wrong, not the link: said as the bug it is, the other
+                # models' records still written, and nodes still judged
+                log.exception("bug: the placement record of %s is too large to write", model)
+                continue
             self.view.placements[model] = rec
             if rec.explanation:
                 log.info("%s: %d/%d placed; %s", model, rec.placed, rec.desired, rec.explanation)

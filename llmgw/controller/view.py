@@ -32,6 +32,7 @@ class View:
     placements: dict[str, records.PlacementRecord] = field(default_factory=dict)
     leader: records.Leader | None = None
     leader_rev: int = 0
+    skipped: trust.SkippedValues = field(default_factory=trust.SkippedValues)
 
     def apply(self, key: str, data: bytes | None, revision: int) -> str | None:
         """Apply one change; returns the key family it touched (None: not ours)."""
@@ -45,12 +46,7 @@ class View:
             value = None if data is None else self._decode(prefix, ids, data)
         except catalog.UNREADABLE as e:
             self.invalid[key] = str(e)
-            log.warning(
-                "skipping %s (revision %d): %s; fix it or remove it with `nats kv del` ",
-                key,
-                revision,
-                e,
-            )
+            self.skipped.skipped(log, key, revision, str(e))
             value = None
             if prefix in (keys.REPLICAS, keys.DESIRED):
                 # keep the last valid value: a replica's engines are still running, and a

@@ -246,4 +246,4 @@ class Router:
                         len(self.table.served_names()),
                     )
                 continue
-            self.table.apply(item.key, item.value)
+            self.table.apply(item.key, item.value, item.revision)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from llmgw import catalog
-from llmgw.bus import keys, records
+from llmgw.bus import keys, records, trust
 from llmgw.router.upstream import authority
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class EndpointTable:
         static_key: Callable[[catalog.Model], str | None] = lambda model: None,
     ) -> None:
         self._fleet_auth = bearer(engine_key)  # for the fleet's own engines only
+        self.skipped = trust.SkippedValues()
         self._static_key = static_key
         self.models: dict[str, catalog.Model] = {}
         self.replicas: dict[tuple[str, str], records.Replica] = {}  # (model, rid)
@@ -116,7 +117,7 @@ class EndpointTable:
 
     # --- feeding it ---------------------------------------------------------------------
 
-    def apply(self, key: str, data: bytes | None) -> None:
+    def apply(self, key: str, data: bytes | None, revision: int = 0) -> None:
         """One bucket change: `data` None means the key is gone."""
         parsed = keys.parse(key)
         if parsed is None:
@@ -126,11 +127,12 @@ class EndpointTable:
             self._apply(prefix, ids, data)
         except catalog.UNREADABLE as e:
             kept = prefix in (keys.CATALOG, keys.REPLICAS)
-            log.warning(
-                "router: %s does not decode (%s); %s; fix it or remove it with `nats kv del`",
+            self.skipped.skipped(
+                log,
                 key,
-                str(e).replace("\n", " "),
-                "keeping its last good value" if kept else "treating it as absent",
+                revision,
+                str(e).replace("\n", " ")
+                + ("; the router keeps its last good value" if kept else ""),
             )
             if not kept:
                 self._apply(prefix, ids, None)

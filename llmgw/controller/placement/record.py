@@ -8,6 +8,31 @@ from llmgw.bus.records import PlacementRecord
 from llmgw.controller.placement import explain
 from llmgw.controller.placement.explain import Blocked, Refusal
 
+# A model's record is bounded by construction, whatever the model asks for: its lines per
+# replica stop here (each replica's own key says where it went and why), and its text too.
+# With the catalog's 64 profiles a model, its refusals are at most a line per profile and
+# reason. 8,000 replicas made a 1.1 MB record, over the bucket's value limit: every pass
+# then failed writing it.
+MAX_DECISION_LINES = 50
+MAX_EXPLANATION = 4_000
+
+
+def bounded_lines(lines: list[str]) -> list[str]:
+    if len(lines) <= MAX_DECISION_LINES:
+        return lines
+    more = len(lines) - (MAX_DECISION_LINES - 1)
+    return [
+        *lines[: MAX_DECISION_LINES - 1],
+        f"... and {more} more (each replica's own key, replicas.<model>.<rid>, says where it "
+        "is and why)",
+    ]
+
+
+def bounded_text(text: str) -> str:
+    if len(text) <= MAX_EXPLANATION:
+        return text
+    return text[: MAX_EXPLANATION - 40].rstrip() + " ... (cut: `refused` holds every reason)"
+
 
 @dataclass(frozen=True, slots=True)
 class ModelRecord:
@@ -46,9 +71,9 @@ class ModelRecord:
         return self._done(rec, decisions)
 
     def _done(self, rec: PlacementRecord, decisions: list[str]) -> PlacementRecord:
-        rec.explanation = explain.render(rec)
+        rec.explanation = bounded_text(explain.render(rec))
         rec.decided_at = self.now
-        rec.decisions = decisions
+        rec.decisions = bounded_lines(decisions)
         return rec
 
 
