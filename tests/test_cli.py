@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
-import logging
 import time
 import tomllib
 from pathlib import Path
