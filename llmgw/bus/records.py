@@ -292,6 +292,10 @@ class Shard(msgspec.Struct, kw_only=True):
     output_tail: list[str] = []
     restarts: int = 0
     pid: int | None = None
+    # the agent stopped restarting this engine: it failed to start `restarts` times in a
+    # row within the agent's window (its supervisor's FATAL state); phase is "failed", and
+    # the controller moves the replica elsewhere (docs/engines.md, docs/placement.md)
+    gave_up: bool = False
 
 
 # --- fabrics.<fabric>: the per-fabric weights view, written by the controller
