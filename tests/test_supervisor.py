@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -327,8 +328,8 @@ def test_a_restarted_agent_stops_engines_left_by_the_one_before(bins, tmp_path):
         assert not psutil.pid_exists(leftover.pid)
         assert stranger.poll() is None
         assert messages == [
-            f"killed (ignored SIGTERM) leftover engine for shard r1 (pid {leftover.pid}, "
-            f"port {spec_port}, GPUs GPU-1) from an earlier agent"
+            f"killed (it ignored SIGTERM) engine for shard r1 (pid {leftover.pid}, "
+            f"port {spec_port}, GPUs GPU-1) left by an earlier agent: not adopted"
         ]
         assert list((state / "engines").iterdir()) == []
     finally:
@@ -355,9 +356,116 @@ def test_workers_of_an_engine_whose_leader_died_are_reaped(bins, tmp_path):
         leader.wait()
         assert psutil.pid_exists(worker)  # orphaned, still holding its GPU memory
         messages = reap_leftover_engines(state, grace=2)
-        assert messages[0].startswith("stopped leftover engine for shard r1")
+        assert messages[0].startswith("stopped engine for shard r1")
         assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == "zombie"
     finally:
         if leader.poll() is None:
             leader.kill()
             leader.wait()
+
+
+# --- named states: give up, leave running, adopt --------------------------------------------
+
+
+def test_the_restart_policy_backs_off_gives_up_and_starts_over_after_serving():
+    from llmgw.agent.supervisor import RestartPolicy
+
+    policy = RestartPolicy(base=1, cap=4, stable_after=60, max_failed_starts=4)
+    assert [policy.after_exit(None) for _ in range(3)] == [1, 2, 4]
+    assert policy.after_exit(5.0) is None  # the 4th in a row: served 5 s, not 60
+    policy = RestartPolicy(base=1, cap=4, stable_after=60, max_failed_starts=4)
+    policy.after_exit(None)
+    policy.after_exit(None)
+    assert policy.after_exit(120.0) == 1  # it served two minutes first: a new problem
+
+
+async def test_an_engine_that_keeps_failing_to_start_is_given_up_on(bins, tmp_path, monkeypatch):
+    """It restarted for ever: supervisord's FATAL after N failed starts in a row, which is
+    what the controller's crash-loop rule reads (records.Shard.gave_up)."""
+    spec = llama(bins, tmp_path, monkeypatch, FAKE_ENGINE_FAIL_LOAD="CUDA error: no kernel image")
+    rec = Recorder()
+    timing = SupervisorTiming(**{**FAST.__dict__, "max_failed_starts": 3})
+    sup = supervisor(spec, tmp_path, rec, timing)
+    with anyio.fail_after(30):
+        await sup.run()  # returns by itself
+    last = rec.changes[-1]
+    assert last.phase == "failed" and last.gave_up
+    assert "gave up after 3 failed starts in a row" in last.reason
+    assert any("CUDA error: no kernel image" in line for line in last.tail)
+    assert sup.restarts == 2 and sup.state.value == "fatal"
+    assert not pidfile_path(tmp_path / "state", "r1").exists()
+
+
+async def test_an_engine_left_running_is_adopted_by_the_next_supervisor(
+    bins, tmp_path, monkeypatch
+):
+    from llmgw.agent.engines.pidfile import leftover_engines
+
+    spec = llama(bins, tmp_path, monkeypatch)
+    rec = Recorder()
+    first = supervisor(spec, tmp_path, rec)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(first.run)
+        ready = await rec.reached("ready")
+        first.leave_running()  # the agent is being restarted
+        tg.cancel_scope.cancel()
+    assert first.state.value == "left"
+    assert psutil.pid_exists(ready.pid) and not group_gone(ready.pid)  # still serving
+    (record,), notes = leftover_engines(tmp_path / "state")
+    assert record.pid == ready.pid and notes == []
+    assert (await _stream(spec, max_tokens=2))[-1] == "[DONE]"
+
+    rec2 = Recorder()
+    second = EngineSupervisor(
+        spec,
+        shard="r1",
+        on_phase=rec2,
+        log_path=tmp_path / "logs" / "r1.log",
+        state_dir=tmp_path / "state",
+        timing=FAST,
+        adopt=record,
+    )
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(second.run)
+        adopted = await rec2.reached("ready")
+        assert rec2.phases == ["ready"]  # no start, no load: the same engine serves on
+        assert adopted.pid == ready.pid
+        os.killpg(ready.pid, signal.SIGKILL)  # it dies: noticed without being its parent
+        restarted = await rec2.reached("starting")
+        assert "adopted from an earlier agent: exit status not known" in next(
+            c.reason for c in rec2.changes if c.phase == "failed"
+        )
+        with anyio.fail_after(20):
+            while rec2.phases.count("ready") < 2:
+                await anyio.sleep(0.05)
+        new = rec2.changes[-1]
+        assert new.phase == "ready" and new.pid != ready.pid and restarted.phase == "starting"
+        await second.stop()
+    assert group_gone(new.pid)
+
+
+async def test_an_engine_run_under_a_launcher_is_recorded_by_its_own_command(
+    bins, tmp_path, monkeypatch
+):
+    """Under systemd the engine runs as `systemd-run --scope ... -- ENGINE`, which execs the
+    engine: the pidfile keeps the engine's command, which is what /proc shows and what
+    the next agent compares with its assignment's. `env` stands in for systemd-run here."""
+    from llmgw.agent.engines.pidfile import leader_alive, leftover_engines
+
+    spec = llama(bins, tmp_path, monkeypatch)
+    rec = Recorder()
+    sup = EngineSupervisor(
+        spec,
+        shard="r1",
+        on_phase=rec,
+        log_path=tmp_path / "logs" / "r1.log",
+        state_dir=tmp_path / "state",
+        timing=FAST,
+        launch_prefix=["env", "--"],
+    )
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        await rec.reached("ready")
+        (record,), _ = leftover_engines(tmp_path / "state")
+        assert record.argv == sup.command.argv and leader_alive(record)
+        await sup.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from llmgw.agent.engines.output import EngineLog, OutputTail
@@ -31,14 +32,29 @@ def test_broken_utf8_is_replaced_not_fatal():
     assert tail.lines() == ["café \ufffd"]
 
 
-def test_shard_log_rotates_once_past_its_size(tmp_path: Path):
+def test_shard_log_rotates_once_past_its_size_while_the_engine_keeps_appending(tmp_path: Path):
     log = EngineLog(tmp_path / "r1.log", max_bytes=10)
-    log.open()
-    log.write(b"0123456789AB")
-    log.write(b"new")
-    log.close()
+    fd = log.open_for_engine()  # what the engine writes to, as its stdout
+    os.write(fd, b"0123456789AB")
+    assert log.rotate_if_large()
+    os.write(fd, b"new\n")  # O_APPEND: at the new end, no hole of 12 zero bytes
+    os.close(fd)
     assert (tmp_path / "r1.log.1").read_bytes() == b"0123456789AB"
-    assert (tmp_path / "r1.log").read_bytes() == b"new"
+    assert (tmp_path / "r1.log").read_bytes() == b"new\n"
+
+
+def test_the_tail_is_read_from_the_file_from_where_this_run_began(tmp_path: Path):
+    log = EngineLog(tmp_path / "r1.log")
+    log.write(b"an earlier run\n")
+    since = log.size()
+    log.write(b"=== llmgw starting\nloading\nCUDA error: out of memory\n")
+    # the agent's own lines are left out: the tail is what the engine said
+    assert log.tail(since) == ["loading", "CUDA error: out of memory"]
+    assert log.tail(10**9) == [  # truncated since: read from the start
+        "an earlier run",
+        "loading",
+        "CUDA error: out of memory",
+    ]
 
 
 def test_exit_descriptions_name_the_signal_and_the_oom_suspect():

@@ -15,6 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -75,6 +76,16 @@ class Engines(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     stop_grace: float = 10.0  # SIGTERM, then SIGKILL after this
     backoff_base: float = 1.0  # restart delays after a crash: base, 2x, 4x ... up to the cap
     backoff_cap: float = 60.0
+    # failed starts in a row (exits before serving a minute) before the agent gives up on
+    # an engine; the controller then places the replica elsewhere
+    max_failed_starts: int = 5
+    # under systemd, each engine in a scope of its own, so that the agent's unit can be
+    # stopped or restarted without killing it: auto (when run by systemd), always, never
+    own_scope: Literal["auto", "always", "never"] = "auto"
+    # what an exiting agent does with its engines: keep-on-restart (a systemd restart
+    # leaves them serving for the next agent; a stop, Ctrl-C or a plain SIGTERM stops
+    # them), keep (always leave them), stop (always stop them)
+    on_agent_exit: Literal["keep-on-restart", "keep", "stop"] = "keep-on-restart"
     poll_interval: float = 1.0
     # a file holding the key engines are started with (llama-server's and vLLM's API key);
     # routers are given the same file. Never in the bucket: every identity can read that.
@@ -178,6 +189,7 @@ RANGES: dict[str, Range] = {
     "engines.stop_grace": Range(0, 3600, "seconds", low_ok=True),
     "engines.backoff_base": Range(0, 3600, "seconds"),
     "engines.backoff_cap": Range(0, DAY, "seconds"),
+    "engines.max_failed_starts": Range(0, 1000, "starts"),
     "engines.poll_interval": Range(0, 3600, "seconds"),
 }
 

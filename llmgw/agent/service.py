@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -33,6 +34,7 @@ from llmgw.agent import inventory
 from llmgw.agent.certificate import CertificateError, check_tls_files
 from llmgw.agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_config
 from llmgw.agent.discovery.weights.scan import weights_equal_for_resend
+from llmgw.agent.lifetime import leave_engines_now
 from llmgw.agent.shards import NodeShards
 from llmgw.agent.weights import WeightsScanner, stuck_scan
 from llmgw.bus import keys, records
@@ -41,7 +43,6 @@ from llmgw.bus.errors import BusSettingsError
 from llmgw.errors import stated
 from llmgw.keyfiles import read_key
 from llmgw.logs import setup_logging
-from llmgw.shutdown import cancel_on_signal
 
 log = logging.getLogger("llmgw.agent.service")  # also when run as __main__
 
@@ -78,6 +79,7 @@ class Agent:
         self.started_at = time.time()
         self.bus: Bus | None = None
         self.inventory: records.NodeInventory | None = None
+        self.shards: NodeShards | None = None  # once running: its replicas on this node
         self._written: records.NodeInventory | None = None
         self._write_lock = anyio.Lock()
         self._seq = 0
@@ -136,7 +138,7 @@ class Agent:
                 tg.start_soon(self._heartbeats)
                 tg.start_soon(self._engine_probes)
                 tg.start_soon(self._weights_scans)
-                shards = NodeShards(
+                shards = self.shards = NodeShards(
                     self.bus, cfg, lambda: self.inventory, engine_api_key=engine_key
                 )
                 tg.start_soon(shards.run)
@@ -324,9 +326,24 @@ async def _in_daemon_thread(fn: Callable[..., T], *args: object) -> T:
 
 async def run_until_signalled(agent: Agent) -> None:
     async with anyio.create_task_group() as tg:
-        tg.start_soon(cancel_on_signal, tg.cancel_scope)
+        tg.start_soon(_exit_on_signal, agent, tg.cancel_scope)
         await agent.run()
         tg.cancel_scope.cancel()
+
+
+async def _exit_on_signal(agent: Agent, scope: anyio.CancelScope) -> None:
+    """SIGTERM or SIGINT: decide whether the engines outlive this agent (llmgw/agent/
+    lifetime.py: a systemd restart leaves them for the next agent), then stop."""
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for sig in signals:
+            leave, why = await anyio.to_thread.run_sync(
+                leave_engines_now, agent.cfg.engines.on_agent_exit, sig
+            )
+            log.info("%s: stopping; %s", signal.Signals(sig).name, why)
+            if leave and agent.shards is not None:
+                agent.shards.leave_engines_running()
+            scope.cancel()
+            return
 
 
 # sysexits.h EX_CONFIG: the config or a file it names cannot work, and restarting will not

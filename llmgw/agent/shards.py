@@ -15,6 +15,8 @@ import dataclasses
 import logging
 import math
 import operator
+import os
+import shutil
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,9 +27,16 @@ import anyio
 
 from llmgw import catalog
 from llmgw.agent.config import AgentConfig
+from llmgw.agent.engines import adapter_for
 from llmgw.agent.engines.base import LaunchSpec
-from llmgw.agent.engines.pidfile import reap_leftover_engines
+from llmgw.agent.engines.pidfile import (
+    EngineProcess,
+    leader_alive,
+    leftover_engines,
+    stop_engine,
+)
 from llmgw.agent.engines.validate import NodeFacts, Problem, validate_launch
+from llmgw.agent.lifetime import own_scope
 from llmgw.agent.supervisor import EngineSupervisor, PhaseChange, SupervisorTiming
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, Synced, decoder
@@ -61,6 +70,7 @@ class ThisNode:
             poll_interval=e.poll_interval,
             backoff_base=e.backoff_base,
             backoff_cap=e.backoff_cap,
+            max_failed_starts=e.max_failed_starts,
             stop_grace=e.stop_grace,
             cancel_grace=0.7,
             drain_timeout=e.drain_timeout,
@@ -82,6 +92,22 @@ class ThisNode:
             return None, [Problem(f"model {a.model} has no profile {a.profile!r} in the catalog")]
         spec = launch_spec(self.cfg, self.inventory(), entry.value, profile, a)
         return dataclasses.replace(spec, api_key=self.engine_api_key), []
+
+    def launch_prefix(self, rid: str, generation: int) -> list[str]:
+        """What the engine's command line is run under: under systemd, a scope of its own
+        in llmgw-engines.slice, so that stopping or restarting the agent's unit (which
+        kills what is left in its cgroup) leaves the engine alone (docs/engines.md)."""
+        if not own_scope(self.cfg.engines.own_scope, os.environ, shutil.which("systemd-run")):
+            return []
+        return [
+            "systemd-run",
+            "--scope",
+            "--quiet",
+            "--collect",
+            f"--unit=llmgw-engine-{rid}-{generation}",
+            "--slice=llmgw-engines.slice",
+            "--",
+        ]
 
     async def put(self, shard: records.Shard) -> None:
         try:
@@ -107,13 +133,30 @@ class NodeShards:
         self.node = ThisNode(bus, cfg, inventory, engine_api_key)
         self._shards: dict[str, LocalShard] = {}
         self._tg: anyio.abc.TaskGroup | None = None
+        # engines an earlier agent left running, by rid, until adopted or stopped
+        self._leftovers: dict[str, EngineProcess] = {}
+
+    def leave_engines_running(self) -> None:
+        """The agent is being restarted: its engines serve on, and the next agent adopts
+        them (call before cancelling `run`)."""
+        for shard in self._shards.values():
+            if shard.engine is not None:
+                shard.engine.supervisor.leave_running()
 
     async def run(self) -> None:
-        # An earlier agent killed hard may have left engines holding GPUs and ports: stop
-        # them before launching anything, so nothing runs twice.
-        reaped = await anyio.to_thread.run_sync(reap_leftover_engines, self.node.state_dir, 10.0)
-        for line in reaped:
+        # An earlier agent (restarted, or killed hard) may have left engines running: each
+        # is adopted by its replica if it still matches the assignment, and stopped
+        # otherwise, before anything is launched on its GPUs or port.
+        found, notes = await anyio.to_thread.run_sync(leftover_engines, self.node.state_dir)
+        for line in notes:
             log.warning("%s", line)
+        self._leftovers = {r.rid: r for r in found}
+        if found:
+            log.info(
+                "found %d engine(s) left by an earlier agent: %s",
+                len(found),
+                ", ".join(f"{r.rid} (pid {r.pid})" for r in found),
+            )
         bus = self.node.bus
         bus.on_reconnected(self.report_all)
         async with anyio.create_task_group() as tg:
@@ -123,8 +166,10 @@ class NodeShards:
             ):
                 if isinstance(item, Synced):
                     # (re)read all assignments: shard records of replicas that were removed
-                    # while this agent was down or cut off have no owner left but us
+                    # while this agent was down or cut off have no owner left but us; and
+                    # left engines no assignment claims go
                     tg.start_soon(self._remove_stale_shards)
+                    tg.start_soon(self._stop_unclaimed_leftovers)
                     continue
                 self._assigned(item.key.rsplit(".", 1)[1], item.value)
 
@@ -138,7 +183,9 @@ class NodeShards:
         if shard is None or shard.state is ShardState.GONE:
             if want is None:
                 return  # nothing here to stop or forget
-            shard = LocalShard(rid, self.node, self._wait_for_overlapping_engines)
+            shard = LocalShard(
+                rid, self.node, self._wait_for_overlapping_engines, self._claim_leftover
+            )
             self._shards[rid] = shard
             assert self._tg is not None
             self._tg.start_soon(self._run_shard, shard)
@@ -150,6 +197,17 @@ class NodeShards:
         finally:
             if self._shards.get(shard.rid) is shard:
                 del self._shards[shard.rid]
+
+    def _claim_leftover(self, rid: str) -> EngineProcess | None:
+        return self._leftovers.pop(rid, None)
+
+    async def _stop_unclaimed_leftovers(self) -> None:
+        for rid in [r for r in self._leftovers if r not in self._shards]:
+            record = self._leftovers.pop(rid)
+            line = await anyio.to_thread.run_sync(
+                stop_engine, self.node.state_dir, record, "no assignment names it any more"
+            )
+            log.warning("%s", line)
 
     async def _remove_stale_shards(self) -> None:
         bus, node = self.node.bus, self.node.name
@@ -210,8 +268,15 @@ class LocalShard:
     it, its shard record and the loop that reconciles them. `assign()` from the watch,
     `run()` in a task group until the replica is gone from this node (state GONE)."""
 
-    def __init__(self, rid: str, node: ThisNode, wait_for_room: WaitForRoom) -> None:
+    def __init__(
+        self,
+        rid: str,
+        node: ThisNode,
+        wait_for_room: WaitForRoom,
+        claim_leftover: Callable[[str], EngineProcess | None] = lambda rid: None,
+    ) -> None:
         self.rid = rid
+        self._claim_leftover = claim_leftover
         self.node = node
         self.wanted: records.Assignment | None = None
         self.engine: _Engine | None = None
@@ -303,6 +368,22 @@ class LocalShard:
                 return False
             await self._stop(running, drain=True)
         self._to(ShardState.LAUNCHING)
+        leftover = self._claim_leftover(self.rid)
+        if leftover is not None:
+            if spec is not None and await self._adoptable(leftover, want, spec):
+                log.info(
+                    "%s %s: adopted the engine an earlier agent left (pid %d)",
+                    want.model,
+                    self.rid,
+                    leftover.pid,
+                )
+                self._start(want, spec, adopt=leftover)
+                return False
+            why = "it no longer matches its assignment (generation or command line)"
+            line = await anyio.to_thread.run_sync(
+                stop_engine, self.node.state_dir, leftover, why, self.node.cfg.engines.stop_grace
+            )
+            log.warning("%s", line)
         if spec is not None:
             await self._wait_for_room(self.rid, spec)
         await self._report(want, "validating")
@@ -322,7 +403,21 @@ class LocalShard:
         self._start(want, spec)
         return False
 
-    def _start(self, want: records.Assignment, spec: LaunchSpec) -> None:
+    async def _adoptable(
+        self, leftover: EngineProcess, want: records.Assignment, spec: LaunchSpec
+    ) -> bool:
+        """An engine left by an earlier agent serves this assignment when it was started
+        for this generation, with the command line this assignment asks for now, and its
+        first process is still that command (read back from /proc)."""
+        if leftover.generation != want.generation:
+            return False
+        if leftover.argv != adapter_for(spec.engine).command(spec).argv:
+            return False
+        return await anyio.to_thread.run_sync(leader_alive, leftover)
+
+    def _start(
+        self, want: records.Assignment, spec: LaunchSpec, *, adopt: EngineProcess | None = None
+    ) -> None:
         log_dir = self.node.state_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -336,6 +431,7 @@ class LocalShard:
                 tail=change.tail if change.phase == "failed" else [],
                 restarts=change.restarts,
                 pid=change.pid,
+                gave_up=change.gave_up,
             )
 
         supervisor = EngineSupervisor(
@@ -345,6 +441,9 @@ class LocalShard:
             log_path=log_dir / f"{self.rid}.log",
             state_dir=self.node.state_dir,
             timing=self.node.timing(),
+            adopt=adopt,
+            generation=want.generation,
+            launch_prefix=self.node.launch_prefix(self.rid, want.generation),
         )
         engine = _Engine(want, spec, supervisor)
         self.engine = engine
@@ -400,6 +499,7 @@ class LocalShard:
         tail: list[str] | None = None,
         restarts: int | None = None,
         pid: int | None = None,
+        gave_up: bool = False,
     ) -> None:
         inv = self.node.inventory()
         old = self.record
@@ -418,6 +518,7 @@ class LocalShard:
                 tail=tail or (),
                 restarts=restarts,
                 pid=pid,
+                gave_up=gave_up,
             ),
         )
         self.record = shard
@@ -511,6 +612,7 @@ class ShardEvent:
     tail: Sequence[str] = ()
     restarts: int | None = None
     pid: int | None = None
+    gave_up: bool = False
 
 
 def next_shard(old: records.Shard | None, event: ShardEvent) -> records.Shard:
@@ -547,6 +649,7 @@ def next_shard(old: records.Shard | None, event: ShardEvent) -> records.Shard:
         output_tail=list(event.tail),
         restarts=restarts,
         pid=pid,
+        gave_up=event.gave_up,
     )
 
 

@@ -1,16 +1,24 @@
 """Run one engine process for one shard and say what it is doing.
 
-The supervisor starts the adapter's command in its own session (so the whole
-process tree, vLLM's workers included, is one group to signal), keeps the output
-tail and a log file, reports every phase through `on_phase`, restarts a failed
-engine with capped exponential backoff, drains before stopping, and never leaves a
-process behind: stop, drain and cancellation all end with the group gone.
+The supervisor starts the adapter's command in its own session (so the whole process
+tree, vLLM's workers included, is one group to signal) with its output going straight
+into the shard's log file, reports every phase through `on_phase`, restarts an engine that
+exits with capped exponential backoff, gives up on one that keeps failing to start
+(FATAL: the controller then moves the replica), and drains before stopping.
+
+What it does follows from one named state (`EngineState`, supervisord's names), and the
+restart decisions from one small pure policy (`RestartPolicy`) tested with time passed
+in. An engine outlives its supervisor only when told to (`leave_running()`: the agent is
+being restarted, and its successor adopts the engine instead of loading the model again);
+otherwise stop, drain and cancellation all end with the group gone.
 
 Validation is the caller's step before this one (`engines.validate.validate_launch`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import signal
@@ -18,20 +26,38 @@ import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Literal
 
 import aiohttp
 import anyio
-from anyio.abc import Process
 
 from llmgw.agent.engines import EngineAdapter, EngineCommand, LaunchSpec, Probe, adapter_for
-from llmgw.agent.engines.output import EngineLog, OutputTail
-from llmgw.agent.engines.pidfile import new_record, remove_pidfile, write_pidfile
+from llmgw.agent.engines.output import EngineLog
+from llmgw.agent.engines.pidfile import EngineProcess, new_record, remove_pidfile, write_pidfile
+from llmgw.clock import Clock, SystemClock
 
 log = logging.getLogger(__name__)
 
+# what the shard record says (its phase); the supervisor's own state is EngineState
 SupervisorPhase = Literal["starting", "loading", "ready", "draining", "stopped", "failed"]
+
+
+class EngineState(Enum):
+    """What the supervisor is doing with its engine; every decision reads this."""
+
+    IDLE = "idle"  # not started yet
+    STARTING = "starting"  # launched (or adopted), not ready yet
+    RUNNING = "running"  # ready: it serves
+    BACKOFF = "backoff"  # it exited; starts again after a delay
+    STOPPING = "stopping"  # draining or stopping on request
+    EXITED = "exited"  # stopped on request: done
+    FATAL = "fatal"  # failed to start too often in a row: done, the controller moves it
+    LEFT = "left"  # left running for the next agent to adopt: done, the engine is not
+
+
+_DONE = frozenset({EngineState.EXITED, EngineState.FATAL, EngineState.LEFT})
 
 
 @dataclass(frozen=True)
@@ -42,6 +68,7 @@ class PhaseChange:
     restarts: int  # restarts so far (0 on the first start)
     pid: int | None
     at: float = field(default_factory=time.time)
+    gave_up: bool = False  # FATAL: no restart will follow
 
 
 OnPhase = Callable[[PhaseChange], Awaitable[None]]
@@ -53,16 +80,47 @@ class SupervisorTiming:
     poll_interval: float = 1.0  # readiness probes
     backoff_base: float = 1.0
     backoff_cap: float = 60.0
-    stable_after: float = 60.0  # ready this long resets the backoff
+    stable_after: float = 60.0  # ready this long resets the backoff and the failed starts
+    # failed starts in a row (exits before serving `stable_after`) before it gives up
+    max_failed_starts: int = 5
     stop_grace: float = 10.0  # SIGTERM, then SIGKILL after this
     cancel_grace: float = 5.0  # same, when the supervisor itself is cancelled (agent exit)
     drain_timeout: float = 300.0
     drain_poll: float = 1.0
     probe_timeout: float = 5.0
+    log_check: float = 30.0  # how often the log file's size is checked for rotation
+
+
+@dataclass
+class RestartPolicy:
+    """After an exit: how long until the next start, or give up. Pure; time passed in.
+
+    A failed start is an exit before the engine served `stable_after` seconds. The delay
+    doubles with every one in a row, up to the cap; `max_failed_starts` in a row give up
+    (a broken GPU, a profile that cannot load there: restarting for ever hides it, the
+    controller can place the replica elsewhere). An engine that served long enough before
+    it exited starts over: that is a new problem, not the same one again."""
+
+    base: float
+    cap: float
+    stable_after: float
+    max_failed_starts: int
+    failed_in_a_row: int = 0
+
+    def after_exit(self, served_for: float | None) -> float | None:
+        """`served_for`: seconds it was ready before it exited (None: never ready). The
+        delay before the next start, or None: give up."""
+        if served_for is not None and served_for >= self.stable_after:
+            self.failed_in_a_row = 0
+        self.failed_in_a_row += 1
+        if self.failed_in_a_row >= self.max_failed_starts:
+            return None
+        return min(self.base * 2 ** (self.failed_in_a_row - 1), self.cap)
 
 
 class EngineSupervisor:
-    """`await run()` in a task group; `drain()` / `stop()` from elsewhere; cancel = kill."""
+    """`await run()` in a task group; `drain()` / `stop()` from elsewhere; cancel = kill,
+    unless `leave_running()` was called first."""
 
     def __init__(
         self,
@@ -74,6 +132,10 @@ class EngineSupervisor:
         state_dir: Path | None = None,
         timing: SupervisorTiming | None = None,
         adapter: EngineAdapter | None = None,
+        clock: Clock | None = None,
+        adopt: EngineProcess | None = None,
+        generation: int = 0,
+        launch_prefix: list[str] | None = None,
     ) -> None:
         self.spec = spec
         self.shard = shard
@@ -81,58 +143,102 @@ class EngineSupervisor:
         self.adapter = adapter or adapter_for(spec.engine)
         self.command: EngineCommand = self.adapter.command(spec)
         self.state_dir = state_dir
+        self.generation = generation
+        # e.g. `systemd-run --scope ...`: the engine in a cgroup of its own (docs/engines.md)
+        self._prefix = list(launch_prefix or [])
         self._on_phase = on_phase
         self._log = EngineLog(log_path)
-        self._tail = OutputTail()
+        self._log_from = 0  # where this run's output begins in the log
+        self._clock = clock or SystemClock()
+        self._policy = RestartPolicy(
+            self.timing.backoff_base,
+            self.timing.backoff_cap,
+            self.timing.stable_after,
+            self.timing.max_failed_starts,
+        )
+        self._adopt = adopt
+        self.state = EngineState.IDLE
         self.phase: SupervisorPhase | None = None
         self.restarts = 0
         self.restart_delays: list[float] = []  # the backoff chosen before each restart
         self.pid: int | None = None
-        self._proc: Process | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._group_alive = False
         self._ready_at: float | None = None
-        self._failures_in_a_row = 0
         self._stop_requested = anyio.Event()
+        self._leave = False
         self._draining = False
         self._running = False
         self._done = anyio.Event()
         self._http: aiohttp.ClientSession | None = None
-        self._pumped = anyio.Event()
 
     # --- public --------------------------------------------------------------------
 
     def tail(self) -> list[str]:
-        return self._tail.lines()
+        return self._log.tail(self._log_from)
+
+    @property
+    def adopted(self) -> bool:
+        return self._adopt is not None
+
+    def leave_running(self) -> None:
+        """The agent is being restarted: when this supervisor is cancelled, its engine
+        keeps serving, its pidfile stays, and the next agent adopts it."""
+        self._leave = True
 
     async def run(self) -> None:
-        """Start the engine and keep it running until stopped, drained or cancelled."""
+        """Start (or adopt) the engine and keep it running until it is stopped, drained,
+        given up on, or the supervisor is cancelled."""
         self._running = True
         timeout = aiohttp.ClientTimeout(total=self.timing.probe_timeout)
         try:
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 self._http = http
                 while not self._stop_requested.is_set():
-                    failure = await self._run_once()
+                    if self._adopt is not None:
+                        record, self._adopt = self._adopt, None
+                        failure = await self._watch_adopted(record)
+                    else:
+                        failure = await self._run_once()
                     if failure is None or self._stop_requested.is_set():
                         break
-                    delay = self._next_delay()
+                    served = (
+                        None if self._ready_at is None else self._clock.monotonic() - self._ready_at
+                    )
+                    delay = self._policy.after_exit(served)
+                    if delay is None:
+                        self.state = EngineState.FATAL
+                        n = self._policy.failed_in_a_row
+                        await self._report(
+                            "failed",
+                            f"{failure}; gave up after {n} failed starts in a row",
+                            gave_up=True,
+                        )
+                        return
                     self.restarts += 1
                     self.restart_delays.append(delay)
+                    self.state = EngineState.BACKOFF
                     await self._report(
                         "failed", f"{failure}; restart {self.restarts} in {delay:g} s"
                     )
                     with anyio.move_on_after(delay):
                         await self._stop_requested.wait()
+            self.state = EngineState.EXITED
             await self._report("stopped", "stopped on request")
         finally:
-            # cancelled (agent exiting) or done: the process group must not outlive us
             with anyio.CancelScope(shield=True):
-                await self._terminate(self.timing.cancel_grace)
-                if self._proc is not None:
-                    with anyio.move_on_after(5):
-                        await self._proc.aclose()
-                self._log.close()
-                self._forget_pidfile()
+                if self._leave and self._group_alive:
+                    # the engine serves on; its pidfile says where to find it
+                    self.state = EngineState.LEFT
+                    log.info("%s: left running (pid %s) for the next agent", self.shard, self.pid)
+                else:
+                    # cancelled (agent exiting) or done: the process group must not outlive us
+                    if self.state not in _DONE:
+                        self.state = EngineState.EXITED
+                    await self._terminate(self.timing.cancel_grace)
+                    self._forget_pidfile()
+                if self._proc is not None and self.state is not EngineState.LEFT:
+                    self._proc.poll()  # collected if it exited
             self._done.set()
 
     async def drain(self, timeout: float | None = None) -> None:
@@ -140,6 +246,7 @@ class EngineSupervisor:
         if self._done.is_set() or self._stop_requested.is_set():
             return await self.stop()
         self._draining = True
+        self.state = EngineState.STOPPING
         await self._report("draining", "waiting for in-flight requests")
         if self.phase_was_ready and self.command.base_url:
             with anyio.move_on_after(
@@ -152,6 +259,9 @@ class EngineSupervisor:
 
     async def stop(self) -> None:
         """SIGTERM the engine's group, SIGKILL after the grace period; returns when gone."""
+        self._leave = False  # a stop asked for is a stop, whatever was said before
+        if self.state not in _DONE:
+            self.state = EngineState.STOPPING
         self._stop_requested.set()
         if self._running:
             await self._done.wait()
@@ -160,49 +270,58 @@ class EngineSupervisor:
     def phase_was_ready(self) -> bool:
         return self._ready_at is not None
 
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
     # --- one engine process --------------------------------------------------------
 
     async def _run_once(self) -> str | None:
         """Run the engine until it exits; the failure reason, or None when stopped."""
         self._ready_at = None
-        self._tail.clear()
+        self.state = EngineState.STARTING
         await self._report("starting", " ".join(self.command.argv))
+        argv = self._prefix + self.command.argv
         try:
-            self._log.open()
-        except OSError as e:
-            return (
-                f"cannot open engine log {self._log.path}: {e.strerror}; check the agent's log dir"
+            self._log.write(
+                f"=== llmgw {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: "
+                f"{' '.join(argv)}\n".encode()
             )
-        self._log.write(
-            f"=== llmgw {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: "
-            f"{' '.join(self.command.argv)}\n".encode()
+            self._log_from = self._log.size()
+            out = self._log.open_for_engine()
+        except OSError as e:
+            return f"cannot open engine log {self._log.path}: {e.strerror}; check the agent's state dir"
+        # A plain Popen, not asyncio's subprocess: asyncio kills a child whose transport is
+        # closed or collected, and an engine must be able to outlive this agent. Its exit
+        # is learnt from a pidfd, as an adopted engine's is.
+        popen = functools.partial(
+            subprocess.Popen,
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.command.env},
+            start_new_session=True,  # own group: one signal reaches every worker
         )
         try:
-            proc = await anyio.open_process(
-                self.command.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **self.command.env},
-                start_new_session=True,  # own group: one signal reaches every worker
-            )
+            proc = await anyio.to_thread.run_sync(popen)
         except OSError as e:
-            return f"cannot start {self.command.argv[0]}: {e.strerror or e}"
+            return f"cannot start {argv[0]}: {e.strerror or e}"
+        finally:
+            os.close(out)  # the engine has its own copy
         self._proc, self.pid, self._group_alive = proc, proc.pid, True
         self._remember_pidfile()
         failure: list[str] = []
-        self._pumped = anyio.Event()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._pump, proc)
-            tg.start_soon(self._watch_readiness, proc, failure)
-            tg.start_soon(self._watch_stop, proc)
-            code = await proc.wait()
+            tg.start_soon(self._watch_readiness, failure)
+            tg.start_soon(self._watch_stop)
+            tg.start_soon(self._watch_log)
+            await _exited(proc.pid)
+            code = proc.wait()  # exited: this only collects its status
             # the leader is gone; workers it left (holding GPU memory) go too
             await self._terminate(self.timing.stop_grace)
-            with anyio.move_on_after(1.0):
-                await self._pumped.wait()
             tg.cancel_scope.cancel()
-        await proc.aclose()
+        self._proc = None
         self._forget_pidfile()
         self._log.write(f"=== llmgw: engine exited: {describe_exit(code)}\n".encode())
         if self._stop_requested.is_set():
@@ -212,37 +331,66 @@ class EngineSupervisor:
         when = "while loading" if self._ready_at is None else "while serving"
         return f"{describe_exit(code)} {when}"
 
-    async def _pump(self, proc: Process) -> None:
-        assert proc.stdout is not None
-        try:
-            async for chunk in proc.stdout:
-                self._tail.feed(chunk)
-                self._log.write(chunk)
-        except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass
-        finally:
-            self._pumped.set()
+    async def _watch_adopted(self, record: EngineProcess) -> str | None:
+        """An engine an earlier agent started: not this process's child, so its exit is
+        learnt from a pidfd (its code is lost; its log's last lines are not)."""
+        self.pid, self._group_alive = record.pid, True
+        self._log_from = max(0, self._log.size() - 64 * 1024)
+        self.state = EngineState.STARTING
+        self._remember_pidfile(record)
+        self._log.write(
+            f"=== llmgw {time.strftime('%Y-%m-%dT%H:%M:%S')} adopted by a new agent "
+            f"(pid {record.pid})\n".encode()
+        )
+        failure: list[str] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(self._watch_readiness, failure, adopted=True))
+            tg.start_soon(self._watch_stop)
+            tg.start_soon(self._watch_log)
+            await _exited(record.pid)
+            await self._terminate(self.timing.stop_grace)
+            tg.cancel_scope.cancel()
+        self._group_alive = False
+        self._forget_pidfile()
+        self._log.write(b"=== llmgw: adopted engine exited (its exit status is not known)\n")
+        if self._stop_requested.is_set():
+            return None
+        if failure:
+            return failure[0]
+        when = "while loading" if self._ready_at is None else "while serving"
+        return f"exited {when} (adopted from an earlier agent: exit status not known)"
 
-    async def _watch_readiness(self, proc: Process, failure: list[str]) -> None:
-        await self._report("loading", "process started, waiting for readiness")
+    async def _watch_readiness(self, failure: list[str], *, adopted: bool = False) -> None:
+        if not adopted:
+            await self._report("loading", "process started, waiting for readiness")
         deadline = anyio.current_time() + self.timing.readiness_timeout
         probe = Probe(False, "not probed yet")
         while anyio.current_time() < deadline:
-            await anyio.sleep(self.timing.poll_interval)
             probe = await self._probe()
+            if not probe.ready and adopted:
+                adopted = False  # still loading when its agent went: say so
+                await self._report("loading", f"adopted while loading: {probe.detail}")
             if probe.ready:
-                self._ready_at = time.monotonic()
+                self._ready_at = self._clock.monotonic()
+                self.state = EngineState.RUNNING
                 await self._report("ready", probe.detail)
                 return
+            await anyio.sleep(self.timing.poll_interval)
         failure.append(
             f"not ready after {self.timing.readiness_timeout:g} s (last: {probe.detail}); "
             "raise the readiness timeout if this model loads slower"
         )
         await self._terminate(self.timing.stop_grace)
 
-    async def _watch_stop(self, proc: Process) -> None:
+    async def _watch_stop(self) -> None:
         await self._stop_requested.wait()
         await self._terminate(self.timing.stop_grace)
+
+    async def _watch_log(self) -> None:
+        while True:
+            await anyio.sleep(self.timing.log_check)
+            if self._log.rotate_if_large():
+                self._log_from = 0
 
     async def _probe(self) -> Probe:
         answers: dict[str, tuple[int, bytes]] = {}
@@ -298,11 +446,12 @@ class EngineSupervisor:
 
     async def _group_gone(self, within: float) -> bool:
         with anyio.move_on_after(within):
-            if self._proc is not None and self._proc.returncode is None:
-                await self._proc.wait()
-            while self._signal_group(0):
+            while True:
+                if self._proc is not None:
+                    self._proc.poll()  # a child of ours: collect it, or it lingers a zombie
+                if not self._signal_group(0):
+                    return True
                 await anyio.sleep(0.02)
-            return True
         return False
 
     async def _terminate(self, grace: float) -> None:
@@ -312,52 +461,73 @@ class EngineSupervisor:
         if await self._group_gone(grace):
             return
         log.warning("%s: engine ignored SIGTERM for %g s; sending SIGKILL", self.shard, grace)
-        self._log.write(f"=== llmgw: no exit {grace:g} s after SIGTERM; SIGKILL\n".encode())
+        with contextlib.suppress(OSError):
+            self._log.write(f"=== llmgw: no exit {grace:g} s after SIGTERM; SIGKILL\n".encode())
         self._signal_group(signal.SIGKILL)
         await self._group_gone(10.0)
 
     # --- reports and bookkeeping -----------------------------------------------------
 
-    def _next_delay(self) -> float:
-        t = self.timing
-        if self._ready_at is not None and time.monotonic() - self._ready_at >= t.stable_after:
-            self._failures_in_a_row = 0  # it served long enough: this is a new problem
-        delay = min(t.backoff_base * 2**self._failures_in_a_row, t.backoff_cap)
-        self._failures_in_a_row += 1
-        return delay
-
-    async def _report(self, phase: SupervisorPhase, reason: str) -> None:
+    async def _report(self, phase: SupervisorPhase, reason: str, *, gave_up: bool = False) -> None:
         if self._draining and phase in ("starting", "loading", "ready"):
             return  # a drain in progress is what the router must keep seeing
         self.phase = phase
         change = PhaseChange(
             phase=phase,
             reason=reason,
-            tail=self._tail.lines() if phase in ("failed", "stopped") else [],
+            tail=self.tail() if phase in ("failed", "stopped") else [],
             restarts=self.restarts,
             pid=self.pid if phase not in ("stopped",) else None,
+            gave_up=gave_up,
         )
         try:
             await self._on_phase(change)
         except Exception:  # a reporting failure must not take the engine down
             log.exception("%s: reporting phase %s failed", self.shard, phase)
 
-    def _remember_pidfile(self) -> None:
+    def _remember_pidfile(self, adopted: EngineProcess | None = None) -> None:
         if self.state_dir is None or self.pid is None:
             return
-        record = new_record(
+        record = adopted or new_record(
             self.shard,
             self.pid,
             self.command.argv,
             self.spec.port,
             list(self.spec.gpu_uuids),
             str(self._log.path),
+            generation=self.generation,
         )
         write_pidfile(self.state_dir, record)
 
     def _forget_pidfile(self) -> None:
         if self.state_dir is not None and not self._group_alive:
             remove_pidfile(self.state_dir, self.shard)
+
+
+async def _exited(pid: int) -> None:
+    """Returns when process `pid` (not a child of this one) has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except OSError:  # no pidfd (an old kernel): ask every half second
+        while _alive(pid):
+            await anyio.sleep(0.5)
+        return
+    try:
+        await anyio.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def describe_exit(code: int | None) -> str:

@@ -7,27 +7,11 @@ long a write took are real time on the event loop: a hung write is hung in real 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Protocol
 
+from llmgw.clock import Clock, SystemClock
 
-class Clock(Protocol):
-    def monotonic(self) -> float:
-        """Seconds on a clock that never jumps: how long something stood still."""
-        ...
-
-    def wall(self) -> float:
-        """Unix seconds: timestamps written into records."""
-        ...
-
-
-class SystemClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def wall(self) -> float:
-        return time.time()
+__all__ = ["Clock", "Instant", "SystemClock", "instant"]
 
 
 @dataclass(frozen=True, slots=True)

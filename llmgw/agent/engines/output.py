@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections import deque
 from pathlib import Path
-from typing import BinaryIO
 
 
 class OutputTail:
@@ -49,41 +50,67 @@ class OutputTail:
         self._partial = b""
 
 
+AGENT_LINE = b"=== llmgw"  # how the agent's own lines in an engine's log begin
+
+
 class EngineLog:
-    """Append-only per-shard log file, rotated once (`.1`) past `max_bytes`."""
+    """The per-shard log file, which the engine writes itself: its output goes there
+    straight from its own descriptor (opened with O_APPEND), not through a pipe to the
+    agent, so the engine keeps a place to write when the agent is restarted or killed, and
+    the next agent reads its last lines from the file. Rotated once (`.1`) past `max_bytes`
+    by copy and truncate: the engine's appends go on at the new end (O_APPEND), and a line
+    written between the copy and the truncation may be lost, as with logrotate's
+    copytruncate."""
 
     def __init__(self, path: Path, max_bytes: int = 64 * 1024 * 1024) -> None:
         self.path = path
         self.max_bytes = max_bytes
-        self._file: BinaryIO | None = None
-        self._written = 0
 
-    def open(self) -> None:
-        self.close()  # a restart reopens: the file may have been rotated or removed
+    def open_for_engine(self) -> int:
+        """A descriptor for the engine's stdout and stderr (the caller closes its copy)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
-        self._written = self._file.tell()
-        if self._written > self.max_bytes:
-            self._rotate()
+        self.rotate_if_large()
+        return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
 
-    def write(self, chunk: bytes) -> None:
-        if self._file is None:
-            return
-        # small appends to a local file: cheaper inline than a thread hop per chunk
-        self._file.write(chunk)
-        self._file.flush()
-        self._written += len(chunk)
-        if self._written > self.max_bytes:
-            self._rotate()
+    def size(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return 0
 
-    def _rotate(self) -> None:
-        assert self._file is not None
-        self._file.close()
-        self.path.replace(self.path.with_name(self.path.name + ".1"))
-        self._file = open(self.path, "ab")  # noqa: SIM115
-        self._written = 0
+    def write(self, text: bytes) -> None:
+        """One line of the agent's own (`=== llmgw ...`), between the engine's."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "ab") as f:
+            f.write(text)
+        self.rotate_if_large()
 
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+    def rotate_if_large(self) -> bool:
+        if self.size() <= self.max_bytes:
+            return False
+        old = self.path.with_name(self.path.name + ".1")
+        try:
+            shutil.copyfile(self.path, old)
+            os.truncate(self.path, 0)
+        except OSError:
+            return False
+        return True
+
+    def tail(self, since: int = 0, max_bytes: int = 64 * 1024) -> list[str]:
+        """The last lines written after offset `since` (where this run of the engine began;
+        a truncation since then reads from the start), bounded like OutputTail."""
+        tail = OutputTail()
+        try:
+            with open(self.path, "rb") as f:
+                end = f.seek(0, os.SEEK_END)
+                start = since if since <= end else 0
+                start = max(start, end - max_bytes)
+                f.seek(start)
+                data = f.read(end - start)
+        except OSError:
+            return []
+        if start > since and b"\n" in data:
+            data = data.split(b"\n", 1)[1]  # began mid-line
+        # the agent's own lines are in the file for a person; the tail is the engine's
+        tail.feed(b"\n".join(ln for ln in data.split(b"\n") if not ln.startswith(AGENT_LINE)))
+        return tail.lines()

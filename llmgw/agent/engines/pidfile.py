@@ -1,11 +1,11 @@
-"""One file per running engine, so an agent that died without stopping its engines
-can find them and stop them before it starts anything on those GPUs and ports.
+"""One file per running engine, so the next agent finds the engines its predecessor left.
 
-Engines are stopped with the agent (see docs/engines.md). The pidfile covers the
-cases where that could not happen: the agent was SIGKILLed, OOM-killed or crashed.
-A later agent must never start a second engine on the same GPUs or port, so it
-reaps what the files name first. Identity is the process start time as well as
-the pid, so a pid reused by an unrelated process is never signalled.
+An agent that is restarted (an upgrade, a config change) leaves its engines serving, and
+one that dies (SIGKILL, the OOM killer, a crash) cannot stop them: either way the next
+agent reads these files, adopts each engine that still matches its assignment, and stops
+the rest before it starts anything on their GPUs and ports, so that nothing runs twice.
+Identity is the process start time as well as the pid (a pid reused by an unrelated
+process is never signalled nor adopted), and the command line read back from /proc.
 """
 
 from __future__ import annotations
@@ -18,17 +18,25 @@ from pathlib import Path
 import msgspec
 import psutil
 
+# a pidfile is a few hundred bytes; one past this is not one of ours
+_MAX_PIDFILE = 64 * 1024
+
 
 class EngineProcess(msgspec.Struct, kw_only=True):
-    shard: str  # "<rid>" or any name unique on this node
+    shard: str  # "<node>.<rid>": unique on this node
     pid: int
     pgid: int
     create_time: float  # psutil's, for identity: pids are reused
-    argv: list[str]
+    argv: list[str]  # the engine's own command line (no launcher such as systemd-run)
     port: int
     gpus: list[str] = []
     log_path: str = ""
     started_at: float = 0.0
+    generation: int = 0  # of the assignment it was started for
+
+    @property
+    def rid(self) -> str:
+        return self.shard.rsplit(".", 1)[-1]
 
 
 def pidfile_path(state_dir: Path, shard: str) -> Path:
@@ -74,50 +82,97 @@ def _members(record: EngineProcess) -> list[psutil.Process]:
     return found
 
 
-def reap_leftover_engines(state_dir: Path, grace: float = 10.0) -> list[str]:
-    """Stop every engine an earlier agent left running; one line per engine, for the log.
+def leader_alive(record: EngineProcess) -> bool:
+    """The engine's own first process still runs: same pid, same start time, the same
+    command line (what /proc says, not what the file says)."""
+    try:
+        proc = psutil.Process(record.pid)
+        if abs(proc.create_time() - record.create_time) > 0.05:
+            return False
+        return same_command(proc.cmdline(), record.argv) and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
 
-    Blocking (psutil, sleeps): run it in a worker thread before launching anything.
-    """
+
+def same_command(cmdline: list[str], argv: list[str]) -> bool:
+    """Whether /proc's command line is `argv` run: itself, or its arguments after another
+    program's name (a script run by the interpreter its #! line names, as vLLM's `vllm`
+    is, or a wrapper that execs the real binary, as a conda shim does). The process's
+    start time, checked beside this, is what says it is the one this agent started."""
+    if not argv:
+        return False
+    if cmdline == argv:
+        return True
+    args = argv[1:]
+    return len(cmdline) > len(args) and (not args or cmdline[-len(args) :] == args)
+
+
+def leftover_engines(state_dir: Path) -> tuple[list[EngineProcess], list[str]]:
+    """The engines an earlier agent left with a pidfile: those whose group still lives,
+    and one line per file that was dropped (unreadable, or its engine gone). Blocking
+    (psutil): run it in a worker thread."""
     directory = state_dir / "engines"
     if not directory.is_dir():
-        return []
-    messages = []
+        return [], []
+    found, notes = [], []
     for path in sorted(directory.glob("*.json")):
         try:
-            record = msgspec.json.decode(path.read_bytes(), type=EngineProcess)
-        except (OSError, msgspec.DecodeError) as e:
-            messages.append(f"ignored unreadable engine pidfile {path}: {e}")
+            data = path.read_bytes()
+            if len(data) > _MAX_PIDFILE:
+                raise ValueError(f"{len(data)} bytes")
+            record = msgspec.json.decode(data, type=EngineProcess)
+        except (OSError, ValueError, msgspec.DecodeError) as e:
+            notes.append(f"ignored unreadable engine pidfile {path}: {e}")
             path.unlink(missing_ok=True)
             continue
-        members = _members(record)
-        if not members:
-            path.unlink(missing_ok=True)
+        if path.stem != record.shard or not _members(record):
+            path.unlink(missing_ok=True)  # gone (or a file that lies about whose it is)
             continue
-        what = (
-            f"leftover engine for shard {record.shard} (pid {record.pid}, port {record.port}, "
-            f"GPUs {','.join(record.gpus) or 'none'}) from an earlier agent"
-        )
-        for proc in members:
-            try:
-                proc.send_signal(signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(members, timeout=grace)
-        for proc in alive:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
-        verb = "killed (ignored SIGTERM)" if alive else "stopped"
-        messages.append(f"{verb} {what}")
-        path.unlink(missing_ok=True)
-    return messages
+        found.append(record)
+    return found, notes
+
+
+def stop_engine(state_dir: Path, record: EngineProcess, why: str, grace: float = 10.0) -> str:
+    """SIGTERM the group of an engine an earlier agent left, SIGKILL after `grace`; the
+    line for the log. Blocking: run it in a worker thread."""
+    members = _members(record)
+    what = (
+        f"engine for shard {record.shard} (pid {record.pid}, port {record.port}, "
+        f"GPUs {','.join(record.gpus) or 'none'}) left by an earlier agent"
+    )
+    for proc in members:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(members, timeout=grace)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    remove_pidfile(state_dir, record.shard)
+    verb = "killed (it ignored SIGTERM)" if alive else "stopped"
+    return f"{verb} {what}: {why}"
+
+
+def reap_leftover_engines(state_dir: Path, grace: float = 10.0) -> list[str]:
+    """Stop every engine an earlier agent left running; one line per engine, for the log.
+    Blocking (psutil, sleeps): run it in a worker thread."""
+    found, notes = leftover_engines(state_dir)
+    return notes + [stop_engine(state_dir, r, "not adopted", grace) for r in found]
 
 
 def new_record(
-    shard: str, pid: int, argv: list[str], port: int, gpus: list[str], log_path: str
+    shard: str,
+    pid: int,
+    argv: list[str],
+    port: int,
+    gpus: list[str],
+    log_path: str,
+    *,
+    generation: int = 0,
 ) -> EngineProcess:
     try:
         created = process_create_time(pid)
@@ -133,4 +188,5 @@ def new_record(
         gpus=gpus,
         log_path=log_path,
         started_at=time.time(),
+        generation=generation,
     )

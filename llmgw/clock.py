@@ -1,0 +1,25 @@
+"""A clock passed in, so tests can move time themselves (the controller judges leases by
+it, the agent's supervisors their engines' restarts)."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float:
+        """Seconds on a clock that never jumps: how long something stood still."""
+        ...
+
+    def wall(self) -> float:
+        """Unix seconds: timestamps written into records."""
+        ...
+
+
+class SystemClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()

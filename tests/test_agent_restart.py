@@ -1,0 +1,212 @@
+"""Restarting or killing the agent does not restart its engines: under streamed load through
+the router, an agent restarted (what `systemctl restart` does, and every upgrade) or
+SIGKILLed and started again loses no request, its engines keep their PIDs, and their shards
+are ready again under the new agent; an engine whose assignment changed meanwhile is
+stopped by the new agent and replaced. Real nats-server, agent, engine and router."""
+
+from __future__ import annotations
+
+import signal
+
+import aiohttp
+import anyio
+import msgspec
+import psutil
+import pytest
+from agent_helpers import agent_config, host_dirs, start_agent, stop
+from router_helpers import SERVED, chat_body, running_router
+from serving import cpu_model, serve
+from waiting import until
+
+from llmgw import catalog
+from llmgw.agent.config import Engines
+from llmgw.bus import records
+from llmgw.bus.client import Bus, decoder
+from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+# 20 tokens at 40 a second: a stream lasts half a second
+STREAM_ENV = {"FAKE_ENGINE_TOKENS": "20", "FAKE_ENGINE_TOKEN_RATE": "40"}
+
+
+@pytest.fixture
+def node(tmp_path, nats_server):
+    dirs = host_dirs(tmp_path)
+    install_fake_engines(dirs["bin"])
+    cfg = agent_config(nats_server.url, dirs, id="node1")
+    cfg = msgspec.structs.replace(
+        cfg,
+        engines=Engines(
+            listen_host="127.0.0.1",
+            poll_interval=0.1,
+            stop_grace=3,
+            drain_timeout=30,
+            # what a systemd restart decides (llmgw/agent/lifetime.py); no systemd here
+            on_agent_exit="keep",
+        ),
+    )
+    path = [dirs["bin"], "/usr/bin", "/bin"]
+    state = {"cfg": cfg, "path": path, "tmp": tmp_path, "log": tmp_path / "agent.log"}
+    state["proc"] = start_agent(cfg, tmp_path / "agent.toml", path, state["log"])
+    yield state
+    stop(state["proc"])
+    for p in state.get("engines", []):  # the agent leaves them by design: the test does not
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _model(tmp, **profile) -> catalog.Model:
+    gguf = str(write_fake_gguf(tmp / "weights" / "tiny.gguf"))
+    return cpu_model(gguf, served_name=SERVED, env=STREAM_ENV, host_ram_gb=1, **profile)
+
+
+async def _shards(bus: Bus) -> list[records.Shard]:
+    got = await bus.list("shards.node1.*", decoder(records.Shard))
+    return sorted((e.value for e in got.values()), key=lambda s: s.rid)
+
+
+async def _all_ready(bus: Bus, n: int) -> list[records.Shard] | None:
+    shards = await _shards(bus)
+    return shards if len(shards) == n and all(s.phase == "ready" for s in shards) else None
+
+
+class Load:
+    """Clients streaming through the router, one after another each; every failure kept."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.completed = 0
+        self.failed: list[str] = []
+
+    async def run(self, http: aiohttp.ClientSession, workers: int, stop: anyio.Event) -> None:
+        async def worker(w: int) -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                body = chat_body(f"worker {w} request {n}", stream=True)
+                try:
+                    async with http.post(f"{self.url}/v1/chat/completions", json=body) as resp:
+                        data = await resp.read()
+                    if resp.status != 200 or not data.rstrip().endswith(b"data: [DONE]"):
+                        self.failed.append(f"{resp.status}: {data[-120:]!r}")
+                    else:
+                        self.completed += 1
+                except aiohttp.ClientError as e:
+                    self.failed.append(repr(e))
+
+        async with anyio.create_task_group() as tg:
+            for w in range(workers):
+                tg.start_soon(worker, w)
+
+
+@pytest.mark.parametrize("how", ["restarted", "killed"])
+async def test_an_agent_restarted_or_killed_under_load_keeps_its_engines_serving(
+    bus, nats_settings, node, controller, how
+):
+    await serve(bus, _model(node["tmp"]), 2)
+    before = await until(lambda: _all_ready(bus, 2), timeout=30)
+    engines = [psutil.Process(s.pid) for s in before]
+    node["engines"] = engines
+    connect = lambda: Bus.connect(nats_settings, give_up_after=None)  # noqa: E731
+    async with running_router(connect=connect) as r, aiohttp.ClientSession() as http:
+
+        async def both_routed():
+            route = r.table.route(SERVED)
+            return route is not None and len(route.backends) == 2
+
+        await until(both_routed, timeout=30)
+        load, stop_load = Load(r.url), anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load.run, http, 6, stop_load)
+            await anyio.sleep(1.5)
+            proc = node["proc"]
+            proc.send_signal(signal.SIGTERM if how == "restarted" else signal.SIGKILL)
+            assert await anyio.to_thread.run_sync(proc.wait, 10) in (0, -signal.SIGKILL)
+            assert all(p.is_running() for p in engines)  # serving with no agent at all
+            node["proc"] = start_agent(
+                node["cfg"], node["tmp"] / "agent.toml", node["path"], node["log"]
+            )
+
+            async def adopted_both():
+                text = node["log"].read_text()
+                return text.count("adopted the engine an earlier agent left") >= 2
+
+            await until(adopted_both, timeout=30)
+            await anyio.sleep(1.5)  # load goes on under the new agent
+            stop_load.set()
+    after = await until(lambda: _all_ready(bus, 2), timeout=10)
+    assert load.failed == [] and load.completed >= 20
+    assert [s.pid for s in after] == [s.pid for s in before]  # the same engines
+    assert all(p.is_running() for p in engines)
+
+
+async def test_an_engine_whose_assignment_changed_while_the_agent_was_away_is_replaced(
+    bus, node, controller
+):
+    model = _model(node["tmp"])
+    await serve(bus, model, 1)
+    (first,) = await until(lambda: _all_ready(bus, 1), timeout=30)
+    old = psutil.Process(first.pid)
+    node["engines"] = [old]
+    node["proc"].send_signal(signal.SIGTERM)
+    assert await anyio.to_thread.run_sync(node["proc"].wait, 10) == 0
+    assert old.is_running()
+    # the profile changes while no agent runs: a new generation, another command line
+    changed = _model(node["tmp"], extra_args=["--threads", "2"])
+    await serve(bus, changed, 1, at=2.0)
+
+    async def reassigned():
+        got = await bus.list("assign.node1.*", decoder(records.Assignment))
+        return any(e.value.generation > 1 for e in got.values())
+
+    await until(reassigned, timeout=20)
+    node["proc"] = start_agent(node["cfg"], node["tmp"] / "agent.toml", node["path"], node["log"])
+
+    async def replaced():
+        shards = await _all_ready(bus, 1)
+        return shards if shards and shards[0].pid != first.pid else None
+
+    (second,) = await until(replaced, timeout=30)
+    assert _gone(old)
+    assert "it no longer matches its assignment" in node["log"].read_text()
+    node["engines"].append(psutil.Process(second.pid))
+
+
+async def test_sigint_and_a_plain_sigterm_still_stop_the_engines(bus, node, controller):
+    """Ctrl-C is a person stopping everything; a SIGTERM that is not a systemd restart
+    (the default policy, and no systemd here) stops the engines with the agent, as before."""
+    node["proc"].send_signal(signal.SIGTERM)  # the fixture's agent keeps engines: not this one
+    await anyio.to_thread.run_sync(node["proc"].wait, 10)
+    default = msgspec.structs.replace(
+        node["cfg"],
+        engines=msgspec.structs.replace(node["cfg"].engines, on_agent_exit="keep-on-restart"),
+    )
+    await serve(bus, _model(node["tmp"]), 1)
+    previous = None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        node["proc"] = start_agent(default, node["tmp"] / "agent.toml", node["path"], node["log"])
+
+        async def a_new_engine_ready(previous=previous):
+            shards = await _all_ready(bus, 1)
+            return shards[0] if shards and shards[0].pid != previous else None
+
+        shard = await until(a_new_engine_ready, timeout=30)
+        previous = shard.pid
+        engine = psutil.Process(shard.pid)
+        node.setdefault("engines", []).append(engine)
+        node["proc"].send_signal(sig)
+        assert await anyio.to_thread.run_sync(node["proc"].wait, 10) == 0
+        with anyio.fail_after(10):
+            while not _gone(engine):
+                await anyio.sleep(0.05)
+        assert "the engines stop with the agent" in node["log"].read_text()
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
