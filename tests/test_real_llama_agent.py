@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
 from real_llama import llama_server_binary, tiny_gguf
-from serving import cpu_model, serve
+from serving import cpu_model, serve, stream_chat
 from waiting import until
 
 from llmgw.agent.config import Engines
@@ -36,11 +36,11 @@ def node(tmp_path, nats_server):
         cfg,
         engines=Engines(listen_host="127.0.0.1", poll_interval=0.1, backoff_base=5, stop_grace=3),
     )
-    proc = start_agent(
-        cfg, tmp_path / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], tmp_path / "agent.log"
-    )
-    yield {"tmp": tmp_path, "log": tmp_path / "agent.log"}
-    stop(proc)
+    path = [dirs["bin"], "/usr/bin", "/bin"]
+    state = {"tmp": tmp_path, "log": tmp_path / "agent.log", "cfg": cfg, "path": path}
+    state["proc"] = start_agent(cfg, tmp_path / "agent.toml", path, state["log"])
+    yield state
+    stop(state["proc"])
 
 
 async def _place(bus: Bus, gguf: str) -> None:
@@ -117,3 +117,50 @@ async def test_a_gguf_the_engine_refuses_leaves_its_output_tail_in_the_failed_sh
     assert "unknown model architecture: 'llamz'" in tail, tail  # llama.cpp's own words
     assert "exited with code" in shard.reason and "while loading" in shard.reason
     assert len(tail) <= 8192 and len(shard.output_tail) <= 64
+
+
+async def test_a_restarted_agent_adopts_the_real_llama_server_it_left_serving(
+    bus, node, controller, tiny_model
+):
+    """llama-server outlives an agent restarted the way systemd restarts it, keeps its pid
+    and serves throughout; the next agent adopts it without loading the model again."""
+    import signal
+
+    import anyio
+    import psutil
+
+    await _place(bus, str(tiny_model))
+    first = await until(lambda: _shard(bus, "ready"))
+    keep = msgspec.structs.replace(
+        node["cfg"], engines=msgspec.structs.replace(node["cfg"].engines, on_agent_exit="keep")
+    )
+    stop(node["proc"])  # the fixture's agent stops its engine: start one that keeps it
+    node["proc"] = start_agent(keep, node["tmp"] / "agent.toml", node["path"], node["log"])
+    second = await until(lambda: _new_ready(bus, first.pid), timeout=60)
+    engine = psutil.Process(second.pid)
+    try:
+        node["proc"].send_signal(signal.SIGTERM)  # what `systemctl restart` sends
+        assert await anyio.to_thread.run_sync(node["proc"].wait, 10) == 0
+        assert engine.is_running()
+        assert (await stream_chat(f"http://{second.endpoint}", "tiny-random", max_tokens=4))[
+            -1
+        ] == "[DONE]"
+        node["proc"] = start_agent(keep, node["tmp"] / "agent.toml", node["path"], node["log"])
+
+        async def adopted():
+            return "adopted the engine an earlier agent left" in node["log"].read_text()
+
+        await until(adopted, timeout=30)
+        again = await until(lambda: _shard(bus, "ready"))
+        assert again.pid == second.pid and engine.is_running()
+        assert (await stream_chat(f"http://{again.endpoint}", "tiny-random", max_tokens=4))[
+            -1
+        ] == "[DONE]"
+    finally:
+        node["proc"].send_signal(signal.SIGINT)  # Ctrl-C: the engine stops with the agent
+        node["proc"].wait(10)
+
+
+async def _new_ready(bus: Bus, old_pid: int | None):
+    s = await _shard(bus, "ready")
+    return s if s is not None and s.pid != old_pid else None
