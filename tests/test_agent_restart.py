@@ -20,6 +20,7 @@ from waiting import until
 
 from llmgw import catalog
 from llmgw.agent.config import Engines
+from llmgw.agent.engines.pidfile import reap_leftover_engines
 from llmgw.bus import records
 from llmgw.bus.client import Bus, decoder
 from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
@@ -51,7 +52,9 @@ def node(tmp_path, nats_server):
     state["proc"] = start_agent(cfg, tmp_path / "agent.toml", path, state["log"])
     yield state
     stop(state["proc"])
-    for p in state.get("engines", []):  # the agent leaves them by design: the test does not
+    # the agent leaves its engines by design (on_agent_exit = keep): the test must not
+    reap_leftover_engines(dirs["state"], grace=2)
+    for p in state.get("engines", []):
         try:
             p.kill()
         except psutil.NoSuchProcess:

@@ -129,6 +129,8 @@ async def test_a_restarted_agent_adopts_the_real_llama_server_it_left_serving(
     import anyio
     import psutil
 
+    from llmgw.agent.engines.pidfile import reap_leftover_engines
+
     await _place(bus, str(tiny_model))
     first = await until(lambda: _shard(bus, "ready"))
     keep = msgspec.structs.replace(
@@ -157,8 +159,10 @@ async def test_a_restarted_agent_adopts_the_real_llama_server_it_left_serving(
             -1
         ] == "[DONE]"
     finally:
-        node["proc"].send_signal(signal.SIGINT)  # Ctrl-C: the engine stops with the agent
+        node["proc"].send_signal(signal.SIGTERM)
         node["proc"].wait(10)
+        # this agent leaves its engine by design (on_agent_exit = keep): the test must not
+        reap_leftover_engines(node["tmp"] / "state", grace=2)
 
 
 async def _new_ready(bus: Bus, old_pid: int | None):
