@@ -311,7 +311,12 @@ class LocalShard:
         if problems:
             reason = "; ".join(p.reason for p in problems)
             log.error("%s %s refused before launch: %s", want.model, self.rid, reason)
-            await self._report(want, "failed", reason=f"refused before launch: {reason}")
+            await self._report(
+                want,
+                "failed",
+                reason=f"refused before launch: {reason}",
+                refused=refused_key(problems),
+            )
             # only when every problem clears by itself; the rest wait for a new assignment
             # or catalog entry
             if all(p.transient for p in problems):
@@ -400,6 +405,7 @@ class LocalShard:
         tail: list[str] | None = None,
         restarts: int | None = None,
         pid: int | None = None,
+        refused: str = "",
     ) -> None:
         inv = self.node.inventory()
         old = self.record
@@ -418,6 +424,7 @@ class LocalShard:
                 tail=tail or (),
                 restarts=restarts,
                 pid=pid,
+                refused=refused,
             ),
         )
         self.record = shard
@@ -511,6 +518,14 @@ class ShardEvent:
     tail: Sequence[str] = ()
     restarts: int | None = None
     pid: int | None = None
+    refused: str = ""  # Shard.refused
+
+
+def refused_key(problems: Sequence[Problem]) -> str:
+    """The key a refused launch is reported with: one the controller acts on (the port is
+    taken) when every problem is that one, else "" (the controller can do nothing)."""
+    found = {p.refused for p in problems}
+    return found.pop() if len(found) == 1 else ""
 
 
 def next_shard(old: records.Shard | None, event: ShardEvent) -> records.Shard:
@@ -547,6 +562,8 @@ def next_shard(old: records.Shard | None, event: ShardEvent) -> records.Shard:
         output_tail=list(event.tail),
         restarts=restarts,
         pid=pid,
+        port=a.port,
+        refused=event.refused,
     )
 
 
