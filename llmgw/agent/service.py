@@ -224,11 +224,12 @@ class Agent:
             await self._write_inventory(why=f"engines {before} -> {after}")
 
     async def _gpu_probes(self) -> None:
-        if not self.cfg.node.gpus:
-            return  # nothing to ask NVML: the inventory says "disabled"
         while True:
             await anyio.sleep(self.cfg.intervals.gpu_probe)
-            await self._probe_gpus()
+            assert self.inventory is not None
+            # a node without NVIDIA GPUs has nothing to watch; a rescan request looks again
+            if self.inventory.gpus.status not in ("disabled", "no_library", "no_driver"):
+                await self._probe_gpus()
 
     async def _probe_gpus(self) -> None:
         """GPUs as they are now (NVML in a worker thread). Written at once when what
@@ -326,8 +327,7 @@ class Agent:
         log.info("rescan requested: scanning weights and probing engines, GPUs and ports")
         await self._scan_weights()
         await self._probe_engines()
-        if self.cfg.node.gpus:
-            await self._probe_gpus()
+        await self._probe_gpus()
         await self._probe_ports()
         assert self.inventory is not None
         reply = {
