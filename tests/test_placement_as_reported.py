@@ -107,12 +107,16 @@ def test_a_profile_that_says_no_size_never_shares_a_gpu_with_another_program():
 
 
 def test_memory_of_llmgws_own_engines_is_not_held_by_others():
+    # GPU 0: an engine of this agent whose replica went away (not in the snapshot); GPU 1: a
+    # job of another team. Only the second is held.
     own = [GpuProcess(pid=7001, name="vllm", used_bytes=80 * GB, own=True)]
-    n = with_gpu(node("n1", gpus=1), 0, processes=own)
+    n = with_gpu(node("n1", gpus=2), 0, processes=own)
+    n = with_gpu(n, 1, processes=python_holding(80))
 
-    assert [r.members[0].gpus for r in plan(snapshot([n], [model()], {"m": 1})).create] == [
-        ["GPU-n1-00"]
-    ]
+    result = plan(snapshot([n], [model()], {"m": 2}))
+
+    assert [r.members[0].gpus for r in result.create] == [["GPU-n1-00"]]
+    assert result.placements["m"].refused[0].gpu.gpu == 1
 
 
 def test_memory_held_moving_is_not_a_new_decision():
@@ -158,14 +162,14 @@ def test_memory_waiting_for_a_reset_makes_a_gpu_unschedulable(errors, why, text)
     assert record.refused[0].gpu.why == why and text in record.explanation
 
 
-def test_a_healthy_gpus_counters_and_unknown_ones_leave_it_schedulable():
-    n = with_gpu(
-        node("n1", gpus=2),
-        0,
-        errors=GpuErrors(ecc_uncorrected_volatile=0, remapped_rows_pending=False),
-    )
+def test_healthy_counters_and_unknown_ones_leave_a_gpu_schedulable():
+    n = with_gpu(node("n1", gpus=3), 0, errors=GpuErrors(ecc_uncorrected_volatile=1))
+    n = with_gpu(n, 1, errors=GpuErrors(ecc_uncorrected_volatile=0, remapped_rows_pending=False))
+    # GPU 2: GpuErrors() as from an agent that does not read them, or a GPU without ECC
 
-    assert len(plan(snapshot([n], [model(gpus=2)], {"m": 1})).create) == 1
+    (placed,) = plan(snapshot([n], [model(gpus=2)], {"m": 1})).create
+
+    assert placed.members[0].gpus == ["GPU-n1-01", "GPU-n1-02"]
 
 
 def test_an_unschedulable_gpu_from_another_source_is_refused_the_same_way():
