@@ -324,3 +324,16 @@ def test_the_inventory_carries_gpu_processes_named_and_told_apart(host, tmp_path
         (7050, "VllmWorker TP0", True),
     ]
     assert gpu.foreign_bytes() == 60 * GB
+
+
+def test_a_simulated_agents_recording_can_hold_memory_and_count_ecc_errors():
+    from llmgw.testing.nvml import FOREIGN_PID, from_spec
+
+    gpus = discover_gpus(from_spec("count=4,node=gpu-a,held=3:60,ecc=2:1"))
+
+    assert [(p.pid, p.used_bytes) for p in gpus.devices[3].processes] == [
+        (FOREIGN_PID + 3, 60 * GB)
+    ]
+    assert gpus.devices[2].errors.ecc_uncorrected_volatile == 1
+    with pytest.raises(ValueError, match="GPU:AMOUNT"):
+        from_spec("held=3")
