@@ -405,6 +405,8 @@ def test_port_in_use_is_the_one_problem_that_clears_by_itself(bins, node, gguf, 
     assert [p.transient for p in held] == [True]
     assert [p.transient for p in both] == [False, True]
     assert isinstance(held[0], Problem) and str(held[0]) == held[0].reason
+    # and the one the controller answers, by moving the replica to another port
+    assert [p.refused for p in both] == ["", "port-in-use"]
 
 
 def test_missing_binary_and_unknown_version_are_refused(bins, node, gguf, tmp_path):

@@ -510,3 +510,57 @@ def test_config_error_is_an_llmgw_error_and_still_a_value_error():
     from llmgw.errors import LlmgwError
 
     assert issubclass(ConfigError, LlmgwError) and issubclass(ConfigError, ValueError)
+
+
+async def test_gpu_processes_and_faults_are_written_at_once_and_memory_drift_within_a_report(
+    bus, nats_server, host
+):
+    """The agent in this process, on recorded NVML answers that change while it runs."""
+    import anyio
+    import msgspec
+
+    from llmgw.agent.config import Intervals
+    from llmgw.agent.discovery.gpus import discover_gpus
+    from llmgw.agent.inventory import Hardware
+    from llmgw.agent.service import Agent
+    from llmgw.testing.nvml import RecordedNvml
+
+    nvml = RecordedNvml(count=4)
+    cfg = agent_config(nats_server.url, host, id="gpu07", gpus=True)
+    cfg = msgspec.structs.replace(
+        cfg,
+        intervals=Intervals(
+            heartbeat=0.2, engine_probe=60, gpu_probe=0.1, gpu_report=1.5, port_probe=60
+        ),
+    )
+    agent = Agent(cfg, hardware=Hardware(gpus=lambda lookup: discover_gpus(nvml, lookup)))
+
+    async def written():
+        return await bus.get("nodes.gpu07", decoder(records.NodeInventory))
+
+    async def gpu3(cond):
+        e = await written()
+        return e if e is not None and cond(e.value.gpus.devices[3]) else None
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(agent.run)
+        first = await until(written)
+        assert first.value.gpus.devices[3].processes == []
+        assert first.value.gpus.devices[3].memory_used_bytes == 555_745_280
+
+        nvml.processes = {3: [(4242, 60 * 10**9)]}  # another team's job starts
+        held = await until(lambda: gpu3(lambda g: g.processes), timeout=2)
+        assert [(p.pid, p.own) for p in held.value.gpus.devices[3].processes] == [(4242, False)]
+
+        nvml.processes = {3: [(4242, 60 * 10**9 + 300_000_000)]}  # it grows by 0.3 GB
+        await anyio.sleep(0.6)  # several probes: not worth a write yet
+        assert (await written()).revision == held.revision
+        drifted = await until(
+            lambda: gpu3(lambda g: g.processes[0].used_bytes > 60 * 10**9), timeout=3
+        )
+        assert drifted.revision > held.revision  # within gpu_report
+
+        nvml.ecc_uncorrected = {3: 2}  # a double-bit error
+        bad = await until(lambda: gpu3(lambda g: g.errors.ecc_uncorrected_volatile), timeout=2)
+        assert bad.value.gpus.devices[3].errors.ecc_uncorrected_volatile == 2
+        tg.cancel_scope.cancel()

@@ -676,6 +676,21 @@ async def test_every_record_type_is_read_against_its_key(bus: Bus, caplog, key, 
         trust.check(key, value)
 
 
+def _gpu_holders(node: str, procs: list[records.GpuProcess], ecc: int = 0) -> records.NodeInventory:
+    inv = inventory(node, gpus=1)
+    gpu = msgspec.structs.replace(
+        inv.gpus.devices[0],
+        processes=procs,
+        errors=records.GpuErrors(ecc_uncorrected_volatile=ecc),
+    )
+    return msgspec.structs.replace(inv, gpus=msgspec.structs.replace(inv.gpus, devices=[gpu]))
+
+
+def _ports(node: str, ports: list[int]) -> records.NodeInventory:
+    taken = records.PortsTaken(low=1, high=65535, ports=ports)
+    return msgspec.structs.replace(inventory(node), ports=taken)
+
+
 OUT_OF_RANGE = [
     ("desired.m1", records.Desired(model="m1", replicas=-5), "replicas -5"),
     ("desired.m1", records.Desired(model="m1", replicas=10**9), "replicas 1000000000"),
@@ -686,6 +701,18 @@ OUT_OF_RANGE = [
     ("replicas.m1.r1", _replica("m1", "r1", 0, 0), "ranks [0, 0]"),
     ("placement.m1", records.PlacementRecord(model="m1", desired=-1, placed=0), "desired -1"),
     ("leader", records.Leader(holder="", since=1.0, renewed_at=1.0), "holder is empty"),
+    (
+        "nodes.n1",
+        _gpu_holders("n1", [records.GpuProcess(pid=1 + i) for i in range(17)]),
+        "17 entries, more than 16",
+    ),
+    ("nodes.n1", _gpu_holders("n1", [records.GpuProcess(pid=0)]), "pid 0 is outside 1..4194304"),
+    ("nodes.n1", _gpu_holders("n1", [records.GpuProcess(pid=9, name="x" * 65)]), "65 characters"),
+    ("nodes.n1", _gpu_holders("n1", [records.GpuProcess(pid=9, used_bytes=-1)]), "used_bytes -1"),
+    ("nodes.n1", _gpu_holders("n1", [], ecc=-2), "ecc_uncorrected_volatile -2"),
+    ("nodes.n1", _ports("n1", [70000]), "[70000] are not TCP ports"),
+    ("nodes.n1", _ports("n1", list(range(1, 1026))), "1025 entries, more than 1024"),
+    ("shards.n1.r1", msgspec.structs.replace(_shard("n1", "r1"), port=-1), "port -1"),
 ]
 
 

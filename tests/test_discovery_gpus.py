@@ -1,8 +1,13 @@
+import os
+from pathlib import Path
+
 import pynvml
 import pytest
 from samples.nvml import DRIVER_VERSION, H100_BUS_IDS, H100_UUIDS, RecordedNvml
 
 from llmgw.agent.discovery.gpus import discover_gpus
+from llmgw.bus.records import MAX_GPU_PROCESSES
+from llmgw.testing.nvml import DRIVER_RESERVED
 
 
 def test_eight_h100s_are_listed_in_nvml_order_with_uuids_and_bus_ids():
@@ -104,3 +109,231 @@ def test_real_nvml_on_a_machine_without_nvidia_library_does_not_raise():
 
     assert gpus.status == "no_library"
     assert gpus.devices == []
+
+
+# --- what a GPU is doing: memory used, the processes holding it, its fault counters ---------
+
+GB = 1_000_000_000
+
+
+class Lookup:
+    """Names and ownership as HostProcesses would answer them."""
+
+    def __init__(self, names: dict[int, str], own: set[int] = frozenset()) -> None:
+        self.names, self.mine = names, own
+
+    def name(self, pid: int) -> str:
+        return self.names.get(pid, "")
+
+    def own(self, pid: int) -> bool:
+        return pid in self.mine
+
+
+def test_used_memory_and_the_processes_holding_it_are_reported_foreign_first():
+    nvml = RecordedNvml(
+        processes={3: [(7001, 20 * GB), (4242, 60 * GB), (4300, 1 * GB)], 0: [(7001, 70 * GB)]}
+    )
+
+    gpus = discover_gpus(nvml, Lookup({4242: "python", 7001: "vllm"}, own={7001}))
+
+    idle, busy = gpus.devices[1], gpus.devices[3]
+    assert idle.memory_used_bytes == DRIVER_RESERVED and idle.processes == []
+    assert busy.memory_used_bytes == DRIVER_RESERVED + 81 * GB
+    assert [(p.pid, p.name, p.used_bytes, p.own) for p in busy.processes] == [
+        (4242, "python", 60 * GB, False),
+        (4300, "", 1 * GB, False),  # ended before its name was read
+        (7001, "vllm", 20 * GB, True),
+    ]
+    assert busy.foreign_bytes() == 61 * GB
+    assert gpus.devices[0].foreign_bytes() == 0
+
+
+def test_a_process_with_compute_and_graphics_contexts_is_listed_once():
+    nvml = RecordedNvml(processes={2: [(4242, 5 * GB)]}, graphics={2: [(4242, 5 * GB), (9, GB)]})
+
+    gpu = discover_gpus(nvml).devices[2]
+
+    assert [(p.pid, p.used_bytes) for p in gpu.processes] == [(4242, 5 * GB), (9, GB)]
+
+
+def test_a_gpu_lists_at_most_16_processes_and_counts_the_memory_of_the_rest():
+    many = [(1000 + i, (i + 1) * GB) for i in range(20)]  # 1..20 GB
+    nvml = RecordedNvml(processes={0: many + [(7001, 30 * GB)]})
+
+    gpu = discover_gpus(nvml, Lookup({}, own={7001})).devices[0]
+
+    assert len(gpu.processes) == MAX_GPU_PROCESSES == 16
+    assert [p.pid for p in gpu.processes[:2]] == [1019, 1018]  # foreign, largest first
+    assert all(not p.own for p in gpu.processes)  # the own engine is the first left out
+    assert gpu.processes_unlisted == 5
+    assert gpu.unlisted_foreign_bytes == (1 + 2 + 3 + 4) * GB
+    assert gpu.foreign_bytes() == sum(range(1, 21)) * GB
+
+
+def test_memory_nvml_cannot_attribute_counts_as_held_by_the_process_it_cannot_tell():
+    # usedGpuMemory NVML_VALUE_NOT_AVAILABLE: pynvml answers None
+    nvml = RecordedNvml(processes={1: [(4242, None), (7001, 10 * GB)]}, unlisted_used={1: 40 * GB})
+
+    gpu = discover_gpus(nvml, Lookup({}, own={7001})).devices[1]
+
+    assert gpu.processes[0].used_bytes is None
+    assert gpu.foreign_bytes() == DRIVER_RESERVED + 40 * GB
+
+
+def test_process_lists_nvml_refuses_leave_every_gpu_reported_without_processes():
+    nvml = RecordedNvml(processes={0: [(4242, GB)]}, process_error=pynvml.NVML_ERROR_NO_PERMISSION)
+
+    gpus = discover_gpus(nvml)
+
+    assert gpus.status == "ok" and len(gpus.devices) == 8
+    assert gpus.devices[0].processes == []
+
+
+def test_fault_counters_read_as_a_hopper_gpu_answers_them():
+    nvml = RecordedNvml(ecc_uncorrected={2: 3}, remapped_rows={5: (0, 1, 1, 0), 6: (0, 2, 0, 1)})
+
+    devices = discover_gpus(nvml).devices
+
+    healthy = devices[0].errors
+    assert healthy.ecc_uncorrected_volatile == 0
+    assert healthy.retired_pages_pending is None  # NOT_SUPPORTED: Hopper remaps rows
+    assert (healthy.remapped_rows_pending, healthy.remapping_failed) == (False, False)
+    assert devices[2].errors.ecc_uncorrected_volatile == 3
+    assert devices[5].errors.remapped_rows_pending is True
+    assert devices[6].errors.remapping_failed is True
+
+
+def test_a_gpu_without_ecc_reports_its_counter_unknown_not_zero():
+    nvml = RecordedNvml()
+
+    def no_ecc(handle, error_type, counter):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    nvml.nvmlDeviceGetTotalEccErrors = no_ecc
+
+    assert discover_gpus(nvml).devices[0].errors.ecc_uncorrected_volatile is None
+
+
+# --- own or foreign: /proc/<pid>/{stat,comm} and the engines' pidfiles -------------------------
+
+BTIME = 1_796_293_707
+TICKS = os.sysconf("SC_CLK_TCK")  # what the agent divides start times by
+
+
+def _proc(procfs, pid: int, comm: str, pgrp: int, session: int, start_s: float) -> None:
+    d = procfs / str(pid)
+    d.mkdir(parents=True)
+    (d / "comm").write_text(comm + "\n")
+    # a real line of /proc/<pid>/stat (from `cat /proc/self/stat`), with our fields in it
+    (d / "stat").write_text(
+        f"{pid} ({comm}) S 1 {pgrp} {session} 0 -1 4194304 101 0 0 0 0 0 0 0 20 0 1 0 "
+        f"{int(start_s * TICKS)} 3133440 384 18446744073709551615 0 0 0 0 0 0 0 0 0 0 0 0 17 1\n"
+    )
+
+
+@pytest.fixture
+def host(tmp_path):
+    """A recorded /proc: an engine (pid 7001, its own group and session, started at 500 s
+    after boot) with a worker, a notebook, and a pid whose number is an old engine's."""
+    procfs = tmp_path / "proc"
+    procfs.mkdir()
+    (procfs / "stat").write_text(
+        f"cpu  1 2 3 4\ncpu0 1 2 3 4\nintr 12345 0 0\nctxt 99\nbtime {BTIME}\nprocesses 5000\n"
+    )
+    _proc(procfs, 7001, "vllm", 7001, 7001, 500.0)
+    _proc(procfs, 7050, "VllmWorker TP0", 7001, 7001, 530.0)
+    _proc(procfs, 4242, "python", 4242, 4000, 100.0)
+    _proc(procfs, 8000, "(sd-pam) x", 8000, 8000, 900.0)  # parentheses in the name
+    return procfs
+
+
+def _engine(pid: int, started_s: float, port: int = 18000):
+    from llmgw.agent.engines.pidfile import EngineProcess
+
+    return EngineProcess(
+        shard=f"n1.r{pid}", pid=pid, pgid=pid, create_time=BTIME + started_s, argv=[], port=port
+    )
+
+
+def test_an_engine_and_its_workers_are_own_and_everything_else_foreign(host):
+    from llmgw.agent.discovery.processes import HostProcesses
+
+    lookup = HostProcesses(host, [_engine(7001, 500.0)], clock_ticks=TICKS)
+
+    assert lookup.own(7001) and lookup.own(7050)
+    assert not lookup.own(4242)
+    assert not lookup.own(99999)  # not in /proc at all: not an engine this agent knows
+    assert (lookup.name(4242), lookup.name(7050), lookup.name(99999)) == (
+        "python",
+        "VllmWorker TP0",
+        "",
+    )
+
+
+def test_a_process_older_than_the_engine_whose_group_number_it_has_is_not_own(host):
+    from llmgw.agent.discovery.processes import HostProcesses
+
+    # a pidfile left for group 8000 whose leader started at 1000 s: pid 8000 now is a
+    # process started at 900 s, so the number was reused, not the engine
+    lookup = HostProcesses(host, [_engine(8000, 1000.0)], clock_ticks=TICKS)
+
+    assert not lookup.own(8000)
+
+
+def test_without_pidfiles_nothing_is_own():
+    from llmgw.agent.discovery.processes import HostProcesses
+
+    lookup = HostProcesses(Path("/nonexistent"), [])
+
+    assert not lookup.own(1)
+
+
+def test_stat_lines_parse_with_spaces_and_parentheses_in_the_name():
+    from llmgw.agent.discovery.processes import parse_comm, parse_stat
+
+    line = "8000 (a) b (c)) S 1 8000 7999 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 90000 0 0\n"
+    stat = parse_stat(line)
+    assert (stat.pgrp, stat.session, stat.start_ticks) == (8000, 7999, 90000)
+    assert parse_stat("garbage") is None
+    assert parse_stat("1 (x) S 1 2") is None
+    assert parse_comm("py\x1bthon" + "x" * 100 + "\n") == ("py?thon" + "x" * 100)[:64]
+
+
+def test_the_inventory_carries_gpu_processes_named_and_told_apart(host, tmp_path):
+    from llmgw.agent.config import AgentConfig, Paths
+    from llmgw.agent.engines.pidfile import write_pidfile
+    from llmgw.agent.inventory import Hardware, Identity, discover
+
+    state = tmp_path / "state"
+    write_pidfile(state, _engine(7001, 500.0))
+    (host / "cpuinfo").write_text("processor\t: 0\n")
+    (host / "meminfo").write_text("MemTotal: 1000 kB\nMemAvailable: 500 kB\n")
+    nvml = RecordedNvml(processes={3: [(4242, 60 * GB), (7050, 20 * GB)]})
+    cfg = AgentConfig(paths=Paths(procfs=str(host), sysfs=str(tmp_path), state_dir=str(state)))
+
+    inv = discover(
+        cfg,
+        Identity("n1", "n1", "127.0.0.1"),
+        0.0,
+        hardware=Hardware(gpus=lambda lookup: discover_gpus(nvml, lookup)),
+    )
+
+    gpu = inv.gpus.devices[3]
+    assert [(p.pid, p.name, p.own) for p in gpu.processes] == [
+        (4242, "python", False),
+        (7050, "VllmWorker TP0", True),
+    ]
+    assert gpu.foreign_bytes() == 60 * GB
+
+
+def test_a_simulated_agents_recording_can_hold_memory_and_count_ecc_errors():
+    from llmgw.testing.nvml import FOREIGN_PID, from_spec
+
+    gpus = discover_gpus(from_spec("count=4,node=gpu-a,held=3:60,ecc=2:1"))
+
+    assert [(p.pid, p.used_bytes) for p in gpus.devices[3].processes] == [
+        (FOREIGN_PID + 3, 60 * GB)
+    ]
+    assert gpus.devices[2].errors.ecc_uncorrected_volatile == 1
+    with pytest.raises(ValueError, match="GPU:AMOUNT"):
+        from_spec("held=3")

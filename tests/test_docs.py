@@ -18,6 +18,9 @@ STORED = [
     records.Memory,
     records.Gpus,
     records.Gpu,
+    records.GpuProcess,
+    records.GpuErrors,
+    records.PortsTaken,
     records.IbAdapter,
     records.IbPort,
     records.EngineInstall,
@@ -38,6 +41,7 @@ STORED = [
     records.ModelCopy,
     records.PlacementRecord,
     records.RefusedNodes,
+    records.GpuNamed,
     records.Leader,
     records.Event,
 ]

@@ -4,9 +4,11 @@ serves. Real nats-server, real agent process, real engine processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 
 import anyio
 import msgspec
@@ -17,12 +19,26 @@ from serving import cpu_model, serve, stream_chat, want
 from waiting import until
 
 from llmgw import catalog
-from llmgw.agent.config import Engines
+from llmgw.agent.config import Engines, Intervals
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
+from llmgw.bus.server import free_port
+from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+
+def _quick_engines(**extra) -> Engines:
+    """Engines on loopback, restarted and polled quickly."""
+    return Engines(
+        listen_host="127.0.0.1",
+        backoff_base=0.2,
+        backoff_cap=5,
+        poll_interval=0.1,
+        stop_grace=3,
+        **extra,
+    )
 
 
 @pytest.fixture
@@ -30,17 +46,7 @@ def node(tmp_path, nats_server):
     dirs = host_dirs(tmp_path)
     install_fake_engines(dirs["bin"])
     cfg = agent_config(nats_server.url, dirs, id="node1")
-    cfg = msgspec.structs.replace(
-        cfg,
-        engines=Engines(
-            listen_host="127.0.0.1",
-            backoff_base=0.2,
-            backoff_cap=5,
-            poll_interval=0.1,
-            stop_grace=3,
-            drain_timeout=30,
-        ),
-    )
+    cfg = msgspec.structs.replace(cfg, engines=_quick_engines(drain_timeout=30))
     path = [dirs["bin"], "/usr/bin", "/bin"]
     proc = start_agent(cfg, tmp_path / "agent.toml", path, tmp_path / "agent.log")
     state = {
@@ -368,3 +374,112 @@ async def test_a_replica_that_cannot_start_for_a_local_error_fails_alone_and_the
         return got.value if got and got.value.phase == "ready" else None
 
     await until(bad_recovered, timeout=30)
+
+
+# --- ports as they really are: another program on a port of the engine range -------------
+
+
+def _free_range(width: int = 20) -> int:
+    """The first port of `width` consecutive ports nothing listens on now."""
+    for _ in range(50):
+        low = free_port()
+        if low + width > 65535:
+            continue
+        try:
+            for port in range(low, low + width + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return low
+    raise AssertionError("no free run of ports on this machine")
+
+
+@contextlib.asynccontextmanager
+async def _ranged_node(nats_server, nats_settings, tmp_path, low: int, *, sees_listeners: bool):
+    """The agent (ports low..low+20, probed every 0.2 s) and a leading controller on the same
+    range. With `sees_listeners` its /proc/net is this machine's, so it sees the sockets
+    the test opens; without, a recorded tree with none, as if they opened after its probe."""
+    dirs = host_dirs(tmp_path)
+    install_fake_engines(dirs["bin"])
+    if sees_listeners:
+        (dirs["procfs"] / "net").symlink_to("/proc/net")  # read as the agent's own netns
+    cfg = agent_config(nats_server.url, dirs, id="node1")
+    cfg = msgspec.structs.replace(
+        cfg,
+        intervals=Intervals(heartbeat=0.2, engine_probe=0.3, port_probe=0.2),
+        engines=_quick_engines(port_low=low, port_high=low + 20),
+    )
+    proc = start_agent(
+        cfg, tmp_path / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], tmp_path / "agent.log"
+    )
+    settings = ControllerSettings(
+        unreachable_after=2,
+        lost_after=30,
+        leader_ttl=1,
+        tick=0.05,
+        resync=0.5,
+        port_range=(low, low + 20),
+    )
+    b = await Bus.connect(nats_settings, give_up_after=5)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(Controller(b, settings).run)
+            yield dirs
+            tg.cancel_scope.cancel()
+    finally:
+        await b.close()
+        stop(proc)
+
+
+async def _assignment(bus: Bus, rid: str) -> records.Assignment:
+    got = await bus.get(keys.assign("node1", rid), decoder(records.Assignment))
+    return got.value
+
+
+async def test_a_port_another_program_listens_on_is_never_assigned(
+    bus, nats_server, nats_settings, tmp_path
+):
+    low = _free_range()
+    with socket.socket() as other:  # a service of the node, on the first engine port
+        other.bind(("0.0.0.0", low))
+        other.listen()
+        async with _ranged_node(nats_server, nats_settings, tmp_path, low, sees_listeners=True):
+
+            async def reported():
+                inv = await bus.get(keys.node("node1"), decoder(records.NodeInventory))
+                return inv is not None and inv.value.ports.ports == [low]
+
+            await until(reported)
+            await serve(bus, _catalog(tmp_path), 1)
+            shard = await until(lambda: _shard(bus, "ready"))
+            assert shard.port == low + 1 and shard.endpoint == f"127.0.0.1:{low + 1}"
+            # never given the taken port, not even once: a move would have raised it
+            assert (await _assignment(bus, shard.rid)).generation == 1
+
+
+async def test_a_port_taken_between_placement_and_launch_ends_with_the_replica_on_another(
+    bus, nats_server, nats_settings, tmp_path
+):
+    events = Events()
+    await bus.subscribe("llmgw.events.>", events.on_message)
+    low = _free_range()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", low))
+        other.listen()
+        async with _ranged_node(nats_server, nats_settings, tmp_path, low, sees_listeners=False):
+            await serve(bus, _catalog(tmp_path), 1)
+            rep = await until(lambda: _replica(bus, "ready"), timeout=30)
+            assert rep.members[0].port == low + 1 and rep.endpoint == f"127.0.0.1:{low + 1}"
+            assert (
+                f"port {low} on node1 was taken by another program, moved to {low + 1}"
+                in rep.reason
+            )
+            assert (await _assignment(bus, rep.rid)).generation == 2
+            shard = await until(lambda: _shard(bus, "ready"))
+            assert (shard.port, shard.refused) == (low + 1, "")
+            assert "port-moved" in events.kinds("port-")
+            failed = [
+                e for e in events.items if e.kind == "shard-failed" and str(low) in e.data["reason"]
+            ]
+            assert failed, "the agent refused the taken port before the move"

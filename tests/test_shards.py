@@ -69,3 +69,20 @@ def test_everything_else_is_the_events_own() -> None:
         [],
         4,
     )
+
+
+def test_a_launch_refused_only_for_its_taken_port_says_so_and_the_next_event_clears_it() -> None:
+    from llmgw.agent.engines.validate import Problem
+    from llmgw.agent.shards import refused_key
+
+    taken = Problem("port 8080 is in use", transient=True, refused=records.PORT_IN_USE)
+    assert refused_key([taken]) == records.PORT_IN_USE
+    # moving the port would not help when something else is wrong too
+    assert refused_key([taken, Problem("weights missing")]) == ""
+    assert refused_key([Problem("weights missing")]) == ""
+
+    refused = next_shard(None, event("failed", 1.0, refused=refused_key([taken])))
+    assert (refused.refused, refused.port) == (records.PORT_IN_USE, 8080)
+    moved = msgspec.structs.replace(ASSIGNMENT, generation=4, port=8081)
+    again = next_shard(refused, replace(event("validating", 2.0), assignment=moved))
+    assert (again.refused, again.port) == ("", 8081)

@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-from llmgw.bus.records import HEARTBEAT_S
+from llmgw.bus.records import ENGINE_PORTS, HEARTBEAT_S
 from llmgw.errors import LlmgwError
 
 DEFAULT_CONFIG_PATH = Path(os.environ.get("LLMGW_AGENT_CONFIG", "/etc/llmgw/agent.toml"))
@@ -65,6 +65,12 @@ class Weights(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_def
 class Intervals(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     heartbeat: float = HEARTBEAT_S
     engine_probe: float = 60.0
+    # GPUs read (memory used, processes, error counters): a process taking memory or a
+    # GPU turning bad is written at once, memory used moving less than 1 GB within
+    # gpu_report
+    gpu_probe: float = 10.0
+    gpu_report: float = 60.0
+    port_probe: float = 10.0  # listeners on the engine port range; written when they change
 
 
 class Engines(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -90,6 +96,10 @@ class Engines(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     # a file holding the key engines are started with (llama-server's and vLLM's API key);
     # routers are given the same file. Never in the bucket: every identity can read that.
     api_key_file: str | None = None
+    # the ports the controller gives engines (its port_range): listeners of other programs
+    # on them are reported, so placement never gives one out
+    port_low: int = ENGINE_PORTS[0]
+    port_high: int = ENGINE_PORTS[1]
 
 
 class Paths(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -184,6 +194,9 @@ RANGES: dict[str, Range] = {
     "weights.scan_timeout": Range(0, DAY, "seconds"),
     "intervals.heartbeat": Range(0, 3600, "seconds"),
     "intervals.engine_probe": Range(0, DAY, "seconds"),
+    "intervals.gpu_probe": Range(0, DAY, "seconds"),
+    "intervals.gpu_report": Range(0, DAY, "seconds"),
+    "intervals.port_probe": Range(0, DAY, "seconds"),
     "engines.readiness_timeout": Range(0, 7 * DAY, "seconds"),
     "engines.drain_timeout": Range(0, DAY, "seconds", low_ok=True),
     "engines.stop_grace": Range(0, 3600, "seconds", low_ok=True),
@@ -191,6 +204,8 @@ RANGES: dict[str, Range] = {
     "engines.backoff_cap": Range(0, DAY, "seconds"),
     "engines.max_failed_starts": Range(0, 1000, "starts"),
     "engines.poll_interval": Range(0, 3600, "seconds"),
+    "engines.port_low": Range(1, 65535, "port", low_ok=True),
+    "engines.port_high": Range(1, 65535, "port", low_ok=True),
 }
 
 
@@ -217,6 +232,11 @@ def _check(cfg: AgentConfig, path: Path) -> None:
         raise ConfigError(
             f"{path}: key 'engines.backoff_cap': {cfg.engines.backoff_cap:g} is below "
             f"engines.backoff_base {cfg.engines.backoff_base:g}; the cap must be at least the base"
+        )
+    if cfg.engines.port_high < cfg.engines.port_low:
+        raise ConfigError(
+            f"{path}: key 'engines.port_high': {cfg.engines.port_high} is below "
+            f"engines.port_low {cfg.engines.port_low}; the range is port_low..port_high"
         )
     for adapter, fabric in cfg.fabrics.items():
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -86,3 +87,15 @@ def read_bounded(path: str | Path, limit: int) -> bytes:
 def read_text_bounded(path: str | Path, limit: int) -> str:
     """`read_bounded`, decoded as UTF-8 with undecodable bytes replaced."""
     return read_bounded(path, limit).decode(errors="replace")
+
+
+def bounded_lines(path: str | Path, max_lines: int, max_chars: int) -> Iterator[str]:
+    """The first `max_lines` lines of a regular file, each cut at `max_chars` (the rest of
+    a longer line comes as further lines), decoded as UTF-8 with undecodable bytes
+    replaced: a kernel table such as /proc/net/tcp, read without holding it whole."""
+    with open_regular(path) as f:
+        for _ in range(max_lines):
+            line = f.readline(max_chars)
+            if not line:
+                return
+            yield line.decode(errors="replace")

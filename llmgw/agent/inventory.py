@@ -18,6 +18,9 @@ from pathlib import Path
 from llmgw import __version__
 from llmgw.agent.config import AgentConfig
 from llmgw.agent.discovery import address, cpu, engines, gpus, identity, infiniband, memory
+from llmgw.agent.discovery.ports import read_ports_taken
+from llmgw.agent.discovery.processes import HostProcesses
+from llmgw.agent.engines.pidfile import read_pidfiles
 from llmgw.bus import records
 from llmgw.bus.settings import DEFAULT_NATS_URL
 
@@ -26,12 +29,17 @@ log = logging.getLogger(__name__)
 GIB = 1 << 30
 
 
+def _nvml(lookup: gpus.ProcessLookup) -> records.Gpus:
+    return gpus.discover_gpus(processes=lookup)
+
+
 @dataclass(frozen=True)
 class Hardware:
     """Where the hardware facts not read from files come from. `gpus` answers what NVML
-    would (see discovery.gpus.discover_gpus for what each status means)."""
+    would (see discovery.gpus.discover_gpus for what each status means), naming the
+    processes it finds with the lookup it is given."""
 
-    gpus: Callable[[], records.Gpus] = gpus.discover_gpus
+    gpus: Callable[[gpus.ProcessLookup], records.Gpus] = _nvml
 
 
 @dataclass(frozen=True)
@@ -59,9 +67,19 @@ def read_memory(cfg: AgentConfig) -> records.Memory:
 
 
 def read_gpus(cfg: AgentConfig, hardware: Hardware) -> records.Gpus:
+    """What NVML says, with the processes holding GPU memory named from /proc and told
+    apart: this agent's engines (their pidfiles) or not."""
     if not cfg.node.gpus:
         return records.Gpus(status="disabled", detail="node.gpus = false in the agent config")
-    return hardware.gpus()
+    lookup = HostProcesses(Path(cfg.paths.procfs), read_pidfiles(Path(cfg.paths.state_dir)))
+    return hardware.gpus(lookup)
+
+
+def read_ports(cfg: AgentConfig) -> records.PortsTaken:
+    """Listeners on the engine port range that are not this agent's engines."""
+    own = [e.port for e in read_pidfiles(Path(cfg.paths.state_dir))]
+    e = cfg.engines
+    return read_ports_taken(Path(cfg.paths.procfs), e.port_low, e.port_high, own)
 
 
 def read_engines(cfg: AgentConfig) -> list[records.EngineInstall]:
@@ -97,18 +115,18 @@ def discover(
         started_at=started_at,
         cpu=_safely("cpu", lambda: cpu.read_cpu(Path(cfg.paths.procfs)), records.Cpu(count=0)),
         memory=read_memory(cfg),
-        gpus=_safely(
-            "gpus",
-            lambda: read_gpus(cfg, hardware),
-            records.Gpus(status="error", detail="discovery failed; see the agent log"),
-        ),
+        gpus=_safely("gpus", lambda: read_gpus(cfg, hardware), GPUS_FAILED),
         ib=_safely("infiniband", lambda: read_ib(cfg), []),
         engines=_safely("engines", lambda: read_engines(cfg), []),
         weights=weights or records.Weights(),
+        ports=_safely("ports", lambda: read_ports(cfg), records.PortsTaken()),
         fetch_dir=cfg.weights.fetch_dir,
         from_config=cfg.overrides(),
         updated_at=time.time(),
     )
+
+
+GPUS_FAILED = records.Gpus(status="error", detail="discovery failed; see the agent log")
 
 
 def _safely(what, fn, fallback):
@@ -117,6 +135,58 @@ def _safely(what, fn, fallback):
     except Exception:  # noqa: BLE001 - report what failed, keep discovering the rest
         log.exception("discovering %s failed; reporting it as empty", what)
         return fallback
+
+
+def probe_gpus(cfg: AgentConfig, hardware: Hardware) -> records.Gpus:
+    """`read_gpus` as the agent's probes call it: a bug reported as a failed discovery."""
+    return _safely("gpus", lambda: read_gpus(cfg, hardware), GPUS_FAILED)
+
+
+def probe_ports(cfg: AgentConfig) -> records.PortsTaken | None:
+    """`read_ports`; None when reading failed (a bug: logged), to keep what was reported."""
+    return _safely("ports", lambda: read_ports(cfg), None)
+
+
+# Memory moving by less than this is no new fact for placement: written within
+# intervals.gpu_report, not at every probe (a loading engine moves it every second)
+GPU_MEMORY_STEP = 1_000_000_000
+
+
+def gpus_changed(before: records.Gpus, after: records.Gpus) -> str | None:
+    """Why `after` must be written at once instead of `before`, or None when they differ at
+    most by memory moving less than GPU_MEMORY_STEP (or not at all)."""
+    if (before.status, before.detail, before.driver_version) != (
+        after.status,
+        after.detail,
+        after.driver_version,
+    ) or [g.uuid for g in before.devices] != [g.uuid for g in after.devices]:
+        return (
+            f"GPUs {before.status} ({len(before.devices)}) -> {after.status} ({len(after.devices)})"
+        )
+    for old, new in zip(before.devices, after.devices, strict=True):
+        if old.errors != new.errors:
+            return f"GPU {new.index} memory errors {_errors(old)} -> {_errors(new)}"
+        if _holders(old) != _holders(new):
+            return f"GPU {new.index} processes {_holders(old)} -> {_holders(new)}"
+        before_held, after_held = old.foreign_bytes(), new.foreign_bytes()
+        if abs(before_held - after_held) >= GPU_MEMORY_STEP:
+            return (
+                f"GPU {new.index} memory held by other processes {before_held} -> "
+                f"{after_held} bytes"
+            )
+    return None
+
+
+def _holders(g: records.Gpu) -> list[tuple[int, bool]]:
+    return sorted((p.pid, p.own) for p in g.processes)
+
+
+def _errors(g: records.Gpu) -> str:
+    e = g.errors
+    return (
+        f"(ecc {e.ecc_uncorrected_volatile}, retired pending {e.retired_pages_pending}, "
+        f"remap pending {e.remapped_rows_pending}, remap failed {e.remapping_failed})"
+    )
 
 
 def comparable(inv: records.NodeInventory) -> records.NodeInventory:

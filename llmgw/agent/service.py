@@ -3,7 +3,9 @@
 On start it writes `nodes.<id>` (the whole inventory: registration carries everything, so
 a reconnecting agent refreshes what the control plane knows), then `leases.<id>` every
 heartbeat with the RAM read that beat. RAM total changing, an engine appearing or
-disappearing, or the weights held changing rewrites `nodes.<id>`; nothing else does.
+disappearing, the weights held changing, a GPU's processes or error counters changing
+(memory moving by less than 1 GB: within a minute), or another program starting or
+stopping to listen on the engine port range rewrites `nodes.<id>`; nothing else does.
 SIGTERM/SIGINT stop it within a second (the seed's agent took 90 s and ended in SIGKILL).
 
 It registers before it scans weights: a weights directory is anyone's to fill, and a filer
@@ -81,6 +83,7 @@ class Agent:
         self.inventory: records.NodeInventory | None = None
         self.shards: NodeShards | None = None  # once running: its replicas on this node
         self._written: records.NodeInventory | None = None
+        self._written_at = float("-inf")  # anyio.current_time of the last nodes.<id> write
         self._write_lock = anyio.Lock()
         self._seq = 0
         self._weights_scanner = weights_scanner or WeightsScanner()
@@ -137,6 +140,8 @@ class Agent:
                 self._tg = tg
                 tg.start_soon(self._heartbeats)
                 tg.start_soon(self._engine_probes)
+                tg.start_soon(self._gpu_probes)
+                tg.start_soon(self._port_probes)
                 tg.start_soon(self._weights_scans)
                 shards = self.shards = NodeShards(
                     self.bus, cfg, lambda: self.inventory, engine_api_key=engine_key
@@ -170,6 +175,7 @@ class Agent:
                 self._written = None
                 return
             self._written = current
+            self._written_at = anyio.current_time()
             if why:
                 log.info("nodes.%s rewritten: %s", current.node, why)
 
@@ -218,6 +224,48 @@ class Agent:
             after = {e.name: e.version for e in found}
             self.inventory = msgspec.structs.replace(self.inventory, engines=found)
             await self._write_inventory(why=f"engines {before} -> {after}")
+
+    async def _gpu_probes(self) -> None:
+        while True:
+            await anyio.sleep(self.cfg.intervals.gpu_probe)
+            assert self.inventory is not None
+            # a node without NVIDIA GPUs has nothing to watch; a rescan request looks again
+            if self.inventory.gpus.status not in ("disabled", "no_library", "no_driver"):
+                await self._probe_gpus()
+
+    async def _probe_gpus(self) -> None:
+        """GPUs as they are now (NVML in a worker thread). Written at once when what
+        placement decides by changed (processes, error counters, memory others hold moving
+        by a GB or more); memory merely drifting, once `intervals.gpu_report` has passed
+        since the last write."""
+        assert self.inventory is not None
+        found = await _blocking(inventory.probe_gpus, self.cfg, self._hardware)
+        self.inventory = msgspec.structs.replace(self.inventory, gpus=found)
+        written = self._written.gpus if self._written is not None else None
+        if written is None or written == found:
+            return  # nothing written yet (the heartbeat retries with this), or no news
+        why = inventory.gpus_changed(written, found)
+        if why is None and (
+            anyio.current_time() - self._written_at >= self.cfg.intervals.gpu_report
+        ):
+            why = "GPU memory used"
+        if why is not None:
+            await self._write_inventory(why=why)
+
+    async def _port_probes(self) -> None:
+        while True:
+            await anyio.sleep(self.cfg.intervals.port_probe)
+            await self._probe_ports()
+
+    async def _probe_ports(self) -> None:
+        assert self.inventory is not None
+        found = await _blocking(inventory.probe_ports, self.cfg)
+        if found is not None and found != self.inventory.ports:
+            before = self.inventory.ports.ports
+            self.inventory = msgspec.structs.replace(self.inventory, ports=found)
+            await self._write_inventory(
+                why=f"ports taken by other programs {before} -> {found.ports}"
+            )
 
     async def _weights_scans(self) -> None:
         while True:
@@ -276,11 +324,13 @@ class Agent:
         await self._write_inventory(why=f"weights scan stuck in {directory}")
 
     async def _on_rescan(self, payload: bytes) -> bytes:
-        """`llmgw.agent.<node>.rescan`: scan weights and probe engines now, reply with counts.
-        Only requests reach it (Bus.serve); the payload is ignored."""
-        log.info("rescan requested: scanning weights and probing engines")
+        """`llmgw.agent.<node>.rescan`: scan weights and probe engines, GPUs and ports now,
+        reply with counts. Only requests reach it (Bus.serve); the payload is ignored."""
+        log.info("rescan requested: scanning weights and probing engines, GPUs and ports")
         await self._scan_weights()
         await self._probe_engines()
+        await self._probe_gpus()
+        await self._probe_ports()
         assert self.inventory is not None
         reply = {
             "node": self.node,

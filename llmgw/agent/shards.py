@@ -392,7 +392,12 @@ class LocalShard:
         if problems:
             reason = "; ".join(p.reason for p in problems)
             log.error("%s %s refused before launch: %s", want.model, self.rid, reason)
-            await self._report(want, "failed", reason=f"refused before launch: {reason}")
+            await self._report(
+                want,
+                "failed",
+                reason=f"refused before launch: {reason}",
+                refused=refused_key(problems),
+            )
             # only when every problem clears by itself; the rest wait for a new assignment
             # or catalog entry
             if all(p.transient for p in problems):
@@ -500,6 +505,7 @@ class LocalShard:
         restarts: int | None = None,
         pid: int | None = None,
         gave_up: bool = False,
+        refused: str = "",
     ) -> None:
         inv = self.node.inventory()
         old = self.record
@@ -519,6 +525,7 @@ class LocalShard:
                 restarts=restarts,
                 pid=pid,
                 gave_up=gave_up,
+                refused=refused,
             ),
         )
         self.record = shard
@@ -613,6 +620,14 @@ class ShardEvent:
     restarts: int | None = None
     pid: int | None = None
     gave_up: bool = False
+    refused: str = ""  # Shard.refused
+
+
+def refused_key(problems: Sequence[Problem]) -> str:
+    """The key a refused launch is reported with: one the controller acts on (the port is
+    taken) when every problem is that one, else "" (the controller can do nothing)."""
+    found = {p.refused for p in problems}
+    return found.pop() if len(found) == 1 else ""
 
 
 def next_shard(old: records.Shard | None, event: ShardEvent) -> records.Shard:
@@ -650,6 +665,8 @@ def next_shard(old: records.Shard | None, event: ShardEvent) -> records.Shard:
         restarts=restarts,
         pid=pid,
         gave_up=event.gave_up,
+        port=a.port,
+        refused=event.refused,
     )
 
 

@@ -28,6 +28,32 @@ class Memory(msgspec.Struct, kw_only=True):
     available_bytes: int
 
 
+# processes listed per GPU (foreign ones first, then by memory held): a GPU shared by an MPS
+# server's hundred clients must not make the inventory unbounded
+MAX_GPU_PROCESSES = 16
+
+
+class GpuProcess(msgspec.Struct, kw_only=True):
+    """A process holding memory on a GPU, as NVML lists it (compute and graphics)."""
+
+    pid: int  # in the agent's pid namespace, which is NVML's
+    name: str = ""  # /proc/<pid>/comm; "" when unreadable (ended meanwhile, not visible)
+    used_bytes: int | None = None  # None: NVML cannot tell (NVML_VALUE_NOT_AVAILABLE)
+    # one of this agent's engines: in the process group of an engine its pidfiles name
+    own: bool = False
+
+
+class GpuErrors(msgspec.Struct, kw_only=True):
+    """NVML's counters of a GPU's memory faults; None where this GPU does not support one.
+    Each clears only with a GPU reset or a driver reload, so a GPU showing one stays out of
+    placement until then (controller/placement/nodes.py, nvml_fault)."""
+
+    ecc_uncorrected_volatile: int | None = None  # since the driver last loaded
+    retired_pages_pending: bool | None = None  # pages retired at the next reset (pre-Ampere)
+    remapped_rows_pending: bool | None = None  # rows remapped at the next reset (Ampere on)
+    remapping_failed: bool | None = None  # a row could not be remapped: the GPU needs service
+
+
 class Gpu(msgspec.Struct, kw_only=True):
     index: int  # NVML index: PCI order, not CUDA_VISIBLE_DEVICES order
     name: str
@@ -35,6 +61,25 @@ class Gpu(msgspec.Struct, kw_only=True):
     memory_total_bytes: int
     pci_bus_id: str
     compute_capability: str  # "9.0"
+    # None: not read (an agent before this field, or NVML would not say)
+    memory_used_bytes: int | None = None
+    # at most MAX_GPU_PROCESSES: foreign ones first, then the largest; the rest are counted
+    processes: list[GpuProcess] = []
+    processes_unlisted: int = 0
+    unlisted_foreign_bytes: int = 0  # memory the unlisted foreign processes hold
+    errors: GpuErrors = msgspec.field(default_factory=GpuErrors)
+
+    def foreign_bytes(self) -> int:
+        """Memory held by processes that are not llmgw's engines, as far as NVML says: what
+        each one listed holds, and the unlisted ones. One whose memory NVML cannot tell is
+        taken to hold all the used memory no process accounts for (the driver's own too:
+        too much rather than too little)."""
+        foreign = [p for p in self.processes if not p.own]
+        held = sum(p.used_bytes or 0 for p in foreign) + self.unlisted_foreign_bytes
+        if self.memory_used_bytes is not None and any(p.used_bytes is None for p in foreign):
+            accounted = sum(p.used_bytes or 0 for p in self.processes) + self.unlisted_foreign_bytes
+            held += max(self.memory_used_bytes - accounted, 0)
+        return held
 
 
 GpuStatus = Literal["ok", "no_library", "no_driver", "error", "disabled"]
@@ -139,6 +184,23 @@ class Weights(msgspec.Struct, kw_only=True):
     incomplete: list[IncompleteModel] = []
 
 
+# The port range engines are given by default (the controller's port_range, the agent's
+# engines.port_range): both sides read it here
+ENGINE_PORTS = (18000, 18999)
+# listening ports listed per node; past it, counted
+MAX_PORTS_TAKEN = 1024
+
+
+class PortsTaken(msgspec.Struct, kw_only=True):
+    """Listening TCP ports of the engine port range held by processes that are not this
+    agent's engines (another service, a leftover engine): placement never assigns them."""
+
+    low: int = 0  # the range looked at; 0-0: not looked (an agent before this field)
+    high: int = 0
+    ports: list[int] = []  # sorted, at most MAX_PORTS_TAKEN
+    unlisted: int = 0  # taken beyond those listed
+
+
 class NodeInventory(msgspec.Struct, kw_only=True):
     node: str
     hostname: str
@@ -151,6 +213,7 @@ class NodeInventory(msgspec.Struct, kw_only=True):
     ib: list[IbAdapter] = []
     engines: list[EngineInstall] = []
     weights: Weights = msgspec.field(default_factory=Weights)
+    ports: PortsTaken = msgspec.field(default_factory=PortsTaken)
     # the agent's weights.fetch_dir (default llmgw.agent.config.DEFAULT_FETCH_DIR), always
     # reported; empty only in an inventory that did not say
     fetch_dir: str = ""
@@ -296,6 +359,16 @@ class Shard(msgspec.Struct, kw_only=True):
     # row within the agent's window (its supervisor's FATAL state); phase is "failed", and
     # the controller moves the replica elsewhere (docs/engines.md, docs/placement.md)
     gave_up: bool = False
+    port: int = 0  # the port its assignment gives it
+    # why its launch was refused, as a constant key the controller acts on: PORT_IN_USE
+    # (another process listens on `port`: the controller gives the replica another port);
+    # "" for every other refusal, and when nothing was refused
+    refused: str = ""
+
+
+# Shard.refused: the assigned port is taken by a process that is not one of the agent's
+# engines (another service started after placement)
+PORT_IN_USE = "port-in-use"
 
 
 # --- fabrics.<fabric>: the per-fabric weights view, written by the controller
@@ -323,6 +396,21 @@ class FabricHoldings(msgspec.Struct, kw_only=True):
 # --- placement.<model>: the latest decision and its explanation
 
 
+class GpuNamed(msgspec.Struct, kw_only=True, frozen=True):
+    """One GPU refused nodes could not use, named for a person: the first such node's.
+    `why` is "held" (memory held by processes that are not llmgw's) or the key of a fault
+    (docs/placement.md lists them)."""
+
+    node: str
+    gpu: int  # NVML index
+    why: str
+    bytes: int | None = None  # held: memory held by processes that are not llmgw's
+    pid: int | None = None  # held: the one holding the most
+    process: str = ""  # its name
+    others: int = 0  # held: how many more processes that are not llmgw's hold memory there
+    count: int | None = None  # ecc-uncorrected: errors counted
+
+
 class RefusedNodes(msgspec.Struct, kw_only=True, frozen=True):
     """Nodes one profile could not use, for one reason: a constant `reason` key and its
     numbers (controller/placement/explain.py renders the text). `least`/`most` are what the nodes
@@ -335,6 +423,7 @@ class RefusedNodes(msgspec.Struct, kw_only=True, frozen=True):
     least: int | None = None
     most: int | None = None
     detail: str = ""  # the engine, the port range, the fabric
+    gpu: GpuNamed | None = None  # gpus-held, gpus-unschedulable: one GPU it is about
 
 
 class PlacementRecord(msgspec.Struct, kw_only=True):

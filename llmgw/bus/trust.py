@@ -27,6 +27,8 @@ from . import keys, records
 # `llmgw place` refuses more; a bigger number in the bucket is a typo or an attack
 MAX_REPLICAS = 10_000
 MAX_PORT = 65_535
+MAX_PID = 4_194_304  # the kernel's PID_MAX_LIMIT
+MAX_PROCESS_NAME = 64  # /proc/<pid>/comm holds 15 characters
 
 
 class RecordRejected(LlmgwError, ValueError):
@@ -77,6 +79,10 @@ class _Problems:
         if value is not None and not low <= value <= high:
             self.others.append(f"{field} {value!r} is outside {low!r}..{high!r}")
 
+    def at_most(self, field: str, count: int, high: int, unit: str = "entries") -> None:
+        if count > high:
+            self.others.append(f"{field} has {count} {unit}, more than {high}")
+
     def token(self, field: str, value: str | None) -> None:
         if value is not None and not keys.is_token(value):
             self.others.append(f"{field} {value!r} is not an id (letters, digits, '-', '_')")
@@ -109,8 +115,8 @@ def _node(p: _Problems, inv: records.NodeInventory) -> None:
     p.at_least("cpu.count", inv.cpu.count, 0)
     _memory(p, "memory", inv.memory)
     for i, g in enumerate(inv.gpus.devices):
-        p.at_least(f"gpus.devices[{i}].index", g.index, 0)
-        p.at_least(f"gpus.devices[{i}].memory_total_bytes", g.memory_total_bytes, 0)
+        _gpu(p, f"gpus.devices[{i}]", g)
+    _ports_taken(p, inv.ports)
     for i, m in enumerate(inv.weights.models):
         p.at_least(f"weights.models[{i}].bytes", m.bytes, 0)
         p.at_least(f"weights.models[{i}].files", m.files, 0)
@@ -118,6 +124,30 @@ def _node(p: _Problems, inv: records.NodeInventory) -> None:
     for i, d in enumerate(inv.weights.dirs):
         if d.store is not None:
             _store(p, f"weights.dirs[{i}].store", d.store, node)
+
+
+def _gpu(p: _Problems, where: str, g: records.Gpu) -> None:
+    p.at_least(f"{where}.index", g.index, 0)
+    p.at_least(f"{where}.memory_total_bytes", g.memory_total_bytes, 0)
+    p.at_least(f"{where}.memory_used_bytes", g.memory_used_bytes, 0)
+    p.at_least(f"{where}.processes_unlisted", g.processes_unlisted, 0)
+    p.at_least(f"{where}.unlisted_foreign_bytes", g.unlisted_foreign_bytes, 0)
+    p.at_most(f"{where}.processes", len(g.processes), records.MAX_GPU_PROCESSES)
+    for j, proc in enumerate(g.processes[: records.MAX_GPU_PROCESSES]):
+        p.within(f"{where}.processes[{j}].pid", proc.pid, 1, MAX_PID)
+        p.at_least(f"{where}.processes[{j}].used_bytes", proc.used_bytes, 0)
+        p.at_most(f"{where}.processes[{j}].name", len(proc.name), MAX_PROCESS_NAME, "characters")
+    p.at_least(f"{where}.errors.ecc_uncorrected_volatile", g.errors.ecc_uncorrected_volatile, 0)
+
+
+def _ports_taken(p: _Problems, ports: records.PortsTaken) -> None:
+    p.within("ports.low", ports.low, 0, MAX_PORT)
+    p.within("ports.high", ports.high, ports.low, MAX_PORT)
+    p.at_least("ports.unlisted", ports.unlisted, 0)
+    p.at_most("ports.ports", len(ports.ports), records.MAX_PORTS_TAKEN)
+    outside = [n for n in ports.ports[: records.MAX_PORTS_TAKEN] if not 1 <= n <= MAX_PORT]
+    if outside:
+        p.others.append(f"ports.ports {outside[:3]} are not TCP ports")
 
 
 def _lease(p: _Problems, lease: records.Lease) -> None:
@@ -171,6 +201,7 @@ def _shard(p: _Problems, s: records.Shard) -> None:
     p.token("model", s.model)
     p.at_least("generation", s.generation, 0)
     p.at_least("restarts", s.restarts, 0)
+    p.within("port", s.port, 0, MAX_PORT)
     if s.pid is not None:
         p.at_least("pid", s.pid, 1)
 

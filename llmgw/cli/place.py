@@ -93,6 +93,9 @@ async def dry_run_plan(bus: Bus, model: str, replicas: int, profile: str | None)
     for rm in plan.remove:
         if rm.model == model:
             lines.append(f"  would remove {rm.rid}: {rm.reason}")
+    for move in plan.port_moves:
+        if move.replica.model == model:
+            lines.append(f"  would move {move.replica.rid}: {move.why}")
     if rec is not None:
         lines.append(
             f"  {rec.placed}/{rec.desired} placed"

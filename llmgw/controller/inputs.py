@@ -37,6 +37,7 @@ def placement_snapshot(
         fabrics=fabric_view(view.nodes.values()),
         leases=view.leases,
         port_range=port_range,
+        shards=view.shards,
         now=now,
     )
 

@@ -434,6 +434,7 @@ class Controller:
         # request to remove the model.
         removals = [r for r in plan.remove if r.model not in frozen]
         self._require_leading()  # a pass outlived by its leadership writes nothing more
+        await self._move_ports(plan.port_moves)
         for replica in creates:
             replica = msgspec.structs.replace(replica, epoch=self.epoch)
             await self._put(keys.replica(replica.model, replica.rid), replica)
@@ -474,6 +475,21 @@ class Controller:
             if rec.placed < rec.desired and model not in self._qualifying
         ]
         self._qualifying.update(placement.qualifying_nodes_by_model(snap, new_waiting))
+
+    async def _move_ports(self, moves: list[placement.PortMove]) -> None:
+        """Replicas whose port another program took after placement get the port the plan
+        chose; the assignment derived from each follows in this pass."""
+        for move in moves:
+            replica = msgspec.structs.replace(move.replica, epoch=self.epoch)
+            await self._put(keys.replica(replica.model, replica.rid), replica)
+            self.view.replicas[replica.rid] = replica
+            log.info("%s %s: %s", replica.model, replica.rid, move.why)
+            await self.bus.publish_event(
+                "port-moved",
+                replica.model,
+                f"{replica.model} {replica.rid}: {move.why}",
+                rid=replica.rid,
+            )
 
     def _still_placeable(
         self, creates: list[records.Replica], now: Instant

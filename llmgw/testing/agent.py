@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from llmgw.agent.discovery.gpus import discover_gpus
+from llmgw.agent.discovery.gpus import ProcessLookup, discover_gpus
 from llmgw.agent.discovery.weights.scan import scan_weights
 from llmgw.agent.inventory import Hardware
 from llmgw.agent.service import serve
@@ -30,11 +30,11 @@ from llmgw.bus import records
 from llmgw.testing.nvml import from_spec
 
 
-def recorded_gpus(spec: str) -> Callable[[], records.Gpus]:
+def recorded_gpus(spec: str) -> Callable[[ProcessLookup], records.Gpus]:
     from_spec(spec)  # refused at start when it does not parse
 
-    def gpus() -> records.Gpus:
-        return discover_gpus(from_spec(spec))
+    def gpus(lookup: ProcessLookup) -> records.Gpus:
+        return discover_gpus(from_spec(spec), lookup)
 
     return gpus
 
@@ -58,7 +58,11 @@ def hanging_scan(hung: set[str]) -> Callable[..., records.Weights]:
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None)
 @click.option("--nats", "nats_urls", multiple=True, envvar="LLMGW_NATS")
 @click.option("--log-level", default=os.environ.get("LLMGW_LOG_LEVEL", "INFO"))
-@click.option("--recorded-nvml", default=None, help="count=N,node=NAME: GPUs from a recording")
+@click.option(
+    "--recorded-nvml",
+    default=None,
+    help="count=N,node=NAME,held=GPU:GB,ecc=GPU:N: GPUs from a recording",
+)
 @click.option(
     "--hung-weights-dir", multiple=True, help="a weights directory whose scan never returns"
 )

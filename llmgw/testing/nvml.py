@@ -1,6 +1,13 @@
 """Answers like the pynvml module, recorded from an 8x H100 80GB HBM3 node (DGX-H100
 layout: PCI order 18, 2a, 3a, 5d, 9a, ab, ba, db), driver 550.54.15.
 
+Idle, each GPU reports 555,745,280 bytes used (the driver's own) and no process; what runs
+on it is given per GPU (`processes`, `graphics`: pid and usedGpuMemory, None as pynvml
+gives for NVML_VALUE_NOT_AVAILABLE) and adds to its used memory. Fault counters as a
+Hopper GPU answers them: uncorrected volatile ECC errors (0 unless given), remapped rows
+(none pending unless given), and page retirement NOT_SUPPORTED (replaced by row remapping
+from Ampere on).
+
 Errors are pynvml's own exception classes, raised the way pynvml raises them
 (`NVMLError(code)` maps the code to its subclass), so `except NVMLError_DriverNotLoaded`
 in the code under test is exercised exactly as on a real node.
@@ -47,6 +54,19 @@ class _MemoryInfo:
 
 
 @dataclass
+class _ProcessInfo:  # pynvml's friendly object of c_nvmlProcessInfo_v3_t
+    pid: int
+    usedGpuMemory: int | None
+    gpuInstanceId: int = 0xFFFFFFFF  # no MIG
+    computeInstanceId: int = 0xFFFFFFFF
+
+
+DRIVER_RESERVED = 555_745_280  # what an idle H100 reports used (reserved by the driver)
+
+Held = list[tuple[int, int | None]]  # (pid, usedGpuMemory) on one GPU
+
+
+@dataclass
 class _PciInfo:
     busId: bytes  # a ctypes char array: bytes, in every pynvml version
     busIdLegacy: bytes
@@ -57,7 +77,12 @@ class RecordedNvml:
     """Answers like `pynvml` for a recorded node.
 
     init_error / failing_devices take NVML error codes (pynvml.NVML_ERROR_*), raised as
-    pynvml does. old_bytes=True answers strings as bytes, like pynvml before 11.5."""
+    pynvml does. old_bytes=True answers strings as bytes, like pynvml before 11.5.
+    processes / graphics: per GPU index, the compute / graphics processes NVML lists.
+    ecc_uncorrected: per GPU index, volatile uncorrected ECC errors; remapped_rows: per GPU
+    index, nvmlDeviceGetRemappedRows' (corrected, uncorrected, pending, failure);
+    process_error: an NVML error code the process lists answer with; unlisted_used: per GPU
+    index, memory used that no process listed accounts for (NVML could not attribute it)."""
 
     def __init__(
         self,
@@ -68,6 +93,12 @@ class RecordedNvml:
         failing_devices: dict[int, int] | None = None,
         old_bytes: bool = False,
         node: str | None = None,
+        processes: dict[int, Held] | None = None,
+        graphics: dict[int, Held] | None = None,
+        ecc_uncorrected: dict[int, int] | None = None,
+        remapped_rows: dict[int, tuple[int, int, int, int]] | None = None,
+        process_error: int | None = None,
+        unlisted_used: dict[int, int] | None = None,
     ) -> None:
         if not 0 <= count <= len(H100_UUIDS):
             raise ValueError(f"a recorded node has 0 to {len(H100_UUIDS)} GPUs, not {count}")
@@ -78,6 +109,12 @@ class RecordedNvml:
         self.count_error = count_error
         self.failing_devices = failing_devices or {}
         self.old_bytes = old_bytes
+        self.processes = processes or {}
+        self.graphics = graphics or {}
+        self.ecc_uncorrected = ecc_uncorrected or {}
+        self.remapped_rows = remapped_rows or {}
+        self.process_error = process_error
+        self.unlisted_used = unlisted_used or {}
         self.initialised = 0  # nvmlInit calls minus nvmlShutdown calls
         self.shutdowns = 0
 
@@ -129,8 +166,34 @@ class RecordedNvml:
         return self._str(self.uuids[handle])
 
     def nvmlDeviceGetMemoryInfo(self, handle: int) -> _MemoryInfo:
-        used = 555_745_280  # what an idle H100 reports used (reserved by the driver)
+        held = self.processes.get(handle, []) + self.graphics.get(handle, [])
+        used = DRIVER_RESERVED + sum(n or 0 for _, n in held) + self.unlisted_used.get(handle, 0)
         return _MemoryInfo(total=H100_MEMORY_TOTAL, free=H100_MEMORY_TOTAL - used, used=used)
+
+    def _listed(self, held: Held) -> list[_ProcessInfo]:
+        if self.process_error is not None:
+            raise pynvml.NVMLError(self.process_error)
+        return [_ProcessInfo(pid=pid, usedGpuMemory=n) for pid, n in held]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[_ProcessInfo]:
+        return self._listed(self.processes.get(handle, []))
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: int) -> list[_ProcessInfo]:
+        return self._listed(self.graphics.get(handle, []))
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: int, error_type: int, counter: int) -> int:
+        if (error_type, counter) != (
+            pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+            pynvml.NVML_VOLATILE_ECC,
+        ):
+            return 0
+        return self.ecc_uncorrected.get(handle, 0)
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: int) -> int:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)  # Hopper remaps rows instead
+
+    def nvmlDeviceGetRemappedRows(self, handle: int) -> tuple[int, int, int, int]:
+        return self.remapped_rows.get(handle, (0, 0, 0, 0))
 
     def nvmlDeviceGetPciInfo(self, handle: int) -> _PciInfo:
         bus = H100_BUS_IDS[handle]
@@ -140,14 +203,37 @@ class RecordedNvml:
         return (9, 0)
 
 
+FOREIGN_PID = 4242  # the pid of the process `held=` puts on a GPU (plus the GPU's index)
+
+
 def from_spec(spec: str) -> RecordedNvml:
     """`count=2,node=gpu-a`: the recording a simulated agent answers GPU discovery with
     (`python -m llmgw.testing.agent --recorded-nvml count=2,node=gpu-a`). Recognised keys:
-    count (GPUs, default 8), node (makes the UUIDs unique to it)."""
+    count (GPUs, default 8), node (makes the UUIDs unique to it), held=GPU:GB[+GPU:GB...]
+    (a process, pid FOREIGN_PID + GPU index, holding that much memory there), and
+    ecc=GPU:N[+...] (N uncorrected volatile ECC errors on that GPU)."""
     options: dict[str, str] = {}
     for part in filter(None, spec.split(",")):
         key, sep, val = part.partition("=")
-        if not sep or key not in ("count", "node"):
-            raise ValueError(f"recorded NVML {spec!r}: expected count=N,node=NAME")
+        if not sep or key not in ("count", "node", "held", "ecc"):
+            raise ValueError(
+                f"recorded NVML {spec!r}: expected count=N,node=NAME,held=GPU:GB,ecc=GPU:N"
+            )
         options[key] = val
-    return RecordedNvml(count=int(options.get("count", "8")), node=options.get("node"))
+    held = _per_gpu(options.get("held", ""), spec)
+    return RecordedNvml(
+        count=int(options.get("count", "8")),
+        node=options.get("node"),
+        processes={gpu: [(FOREIGN_PID + gpu, int(gb * 1e9))] for gpu, gb in held.items()},
+        ecc_uncorrected={gpu: int(n) for gpu, n in _per_gpu(options.get("ecc", ""), spec).items()},
+    )
+
+
+def _per_gpu(value: str, spec: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for item in filter(None, value.split("+")):
+        gpu, sep, amount = item.partition(":")
+        if not sep:
+            raise ValueError(f"recorded NVML {spec!r}: {item!r} is not GPU:AMOUNT")
+        out[int(gpu)] = float(amount)
+    return out

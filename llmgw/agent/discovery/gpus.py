@@ -4,15 +4,22 @@ A node without the NVML library, or with the library but no driver, is a node wi
 NVIDIA GPUs, not a failed discovery: the seed agent treated a missing nvidia-smi as an
 error, and that cut discovery short before InfiniBand on every CPU node. So nothing NVML
 does makes this raise; the outcome is in `Gpus.status`.
+
+Besides what a GPU is, what it is doing: memory used, the processes holding it (named and
+told apart, own engine or not, by a `ProcessLookup` the caller gives), and NVML's memory
+fault counters. Xid events are not read: the faults that make a GPU unfit (double-bit ECC,
+Xid 48; pages or rows waiting to be retired or remapped, Xid 63/64) leave these counters
+set until a reset, which a level-triggered reader sees at any time, whereas events need an
+NVML session held open and a thread waiting on it, and are gone once missed.
 """
 
 from __future__ import annotations
 
 import logging
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
-from llmgw.bus.records import Gpu, Gpus
+from llmgw.bus.records import MAX_GPU_PROCESSES, Gpu, GpuErrors, GpuProcess, Gpus
 
 log = logging.getLogger(__name__)
 
@@ -32,26 +39,112 @@ def _error_name(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def _device(nvml: Any, index: int) -> Gpu:
+class ProcessLookup(Protocol):
+    """What NVML does not say about a process: its name, and whether it is one of this
+    agent's engines (llmgw.agent.discovery.processes.HostProcesses reads both)."""
+
+    def name(self, pid: int) -> str: ...
+
+    def own(self, pid: int) -> bool: ...
+
+
+class _Unknown:
+    def name(self, pid: int) -> str:
+        return ""
+
+    def own(self, pid: int) -> bool:
+        return False
+
+
+def _device(nvml: Any, index: int, lookup: ProcessLookup) -> Gpu:
     handle = nvml.nvmlDeviceGetHandleByIndex(index)
     major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    listed, unlisted, unlisted_bytes = _processes(nvml, handle, index, lookup)
     return Gpu(
         index=index,
         name=_text(nvml.nvmlDeviceGetName(handle)),
         uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
-        memory_total_bytes=int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
+        memory_total_bytes=int(memory.total),
         pci_bus_id=_text(nvml.nvmlDeviceGetPciInfo(handle).busId),
         compute_capability=f"{major}.{minor}",
+        memory_used_bytes=int(memory.used),
+        processes=listed,
+        processes_unlisted=unlisted,
+        unlisted_foreign_bytes=unlisted_bytes,
+        errors=_errors(nvml, handle),
     )
 
 
-def discover_gpus(nvml: Any = None) -> Gpus:
+def _processes(
+    nvml: Any, handle: Any, index: int, lookup: ProcessLookup
+) -> tuple[list[GpuProcess], int, int]:
+    """Compute and graphics processes, one entry per pid, foreign ones first and then the
+    largest, at most MAX_GPU_PROCESSES; and how many more, and the memory of the foreign
+    ones among them."""
+    used: dict[int, int | None] = {}
+    for call in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+        try:
+            found = getattr(nvml, call)(handle)
+        except nvml.NVMLError as exc:
+            # asked every probe: said at debug level, the GPU itself is still reported
+            log.debug("GPU %d: %s failed: %s (%s)", index, call, exc, _error_name(exc))
+            continue
+        for proc in found:
+            pid, nbytes = int(proc.pid), proc.usedGpuMemory
+            before = used.get(pid)
+            # a process with both kinds of context is listed in both, with the same memory
+            used[pid] = nbytes if before is None else max(before, nbytes or 0)
+    everyone = [
+        GpuProcess(
+            pid=pid,
+            name=lookup.name(pid),
+            used_bytes=None if nbytes is None else int(nbytes),
+            own=lookup.own(pid),
+        )
+        for pid, nbytes in used.items()
+    ]
+    everyone.sort(key=lambda p: (p.own, -(p.used_bytes or 0), p.pid))
+    rest = everyone[MAX_GPU_PROCESSES:]
+    foreign_rest = sum(p.used_bytes or 0 for p in rest if not p.own)
+    return everyone[:MAX_GPU_PROCESSES], len(rest), foreign_rest
+
+
+def _optional(nvml: Any, read: Any, *args: Any) -> Any:
+    # None where the GPU does not support the counter (row remapping before Ampere, page
+    # retirement from Ampere on, ECC on GPUs without it) or NVML refuses it
+    try:
+        return read(*args)
+    except nvml.NVMLError:
+        return None
+
+
+def _errors(nvml: Any, handle: Any) -> GpuErrors:
+    ecc = _optional(
+        nvml,
+        nvml.nvmlDeviceGetTotalEccErrors,
+        handle,
+        nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+        nvml.NVML_VOLATILE_ECC,
+    )
+    retired = _optional(nvml, nvml.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+    rows = _optional(nvml, nvml.nvmlDeviceGetRemappedRows, handle)
+    return GpuErrors(
+        ecc_uncorrected_volatile=None if ecc is None else int(ecc),
+        retired_pages_pending=None if retired is None else retired == nvml.NVML_FEATURE_ENABLED,
+        remapped_rows_pending=None if rows is None else bool(rows[2]),
+        remapping_failed=None if rows is None else bool(rows[3]),
+    )
+
+
+def discover_gpus(nvml: Any = None, processes: ProcessLookup | None = None) -> Gpus:
     """Every GPU NVML sees, in NVML order (PCI bus order, regardless of CUDA_VISIBLE_DEVICES).
 
     `nvml` is the pynvml module (imported here when None) or anything answering like it,
-    which is how tests feed recorded answers. Blocking (NVML can take seconds to
-    initialise on a node with many GPUs): the caller runs it in a worker thread
-    (anyio.to_thread.run_sync).
+    which is how tests feed recorded answers; `processes` names the processes holding GPU
+    memory and tells the agent's own engines (None: unnamed, none own). Blocking (NVML can
+    take seconds to initialise on a node with many GPUs): the caller runs it in a worker
+    thread (anyio.to_thread.run_sync).
 
     Status: "ok"; "no_library" (libnvidia-ml.so not found: no NVIDIA driver installed);
     "no_driver" (library present, kernel module not loaded); "error" (any other NVML
@@ -73,7 +166,7 @@ def discover_gpus(nvml: Any = None) -> Gpus:
         log.warning("NVML failed to initialise: %s (%s)", exc, _error_name(exc))
         return Gpus(status="error", detail=f"nvmlInit: {exc} ({_error_name(exc)})")
     try:
-        return _inventory(nvml)
+        return _inventory(nvml, processes or _Unknown())
     finally:
         try:
             nvml.nvmlShutdown()
@@ -81,7 +174,7 @@ def discover_gpus(nvml: Any = None) -> Gpus:
             log.warning("nvmlShutdown failed: %s", exc)
 
 
-def _inventory(nvml: Any) -> Gpus:
+def _inventory(nvml: Any, lookup: ProcessLookup) -> Gpus:
     try:
         driver = _text(nvml.nvmlSystemGetDriverVersion())
         count = int(nvml.nvmlDeviceGetCount())
@@ -92,7 +185,7 @@ def _inventory(nvml: Any) -> Gpus:
     failures: list[str] = []
     for index in range(count):
         try:
-            devices.append(_device(nvml, index))
+            devices.append(_device(nvml, index, lookup))
         except nvml.NVMLError as exc:
             # one lost GPU must not hide the seven that work; the status says not all is well
             failures.append(f"GPU {index}: {exc} ({_error_name(exc)})")

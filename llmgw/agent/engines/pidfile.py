@@ -56,6 +56,18 @@ def remove_pidfile(state_dir: Path, shard: str) -> None:
     pidfile_path(state_dir, shard).unlink(missing_ok=True)
 
 
+def read_pidfiles(state_dir: Path) -> list[EngineProcess]:
+    """The engines the pidfiles under `state_dir` name, those that decode (an unreadable
+    one is the reaper's to remove): what tells this agent's processes from others'."""
+    found = []
+    for path in sorted((state_dir / "engines").glob("*.json")):
+        try:
+            found.append(msgspec.json.decode(path.read_bytes(), type=EngineProcess))
+        except (OSError, msgspec.DecodeError):
+            continue
+    return found
+
+
 def process_create_time(pid: int) -> float:
     return psutil.Process(pid).create_time()
 

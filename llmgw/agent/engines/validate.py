@@ -21,7 +21,7 @@ from llmgw.agent.engines import adapter_for
 from llmgw.agent.engines.base import EngineAdapter, LaunchSpec, flag_tokens, hf_repo
 from llmgw.agent.engines.vllm import pipeline_parallel, tensor_parallel
 from llmgw.agent.files import NotRegularFile, open_regular
-from llmgw.bus.records import EngineInstall, Gpu
+from llmgw.bus.records import PORT_IN_USE, EngineInstall, Gpu
 
 GB = 1_000_000_000  # decimal, as cards are sold: an "80 GB" H100 reports 79.6 GiB
 
@@ -34,6 +34,9 @@ class Problem:
 
     reason: str
     transient: bool = False
+    # a constant key the controller acts on when it is all that is wrong (Shard.refused):
+    # records.PORT_IN_USE, and the controller gives the replica another port
+    refused: str = ""
 
     def __str__(self) -> str:
         return self.reason
@@ -254,12 +257,15 @@ def check_port(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> lis
             s.bind((spec.host, spec.port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                # an engine of a removed replica may still be stopping: this clears by itself
+                # an engine of a removed replica may still be stopping: this clears by
+                # itself; another program that took the port after placement does not, and
+                # the controller moves the replica to another port
                 return [
                     Problem(
                         f"port {spec.port} on {spec.host} is in use by another process; "
                         "a leftover engine? (see `ss -ltnp`)",
                         transient=True,
+                        refused=PORT_IN_USE,
                     )
                 ]
             return _refuse(f"cannot bind {spec.host}:{spec.port}: {e.strerror}")

@@ -13,6 +13,7 @@ Shaped like the Kubernetes scheduler, one idea per module:
   a replica;
 - `weights`, `scores`: the scores in `Rank` order the nodes that can;
 - `pickers`: the best node, or nodes in one fabric, for the next replica of a profile;
+- `ports`: a replica whose port another program took after placement gets another one;
 - `steps`: each model's plan, a list of steps: replace replicas on lost nodes, remove
   surplus, fill, switch profile, explain;
 - `record`, `explain`: the PlacementRecord, its refusals as data and its text rendered
@@ -25,12 +26,15 @@ Rules kept here (docs/placement.md says why for each):
 - a placed replica on a ready or unreachable node is never moved to chase a better
   score; replicas on lost nodes are replaced; surplus replicas go newest first;
 - resources held by replicas in the snapshot and by those placed earlier in the same
-  plan are accounted for (GPUs by UUID, host RAM, ports).
+  plan are accounted for (GPUs by UUID, host RAM, ports), and so is what the agents see:
+  memory other programs hold on a GPU, GPUs NVML reports faulty, ports other programs
+  listen on.
 """
 
 from llmgw.controller.placement.explain import GB, Blocked, Reason, Refusal, same_decision
 from llmgw.controller.placement.filters import FILTERS, Filter, fit
-from llmgw.controller.placement.nodes import Need, NodeState
+from llmgw.controller.placement.nodes import Need, NodeState, Unschedulable, mark_unschedulable
+from llmgw.controller.placement.ports import PortMove, move_taken_ports
 from llmgw.controller.placement.qualifying import qualifying_nodes, qualifying_nodes_by_model
 from llmgw.controller.placement.record import frozen_record
 from llmgw.controller.placement.scores import Rank, rank
@@ -56,15 +60,19 @@ __all__ = [
     "Need",
     "NodeState",
     "Plan",
+    "PortMove",
     "Rank",
     "Reason",
     "Refusal",
     "Removal",
     "Snapshot",
+    "Unschedulable",
     "blocked_model",
     "fill",
     "fit",
     "frozen_record",
+    "mark_unschedulable",
+    "move_taken_ports",
     "plan",
     "plan_model",
     "qualifying_nodes",

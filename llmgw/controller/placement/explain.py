@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from llmgw.bus.records import PlacementRecord, RefusedNodes
+from llmgw.bus.records import GpuNamed, PlacementRecord, RefusedNodes
 
 GB = 1_000_000_000  # catalog sizes are 10^9 bytes, like the "80GB" on the card
 
@@ -36,6 +36,8 @@ Reason = Literal[
     "gpu-discovery-failed",
     "gpu-memory",  # needs/has: bytes per GPU (has: the node's largest GPU)
     "gpus",  # needs/has: count of free GPUs with enough memory
+    "gpus-unschedulable",  # needs/has: free GPUs that are healthy; gpu: one that is not
+    "gpus-held",  # needs/has: free GPUs with the memory left; gpu: one other programs hold
     "ram",  # needs/has: bytes of host RAM free
     "ports",  # detail: the port range, all in use
     "fabric-size",  # needs/has: fitting nodes in the fabric; detail: the fabric
@@ -63,14 +65,19 @@ class Refusal:
     needs: int | None = None
     has: int | None = None
     detail: str = ""
+    gpu: GpuNamed | None = None  # the GPU it is about, named for a person
 
 
 def group(profile: str, refusals: Mapping[str, Refusal]) -> list[RefusedNodes]:
     """One RefusedNodes per (reason, needs, detail): most nodes first, then in the order of
     Reason (the filters' order), so the order depends on no number that moves by itself."""
     groups: dict[tuple[str, int | None, str], list[int | None]] = {}
+    named: dict[tuple[str, int | None, str], GpuNamed] = {}  # the first node's GPU
     for r in refusals.values():
-        groups.setdefault((r.reason, r.needs, r.detail), []).append(r.has)
+        key = (r.reason, r.needs, r.detail)
+        groups.setdefault(key, []).append(r.has)
+        if r.gpu is not None:
+            named.setdefault(key, r.gpu)
     out = []
     for (reason, needs, detail), has in groups.items():
         known = [h for h in has if h is not None]
@@ -83,6 +90,7 @@ def group(profile: str, refusals: Mapping[str, Refusal]) -> list[RefusedNodes]:
                 least=min(known) if known else None,
                 most=max(known) if known else None,
                 detail=detail,
+                gpu=named.get((reason, needs, detail)),
             )
         )
     out.sort(key=lambda g: (-g.nodes, _REASON_ORDER.get(g.reason, -1), g.detail, g.needs or 0))
@@ -91,8 +99,13 @@ def group(profile: str, refusals: Mapping[str, Refusal]) -> list[RefusedNodes]:
 
 def same_decision(a: PlacementRecord, b: PlacementRecord) -> bool:
     """Whether two records say the same: everything but when, the rendered text, the
-    decision lines and the observed numbers (`least`/`most`), which move by themselves."""
+    decision lines and the observed numbers (`least`/`most`, and of a GPU named, the
+    memory held and by whom), which move by themselves."""
     return _decision(a) == _decision(b)
+
+
+def _gpu_named(g: GpuNamed | None) -> tuple | None:
+    return None if g is None else (g.node, g.gpu, g.why)
 
 
 def _decision(r: PlacementRecord) -> tuple:
@@ -104,7 +117,9 @@ def _decision(r: PlacementRecord) -> tuple:
         r.blocked,
         r.blocked_detail,
         r.judged,
-        tuple((g.profile, g.reason, g.nodes, g.needs, g.detail) for g in r.refused),
+        tuple(
+            (g.profile, g.reason, g.nodes, g.needs, g.detail, _gpu_named(g.gpu)) for g in r.refused
+        ),
     )
 
 
@@ -175,6 +190,13 @@ _GROUP_TEXT: dict[str, Callable[[RefusedNodes], str]] = {
     "gpu-discovery-failed": lambda g: "where GPU discovery failed",
     "gpu-memory": lambda g: f"with GPUs too small ({_range(g, _gb)} GB, needs {_gb(g.needs)})",
     "gpus": lambda g: f"short of free GPUs ({_range(g, str)} free, needs {g.needs})",
+    "gpus-unschedulable": lambda g: (
+        f"short of healthy free GPUs ({_range(g, str)} usable, needs {g.needs}{_named(g.gpu)})"
+    ),
+    "gpus-held": lambda g: (
+        f"short of free GPUs other programs leave room on ({_range(g, str)} usable, needs "
+        f"{g.needs}{_named(g.gpu)})"
+    ),
     "ram": lambda g: f"short of host RAM ({_range(g, _gb)} GB free, needs {_gb(g.needs)})",
     "ports": lambda g: f"with no free port in {g.detail}",
     "fabric-size": lambda g: (
@@ -190,6 +212,37 @@ def render_group(g: RefusedNodes) -> str:
     if text is None:  # a newer writer's key
         return f"{g.nodes} {g.reason}" + (f" ({g.detail})" if g.detail else "")
     return f"{g.nodes} {text(g)}"
+
+
+# a GPU fault's key -> what it means for a person
+_FAULT_TEXT: dict[str, Callable[[GpuNamed], str]] = {
+    "ecc-uncorrected": lambda n: (
+        f"{n.count} uncorrected ECC error{'s' if n.count != 1 else ''} since the driver "
+        "loaded (a GPU reset clears it)"
+    ),
+    "row-remap-pending": lambda n: "memory rows waiting to be remapped at a GPU reset",
+    "row-remap-failed": lambda n: "a memory row could not be remapped (the GPU needs service)",
+    "retired-pages-pending": lambda n: "memory pages waiting to be retired at a GPU reset",
+}
+
+
+def render_gpu(n: GpuNamed) -> str:
+    """ "GPU 3 of node05: 60 GB held by pid 4242 (python), not llmgw's" """
+    where = f"GPU {n.gpu} of {n.node}"
+    if n.why == "held":
+        who = (
+            "processes"
+            if n.pid is None
+            else f"pid {n.pid}" + (f" ({n.process})" if n.process else "")
+        )
+        more = f" and {n.others} more" if n.others else ""
+        return f"{where}: {_gb(n.bytes)} GB held by {who}{more}, not llmgw's"
+    text = _FAULT_TEXT.get(n.why)
+    return f"{where}: {text(n) if text else n.why}"
+
+
+def _named(n: GpuNamed | None) -> str:
+    return "" if n is None else f"; {render_gpu(n)}"
 
 
 def _gb(n: int | None) -> str:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from llmgw.bus.records import GpuNamed
 from llmgw.controller.placement.explain import Refusal
-from llmgw.controller.placement.nodes import Need, NodeState
+from llmgw.controller.placement.nodes import Need, NodeState, held_by_others
 
 
 def node_ready(node: NodeState, need: Need) -> Refusal | None:
@@ -48,6 +49,36 @@ def enough_gpus(node: NodeState, need: Need) -> Refusal | None:
     return None
 
 
+def gpus_schedulable(node: NodeState, need: Need) -> Refusal | None:
+    # one bad GPU takes itself out, not its node: the node's other GPUs still take replicas
+    wanted = need.profile.gpus_per_node
+    if wanted == 0 or not node.unschedulable:
+        return None
+    usable = len(node.schedulable_gpus(need.gpu_bytes))
+    if usable >= wanted:
+        return None
+    # enough_gpus passed, so one of the free GPUs is what is missing
+    bad = next(g for g in node.free_gpus(need.gpu_bytes) if g.uuid in node.unschedulable)
+    why = node.unschedulable[bad.uuid]
+    named = GpuNamed(node=node.id, gpu=bad.index, why=why.why, count=why.count)
+    return Refusal("gpus-unschedulable", needs=wanted, has=usable, gpu=named)
+
+
+def gpus_not_held(node: NodeState, need: Need) -> Refusal | None:
+    # memory another program holds is not free, whoever llmgw gave the GPU to: the engine
+    # placed there would fail at start (GPUStack #2852, #6044)
+    wanted = need.profile.gpus_per_node
+    if wanted == 0 or not node.held:
+        return None
+    usable = len(node.usable_gpus(need.gpu_bytes))
+    if usable >= wanted:
+        return None
+    taken = next(
+        g for g in node.schedulable_gpus(need.gpu_bytes) if not node.has_room(g, need.gpu_bytes)
+    )
+    return Refusal("gpus-held", needs=wanted, has=usable, gpu=held_by_others(node.id, taken))
+
+
 def enough_ram(node: NodeState, need: Need) -> Refusal | None:
     if node.ram_free < need.ram_bytes:
         return Refusal("ram", needs=need.ram_bytes, has=max(node.ram_free, 0))
@@ -66,11 +97,14 @@ Filter = Callable[[NodeState, Need], Refusal | None]
 # most about the node to what placements use up: a lost node is reported lost, not short of
 # RAM; what the node is (engine, fabric, GPU model) comes before what waiting may free up
 # (free GPUs, RAM, ports), so a person sees first what no amount of waiting will fix.
+# Among GPUs: free of llmgw's replicas, then healthy, then not held by other programs.
 FILTERS: tuple[Filter, ...] = (
     node_ready,
     engine_installed,
     on_active_fabric,
     enough_gpus,
+    gpus_schedulable,
+    gpus_not_held,
     enough_ram,
     free_port,
 )

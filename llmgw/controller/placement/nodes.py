@@ -3,17 +3,26 @@
 Accounting: GPUs by UUID, ports per node and host RAM, across the replicas in the
 snapshot (what each phase holds is said in bus/records.py) and those placed earlier in
 the same plan: `take` gives a placed member its GPUs and port and takes them off the node.
+
+And the GPUs and ports as they really are, whatever llmgw assigned: a GPU whose memory
+another program holds has that much less (`NodeState.held`), a GPU unschedulable takes no
+new replica while the node's other GPUs still do (`NodeState.unschedulable`, fed by
+`mark_unschedulable` from NVML's fault counters and from an operator's cordon of one GPU),
+and a port another program listens on is used (`ports_as_reported`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from llmgw.bus.records import (
+    PORT_IN_USE,
     REPLICA_HOLDS_GPUS_AND_PORTS,
     REPLICA_RESERVES_HOST_RAM,
     Gpu,
+    GpuNamed,
     NodeInventory,
     NodePhase,
     ReplicaMember,
@@ -21,6 +30,32 @@ from llmgw.bus.records import (
 from llmgw.catalog import Profile
 from llmgw.controller.placement.explain import GB
 from llmgw.controller.placement.snapshot import Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class Unschedulable:
+    """Why one GPU takes no new replica: a constant key (GpuNamed.why: "ecc-uncorrected",
+    "retired-pages-pending", "row-remap-pending", "row-remap-failed", or an operator's) and
+    what it counts. Replicas already on it are not moved by this."""
+
+    why: str
+    count: int | None = None
+
+
+def nvml_fault(gpu: Gpu) -> Unschedulable | None:
+    """A fault NVML counts that makes the GPU unfit until it is reset: an uncorrected ECC
+    error (the process that hit it was killed, Xid 48), memory rows or pages waiting for a
+    reset to be remapped or retired, or a row remapping that failed (it needs service)."""
+    e = gpu.errors
+    if e.ecc_uncorrected_volatile:
+        return Unschedulable("ecc-uncorrected", e.ecc_uncorrected_volatile)
+    if e.remapping_failed:
+        return Unschedulable("row-remap-failed")
+    if e.remapped_rows_pending:
+        return Unschedulable("row-remap-pending")
+    if e.retired_pages_pending:
+        return Unschedulable("retired-pages-pending")
+    return None
 
 
 @dataclass(slots=True)
@@ -38,17 +73,102 @@ class NodeState:
     used_ports: set[int]
     fabrics: frozenset[str]  # fabrics with an active IB port here
     models: Counter[str]  # replicas per model with a member here
+    # GPU UUID -> why it takes no new replica (mark_unschedulable)
+    unschedulable: dict[str, Unschedulable] = field(default_factory=dict)
+    # GPU UUID -> bytes of its memory processes that are not llmgw's engines hold
+    held: dict[str, int] = field(default_factory=dict)
 
     def free_gpus(self, min_bytes: int = 0) -> list[Gpu]:
+        """Not used by any replica, and as large as `min_bytes`."""
         if min_bytes <= self.smallest_gpu:
             return self.free
         return [g for g in self.free if g.memory_total_bytes >= min_bytes]
+
+    def schedulable_gpus(self, min_bytes: int = 0) -> list[Gpu]:
+        """`free_gpus`, less the unschedulable ones."""
+        free = self.free_gpus(min_bytes)
+        if not self.unschedulable:
+            return free
+        return [g for g in free if g.uuid not in self.unschedulable]
+
+    def usable_gpus(self, min_bytes: int = 0) -> list[Gpu]:
+        """`schedulable_gpus` that still have `min_bytes` once other programs' memory is
+        taken off, those nobody else holds first: what a replica is given."""
+        ok = self.schedulable_gpus(min_bytes)
+        if not self.held:
+            return ok
+        fits = [g for g in ok if self.has_room(g, min_bytes)]
+        return sorted(fits, key=lambda g: (g.uuid in self.held, g.index))
+
+    def has_room(self, gpu: Gpu, min_bytes: int) -> bool:
+        """Whether `gpu` has `min_bytes` left beside what other programs hold. A profile
+        that says no size (0) gets only a GPU nobody else holds: the engine may take it all
+        (vLLM takes 90% of it by default)."""
+        held = self.held.get(gpu.uuid, 0)
+        return not held or (min_bytes > 0 and gpu.memory_total_bytes - held >= min_bytes)
 
     def free_port(self, lo: int, hi: int) -> int | None:
         port = lo
         while port in self.used_ports:
             port += 1
         return port if port <= hi else None
+
+    def free_port_after(self, port: int, lo: int, hi: int) -> int | None:
+        """The first free port above `port`, going round to `lo`: a replica moved off a port
+        found taken never goes back to one it was just moved off."""
+        above = self.free_port(max(port + 1, lo), hi)
+        return above if above is not None else self.free_port(lo, hi)
+
+
+def mark_unschedulable(node: NodeState, uuid: str, why: Unschedulable) -> None:
+    """The one way a GPU becomes unschedulable; the first reason given stays."""
+    node.unschedulable.setdefault(uuid, why)
+
+
+def held_by_others(node: str, gpu: Gpu) -> GpuNamed:
+    """The GPU, and the memory processes that are not llmgw's hold on it, named for a
+    person by the process holding most."""
+    foreign = [p for p in gpu.processes if not p.own]  # listed first, largest first
+    top = foreign[0] if foreign else None
+    unlisted = gpu.processes_unlisted if len(foreign) == len(gpu.processes) else 0
+    return GpuNamed(
+        node=node,
+        gpu=gpu.index,
+        why="held",
+        bytes=gpu.foreign_bytes(),
+        pid=top.pid if top else None,
+        process=top.name if top else "",
+        others=max(len(foreign) - 1, 0) + unlisted,
+    )
+
+
+def gpus_as_reported(node: NodeState) -> None:
+    """What the node's agent says its GPUs are doing: faults NVML counts make a GPU
+    unschedulable, memory other programs hold is taken off it."""
+    for g in node.gpus:
+        fault = nvml_fault(g)
+        if fault is not None:
+            mark_unschedulable(node, g.uuid, fault)
+        held = g.foreign_bytes()
+        if held > 0:
+            node.held[g.uuid] = held
+
+
+def ports_refused(snapshot: Snapshot) -> dict[str, set[int]]:
+    """Per node, the ports of shards whose launch was refused because another program
+    listens there (the agent's next probe will list them too)."""
+    refused: dict[str, set[int]] = {}
+    for (node, _), shard in snapshot.shards.items():
+        if shard.refused == PORT_IN_USE:
+            refused.setdefault(node, set()).add(shard.port)
+    return refused
+
+
+def ports_as_reported(node: NodeState, refused: Iterable[int]) -> None:
+    """Ports another program holds are used: those the node's agent lists as taken, and
+    those its shards were refused for (`ports_refused`)."""
+    node.used_ports.update(node.inventory.ports.ports)
+    node.used_ports.update(refused)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,14 +233,17 @@ def fleet_nodes(snapshot: Snapshot) -> dict[str, NodeState]:
             node.models[replica.model] += 1
             if reserve:
                 node.ram_free -= int(profile.host_ram_gb * GB)
+    refused = ports_refused(snapshot)
     for node in nodes.values():
         node.free = [g for g in node.gpus if g.uuid not in node.used_gpus]
+        gpus_as_reported(node)
+        ports_as_reported(node, refused.get(node.id, ()))
     return nodes
 
 
 def take(node: NodeState, need: Need, rank: int) -> ReplicaMember:
     """A member of a new replica on `node`: its GPUs, port and RAM are taken off the node."""
-    gpus = node.free_gpus(need.gpu_bytes)[: need.profile.gpus_per_node]
+    gpus = node.usable_gpus(need.gpu_bytes)[: need.profile.gpus_per_node]
     port = node.free_port(*need.ports)
     assert port is not None  # the free_port filter passed
     node.used_gpus.update(g.uuid for g in gpus)

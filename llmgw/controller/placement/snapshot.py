@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from llmgw.bus.records import (
+    ENGINE_PORTS,
     Desired,
     FabricHoldings,
     Health,
@@ -17,10 +18,11 @@ from llmgw.bus.records import (
     NodeInventory,
     NodePhase,
     Replica,
+    Shard,
 )
 from llmgw.catalog import Model
 
-DEFAULT_PORTS = (18000, 18999)
+DEFAULT_PORTS = ENGINE_PORTS  # the agents report listeners on the same range by default
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class Snapshot:
     # latest leases: their RAM reading is fresher than the inventory's
     leases: Mapping[str, Lease] = field(default_factory=dict)
     port_range: tuple[int, int] = DEFAULT_PORTS
+    # what the agents say of their shards, by (node, rid): a launch refused because its
+    # port was taken moves the replica to another port (placement/ports.py)
+    shards: Mapping[tuple[str, str], Shard] = field(default_factory=dict)
     now: float = 0.0  # created_at / decided_at of what this plan produces
 
     def phase(self, node: str) -> NodePhase | None:

@@ -17,6 +17,7 @@ from llmgw.controller.placement import explain
 from llmgw.controller.placement.explain import Blocked, Refusal
 from llmgw.controller.placement.nodes import Need, NodeState, fleet_nodes
 from llmgw.controller.placement.pickers import Picker, picker
+from llmgw.controller.placement.ports import PortMove, move_taken_ports
 from llmgw.controller.placement.record import ModelRecord
 from llmgw.controller.placement.snapshot import Snapshot
 from llmgw.controller.placement.weights import WeightsNearby
@@ -34,6 +35,8 @@ class Plan:
     create: list[Replica]
     remove: list[Removal]
     placements: dict[str, PlacementRecord]
+    # replicas given another port: theirs was taken by another program after placement
+    port_moves: list[PortMove] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ def plan(snapshot: Snapshot) -> Plan:
     fleet = Fleet(
         snapshot, fleet_nodes(snapshot), WeightsNearby(snapshot), {r.rid for r in snapshot.replicas}
     )
+    # before anything is placed: the ports they move to are then used
+    moves = move_taken_ports(snapshot, fleet.nodes)
     by_model: dict[str, list[Replica]] = defaultdict(list)
     for replica in snapshot.replicas:
         by_model[replica.model].append(replica)
@@ -93,7 +98,7 @@ def plan(snapshot: Snapshot) -> Plan:
             create.extend(outcome.create)
             remove.extend(outcome.remove)
             records[model_id] = outcome.record
-    return Plan(create=create, remove=remove, placements=records)
+    return Plan(create=create, remove=remove, placements=records, port_moves=moves)
 
 
 def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan | None:
