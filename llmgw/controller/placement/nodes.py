@@ -8,7 +8,8 @@ the same plan: `take` gives a placed member its GPUs and port and takes them off
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from llmgw.bus.records import (
     REPLICA_HOLDS_GPUS_AND_PORTS,
@@ -21,6 +22,7 @@ from llmgw.bus.records import (
 from llmgw.catalog import Profile
 from llmgw.controller.placement.explain import GB
 from llmgw.controller.placement.snapshot import Snapshot
+from llmgw.labels import node_labels
 
 
 @dataclass(slots=True)
@@ -38,6 +40,11 @@ class NodeState:
     used_ports: set[int]
     fabrics: frozenset[str]  # fabrics with an active IB port here
     models: Counter[str]  # replicas per model with a member here
+    # the operator's intent and the node's labels (`with_operations`)
+    unschedulable: str = ""  # "cordoned" or "draining": nothing new goes here
+    labels: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    taints: frozenset[str] = frozenset()  # the agent config's and the operator's
+    gpus_out: frozenset[str] = frozenset()  # out of service: never given to a new replica
 
     def free_gpus(self, min_bytes: int = 0) -> list[Gpu]:
         if min_bytes <= self.smallest_gpu:
@@ -61,9 +68,19 @@ class Need:
     ram_bytes: int
     ports: tuple[int, int]
     weights_key: str  # as agents report held weights
+    launch: str = ""  # llmgw.catalog.launch_hash of the profile
+    avoid: frozenset[str] = frozenset()  # nodes where this launch was given up on lately
 
     @classmethod
-    def of(cls, model: str, profile: Profile, ports: tuple[int, int]) -> Need:
+    def of(
+        cls,
+        model: str,
+        profile: Profile,
+        ports: tuple[int, int],
+        *,
+        launch: str = "",
+        avoid: frozenset[str] = frozenset(),
+    ) -> Need:
         return cls(
             model,
             profile,
@@ -71,6 +88,8 @@ class Need:
             int(profile.host_ram_gb * GB),
             ports,
             profile.weights.held_key(),
+            launch,
+            avoid,
         )
 
 
@@ -115,6 +134,22 @@ def fleet_nodes(snapshot: Snapshot) -> dict[str, NodeState]:
                 node.ram_free -= int(profile.host_ram_gb * GB)
     for node in nodes.values():
         node.free = [g for g in node.gpus if g.uuid not in node.used_gpus]
+    return with_operations(nodes, snapshot)
+
+
+def with_operations(nodes: dict[str, NodeState], snapshot: Snapshot) -> dict[str, NodeState]:
+    """Each node's labels and taints, and the operator's intent (ops.<node>): cordoned or
+    draining, its taints beside the agent's, and GPUs out of service, which leave the free
+    list as if used (a replica already on one keeps it)."""
+    for node in nodes.values():
+        node.labels = node_labels(node.inventory)
+        ops = snapshot.ops.get(node.id)
+        node.taints = frozenset(node.inventory.taints) | frozenset(ops.taints if ops else ())
+        if ops is None:
+            continue
+        node.unschedulable = "draining" if ops.drain else "cordoned" if ops.cordoned else ""
+        node.gpus_out = frozenset(ops.gpus_out)
+        node.free = [g for g in node.free if g.uuid not in node.gpus_out]
     return nodes
 
 
