@@ -312,6 +312,15 @@ class Shard(msgspec.Struct, kw_only=True):
     # the controller moves the replica elsewhere (docs/engines.md, docs/placement.md)
     gave_up: bool = False
 
+    def telling_line(self) -> str:
+        """The engine's output line that says most, for one-line explanations: the first of
+        the tail that names an error (llama-server's last line is a generic "exiting due to
+        model loading error" after the one that says why), else the last; at most 300
+        characters."""
+        lines = [line.strip() for line in self.output_tail if line.strip()]
+        named = next((line for line in lines if "error" in line.lower()), None)
+        return (named or (lines[-1] if lines else ""))[:300]
+
 
 def phase_from_shards(
     replica: Replica, shards: list[Shard | None]
@@ -458,7 +467,7 @@ class Failure(msgspec.Struct, kw_only=True, frozen=True):
     at: float  # when the controller saw it (its wall clock)
     restarts: int = 0
     reason: str = ""  # the shard's: "exited with code 1 while loading"
-    last_line: str = ""  # the engine's last output line
+    last_line: str = ""  # the engine's line that says most (Shard.telling_line)
     moved_to: str = ""  # where its successor went; "" while it has none
 
 

@@ -52,7 +52,6 @@ def remembered(stored: PlacementRecord | None, now: float, cooldown: float) -> l
 
 
 def failure_of(replica: Replica, shard: Shard | None, launch: str, now: float) -> Failure:
-    tail = [line for line in (shard.output_tail if shard else []) if line.strip()]
     return Failure(
         node=shard.node if shard else replica.members[0].node,
         rid=replica.rid,
@@ -61,7 +60,7 @@ def failure_of(replica: Replica, shard: Shard | None, launch: str, now: float) -
         at=now,
         restarts=shard.restarts if shard else 0,
         reason=shard.reason if shard else "",
-        last_line=tail[-1].strip()[:300] if tail else "",
+        last_line=shard.telling_line() if shard else "",
     )
 
 

@@ -167,8 +167,7 @@ class Failing:
 
 
 def stop_text(model: str, f: Failing) -> str:
-    tail = [line.strip() for line in f.shard.output_tail if line.strip()]
-    why = ": ".join(t for t in (f.shard.reason, tail[-1][:300] if tail else "") if t)
+    why = ": ".join(t for t in (f.shard.reason, f.shard.telling_line()) if t)
     return (
         f"new replica {f.replica.rid} of profile {f.replica.profile} failed on {f.shard.node}"
         f" ({why or 'no reason reported'}); the old replicas keep serving: fix the profile"
