@@ -38,6 +38,11 @@ STORED = [
     records.ModelCopy,
     records.PlacementRecord,
     records.RefusedNodes,
+    records.Failure,
+    records.NodeOps,
+    records.Rollout,
+    records.Revision,
+    records.ProfileRevision,
     records.Leader,
     records.Event,
 ]
