@@ -644,6 +644,8 @@ SPOOFS = [
     ("placement.m1", records.PlacementRecord(model="m2", desired=1, placed=0)),
     ("fabrics.ib-a", records.FabricHoldings(fabric="ib-b", nodes=["n1"])),
     ("catalog.m1", _Catalog(id="m2")),
+    ("ops.node05", records.NodeOps(node="node06", cordoned=True)),
+    ("rollout.m1", records.Rollout(model="m2", phase="complete", current=records.Revision())),
     (
         "nodes.node05",
         msgspec.structs.replace(
@@ -686,6 +688,12 @@ OUT_OF_RANGE = [
     ("replicas.m1.r1", _replica("m1", "r1", 0, 0), "ranks [0, 0]"),
     ("placement.m1", records.PlacementRecord(model="m1", desired=-1, placed=0), "desired -1"),
     ("leader", records.Leader(holder="", since=1.0, renewed_at=1.0), "holder is empty"),
+    (
+        "nodes.n1",
+        msgspec.structs.replace(inventory("n1"), labels={"rack id": "r1"}),
+        "labels.rack id: 'rack id' is not a label name",
+    ),
+    ("ops.n1", records.NodeOps(node="n1", taints=["gpu flaky"]), "'gpu flaky' is not a label"),
 ]
 
 

@@ -222,7 +222,7 @@ def record(
         out.output_tail = list(failed.shard.output_tail[-MAX_TAIL:])
     elif old == 0:
         out.phase = "complete"
-        if not current.completed_at:
+        if not current.completed_at and updated:  # ran somewhere, and everywhere
             out.current = msgspec.structs.replace(current, completed_at=now)
     return out
 
