@@ -19,6 +19,7 @@ check, and placement's filters ask `unmatched` and `untolerated`.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 
@@ -53,6 +54,7 @@ def value_problem(value: object, *, negation: bool = False) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1024)  # a fleet has a few GPU names, read on every node
 def sanitize_value(text: str) -> str:
     """Discovered text as a label value: "NVIDIA H100 80GB HBM3" -> "H100-80GB-HBM3"."""
     text = text.removeprefix("NVIDIA ").strip()

@@ -27,6 +27,8 @@ def schedulable(node: NodeState, need: Need) -> Refusal | None:
 
 
 def matches_selector(node: NodeState, need: Need) -> Refusal | None:
+    if not need.profile.node_selector:
+        return None
     missed = labels.unmatched(need.profile.node_selector, node.labels)
     if missed is None:
         return None
@@ -35,6 +37,8 @@ def matches_selector(node: NodeState, need: Need) -> Refusal | None:
 
 
 def tolerates_taints(node: NodeState, need: Need) -> Refusal | None:
+    if not node.taints:
+        return None
     taint = labels.untolerated(node.taints, need.profile.tolerations)
     return None if taint is None else Refusal("taint", detail=taint)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llmgw.bus.records import (
     REPLICA_HOLDS_GPUS_AND_PORTS,
@@ -40,11 +40,19 @@ class NodeState:
     used_ports: set[int]
     fabrics: frozenset[str]  # fabrics with an active IB port here
     models: Counter[str]  # replicas per model with a member here
-    # the operator's intent and the node's labels (`with_operations`)
+    # the operator's intent and the node's taints (`with_operations`)
     unschedulable: str = ""  # "cordoned" or "draining": nothing new goes here
-    labels: Mapping[str, frozenset[str]] = field(default_factory=dict)
     taints: frozenset[str] = frozenset()  # the agent config's and the operator's
     gpus_out: frozenset[str] = frozenset()  # out of service: never given to a new replica
+    _labels: Mapping[str, frozenset[str]] | None = None
+
+    @property
+    def labels(self) -> Mapping[str, frozenset[str]]:
+        """Discovered and configured labels, computed when a selector first asks: most
+        profiles have none, and at 10,000 nodes computing them all doubled a quiet pass."""
+        if self._labels is None:
+            self._labels = node_labels(self.inventory)
+        return self._labels
 
     def free_gpus(self, min_bytes: int = 0) -> list[Gpu]:
         if min_bytes <= self.smallest_gpu:
@@ -138,11 +146,10 @@ def fleet_nodes(snapshot: Snapshot) -> dict[str, NodeState]:
 
 
 def with_operations(nodes: dict[str, NodeState], snapshot: Snapshot) -> dict[str, NodeState]:
-    """Each node's labels and taints, and the operator's intent (ops.<node>): cordoned or
+    """Each node's taints, and the operator's intent (ops.<node>): cordoned or
     draining, its taints beside the agent's, and GPUs out of service, which leave the free
     list as if used (a replica already on one keeps it)."""
     for node in nodes.values():
-        node.labels = node_labels(node.inventory)
         ops = snapshot.ops.get(node.id)
         node.taints = frozenset(node.inventory.taints) | frozenset(ops.taints if ops else ())
         if ops is None:

@@ -221,13 +221,14 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
     lines.add(f"place {r.rid} on {_where(r)}: {r.reason}" for r in filled.created)
 
     updated = step.new + filled.created
+    kept_ids = {r.rid for r in kept_old}
     ro = rollout.record(
         model,
         stored,
         target,
         want=want,
         updated=updated,
-        old=sum(1 for o in old if o.kind == "revision" and o.replica in kept_old),
+        old=sum(1 for o in old if o.kind == "revision" and o.replica.rid in kept_ids),
         failed=failed,
         now=snapshot.now,
     )
