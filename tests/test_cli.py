@@ -746,3 +746,45 @@ async def test_rollout_undo_writes_the_earlier_profile_back_and_status_shows_the
     )
     out = await _llmgw(url, "rollout", "undo", "m")
     assert out.returncode == 1 and "no earlier revision to go back to" in out.stderr
+
+
+@pytest.mark.anyio
+async def test_drain_wait_names_the_replicas_with_nowhere_to_go_and_ends_once_none_is_left(bus):
+    from llmgw.cli.node import follow_drain
+
+    await bus.put(keys.replica("m", "r1"), _replica("r1", "ready", 0))
+    waiting = records.PlacementRecord(
+        model="m",
+        desired=1,
+        placed=1,
+        waiting=1,
+        explanation="1 replacement (rollout or drain) waits for a node: 0/1 nodes fit: 1 draining",
+    )
+    await bus.put(keys.placement("m"), waiting)
+    said: list[str] = []
+    code = await follow_drain(bus, "n1", timeout=5, echo=said.append, poll=0.02, settle=0.1)
+    assert code == 1, said
+    assert said[0] == "  m r1 on n1: ready"
+    assert said[1].startswith("  m r1 cannot be placed elsewhere: 1 replacement (rollout or")
+    assert "`llmgw node drain n1 --force` drains them anyway" in said[2]
+
+    forced = msgspec.structs.replace(
+        _replica("r1", "draining", 0), reason="drained by force: nowhere else to place it (...)"
+    )
+    await bus.put(keys.replica("m", "r1"), forced)
+    said.clear()
+
+    async def removed_later() -> None:
+        await anyio.sleep(0.3)
+        await bus.delete(keys.replica("m", "r1"))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(removed_later)
+        code = await follow_drain(
+            bus, "n1", force=True, timeout=5, echo=said.append, poll=0.02, settle=0.1
+        )
+    assert code == 0
+    assert said == [
+        "  m r1 on n1: draining (drained by force: nowhere else to place it (...))",
+        "  no replica left on n1",
+    ]
