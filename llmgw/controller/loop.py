@@ -455,6 +455,11 @@ class Controller:
                 nodes=[m.node for m in replica.members],
                 reason=replica.reason,
             )
+        # the phases first: the plan read them from the shards, so a replacement it counted
+        # ready is written ready before the replica it replaces is written draining (the
+        # stored ready count never dips in between)
+        self._require_leading()
+        await self._sync_replica_phases(snap.health)
         for removal in removals:
             replica = self.view.replicas.get(removal.rid)
             if replica is not None and replica.phase not in records.REPLICA_GOING:
@@ -470,9 +475,7 @@ class Controller:
                     f"{replica.model} {replica.rid}: {removal.reason}",
                     rid=replica.rid,
                 )
-        phases = snap.health
         self._require_leading()
-        await self._sync_replica_phases(phases)
         await self._sync_assignments()
         # before the placement records: `llmgw place --wait` reads both once it sees its
         # decision in placement.<model>

@@ -207,7 +207,11 @@ def record(
         max_unavailable=model.max_unavailable,
         decided_at=now,
     )
-    if stored is not None and stored.current.same(target) and stored.phase == "stopped":
+    if old == 0:
+        out.phase = "complete"
+        if not current.completed_at and updated:  # ran somewhere, and everywhere
+            out.current = msgspec.structs.replace(current, completed_at=now)
+    elif stopped(stored, target):
         out.phase = "stopped"
         out.reason, out.failed_rid, out.failed_node = (
             stored.reason,
@@ -220,11 +224,12 @@ def record(
         out.reason = stop_text(model.id, failed)
         out.failed_rid, out.failed_node = failed.replica.rid, failed.shard.node
         out.output_tail = list(failed.shard.output_tail[-MAX_TAIL:])
-    elif old == 0:
-        out.phase = "complete"
-        if not current.completed_at and updated:  # ran somewhere, and everywhere
-            out.current = msgspec.structs.replace(current, completed_at=now)
     return out
+
+
+def stopped(stored: Rollout | None, target: Revision) -> bool:
+    """A rollout stopped before stays stopped until its revision changes."""
+    return stored is not None and stored.phase == "stopped" and stored.current.same(target)
 
 
 def same_rollout(a: Rollout, b: Rollout) -> bool:

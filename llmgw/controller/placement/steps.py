@@ -150,17 +150,11 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
         (new.append(r) if why is None else old.append(why))
     revising = any(o.kind == "revision" for o in old)
 
-    # a rollout whose new replicas fail stops, and they go; the old ones keep serving
     stored = snapshot.rollouts.get(model_id)
     target = rollout.revision(model, desired, profiles, launches, snapshot.now)
-    stuck = stored is not None and stored.phase == "stopped" and stored.current.same(target)
-    bad = [rollout.Failing(r, s) for r in new if (s := rollout.failing(r, snapshot.shards))]
-    failed = bad[0] if revising and bad and not stuck else None
-    stopped: list[tuple[Replica, str]] = []
-    if revising and bad and (stuck or failed is not None):
-        text = "rollout stopped: " + rollout.stop_text(model_id, failed or bad[0])
-        stopped = [(f.replica, text) for f in bad]
-        new = [r for r in new if r.rid not in {f.replica.rid for f in bad}]
+    stuck = revising and rollout.stopped(stored, target)
+    new, stopped, failed = stop_failing(snapshot, model_id, new, revising=revising, stuck=stuck)
+    halted = stuck or failed is not None
 
     # replicas an agent gave up on: moved, unless their launch fails everywhere it was tried
     given_up = [r for r in new + [o.replica for o in old] if r.phase in REPLICA_TERMINAL]
@@ -177,9 +171,7 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
     usable = [p for p in profiles if launches[p.name] not in crashes.broken]
 
     if old:
-        step = rollout.roll(
-            old, new, want, model.surge, model.max_unavailable, stopped=stuck or failed is not None
-        )
+        step = rollout.roll(old, new, want, model.surge, model.max_unavailable, stopped=halted)
     else:
         surplus = remove_surplus(new, want)
         step = rollout.Roll(surplus.kept, [], surplus.removed, want - len(surplus.kept))
@@ -192,27 +184,13 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
         avoid={p.name: crashes.avoid(launches[p.name]) for p in usable},
     )
     short = step.start - len(filled.created)
-    kept_old = list(step.old)
-    by_force: list[tuple[Replica, str]] = []
-    if short and forced:
-        # `llmgw node drain --force`: what has nowhere else to go drains anyway
-        why = explain.render_refusals(len(fleet.nodes), filled.refusals)
-        for r in [r for r in kept_old if any(m.node in forced for m in r.members)][:short]:
-            kept_old.remove(r)
-            by_force.append((r, f"drained by force: nowhere else to place it ({why})"))
-
-    moves = []
-    for i, (r, f) in enumerate(crashes.move):
-        to = _where(filled.created[i]) if i < len(filled.created) else ""
-        failures.moved(crashes, r.rid, to)
-        text = explain.failure_text(f)
-        where = f"moved to {to}" if to else "not placed elsewhere yet"
-        moves.append((r, f"failed {f.restarts + 1} times on {f.node} ({text}); {where}"))
+    kept_old, by_force = drain_by_force(fleet, step.old, filled, short, forced)
+    moves = moved_elsewhere(crashes, filled.created)
 
     removals = lines.removed(moves) + lines.removed(lost.removed) + lines.removed(stopped)
     removals += lines.removed(step.removed) + lines.removed(by_force)
     lines.add(f"keep {r.rid} on {_where(r)} ({_phase(snapshot, r)})" for r in step.new)
-    until = "the rollout is stopped" if stuck or failed else "until its replacement is ready"
+    until = "the rollout is stopped" if halted else "until its replacement is ready"
     lines.add(f"keep {r.rid} on {_where(r)} ({_phase(snapshot, r)}): {until}" for r in kept_old)
     lines.add(
         f"keep {r.rid} on {_where(r)} (gave up): profile {r.profile} fails everywhere it was tried"
@@ -248,6 +226,49 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
         n = want - placed
         lines.add([f"{n} replica{'s' if n != 1 else ''} not placed: {rec.explanation}"])
     return ModelPlan(filled.created, removals, rec, ro)
+
+
+def stop_failing(
+    snapshot: Snapshot, model_id: str, new: list[Replica], *, revising: bool, stuck: bool
+) -> tuple[list[Replica], list[tuple[Replica, str]], rollout.Failing | None]:
+    """A rollout whose new replicas fail stops, and they go; the old ones keep serving.
+    The new replicas kept, those removed with why, and the failure that stops it now (None
+    when it was stopped already, or nothing fails)."""
+    bad = [rollout.Failing(r, s) for r in new if (s := rollout.failing(r, snapshot.shards))]
+    if not (revising and bad):
+        return new, [], None
+    text = "rollout stopped: " + rollout.stop_text(model_id, bad[0])
+    going = {f.replica.rid for f in bad}
+    kept = [r for r in new if r.rid not in going]
+    return kept, [(f.replica, text) for f in bad], None if stuck else bad[0]
+
+
+def drain_by_force(
+    fleet: Fleet, old: list[Replica], filled: Filled, short: int, forced: set[str]
+) -> tuple[list[Replica], list[tuple[Replica, str]]]:
+    """`llmgw node drain --force`: an old replica on such a node whose replacement found no
+    node drains anyway. The old replicas kept, and those drained with why."""
+    kept = list(old)
+    if not (short > 0 and forced):
+        return kept, []
+    why = explain.render_refusals(len(fleet.nodes), filled.refusals)
+    going = [r for r in kept if any(m.node in forced for m in r.members)][:short]
+    for r in going:
+        kept.remove(r)
+    return kept, [(r, f"drained by force: nowhere else to place it ({why})") for r in going]
+
+
+def moved_elsewhere(crashes: failures.Crashes, created: list[Replica]) -> list[tuple[Replica, str]]:
+    """Replicas given up on, removed, each saying where its successor went (the first
+    replicas placed in this plan): "failed 5 times on node05 (...); moved to node06"."""
+    out = []
+    for i, (r, f) in enumerate(crashes.move):
+        to = _where(created[i]) if i < len(created) else ""
+        failures.moved(crashes, r.rid, to)
+        where = f"moved to {to}" if to else "not placed elsewhere yet"
+        text = explain.failure_text(f)
+        out.append((r, f"failed {f.restarts + 1} times on {f.node} ({text}); {where}"))
+    return out
 
 
 def blocked_model(model: Model | None, desired: Desired | None) -> tuple[Blocked, str] | None:
