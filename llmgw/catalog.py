@@ -14,6 +14,7 @@ quietly place a model where it cannot load.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import math
 import re
@@ -25,8 +26,10 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from llmgw import labels
 from llmgw.bus import records
 from llmgw.bus.keys import is_token
+from llmgw.bus.trust import MAX_REPLICAS
 from llmgw.errors import LlmgwError
 
 Engine = Literal["llama-server", "vllm"]
@@ -102,6 +105,28 @@ class Profile(msgspec.Struct, kw_only=True, omit_defaults=True):
     parallel: int | None = None
     extra_args: list[str] = []
     env: dict[str, str] = {}
+    # where it may run (llmgw.labels): every label asked for ("!v": not v), every taint tolerated
+    node_selector: dict[str, str] = {}
+    tolerations: list[str] = []
+
+
+# What reaches the engine (the agent's launch_spec reads these, and the model's served
+# name): a change to any of them is a new revision of the profile, rolled out by replacing
+# replicas one at a time. The others decide only where a new replica may go and apply to
+# replicas placed from then on; a name is not content (the replicas of a renamed profile are
+# replaced because desired.<model> or the catalog no longer asks for that name).
+LAUNCH_FIELDS = (
+    "engine",
+    "weights",
+    "gpus_per_node",
+    "gpu_memory_gb",
+    "nodes",
+    "context",
+    "parallel",
+    "extra_args",
+    "env",
+)
+PLACEMENT_FIELDS = ("name", "host_ram_gb", "node_selector", "tolerations")
 
 
 class Model(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -115,9 +140,23 @@ class Model(msgspec.Struct, kw_only=True, omit_defaults=True):
     # with endpoints: the file holding the key those endpoints take (read by the router);
     # the fleet's engine key is sent only to the fleet's own engines
     api_key_file: str | None = None
+    # a rollout (docs/placement.md): new replicas started beyond the desired count at once,
+    # and ready replicas that may be missing meanwhile (both 0 could do neither)
+    surge: int = 1
+    max_unavailable: int = 0
 
     def profile(self, name: str) -> Profile | None:
         return next((p for p in self.profiles if p.name == name), None)
+
+
+def launch_hash(model: Model, profile: Profile) -> str:
+    """The fingerprint of what an engine of `profile` is launched with (LAUNCH_FIELDS and the
+    served name): replicas carry the one they were placed with, and a different one in the
+    catalog makes them replicas to replace."""
+    content = {"served_name": model.served_name}
+    content.update({f: msgspec.to_builtins(getattr(profile, f)) for f in LAUNCH_FIELDS})
+    digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+    return digest[:12]
 
 
 # --- the checks: every one appends to the list of errors instead of stopping ------------
@@ -126,7 +165,15 @@ _MISSING: Any = object()
 # JSON integers can be any length; engines read theirs (context, parallel) as 32-bit
 _MAX_INT = 2**31 - 1
 
-_MODEL_FIELDS = ("id", "served_name", "profiles", "endpoints", "api_key_file")
+_MODEL_FIELDS = (
+    "id",
+    "served_name",
+    "profiles",
+    "endpoints",
+    "api_key_file",
+    "surge",
+    "max_unavailable",
+)
 # Limits on one model, stated and checked here (`llmgw catalog apply`) before anything else
 # looks at the lists, so that what the controller writes about a model stays small: its
 # placement record holds a line per profile and reason (docs/placement.md).
@@ -366,6 +413,7 @@ def _check_model(check: _Checker, raw: Any, fallback: str) -> Model | None:
             )
     else:
         key_file = None
+    surge, unavailable = _check_rollout(check, where, raw, endpoints_raw is not _MISSING)
 
     if len(check.errors) > before:
         return None
@@ -375,7 +423,32 @@ def _check_model(check: _Checker, raw: Any, fallback: str) -> Model | None:
         profiles=profiles,
         endpoints=endpoints,
         api_key_file=key_file,
+        surge=surge,
+        max_unavailable=unavailable,
     )
+
+
+def _check_rollout(
+    check: _Checker, where: str, raw: Mapping[str, Any], static: bool
+) -> tuple[int, int]:
+    given = [f for f in ("surge", "max_unavailable") if f in raw]
+    if static and given:
+        check.problem(where, given[0], "only a model with profiles is rolled out; remove it")
+    surge = check.integer(where, "surge", raw.get("surge", _MISSING), 0, default=1)
+    unavailable = check.integer(
+        where, "max_unavailable", raw.get("max_unavailable", _MISSING), 0, default=0
+    )
+    for path, value in (("surge", surge), ("max_unavailable", unavailable)):
+        if value is not None and value > MAX_REPLICAS:
+            check.expected(where, path, f"an integer <= {MAX_REPLICAS}", value)
+    if surge == 0 and unavailable == 0:
+        check.problem(
+            where,
+            "surge",
+            "surge and max_unavailable are both 0: a rollout could neither start a new "
+            "replica before an old one drains nor drain one first; set surge = 1",
+        )
+    return surge or 0, unavailable or 0
 
 
 def _check_endpoints(check: _Checker, where: str, raw: Any) -> list[str]:
@@ -453,6 +526,10 @@ def _check_profile(check: _Checker, where: str, path: str, raw: Any) -> Profile 
     )
     extra_args = _check_args(check, where, f"{path}.extra_args", raw.get("extra_args", []))
     env = _check_env(check, where, f"{path}.env", raw.get("env", {}))
+    selector = _check_selector(check, where, f"{path}.node_selector", raw.get("node_selector", {}))
+    tolerations = _check_tolerations(
+        check, where, f"{path}.tolerations", raw.get("tolerations", [])
+    )
 
     if nodes is not None and nodes > 1 and engine is not None:
         if engine not in MULTI_NODE_ENGINES:
@@ -481,6 +558,8 @@ def _check_profile(check: _Checker, where: str, path: str, raw: Any) -> Profile 
         parallel=parallel,
         extra_args=extra_args,
         env=env,
+        node_selector=selector,
+        tolerations=tolerations,
     )
 
 
@@ -576,6 +655,34 @@ def _check_env(check: _Checker, where: str, path: str, raw: Any) -> dict[str, st
         if not isinstance(value, str):
             check.expected(where, f"{path}.{name}", "a string (quote numbers)", value)
     return dict(raw)
+
+
+def _check_selector(check: _Checker, where: str, path: str, raw: Any) -> dict[str, str]:
+    if not isinstance(raw, Mapping):
+        check.expected(where, path, 'a table of label = "value" (or "!value")', raw)
+        return {}
+    if len(raw) > labels.MAX_LABELS:
+        check.problem(where, path, f"{len(raw)} labels; at most {labels.MAX_LABELS}")
+        return {}
+    for key, value in raw.items():
+        problem = labels.key_problem(key) or labels.value_problem(value, negation=True)
+        if problem:
+            check.problem(where, f"{path}.{key}", problem)
+    return dict(raw)
+
+
+def _check_tolerations(check: _Checker, where: str, path: str, raw: Any) -> list[str]:
+    if not isinstance(raw, list):
+        check.expected(where, path, "a list of taint names", raw)
+        return []
+    if len(raw) > labels.MAX_TAINTS:
+        check.problem(where, path, f"{len(raw)} tolerations; at most {labels.MAX_TAINTS}")
+        return []
+    for i, name in enumerate(raw):
+        problem = labels.key_problem(name)
+        if problem:
+            check.problem(where, f"{path}[{i}]", problem.replace("label name", "taint name"))
+    return list(raw)
 
 
 # What reading a bucket value by hand-written rules can raise: a reader catches these, logs

@@ -644,6 +644,8 @@ SPOOFS = [
     ("placement.m1", records.PlacementRecord(model="m2", desired=1, placed=0)),
     ("fabrics.ib-a", records.FabricHoldings(fabric="ib-b", nodes=["n1"])),
     ("catalog.m1", _Catalog(id="m2")),
+    ("ops.node05", records.NodeOps(node="node06", cordoned=True)),
+    ("rollout.m1", records.Rollout(model="m2", phase="complete", current=records.Revision())),
     (
         "nodes.node05",
         msgspec.structs.replace(
@@ -713,6 +715,12 @@ OUT_OF_RANGE = [
     ("nodes.n1", _ports("n1", [70000]), "[70000] are not TCP ports"),
     ("nodes.n1", _ports("n1", list(range(1, 1026))), "1025 entries, more than 1024"),
     ("shards.n1.r1", msgspec.structs.replace(_shard("n1", "r1"), port=-1), "port -1"),
+    (
+        "nodes.n1",
+        msgspec.structs.replace(inventory("n1"), labels={"rack id": "r1"}),
+        "labels.rack id: 'rack id' is not a label name",
+    ),
+    ("ops.n1", records.NodeOps(node="n1", taints=["gpu flaky"]), "'gpu flaky' is not a label"),
 ]
 
 

@@ -389,3 +389,53 @@ def test_a_catalog_is_refused_with_every_error_of_every_model_and_every_clash(en
                 f"{where}, served_name: {served!r} is already the served name of {other_where}"
             )
     assert sorted(errors) == sorted(expected)
+
+
+def test_rollout_settings_are_integers_not_both_zero_and_only_for_placed_models():
+    def model(**fields):
+        return {"models": [{"id": "m", "profiles": [_profile()], **fields}]}
+
+    (m,) = validate_models(model())
+    assert (m.surge, m.max_unavailable) == (1, 0)
+    (m,) = validate_models(model(surge=0, max_unavailable=1))
+    assert (m.surge, m.max_unavailable) == (0, 1)
+    assert _errors(model(surge=0)) == [
+        "model 'm', surge: surge and max_unavailable are both 0: a rollout could neither "
+        "start a new replica before an old one drains nor drain one first; set surge = 1"
+    ]
+    assert _errors(model(surge=-1, max_unavailable=20_000)) == [
+        "model 'm', surge: expected an integer >= 0, got -1",
+        "model 'm', max_unavailable: expected an integer <= 10000, got 20000",
+    ]
+    static = {"models": [{"id": "s", "endpoints": ["http://h:1"], "surge": 2}]}
+    assert _errors(static) == [
+        "model 's', surge: only a model with profiles is rolled out; remove it"
+    ]
+
+
+def test_selectors_and_tolerations_are_labels_and_taint_names():
+    raw = {
+        "models": [
+            {
+                "id": "m",
+                "profiles": [
+                    _profile(
+                        node_selector={"pool": "research", "node": "!node07", "bad key": "x"},
+                        tolerations=["gpu-flaky", "no spaces please"],
+                    )
+                ],
+            }
+        ]
+    }
+    errors = _errors(raw)
+    assert errors == [
+        "model 'm', profiles[0].node_selector.bad key: 'bad key' is not a label name: 1-63 "
+        "letters, digits, '.', '-' and '_', starting and ending with a letter or digit",
+        "model 'm', profiles[0].tolerations[1]: 'no spaces please' is not a taint name: 1-63 "
+        "letters, digits, '.', '-' and '_', starting and ending with a letter or digit",
+    ]
+    raw["models"][0]["profiles"][0]["node_selector"].pop("bad key")
+    raw["models"][0]["profiles"][0]["tolerations"].pop()
+    (m,) = validate_models(raw)
+    assert m.profiles[0].node_selector == {"pool": "research", "node": "!node07"}
+    assert decode_model(encode_model(m), "m") == m

@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import anyio
+import msgspec
 import psutil
 import pytest
 from agent_helpers import host_dirs
@@ -589,3 +590,201 @@ async def test_status_names_a_few_bad_keys_and_counts_the_rest(bus, caplog):
     assert sum("counted, not named" in r.getMessage() for r in caplog.records) == 1
     text = render(view, now=time.time())
     assert "skipped 200 value(s) that do not decode or are not believed" in text
+
+
+# --- llmgw node, llmgw rollout, what status says of failures -----------------------------------
+
+
+async def _llmgw(url: str, *args: str) -> subprocess.CompletedProcess:
+    return await anyio.to_thread.run_sync(lambda: llmgw(*args, env={"LLMGW_NATS": url}))
+
+
+async def _ops(bus: Bus, node: str) -> records.NodeOps | None:
+    entry = await bus.get(keys.ops(node), decoder(records.NodeOps))
+    return entry.value if entry else None
+
+
+@pytest.mark.anyio
+async def test_node_cordon_drain_gpu_and_taint_are_the_operators_ops_record(bus, nats_server):
+    url = nats_server.url
+    await bus.put(keys.node("n1"), inventory("n1", gpus=2))
+    out = await _llmgw(url, "node", "cordon", "n1", "--reason", "fan noise")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ops.n1: cordoned"
+    assert (await _ops(bus, "n1")).cordoned
+    out = await _llmgw(url, "node", "cordon", "n1", "--gpu", "1")
+    assert (await _ops(bus, "n1")).gpus_out == ["GPU-n1-01"]
+    out = await _llmgw(url, "node", "cordon", "n1", "--gpu", "7")
+    assert out.returncode == 1 and "node n1 has no GPU '7' (its GPUs: 0 (GPU-n1-00)" in out.stderr
+    out = await _llmgw(url, "node", "drain", "n1", "--force")
+    out = await _llmgw(url, "node", "taint", "n1", "gpu-flaky")
+    ops = await _ops(bus, "n1")
+    assert (ops.drain, ops.force, ops.taints, ops.reason) == (
+        True,
+        True,
+        ["gpu-flaky"],
+        "fan noise",
+    )
+
+    text = (await _llmgw(url, "status")).stdout
+    assert (
+        "  ops     draining (--force); GPUs out of service: GPU-n1-01 (index 1) (fan noise)" in text
+    )
+    assert "  taints  gpu-flaky (operator)" in text
+    assert "gpu.model=H100-80GB-HBM3" in text and "node=n1" in text  # what selectors can ask
+
+    for args in (["uncordon", "n1"], ["uncordon", "n1", "--gpu", "GPU-n1-01"]):
+        assert (await _llmgw(url, "node", *args)).returncode == 0
+    assert (await _ops(bus, "n1")).taints == ["gpu-flaky"]
+    assert (await _llmgw(url, "node", "untaint", "n1", "gpu-flaky")).returncode == 0
+    assert await _ops(bus, "n1") is None  # asks nothing any more: gone
+
+
+@pytest.mark.anyio
+async def test_status_says_why_a_replica_failed_with_the_engines_last_lines(bus):
+    await bus.put(keys.desired("m"), records.Desired(model="m", replicas=1))
+    await bus.put(keys.replica("m", "r1"), _replica("r1", "failed", 0))
+    shard = records.Shard(
+        node="n1",
+        rid="r1",
+        model="m",
+        generation=1,
+        phase="failed",
+        since=1.0,
+        reason="exited with code 1 while loading",
+        output_tail=["loading", "", "llama_model_load: error loading model: CUDA error"],
+        restarts=3,
+    )
+    await bus.put(keys.shard("n1", "r1"), shard)
+    text = render(await gather(bus), now=time.time())
+    assert "      n1: exited with code 1 while loading (restarts 3)" in text
+    assert "        | llama_model_load: error loading model: CUDA error" in text
+
+
+def _with_context(context: int) -> Model:
+    profile = {
+        "name": "p",
+        "engine": "vllm",
+        "weights": {"key": "org/m"},
+        "gpus_per_node": 1,
+        "context": context,
+    }
+    return validate_models({"models": [{"id": "m", "profiles": [profile]}]})[0]
+
+
+def _rollout(**fields) -> records.Rollout:
+    launch = records.ProfileRevision(name="p", launch="new", content={})
+    current = records.Revision(profiles=[launch], since=1.0)
+    return records.Rollout(model="m", current=current, desired=1, desired_at=1.0, **fields)
+
+
+@pytest.mark.anyio
+async def test_place_wait_follows_a_rollout_to_its_end_and_stops_with_it(bus):
+    decided = records.PlacementRecord(model="m", desired=1, placed=1, desired_at=1.0)
+    await bus.put(keys.placement("m"), decided)
+    await bus.put(keys.replica("m", "r-new"), _replica("r-new", "ready", 0))
+    await bus.put(keys.rollout("m"), _rollout(phase="progressing", updated=1, ready=1, old=1))
+    said: list[str] = []
+    code = await follow_placement(
+        bus, "m", 1.0, wait=True, timeout=1.0, echo=said.append, poll=0.02
+    )
+    assert code == 2, said  # every replica is ready, but the rollout is not over
+    assert (
+        "  rollout progressing: 1/1 updated (1 ready), 1 old (surge 1, max_unavailable 0)" in said
+    )
+    stopped = _rollout(phase="stopped", reason="new replica r-new failed", output_tail=["boom"])
+    await bus.put(keys.rollout("m"), stopped)
+    said.clear()
+    code = await follow_placement(
+        bus, "m", 1.0, wait=True, timeout=5.0, echo=said.append, poll=0.02
+    )
+    assert code == 1 and said == ["  rollout stopped: new replica r-new failed\n      | boom"]
+    await bus.put(keys.rollout("m"), _rollout(phase="complete", updated=1, ready=1))
+    said.clear()
+    code = await follow_placement(
+        bus, "m", 1.0, wait=True, timeout=5.0, echo=said.append, poll=0.02
+    )
+    assert code == 0 and said[-1] == "  1/1 ready"
+
+
+@pytest.mark.anyio
+async def test_rollout_undo_writes_the_earlier_profile_back_and_status_shows_the_history(
+    bus, nats_server
+):
+    old, now = _with_context(4096), _with_context(8192)
+    from llmgw.catalog import launch_hash
+
+    def revision(m: Model) -> records.Revision:
+        p = m.profiles[0]
+        content = msgspec.to_builtins(p)
+        return records.Revision(
+            served_name=m.served_name,
+            profiles=[records.ProfileRevision(name="p", launch=launch_hash(m, p), content=content)],
+            completed_at=1.0,
+        )
+
+    await bus.put(keys.catalog("m"), encode_model(now))
+    ro = records.Rollout(
+        model="m", phase="complete", current=revision(now), history=[revision(old)]
+    )
+    await bus.put(keys.rollout("m"), ro)
+    url = nats_server.url
+    text = (await _llmgw(url, "rollout", "status", "m")).stdout
+    assert text.startswith("m: rollout complete\n")
+    assert (
+        f"history (`llmgw rollout undo` goes back to the last)\n    the catalog's profiles in order: p (launch {launch_hash(old, old.profiles[0])})"
+        in text
+    )
+    out = await _llmgw(url, "rollout", "undo", "m")
+    assert out.returncode == 0, out.stderr
+    entry = await bus.get(
+        keys.catalog("m"), lambda b: validate_models({"models": [json.loads(b)]})[0]
+    )
+    assert entry.value == old
+    await bus.put(
+        keys.rollout("m"), records.Rollout(model="m", phase="complete", current=revision(now))
+    )
+    out = await _llmgw(url, "rollout", "undo", "m")
+    assert out.returncode == 1 and "no earlier revision to go back to" in out.stderr
+
+
+@pytest.mark.anyio
+async def test_drain_wait_names_the_replicas_with_nowhere_to_go_and_ends_once_none_is_left(bus):
+    from llmgw.cli.node import follow_drain
+
+    await bus.put(keys.replica("m", "r1"), _replica("r1", "ready", 0))
+    waiting = records.PlacementRecord(
+        model="m",
+        desired=1,
+        placed=1,
+        waiting=1,
+        explanation="1 replacement (rollout or drain) waits for a node: 0/1 nodes fit: 1 draining",
+    )
+    await bus.put(keys.placement("m"), waiting)
+    said: list[str] = []
+    code = await follow_drain(bus, "n1", timeout=5, echo=said.append, poll=0.02, settle=0.1)
+    assert code == 1, said
+    assert said[0] == "  m r1 on n1: ready"
+    assert said[1].startswith("  m r1 cannot be placed elsewhere: 1 replacement (rollout or")
+    assert "`llmgw node drain n1 --force` drains them anyway" in said[2]
+
+    forced = msgspec.structs.replace(
+        _replica("r1", "draining", 0), reason="drained by force: nowhere else to place it (...)"
+    )
+    await bus.put(keys.replica("m", "r1"), forced)
+    said.clear()
+
+    async def removed_later() -> None:
+        await anyio.sleep(0.3)
+        await bus.delete(keys.replica("m", "r1"))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(removed_later)
+        code = await follow_drain(
+            bus, "n1", force=True, timeout=5, echo=said.append, poll=0.02, settle=0.1
+        )
+    assert code == 0
+    assert said == [
+        "  m r1 on n1: draining (drained by force: nowhere else to place it (...))",
+        "  no replica left on n1",
+    ]

@@ -1003,3 +1003,113 @@ async def test_a_new_leader_acts_only_once_its_view_holds_every_write_before_its
         await until(answered)
         assert [r.rid for r in await _replicas(bus)] == ["r-x"]
         tg.cancel_scope.cancel()
+
+
+# --- the operator's intent and replicas an agent gave up on -------------------------------------
+
+
+async def _placement(bus: Bus, model: str = "m") -> records.PlacementRecord | None:
+    got = await bus.get(keys.placement(model), decoder(records.PlacementRecord))
+    return got.value if got else None
+
+
+async def _report(bus: Bus, replica: records.Replica, phase: str, **fields) -> None:
+    """Write each member's shard as its agent would (the shard key is the agent's)."""
+    for m in replica.members:
+        shard = records.Shard(
+            node=m.node, rid=replica.rid, model=replica.model, generation=1, phase=phase, since=1.0
+        )
+        await bus.put(keys.shard(m.node, replica.rid), msgspec.structs.replace(shard, **fields))
+
+
+async def test_a_cordon_is_kept_across_controller_restarts_and_explained(bus, nats_settings):
+    await bus.put(keys.ops("n1"), records.NodeOps(node="n1", cordoned=True))
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, inventory("n1", gpus=1), inventory("n2", gpus=1))
+        await _apply(bus, _model(), 2)
+        for _ in range(2):  # a controller, then another one started from the bucket alone
+            async with await Bus.connect(nats_settings, give_up_after=5) as own:
+                async with anyio.create_task_group() as inner:
+                    controller = Controller(own, ControllerSettings(**FAST))
+                    inner.start_soon(controller.run)
+                    await until(lambda c=controller: _true(c.passes >= 3))
+
+                    async def explained():
+                        p = await _placement(bus)
+                        return p if p and "cordoned" in p.explanation else None
+
+                    rec = await until(explained)
+                    assert rec.explanation == (
+                        "0/2 nodes fit: 1 cordoned, 1 short of free GPUs (0 free, needs 1)"
+                    )
+                    assert [r.members[0].node for r in await _replicas(bus)] == ["n2"]
+                    inner.cancel_scope.cancel()
+        await bus.delete(keys.ops("n1"))  # llmgw node uncordon n1
+        async with await Bus.connect(nats_settings, give_up_after=5) as own:
+            tg.start_soon(Controller(own, ControllerSettings(**FAST)).run)
+            placed = await until(lambda: _count(bus, 2))
+            assert placed
+            assert sorted(r.members[0].node for r in await _replicas(bus)) == ["n1", "n2"]
+            tg.cancel_scope.cancel()
+
+
+async def test_a_replica_given_up_on_moves_and_a_launch_failing_everywhere_stays(bus, second_bus):
+    """The agent's half is its supervisor giving up: here the test writes the shard record
+    as that agent would, `phase="failed"` and `gave_up=True`."""
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, *(inventory(n, gpus=1) for n in ("n1", "n2", "n3")))
+        await _apply(bus, _model(), 1)
+        settings = ControllerSettings(**FAST, failure_nodes=3)
+        tg.start_soon(Controller(second_bus, settings).run)
+        tried: list[str] = []
+        for attempt in range(3):
+
+            async def placed_anew():
+                live = [r for r in await _replicas(bus) if r.phase not in ("draining",)]
+                fresh = [r for r in live if r.members[0].node not in tried]
+                return fresh[0] if fresh else None
+
+            replica = await until(placed_anew)
+            node = replica.members[0].node
+            tried.append(node)
+            await _report(bus, replica, "ready", endpoint="127.0.0.1:1")
+            await until(lambda r=replica: _replica_is(bus, r.rid, "ready"))
+            tail = ["loading the model", f"CUDA error: uncorrectable ECC error on {node}"]
+            await _report(
+                bus,
+                replica,
+                "failed",
+                reason="exited with code 1 while loading",
+                output_tail=tail,
+                restarts=4,
+                gave_up=True,
+            )
+            if attempt < 2:
+
+                async def moved(node=node):
+                    p = await _placement(bus)
+                    said = f"failed 5 times on {node} (exited with code 1 while loading: CUDA"
+                    return (
+                        p if p and said in p.explanation and "moved to n" in p.explanation else None
+                    )
+
+                rec = await until(moved)
+                assert f"uncorrectable ECC error on {node}); moved to " in rec.explanation
+        # failed on every node it was tried on: it stays, and the profile is blamed
+
+        async def blamed():
+            p = await _placement(bus)
+            return p if p and p.broken == ["p"] else None
+
+        rec = await until(blamed)
+        assert f"profile p failed on {', '.join(tried)}" in rec.explanation
+        assert "the profile, not the nodes, is the problem" in rec.explanation
+        (left,) = [r for r in await _replicas(bus) if r.phase != "draining"]
+        assert left.phase == "gave-up" and left.members[0].node == tried[-1]
+        await anyio.sleep(1.0)  # several passes: nothing more is placed
+        assert [r.rid for r in await _replicas(bus)] == [left.rid]
+        tg.cancel_scope.cancel()
+
+
+async def _replica_is(bus: Bus, rid: str, phase: str) -> bool:
+    return any(r.rid == rid and r.phase == phase for r in await _replicas(bus))

@@ -42,6 +42,11 @@ STORED = [
     records.PlacementRecord,
     records.RefusedNodes,
     records.GpuNamed,
+    records.Failure,
+    records.NodeOps,
+    records.Rollout,
+    records.Revision,
+    records.ProfileRevision,
     records.Leader,
     records.Event,
 ]

@@ -16,16 +16,19 @@ from llmgw.bus.client import Bus, decoder
 from llmgw.bus.records import (
     Desired,
     Event,
+    Failure,
     Lease,
     Memory,
     NodeInventory,
+    NodeOps,
     PlacementRecord,
     RefusedNodes,
     Replica,
     ReplicaMember,
+    Shard,
     decode,
 )
-from llmgw.catalog import Model, encode_model, validate_models
+from llmgw.catalog import Model, encode_model, launch_hash, validate_models
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.controller.placement import (
     Snapshot,
@@ -34,8 +37,8 @@ from llmgw.controller.placement import (
     remove_surplus,
     replace_lost,
     same_decision,
-    switch_profile,
 )
+from llmgw.controller.placement.rollout import Outdated, roll
 from llmgw.testing.sim import SimNode, inventory
 
 GB = 1_000_000_000
@@ -469,7 +472,7 @@ def test_each_step_decides_one_thing():
     c = replica("rc", [("n1", [1])], created_at=3.0)
     snap = snapshot([node("n1"), node("n2")], [model()], {"m": 1}, health={"n2": "lost"})
 
-    lost = replace_lost(snap, model(), [a, b, c])
+    lost = replace_lost(snap, [a, b, c])
     assert [r.rid for r in lost.kept] == ["ra", "rc"]
     assert [(r.rid, why) for r, why in lost.removed] == [("rb", "node n2 is lost; replaced")]
 
@@ -477,11 +480,12 @@ def test_each_step_decides_one_thing():
     assert [r.rid for r in surplus.kept] == ["ra"]
     assert [(r.rid, why) for r, why in surplus.removed] == [("rc", "desired lowered to 1")]
 
-    # an old profile's replica stays until the wanted profile has the full count ready
+    # an old profile's replica stays until its replacement is ready
+    old = [Outdated(a, "revision", "replaced by profile q")]
     starting = replica("rn", [("n1", [2])], phase="starting")
-    assert switch_profile([a], [starting], 1, {"q"}).kept == [a]
+    assert roll(old, [starting], 1, 1, 0, stopped=False).old == [a]
     ready = replica("rn", [("n1", [2])], phase="ready")
-    assert switch_profile([a], [ready], 1, {"q"}).removed == [(a, "replaced by profile q")]
+    assert roll(old, [ready], 1, 1, 0, stopped=False).removed == [(a, "replaced by profile q")]
 
 
 def test_node_without_lease_is_not_a_candidate():
@@ -751,3 +755,378 @@ def test_a_model_of_thousands_of_replicas_over_many_profiles_makes_a_small_recor
     assert len(rec.decisions) <= MAX_DECISION_LINES + 1
     assert "more (each replica's own key" in rec.decisions[MAX_DECISION_LINES - 1]
     assert len(encode(rec)) < MAX_VALUE_BYTES / 10
+
+
+# --- the operator's intent: cordon, drain, GPUs out of service, taints ------------------------
+
+
+def _ops(**by_node: dict) -> dict[str, NodeOps]:
+    return {n: NodeOps(node=n, **fields) for n, fields in by_node.items()}
+
+
+def _with(snap: Snapshot, **fields) -> Snapshot:
+    return Snapshot(**{**snap.__dict__, **fields})
+
+
+def test_cordoned_and_draining_nodes_take_nothing_new_and_are_counted_by_name():
+    nodes = [node("n1"), node("n2"), node("n3"), node("n4")]
+    ops = _ops(n1={"cordoned": True}, n2={"cordoned": True}, n3={"drain": True})
+    result = plan(_with(snapshot(nodes, [model()], {"m": 1}), ops=ops))
+    assert placed_on(result) == [["n4"]]
+    ops["n4"] = NodeOps(node="n4", cordoned=True)
+    result = plan(_with(snapshot(nodes, [model()], {"m": 1}), ops=ops))
+    assert result.create == []
+    assert result.placements["m"].explanation == "0/4 nodes fit: 3 cordoned, 1 draining"
+
+
+def test_a_cordoned_node_keeps_its_replicas():
+    running = replica("r1", [("n1", [0])])
+    snap = _with(
+        snapshot([node("n1"), node("n2")], [model()], {"m": 1}, replicas=[running]),
+        ops=_ops(n1={"cordoned": True}),
+    )
+    result = plan(snap)
+    assert result.create == [] and result.remove == []
+
+
+def test_a_gpu_out_of_service_is_given_to_no_new_replica():
+    nodes = [node("n1", gpus=2)]
+    ops = _ops(n1={"gpus_out": ["GPU-n1-00"]})
+    result = plan(_with(snapshot(nodes, [model()], {"m": 2}), ops=ops))
+    assert [m.gpus for r in result.create for m in r.members] == [["GPU-n1-01"]]
+    assert (
+        result.placements["m"].explanation
+        == "0/1 nodes fit: 1 short of free GPUs (0 free, needs 1)"
+    )
+
+
+# --- labels, selectors, taints ------------------------------------------------------------------
+
+
+def _selecting(selector: dict | None = None, tolerations: list | None = None) -> Model:
+    profile = {"name": "p", "engine": "vllm", "weights": {"key": KEY}, "gpus_per_node": 1}
+    if selector is not None:
+        profile["node_selector"] = selector
+    if tolerations is not None:
+        profile["tolerations"] = tolerations
+    return validate_models({"models": [{"id": "m", "profiles": [profile]}]})[0]
+
+
+def _labelled(name: str, labels: dict | None = None, taints: list | None = None) -> NodeInventory:
+    return msgspec.structs.replace(node(name), labels=labels or {}, taints=taints or [])
+
+
+def test_a_selector_places_only_on_nodes_with_the_labels_and_counts_the_rest():
+    nodes = [
+        _labelled("n1", {"pool": "research"}),
+        _labelled("n2", {"pool": "prod"}),
+        _labelled("n3"),
+        _labelled("n4"),
+    ]
+    result = plan(snapshot(nodes, [_selecting({"pool": "research"})], {"m": 1}))
+    assert placed_on(result) == [["n1"]]
+    result = plan(snapshot(nodes[1:], [_selecting({"pool": "research"})], {"m": 1}))
+    assert result.placements["m"].explanation == "0/3 nodes fit: 3 lack pool=research"
+
+
+def test_a_selector_on_discovered_labels_and_an_exclusion():
+    nodes = [node("n1"), node("n2")]  # NVIDIA H100 80GB HBM3, 8 of them, vllm and llama-server
+    h100 = _selecting({"gpu.model": "H100-80GB-HBM3", "gpu.count": "8", "engine": "vllm"})
+    assert len(plan(snapshot(nodes, [h100], {"m": 1})).create) == 1
+    a100 = _selecting({"gpu.model": "A100-SXM4-80GB"})
+    expl = plan(snapshot(nodes, [a100], {"m": 1})).placements["m"].explanation
+    assert expl == "0/2 nodes fit: 2 lack gpu.model=A100-SXM4-80GB"
+    never_n1 = _selecting({"node": "!n1"})
+    result = plan(snapshot(nodes, [never_n1], {"m": 3}))
+    assert {n for on in placed_on(result) for n in on} == {"n2"}
+    result = plan(snapshot(nodes[:1], [never_n1], {"m": 1}))
+    assert result.placements["m"].explanation == "0/1 nodes fit: 1 excluded (node=n1)"
+
+
+def test_a_taint_keeps_away_what_does_not_tolerate_it_from_the_agent_or_the_operator():
+    nodes = [_labelled("n1", taints=["gpu-flaky"]), _labelled("n2")]
+    ops = _ops(n2={"taints": ["gpu-flaky"]})
+    result = plan(_with(snapshot(nodes, [_selecting()], {"m": 1}), ops=ops))
+    assert result.placements["m"].explanation == "0/2 nodes fit: 2 tainted gpu-flaky"
+    tolerant = _selecting(tolerations=["gpu-flaky"])
+    assert len(plan(_with(snapshot(nodes, [tolerant], {"m": 1}), ops=ops)).create) == 1
+
+
+def test_labels_the_agent_config_sets_win_over_discovered_ones():
+    from llmgw.labels import node_labels
+
+    inv = _labelled("n1", {"gpu.count": "4", "rack": "r12"})
+    labels = node_labels(inv)
+    assert labels["gpu.count"] == {"4"} and labels["rack"] == {"r12"}
+    assert labels["gpu.model"] == {"H100-80GB-HBM3"} and labels["engine"] == {
+        "vllm",
+        "llama-server",
+    }
+
+
+# --- rollouts ---------------------------------------------------------------------------------
+
+
+def _rolling(*, surge: int = 1, max_unavailable: int = 0, **changes) -> Model:
+    profile = {"name": "p", "engine": "vllm", "weights": {"key": KEY}, "gpus_per_node": 1}
+    profile.update(changes)
+    return validate_models(
+        {
+            "models": [
+                {
+                    "id": "m",
+                    "profiles": [profile],
+                    "surge": surge,
+                    "max_unavailable": max_unavailable,
+                }
+            ]
+        }
+    )[0]
+
+
+def _running(m: Model, *rids: str, phase: str = "ready", nodes_: tuple = ("n1", "n2", "n3")):
+    launch = launch_hash(m, m.profiles[0])
+    return [
+        msgspec.structs.replace(
+            replica(rid, [(nodes_[i % len(nodes_)], [i])], phase=phase, created_at=float(i)),
+            launch=launch,
+        )
+        for i, rid in enumerate(rids)
+    ]
+
+
+def _fleet() -> list[NodeInventory]:
+    return [node("n1"), node("n2"), node("n3")]
+
+
+def test_a_changed_launch_is_replaced_one_at_a_time_a_new_one_ready_before_an_old_drains():
+    before = _rolling()
+    after = _rolling(env={"VLLM_ATTENTION_BACKEND": "FLASHINFER"})
+    old = _running(before, "r1", "r2", "r3")
+    result = plan(snapshot(_fleet(), [after], {"m": 3}, replicas=old))
+    assert len(result.create) == 1 and result.remove == []
+    assert result.create[0].launch == launch_hash(after, after.profiles[0])
+    assert result.rollouts["m"].phase == "progressing" and result.rollouts["m"].old == 3
+
+    starting = result.create[0]  # not ready yet: nothing drains, nothing more starts
+    result = plan(snapshot(_fleet(), [after], {"m": 3}, replicas=[*old, starting]))
+    assert result.create == [] and result.remove == []
+
+    ready = msgspec.structs.replace(starting, phase="ready")
+    result = plan(snapshot(_fleet(), [after], {"m": 3}, replicas=[*old, ready]))
+    assert result.create == []
+    [gone] = result.remove
+    assert gone.reason.startswith("profile p changed (launch ")
+    assert result.placements["m"].placed == 3  # four running, one of them draining
+
+
+def test_surge_and_max_unavailable_set_how_many_go_at_once():
+    before, after = _rolling(), _rolling(surge=2, max_unavailable=1, context=4096)
+    old = _running(before, "r1", "r2", "r3")
+    result = plan(snapshot(_fleet(), [after], {"m": 3}, replicas=old))
+    # 3 + 2 running at most, 3 - 1 ready at least: two start, one old drains at once
+    assert len(result.create) == 2 and len(result.remove) == 1
+
+
+def test_what_only_decides_where_a_replica_goes_restarts_nothing():
+    before = _rolling()
+    for changed in ({"host_ram_gb": 10}, {"node_selector": {"pool": "a"}}, {"tolerations": ["x"]}):
+        after = _rolling(**changed)
+        assert launch_hash(after, after.profiles[0]) == launch_hash(before, before.profiles[0])
+        result = plan(
+            snapshot(_fleet(), [after], {"m": 3}, replicas=_running(before, "a", "b", "c"))
+        )
+        assert result.create == [] and result.remove == [], changed
+
+
+def test_every_profile_field_either_reaches_the_engine_or_decides_placement():
+    from llmgw.catalog import LAUNCH_FIELDS, PLACEMENT_FIELDS, Profile
+
+    assert sorted(LAUNCH_FIELDS + PLACEMENT_FIELDS) == sorted(Profile.__struct_fields__)
+
+
+def _failed_shard(r: Replica, reason: str, *, gave_up: bool = False, line: str = "") -> Shard:
+    m = r.members[0]
+    return Shard(
+        node=m.node,
+        rid=r.rid,
+        model=r.model,
+        generation=1,
+        phase="failed",
+        since=0,
+        reason=reason,
+        output_tail=["loading model", line] if line else [],
+        restarts=4,
+        gave_up=gave_up,
+    )
+
+
+def test_a_new_replica_that_fails_stops_the_rollout_and_the_old_keep_serving():
+    before, after = _rolling(), _rolling(env={"X": "bad"})
+    old = _running(before, "r1", "r2", "r3")
+    first = plan(snapshot(_fleet(), [after], {"m": 3}, replicas=old))
+    new = msgspec.structs.replace(first.create[0], phase="failed")
+    shards = {
+        (new.members[0].node, new.rid): _failed_shard(
+            new, "exited with code 1 while loading", line="RuntimeError: bad"
+        )
+    }
+    snap = _with(snapshot(_fleet(), [after], {"m": 3}, replicas=[*old, new]), shards=shards)
+    result = plan(snap)
+    assert result.create == []
+    assert [r.rid for r in result.remove] == [new.rid]  # only the new one goes
+    ro = result.rollouts["m"]
+    assert ro.phase == "stopped" and ro.failed_rid == new.rid
+    assert "exited with code 1 while loading: RuntimeError: bad" in ro.reason
+    assert ro.output_tail[-1] == "RuntimeError: bad"
+    expl = result.placements["m"].explanation
+    assert expl.startswith("rollout stopped: new replica ") and "llmgw rollout undo m" in expl
+
+    # stopped it stays, once the failed one is gone, until the revision changes
+    snap = _with(snapshot(_fleet(), [after], {"m": 3}, replicas=old), rollouts={"m": ro})
+    again = plan(snap)
+    assert again.create == [] and again.remove == [] and again.rollouts["m"].phase == "stopped"
+    fixed = _rolling(env={"X": "good"})
+    snap = _with(snapshot(_fleet(), [fixed], {"m": 3}, replicas=old), rollouts={"m": ro})
+    resumed = plan(snap)
+    assert len(resumed.create) == 1 and resumed.rollouts["m"].phase == "progressing"
+
+
+def test_history_keeps_revisions_that_ran_everywhere_for_undo():
+    a, b, c = _rolling(), _rolling(env={"X": "b"}), _rolling(env={"X": "c"})
+    done = plan(snapshot(_fleet(), [a], {"m": 1}, replicas=_running(a, "r1"))).rollouts["m"]
+    assert done.phase == "complete" and done.current.completed_at == 1000.0
+    to_b = plan(
+        _with(snapshot(_fleet(), [b], {"m": 1}, replicas=_running(a, "r1")), rollouts={"m": done})
+    ).rollouts["m"]
+    assert [r.profiles[0].launch for r in to_b.history] == [launch_hash(a, a.profiles[0])]
+    assert to_b.history[0].profiles[0].content["weights"] == {"key": KEY}
+    # b never ran everywhere: going on to c leaves history as it was
+    to_c = plan(
+        _with(snapshot(_fleet(), [c], {"m": 1}, replicas=_running(a, "r1")), rollouts={"m": to_b})
+    ).rollouts["m"]
+    assert [r.profiles[0].launch for r in to_c.history] == [launch_hash(a, a.profiles[0])]
+
+
+# --- drains -------------------------------------------------------------------------------------
+
+
+def test_a_drained_nodes_replica_moves_its_replacement_ready_first():
+    m = _rolling()
+    [old] = _running(m, "r1", nodes_=("n1",))
+    ops = _ops(n1={"drain": True})
+    result = plan(_with(snapshot(_fleet(), [m], {"m": 1}, replicas=[old]), ops=ops))
+    assert result.remove == [] and placed_on(result)[0] != ["n1"]
+    new = msgspec.structs.replace(result.create[0], phase="ready")
+    result = plan(_with(snapshot(_fleet(), [m], {"m": 1}, replicas=[old, new]), ops=ops))
+    assert [(r.rid, r.reason) for r in result.remove] == [("r1", "node n1 is draining: moved")]
+    assert result.rollouts["m"].phase == "complete"  # a drain is no new revision
+
+
+def test_a_drain_without_a_place_to_go_waits_and_says_why_unless_forced():
+    m = _rolling()
+    [old] = _running(m, "r1", nodes_=("n1",))
+    nodes = [node("n1"), node("n2")]
+    ops = _ops(n1={"drain": True}, n2={"cordoned": True})
+    result = plan(_with(snapshot(nodes, [m], {"m": 1}, replicas=[old]), ops=ops))
+    assert result.create == [] and result.remove == []
+    expl = result.placements["m"].explanation
+    assert (
+        expl
+        == "1 replacement (rollout or drain) waits for a node: 0/2 nodes fit: 1 cordoned, 1 draining"
+    )
+    ops["n1"] = NodeOps(node="n1", drain=True, force=True)
+    result = plan(_with(snapshot(nodes, [m], {"m": 1}, replicas=[old]), ops=ops))
+    [gone] = result.remove
+    assert gone.reason.startswith("drained by force: nowhere else to place it (0/2 nodes fit: ")
+
+
+# --- replicas an agent gave up on ---------------------------------------------------------------
+
+
+def test_a_replica_given_up_on_moves_and_its_node_is_avoided_for_that_launch():
+    m = _rolling()
+    [crashed] = _running(m, "r1", phase="gave-up", nodes_=("n1",))
+    shards = {
+        ("n1", "r1"): _failed_shard(
+            crashed, "exited with code 1 while loading", gave_up=True, line="CUDA error: ECC"
+        )
+    }
+    snap = _with(
+        snapshot([node("n1"), node("n2")], [m], {"m": 1}, replicas=[crashed]), shards=shards
+    )
+    result = plan(snap)
+    assert placed_on(result) == [["n2"]]
+    [gone] = result.remove
+    said = "failed 5 times on n1 (exited with code 1 while loading: CUDA error: ECC); moved to n2"
+    assert gone.reason == said
+    rec = result.placements["m"]
+    assert rec.explanation == said and [f.node for f in rec.failures] == ["n1"]
+
+    # later, with n2 full: n1 is still avoided for this launch, and says so
+    full = replica("r-full", [("n2", list(range(8)))], mid="other")
+    later = _with(
+        snapshot([node("n1"), node("n2")], [m], {"m": 1}, replicas=[full]), placements={"m": rec}
+    )
+    expl = plan(later).placements["m"].explanation
+    assert expl.startswith(
+        "0/2 nodes fit: 1 short of free GPUs (0 free, needs 1), 1 where this launch failed lately"
+    )
+    # a changed profile is tried there again
+    changed = _rolling(env={"FIX": "1"})
+    later = _with(
+        snapshot([node("n1"), node("n2")], [changed], {"m": 1}, replicas=[full]),
+        placements={"m": rec},
+    )
+    assert placed_on(plan(later)) == [["n1"]]
+    # and after the cool-down, so is the same one
+    cooled = _with(later, catalog={"m": m}, now=1000.0 + 1801)
+    assert placed_on(plan(cooled)) == [["n1"]]
+
+
+def test_a_launch_given_up_on_by_three_nodes_stops_moving_and_blames_the_profile():
+    m = _rolling()
+    launch = launch_hash(m, m.profiles[0])
+    earlier = [
+        Failure(
+            node=n,
+            rid=f"r{n}",
+            profile="p",
+            launch=launch,
+            at=900.0,
+            restarts=4,
+            reason="exited with code 1",
+            moved_to="x",
+        )
+        for n in ("n1", "n2")
+    ]
+    stored = PlacementRecord(model="m", desired=1, placed=1, failures=earlier)
+    [crashed] = _running(m, "r3", phase="gave-up", nodes_=("n3",))
+    shards = {("n3", "r3"): _failed_shard(crashed, "exited with code 1", gave_up=True, line="boom")}
+    nodes = [node("n1"), node("n2"), node("n3"), node("n4")]
+    snap = _with(
+        snapshot(nodes, [m], {"m": 1}, replicas=[crashed]), shards=shards, placements={"m": stored}
+    )
+    result = plan(snap)
+    assert result.create == [] and result.remove == []  # it stays where it failed, to show why
+    rec = result.placements["m"]
+    assert rec.broken == ["p"] and rec.placed == 0
+    assert (
+        "profile p failed on n1, n2, n3 (exited with code 1: boom): the profile, not the nodes, is the problem"
+        in rec.explanation
+    )
+
+
+def test_the_records_lines_say_the_phase_the_shards_say_now():
+    from llmgw.controller.inputs import placement_snapshot
+    from llmgw.controller.view import View
+
+    m = _rolling()
+    [r] = _running(m, "r1", nodes_=("n1",))  # stored ready, from the pass before
+    view = View(catalog={"m": m}, desired={"m": Desired(model="m", replicas=1)})
+    view.nodes = {"n1": node("n1")}
+    view.replicas = {"r1": r}
+    view.shards = {("n1", "r1"): _failed_shard(r, "exited with code 1 while serving")}
+    snap = placement_snapshot(view, {"n1": "ready"}, {}, port_range=(18000, 18999), now=1000.0)
+    lines = plan(snap).placements["m"].decisions
+    assert lines == ["keep r1 on n1 (failed on n1: exited with code 1 while serving)"]

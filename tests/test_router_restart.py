@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import anyio
 import pytest
-from router_helpers import SERVED, FakeEngine, chat_body, fake_engines
+from router_helpers import SERVED, FakeEngine, RetryingClient, chat_body, fake_engines
 
 from llmgw.bus.server import free_port
 
@@ -179,55 +179,6 @@ async def test_past_the_grace_a_stream_is_cut_and_the_router_says_so(engines, tm
         assert engine.in_flight() == 0  # the engine saw its client go, and stopped
     finally:
         router.stop()
-
-
-class RetryingClient:
-    """What a client behind two routers does: round robin, and a request that met a
-    connection error before any answer is sent again to the other router. A stream that
-    breaks after its answer began is lost: that is what must never happen."""
-
-    def __init__(self, urls: list[str]) -> None:
-        self.urls = urls
-        self.completed = 0
-        self.retried = 0
-        self.lost: list[str] = []
-        self._next = 0
-
-    async def one(self, http: aiohttp.ClientSession, n: int) -> None:
-        for attempt in range(20):
-            url = self.urls[(self._next + attempt) % len(self.urls)]
-            try:
-                resp = await http.post(
-                    f"{url}/v1/chat/completions", json=chat_body(f"req {n}", stream=True)
-                )
-            except (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError):
-                self.retried += 1
-                await anyio.sleep(0.05)
-                continue
-            try:
-                async with resp:
-                    body = await resp.read()
-            except aiohttp.ClientError as e:
-                self.lost.append(f"request {n} via {url}: {e!r}")
-                return
-            if resp.status != 200 or not body.rstrip().endswith(b"data: [DONE]"):
-                self.lost.append(f"request {n} via {url}: {resp.status} {body[-80:]!r}")
-            else:
-                self.completed += 1
-            return
-        self.lost.append(f"request {n}: no router took it in 20 attempts")
-
-    async def run(self, http: aiohttp.ClientSession, workers: int, stop: anyio.Event) -> None:
-        counter = iter(range(1_000_000))
-
-        async def worker() -> None:
-            while not stop.is_set():
-                self._next += 1
-                await self.one(http, next(counter))
-
-        async with anyio.create_task_group() as tg:
-            for _ in range(workers):
-                tg.start_soon(worker)
 
 
 @pytest.mark.slow

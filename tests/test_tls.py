@@ -374,14 +374,29 @@ async def test_bus_connect_with_an_unmapped_certificate_gives_up_with_bus_error(
 WRITES = {
     "node05": (
         ["nodes.node05", "leases.node05", "shards.node05.r1"],
-        ["nodes.node06", "leases.node06", "shards.node06.r1", "assign.node05.r1", "catalog.m1"],
+        [
+            "nodes.node06",
+            "leases.node06",
+            "shards.node06.r1",
+            "assign.node05.r1",
+            "catalog.m1",
+            "ops.node05",  # a node cannot uncordon itself
+            "rollout.m1",
+        ],
     ),
     "controller": (
-        ["assign.node05.r1", "health.node05", "replicas.m1.r1", "placement.m1", "leader"],
-        ["nodes.node05", "shards.node05.r1", "catalog.m1"],
+        [
+            "assign.node05.r1",
+            "health.node05",
+            "replicas.m1.r1",
+            "placement.m1",
+            "rollout.m1",
+            "leader",
+        ],
+        ["nodes.node05", "shards.node05.r1", "catalog.m1", "ops.node05"],
     ),
-    "router": ([], ["catalog.m1", "replicas.m1.r2"]),
-    "operator": (["catalog.m1", "desired.m1"], []),
+    "router": ([], ["catalog.m1", "replicas.m1.r2", "ops.node05", "rollout.m1"]),
+    "operator": (["catalog.m1", "desired.m1", "ops.node05"], []),
 }
 
 

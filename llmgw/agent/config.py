@@ -19,6 +19,7 @@ from typing import Literal
 
 import msgspec
 
+from llmgw import labels
 from llmgw.bus.records import ENGINE_PORTS, HEARTBEAT_S
 from llmgw.errors import LlmgwError
 
@@ -51,6 +52,9 @@ class Node(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaul
     gpus: bool = True  # false: report no GPUs without asking NVML
     llama_server: str | None = None
     vllm: str | None = None
+    # reported in the inventory for profiles' node_selector and tolerations (llmgw/labels.py)
+    labels: dict[str, str] = {}
+    taints: list[str] = []
 
 
 class Weights(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -131,6 +135,7 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
         ]
         if not self.node.gpus:
             out.append("node.gpus")
+        out += [f"node.{name}" for name in ("labels", "taints") if getattr(self.node, name)]
         if self.fabrics:
             out.append("fabrics")
         if self.weights.dirs:
@@ -222,6 +227,17 @@ def _check(cfg: AgentConfig, path: Path) -> None:
             check_token(cfg.node.id, "node.id")
         except InvalidId as e:
             raise ConfigError(f"{path}: key 'node.id': {e}") from None
+    problems = [
+        f"key 'node.labels.{k}': {p}"
+        for k, v in cfg.node.labels.items()
+        if (p := labels.key_problem(k) or labels.value_problem(v))
+    ] + [f"key 'node.taints': {p}" for t in cfg.node.taints if (p := labels.key_problem(t))]
+    if len(cfg.node.labels) > labels.MAX_LABELS or len(cfg.node.taints) > labels.MAX_TAINTS:
+        problems.append(
+            f"at most {labels.MAX_LABELS} node.labels and {labels.MAX_TAINTS} node.taints"
+        )
+    if problems:
+        raise ConfigError(f"{path}: {problems[0]}")
     for name, allowed in RANGES.items():
         value = _number(cfg, name)
         if value is not None and not allowed.holds(value):

@@ -123,6 +123,8 @@ def discover(
         fetch_dir=cfg.weights.fetch_dir,
         from_config=cfg.overrides(),
         updated_at=time.time(),
+        labels=dict(cfg.node.labels),
+        taints=list(cfg.node.taints),
     )
 
 

@@ -28,6 +28,8 @@ ASSIGN = "assign"
 SHARDS = "shards"
 PLACEMENT = "placement"
 LEADER = "leader"
+OPS = "ops"
+ROLLOUT = "rollout"
 
 _ARITY = {
     CATALOG: 1,
@@ -41,6 +43,8 @@ _ARITY = {
     SHARDS: 2,
     PLACEMENT: 1,
     LEADER: 0,
+    OPS: 1,
+    ROLLOUT: 1,
 }
 
 
@@ -116,6 +120,16 @@ def placement(model: str) -> str:
 
 def leader() -> str:
     return LEADER
+
+
+def ops(node_id: str) -> str:
+    """The operator's intent about a node (cordon, drain, GPUs out of service, taints)."""
+    return _key(OPS, node_id)
+
+
+def rollout(model: str) -> str:
+    """A model's rollout: the revision it runs, where a replacement stands, and what ran before."""
+    return _key(ROLLOUT, model)
 
 
 def pattern(prefix: str, *ids: str) -> str:

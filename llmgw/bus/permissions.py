@@ -89,10 +89,18 @@ def node_permissions(node: str, bucket: str = keys.DEFAULT_BUCKET) -> dict[str, 
 
 
 def controller_permissions(bucket: str = keys.DEFAULT_BUCKET) -> dict[str, object]:
-    """The controller writes health, fabrics, replicas, assignments, placements and the leader
-    lease, creates the bucket if missing, publishes events and asks agents; it reads all."""
+    """The controller writes health, fabrics, replicas, assignments, placements, rollouts and
+    the leader lease, creates the bucket if missing, publishes events and asks agents; it
+    reads all, the operator's ops.<node> included (which only the operator writes)."""
     keys.check_token(bucket, "bucket")
-    written = [keys.HEALTH, keys.FABRICS, keys.REPLICAS, keys.ASSIGN, keys.PLACEMENT]
+    written = [
+        keys.HEALTH,
+        keys.FABRICS,
+        keys.REPLICAS,
+        keys.ASSIGN,
+        keys.PLACEMENT,
+        keys.ROLLOUT,
+    ]
     return {
         "publish": {
             "allow": [
@@ -156,9 +164,9 @@ def permissions_for(user: User, bucket: str = keys.DEFAULT_BUCKET) -> dict[str, 
 
 
 _COMMENTS = {
-    "controller": "controller: writes health, fabrics, replicas, assign, placement, leader",
+    "controller": "controller: writes health, fabrics, replicas, assign, placement, rollout, leader",
     "router": "router: reads only",
-    "operator": "operator: everything",
+    "operator": "operator: everything (catalog, desired, ops are its own)",
 }
 
 

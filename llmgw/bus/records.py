@@ -11,7 +11,7 @@ the wrong type is refused, and readers log and skip it.
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import msgspec
 
@@ -220,6 +220,10 @@ class NodeInventory(msgspec.Struct, kw_only=True):
     # dotted names of the values that came from the config file, not discovery
     from_config: list[str] = []
     updated_at: float = 0.0
+    # from the agent config (`node.labels`, `node.taints`): labels a profile's node_selector
+    # may ask for (beside those discovered, llmgw.labels), taints a profile must tolerate
+    labels: dict[str, str] = {}
+    taints: list[str] = []
 
     def fabrics(self) -> set[str]:
         return {a.fabric for a in self.ib if a.fabric and a.active}
@@ -269,19 +273,26 @@ class Desired(msgspec.Struct, kw_only=True):
 
 # --- replicas.<model>.<rid>, assign.<node>.<rid>: written by the controller
 
-# in the order a replica goes through them
-ReplicaPhase = Literal["placed", "starting", "ready", "failed", "draining", "stopped"]
+# in the order a replica goes through them; "gave-up": a shard's agent stopped restarting
+# its engine (Shard.gave_up), so it is placed elsewhere
+ReplicaPhase = Literal["placed", "starting", "ready", "failed", "gave-up", "draining", "stopped"]
 REPLICA_PHASES: tuple[ReplicaPhase, ...] = get_args(ReplicaPhase)
 
 # What a replica's phase means, in one place: placement, the reconcile loop, the router,
 # `llmgw place` and `llmgw status` ask these sets, never a list of their own.
 # Going away: removed, its engines drain and stop; its successor is placed meanwhile.
 REPLICA_GOING: frozenset[ReplicaPhase] = frozenset({"draining", "stopped"})
+# Terminal: an agent gave up restarting its engine; nothing restarts it where it is, so
+# placement removes it and places its successor elsewhere.
+REPLICA_TERMINAL: frozenset[ReplicaPhase] = frozenset({"gave-up"})
 # Counts toward desired.replicas: every one not going away (a failed one is restarted where
-# it is by its agents, so it keeps its place).
-REPLICA_COUNTED: frozenset[ReplicaPhase] = frozenset(REPLICA_PHASES) - REPLICA_GOING
+# it is by its agents, so it keeps its place) nor terminal.
+REPLICA_COUNTED: frozenset[ReplicaPhase] = (
+    frozenset(REPLICA_PHASES) - REPLICA_GOING - REPLICA_TERMINAL
+)
 # Holds its GPUs and ports: an engine may run on them (a draining one until its in-flight
-# requests end); a stopped one's engines are gone.
+# requests end; one given up on until it is removed, since a new assignment generation
+# launches it again); a stopped one's engines are gone.
 REPLICA_HOLDS_GPUS_AND_PORTS: frozenset[ReplicaPhase] = frozenset(REPLICA_PHASES) - {"stopped"}
 # Host RAM placement reserves: its engine is not running, yet or again (a failed one is
 # restarted where it is), so MemAvailable still shows RAM that is promised. A running
@@ -309,6 +320,10 @@ class Replica(msgspec.Struct, kw_only=True):
     created_at: float = 0.0
     reason: str = ""  # why it was placed where it is
     epoch: int = 0  # the leadership that last wrote it (Leader.epoch)
+    # what its engines were launched with: llmgw.catalog.launch_hash of its profile when it
+    # was placed; another hash in the catalog now makes it a replica to replace (a rollout).
+    # "" (placed before llmgw recorded it): taken as the catalog's, and filled in
+    launch: str = ""
 
 
 AssignAction = Literal["run", "drain", "stop"]
@@ -365,10 +380,113 @@ class Shard(msgspec.Struct, kw_only=True):
     # "" for every other refusal, and when nothing was refused
     refused: str = ""
 
+    def telling_line(self) -> str:
+        """The engine's output line that says most, for one-line explanations: the first of
+        the tail that names an error (llama-server's last line is a generic "exiting due to
+        model loading error" after the one that says why), else the last; at most 300
+        characters."""
+        lines = [line.strip() for line in self.output_tail if line.strip()]
+        named = next((line for line in lines if "error" in line.lower()), None)
+        return (named or (lines[-1] if lines else ""))[:300]
+
 
 # Shard.refused: the assigned port is taken by a process that is not one of the agent's
 # engines (another service started after placement)
 PORT_IN_USE = "port-in-use"
+
+
+def phase_from_shards(
+    replica: Replica, shards: list[Shard | None]
+) -> tuple[ReplicaPhase, str | None]:
+    """A replica's phase and endpoint from its members' shards (`shards` in member order, None
+    for a member whose agent has not reported yet): the one summary the reconcile loop writes
+    and placement reads."""
+    present = [s for s in shards if s is not None]
+    if any(s.phase == "failed" and s.gave_up for s in present):
+        return "gave-up", None
+    if any(s.phase == "failed" for s in present):
+        return "failed", None
+    if present and len(present) == len(shards) and all(s.phase == "ready" for s in present):
+        rank0 = next((s for m, s in zip(replica.members, shards, strict=True) if m.rank == 0), None)
+        return "ready", rank0.endpoint if rank0 else None
+    if present:
+        return "starting", None
+    return "placed", None
+
+
+# --- ops.<node>: the operator's intent about a node, written by the operator (llmgw node)
+
+
+class NodeOps(msgspec.Struct, kw_only=True):
+    """What the operator wants of a node; the node's own records (nodes.<node>) are its
+    agent's, so this is a family of its own, with the operator its one writer."""
+
+    node: str
+    cordoned: bool = False  # nothing new is placed there
+    drain: bool = False  # cordoned, and its replicas move elsewhere (new ready, then old drains)
+    force: bool = False  # drain also what cannot be placed elsewhere
+    gpus_out: list[str] = []  # GPU UUIDs out of service: never given to a new replica
+    taints: list[str] = []  # beside the agent config's: only tolerating profiles land there
+    reason: str = ""  # the operator's words, shown by llmgw status
+    updated_at: float = 0.0
+
+    @property
+    def unschedulable(self) -> bool:
+        return self.cordoned or self.drain
+
+
+# --- rollout.<model>: a model's rollout, written by the controller
+
+RolloutPhase = Literal["complete", "progressing", "stopped"]
+
+
+class ProfileRevision(msgspec.Struct, kw_only=True, frozen=True):
+    """One profile as a revision names it: `launch` is llmgw.catalog.launch_hash, `content` the
+    profile as the catalog stores it (what `llmgw rollout undo` writes back)."""
+
+    name: str
+    launch: str
+    content: dict[str, Any] = {}
+
+
+class Revision(msgspec.Struct, kw_only=True):
+    """What a model runs: the profile desired.<model> names (None: the catalog's in order),
+    and each profile it may run with its launch hash and content."""
+
+    profile: str | None = None
+    served_name: str = ""
+    profiles: list[ProfileRevision] = []
+    since: float = 0.0  # when the controller first saw it
+    completed_at: float = 0.0  # when every replica ran it; 0: never (only those go to history)
+
+    def same(self, other: Revision) -> bool:
+        """The same revision: the same profile asked for, the same launches."""
+        return (self.profile, [(p.name, p.launch) for p in self.profiles]) == (
+            other.profile,
+            [(p.name, p.launch) for p in other.profiles],
+        )
+
+
+class Rollout(msgspec.Struct, kw_only=True):
+    model: str
+    phase: RolloutPhase
+    current: Revision
+    # revisions that ran everywhere before `current`, oldest first (at most 5)
+    history: list[Revision] = []
+    desired: int = 0
+    updated: int = 0  # replicas running the current revision
+    ready: int = 0  # of them, ready
+    old: int = 0  # replicas still on an earlier revision (or on a draining node)
+    surge: int = 1
+    max_unavailable: int = 0
+    # a stopped rollout: why, the replica and node that failed, its engine's last lines
+    reason: str = ""
+    failed_rid: str = ""
+    failed_node: str = ""
+    output_tail: list[str] = []
+    decided_at: float = 0.0
+    desired_at: float = 0.0  # as PlacementRecord.desired_at: the desired.<model> it answers
+    epoch: int = 0
 
 
 # --- fabrics.<fabric>: the per-fabric weights view, written by the controller
@@ -426,6 +544,22 @@ class RefusedNodes(msgspec.Struct, kw_only=True, frozen=True):
     gpu: GpuNamed | None = None  # gpus-held, gpus-unschedulable: one GPU it is about
 
 
+class Failure(msgspec.Struct, kw_only=True, frozen=True):
+    """A replica whose agent gave up on it (Shard.gave_up): the node is avoided for this
+    model's launch for the controller's cool-down, and enough of them on distinct nodes say
+    the profile, not the node, is the problem."""
+
+    node: str
+    rid: str
+    profile: str
+    launch: str  # llmgw.catalog.launch_hash: a changed profile is tried everywhere again
+    at: float  # when the controller saw it (its wall clock)
+    restarts: int = 0
+    reason: str = ""  # the shard's: "exited with code 1 while loading"
+    last_line: str = ""  # the engine's line that says most (Shard.telling_line)
+    moved_to: str = ""  # where its successor went; "" while it has none
+
+
 class PlacementRecord(msgspec.Struct, kw_only=True):
     model: str
     desired: int
@@ -443,6 +577,15 @@ class PlacementRecord(msgspec.Struct, kw_only=True):
     # the `updated_at` of the desired.<model> this decision answers: `llmgw place` waits
     # for it (the same clock on both sides: no comparison across hosts)
     desired_at: float = 0.0
+    # replacements (a rollout, a drain) that found no node: `refused` says why
+    waiting: int = 0
+    # replicas given up on within the cool-down, and the profiles that failed on so many
+    # nodes that they are not placed again until they change
+    failures: list[Failure] = []
+    broken: list[str] = []
+    # a rollout that is not complete ("progressing", "stopped") and, stopped, why
+    rollout: str = ""
+    rollout_detail: str = ""
 
 
 # --- leader: the acting controller's lease

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from llmgw import labels
 from llmgw.errors import LlmgwError
 
 from . import keys, records
@@ -124,6 +125,28 @@ def _node(p: _Problems, inv: records.NodeInventory) -> None:
     for i, d in enumerate(inv.weights.dirs):
         if d.store is not None:
             _store(p, f"weights.dirs[{i}].store", d.store, node)
+    _labels(p, "labels", inv.labels)
+    _taints(p, "taints", inv.taints)
+
+
+def _labels(p: _Problems, where: str, given: dict[str, str]) -> None:
+    if len(given) > labels.MAX_LABELS:
+        p.others.append(f"{where} has {len(given)} labels; at most {labels.MAX_LABELS}")
+        return
+    for key, value in given.items():
+        problem = labels.key_problem(key) or labels.value_problem(value)
+        if problem:
+            p.others.append(f"{where}.{key}: {problem}")
+
+
+def _taints(p: _Problems, where: str, given: list[str]) -> None:
+    if len(given) > labels.MAX_TAINTS:
+        p.others.append(f"{where} has {len(given)} taints; at most {labels.MAX_TAINTS}")
+        return
+    for i, name in enumerate(given):
+        problem = labels.key_problem(name)
+        if problem:
+            p.others.append(f"{where}[{i}]: {problem}")
 
 
 def _gpu(p: _Problems, where: str, g: records.Gpu) -> None:
@@ -212,6 +235,19 @@ def _placement(p: _Problems, rec: records.PlacementRecord) -> None:
     p.within("placed", rec.placed, 0, MAX_REPLICAS)
 
 
+def _ops(p: _Problems, o: records.NodeOps) -> None:
+    p.owner("node", o.node, p.ids[0])
+    _taints(p, "taints", o.taints)
+    if len(o.gpus_out) > 1024:
+        p.others.append(f"gpus_out lists {len(o.gpus_out)} GPUs; a node has far fewer")
+
+
+def _rollout(p: _Problems, r: records.Rollout) -> None:
+    p.owner("model", r.model, p.ids[0])
+    for name in ("desired", "updated", "ready", "old", "surge", "max_unavailable"):
+        p.within(name, getattr(r, name), 0, MAX_REPLICAS)
+
+
 def _leader(p: _Problems, lead: records.Leader) -> None:
     # the one key without an owner in its name: any controller may hold it
     if not lead.holder:
@@ -239,6 +275,8 @@ FAMILIES: dict[str, tuple[type[msgspec.Struct] | None, _Check]] = {
     keys.SHARDS: (records.Shard, _shard),
     keys.PLACEMENT: (records.PlacementRecord, _placement),
     keys.LEADER: (records.Leader, _leader),
+    keys.OPS: (records.NodeOps, _ops),
+    keys.ROLLOUT: (records.Rollout, _rollout),
 }
 
 

@@ -7,6 +7,8 @@ router.py      llmgw router (and the router options `up` shares)
 controller.py  llmgw controller
 place.py       llmgw place: desired.<model>, then what the controller decides
 status.py      llmgw status
+rollout.py     llmgw rollout status / undo: rollout.<model>
+node.py        llmgw node cordon / uncordon / drain / taint / untaint: ops.<node>
 catalog.py     llmgw catalog apply / ls
 agent.py       llmgw agent init / run
 pki.py         llmgw pki: the fleet's CA and certificates

@@ -10,6 +10,7 @@ import click
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 from llmgw.cli.common import nats_options, until_signalled
 from llmgw.controller.liveness import LOST_AFTER_S, UNREACHABLE_AFTER_S
+from llmgw.controller.placement.snapshot import FAILURE_COOLDOWN_S, FAILURE_NODES
 
 
 @click.command()
@@ -29,18 +30,42 @@ from llmgw.controller.liveness import LOST_AFTER_S, UNREACHABLE_AFTER_S
     show_default=True,
     help="seconds without a heartbeat before a node is lost and its replicas move",
 )
+@click.option(
+    "--failure-cooldown",
+    type=click.FloatRange(min=0),
+    default=FAILURE_COOLDOWN_S,
+    show_default=True,
+    help="seconds a node whose agent gave up on a replica is avoided for that launch",
+)
+@click.option(
+    "--failure-nodes",
+    type=click.IntRange(min=1),
+    default=FAILURE_NODES,
+    show_default=True,
+    help="distinct nodes giving up on one launch within the cool-down: the profile is broken",
+)
 def controller(
-    nats: NatsSettings, bucket: BucketSettings, controller_id, unreachable_after, lost_after
+    nats: NatsSettings,
+    bucket: BucketSettings,
+    controller_id,
+    unreachable_after,
+    lost_after,
+    failure_cooldown,
+    failure_nodes,
 ) -> None:
     """Run a controller (several may run; one leads)."""
     from llmgw.controller.loop import Controller, ControllerSettings
 
     logging.getLogger("llmgw").setLevel(logging.INFO)
-    settings = ControllerSettings(unreachable_after=unreachable_after, lost_after=lost_after)
+    given = dict(
+        unreachable_after=unreachable_after,
+        lost_after=lost_after,
+        failure_cooldown=failure_cooldown,
+        failure_nodes=failure_nodes,
+    )
     if controller_id:
-        settings = ControllerSettings(
-            controller_id=controller_id, unreachable_after=unreachable_after, lost_after=lost_after
-        )
+        given["controller_id"] = controller_id
+    settings = ControllerSettings(**given)
 
     async def run() -> None:
         # a service: it waits for NATS (and JetStream) like for any outage, saying so

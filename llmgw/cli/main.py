@@ -11,8 +11,10 @@ from llmgw.cli.agent import agent
 from llmgw.cli.catalog import catalog
 from llmgw.cli.common import StatedErrors
 from llmgw.cli.controller import controller
+from llmgw.cli.node import node
 from llmgw.cli.pki import pki
 from llmgw.cli.place import place
+from llmgw.cli.rollout import rollout
 from llmgw.cli.router import router
 from llmgw.cli.status import status
 from llmgw.cli.up import up
@@ -29,5 +31,5 @@ def main(log_level: str) -> None:
     setup_logging(log_level)
 
 
-for command in (up, status, controller, place, catalog, router, agent, pki):
+for command in (up, status, controller, place, rollout, node, catalog, router, agent, pki):
     main.add_command(command)

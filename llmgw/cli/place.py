@@ -121,18 +121,28 @@ async def follow_placement(
     poll: float = 0.2,
 ) -> int:
     """Print the controller's decision on the desired.<model> written at `since` (it echoes
-    that value back in `desired_at`); with `wait`, follow until all replicas are ready
-    (exit 0) or the controller explains why not (exit 1)."""
+    that value back in `desired_at`); with `wait`, follow until all replicas are ready and
+    a rollout, if one runs, is complete (exit 0), or the controller explains why not, a
+    stopped rollout included (exit 1)."""
     shown: dict[str, str] = {}
     last_explanation = None
+    last_rollout = None
     deadline = time.monotonic() + (timeout if wait else 5.0)
     decided = False
-    reader = _PollReader(bus)
+    reader = PollReader(bus)
     while time.monotonic() < deadline:
         p = await reader.get(keys.placement(model), records.PlacementRecord)
         reps = await reader.list(f"{keys.REPLICAS}.{model}.*", records.Replica)
+        ro = await reader.get(keys.rollout(model), records.Rollout)
         if p is not None and p.desired_at == since:
             decided = True
+        if decided and ro is not None and ro.phase != "complete":
+            said = rollout_line(ro)
+            if said != last_rollout:
+                last_rollout = said
+                echo(said)
+            if ro.phase == "stopped" and wait:
+                return 1
         if decided:
             for r in sorted(reps, key=lambda r: r.rid):
                 line = f"  {r.rid} {r.phase} on {_members(r)}" + (
@@ -152,7 +162,12 @@ async def follow_placement(
                 if not reps:  # drained, then removed
                     echo("  all replicas removed")
                     return 0
-            elif p and p.desired == len(live) and all(r.phase == "ready" for r in live):
+            elif (
+                p
+                and p.desired == len(live)
+                and all(r.phase == "ready" for r in live)
+                and (ro is None or ro.phase == "complete")
+            ):
                 echo(f"  {len(live)}/{p.desired} ready")
                 return 0
             if p and p.explanation and p.placed < p.desired:
@@ -163,10 +178,21 @@ async def follow_placement(
     return 0 if not wait else 2
 
 
+def rollout_line(ro: records.Rollout) -> str:
+    """ "  rollout progressing: 1/3 updated (1 ready), 2 old" """
+    if ro.phase == "stopped":
+        tail = "".join(f"\n      | {line}" for line in ro.output_tail[-5:])
+        return f"  rollout stopped: {ro.reason}{tail}"
+    return (
+        f"  rollout {ro.phase}: {ro.updated}/{ro.desired} updated ({ro.ready} ready), "
+        f"{ro.old} old (surge {ro.surge}, max_unavailable {ro.max_unavailable})"
+    )
+
+
 T = TypeVar("T")
 
 
-class _PollReader:
+class PollReader:
     """Reads for a loop that polls the same keys: a value that does not decode is logged
     once per revision, not at every poll (the bus logs at every read)."""
 

@@ -19,7 +19,9 @@ import msgspec
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings, decoder
 from llmgw.cli.common import json_option, nats_options, open_bus
+from llmgw.cli.place import rollout_line
 from llmgw.controller.fabrics import fabric_view, render_fabrics
+from llmgw.labels import node_labels
 
 GIB = 1 << 30
 _SKIPPED_LISTED = 50
@@ -35,6 +37,8 @@ async def gather(bus: Bus) -> dict[str, Any]:
     shards = await bus.list(keys.pattern(keys.SHARDS), decoder(records.Shard))
     placements = await bus.list(keys.pattern(keys.PLACEMENT), decoder(records.PlacementRecord))
     desired = await bus.list(keys.pattern(keys.DESIRED), decoder(records.Desired))
+    ops = await bus.list(keys.pattern(keys.OPS), decoder(records.NodeOps))
+    rollouts = await bus.list(keys.pattern(keys.ROLLOUT), decoder(records.Rollout))
     inventories = [e.value for e in nodes.values()]
     by_node = {
         inv.node: {
@@ -45,6 +49,10 @@ async def gather(bus: Bus) -> dict[str, Any]:
             "health": msgspec.to_builtins(health[keys.health(inv.node)].value)
             if keys.health(inv.node) in health
             else None,
+            "ops": msgspec.to_builtins(ops[keys.ops(inv.node)].value)
+            if keys.ops(inv.node) in ops
+            else None,
+            "labels": {k: sorted(v) for k, v in sorted(node_labels(inv).items())},
         }
         for inv in inventories
     }
@@ -56,6 +64,13 @@ async def gather(bus: Bus) -> dict[str, Any]:
         "replicas": [msgspec.to_builtins(e.value) for e in replicas.values()],
         "shards": [msgspec.to_builtins(e.value) for e in shards.values()],
         "placement": {e.value.model: msgspec.to_builtins(e.value) for e in placements.values()},
+        "rollouts": {e.value.model: msgspec.to_builtins(e.value) for e in rollouts.values()},
+        # the operator's intent about nodes that report no inventory (yet, or any more)
+        "ops": {
+            e.value.node: msgspec.to_builtins(e.value)
+            for e in ops.values()
+            if e.value.node not in by_node
+        },
         # values every list above left out, not decoding or not believed (said in the log)
         "skipped": {
             "values": bus.skipped.count,
@@ -116,6 +131,43 @@ def _replica_counts(replicas: list[dict[str, Any]], want: int) -> str:
     )
 
 
+TAIL_SHOWN = 3  # engine output lines shown per failed shard; --json has them all
+
+
+def _failed_shards(shards: list[dict[str, Any]]) -> list[str]:
+    """A failed shard's reason and its engine's last lines: what a person needs first."""
+    out = []
+    for s in sorted(shards, key=lambda s: s["node"]):
+        if s["phase"] != "failed":
+            continue
+        given_up = ", given up" if s.get("gave_up") else ""
+        out.append(
+            f"      {s['node']}: {s.get('reason') or 'no reason reported'} "
+            f"(restarts {s.get('restarts', 0)}{given_up})"
+        )
+        tail = [line for line in s.get("output_tail") or [] if line.strip()]
+        out.extend(f"        | {line}" for line in tail[-TAIL_SHOWN:])
+    return out
+
+
+def _labels(labels: dict[str, list[str]]) -> str:
+    return ", ".join(f"{k}={'|'.join(v)}" for k, v in labels.items()) or "none"
+
+
+def _ops(o: dict[str, Any], inv: dict[str, Any] | None) -> str:
+    parts = []
+    if o.get("drain"):
+        parts.append("draining" + (" (--force)" if o.get("force") else ""))
+    elif o.get("cordoned"):
+        parts.append("cordoned")
+    if o.get("gpus_out"):
+        index = {g["uuid"]: g["index"] for g in (inv or {}).get("gpus", {}).get("devices", [])}
+        gpus = ", ".join(f"{u} (index {index[u]})" if u in index else u for u in o["gpus_out"])
+        parts.append(f"GPUs out of service: {gpus}")
+    text = "; ".join(parts) or "in service"
+    return text + (f" ({o['reason']})" if o.get("reason") else "")
+
+
 def render(view: dict[str, Any], now: float) -> str:
     lines = [f"bucket {view['bucket']}: {len(view['nodes'])} node(s)"]
     for node_id, n in sorted(view["nodes"].items()):
@@ -143,6 +195,15 @@ def render(view: dict[str, Any], now: float) -> str:
             lines.append(f"  health  recorded {_age(now - health['since'])}: {health['reason']}")
         if inv["from_config"]:
             lines.append(f"  config  {', '.join(inv['from_config'])}")
+        lines.append(f"  labels  {_labels(n.get('labels') or {})}")
+        taints = [f"{t} (agent)" for t in inv.get("taints", [])]
+        if n.get("ops"):
+            lines.append(f"  ops     {_ops(n['ops'], inv)}")
+            taints += [f"{t} (operator)" for t in n["ops"]["taints"]]
+        if taints:
+            lines.append(f"  taints  {', '.join(taints)}")
+    for node_id, o in sorted((view.get("ops") or {}).items()):
+        lines.append(f"\n{node_id}  (no inventory)\n  ops     {_ops(o, None)}")
     fabrics = render_fabrics(
         {k: msgspec.convert(v, records.FabricHoldings) for k, v in view["fabrics"].items()}
     )
@@ -160,15 +221,28 @@ def render(view: dict[str, Any], now: float) -> str:
         want = view["desired"].get(model, {}).get("replicas", p["desired"] if p else 0)
         mine = [r for r in view["replicas"] if r["model"] == model]
         lines.append(f"  {model}: {_replica_counts(mine, want)}")
+        ro = (view.get("rollouts") or {}).get(model)
+        if ro and ro["phase"] != "complete":
+            ro_struct = msgspec.convert(ro, records.Rollout)
+            lines.append("  " + rollout_line(ro_struct).strip().replace("\n", "\n  "))
         for r in sorted(mine, key=lambda r: r["rid"]):
             where = ", ".join(m["node"] for m in r["members"])
-            shard_phases = [s["phase"] for s in view["shards"] if s["rid"] == r["rid"]]
+            shards = [s for s in view["shards"] if s["rid"] == r["rid"]]
+            shard_phases = [s["phase"] for s in shards]
             ep = f"  {r['endpoint']}" if r.get("endpoint") else ""
             lines.append(
                 f"    {r['rid']}  {r['phase']}  on {where}  shards {'/'.join(shard_phases) or '-'}{ep}"
             )
+            if r["phase"] in records.REPLICA_GOING and r.get("reason"):
+                lines.append(f"      why: {r['reason']}")
+            lines.extend(_failed_shards(shards))
         if p and p.get("explanation"):
-            label = "frozen" if p.get("blocked") in _FROZEN else "unplaced"
+            if p.get("blocked") in _FROZEN:
+                label = "frozen"
+            elif p["placed"] < p["desired"]:
+                label = "unplaced"
+            else:
+                label = "note"
             lines.append(f"    {label}: {p['explanation']}")
     skipped = view.get("skipped") or {}
     if skipped.get("values"):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from llmgw.bus.records import NodePhase
+import msgspec
+
+from llmgw.bus.records import REPLICA_GOING, NodePhase, Replica, phase_from_shards
 from llmgw.controller import placement
 from llmgw.controller.fabrics import fabric_view
 from llmgw.controller.liveness import LivenessTracker, node_phases
@@ -24,22 +26,40 @@ def placement_snapshot(
     *,
     port_range: tuple[int, int],
     now: float,
+    failures: placement.FailurePolicy | None = None,
 ) -> placement.Snapshot:
     """The plan's input. A frozen model is left out of what is asked for, so nothing is
     placed for it; its replicas stay in (they hold GPUs and ports). `now` is wall time:
-    what the plan stamps on what it decides."""
+    what the plan stamps on what it decides. Replicas carry the phase their shards say now
+    (the stored one is the previous pass's summary), so that a replica that failed reads
+    failed in this decision's lines, not ready."""
     return placement.Snapshot(
         catalog={m: entry for m, entry in view.catalog.items() if m not in frozen},
         desired={m: d for m, d in view.desired.items() if m not in frozen},
         inventories=view.nodes,
         health=phases,
-        replicas=list(view.replicas.values()),
+        replicas=[current_phase(r, view) for r in view.replicas.values()],
         fabrics=fabric_view(view.nodes.values()),
         leases=view.leases,
         port_range=port_range,
-        shards=view.shards,
         now=now,
+        shards=view.shards,
+        ops=view.ops,
+        rollouts=view.rollouts,
+        placements=view.placements,
+        failures=failures or placement.FailurePolicy(),
     )
+
+
+def current_phase(replica: Replica, view: View) -> Replica:
+    """The replica with the phase its shards give it now (one going away stays so)."""
+    if replica.phase in REPLICA_GOING:
+        return replica
+    shards = [view.shards.get((m.node, replica.rid)) for m in replica.members]
+    phase, endpoint = phase_from_shards(replica, shards)
+    if (phase, endpoint) == (replica.phase, replica.endpoint):
+        return replica
+    return msgspec.structs.replace(replica, phase=phase, endpoint=endpoint)
 
 
 def hold_recorded_phases(view: View, tracker: LivenessTracker) -> None:

@@ -76,6 +76,10 @@ class ControllerSettings:
     # a pass that planned for longer than this judges its chosen nodes again before it
     # places on them
     recheck_after: float = 2.0
+    # a node whose agent gave up on a replica is avoided for that launch this long; a
+    # launch given up on by this many distinct nodes meanwhile is not placed again
+    failure_cooldown: float = placement.FAILURE_COOLDOWN_S
+    failure_nodes: int = placement.FAILURE_NODES
 
 
 class Controller:
@@ -164,7 +168,7 @@ class Controller:
                 self.tracker.forget(node)
         elif family == keys.LEADER:
             self.leadership.saw(self.view.leader_rev, self.view.leader, now)
-        elif family not in (None, keys.HEALTH, keys.PLACEMENT, keys.FABRICS):
+        elif family not in (None, keys.HEALTH, keys.PLACEMENT, keys.FABRICS, keys.ROLLOUT):
             self._pass_due = True
 
     def phases(self, now: float) -> dict[str, NodePhase]:
@@ -419,6 +423,9 @@ class Controller:
             frozen,
             port_range=self.settings.port_range,
             now=now.wall,
+            failures=placement.FailurePolicy(
+                self.settings.failure_cooldown, self.settings.failure_nodes
+            ),
         )
 
     async def reconcile(self, now: Instant) -> None:
@@ -449,6 +456,11 @@ class Controller:
                 nodes=[m.node for m in replica.members],
                 reason=replica.reason,
             )
+        # the phases first: the plan read them from the shards, so a replacement it counted
+        # ready is written ready before the replica it replaces is written draining (the
+        # stored ready count never dips in between)
+        self._require_leading()
+        await self._sync_replica_phases(snap.health)
         for removal in removals:
             replica = self.view.replicas.get(removal.rid)
             if replica is not None and replica.phase not in records.REPLICA_GOING:
@@ -464,10 +476,11 @@ class Controller:
                     f"{replica.model} {replica.rid}: {removal.reason}",
                     rid=replica.rid,
                 )
-        phases = snap.health
         self._require_leading()
-        await self._sync_replica_phases(phases)
         await self._sync_assignments()
+        # before the placement records: `llmgw place --wait` reads both once it sees its
+        # decision in placement.<model>
+        await self._write_rollouts(plan, frozen)
         await self._write_placements(plan, frozen, now)
         new_waiting = [  # a baseline for models now waiting
             model
@@ -539,14 +552,15 @@ class Controller:
                 ):
                     await self._forget_replica(replica, "drained")
                 continue
-            phase, endpoint = _phase_from_shards(replica, shards)
-            if (phase, endpoint) != (replica.phase, replica.endpoint):
+            phase, endpoint = records.phase_from_shards(replica, shards)
+            launch = replica.launch or self._launch_of(replica)
+            if (phase, endpoint, launch) != (replica.phase, replica.endpoint, replica.launch):
                 updated = msgspec.structs.replace(
-                    replica, phase=phase, endpoint=endpoint, epoch=self.epoch
+                    replica, phase=phase, endpoint=endpoint, launch=launch, epoch=self.epoch
                 )
                 await self._put(keys.replica(replica.model, rid), updated)
                 self.view.replicas[rid] = updated
-                if phase in ("ready", "failed"):
+                if phase != replica.phase and phase in ("ready", "failed", "gave-up"):
                     log.info(
                         "%s %s is %s%s",
                         replica.model,
@@ -561,6 +575,50 @@ class Controller:
                         rid=rid,
                         endpoint=endpoint,
                     )
+
+    def _launch_of(self, replica: records.Replica) -> str:
+        """A replica placed before launches were recorded is taken as running the catalog's."""
+        model = self.view.catalog.get(replica.model)
+        profile = model.profile(replica.profile) if model else None
+        return catalog.launch_hash(model, profile) if model and profile else ""
+
+    async def _write_rollouts(self, plan: placement.Plan, frozen: Mapping[str, Freeze]) -> None:
+        for model, ro in plan.rollouts.items():
+            if model in self.view.desired:
+                ro = msgspec.structs.replace(ro, desired_at=self.view.desired[model].updated_at)
+            old = self.view.rollouts.get(model)
+            if old is not None and placement.same_rollout(old, ro):
+                continue
+            ro = msgspec.structs.replace(ro, epoch=self.epoch)
+            try:
+                await self._put(keys.rollout(model), ro)
+            except ValueTooLarge:
+                log.exception("bug: the rollout record of %s is too large to write", model)
+                continue
+            self.view.rollouts[model] = ro
+            if old is None or old.phase != ro.phase or not old.current.same(ro.current):
+                text = {
+                    "progressing": f"rolling out: {ro.old} replica(s) to replace",
+                    "stopped": f"stopped: {ro.reason}",
+                    "complete": "complete: every replica runs the current revision",
+                }[ro.phase]
+                log.log(
+                    logging.WARNING if ro.phase == "stopped" else logging.INFO,
+                    "%s rollout %s",
+                    model,
+                    text,
+                )
+                await self.bus.publish_event(
+                    f"rollout-{ro.phase}", model, f"{model} rollout {text}", old=ro.old
+                )
+        placed = {r.model for r in self.view.replicas.values()}
+        for model in [
+            m
+            for m in self.view.rollouts
+            if m not in self.view.catalog and m not in frozen and m not in placed
+        ]:
+            await self._delete(keys.rollout(model))  # the model is gone, and so its history
+            self.view.rollouts.pop(model, None)
 
     async def _forget_replica(self, replica: records.Replica, why: str) -> None:
         for m in replica.members:
@@ -718,20 +776,6 @@ def _member_done(node: str, shard: records.Shard | None, phases: dict[str, str])
     if phases.get(node, "lost") == "lost":
         return True  # nothing left to wait for there
     return shard is not None and shard.phase in records.SHARD_ENGINE_GONE
-
-
-def _phase_from_shards(
-    replica: records.Replica, shards: list[records.Shard | None]
-) -> tuple[str, str | None]:
-    present = [s for s in shards if s is not None]
-    if any(s.phase == "failed" for s in present):
-        return "failed", None
-    if present and len(present) == len(shards) and all(s.phase == "ready" for s in present):
-        rank0 = next((s for m, s in zip(replica.members, shards, strict=True) if m.rank == 0), None)
-        return "ready", rank0.endpoint if rank0 else None
-    if present:
-        return "starting", None
-    return "placed", None
 
 
 def _shared_fabric(replica: records.Replica, nodes: dict[str, records.NodeInventory]) -> str | None:

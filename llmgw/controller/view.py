@@ -30,6 +30,8 @@ class View:
     assigns: dict[tuple[str, str], records.Assignment] = field(default_factory=dict)  # (node, rid)
     shards: dict[tuple[str, str], records.Shard] = field(default_factory=dict)
     placements: dict[str, records.PlacementRecord] = field(default_factory=dict)
+    ops: dict[str, records.NodeOps] = field(default_factory=dict)  # node -> operator's intent
+    rollouts: dict[str, records.Rollout] = field(default_factory=dict)
     leader: records.Leader | None = None
     leader_rev: int = 0
     skipped: trust.SkippedValues = field(default_factory=trust.SkippedValues)
@@ -85,6 +87,8 @@ class View:
             keys.ASSIGN: (self.assigns, ids),
             keys.SHARDS: (self.shards, ids),
             keys.PLACEMENT: (self.placements, ids[0]),
+            keys.OPS: (self.ops, ids[0]),
+            keys.ROLLOUT: (self.rollouts, ids[0]),
         }[prefix]
 
     def invalid_catalog(self) -> dict[str, str]:

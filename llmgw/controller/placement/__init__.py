@@ -14,8 +14,9 @@ Shaped like the Kubernetes scheduler, one idea per module:
 - `weights`, `scores`: the scores in `Rank` order the nodes that can;
 - `pickers`: the best node, or nodes in one fabric, for the next replica of a profile;
 - `ports`: a replica whose port another program took after placement gets another one;
-- `steps`: each model's plan, a list of steps: replace replicas on lost nodes, remove
-  surplus, fill, switch profile, explain;
+- `steps`: each model's plan, a list of steps: replace replicas on lost nodes, move those
+  an agent gave up on (`failures`), replace outdated ones a batch at a time (`rollout`) or
+  remove surplus, fill, drain by force, explain;
 - `record`, `explain`: the PlacementRecord, its refusals as data and its text rendered
   from them: "0/6 nodes fit: 3 lost, 2 no vllm, 1 short of free GPUs (2 free, needs 4)";
 - `qualifying`: which nodes fit a waiting model now.
@@ -24,7 +25,9 @@ Rules kept here (docs/placement.md says why for each):
 - weights nearby is a preference, never a filter; a node that never looked for weights
   ranks exactly like one that looked and found nothing;
 - a placed replica on a ready or unreachable node is never moved to chase a better
-  score; replicas on lost nodes are replaced; surplus replicas go newest first;
+  score; replicas on lost nodes are replaced; surplus replicas go newest first; replicas
+  the catalog no longer asks for as they run, or on a draining node, are replaced one
+  batch at a time, a new one ready before an old one drains;
 - resources held by replicas in the snapshot and by those placed earlier in the same
   plan are accounted for (GPUs by UUID, host RAM, ports), and so is what the agents see:
   memory other programs hold on a GPU, GPUs NVML reports faulty, ports other programs
@@ -37,8 +40,15 @@ from llmgw.controller.placement.nodes import Need, NodeState, Unschedulable, mar
 from llmgw.controller.placement.ports import PortMove, move_taken_ports
 from llmgw.controller.placement.qualifying import qualifying_nodes, qualifying_nodes_by_model
 from llmgw.controller.placement.record import frozen_record
+from llmgw.controller.placement.rollout import same_rollout
 from llmgw.controller.placement.scores import Rank, rank
-from llmgw.controller.placement.snapshot import DEFAULT_PORTS, Snapshot
+from llmgw.controller.placement.snapshot import (
+    DEFAULT_PORTS,
+    FAILURE_COOLDOWN_S,
+    FAILURE_NODES,
+    FailurePolicy,
+    Snapshot,
+)
 from llmgw.controller.placement.steps import (
     Plan,
     Removal,
@@ -48,12 +58,14 @@ from llmgw.controller.placement.steps import (
     plan_model,
     remove_surplus,
     replace_lost,
-    switch_profile,
 )
 
 __all__ = [
     "DEFAULT_PORTS",
+    "FAILURE_COOLDOWN_S",
+    "FAILURE_NODES",
     "FILTERS",
+    "FailurePolicy",
     "GB",
     "Blocked",
     "Filter",
@@ -81,5 +93,5 @@ __all__ = [
     "remove_surplus",
     "replace_lost",
     "same_decision",
-    "switch_profile",
+    "same_rollout",
 ]

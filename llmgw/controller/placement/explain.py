@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from llmgw.bus.records import GpuNamed, PlacementRecord, RefusedNodes
+from llmgw.bus.records import Failure, GpuNamed, PlacementRecord, RefusedNodes
 
 GB = 1_000_000_000  # catalog sizes are 10^9 bytes, like the "80GB" on the card
 
@@ -29,6 +29,11 @@ Reason = Literal[
     "unreachable",  # node phase: its lease stopped moving
     "lost",
     "no-lease",  # an inventory, but no lease judged yet
+    "cordoned",  # the operator's `llmgw node cordon`
+    "draining",  # the operator's `llmgw node drain`
+    "selector",  # detail: the label the profile's node_selector asks for ("pool=research")
+    "excluded",  # detail: the label it excludes ("node=node07" from "node = '!node07'")
+    "taint",  # detail: the taint the profile does not tolerate
     "no-engine",  # detail: the engine
     "no-fabric",  # a multi-node profile on a node on no active IB fabric
     "no-gpus",  # a GPU profile on a node without NVIDIA GPUs
@@ -41,6 +46,7 @@ Reason = Literal[
     "ram",  # needs/has: bytes of host RAM free
     "ports",  # detail: the port range, all in use
     "fabric-size",  # needs/has: fitting nodes in the fabric; detail: the fabric
+    "failed-here",  # an agent gave up on this launch here within the cool-down
 ]
 
 _REASON_ORDER = {r: i for i, r in enumerate(get_args(Reason))}
@@ -120,6 +126,11 @@ def _decision(r: PlacementRecord) -> tuple:
         tuple(
             (g.profile, g.reason, g.nodes, g.needs, g.detail, _gpu_named(g.gpu)) for g in r.refused
         ),
+        r.waiting,
+        tuple((f.node, f.rid, f.launch, f.moved_to) for f in r.failures),
+        tuple(r.broken),
+        r.rollout,
+        r.rollout_detail,
     )
 
 
@@ -127,11 +138,63 @@ def _decision(r: PlacementRecord) -> tuple:
 
 
 def render(record: PlacementRecord) -> str:
-    """The text a person reads: "" when nothing is missing and nothing blocks the model."""
+    """The text a person reads: "" when nothing is missing, waiting or failing, and nothing
+    blocks the model."""
     if record.blocked:
         return _render_blocked(record)
-    if record.placed >= record.desired:
-        return ""
+    parts = []
+    if record.placed < record.desired:
+        parts.append(_render_refused(record))
+    elif record.waiting and record.refused:
+        n = record.waiting
+        parts.append(
+            f"{n} replacement{'s' if n != 1 else ''} (rollout or drain) "
+            f"wait{'s' if n == 1 else ''} for a node: {_render_refused(record)}"
+        )
+    if record.rollout == "stopped":
+        parts.append(f"rollout stopped: {record.rollout_detail}")
+    parts.extend(_render_failures(record))
+    return "; ".join(p for p in parts if p)
+
+
+MAX_FAILURES_SAID = 3  # the latest; `failures` holds them all
+
+
+def _render_failures(r: PlacementRecord) -> list[str]:
+    out = []
+    for profile in r.broken:
+        mine = [f for f in r.failures if f.profile == profile]
+        last = mine[-1] if mine else None
+        nodes = ", ".join(dict.fromkeys(f.node for f in mine))
+        out.append(
+            f"profile {profile} failed on {nodes}"
+            + (f" ({failure_text(last)})" if last else "")
+            + ": the profile, not the nodes, is the problem; nothing more is placed with it "
+            f"until it changes (`llmgw catalog apply`, or `llmgw rollout undo {r.model}`)"
+        )
+    moved = [f for f in r.failures if f.profile not in r.broken]
+    for f in moved[-MAX_FAILURES_SAID:]:
+        where = f"moved to {f.moved_to}" if f.moved_to else "not placed elsewhere yet"
+        out.append(f"failed {f.restarts + 1} times on {f.node} ({failure_text(f)}); {where}")
+    return out
+
+
+def failure_text(f: Failure) -> str:
+    """ "exited with code 1 while loading: CUDA error: an illegal memory access" """
+    return ": ".join(t for t in (f.reason, f.last_line) if t) or "no reason reported"
+
+
+def render_refusals(judged: int, refusals: Iterable[tuple[str, Mapping[str, Refusal]]]) -> str:
+    """The text of refusals not yet in a record: "0/3 nodes fit: 2 cordoned, 1 lost"."""
+    groups = [g for profile, by_node in refusals for g in group(profile, by_node)]
+    return _render_refused(
+        PlacementRecord(model="", desired=0, placed=0, judged=judged, refused=groups)
+    )
+
+
+def _render_refused(record: PlacementRecord) -> str:
+    if not record.refused and record.broken:
+        return ""  # nothing was tried: the broken profiles say why
     profiles = list(dict.fromkeys(g.profile for g in record.refused))
     if len(profiles) <= 1:
         return _render_profile(record.judged, record.refused)
@@ -183,6 +246,11 @@ _GROUP_TEXT: dict[str, Callable[[RefusedNodes], str]] = {
     "lost": lambda g: "lost",
     "unreachable": lambda g: "unreachable",
     "no-lease": lambda g: "with no lease seen",
+    "cordoned": lambda g: "cordoned",
+    "draining": lambda g: "draining",
+    "selector": lambda g: f"lack {g.detail}",
+    "excluded": lambda g: f"excluded ({g.detail})",
+    "taint": lambda g: f"tainted {g.detail}",
     "no-engine": lambda g: f"no {g.detail}",
     "no-fabric": lambda g: "not on an active IB fabric",
     "no-gpus": lambda g: "without GPUs",
@@ -203,6 +271,7 @@ _GROUP_TEXT: dict[str, Callable[[RefusedNodes], str]] = {
         f"on {g.detail}, which has {_range(g, str)} fitting node{'s' if g.most != 1 else ''} "
         f"(needs {g.needs})"
     ),
+    "failed-here": lambda g: "where this launch failed lately",
 }
 
 

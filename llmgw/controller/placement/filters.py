@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from llmgw import labels
 from llmgw.bus.records import GpuNamed
 from llmgw.controller.placement.explain import Refusal
 from llmgw.controller.placement.nodes import Need, NodeState, held_by_others
@@ -17,6 +18,30 @@ def node_ready(node: NodeState, need: Need) -> Refusal | None:
     if node.phase == "ready":
         return None
     return Refusal("no-lease" if node.phase is None else node.phase)
+
+
+def schedulable(node: NodeState, need: Need) -> Refusal | None:
+    # the operator's `llmgw node cordon` or `drain`: nothing new lands there
+    if node.cordon:
+        return Refusal(node.cordon)
+    return None
+
+
+def matches_selector(node: NodeState, need: Need) -> Refusal | None:
+    if not need.profile.node_selector:
+        return None
+    missed = labels.unmatched(need.profile.node_selector, node.labels)
+    if missed is None:
+        return None
+    key, value, negated = missed
+    return Refusal("excluded" if negated else "selector", detail=f"{key}={value}")
+
+
+def tolerates_taints(node: NodeState, need: Need) -> Refusal | None:
+    if not node.taints:
+        return None
+    taint = labels.untolerated(node.taints, need.profile.tolerations)
+    return None if taint is None else Refusal("taint", detail=taint)
 
 
 def engine_installed(node: NodeState, need: Need) -> Refusal | None:
@@ -92,14 +117,28 @@ def free_port(node: NodeState, need: Need) -> Refusal | None:
     return None
 
 
+def not_failed_here(node: NodeState, need: Need) -> Refusal | None:
+    # an agent gave up on this launch here lately (placement.<model>.failures); last, so that
+    # its count is of nodes that would otherwise fit
+    if node.id in need.avoid:
+        return Refusal("failed-here")
+    return None
+
+
 Filter = Callable[[NodeState, Need], Refusal | None]
 # The first refusal is the one the explanation reports, so the order goes from what says
 # most about the node to what placements use up: a lost node is reported lost, not short of
 # RAM; what the node is (engine, fabric, GPU model) comes before what waiting may free up
 # (free GPUs, RAM, ports), so a person sees first what no amount of waiting will fix.
 # Among GPUs: free of llmgw's replicas, then healthy, then not held by other programs.
+# The operator's intent and the profile's rules about where it may run come right after the
+# node's phase: they stay true until someone changes them. A launch that failed on the node
+# comes last, so that its count is of nodes that would otherwise fit.
 FILTERS: tuple[Filter, ...] = (
     node_ready,
+    schedulable,
+    matches_selector,
+    tolerates_taints,
     engine_installed,
     on_active_fabric,
     enough_gpus,
@@ -107,6 +146,7 @@ FILTERS: tuple[Filter, ...] = (
     gpus_not_held,
     enough_ram,
     free_port,
+    not_failed_here,
 )
 
 

@@ -14,7 +14,7 @@ and a port another program listens on is used (`ports_as_reported`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from llmgw.bus.records import (
@@ -30,6 +30,7 @@ from llmgw.bus.records import (
 from llmgw.catalog import Profile
 from llmgw.controller.placement.explain import GB
 from llmgw.controller.placement.snapshot import Snapshot
+from llmgw.labels import node_labels
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,19 @@ class NodeState:
     unschedulable: dict[str, Unschedulable] = field(default_factory=dict)
     # GPU UUID -> bytes of its memory processes that are not llmgw's engines hold
     held: dict[str, int] = field(default_factory=dict)
+    # the operator's intent and the node's taints (`with_operations`)
+    cordon: str = ""  # "cordoned" or "draining": nothing new goes here
+    taints: frozenset[str] = frozenset()  # the agent config's and the operator's
+    gpus_out: frozenset[str] = frozenset()  # out of service: never given to a new replica
+    _labels: Mapping[str, frozenset[str]] | None = None
+
+    @property
+    def labels(self) -> Mapping[str, frozenset[str]]:
+        """Discovered and configured labels, computed when a selector first asks: most
+        profiles have none, and at 10,000 nodes computing them all doubled a quiet pass."""
+        if self._labels is None:
+            self._labels = node_labels(self.inventory)
+        return self._labels
 
     def free_gpus(self, min_bytes: int = 0) -> list[Gpu]:
         """Not used by any replica, and as large as `min_bytes`."""
@@ -181,9 +195,19 @@ class Need:
     ram_bytes: int
     ports: tuple[int, int]
     weights_key: str  # as agents report held weights
+    launch: str = ""  # llmgw.catalog.launch_hash of the profile
+    avoid: frozenset[str] = frozenset()  # nodes where this launch was given up on lately
 
     @classmethod
-    def of(cls, model: str, profile: Profile, ports: tuple[int, int]) -> Need:
+    def of(
+        cls,
+        model: str,
+        profile: Profile,
+        ports: tuple[int, int],
+        *,
+        launch: str = "",
+        avoid: frozenset[str] = frozenset(),
+    ) -> Need:
         return cls(
             model,
             profile,
@@ -191,6 +215,8 @@ class Need:
             int(profile.host_ram_gb * GB),
             ports,
             profile.weights.held_key(),
+            launch,
+            avoid,
         )
 
 
@@ -238,6 +264,21 @@ def fleet_nodes(snapshot: Snapshot) -> dict[str, NodeState]:
         node.free = [g for g in node.gpus if g.uuid not in node.used_gpus]
         gpus_as_reported(node)
         ports_as_reported(node, refused.get(node.id, ()))
+    return with_operations(nodes, snapshot)
+
+
+def with_operations(nodes: dict[str, NodeState], snapshot: Snapshot) -> dict[str, NodeState]:
+    """Each node's taints, and the operator's intent (ops.<node>): cordoned or
+    draining, its taints beside the agent's, and GPUs out of service, which leave the free
+    list as if used (a replica already on one keeps it)."""
+    for node in nodes.values():
+        ops = snapshot.ops.get(node.id)
+        node.taints = frozenset(node.inventory.taints) | frozenset(ops.taints if ops else ())
+        if ops is None:
+            continue
+        node.cordon = "draining" if ops.drain else "cordoned" if ops.cordoned else ""
+        node.gpus_out = frozenset(ops.gpus_out)
+        node.free = [g for g in node.free if g.uuid not in node.gpus_out]
     return nodes
 
 

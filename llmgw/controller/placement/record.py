@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmgw.bus.records import PlacementRecord
+from llmgw.bus.records import Failure, PlacementRecord
 from llmgw.controller.placement import explain
 from llmgw.controller.placement.explain import Blocked, Refusal
 
@@ -61,9 +61,24 @@ class ModelRecord:
         judged: int,
         refusals: list[tuple[str, dict[str, Refusal]]],
         decisions: list[str],
+        *,
+        waiting: int = 0,
+        failures: list[Failure] | None = None,
+        broken: list[str] | None = None,
+        rollout: str = "",
+        rollout_detail: str = "",
     ) -> PlacementRecord:
-        rec = PlacementRecord(model=self.model, desired=self.desired, placed=placed)
-        if placed < self.desired:
+        rec = PlacementRecord(
+            model=self.model,
+            desired=self.desired,
+            placed=placed,
+            waiting=max(waiting, 0),
+            failures=list(failures or []),
+            broken=list(broken or []),
+            rollout=rollout,
+            rollout_detail=rollout_detail,
+        )
+        if placed < self.desired or rec.waiting:
             rec.judged = judged
             rec.refused = [
                 g for profile, by_node in refusals for g in explain.group(profile, by_node)

@@ -1,7 +1,9 @@
 """The plan: per model, a list of steps, each a small function with a small result.
 
-Replace replicas on lost nodes, remove surplus, fill, switch profile, explain; models
-are handled oldest `desired.updated_at` first.
+Replace replicas on lost nodes; move those an agent gave up on; stop a rollout whose new
+replicas fail; replace, one batch at a time, those the catalog no longer asks for as they
+run (rollout.py) or else remove surplus; fill; drain by force what has nowhere to go;
+explain. Models are handled oldest `desired.updated_at` first.
 """
 
 from __future__ import annotations
@@ -11,9 +13,16 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from llmgw.bus.records import REPLICA_COUNTED, Desired, PlacementRecord, Replica
-from llmgw.catalog import Model, Profile
-from llmgw.controller.placement import explain
+from llmgw.bus.records import (
+    REPLICA_COUNTED,
+    REPLICA_TERMINAL,
+    Desired,
+    PlacementRecord,
+    Replica,
+    Rollout,
+)
+from llmgw.catalog import Model, Profile, launch_hash
+from llmgw.controller.placement import explain, failures, rollout
 from llmgw.controller.placement.explain import Blocked, Refusal
 from llmgw.controller.placement.nodes import Need, NodeState, fleet_nodes
 from llmgw.controller.placement.pickers import Picker, picker
@@ -37,6 +46,7 @@ class Plan:
     placements: dict[str, PlacementRecord]
     # replicas given another port: theirs was taken by another program after placement
     port_moves: list[PortMove] = field(default_factory=list)
+    rollouts: dict[str, Rollout] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,7 @@ class ModelPlan:
     create: list[Replica]
     remove: list[Removal]
     record: PlacementRecord
+    rollout: Rollout | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +98,7 @@ def plan(snapshot: Snapshot) -> Plan:
     create: list[Replica] = []
     remove: list[Removal] = []
     records: dict[str, PlacementRecord] = {}
+    rollouts: dict[str, Rollout] = {}
     # earliest request first: when GPUs are short, the model asked for first gets them
     models = sorted(
         set(snapshot.desired) | set(by_model) | set(snapshot.catalog),
@@ -98,7 +110,11 @@ def plan(snapshot: Snapshot) -> Plan:
             create.extend(outcome.create)
             remove.extend(outcome.remove)
             records[model_id] = outcome.record
-    return Plan(create=create, remove=remove, placements=records, port_moves=moves)
+            if outcome.rollout is not None:
+                rollouts[model_id] = outcome.rollout
+    return Plan(
+        create=create, remove=remove, placements=records, rollouts=rollouts, port_moves=moves
+    )
 
 
 def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan | None:
@@ -108,7 +124,8 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
     desired = snapshot.desired.get(model_id)
     want = desired.replicas if desired is not None else 0
     live = sorted(
-        (r for r in current if r.phase in REPLICA_COUNTED), key=lambda r: (r.created_at, r.rid)
+        (r for r in current if r.phase in REPLICA_COUNTED | REPLICA_TERMINAL),
+        key=lambda r: (r.created_at, r.rid),
     )
     if not live and desired is None:
         return None
@@ -119,7 +136,8 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
     if blocked is not None:
         reason, detail = blocked
         if reason == "unknown-profile":  # keep what runs, place nothing, say why
-            return ModelPlan([], [], record.blocked(reason, detail, len(live), lines.text))
+            counted = [r for r in live if r.phase in REPLICA_COUNTED]
+            return ModelPlan([], [], record.blocked(reason, detail, len(counted), lines.text))
         text = explain.render(record.blocked(reason, detail, 0, []))
         removals = lines.removed((r, text) for r in _newest_first(live))
         return ModelPlan([], removals, record.blocked(reason, detail, 0, lines.text))
@@ -127,26 +145,137 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
     assert model is not None
     profiles = _profiles(model, desired)
     allowed = {p.name for p in profiles}
+    launches = {p.name: launch_hash(model, p) for p in model.profiles}
+    draining = {n for n, o in snapshot.ops.items() if o.drain}
+    forced = {n for n, o in snapshot.ops.items() if o.drain and o.force}
 
-    runnable = replace_lost(snapshot, model, live)
-    right = [r for r in runnable.kept if r.profile in allowed]
-    switching = [r for r in runnable.kept if r.profile not in allowed]
-    surplus = remove_surplus(right, want)
-    filled = fill(fleet, model_id, profiles, want - len(surplus.kept))
-    switched = switch_profile(switching, surplus.kept, want, allowed)
+    lost = replace_lost(snapshot, live)
+    new: list[Replica] = []
+    old: list[rollout.Outdated] = []
+    for r in lost.kept:
+        why = rollout.outdated(r, model, allowed, launches, draining)
+        (new.append(r) if why is None else old.append(why))
+    revising = any(o.kind == "revision" for o in old)
 
-    removals = lines.removed(runnable.removed) + lines.removed(surplus.removed)
-    lines.add(f"keep {r.rid} on {_where(r)} ({r.phase})" for r in surplus.kept)
+    stored = snapshot.rollouts.get(model_id)
+    target = rollout.revision(model, desired, profiles, launches, snapshot.now)
+    stuck = revising and rollout.stopped(stored, target)
+    new, stopped, failed = stop_failing(snapshot, model_id, new, revising=revising, stuck=stuck)
+    halted = stuck or failed is not None
+
+    # replicas an agent gave up on: moved, unless their launch fails everywhere it was tried
+    given_up = [r for r in new + [o.replica for o in old] if r.phase in REPLICA_TERMINAL]
+    crashes = failures.crashes(
+        ((r, r.launch or launches.get(r.profile, "")) for r in given_up),
+        snapshot.shards,
+        snapshot.placements.get(model_id),
+        now=snapshot.now,
+        cooldown=snapshot.failures.cooldown,
+        nodes=snapshot.failures.nodes,
+    )
+    new = [r for r in new if r.phase not in REPLICA_TERMINAL]
+    old = [o for o in old if o.replica.phase not in REPLICA_TERMINAL]
+    usable = [p for p in profiles if launches[p.name] not in crashes.broken]
+
+    if old:
+        step = rollout.roll(old, new, want, model.surge, model.max_unavailable, stopped=halted)
+    else:
+        surplus = remove_surplus(new, want)
+        step = rollout.Roll(surplus.kept, [], surplus.removed, want - len(surplus.kept))
+    filled = fill(
+        fleet,
+        model_id,
+        usable,
+        step.start,
+        launches=launches,
+        avoid={p.name: crashes.avoid(launches[p.name]) for p in usable},
+    )
+    short = step.start - len(filled.created)
+    kept_old, by_force = drain_by_force(fleet, step.old, filled, short, forced)
+    moves = moved_elsewhere(crashes, filled.created)
+
+    removals = lines.removed(moves) + lines.removed(lost.removed) + lines.removed(stopped)
+    removals += lines.removed(step.removed) + lines.removed(by_force)
+    lines.add(f"keep {r.rid} on {_where(r)} ({_phase(snapshot, r)})" for r in step.new)
+    until = "the rollout is stopped" if halted else "until its replacement is ready"
+    lines.add(f"keep {r.rid} on {_where(r)} ({_phase(snapshot, r)}): {until}" for r in kept_old)
+    lines.add(
+        f"keep {r.rid} on {_where(r)} (gave up): profile {r.profile} fails everywhere it was tried"
+        for r, _ in crashes.stay
+    )
     lines.add(f"place {r.rid} on {_where(r)}: {r.reason}" for r in filled.created)
-    removals += lines.removed(switched.removed)
-    lines.add(f"keep {r.rid} on {_where(r)} until the new profile is ready" for r in switched.kept)
 
-    placed = len(surplus.kept) + len(filled.created)
-    rec = record.placed(placed, len(fleet.nodes), filled.refusals, lines.text)
+    updated = step.new + filled.created
+    kept_ids = {r.rid for r in kept_old}
+    ro = rollout.record(
+        model,
+        stored,
+        target,
+        want=want,
+        updated=updated,
+        old=sum(1 for o in old if o.kind == "revision" and o.replica.rid in kept_ids),
+        failed=failed,
+        now=snapshot.now,
+    )
+    placed = len(updated) + len(kept_old)
+    rec = record.placed(
+        placed,
+        len(fleet.nodes),
+        filled.refusals,
+        lines.text,
+        waiting=short,
+        failures=crashes.failures,
+        broken=[p.name for p in profiles if launches[p.name] in crashes.broken],
+        rollout="" if ro.phase == "complete" else ro.phase,
+        rollout_detail=ro.reason if ro.phase == "stopped" else "",
+    )
     if placed < want:
-        short = want - placed
-        lines.add([f"{short} replica{'s' if short != 1 else ''} not placed: {rec.explanation}"])
-    return ModelPlan(filled.created, removals, rec)
+        n = want - placed
+        lines.add([f"{n} replica{'s' if n != 1 else ''} not placed: {rec.explanation}"])
+    return ModelPlan(filled.created, removals, rec, ro)
+
+
+def stop_failing(
+    snapshot: Snapshot, model_id: str, new: list[Replica], *, revising: bool, stuck: bool
+) -> tuple[list[Replica], list[tuple[Replica, str]], rollout.Failing | None]:
+    """A rollout whose new replicas fail stops, and they go; the old ones keep serving.
+    The new replicas kept, those removed with why, and the failure that stops it now (None
+    when it was stopped already, or nothing fails)."""
+    bad = [rollout.Failing(r, s) for r in new if (s := rollout.failing(r, snapshot.shards))]
+    if not (revising and bad):
+        return new, [], None
+    text = "rollout stopped: " + rollout.stop_text(model_id, bad[0])
+    going = {f.replica.rid for f in bad}
+    kept = [r for r in new if r.rid not in going]
+    return kept, [(f.replica, text) for f in bad], None if stuck else bad[0]
+
+
+def drain_by_force(
+    fleet: Fleet, old: list[Replica], filled: Filled, short: int, forced: set[str]
+) -> tuple[list[Replica], list[tuple[Replica, str]]]:
+    """`llmgw node drain --force`: an old replica on such a node whose replacement found no
+    node drains anyway. The old replicas kept, and those drained with why."""
+    kept = list(old)
+    if not (short > 0 and forced):
+        return kept, []
+    why = explain.render_refusals(len(fleet.nodes), filled.refusals)
+    going = [r for r in kept if any(m.node in forced for m in r.members)][:short]
+    for r in going:
+        kept.remove(r)
+    return kept, [(r, f"drained by force: nowhere else to place it ({why})") for r in going]
+
+
+def moved_elsewhere(crashes: failures.Crashes, created: list[Replica]) -> list[tuple[Replica, str]]:
+    """Replicas given up on, removed, each saying where its successor went (the first
+    replicas placed in this plan): "failed 5 times on node05 (...); moved to node06"."""
+    out = []
+    for i, (r, f) in enumerate(crashes.move):
+        to = _where(created[i]) if i < len(created) else ""
+        failures.moved(crashes, r.rid, to)
+        where = f"moved to {to}" if to else "not placed elsewhere yet"
+        text = explain.failure_text(f)
+        out.append((r, f"failed {f.restarts + 1} times on {f.node} ({text}); {where}"))
+    return out
 
 
 def blocked_model(model: Model | None, desired: Desired | None) -> tuple[Blocked, str] | None:
@@ -168,16 +297,14 @@ def _profiles(model: Model, desired: Desired | None) -> list[Profile]:
     return list(model.profiles)
 
 
-def replace_lost(snapshot: Snapshot, model: Model, live: list[Replica]) -> Sorted:
-    """A replica with a member on a lost node, or whose profile left the catalog, is
-    removed (and so replaced by the fill step); a multi-node replica goes whole."""
+def replace_lost(snapshot: Snapshot, live: list[Replica]) -> Sorted:
+    """A replica with a member on a lost node is removed (and so replaced by the fill step);
+    a multi-node replica goes whole."""
     kept, removed = [], []
     for replica in live:
         gone = _gone_node(snapshot, replica)
         if gone is not None:
             removed.append((replica, f"{gone}; replaced"))
-        elif model.profile(replica.profile) is None:
-            removed.append((replica, f"profile '{replica.profile}' is no longer in the catalog"))
         else:
             kept.append(replica)
     return Sorted(kept, removed)
@@ -191,14 +318,22 @@ def remove_surplus(replicas: list[Replica], want: int) -> Sorted:
     return Sorted([r for r in replicas if r.rid not in going], [(r, why) for r in extra])
 
 
-def fill(fleet: Fleet, model_id: str, profiles: list[Profile], missing: int) -> Filled:
+def fill(
+    fleet: Fleet,
+    model_id: str,
+    profiles: list[Profile],
+    missing: int,
+    *,
+    launches: dict[str, str] | None = None,
+    avoid: dict[str, frozenset[str]] | None = None,
+) -> Filled:
     """Place each missing replica with the first profile (in catalog order) that
     fits somewhere. A profile that found no node stays exhausted: resources only shrink
-    within a plan."""
+    within a plan. `avoid`: per profile, nodes where its launch was given up on lately."""
     pickers: list[tuple[Profile, Picker]] = []
     created: list[Replica] = []
     for _ in range(missing):
-        found = _place_one(fleet, model_id, profiles, pickers)
+        found = _place_one(fleet, model_id, profiles, pickers, launches or {}, avoid or {})
         if found is None:
             break
         created.append(found)
@@ -208,12 +343,24 @@ def fill(fleet: Fleet, model_id: str, profiles: list[Profile], missing: int) -> 
 
 
 def _place_one(
-    fleet: Fleet, model_id: str, profiles: list[Profile], pickers: list[tuple[Profile, Picker]]
+    fleet: Fleet,
+    model_id: str,
+    profiles: list[Profile],
+    pickers: list[tuple[Profile, Picker]],
+    launches: dict[str, str],
+    avoid: dict[str, frozenset[str]],
 ) -> Replica | None:
     snapshot = fleet.snapshot
     for i, profile in enumerate(profiles):
+        launch = launches.get(profile.name, "")
         if i == len(pickers):
-            need = Need.of(model_id, profile, snapshot.port_range)
+            need = Need.of(
+                model_id,
+                profile,
+                snapshot.port_range,
+                launch=launch,
+                avoid=avoid.get(profile.name, frozenset()),
+            )
             pickers.append((profile, picker(fleet.nodes, need, fleet.weights)))
         found = pickers[i][1].pick()
         if found is None:
@@ -226,18 +373,21 @@ def _place_one(
             phase="placed",
             created_at=snapshot.now,
             reason=found.why,
+            launch=launch,
         )
     return None
 
 
-def switch_profile(old: list[Replica], new: list[Replica], want: int, allowed: set[str]) -> Sorted:
-    """Replicas of a profile no longer wanted stay until the wanted profile serves
-    the full count ready; then they go, newest first."""
-    ready = sum(1 for r in new if r.phase == "ready")
-    if want == 0 or ready >= want:
-        why = f"replaced by profile {'/'.join(sorted(allowed))}"
-        return Sorted([], [(r, why) for r in _newest_first(old)])
-    return Sorted(_newest_first(old))
+def _phase(snapshot: Snapshot, replica: Replica) -> str:
+    """The replica's phase as its shards say it, with the reason of a failed one: the record's
+    lines agree with what `llmgw status` shows."""
+    if replica.phase != "failed":
+        return replica.phase
+    for m in replica.members:
+        s = snapshot.shards.get((m.node, replica.rid))
+        if s is not None and s.phase == "failed" and s.reason:
+            return f"failed on {m.node}: {s.reason}"
+    return "failed"
 
 
 class _Lines:
