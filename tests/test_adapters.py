@@ -479,3 +479,8 @@ def test_llama_download_lands_in_the_fetch_dir(bins, tmp_path):
     )
     _run_until_recorded(adapter_for("llama-server").command(spec), tmp_path)
     assert [p.name for p in fetch.iterdir()] == ["Qwen_Qwen3-8B-GGUF_Q8_0.gguf"]
+
+
+def test_in_flight_of_an_answer_that_is_not_prometheus_text_is_unknown():
+    assert adapter_for("vllm").in_flight("/metrics", 200, b"vllm:num_requests_running {{\n") is None
+    assert adapter_for("vllm").in_flight("/metrics", 200, b"<html>not metrics</html>\n") is None

@@ -40,6 +40,10 @@ from llmgw.clock import Clock, SystemClock
 
 log = logging.getLogger(__name__)
 
+# an engine's answer to a probe or a metrics read: vLLM's /metrics with its histograms is a
+# few hundred KB; more is not an answer worth reading whole
+MAX_ENGINE_ANSWER = 4 * 1024 * 1024
+
 # what the shard record says (its phase); the supervisor's own state is EngineState
 SupervisorPhase = Literal["starting", "loading", "ready", "draining", "stopped", "failed"]
 
@@ -406,9 +410,23 @@ class EngineSupervisor:
         headers = {"Authorization": f"Bearer {self.spec.api_key}"} if self.spec.api_key else {}
         try:
             async with self._http.get(self.command.base_url + path, headers=headers) as r:
-                return r.status, await r.read()
+                body = await r.content.read(MAX_ENGINE_ANSWER + 1)
+                while len(body) <= MAX_ENGINE_ANSWER and not r.content.at_eof():
+                    more = await r.content.read(MAX_ENGINE_ANSWER + 1 - len(body))
+                    if not more:
+                        break
+                    body += more
         except (aiohttp.ClientError, OSError, TimeoutError):
             return None
+        if len(body) > MAX_ENGINE_ANSWER:
+            log.warning(
+                "engine of %s answered %s with more than %d bytes; not read",
+                self.spec.served_name,
+                path,
+                MAX_ENGINE_ANSWER,
+            )
+            return None
+        return r.status, body
 
     async def _in_flight(self) -> int | None:
         for path in self.adapter.in_flight_paths(self.spec):

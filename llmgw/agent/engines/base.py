@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from prometheus_client.parser import text_string_to_metric_families
+
 EngineName = Literal["llama-server", "vllm"]
 
 
@@ -183,32 +185,25 @@ def cuda_env(spec: LaunchSpec) -> dict[str, str]:
     }
 
 
-def parse_prometheus(text: str, name: str) -> float | None:
-    """Sum of every sample of metric `name` (all label sets); None when absent."""
+def metric_sum(text: str, name: str) -> float | None:
+    """Sum of every sample of metric `name` (all label sets), through prometheus_client's
+    parser; None when absent, or when the text does not parse (a malformed answer says
+    nothing we can count on). The caller bounds the text (supervisor.MAX_ENGINE_ANSWER)."""
     total: float | None = None
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        rest = line[len(name) :]
-        if rest[:1] not in ("{", " "):
-            continue  # a longer metric name sharing the prefix
-        if rest.startswith("{"):
-            rest = rest[rest.rfind("}") + 1 :]
-        parts = rest.split()
-        if not parts:
-            continue
-        try:
-            value = float(parts[0])
-        except ValueError:
-            continue
-        total = value if total is None else total + value
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name:
+                    total = sample.value if total is None else total + sample.value
+    except ValueError:
+        return None
     return total
 
 
 def requests_at_engine(text: str, running: str, waiting: str) -> int | None:
     """Requests an engine holds, running and queued, from its Prometheus text; None when it
     does not report `running` (the adapters name their engine's two gauges)."""
-    busy = parse_prometheus(text, running)
+    busy = metric_sum(text, running)
     if busy is None:
         return None
-    return int(busy + (parse_prometheus(text, waiting) or 0.0))
+    return int(busy + (metric_sum(text, waiting) or 0.0))
