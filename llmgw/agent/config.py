@@ -115,6 +115,11 @@ class Paths(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defau
     llama_search_dirs: list[str] | None = None  # None: discovery's documented default list
 
 
+class Metrics(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    # HOST:PORT of GET /metrics (llmgw/metrics_http.py), e.g. "0.0.0.0:9464"; "": not served
+    listen: str = ""
+
+
 class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     nats: Nats = msgspec.field(default_factory=Nats)
     node: Node = msgspec.field(default_factory=Node)
@@ -125,6 +130,7 @@ class AgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
     intervals: Intervals = msgspec.field(default_factory=Intervals)
     engines: Engines = msgspec.field(default_factory=Engines)
     paths: Paths = msgspec.field(default_factory=Paths)
+    metrics: Metrics = msgspec.field(default_factory=Metrics)
 
     def overrides(self) -> list[str]:
         """Dotted names of the inventory values that come from this file, not discovery."""
@@ -265,6 +271,13 @@ def _check(cfg: AgentConfig, path: Path) -> None:
         try:
             check_declared_identity(identity, f"weights.shared.{directory!r}")
         except ValueError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    if cfg.metrics.listen:
+        from llmgw.metrics_http import MetricsListenError, parse_listen
+
+        try:
+            parse_listen(cfg.metrics.listen, "key 'metrics.listen':")
+        except MetricsListenError as e:
             raise ConfigError(f"{path}: {e}") from None
     for url in cfg.nats.urls:
         if not re.match(r"^(nats|tls|ws|wss)://", url):

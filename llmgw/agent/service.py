@@ -37,6 +37,7 @@ from llmgw.agent.certificate import CertificateError, check_tls_files
 from llmgw.agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_config
 from llmgw.agent.discovery.weights.scan import weights_equal_for_resend
 from llmgw.agent.lifetime import leave_engines_now
+from llmgw.agent.metrics import AgentMetrics
 from llmgw.agent.shards import NodeShards
 from llmgw.agent.weights import WeightsScanner, stuck_scan
 from llmgw.bus import keys, records
@@ -45,6 +46,7 @@ from llmgw.bus.errors import BusSettingsError
 from llmgw.errors import stated
 from llmgw.keyfiles import read_key
 from llmgw.logs import setup_logging
+from llmgw.metrics_http import parse_listen, serve_metrics
 
 log = logging.getLogger("llmgw.agent.service")  # also when run as __main__
 
@@ -91,6 +93,12 @@ class Agent:
         self._tg: anyio.abc.TaskGroup | None = None
         # the scan in progress: set when it ends, and when it began (anyio.current_time)
         self._scan: tuple[anyio.Event, float] | None = None
+        self.metrics = AgentMetrics(
+            lambda: self.inventory.node if self.inventory else None,
+            lambda: self.shards.shard_records() if self.shards else [],
+            self._weights_scanner.scanning,
+        )
+        self.metrics_port: int | None = None  # bound, once serving /metrics
 
     @property
     def node(self) -> str:
@@ -138,6 +146,12 @@ class Agent:
             self.bus.on_reconnected(self._on_reconnected)
             async with anyio.create_task_group() as tg:
                 self._tg = tg
+                if cfg.metrics.listen:
+                    self.metrics_port = await tg.start(
+                        serve_metrics,
+                        self.metrics.registry,
+                        parse_listen(cfg.metrics.listen, "metrics.listen"),
+                    )
                 tg.start_soon(self._heartbeats)
                 tg.start_soon(self._engine_probes)
                 tg.start_soon(self._gpu_probes)
@@ -292,9 +306,11 @@ class Agent:
         assert self.inventory is not None
         try:
             try:
+                began = anyio.current_time()
                 weights = await _in_daemon_thread(
                     self._weights_scanner, self.cfg, self.node, self.inventory.weights
                 )
+                self.metrics.scan_seconds.observe(anyio.current_time() - began)
             except Exception:  # noqa: BLE001 - a bug in the scan; the agent and its engines go on
                 log.exception(
                     "weights scan failed; the next one in %g s", self.cfg.weights.scan_interval

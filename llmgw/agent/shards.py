@@ -136,6 +136,10 @@ class NodeShards:
         # engines an earlier agent left running, by rid, until adopted or stopped
         self._leftovers: dict[str, EngineProcess] = {}
 
+    def shard_records(self) -> list[records.Shard]:
+        """The shard records of this node's replicas, as last written."""
+        return [s.record for s in self._shards.values() if s.record is not None]
+
     def leave_engines_running(self) -> None:
         """The agent is being restarted: its engines serve on, and the next agent adopts
         them (call before cancelling `run`)."""

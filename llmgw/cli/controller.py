@@ -11,6 +11,7 @@ from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 from llmgw.cli.common import nats_options, until_signalled
 from llmgw.controller.liveness import LOST_AFTER_S, UNREACHABLE_AFTER_S
 from llmgw.controller.placement.snapshot import FAILURE_COOLDOWN_S, FAILURE_NODES
+from llmgw.metrics_http import CONTROLLER_PORT, MetricsListenError, parse_listen
 
 
 @click.command()
@@ -44,6 +45,12 @@ from llmgw.controller.placement.snapshot import FAILURE_COOLDOWN_S, FAILURE_NODE
     show_default=True,
     help="distinct nodes giving up on one launch within the cool-down: the profile is broken",
 )
+@click.option(
+    "--metrics-listen",
+    envvar="LLMGW_METRICS_LISTEN",
+    default="",
+    help=f"HOST:PORT to serve GET /metrics on, e.g. 0.0.0.0:{CONTROLLER_PORT} [default: none]",
+)
 def controller(
     nats: NatsSettings,
     bucket: BucketSettings,
@@ -52,6 +59,7 @@ def controller(
     lost_after,
     failure_cooldown,
     failure_nodes,
+    metrics_listen,
 ) -> None:
     """Run a controller (several may run; one leads)."""
     from llmgw.controller.loop import Controller, ControllerSettings
@@ -63,6 +71,11 @@ def controller(
         failure_cooldown=failure_cooldown,
         failure_nodes=failure_nodes,
     )
+    if metrics_listen:
+        try:
+            given["metrics_listen"] = parse_listen(metrics_listen, "--metrics-listen")
+        except MetricsListenError as e:
+            raise click.BadParameter(str(e)) from None
     if controller_id:
         given["controller_id"] = controller_id
     settings = ControllerSettings(**given)

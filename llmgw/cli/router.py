@@ -70,6 +70,14 @@ def router_options(fn):
             "key (--api-keys-file), or not served",
         ),
         click.option(
+            "--page/--no-page",
+            "fleet_page",
+            default=True,
+            show_default=True,
+            help="the fleet page at / (nodes, models, why replicas wait; read-only): it shows "
+            "node addresses and engine endpoints to whoever reaches the router",
+        ),
+        click.option(
             "--engine-timeout",
             type=click.FloatRange(min=0.001),
             default=600.0,
@@ -110,6 +118,7 @@ def router_settings(
     max_connections: int,
     replica_header: bool,
     metrics_access: str,
+    fleet_page: bool,
     engine_timeout: float,
 ):
     from llmgw.keyfiles import read_key, read_keys
@@ -139,6 +148,7 @@ def router_settings(
             session_header=session_header,
             replica_header=replica_header,
             metrics=metrics_access,
+            page=fleet_page,
         ),
     )
 
@@ -204,6 +214,8 @@ def router(
             tg.start_soon(drain_then_cancel_on_signal, tg.cancel_scope, r.shutdown)
             await tg.start(serve)
             click.echo(f"router listening on {r.url}/v1 ({r.source})")
+            if settings.proxy.page:
+                click.echo(f"fleet page: {r.url}/")
 
     run_fast(run)
 

@@ -153,6 +153,8 @@ async def _run_up_parts(cfg: AgentConfig, no_agent: bool, router, cmd: str, bus:
                 r.serve_bucket, lambda: Bus.connect(settings, bucket, give_up_after=None)
             )
             click.echo(f"router listening on {r.url}/v1 (OpenAI base URL; `model` = a served name)")
+            if router.proxy.page:
+                click.echo(f"fleet page: {r.url}/ (nodes, models, why replicas wait)")
         for line in await _earlier_run(bus, agent, cmd):
             click.echo(line)
         await anyio.sleep_forever()

@@ -53,7 +53,9 @@ from llmgw.controller.liveness import (
     health_changes,
     node_phases,
 )
+from llmgw.controller.metrics import ControllerMetrics
 from llmgw.controller.view import Freeze, View
+from llmgw.metrics_http import serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,8 @@ class ControllerSettings:
     # launch given up on by this many distinct nodes meanwhile is not placed again
     failure_cooldown: float = placement.FAILURE_COOLDOWN_S
     failure_nodes: int = placement.FAILURE_NODES
+    # (host, port) of GET /metrics (llmgw/metrics_http.py); None: not served
+    metrics_listen: tuple[str, int] | None = None
 
 
 class Controller:
@@ -105,6 +109,8 @@ class Controller:
         # conditional write while another on the same key is in flight.
         self._writing = anyio.Lock()
         self._qualifying: dict[str, set[str]] = {}
+        self.metrics = ControllerMetrics(self.view, lambda: self.leading)
+        self.metrics_port: int | None = None  # bound, once serving /metrics
 
     @property
     def id(self) -> str:
@@ -125,6 +131,10 @@ class Controller:
         try:
             self.bus.on_reconnected(self._on_reconnected)
             async with anyio.create_task_group() as tg:
+                if self.settings.metrics_listen is not None:
+                    self.metrics_port = await tg.start(
+                        serve_metrics, self.metrics.registry, self.settings.metrics_listen
+                    )
                 tg.start_soon(self._follow_bucket)
                 await self._synced.wait()
                 tg.start_soon(self._lead)
@@ -328,7 +338,10 @@ class Controller:
             if due and self.link.may_judge:  # (a health write that hung made it suspect)
                 self._pass_due = False
                 self._last_pass = anyio.current_time()
-                await self.reconcile(now)
+                try:
+                    await self.reconcile(now)
+                finally:
+                    self.metrics.passed(anyio.current_time() - self._last_pass)
         except _NotLeading:
             self._pass_due = True
         except BusError as e:  # the link failed: the next pass starts from the bucket again

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from llmgw.router.balancer import Balancer
 from llmgw.router.metrics import CONTENT_TYPE as METRICS_TYPE
 from llmgw.router.metrics import ReplicaSeries, RouterMetrics
+from llmgw.router.page import FleetPage
 from llmgw.router.request import BadRequest, parse
 from llmgw.router.server import Request, Response
 from llmgw.router.table import Backend, EndpointTable
@@ -66,6 +67,9 @@ class ProxySettings:
     # /metrics: "public" (no key, for Prometheus), "keyed" (a client key, when keys are
     # configured), "off" (404)
     metrics: str = "public"
+    # the fleet page at / (llmgw/router/page.py): what runs where, for whoever reaches the
+    # router; off: 404
+    page: bool = True
 
 
 def error_body(
@@ -89,6 +93,7 @@ class Proxy:
         metrics: RouterMetrics,
         settings: ProxySettings | None = None,
         health: Callable[[], dict[str, object]] = dict,
+        page: FleetPage | None = None,
     ) -> None:
         self.table = table
         self.balancer = balancer
@@ -96,6 +101,7 @@ class Proxy:
         self.metrics = metrics
         self.settings = settings or ProxySettings()
         self._health = health
+        self._page = page
         self._client_keys = {b"Bearer " + k.encode() for k in self.settings.client_api_keys}
         self._session = self.settings.session_header.lower().encode()
 
@@ -132,13 +138,19 @@ class Proxy:
                 await self._fail(resp, 401, "missing or unknown API key", "", kind="unauthorized")
             else:
                 await resp.send(200, self.metrics.render(), content_type=METRICS_TYPE)
+        elif (
+            self._page is not None
+            and req.method in (b"GET", b"HEAD")
+            and self._page.serves(req.path)
+        ):
+            await self._page.handle(req, resp)
         else:
             await self._fail(
                 resp,
                 404,
                 f"no route {req.method.decode(errors='replace')} {req.path.decode(errors='replace')}: "
                 "this router serves POST /v1/chat/completions, /v1/completions, /v1/embeddings "
-                "and GET /v1/models, /health, /metrics",
+                "and GET /v1/models, /health, /metrics and the fleet page at /",
                 "",
                 kind=None,
             )

@@ -22,6 +22,7 @@ from llmgw.errors import LlmgwError
 from llmgw.keyfiles import read_key
 from llmgw.router.balancer import Balancer, BalancerSettings
 from llmgw.router.metrics import RouterMetrics
+from llmgw.router.page import FleetPage
 from llmgw.router.probe import HealthProber
 from llmgw.router.proxy import Proxy, ProxySettings, error_body
 from llmgw.router.server import HttpLimits, HttpServer, serve
@@ -84,6 +85,7 @@ class Router:
         self.source = "none"
         self.bus = None  # the Bus, once connected (a bucket-fed router)
         self.proxy: Proxy | None = None
+        self.page: FleetPage | None = None
         self.server: HttpServer | None = None
         self.draining = False
 
@@ -133,8 +135,15 @@ class Router:
                 idle_timeout=s.upstream.idle_timeout,
             )
         )
+        self.page = FleetPage(self.table, self.metrics.ttfb, self.health) if s.proxy.page else None
         self.proxy = Proxy(
-            self.table, Balancer(s.balancer), pool, self.metrics, s.proxy, health=self.health
+            self.table,
+            Balancer(s.balancer),
+            pool,
+            self.metrics,
+            s.proxy,
+            health=self.health,
+            page=self.page,
         )
         prober = HealthProber(
             self.table,
@@ -156,6 +165,8 @@ class Router:
                 tg.start_soon(probe_pool.sweep_forever)
                 tg.start_soon(prober.run)
                 tg.start_soon(self._count_endpoints)
+                if self.page is not None:
+                    tg.start_soon(self.page.watch.run, lambda: self.bus)
                 if connect is not None:
                     tg.start_soon(self._follow_bucket, connect)
                 task_status.started(self)

@@ -1,0 +1,135 @@
+"""The controller's Prometheus metrics (`GET /metrics` with `--metrics-listen`).
+
+What the fleet looks like (nodes and replicas by phase, replicas waiting and why) is read
+from the controller's view of the bucket when scraped, so it costs nothing between scrapes
+and is the same on every controller (graph `max` over them, or the leader's:
+`llmgw_controller_leading == 1`). Passes are counted and timed by the leader that runs them.
+Labels are phases, reason keys (docs/placement.md) and catalog model ids: bounded by the
+catalog, never by what a client sends.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
+from prometheus_client import Counter as PromCounter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from llmgw.bus import records
+
+if TYPE_CHECKING:
+    from llmgw.controller.view import View
+
+disable_created_metrics()  # `_created` series double the output and nobody graphs them
+
+# a pass at fleet size plans in tens of ms (bench/reconcile.py); seconds mean trouble
+_PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# a node the controller has not judged yet (no health.<node>): just registered, or no
+# leader has run since
+UNJUDGED = "unjudged"
+
+
+class ControllerMetrics:
+    def __init__(self, view: View, leading) -> None:
+        """`leading()` says whether this controller leads now."""
+        self.registry = CollectorRegistry()
+        self.passes = PromCounter(
+            "llmgw_controller_placement_passes",
+            "Placement passes run (by the leader)",
+            registry=self.registry,
+        )
+        self.pass_seconds = Histogram(
+            "llmgw_controller_placement_pass_seconds",
+            "How long a placement pass took: plan and every write it made",
+            buckets=_PASS_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(FleetCollector(view, leading))
+
+    def passed(self, seconds: float) -> None:
+        self.passes.inc()
+        self.pass_seconds.observe(seconds)
+
+
+class FleetCollector(Collector):
+    """Gauges computed from the view at scrape time."""
+
+    def __init__(self, view: View, leading) -> None:
+        self._view = view
+        self._leading = leading
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        view = self._view
+        yield GaugeMetricFamily(
+            "llmgw_controller_leading",
+            "1 on the controller that leads (runs the passes), 0 on the others",
+            value=1 if self._leading() else 0,
+        )
+        nodes = GaugeMetricFamily(
+            "llmgw_controller_nodes",
+            f"Nodes with an inventory, by phase (ready, unreachable, lost; {UNJUDGED}: not "
+            "judged yet)",
+            labels=["phase"],
+        )
+        phases = Counter(view.health[n].phase if n in view.health else UNJUDGED for n in view.nodes)
+        for phase in (*records.NodePhase.__args__, UNJUDGED):  # type: ignore[attr-defined]
+            nodes.add_metric([phase], phases[phase])
+        yield nodes
+        replicas = GaugeMetricFamily(
+            "llmgw_controller_replicas", "Replicas placed, by phase", labels=["phase"]
+        )
+        by_phase = Counter(r.phase for r in view.replicas.values())
+        for phase in records.REPLICA_PHASES:
+            replicas.add_metric([phase], by_phase[phase])
+        yield replicas
+        yield from _unplaced(view.placements.values())
+
+
+def unplaced_count(rec: records.PlacementRecord) -> int:
+    """Replicas without a node: those short of desired, or the replacements (a rollout, a
+    drain) the plan found no node for, which `waiting` counts, the short ones among them."""
+    return max(rec.desired - rec.placed, rec.waiting, 0)
+
+
+def main_reason(rec: records.PlacementRecord) -> str:
+    """The one reason a model's unplaced replicas are counted under: what blocks the model,
+    else the reason that refused the most nodes (ties: the first listed), else "none" (no
+    node was judged: an empty fleet)."""
+    if rec.blocked:
+        return rec.blocked
+    per_reason: Counter[str] = Counter()
+    for r in rec.refused:
+        per_reason[r.reason] += r.nodes
+    if not per_reason:
+        return "none"
+    return per_reason.most_common(1)[0][0]
+
+
+def _unplaced(placements) -> Iterator[GaugeMetricFamily]:
+    unplaced = GaugeMetricFamily(
+        "llmgw_controller_unplaced_replicas",
+        "Replicas without a node, by model and the reason that refused most nodes (a "
+        "blocked model: why it is blocked)",
+        labels=["model", "reason"],
+    )
+    refused = GaugeMetricFamily(
+        "llmgw_controller_refused_nodes",
+        "For models with unplaced replicas, nodes refused per reason (summed over profiles)",
+        labels=["model", "reason"],
+    )
+    for rec in sorted(placements, key=lambda r: r.model):
+        count = unplaced_count(rec)
+        if not count:
+            continue
+        unplaced.add_metric([rec.model, main_reason(rec)], count)
+        per_reason: Counter[str] = Counter()
+        for r in rec.refused:
+            per_reason[r.reason] += r.nodes
+        for reason, n in sorted(per_reason.items()):
+            refused.add_metric([rec.model, reason], n)
+    yield unplaced
+    yield refused

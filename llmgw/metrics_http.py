@@ -1,0 +1,78 @@
+"""`GET /metrics` for the controller and the agent: one prometheus_client registry, served
+by a small aiohttp listener in the component's own event loop.
+
+The router serves its /metrics from its own HTTP server (llmgw/router/proxy.py); the
+controller and the agent have no HTTP server of their own, so each gets this one when
+configured (`llmgw controller --metrics-listen`, the agent's `metrics.listen`). Off unless
+given an address: a fleet's nodes open no port nobody asked for, and the documented ports
+(9464 the agent, 9465 the controller) go in the systemd units (deploy/).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from llmgw.errors import LlmgwError
+
+log = logging.getLogger(__name__)
+
+AGENT_PORT = 9464
+CONTROLLER_PORT = 9465
+
+
+class MetricsListenError(LlmgwError, ValueError):
+    """A metrics address that does not parse, or cannot be listened on."""
+
+
+def parse_listen(value: str, what: str) -> tuple[str, int]:
+    """ "HOST:PORT" (IPv6 in brackets) as (host, port); `what` names the setting in errors."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise MetricsListenError(
+            f"{what} {value!r}: expected HOST:PORT, e.g. 0.0.0.0:{AGENT_PORT} (empty: no /metrics)"
+        )
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+async def serve_metrics(
+    registry: CollectorRegistry,
+    listen: tuple[str, int],
+    *,
+    task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve `registry` at http://HOST:PORT/metrics until cancelled; reports the port bound
+    (PORT 0 picks a free one)."""
+    content_type = CONTENT_TYPE_LATEST.split(";")[0]
+
+    async def metrics(_: web.Request) -> web.Response:
+        # collecting reads the component's in-memory view: cheap, and only when scraped
+        return web.Response(
+            body=generate_latest(registry), content_type=content_type, charset="utf-8"
+        )
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    host, port = listen
+    site = web.TCPSite(runner, host, port)
+    try:
+        try:
+            await site.start()
+        except OSError as e:
+            raise MetricsListenError(
+                f"cannot serve /metrics on {host}:{port}: {e.strerror or e}; choose another "
+                "address, or none"
+            ) from None
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        log.info("metrics at http://%s:%d/metrics", host, bound)
+        task_status.started(bound)
+        await anyio.sleep_forever()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runner.cleanup()

@@ -1,0 +1,235 @@
+// The llmgw fleet page: polls /fleet/state and redraws. Read-only.
+// Every string from the bucket is set with textContent or as an attribute value, never as
+// markup: node names, model names and explanations are outside input.
+"use strict";
+
+const GB = 1e9;
+let skew = 0; // browser clock minus the router's, in seconds
+let pollS = 2;
+let lastOk = 0;
+
+function el(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined) continue;
+    if (k === "class") e.className = v;
+    else e.setAttribute(k, String(v));
+  }
+  for (const c of children) {
+    if (c === null || c === undefined || c === false) continue;
+    e.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return e;
+}
+
+const gb = (b) => (b === null || b === undefined ? "?" : (b / GB).toFixed(1) + " GB");
+const secs = (s) => (s === null || s === undefined ? "–" : s < 1 ? (s * 1000).toFixed(0) + " ms" : s.toFixed(2) + " s");
+
+function age(seconds) {
+  if (seconds < 120) return Math.max(0, Math.round(seconds)) + "s ago";
+  if (seconds < 7200) return Math.round(seconds / 60) + "m ago";
+  return (seconds / 3600).toFixed(1) + "h ago";
+}
+
+function phase(p) {
+  return el("span", { class: "badge phase-" + p, "data-role": "phase" }, p);
+}
+
+function routerNow() {
+  return Date.now() / 1000 - skew;
+}
+
+// --- models ------------------------------------------------------------------------------
+
+function loadCell(load) {
+  const t = load.ttfb;
+  const queued = load.queued === null ? "–" : load.queued;
+  const ttfb = t && t.count
+    ? `p50 ${secs(t.p50_s)} · p95 ${secs(t.p95_s)} (${t.count} in 1 min)`
+    : "no requests in 1 min";
+  return el("td", { "data-role": "load" },
+    el("div", {}, `in flight ${load.in_flight} · queued ${queued}`),
+    el("div", { class: "muted" }, "first token " + ttfb));
+}
+
+function replicaList(m) {
+  if (!m.replicas.length) return el("td", { class: "muted" }, "none");
+  const ul = el("ul", { class: "refused" });
+  for (const r of m.replicas) {
+    ul.append(el("li", { "data-replica": r.rid },
+      phase(r.phase), " ", r.rid, " on ", r.nodes.join(", "),
+      r.endpoint ? el("span", { class: "muted" }, " → " + r.endpoint) : null,
+      r.shards.length ? el("span", { class: "muted" }, " shards " + r.shards.join("/")) : null));
+  }
+  return el("td", {}, ul);
+}
+
+function whyCell(m) {
+  const p = m.placement;
+  if (!p || (!p.unplaced && !p.explanation)) return el("td", { class: "muted" }, "");
+  const td = el("td", { "data-role": "why" });
+  if (p.unplaced) td.append(el("div", { class: "why" }, `${p.unplaced} unplaced: `, p.explanation || p.blocked || "waiting for a pass"));
+  else td.append(el("div", { class: "muted" }, p.explanation));
+  if (p.unplaced && p.refused.length) {
+    const ul = el("ul", { class: "refused" });
+    for (const x of p.refused) {
+      ul.append(el("li", {}, `${x.nodes} of ${p.judged}: ${x.reason}`,
+        x.detail ? ` (${x.detail})` : "", el("span", { class: "muted" }, ` · profile ${x.profile}`)));
+    }
+    td.append(ul);
+  }
+  return td;
+}
+
+function models(state) {
+  const box = document.getElementById("models");
+  if (!state.models.length) {
+    box.replaceChildren(el("p", { class: "muted" }, "No models yet: llmgw catalog apply FILE, then llmgw place MODEL."));
+    return;
+  }
+  const table = el("table", {},
+    el("tr", {}, ...["model", "replicas", "requests (this router)", "where", "why not placed"].map((h) => el("th", {}, h))));
+  for (const m of state.models) {
+    const ready = m.replicas.filter((r) => r.phase === "ready").length;
+    table.append(el("tr", { "data-model": m.id },
+      el("td", {}, el("div", { class: "node-id" }, m.id),
+        m.served_name && m.served_name !== m.id ? el("div", { class: "muted" }, "served as " + m.served_name) : null),
+      el("td", {}, `${ready}/${m.desired} ready`),
+      loadCell(m.load),
+      replicaList(m),
+      whyCell(m)));
+  }
+  box.replaceChildren(table);
+  document.getElementById("load-scope").textContent =
+    "Requests in flight, queued and time to first token are " + state.load.scope + "'s.";
+}
+
+// --- nodes -------------------------------------------------------------------------------
+
+function gpuRow(g) {
+  const total = g.total_bytes || 1;
+  const bar = el("div", { class: "bar" });
+  const own = el("span", { class: "own" });
+  own.style.left = "0"; own.style.width = (100 * g.own_bytes / total) + "%";
+  const foreign = el("span", { class: "foreign" });
+  foreign.style.left = own.style.width; foreign.style.width = (100 * g.foreign_bytes / total) + "%";
+  bar.append(own, foreign);
+  let alloc = "free";
+  if (g.allocated) {
+    const a = el("span", { class: "allocated" });
+    a.style.left = "0"; a.style.width = Math.min(100, 100 * g.allocated.bytes / total) + "%";
+    bar.append(a);
+    alloc = `allocated ${gb(g.allocated.bytes)}${g.allocated.whole ? " (whole GPU)" : ""} to ${g.allocated.model} ${g.allocated.replica}`;
+  }
+  if (g.out_of_service) alloc = "out of service";
+  const used = g.used_bytes === null ? "in use: not reported"
+    : `in use ${gb(g.used_bytes)} (llmgw ${gb(g.own_bytes)}, others ${gb(g.foreign_bytes)})`;
+  const others = g.processes.filter((p) => !p.own).map((p) => `${p.name || "pid " + p.pid} ${gb(p.used_bytes)}`);
+  return el("div", { class: "gpu", "data-gpu": g.index },
+    el("div", {}, el("b", {}, `GPU ${g.index} `), alloc, " · ", used,
+      others.length ? el("span", { class: "muted" }, " · others: " + others.join(", ")) : null),
+    bar);
+}
+
+function gpuSummary(n) {
+  if (!n.gpus.length) return `none (${n.gpu_status})`;
+  const names = {};
+  for (const g of n.gpus) names[`${g.name}, ${gb(g.total_bytes)}`] = (names[`${g.name}, ${gb(g.total_bytes)}`] || 0) + 1;
+  const kinds = Object.entries(names).map(([name, count]) => `${count}× ${name}`).join("; ");
+  return `${n.gpus_free} of ${n.gpus.length} free · ${kinds}`;
+}
+
+function nodeCard(n) {
+  const beat = el("span", { class: "age", "data-at": n.heartbeat_at ?? "" },
+    n.heartbeat_at ? age(routerNow() - n.heartbeat_at) : "never");
+  const kv = el("dl", { class: "kv" },
+    el("dt", {}, "heartbeat"), el("dd", {}, beat),
+    el("dt", {}, "RAM"), el("dd", {}, `${gb(n.ram_available_bytes)} free of ${gb(n.ram_total_bytes)}`),
+    el("dt", {}, "GPUs"), el("dd", {}, gpuSummary(n)),
+    el("dt", {}, "engines"), el("dd", {}, n.engines.map((e) => `${e.name} ${e.version || "?"}`).join(", ") || "none"),
+    el("dt", {}, "running"), el("dd", {}, n.running.join("; ") || "nothing"));
+  if (n.ops && (n.ops.cordoned || n.ops.drain)) {
+    kv.append(el("dt", {}, "operator"), el("dd", {}, (n.ops.drain ? "draining" : "cordoned") + (n.ops.reason ? ": " + n.ops.reason : "")));
+  }
+  if (n.phase !== "ready" && n.phase_reason) kv.append(el("dt", {}, "why"), el("dd", {}, n.phase_reason));
+  return el("div", { class: "node", "data-node": n.id, "data-phase": n.phase },
+    el("div", { class: "node-head" },
+      el("span", { class: "node-id" }, n.id), phase(n.phase),
+      el("span", { class: "muted" }, `${n.hostname} · ${n.address}`)),
+    kv,
+    ...n.gpus.map(gpuRow));
+}
+
+function holdings(f) {
+  if (!f.holds.length) return el("div", { class: "holds muted" }, "holds no weights the agents reported");
+  const ul = el("ul", { class: "refused" });
+  for (const h of f.holds) {
+    ul.append(el("li", { "data-holds": h.key }, h.key, el("span", { class: "muted" }, " · " +
+      h.copies.map((c) => `${c.kind} ${c.store} ${gb(c.bytes)} seen by ${c.nodes.length} node(s)`).join("; "))));
+  }
+  return el("div", { class: "holds" }, "holds:", ul);
+}
+
+function fabrics(state) {
+  const box = document.getElementById("fabrics");
+  const parts = [];
+  if (!state.fabrics.length) parts.push(el("p", { class: "muted" }, "No node has reported yet."));
+  for (const f of state.fabrics) {
+    parts.push(el("div", { class: "fabric", "data-fabric": f.name },
+      el("h3", {}, f.name ? "fabric " + f.name : "on no fabric", el("span", { class: "muted" }, ` · ${f.nodes.length} node(s)`)),
+      holdings(f),
+      el("div", { class: "nodes" }, ...f.nodes.map(nodeCard))));
+  }
+  parts.push(el("p", { class: "legend muted" },
+    el("span", {}, el("i", { class: "swatch own" }), "memory llmgw's engines use"),
+    el("span", {}, el("i", { class: "swatch foreign" }), "memory other processes use"),
+    el("span", {}, el("i", { class: "swatch allocated" }), "memory llmgw allocated")));
+  box.replaceChildren(...parts);
+}
+
+// --- polling -----------------------------------------------------------------------------
+
+function setStatus(state, text) {
+  const s = document.getElementById("status");
+  s.dataset.state = state;
+  s.textContent = text;
+}
+
+function render(state) {
+  skew = Date.now() / 1000 - state.now;
+  pollS = state.router.poll_s || pollS;
+  const r = state.router;
+  document.getElementById("router").textContent =
+    `router: ${r.source}${r.nats ? ", NATS " + r.nats : ""} · ${r.models_ready}/${r.models} model(s) served`;
+  models(state);
+  fabrics(state);
+  document.body.dataset.rendered = String((Number(document.body.dataset.rendered) || 0) + 1);
+}
+
+async function poll() {
+  try {
+    const resp = await fetch("/fleet/state", { cache: "no-store" });
+    if (!resp.ok) throw new Error("answered " + resp.status);
+    const state = await resp.json();
+    render(state);
+    lastOk = Date.now();
+    if (state.router.fleet_read === false) setStatus("loading", "reading the fleet…");
+    else setStatus("live", "live");
+  } catch (e) {
+    setStatus(lastOk ? "stale" : "down", `router not answering (${e.message}); retrying`);
+  }
+  setTimeout(poll, pollS * 1000);
+}
+
+function tick() {
+  for (const a of document.querySelectorAll(".age[data-at]")) {
+    const at = Number(a.dataset.at);
+    if (at) a.textContent = age(routerNow() - at);
+  }
+  if (lastOk && Date.now() - lastOk > 3 * pollS * 1000) {
+    setStatus("stale", `no answer for ${Math.round((Date.now() - lastOk) / 1000)} s; retrying`);
+  }
+}
+
+poll();
+setInterval(tick, 1000);
