@@ -260,6 +260,8 @@ def test_agent_init_writes_only_what_it_was_given(tmp_path):
         "nats": {"urls": ["nats://10.0.0.1:4222"]},
         "node": {"ram_total_gb": 32.0},
         "fabrics": {"mlx5_0": "ib-a"},
+        # a fleet node serves its metrics on the documented port unless told otherwise
+        "metrics": {"listen": "0.0.0.0:9464"},
     }
     again = llmgw("agent", "init", "--nats", "nats://x:4222", "--config", str(path))
     assert again.returncode == 1 and "--force" in again.stderr

@@ -76,6 +76,7 @@ def test_agent_md_example_is_a_valid_config_naming_every_key() -> None:
         ("intervals", config.Intervals),
         ("engines", config.Engines),
         ("paths", config.Paths),
+        ("metrics", config.Metrics),
     ):
         missing = [
             f.name

@@ -56,7 +56,9 @@ class EngineCollector(Collector):
             yield _info(node)
         shards = self._shards()
         engines = GaugeMetricFamily(
-            "llmgw_agent_engines", "Engines of this node, by the phase last reported", labels=["phase"]
+            "llmgw_agent_engines",
+            "Engines of this node, by the phase last reported",
+            labels=["phase"],
         )
         phases = Counter(s.phase for s in shards)
         for phase in records.ShardPhase.__args__:  # type: ignore[attr-defined]

@@ -15,6 +15,7 @@ from llmgw.agent.config import (
     write_config,
 )  # the config alone: plain msgspec
 from llmgw.bus.records import HEARTBEAT_S
+from llmgw.metrics_http import AGENT_PORT
 
 
 @click.group()
@@ -94,6 +95,12 @@ def _shared_pair(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
     default=None,
     help="file holding the key engines are started with (routers get the same file)",
 )
+@click.option(
+    "--metrics-listen",
+    default=f"0.0.0.0:{AGENT_PORT}",
+    show_default=True,
+    help='HOST:PORT of the agent\'s GET /metrics, for Prometheus ("": none)',
+)
 @click.option("--force", is_flag=True, help="overwrite an existing config")
 def agent_init(
     nats_urls,
@@ -114,6 +121,7 @@ def agent_init(
     shared,
     heartbeat,
     engine_api_key_file,
+    metrics_listen,
     force,
 ) -> None:
     """Write the agent config holding only what is given here (onboarding)."""
@@ -156,6 +164,8 @@ def agent_init(
         raw["intervals"] = {"heartbeat": heartbeat}
     if engine_api_key_file:
         raw["engines"] = {"api_key_file": engine_api_key_file}
+    if metrics_listen:
+        raw["metrics"] = {"listen": metrics_listen}
     import tomli_w
 
     # validated by the same code that reads it, before anything is written

@@ -146,8 +146,10 @@ def _table_of(r: FleetRecords, prefix: str) -> dict:
 
 class TtfbWindow:
     """Time to first byte per model over the last `window` seconds, from the router's
-    histogram (llmgw_router_time_to_first_byte_seconds): the cumulative buckets are sampled
-    when the page asks, and the oldest sample within the window is subtracted."""
+    histogram (llmgw_router_time_to_first_byte_seconds): its cumulative buckets are sampled
+    when the page asks, and the newest sample at least `window` old is subtracted. Until
+    there is one (a page open for less than a window), the figures are since the router
+    started, and say so (`window_s` None)."""
 
     def __init__(self, histogram, window: float = 60.0) -> None:
         self._histogram = histogram
@@ -157,14 +159,15 @@ class TtfbWindow:
     def sample(self, now: float) -> dict[str, dict[str, float | int | None]]:
         current = _per_model(self._histogram)
         self._samples.append((now, current))
-        # keep the newest sample older than the window as the base
-        while len(self._samples) > 2 and self._samples[1][0] <= now - self.window:
+        while len(self._samples) > 1 and self._samples[1][0] <= now - self.window:
             self._samples.popleft()
-        base = self._samples[0][1] if len(self._samples) > 1 else {}
+        old_enough = self._samples[0][0] <= now - self.window
+        base = self._samples[0][1] if old_enough else {}
         out = {}
         for model, buckets in current.items():
-            delta = buckets.minus(base.get(model))
-            out[model] = delta.summary()
+            summary = buckets.minus(base.get(model)).summary()
+            summary["window_s"] = self.window if old_enough else None
+            out[model] = summary
         return out
 
 

@@ -44,9 +44,10 @@ function routerNow() {
 function loadCell(load) {
   const t = load.ttfb;
   const queued = load.queued === null ? "–" : load.queued;
+  const since = t && t.window_s ? `in ${Math.round(t.window_s / 60)} min` : "since the router started";
   const ttfb = t && t.count
-    ? `p50 ${secs(t.p50_s)} · p95 ${secs(t.p95_s)} (${t.count} in 1 min)`
-    : "no requests in 1 min";
+    ? `p50 ${secs(t.p50_s)} · p95 ${secs(t.p95_s)} (${t.count} ${since})`
+    : "no requests " + (t ? since : "yet");
   return el("td", { "data-role": "load" },
     el("div", {}, `in flight ${load.in_flight} · queued ${queued}`),
     el("div", { class: "muted" }, "first token " + ttfb));

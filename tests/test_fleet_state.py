@@ -1,0 +1,170 @@
+"""The fleet page's document, its router-side cost, and the metrics' pure parts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import aiohttp
+import anyio
+import msgspec
+import pytest
+from prometheus_client import CollectorRegistry, Histogram
+from router_helpers import router_settings
+from waiting import until
+
+from llmgw.agent.config import ConfigError, parse_config
+from llmgw.bus import records
+from llmgw.bus.client import Bus
+from llmgw.controller.metrics import main_reason, unplaced_count
+from llmgw.router.fleet import NO_FABRIC, FleetRecords, TtfbWindow, fleet_state
+from llmgw.router.proxy import ProxySettings
+from llmgw.router.service import Router
+from llmgw.testing.sim import SimNode, inventory
+
+GB = 10**9
+
+
+def _replica(model: str, rid: str, node: str, gpus: list[str], phase="ready") -> records.Replica:
+    return records.Replica(
+        model=model,
+        rid=rid,
+        profile="p",
+        members=[records.ReplicaMember(node=node, rank=0, gpus=gpus, port=18000)],
+        phase=phase,
+        endpoint="10.0.0.1:18000" if phase == "ready" else None,
+    )
+
+
+def test_nodes_are_grouped_by_fabric_with_free_gpus_and_what_llmgw_allocated():
+    a = inventory("a", gpus=4, fabric="ib-a")
+    b = inventory("b", gpus=2)
+    r = FleetRecords(
+        # the value names another node: the key's id is the one shown
+        nodes={"a": a, "b": msgspec.structs.replace(b, node="evil")},
+        ops={"a": records.NodeOps(node="a", gpus_out=["GPU-a-03"])},
+        replicas={
+            ("m", "r1"): _replica("m", "r1", "a", ["GPU-a-00", "GPU-a-01"]),
+            # a stopped replica's engines are gone: its GPUs are free
+            ("m", "r0"): _replica("m", "r0", "a", ["GPU-a-02"], phase="stopped"),
+        },
+    )
+    state = fleet_state(r, {}, now=100.0, router={})
+    assert [(f["name"], [n["id"] for n in f["nodes"]]) for f in state["fabrics"]] == [
+        ("ib-a", ["a"]),
+        (NO_FABRIC, ["b"]),
+    ]
+    node_a = state["fabrics"][0]["nodes"][0]
+    assert node_a["gpus_free"] == 1  # 0 and 1 held by r1, 3 out of service
+    assert node_a["gpus"][0]["allocated"] == {
+        "model": "m",
+        "replica": "r1",
+        "bytes": 80 * GB,
+        "whole": True,
+    }
+    assert node_a["gpus"][2]["allocated"] is None
+    assert node_a["gpus"][3]["out_of_service"] is True
+    assert state["fabrics"][1]["nodes"][0]["phase"] == "unjudged"  # no health record yet
+
+
+def test_a_model_waiting_says_how_many_replicas_and_why():
+    rec = records.PlacementRecord(
+        model="big",
+        desired=2,
+        placed=0,
+        waiting=2,
+        judged=6,
+        refused=[
+            records.RefusedNodes(profile="p", reason="gpus", nodes=4, needs=16),
+            records.RefusedNodes(profile="p", reason="lost", nodes=2),
+        ],
+        explanation="0/6 nodes fit: 4 short of free GPUs, 2 lost",
+    )
+    state = fleet_state(FleetRecords(placements={"big": rec}), {}, now=0.0, router={})
+    (model,) = state["models"]
+    assert model["placement"]["unplaced"] == 2
+    assert model["placement"]["explanation"] == rec.explanation
+    assert [x["nodes"] for x in model["placement"]["refused"]] == [4, 2]
+    assert unplaced_count(rec) == 2 and main_reason(rec) == "gpus"
+
+
+def test_the_unplaced_reason_is_the_block_else_the_one_refusing_most_nodes():
+    blocked = records.PlacementRecord(model="m", desired=1, placed=0, blocked="unknown-profile")
+    assert main_reason(blocked) == "unknown-profile"
+    empty = records.PlacementRecord(model="m", desired=1, placed=0)
+    assert main_reason(empty) == "none"
+    # a rollout's replacement waiting while the old replica still counts as placed
+    rollout = records.PlacementRecord(model="m", desired=1, placed=1, waiting=1)
+    assert unplaced_count(rollout) == 1
+
+
+def test_time_to_first_byte_counts_only_the_last_window():
+    registry = CollectorRegistry()
+    h = Histogram("ttfb", "t", ["model", "replica"], buckets=(0.1, 0.5, 1, 5), registry=registry)
+    window = TtfbWindow(h, window=60)
+    for _ in range(9):
+        h.labels("m", "r1").observe(4.0)  # slow, long ago
+    first = window.sample(0.0)["m"]
+    assert first["count"] == 9 and first["window_s"] is None  # since the router started
+    for _ in range(10):
+        h.labels("m", "r2").observe(0.2)  # both replicas of one model count
+    assert window.sample(30.0)["m"]["count"] == 19
+    later = window.sample(61.0)["m"]  # the sample at 0 is a minute old: the base
+    assert later["count"] == 10 and later["window_s"] == 60
+    assert 0.1 < later["p50_s"] <= 0.5 and later["p95_s"] <= 0.5
+    assert later["mean_s"] == pytest.approx(0.2)
+    quiet = window.sample(200.0)["m"]  # nothing new within a minute
+    assert quiet["count"] == 0 and quiet["p50_s"] is None
+
+
+def test_a_bad_metrics_address_names_the_key():
+    with pytest.raises(ConfigError, match="metrics.listen.*HOST:PORT"):
+        parse_config('[metrics]\nlisten = "9464"\n')
+
+
+async def _get(url: str) -> tuple[int, bytes, dict]:
+    async with aiohttp.ClientSession() as http, http.get(url) as r:
+        return r.status, await r.read(), dict(r.headers)
+
+
+@pytest.mark.anyio
+async def test_the_router_follows_nodes_only_while_a_page_asks(nats_settings, bus):
+    sim = SimNode(bus, inventory("n1", gpus=2), heartbeat=0.2)
+    await sim.register()
+    router = Router(router_settings())
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sim.run)
+        await tg.start(router.serve_bucket, lambda: Bus.connect(nats_settings, give_up_after=5))
+        router.page.watch.idle_after = 0.5
+        await until(lambda: _true(router.table.synced))
+        status, page, headers = await _get(router.url + "/")
+        assert status == 200 and b"/fleet/fleet.js" in page
+        assert "script-src 'self'" in headers["Content-Security-Policy"]
+        assert router.page.watch.watching is False  # the page alone reads nothing
+
+        status, body, _ = await _get(router.url + "/fleet/state")
+        state = msgspec.json.decode(body)
+        assert status == 200 and state["router"]["fleet_read"] is True
+        assert [n["id"] for f in state["fabrics"] for n in f["nodes"]] == ["n1"]
+        assert router.page.watch.watching is True
+
+        # nobody asks any more: the watches stop, and what they held is dropped
+        await until(lambda: _true(not router.page.watch.watching))
+        assert router.page.watch.records.nodes == {}
+        status, body, _ = await _get(router.url + "/fleet/state")  # and start again
+        assert [n["id"] for f in msgspec.json.decode(body)["fabrics"] for n in f["nodes"]] == ["n1"]
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_a_router_without_the_page_answers_404_there():
+    router = Router(replace(router_settings(), proxy=ProxySettings(page=False)))
+    async with anyio.create_task_group() as tg:
+        await tg.start(router.serve_static, [])
+        for path in ("/", "/fleet/state", "/fleet/fleet.js"):
+            status, _, _ = await _get(router.url + path)
+            assert status == 404, path
+        tg.cancel_scope.cancel()
+
+
+async def _true(value: bool) -> bool:
+    return value
