@@ -42,3 +42,33 @@ def test_agent_unit_verifies_cleanly(tmp_path: Path) -> None:
     from llmgw.agent.service import EX_CONFIG
 
     assert f"RestartPreventExitStatus={EX_CONFIG}" in text.splitlines()
+
+
+def test_controller_unit_verifies_and_serves_metrics_on_the_documented_port(tmp_path: Path):
+    from llmgw.metrics_http import CONTROLLER_PORT
+
+    text = _verify(DEPLOY / "llmgw-controller.service", "/opt/llmgw/bin/llmgw", tmp_path)
+    assert f"--metrics-listen 0.0.0.0:{CONTROLLER_PORT}" in text
+
+
+def test_prometheus_example_scrapes_every_component_on_its_documented_port():
+    from llmgw.metrics_http import AGENT_PORT, CONTROLLER_PORT
+
+    text = (DEPLOY / "prometheus.yml").read_text()
+    for job, port in (("llmgw-agent", AGENT_PORT), ("llmgw-controller", CONTROLLER_PORT)):
+        assert f"job_name: {job}" in text and f":{port}" in text
+    assert "job_name: llmgw-router" in text and ":8080" in text
+
+
+def test_grafana_dashboard_queries_only_series_the_components_export():
+    import json
+    import re
+
+    dashboard = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert exprs
+    documented = (Path(__file__).parent.parent / "docs" / "metrics.md").read_text()
+    for expr in exprs:
+        for name in re.findall(r"llmgw_[a-z_]+", expr):
+            base = re.sub(r"_(bucket|sum|count|total)$", "", name)
+            assert f"`{base}" in documented, f"{name} in the dashboard is not in docs/metrics.md"

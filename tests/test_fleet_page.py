@@ -278,14 +278,19 @@ async def test_the_page_shows_every_node_and_model_and_a_killed_node_turns_unrea
         await tab.screenshot(artifacts_dir() / "fleet-page-node-unreachable.png")
 
 
+DOCUMENTED = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
+
+
 async def _scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-    """/metrics parsed by prometheus_client: sample name -> labels -> value."""
+    """/metrics parsed by prometheus_client: sample name -> labels -> value. Every family
+    it carries is one docs/metrics.md documents."""
     async with aiohttp.ClientSession() as http, http.get(url) as r:
         assert r.status == 200
         assert r.headers["content-type"].startswith("text/plain")
         text = await r.text()
     out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for family in text_string_to_metric_families(text):
+        assert f"`{family.name}" in DOCUMENTED, f"{family.name} is not in docs/metrics.md"
         for s in family.samples:
             out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
     return out

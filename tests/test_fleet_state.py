@@ -168,3 +168,22 @@ async def test_a_router_without_the_page_answers_404_there():
 
 async def _true(value: bool) -> bool:
     return value
+
+
+@pytest.mark.anyio
+async def test_a_metrics_address_taken_stops_the_component_naming_it():
+    import socket
+
+    from llmgw.errors import stated
+    from llmgw.metrics_http import MetricsListenError, serve_metrics
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(BaseException) as raised:
+            async with anyio.create_task_group() as tg:
+                await tg.start(serve_metrics, CollectorRegistry(), ("127.0.0.1", port))
+    problem = stated(raised.value)  # what the CLI prints, one line, no traceback
+    assert isinstance(problem, MetricsListenError)
+    assert f"127.0.0.1:{port}" in str(problem) and "address already in use" in str(problem)
