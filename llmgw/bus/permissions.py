@@ -120,7 +120,7 @@ def controller_permissions(bucket: str = keys.DEFAULT_BUCKET) -> dict[str, objec
 
 
 def router_permissions(bucket: str = keys.DEFAULT_BUCKET) -> dict[str, object]:
-    """A router only reads the bucket (catalog, replicas, shards)."""
+    """A router only reads the bucket (catalog, replicas, shards; its fleet page the rest)."""
     keys.check_token(bucket, "bucket")
     return {
         "publish": {"allow": _kv_read(bucket)},

@@ -262,15 +262,16 @@ def fleet_state(
     """The page's document. Every string in it is from the bucket: the page sets it as
     text, never as markup."""
     held = _gpus_held(r)
+    ix = _Index.of(r)
     groups: dict[str, list[str]] = {}
     for node in sorted(r.nodes):
-        groups.setdefault(_fabric_of(node, r), []).append(node)
+        groups.setdefault(ix.fabric_of(node, r), []).append(node)
     fabrics = []
     for name in sorted(groups, key=lambda g: (g == NO_FABRIC, g)):
         fabrics.append(
             {
                 "name": name,
-                "nodes": [_node(n, r, held, now) for n in groups[name]],
+                "nodes": [_node(n, r, held, ix) for n in groups[name]],
                 "holds": _holdings(name, groups[name], r),
             }
         )
@@ -279,21 +280,45 @@ def fleet_state(
         "now": now,
         "router": router,
         "fabrics": fabrics,
-        "models": [_model(m, r, load.get(m)) for m in names],
+        "models": [_model(m, r, load.get(m), ix) for m in names],
         # where each router's published load per model goes, summed over the fleet (the
         # autoscaling work adds it); until then the page shows this router's own figures
         "load": {"scope": "this router", "fleet": None},
     }
 
 
-def _fabric_of(node: str, r: FleetRecords) -> str:
-    """The fabric group a node is shown in: the controller's fabrics.<fabric> that lists it
-    (not an island), else the first active fabric its inventory names, else none."""
-    for name, f in sorted(r.fabrics.items()):
-        if not f.island and node in f.nodes:
-            return name
-    inv = r.nodes[node]
-    return min(inv.fabrics(), default=NO_FABRIC)
+@dataclass
+class _Index:
+    """The records by what the document looks them up by, built once per document (a fleet
+    of 200 nodes and 300 replicas is looked through once, not once per node and model)."""
+
+    fabric: dict[str, str]  # node -> the controller's (non-island) fabric that lists it
+    shards_by_node: dict[str, list[tuple[str, records.Shard]]]  # (rid, its shard) in rid order
+    shards_by_rid: dict[str, list[records.Shard]]  # in node order
+    replicas_by_model: dict[str, list[records.Replica]]  # in rid order
+    replica: dict[str, records.Replica]  # by rid
+
+    @classmethod
+    def of(cls, r: FleetRecords) -> _Index:
+        fabric: dict[str, str] = {}
+        for name, f in sorted(r.fabrics.items(), reverse=True):  # the first name wins
+            if not f.island:
+                fabric.update(dict.fromkeys(f.nodes, name))
+        by_node: dict[str, list[tuple[str, records.Shard]]] = {}
+        by_rid: dict[str, list[records.Shard]] = {}
+        for (node, rid), shard in sorted(r.shards.items()):
+            by_node.setdefault(node, []).append((rid, shard))
+            by_rid.setdefault(rid, []).append(shard)
+        by_model: dict[str, list[records.Replica]] = {}
+        for (model, _), rep in sorted(r.replicas.items()):
+            by_model.setdefault(model, []).append(rep)
+        replica = {rid: rep for (_, rid), rep in r.replicas.items()}
+        return cls(fabric, by_node, by_rid, by_model, replica)
+
+    def fabric_of(self, node: str, r: FleetRecords) -> str:
+        """The fabric group a node is shown in: the controller's fabrics.<fabric> that lists
+        it (not an island), else the first active fabric its inventory names, else none."""
+        return self.fabric.get(node) or min(r.nodes[node].fabrics(), default=NO_FABRIC)
 
 
 def _holdings(fabric: str, nodes: list[str], r: FleetRecords) -> list[dict[str, Any]]:
@@ -340,9 +365,10 @@ def _node(
     node: str,
     r: FleetRecords,
     held: dict[tuple[str, str], tuple[records.Replica, int]],
-    now: float,
+    ix: _Index,
 ) -> dict[str, Any]:
     inv = r.nodes[node]
+    replica_of = ix.replica
     lease = r.leases.get(node)
     health = r.health.get(node)
     ops = r.ops.get(node)
@@ -389,31 +415,31 @@ def _node(
         "gpus": gpus,
         "gpus_free": free,
         "engines": [{"name": e.name, "version": e.version} for e in inv.engines],
-        "running": sorted(
-            f"{s.model} {s.rid} {s.phase}" for (n, _), s in r.shards.items() if n == node
-        ),
+        # the rid its key names (a reader trusts the key), the model its replica names
+        "running": [
+            f"{rep.model if (rep := replica_of.get(rid)) else s.model} {rid} {s.phase}"
+            for rid, s in ix.shards_by_node.get(node, [])
+        ],
         "ops": None
         if ops is None
         else {"cordoned": ops.cordoned, "drain": ops.drain, "reason": ops.reason},
     }
 
 
-def _model(model: str, r: FleetRecords, load: dict[str, Any] | None) -> dict[str, Any]:
+def _model(model: str, r: FleetRecords, load: dict[str, Any] | None, ix: _Index) -> dict[str, Any]:
     cat = r.models.get(model)
     desired = r.desired.get(model)
     p = r.placements.get(model)
     replicas = []
-    for (m, rid), rep in sorted(r.replicas.items()):
-        if m != model:
-            continue
+    for rep in ix.replicas_by_model.get(model, []):
         replicas.append(
             {
-                "rid": rid,
+                "rid": rep.rid,
                 "profile": rep.profile,
                 "phase": rep.phase,
                 "endpoint": rep.endpoint,
                 "nodes": [mem.node for mem in rep.members],
-                "shards": [s.phase for (n, sid), s in sorted(r.shards.items()) if sid == rid],
+                "shards": [s.phase for s in ix.shards_by_rid.get(rep.rid, [])],
             }
         )
     placement = None

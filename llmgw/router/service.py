@@ -53,7 +53,8 @@ class StaticKeys:
         return self._read[path]
 
 
-# what the router reads of the bucket (never nodes.* or leases.*: big, or frequent)
+# what the router reads of the bucket to route (never nodes.* or leases.*: big, or
+# frequent; the fleet page reads those only while a page is open: router/fleet.py)
 WATCHED = (
     keys.pattern(keys.CATALOG),
     keys.pattern(keys.REPLICAS),
