@@ -132,27 +132,13 @@ async def fleet(nats_server, nats_settings, bus, bins, tmp_path) -> AsyncIterato
     agent = Agent(cfg, hardware=Hardware(gpus=lambda lookup: discover_gpus(nvml, lookup)))
     # simulated nodes: two on fabric ib-a sharing a filer that holds the big model, one on
     # no fabric
-    filer = "nfs:filer01:/export/models"
-    sims = {
-        n: SimNode(bus, inv, heartbeat=0.2)
-        for n, inv in {
-            "sim-1": inventory(
-                "sim-1",
-                gpus=8,
-                fabric="ib-a",
-                engines=("vllm",),
-                held=[("meta-llama/Llama-3.1-405B-Instruct", filer)],
-            ),
-            "sim-2": inventory(
-                "sim-2",
-                gpus=8,
-                fabric="ib-a",
-                engines=("vllm",),
-                held=[("meta-llama/Llama-3.1-405B-Instruct", filer)],
-            ),
-            "sim-3": inventory("sim-3", gpus=4, engines=("vllm",)),
-        }.items()
-    }
+    on_filer = dict(fabric="ib-a", held=[("meta-llama/Llama-3.1-405B-Instruct", "nfs:filer01:/m")])
+    invs = [
+        inventory("sim-1", gpus=8, engines=("vllm",), **on_filer),
+        inventory("sim-2", gpus=8, engines=("vllm",), **on_filer),
+        inventory("sim-3", gpus=4, engines=("vllm",)),
+    ]
+    sims = {inv.node: SimNode(bus, inv, heartbeat=0.2) for inv in invs}
     gguf = write_fake_gguf(tmp_path / "weights" / "tiny.gguf")
     tiny = cpu_model(str(gguf), gpus_per_node=1)
     router = Router(router_settings())
