@@ -187,3 +187,15 @@ async def test_a_metrics_address_taken_stops_the_component_naming_it():
     problem = stated(raised.value)  # what the CLI prints, one line, no traceback
     assert isinstance(problem, MetricsListenError)
     assert f"127.0.0.1:{port}" in str(problem) and "address already in use" in str(problem)
+
+
+def test_no_chromium_skips_except_where_it_is_required(tmp_path, monkeypatch):
+    from chromium import REQUIRE, find_chromium
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no browser on it
+    monkeypatch.delenv(REQUIRE, raising=False)
+    with pytest.raises(pytest.skip.Exception):
+        find_chromium()
+    monkeypatch.setenv(REQUIRE, "1")
+    with pytest.raises(pytest.fail.Exception, match=REQUIRE):
+        find_chromium()
