@@ -156,6 +156,24 @@ async def test_the_router_follows_nodes_only_while_a_page_asks(nats_settings, bu
 
 
 @pytest.mark.anyio
+async def test_a_router_only_run_shows_its_static_models_at_once(tmp_path):
+    from llmgw import catalog
+
+    # never reached: the page asks no engine
+    model = catalog.Model(id="tiny", served_name="tiny-chat", endpoints=["http://127.0.0.1:9"])
+    router = Router(router_settings())
+    async with anyio.create_task_group() as tg:
+        await tg.start(router.serve_static, [model])
+        status, body, _ = await _get(router.url + "/fleet/state")
+        state = msgspec.json.decode(body)
+        assert status == 200 and [m["id"] for m in state["models"]] == ["tiny"]
+        # read in full: no bucket to wait for (a bucket router says false until it has read)
+        assert state["router"]["fleet_read"] is True
+        assert state["fabrics"] == [] and router.page.watch.watching is False
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
 async def test_a_router_without_the_page_answers_404_there():
     router = Router(replace(router_settings(), proxy=ProxySettings(page=False)))
     async with anyio.create_task_group() as tg:

@@ -82,18 +82,16 @@ class FleetPage:
         await resp.send(200, body, content_type=kind, headers=_HEADERS)
 
     async def state(self) -> bytes:
-        synced = await self.watch.wanted(FIRST_READ_WAIT_S)
+        info = self._router_info()
+        # a router-only run (a catalog file) has no bucket to read: its table is all
+        synced = info.get("source") != "nats" or await self.watch.wanted(FIRST_READ_WAIT_S)
         async with self._building:
             now = time.monotonic()
             if self._built is not None and now - self._built[0] < REBUILD_AFTER_S:
                 return self._built[1]
             records = self._records()
             load = router_load(list(self.table.backends()), self._ttfb.sample(now))
-            info = {
-                **self._router_info(),
-                "fleet_read": synced,
-                "poll_s": POLL_S,
-            }
+            info = {**info, "fleet_read": synced, "poll_s": POLL_S}
             body = await anyio.to_thread.run_sync(
                 lambda: encode_state(fleet_state(records, load, time.time(), info))
             )
