@@ -565,6 +565,13 @@ def growth(rows: list[Row], value) -> list[str]:
 
 
 def report(args: argparse.Namespace, rows: list[Row], st: Storm | None) -> None:
+    if rows:
+        fleet_table(args, rows)
+    if st is not None:
+        storm_report(st)
+
+
+def fleet_table(args: argparse.Namespace, rows: list[Row]) -> None:
     print()
     print(
         f"heartbeat {args.heartbeat:g} s; window {args.window:g} s; unreachable after "
@@ -613,24 +620,26 @@ def report(args: argparse.Namespace, rows: list[Row], st: Storm | None) -> None:
             print(f"\ncontroller profile at {r.nodes:,} nodes (py-spy: share of busy samples):")
             for frame, share in r.profile:
                 print(f"  {share:6.1%}  {frame}")
-    if st is not None:
+
+
+def storm_report(st: Storm) -> None:
+    print(
+        f"\nreconnect storm, {st.nodes:,} nodes on a connection each (connected in "
+        f"{st.connected_s:.0f} s): server down {st.down_s:.2f} s; from back up to every "
+        f"node reconnected {st.reconnected_s:.2f} s, to every lease moving {st.moved_s:.2f} s"
+    )
+    for what, counts in (
+        ("connection attempts the backoff planned", st.attempt_buckets),
+        ("reconnects (connected again)", st.per_bucket),
+    ):
+        peak = max(counts, default=0)
+        first = next((b for b, c in enumerate(counts) if c), 0)
         print(
-            f"\nreconnect storm, {st.nodes:,} nodes on a connection each (connected in "
-            f"{st.connected_s:.0f} s): server down {st.down_s:.2f} s; from back up to every "
-            f"node reconnected {st.reconnected_s:.2f} s, to every lease moving {st.moved_s:.2f} s"
+            f"{what}, per 100 ms from the server's stop: peak {peak} "
+            f"({peak / st.nodes:.1%} of the fleet), {sum(counts)} in all over "
+            f"{len(counts) - first} buckets from {first / 10:.1f} s"
         )
-        for what, counts in (
-            ("connection attempts the backoff planned", st.attempt_buckets),
-            ("reconnects (connected again)", st.per_bucket),
-        ):
-            peak = max(counts, default=0)
-            first = next((b for b, c in enumerate(counts) if c), 0)
-            print(
-                f"{what}, per 100 ms from the server's stop: peak {peak} "
-                f"({peak / st.nodes:.1%} of the fleet), {sum(counts)} in all over "
-                f"{len(counts) - first} buckets from {first / 10:.1f} s"
-            )
-            print("  " + " ".join(str(c) for c in counts[first:]))
+        print("  " + " ".join(str(c) for c in counts[first:]))
 
 
 def spread(values: list[float]) -> str:
