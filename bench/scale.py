@@ -53,7 +53,7 @@ import anyio
 import anyio.abc
 
 # the same fleet, processes and CPU sampling as the controller's own bench
-from reconcile import WATCHER, Processes, catalog_models, cpu_over, fleet_node  # noqa: I001
+from reconcile import WATCHER, Processes, catalog_models, fleet_node, measured_window  # noqa: I001
 
 from llmgw import catalog
 from llmgw.bus import keys, records
@@ -387,16 +387,13 @@ async def measure(args, nodes, profile, tmp, server, procs, writers, bus) -> Row
         print(f"  {nodes}: registered in {registered:.1f} s, first pass {first - started:.1f} s")
         await anyio.sleep(args.settle)
 
-        stream = f"KV_{keys.DEFAULT_BUCKET}"
-        seq0 = (await bus.js.stream_info(stream)).state.last_seq
         pids = {
             "controller": controller.pid,
             "watch-only": watcher.pid,
             "nats-server": server.process.pid,
             **writers.pids,
         }
-        usage = await anyio.to_thread.run_sync(cpu_over, pids, args.window)
-        writes = (await bus.js.stream_info(stream)).state.last_seq - seq0
+        usage, writes = await measured_window(bus, pids, args.window)
         wall = usage["controller"].wall_s
         cpu = {name: u.per_s for name, u in usage.items() if not name.startswith("writer")}
         per_writer = [u.per_s for name, u in usage.items() if name.startswith("writer")]
