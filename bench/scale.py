@@ -200,7 +200,7 @@ class Seen:
     """What the bench saw the controller write, with the wall time it arrived."""
 
     health: dict[str, str] = field(default_factory=dict)
-    health_at: dict[tuple[str, str], float] = field(default_factory=dict)  # (node, phase)
+    health_at: dict[tuple[str, str], float] = field(default_factory=dict)  # (node, phase): when
     assigned: set[str] = field(default_factory=set)  # rids of MODEL assigned to run
     all_assigned_at: float | None = None
     desired_at: float | None = None
@@ -213,8 +213,9 @@ class Seen:
             async for item in items:
                 if isinstance(item, Update) and item.value is not None:
                     node, phase = item.key.split(".", 1)[1], item.value.phase
+                    if self.health.get(node) != phase:  # the latest move into each phase
+                        self.health_at[(node, phase)] = time.time()
                     self.health[node] = phase
-                    self.health_at.setdefault((node, phase), time.time())
 
     async def follow_placing(self, bus: Bus, replicas: int) -> None:
         async def assigns() -> None:
