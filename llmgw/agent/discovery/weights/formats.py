@@ -251,6 +251,12 @@ def missing_numbered_shards(names: Iterable[str]) -> list[str]:
     return sorted(missing)
 
 
+def _prefix(directory: Path) -> str:
+    """`directory` as a str ending in "/": a file's path is then one concatenation."""
+    base = str(directory)
+    return base if base.endswith("/") else base + "/"
+
+
 def check_safetensors_dir(
     directory: Path,
     files: Sequence[str],
@@ -263,13 +269,13 @@ def check_safetensors_dir(
     listing the caller already has; `check_file` checks one file and `read_index` reads an
     index (a cache may wrap them). Files are named by str paths: thousands of shards per
     scan, and a pathlib join costs more than the stat a cached check needs."""
-    base = str(directory)
+    base = _prefix(directory)
     indexes = sorted(n for n in files if n.endswith(SAFETENSORS_INDEX_SUFFIX))
     if indexes:
         wanted: set[str] = set()
         for index in indexes:
             try:
-                wanted.update(read_index(os.path.join(base, index)))
+                wanted.update(read_index(base + index))
             except ValueError as exc:
                 return _bad(index, "does not parse", str(exc))
             except OSError as exc:
@@ -282,7 +288,7 @@ def check_safetensors_dir(
     for name in sorted(wanted) + missing_numbered_shards(wanted):
         if name not in present:
             return _bad(name, "missing", "named by the index" if indexes else "")
-    return combine(check_file(os.path.join(base, n)) for n in sorted(wanted))
+    return combine(check_file(base + n) for n in sorted(wanted))
 
 
 # --- GGUF
@@ -628,5 +634,5 @@ def check_gguf_split(
     for name in names:
         if name not in present:
             return _bad(name, "missing", f"part of {split.total}")
-    base = str(directory)
-    return combine(check_file(os.path.join(base, n)) for n in names)
+    base = _prefix(directory)
+    return combine(check_file(base + n) for n in names)
