@@ -191,6 +191,16 @@ def cpu_over(pids: dict[str, int], seconds: float) -> dict[str, Usage]:
     return {name: Usage(cpu(p) - before[name], wall) for name, p in handles.items()}
 
 
+async def measured_window(
+    bus: Bus, pids: dict[str, int], seconds: float
+) -> tuple[dict[str, Usage], int]:
+    """CPU of each process over `seconds`, and how many bucket writes came meanwhile."""
+    stream = f"KV_{keys.DEFAULT_BUCKET}"
+    seq0 = (await bus.js.stream_info(stream)).state.last_seq
+    usage = await anyio.to_thread.run_sync(cpu_over, pids, seconds)
+    return usage, (await bus.js.stream_info(stream)).state.last_seq - seq0
+
+
 async def until(what: str, timeout: float, check) -> None:
     with anyio.move_on_after(timeout):
         while not await check():
@@ -301,16 +311,13 @@ async def steady_state(
     await until("replicas ready", 60, lambda: replicas_ready(bus))
     await anyio.sleep(args.settle)
 
-    stream = f"KV_{keys.DEFAULT_BUCKET}"
-    seq0 = (await bus.js.stream_info(stream)).state.last_seq
     pids = {
         "controller": controller.pid,
         "watcher": watcher.pid,
         "writer": writer.pid,
         "nats-server": server.process.pid,  # type: ignore[union-attr]
     }
-    usage = await anyio.to_thread.run_sync(cpu_over, pids, args.seconds)
-    writes = (await bus.js.stream_info(stream)).state.last_seq - seq0
+    usage, writes = await measured_window(bus, pids, args.seconds)
     health = await bus.list("health.*", decoder(records.Health))
     not_ready = sum(1 for e in health.values() if e.value.phase != "ready")
     if controller.poll() is not None or watcher.poll() is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 
 import anyio
 import msgspec
@@ -463,12 +464,19 @@ async def test_requests_unanswered_while_the_server_still_reaches_jetstream_move
 
 
 def test_backoff_grows_with_jitter_and_is_reset_only_explicitly() -> None:
-    b = Backoff(base=1.0, cap=8.0, rng=random.Random(1))
-    delays = [b.next_delay() for _ in range(6)]
+    rng = random.Random(1)
+    fleet = [Backoff(base=1.0, cap=8.0, rng=rng) for _ in range(400)]
+    rounds = [[b.next_delay() for b in fleet] for _ in range(6)]
     ceilings = [1, 2, 4, 8, 8, 8]
-    assert all(c / 2 <= d <= c for d, c in zip(delays, ceilings, strict=True))
-    assert delays[3] > delays[0]  # the seed's bug: it never grew
-    assert len({round(d, 6) for d in delays}) == 6  # jittered: no lockstep
+    for delays, ceiling in zip(rounds, ceilings, strict=True):
+        assert all(0 <= d <= ceiling for d in delays)
+        # spread over the whole [0, ceiling]: a fleet that lost its server together does not
+        # come back together (a quarter of it in one tenth of the window was the lockstep)
+        tenths = Counter(int(d / ceiling * 10) for d in delays)
+        assert max(tenths.values()) < len(fleet) / 5
+    means = [sum(delays) / len(delays) for delays in rounds]
+    assert means[3] > 2 * means[0]  # the seed's bug: it never grew
+    b = fleet[0]
     b.reset()
     assert b.next_delay() <= 1.0
 

@@ -388,6 +388,31 @@ def test_cached_scan_sees_a_file_that_shrank(tmp_path: Path) -> None:
     assert keys(scan(tmp_path / "w", cache=cache)) == []
 
 
+def test_cached_scan_rereads_a_file_rewritten_at_the_same_size(tmp_path: Path) -> None:
+    shard = tmp_path / "w" / "m" / "model.safetensors"
+    write_safetensors(shard)
+    cache = FileCheckCache()
+    assert keys(scan(tmp_path / "w", cache=cache)) == ["m"]
+    before = shard.stat()
+    with shard.open("r+b") as f:  # same size, header overwritten: no longer safetensors
+        f.write(struct.pack("<Q", 1 << 40))
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    assert shard.stat().st_size == before.st_size
+    w = scan(tmp_path / "w", cache=cache)
+    assert keys(w) == [] and "header" in w.incomplete[0].reason
+
+
+def test_cached_scan_rereads_an_index_that_changed(tmp_path: Path) -> None:
+    write_sharded(tmp_path / "w" / "big", 2)
+    cache = FileCheckCache()
+    assert keys(scan(tmp_path / "w", cache=cache)) == ["big"]
+    index = tmp_path / "w" / "big" / "model.safetensors.index.json"
+    names = json.loads(index.read_text())["weight_map"]
+    index.write_text(json.dumps({"weight_map": {**names, "t9": "extra.safetensors"}}))
+    w = scan(tmp_path / "w", cache=cache)
+    assert keys(w) == [] and "extra.safetensors" in w.incomplete[0].reason
+
+
 def test_growing_download_does_not_change_what_is_resent(tmp_path: Path) -> None:
     size = write_safetensors(tmp_path / "w" / "m" / "model.safetensors", 1 << 20, short_by=1 << 19)
     first = scan(tmp_path / "w")
@@ -438,7 +463,7 @@ def test_malformed_files_are_bad_files_beside_good_ones(tmp_path: Path) -> None:
 def test_an_exception_checking_one_model_is_reported_and_the_scan_goes_on(tmp_path: Path) -> None:
     class Failing(FileCheckCache):
         def check(self, path, fn):
-            if path.name == "bad.gguf":
+            if os.path.basename(path) == "bad.gguf":
                 raise RuntimeError("a bug, or a bound someone missed")
             return super().check(path, fn)
 

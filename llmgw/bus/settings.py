@@ -36,7 +36,7 @@ class NatsSettings:
     inbox_prefix: str | None = None
     connect_timeout: float = 2.0
     healthy_after: float = DEFAULT_HEALTHY_AFTER
-    backoff_base: float = 0.5
+    backoff_base: float = 1.0  # first reconnect within [0, 1] s: spread (bus/backoff.py)
     backoff_cap: float = 30.0
 
     def check_urls(self) -> None:

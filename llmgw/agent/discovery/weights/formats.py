@@ -17,6 +17,7 @@ breaks a bound is a bad file with a reason, never an exception out of the scan.
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import struct
@@ -95,7 +96,7 @@ def combine(checks: Iterable[Check]) -> Check:
 SAFETENSORS_MAX_HEADER = 100_000_000
 
 
-class _TensorEntry(msgspec.Struct):
+class _TensorEntry(msgspec.Struct, gc=False):  # gc=False: no cycles, 15% faster to decode
     # unknown fields (dtype, shape, and all of __metadata__) are skipped by the C decoder
     data_offsets: tuple[int, int] | None = None
 
@@ -113,38 +114,49 @@ def safetensors_required_size(header_len: int, header: bytes) -> int:
     except RecursionError:
         # msgspec bounds nesting by the interpreter's recursion limit; real headers nest 3 deep
         raise ValueError("header nests JSON deeper than any safetensors header") from None
-    end = 0
-    for name, entry in entries.items():
-        offsets = entry.data_offsets
-        if offsets is None:
-            if name == "__metadata__":
-                continue
-            raise ValueError(f"tensor {name!r} has no data_offsets")
-        begin, stop = offsets
-        if not 0 <= begin <= stop:
-            raise ValueError(f"tensor {name!r} has data_offsets {list(offsets)}")
-        if stop > end:
-            end = stop
+    meta = entries.get("__metadata__")
+    if meta is not None and meta.data_offsets is None:
+        del entries["__metadata__"]  # free-form strings, no tensor
+    # thousands of shards of hundreds of tensors each: no Python loop per tensor while the
+    # header is valid; the loop below only names the first bad tensor
+    offsets = [entry.data_offsets for entry in entries.values()]
+    if not offsets:
+        return 8 + header_len
+    try:
+        begins, stops = zip(*offsets)  # noqa: B905 - transposes pairs
+    except TypeError:  # a tensor without data_offsets
+        begins, stops = (), ()
+    if not stops or min(begins) < 0 or any(map(operator.gt, begins, stops)):
+        for name, entry in entries.items():
+            if entry.data_offsets is None:
+                raise ValueError(f"tensor {name!r} has no data_offsets")
+            begin, stop = entry.data_offsets
+            if not 0 <= begin <= stop:
+                raise ValueError(f"tensor {name!r} has data_offsets {list(entry.data_offsets)}")
+    end = max(stops)
     return 8 + header_len + end
 
 
-def check_safetensors(path: Path) -> Check:
+def check_safetensors(path: str | Path) -> Check:
     """One .safetensors file: complete exactly when size == 8 + N + max end offset."""
-    name = path.name
+    name = os.path.basename(path)
     try:
-        with open_regular(path) as f:
+        # unbuffered, and one read that usually holds the header too (a few KB per shard)
+        with open_regular(path, buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            if len(prefix) < 8:
+            head = _read_exactly(f, min(size, _FIRST_READ))
+            if len(head) < 8:
                 return _bad(
                     name, "truncated", f"{size} bytes, shorter than the 8-byte header length"
                 )
-            (n,) = struct.unpack("<Q", prefix)
+            (n,) = struct.unpack("<Q", head[:8])
             if n == 0 or n > SAFETENSORS_MAX_HEADER:
                 return _bad(name, "header does not parse", f"header length {n} is not plausible")
             if 8 + n > size:
                 return _bad(name, "truncated", f"{size} of at least {8 + n} bytes (header cut)")
-            header = f.read(n)
+            header = head[8 : 8 + n]
+            if len(header) < n:
+                header += _read_exactly(f, n - len(header))
     except OSError as exc:
         return _unopenable(name, exc)
     try:
@@ -157,6 +169,20 @@ def check_safetensors(path: Path) -> Check:
         # a preallocated or appended-to file: not what the header describes
         return _bad(name, "larger than its header says", f"{size} bytes, header says {required}")
     return _ok(size)
+
+
+_FIRST_READ = 16 << 10  # a header of ~150 tensors; more costs a second read
+
+
+def _read_exactly(f: BinaryIO, n: int) -> bytes:
+    """`n` bytes, fewer only at the end of the file (an unbuffered read may return less)."""
+    data = f.read(n)
+    while len(data) < n:
+        more = f.read(n - len(data))
+        if not more:
+            break
+        data += more
+    return data
 
 
 SAFETENSORS_INDEX_SUFFIX = ".safetensors.index.json"
@@ -195,16 +221,17 @@ def parse_index(data: bytes, name: str) -> list[str]:
     return sorted(files)
 
 
-def index_files(index_path: Path) -> list[str]:
+def index_files(index_path: str | Path) -> list[str]:
     """`parse_index` of a `*.safetensors.index.json` file, read up to SAFETENSORS_MAX_INDEX
     bytes. Raises ValueError when it is not an index, OSError when it cannot be read."""
     try:
         data = read_bounded(index_path, SAFETENSORS_MAX_INDEX)
     except TooLarge:
         raise ValueError(
-            f"{index_path.name} is larger than {SAFETENSORS_MAX_INDEX} bytes; no index is"
+            f"{os.path.basename(index_path)} is larger than {SAFETENSORS_MAX_INDEX} bytes; "
+            "no index is"
         ) from None
-    return parse_index(data, index_path.name)
+    return parse_index(data, os.path.basename(index_path))
 
 
 def missing_numbered_shards(names: Iterable[str]) -> list[str]:
@@ -224,19 +251,31 @@ def missing_numbered_shards(names: Iterable[str]) -> list[str]:
     return sorted(missing)
 
 
+def _prefix(directory: Path) -> str:
+    """`directory` as a str ending in "/": a file's path is then one concatenation."""
+    base = str(directory)
+    return base if base.endswith("/") else base + "/"
+
+
 def check_safetensors_dir(
-    directory: Path, files: Sequence[str], check_file: Callable[[Path], Check] = check_safetensors
+    directory: Path,
+    files: Sequence[str],
+    check_file: Callable[[str], Check] = check_safetensors,
+    read_index: Callable[[str], Iterable[str]] = index_files,
 ) -> Check:
     """A directory of safetensors: with `*.safetensors.index.json`, every file its
     weight_map names must exist and be complete; without one, every `.safetensors` file
     and every numbered sibling (`-0000i-of-0000N`) one of them implies. `files` is the
-    listing the caller already has; `check_file` checks one file (a cache may wrap it)."""
+    listing the caller already has; `check_file` checks one file and `read_index` reads an
+    index (a cache may wrap them). Files are named by str paths: thousands of shards per
+    scan, and a pathlib join costs more than the stat a cached check needs."""
+    base = _prefix(directory)
     indexes = sorted(n for n in files if n.endswith(SAFETENSORS_INDEX_SUFFIX))
     if indexes:
         wanted: set[str] = set()
         for index in indexes:
             try:
-                wanted.update(index_files(directory / index))
+                wanted.update(read_index(base + index))
             except ValueError as exc:
                 return _bad(index, "does not parse", str(exc))
             except OSError as exc:
@@ -249,7 +288,7 @@ def check_safetensors_dir(
     for name in sorted(wanted) + missing_numbered_shards(wanted):
         if name not in present:
             return _bad(name, "missing", "named by the index" if indexes else "")
-    return combine(check_file(directory / n) for n in sorted(wanted))
+    return combine(check_file(base + n) for n in sorted(wanted))
 
 
 # --- GGUF
@@ -545,9 +584,9 @@ def _gguf_layout(f: BinaryIO, size: int) -> GgufLayout:
     )
 
 
-def check_gguf(path: Path) -> Check:
+def check_gguf(path: str | Path) -> Check:
     """One .gguf file: complete when its size reaches the end of its last tensor."""
-    name = path.name
+    name = os.path.basename(path)
     try:
         with open_regular(path, buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
@@ -587,7 +626,7 @@ def check_gguf_split(
     directory: Path,
     split: GgufSplit,
     files: Iterable[str],
-    check_file: Callable[[Path], Check] = check_gguf,
+    check_file: Callable[[str], Check] = check_gguf,
 ) -> Check:
     """A split GGUF is complete only when all N parts exist and each is complete."""
     present = set(files)
@@ -595,4 +634,5 @@ def check_gguf_split(
     for name in names:
         if name not in present:
             return _bad(name, "missing", f"part of {split.total}")
-    return combine(check_file(directory / n) for n in names)
+    base = _prefix(directory)
+    return combine(check_file(base + n) for n in names)

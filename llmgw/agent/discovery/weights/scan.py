@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from llmgw.agent.discovery.weights.formats import (
     SAFETENSORS_INDEX_SUFFIX,
@@ -35,6 +36,7 @@ from llmgw.agent.discovery.weights.formats import (
     check_safetensors_dir,
     gguf_part_names,
     gguf_split,
+    index_files,
 )
 from llmgw.agent.discovery.weights.mounts import (
     MountTable,
@@ -53,6 +55,7 @@ MAX_DEPTH = 2  # dir/model, dir/org/model, dir/hub/models--org--name
 _NOT_MODELS = frozenset({"lost+found"})
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class _Timeout(Exception):
@@ -97,33 +100,40 @@ def _not_weights(key: str, path: Path, reason: str) -> Found:
 
 
 class FileCheckCache:
-    """Header checks keyed by (path, device, inode, size, mtime, ctime): a scan every few
-    minutes then costs a stat per file instead of an open and a read, which matters on
-    Lustre or NFS with thousands of shards. Keeps only what the last scan used."""
+    """Header checks (and safetensors indexes read) keyed by (path, device, inode, size,
+    mtime, ctime): a scan every few minutes then costs a stat per file and a lookup instead
+    of an open and a read, which matters on Lustre or NFS with thousands of shards. A file
+    whose size or times changed is read again. Keeps only what the last scan used."""
 
     def __init__(self) -> None:
-        self._old: dict[tuple[object, ...], Check] = {}
-        self._new: dict[tuple[object, ...], Check] = {}
+        self._old: dict[tuple[object, ...], object] = {}
+        self._new: dict[tuple[object, ...], object] = {}
 
-    def check(self, path: Path, fn: Callable[[Path], Check]) -> Check:
+    def check(self, path: str, fn: Callable[[str], T]) -> T:
         try:
             st = os.stat(path)
         except OSError:
             return fn(path)  # fn reports the missing or unreadable file itself
-        key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        hit = self._new.get(key) or self._old.get(key)
+        key = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        hit = self._new.get(key)
         if hit is None:
-            hit = fn(path)
-        self._new[key] = hit
-        return hit
+            hit = self._old.get(key)
+            if hit is None:
+                hit = fn(path)
+            self._new[key] = hit
+        return hit  # type: ignore[return-value]
 
     def end_scan(self) -> None:
         self._old, self._new = self._new, {}
 
 
 class _NoCache(FileCheckCache):
-    def check(self, path: Path, fn: Callable[[Path], Check]) -> Check:
+    def check(self, path: str, fn: Callable[[str], T]) -> T:
         return fn(path)
+
+
+def _index_names(path: str) -> tuple[str, ...]:
+    return tuple(index_files(path))
 
 
 # --- one scan
@@ -164,11 +174,15 @@ class _Context:
             return self.held(key, fmt, path, check)
         return _not_weights(key, path, check.reason)
 
-    def safetensors_file(self, path: Path) -> Check:
+    def safetensors_file(self, path: str) -> Check:
         self.tick()
         return self.cache.check(path, check_safetensors)
 
-    def gguf_file(self, path: Path) -> Check:
+    def safetensors_index(self, path: str) -> tuple[str, ...]:
+        self.tick()
+        return self.cache.check(path, _index_names)
+
+    def gguf_file(self, path: str) -> Check:
         self.tick()
         return self.cache.check(path, check_gguf)
 
@@ -190,9 +204,12 @@ def _one_model(key: str, path: Path, judge: Callable[..., Found], *args: object)
 
 def _download_target(name: str) -> str | None:
     """The file a download companion belongs to (`x.gguf.aria2` -> `x.gguf`), else None."""
-    m = _RSYNC_TEMP.match(name)
-    if m:
-        return m["name"]
+    if name.startswith("."):  # every rsync temp is hidden: most names skip the regex
+        m = _RSYNC_TEMP.match(name)
+        if m:
+            return m["name"]
+    if not name.endswith(DOWNLOAD_MARKS):
+        return None
     for mark in DOWNLOAD_MARKS:
         if name.endswith(mark) and len(name) > len(mark):
             return name[: -len(mark)]
@@ -236,8 +253,10 @@ def _list(directory: Path) -> _Listing:
     return _Listing(sorted(files), sorted(dirs), names, pending)
 
 
-def _hf_local_dir_pending(ctx: _Context, directory: Path) -> str | None:
+def _hf_local_dir_pending(ctx: _Context, directory: Path, listing: _Listing) -> str | None:
     """`hf download --local-dir` keeps partial files under .cache/huggingface/download/."""
+    if ".cache" not in listing.names:
+        return None
     pending = directory / ".cache" / "huggingface" / "download"
     if not pending.is_dir():
         return None
@@ -273,7 +292,7 @@ def _scan_ggufs(ctx: _Context, directory: Path, listing: _Listing) -> Found:
         if mark:
             return _not_weights(key, path, f"download in progress ({mark})")
         if len(parts) == 1:
-            check = ctx.gguf_file(path)
+            check = ctx.gguf_file(str(path))
         else:
             split = splits[(key, len(parts))]
             check = check_gguf_split(directory, split, listing.files, ctx.gguf_file)
@@ -307,10 +326,14 @@ def _has_safetensors(listing: _Listing) -> bool:
 
 def _scan_safetensors_dir(ctx: _Context, key: str, directory: Path, listing: _Listing) -> Found:
     def judge() -> Found:
-        mark = min(listing.pending.values(), default=None) or _hf_local_dir_pending(ctx, directory)
+        mark = min(listing.pending.values(), default=None) or _hf_local_dir_pending(
+            ctx, directory, listing
+        )
         if mark:
             return _not_weights(key, directory, f"download in progress ({mark})")
-        check = check_safetensors_dir(directory, listing.files, ctx.safetensors_file)
+        check = check_safetensors_dir(
+            directory, listing.files, ctx.safetensors_file, ctx.safetensors_index
+        )
         return ctx.judged(key, "safetensors", directory, check)
 
     return _one_model(key, directory, judge)
@@ -357,7 +380,9 @@ def _scan_snapshot(ctx: _Context, key: str, snapshot: Path, pending_blobs: list[
         return _not_weights(key, snapshot, problem) if problem else _NOTHING
 
     def safetensors() -> Found:
-        check = check_safetensors_dir(snapshot, listing.files, ctx.safetensors_file)
+        check = check_safetensors_dir(
+            snapshot, listing.files, ctx.safetensors_file, ctx.safetensors_index
+        )
         return ctx.judged(key, "safetensors", snapshot, check)
 
     problem = _one_model(key, snapshot, links)
