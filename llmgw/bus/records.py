@@ -298,7 +298,7 @@ class Scale(msgspec.Struct, kw_only=True):
 
 
 class ModelLoad(msgspec.Struct, kw_only=True):
-    in_flight: int = 0  # sent to an engine, answer not finished
+    in_flight: float = 0.0  # sent to an engine, answer not finished: the interval's mean
     waiting: int = 0  # held for a replica (a cold model)
     requests: int = 0  # started since the router did: a change is a request seen
     ttft_ms: float = 0.0  # the slowest time to first token of the last interval

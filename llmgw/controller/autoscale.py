@@ -145,6 +145,8 @@ class Scaler:
         if have == 0:
             if load.waiting > 0 or load.in_flight > 0:
                 return Decision(wanted, wanted, f"0 -> {wanted}: cold start, {figures}", limited)
+            if policy.idle_unload_after == 0:  # never idles out: the floor holds
+                return Decision(wanted, wanted, f"0 -> {wanted}: min_replicas {wanted}")
             return Decision(0, 0)
         idle = now - self.last_active
         if policy.idle_unload_after > 0 and idle >= policy.idle_unload_after:
