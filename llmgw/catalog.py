@@ -129,6 +129,19 @@ LAUNCH_FIELDS = (
 PLACEMENT_FIELDS = ("name", "host_ram_gb", "node_selector", "tolerations")
 
 
+class Autoscale(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """How a model's replica count follows its load once `llmgw place MODEL --auto` asks
+    for it (docs/placement.md, "Autoscaling"). Times are seconds."""
+
+    min_replicas: int = 1  # the floor while the model is used
+    max_replicas: int  # never more, whatever the load
+    target_in_flight: float = 2.0  # requests in flight per replica it aims at
+    ttft_target_ms: float = 0.0  # optional: a slower first token asks for one more (0: off)
+    scale_up_after: float = 10.0  # the load must ask for more for this long (the stable window)
+    scale_down_after: float = 300.0  # and for fewer for this long before one drains
+    idle_unload_after: float = 0.0  # no request for this long: scaled to 0 (0: never)
+
+
 class Model(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A model clients ask for by `served_name`; run from `profiles` by the controller,
     or served from fixed `endpoints` (router-only runs). Never both."""
@@ -144,6 +157,7 @@ class Model(msgspec.Struct, kw_only=True, omit_defaults=True):
     # and ready replicas that may be missing meanwhile (both 0 could do neither)
     surge: int = 1
     max_unavailable: int = 0
+    autoscale: Autoscale | None = None  # a policy `llmgw place --auto` switches on
 
     def profile(self, name: str) -> Profile | None:
         return next((p for p in self.profiles if p.name == name), None)
@@ -173,6 +187,7 @@ _MODEL_FIELDS = (
     "api_key_file",
     "surge",
     "max_unavailable",
+    "autoscale",
 )
 # Limits on one model, stated and checked here (`llmgw catalog apply`) before anything else
 # looks at the lists, so that what the controller writes about a model stays small: its
@@ -414,6 +429,12 @@ def _check_model(check: _Checker, raw: Any, fallback: str) -> Model | None:
     else:
         key_file = None
     surge, unavailable = _check_rollout(check, where, raw, endpoints_raw is not _MISSING)
+    autoscale = None
+    if "autoscale" in raw:
+        if endpoints_raw is not _MISSING:
+            check.problem(where, "autoscale", "only a model with profiles is scaled; remove it")
+        else:
+            autoscale = _check_autoscale(check, where, raw["autoscale"])
 
     if len(check.errors) > before:
         return None
@@ -425,7 +446,60 @@ def _check_model(check: _Checker, raw: Any, fallback: str) -> Model | None:
         api_key_file=key_file,
         surge=surge,
         max_unavailable=unavailable,
+        autoscale=autoscale,
     )
+
+
+_AUTOSCALE_FIELDS = tuple(Autoscale.__struct_fields__)
+# the policy's numbers, and their defaults when not given (Autoscale's own)
+_AUTOSCALE_DEFAULTS = {
+    "target_in_flight": 2.0,
+    "ttft_target_ms": 0.0,
+    "scale_up_after": 10.0,
+    "scale_down_after": 300.0,
+    "idle_unload_after": 0.0,
+}
+
+
+def _replica_count(check: _Checker, where: str, path: str, value: Any, *, default=_MISSING):
+    count = check.integer(where, path, value, 1, default=default)
+    if count is not None and count > MAX_REPLICAS:
+        check.expected(where, path, f"an integer <= {MAX_REPLICAS}", count)
+        return None
+    return count
+
+
+def _check_autoscale(check: _Checker, where: str, raw: Any) -> Autoscale | None:
+    if not isinstance(raw, Mapping):
+        check.expected(where, "autoscale", "a table (min_replicas, max_replicas, ...)", raw)
+        return None
+    before = len(check.errors)
+    check.unknown_fields(where, "autoscale.", raw, _AUTOSCALE_FIELDS)
+    lo = raw.get("min_replicas", _MISSING)
+    if lo == 0 and not isinstance(lo, bool):
+        check.problem(
+            where,
+            "autoscale.min_replicas",
+            "0 is not a floor: min_replicas is at least 1 while the model is used; scale to "
+            "zero is idle_unload_after (seconds without a request)",
+        )
+        lo = None
+    else:
+        lo = _replica_count(check, where, "autoscale.min_replicas", lo, default=1)
+    hi = _replica_count(check, where, "autoscale.max_replicas", raw.get("max_replicas", _MISSING))
+    if lo is not None and hi is not None and lo > hi:
+        check.problem(
+            where, "autoscale.min_replicas", f"min_replicas {lo} is above max_replicas {hi}"
+        )
+    times = {
+        name: check.number(where, f"autoscale.{name}", raw.get(name, _MISSING), default=default)
+        for name, default in _AUTOSCALE_DEFAULTS.items()
+    }
+    if times["target_in_flight"] == 0:
+        check.expected(where, "autoscale.target_in_flight", "a number > 0", 0)
+    if len(check.errors) > before:
+        return None
+    return Autoscale(min_replicas=lo, max_replicas=hi, **times)
 
 
 def _check_rollout(

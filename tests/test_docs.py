@@ -49,6 +49,9 @@ STORED = [
     records.ProfileRevision,
     records.Leader,
     records.Event,
+    records.Scale,
+    records.RouterLoad,
+    records.ModelLoad,
 ]
 
 

@@ -30,6 +30,8 @@ PLACEMENT = "placement"
 LEADER = "leader"
 OPS = "ops"
 ROLLOUT = "rollout"
+SCALE = "scale"
+LOAD = "load"
 
 _ARITY = {
     CATALOG: 1,
@@ -45,6 +47,8 @@ _ARITY = {
     LEADER: 0,
     OPS: 1,
     ROLLOUT: 1,
+    SCALE: 1,
+    LOAD: 1,
 }
 
 
@@ -130,6 +134,16 @@ def ops(node_id: str) -> str:
 def rollout(model: str) -> str:
     """A model's rollout: the revision it runs, where a replacement stands, and what ran before."""
     return _key(ROLLOUT, model)
+
+
+def scale(model: str) -> str:
+    """The autoscaler's count for a model (`desired.<model>` says auto) and why: the leader's."""
+    return _key(SCALE, model)
+
+
+def load(router_id: str) -> str:
+    """One router's load per model (in flight, held for a replica, TTFT): that router's own."""
+    return _key(LOAD, router_id)
 
 
 def pattern(prefix: str, *ids: str) -> str:

@@ -100,6 +100,7 @@ def controller_permissions(bucket: str = keys.DEFAULT_BUCKET) -> dict[str, objec
         keys.ASSIGN,
         keys.PLACEMENT,
         keys.ROLLOUT,
+        keys.SCALE,
     ]
     return {
         "publish": {
@@ -119,11 +120,13 @@ def controller_permissions(bucket: str = keys.DEFAULT_BUCKET) -> dict[str, objec
     }
 
 
-def router_permissions(bucket: str = keys.DEFAULT_BUCKET) -> dict[str, object]:
-    """A router only reads the bucket (catalog, replicas, shards; its fleet page the rest)."""
+def router_permissions(name: str, bucket: str = keys.DEFAULT_BUCKET) -> dict[str, object]:
+    """A router reads the bucket (catalog, replicas, shards; its fleet page the rest) and
+    writes its own load, `load.<its name>` (its certificate's CN is its router id)."""
+    keys.check_token(name, "router id")
     keys.check_token(bucket, "bucket")
     return {
-        "publish": {"allow": _kv_read(bucket)},
+        "publish": {"allow": [*_kv_write(bucket, keys.load(name)), *_kv_read(bucket)]},
         "subscribe": {"allow": ["_INBOX.>"]},
     }
 
@@ -157,15 +160,16 @@ def permissions_for(user: User, bucket: str = keys.DEFAULT_BUCKET) -> dict[str, 
     if user.role == "controller":
         return controller_permissions(bucket)
     if user.role == "router":
-        return router_permissions(bucket)
+        return router_permissions(user.name, bucket)
     if user.role == "operator":
         return None
     raise ValueError(f"role {user.role!r} of {user.subject!r} is none of {', '.join(ROLES)}")
 
 
 _COMMENTS = {
-    "controller": "controller: writes health, fabrics, replicas, assign, placement, rollout, leader",
-    "router": "router: reads only",
+    "controller": "controller: writes health, fabrics, replicas, assign, placement, rollout, "
+    "scale, leader",
+    "router": "router: reads, and writes its own load.<name>",
     "operator": "operator: everything (catalog, desired, ops are its own)",
 }
 

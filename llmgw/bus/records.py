@@ -269,6 +269,49 @@ class Desired(msgspec.Struct, kw_only=True):
     replicas: int
     profile: str | None = None
     updated_at: float = 0.0
+    # `llmgw place --auto`: the count follows the load, as the catalog's `autoscale` policy
+    # says, and the leader writes it in `scale.<model>`; `replicas` is then not read
+    auto: bool = False
+
+
+# --- scale.<model>: the autoscaler's count, written by the leading controller
+
+
+class Scale(msgspec.Struct, kw_only=True):
+    """The count the autoscaler asks placement for, and the figures it decided it from."""
+
+    model: str
+    replicas: int
+    wanted: int = 0  # what the load alone asks for now, before the policy's bounds
+    in_flight: int = 0  # summed over the routers whose load is current
+    waiting: int = 0  # held at routers for a replica
+    routers: int = 0  # routers whose load was counted
+    ttft_ms: float = 0.0  # the routers' slowest recent time to first token
+    reason: str = ""  # "3 -> 5: 14 in flight over 3 replicas, target 2, for 30 s"
+    limited: str = ""  # what held the count back: "max_replicas 4", the fleet's explanation
+    changed_at: float = 0.0  # when the count last changed (the leader's wall clock)
+    load_s: float = 0.0  # the last measured time from placing a replica to its being ready
+    epoch: int = 0
+
+
+# --- load.<router>: one router's load per model, written by that router
+
+
+class ModelLoad(msgspec.Struct, kw_only=True):
+    in_flight: float = 0.0  # sent to an engine, answer not finished: the interval's mean
+    waiting: int = 0  # held for a replica (a cold model)
+    requests: int = 0  # started since the router did: a change is a request seen
+    ttft_ms: float = 0.0  # the slowest time to first token of the last interval
+
+
+MAX_LOAD_MODELS = 4096
+
+
+class RouterLoad(msgspec.Struct, kw_only=True):
+    router: str
+    seq: int  # grows at every write: the leader judges a router gone when it stops moving
+    at: float  # the router's clock, informational
+    models: dict[str, ModelLoad] = {}  # model id -> its load here
 
 
 # --- replicas.<model>.<rid>, assign.<node>.<rid>: written by the controller
@@ -586,6 +629,8 @@ class PlacementRecord(msgspec.Struct, kw_only=True):
     # a rollout that is not complete ("progressing", "stopped") and, stopped, why
     rollout: str = ""
     rollout_detail: str = ""
+    # autoscaled (`desired.<model>` auto): the autoscaler's latest change, with its figures
+    scaled: str = ""
 
 
 # --- leader: the acting controller's lease

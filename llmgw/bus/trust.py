@@ -248,6 +248,24 @@ def _rollout(p: _Problems, r: records.Rollout) -> None:
         p.within(name, getattr(r, name), 0, MAX_REPLICAS)
 
 
+def _scale(p: _Problems, sc: records.Scale) -> None:
+    p.owner("model", sc.model, p.ids[0])
+    for name in ("replicas", "wanted"):
+        p.within(name, getattr(sc, name), 0, MAX_REPLICAS)
+    for name in ("in_flight", "waiting", "routers"):
+        p.at_least(name, getattr(sc, name), 0)
+
+
+def _load(p: _Problems, load: records.RouterLoad) -> None:
+    p.owner("router", load.router, p.ids[0])
+    p.at_least("seq", load.seq, 0)
+    p.at_most("models", len(load.models), records.MAX_LOAD_MODELS)
+    for model, m in list(load.models.items())[: records.MAX_LOAD_MODELS]:
+        p.token("models", model)
+        for name in ("in_flight", "waiting", "requests"):
+            p.at_least(f"models.{model}.{name}", getattr(m, name), 0)
+
+
 def _leader(p: _Problems, lead: records.Leader) -> None:
     # the one key without an owner in its name: any controller may hold it
     if not lead.holder:
@@ -277,6 +295,8 @@ FAMILIES: dict[str, tuple[type[msgspec.Struct] | None, _Check]] = {
     keys.LEADER: (records.Leader, _leader),
     keys.OPS: (records.NodeOps, _ops),
     keys.ROLLOUT: (records.Rollout, _rollout),
+    keys.SCALE: (records.Scale, _scale),
+    keys.LOAD: (records.RouterLoad, _load),
 }
 
 

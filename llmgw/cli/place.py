@@ -13,7 +13,7 @@ import click
 import msgspec
 
 from llmgw.bus import keys, records
-from llmgw.bus.client import BucketSettings, Bus, NatsSettings
+from llmgw.bus.client import BucketSettings, Bus, NatsSettings, decoder
 from llmgw.bus.trust import MAX_REPLICAS
 from llmgw.catalog import decode_model
 from llmgw.cli.common import nats_options, open_bus
@@ -29,7 +29,7 @@ class PlacingError(LlmgwError):
     """`llmgw place` cannot ask for this: the model or profile is not in the catalog."""
 
 
-async def _check_model(bus: Bus, model: str, profile: str | None) -> None:
+async def _check_model(bus: Bus, model: str, profile: str | None, *, auto: bool = False) -> None:
     keys.check_token(model, "model id")
     entry = await bus.get(keys.catalog(model), lambda b: decode_model(b, model))
     if entry is None:
@@ -40,14 +40,27 @@ async def _check_model(bus: Bus, model: str, profile: str | None) -> None:
     if profile and entry.value.profile(profile) is None:
         names = ", ".join(p.name for p in entry.value.profiles) or "none: static endpoints"
         raise PlacingError(f"model {model!r} has no profile {profile!r} (profiles: {names})")
+    if auto and entry.value.autoscale is None:
+        raise PlacingError(
+            f"model {model!r} has no autoscale policy in the catalog: add an [models.autoscale] "
+            "table (min_replicas, max_replicas, target_in_flight, ...; docs/placement.md) and "
+            "apply it, or give a fixed count with --replicas N"
+        )
 
 
-async def write_desired(bus: Bus, model: str, replicas: int, profile: str | None) -> float:
-    await _check_model(bus, model, profile)
+async def write_desired(
+    bus: Bus, model: str, replicas: int, profile: str | None, *, auto: bool = False
+) -> float:
+    """Write `desired.<model>`: a fixed count, or (`auto`) the autoscaler's. Switching to
+    auto keeps the last fixed count in the record: it is what runs until the leader decides."""
+    await _check_model(bus, model, profile, auto=auto)
     now = time.time()
+    if auto:
+        old = await bus.get(keys.desired(model), decoder(records.Desired))
+        replicas = old.value.replicas if old is not None else 0
     await bus.put(
         keys.desired(model),
-        records.Desired(model=model, replicas=replicas, profile=profile, updated_at=now),
+        records.Desired(model=model, replicas=replicas, profile=profile, updated_at=now, auto=auto),
     )
     return now
 
@@ -242,9 +255,15 @@ def _within_bound(replicas: int) -> int:
 @click.option(
     "--replicas",
     type=click.IntRange(min=0),
-    required=True,
-    callback=lambda ctx, param, n: _within_bound(n),
-    help=f"how many replicas (0 removes them; at most {MAX_REPLICAS:,})",
+    default=None,
+    callback=lambda ctx, param, n: None if n is None else _within_bound(n),
+    help=f"a fixed count, which switches autoscaling off (0 removes them; at most "
+    f"{MAX_REPLICAS:,})",
+)
+@click.option(
+    "--auto",
+    is_flag=True,
+    help="the count follows the load, as the model's catalog autoscale policy says",
 )
 @click.option("--profile", default=None, help="catalog profile (default: the first that fits)")
 @click.option(
@@ -260,9 +279,22 @@ def _within_bound(replicas: int) -> int:
 )
 @nats_options
 def place(
-    model, replicas, profile, wait, dry_run, timeout, nats: NatsSettings, bucket: BucketSettings
+    model,
+    replicas,
+    auto,
+    profile,
+    wait,
+    dry_run,
+    timeout,
+    nats: NatsSettings,
+    bucket: BucketSettings,
 ) -> None:
-    """Ask for N replicas of MODEL, then show where they go and why."""
+    """Ask for N replicas of MODEL (or, --auto, as many as its load needs), then show where
+    they go and why."""
+    if (replicas is None) == (not auto):
+        raise click.UsageError("give either --replicas N (a fixed count) or --auto")
+    if auto and dry_run:
+        raise click.UsageError("--dry-run takes a fixed count: --replicas N")
 
     async def run() -> int:
         async with open_bus(nats, bucket) as bus:
@@ -270,11 +302,9 @@ def place(
                 for line in await dry_run_plan(bus, model, replicas, profile):
                     click.echo(line)
                 return 0
-            written_at = await write_desired(bus, model, replicas, profile)
-            click.echo(
-                f"desired.{model}: {replicas} replica(s)"
-                + (f", profile {profile}" if profile else "")
-            )
+            written_at = await write_desired(bus, model, replicas or 0, profile, auto=auto)
+            count = "autoscaled" if auto else f"{replicas} replica(s)"
+            click.echo(f"desired.{model}: {count}" + (f", profile {profile}" if profile else ""))
             return await follow_placement(
                 bus, model, written_at, wait=wait, timeout=timeout, echo=click.echo
             )

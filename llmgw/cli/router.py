@@ -101,6 +101,29 @@ def router_options(fn):
             help="client connections held at once; past it the oldest idle one is closed, "
             "or a new one gets 503",
         ),
+        click.option(
+            "--hold-max",
+            type=click.IntRange(min=0),
+            default=256,
+            show_default=True,
+            help="requests held per cold model (autoscaled, no replica ready) while a replica "
+            "starts; one more gets 429",
+        ),
+        click.option(
+            "--hold-timeout",
+            type=click.FloatRange(min=0.0),
+            default=300.0,
+            show_default=True,
+            help="seconds a request is held for a cold model at most; then 503 with "
+            "Retry-After (a client may ask for less with x-llmgw-max-wait)",
+        ),
+        click.option(
+            "--router-id",
+            envvar="LLMGW_ROUTER_ID",
+            default="",
+            help="the key this router writes its load in, load.<id> (a token; with mTLS, its "
+            "certificate's CN) [default: <hostname>-<port>]",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -120,9 +143,14 @@ def router_settings(
     metrics_access: str,
     fleet_page: bool,
     engine_timeout: float,
+    hold_max: int,
+    hold_timeout: float,
+    router_id: str,
 ):
+    from llmgw.bus.keys import check_token
     from llmgw.keyfiles import read_key, read_keys
     from llmgw.router.balancer import BalancerSettings
+    from llmgw.router.hold import HoldSettings
     from llmgw.router.proxy import ProxySettings
     from llmgw.router.server import HttpLimits
     from llmgw.router.service import RouterSettings
@@ -140,6 +168,8 @@ def router_settings(
             max_connections=fit_fd_limit(max_connections),
         ),
         shutdown_grace=shutdown_grace,
+        hold=HoldSettings(max_held=hold_max, max_wait=hold_timeout),
+        router_id=check_token(router_id, "--router-id") if router_id else "",
         upstream=UpstreamSettings(read_timeout=engine_timeout),
         balancer=BalancerSettings(affinity_load_factor=affinity_load_factor),
         proxy=ProxySettings(

@@ -39,6 +39,7 @@ async def gather(bus: Bus) -> dict[str, Any]:
     desired = await bus.list(keys.pattern(keys.DESIRED), decoder(records.Desired))
     ops = await bus.list(keys.pattern(keys.OPS), decoder(records.NodeOps))
     rollouts = await bus.list(keys.pattern(keys.ROLLOUT), decoder(records.Rollout))
+    scales = await bus.list(keys.pattern(keys.SCALE), decoder(records.Scale))
     inventories = [e.value for e in nodes.values()]
     by_node = {
         inv.node: {
@@ -65,6 +66,7 @@ async def gather(bus: Bus) -> dict[str, Any]:
         "shards": [msgspec.to_builtins(e.value) for e in shards.values()],
         "placement": {e.value.model: msgspec.to_builtins(e.value) for e in placements.values()},
         "rollouts": {e.value.model: msgspec.to_builtins(e.value) for e in rollouts.values()},
+        "scales": {e.value.model: msgspec.to_builtins(e.value) for e in scales.values()},
         # the operator's intent about nodes that report no inventory (yet, or any more)
         "ops": {
             e.value.node: msgspec.to_builtins(e.value)
@@ -220,7 +222,14 @@ def render(view: dict[str, Any], now: float) -> str:
         # desired.<model> may not read (the model is then frozen): the controller's count
         want = view["desired"].get(model, {}).get("replicas", p["desired"] if p else 0)
         mine = [r for r in view["replicas"] if r["model"] == model]
-        lines.append(f"  {model}: {_replica_counts(mine, want)}")
+        auto = view["desired"].get(model, {}).get("auto", False)
+        scale = (view.get("scales") or {}).get(model)
+        if auto:
+            want = scale["replicas"] if scale else (p["desired"] if p else want)
+        mode = "autoscaled" if auto else "fixed"
+        lines.append(f"  {model}: {_replica_counts(mine, want)}  ({mode})")
+        if auto and scale:
+            lines.append(f"    autoscale: {_scale_line(scale)}")
         ro = (view.get("rollouts") or {}).get(model)
         if ro and ro["phase"] != "complete":
             ro_struct = msgspec.convert(ro, records.Rollout)
@@ -255,6 +264,19 @@ def render(view: dict[str, Any], now: float) -> str:
             + " (`nats kv get` one to see it; --json lists more)"
         )
     return "\n".join(lines)
+
+
+def _scale_line(scale: dict[str, Any]) -> str:
+    """ "3 -> 5: 14 in flight over 3 replicas, target 2, for 30 s; now 14 in flight, 0 waiting" """
+    line = (
+        f"{scale['reason']}; now {scale.get('in_flight', 0)} in flight, "
+        f"{scale.get('waiting', 0)} waiting over {scale.get('routers', 0)} router(s)"
+    )
+    if scale.get("load_s"):
+        line += f"; last load {scale['load_s']:.1f} s"
+    if scale.get("limited"):
+        line += f"; held back by {scale['limited']}"
+    return line
 
 
 @click.command()

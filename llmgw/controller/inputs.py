@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from llmgw.bus.records import REPLICA_GOING, NodePhase, Replica, phase_from_shards
+from llmgw.bus.records import REPLICA_GOING, Desired, NodePhase, Replica, phase_from_shards
 from llmgw.controller import placement
 from llmgw.controller.fabrics import fabric_view
 from llmgw.controller.liveness import LivenessTracker, node_phases
@@ -35,7 +35,7 @@ def placement_snapshot(
     failed in this decision's lines, not ready."""
     return placement.Snapshot(
         catalog={m: entry for m, entry in view.catalog.items() if m not in frozen},
-        desired={m: d for m, d in view.desired.items() if m not in frozen},
+        desired={m: asked(view, d) for m, d in view.desired.items() if m not in frozen},
         inventories=view.nodes,
         health=phases,
         replicas=[current_phase(r, view) for r in view.replicas.values()],
@@ -49,6 +49,16 @@ def placement_snapshot(
         placements=view.placements,
         failures=failures or placement.FailurePolicy(),
     )
+
+
+def asked(view: View, desired: Desired) -> Desired:
+    """What placement is asked for: `desired.<model>`, whose count, for a model `llmgw place
+    --auto` switched to the autoscaler, is the leader's `scale.<model>` (until the leader
+    has written one, the last fixed count)."""
+    scale = view.scales.get(desired.model)
+    if not desired.auto or scale is None:
+        return desired
+    return msgspec.structs.replace(desired, replicas=scale.replicas)
 
 
 def current_phase(replica: Replica, view: View) -> Replica:

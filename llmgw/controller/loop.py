@@ -40,6 +40,7 @@ from llmgw.bus.client import (
 )
 from llmgw.bus.records import NodePhase
 from llmgw.controller import placement
+from llmgw.controller.autoscale import LOAD_STALE_AFTER_S, Autoscaler, scaled_text
 from llmgw.controller.clock import Clock, Instant, SystemClock, instant
 from llmgw.controller.inputs import hold_recorded_phases, placement_snapshot
 from llmgw.controller.leadership import CREATE, Leadership
@@ -84,6 +85,8 @@ class ControllerSettings:
     failure_nodes: int = placement.FAILURE_NODES
     # (host, port) of GET /metrics (llmgw/metrics_http.py); None: not served
     metrics_listen: tuple[str, int] | None = None
+    # a router whose load.<router> has not moved for this long counts no more
+    load_stale_after: float = LOAD_STALE_AFTER_S
 
 
 class Controller:
@@ -111,6 +114,8 @@ class Controller:
         self._qualifying: dict[str, set[str]] = {}
         self.metrics = ControllerMetrics(self.view, lambda: self.leading)
         self.metrics_port: int | None = None  # bound, once serving /metrics
+        self.autoscaler = Autoscaler(self.settings.load_stale_after)
+        self._wake = anyio.Event()  # a cold model's request is waiting: pass now
 
     @property
     def id(self) -> str:
@@ -178,7 +183,21 @@ class Controller:
                 self.tracker.forget(node)
         elif family == keys.LEADER:
             self.leadership.saw(self.view.leader_rev, self.view.leader, now)
-        elif family not in (None, keys.HEALTH, keys.PLACEMENT, keys.FABRICS, keys.ROLLOUT):
+        elif family == keys.LOAD:
+            parsed = keys.parse(item.key)
+            assert parsed is not None
+            router = parsed.ids[0]
+            self.autoscaler.loads.saw(router, self.view.loads.get(router), now)
+            if self.autoscaler.cold_waiting(self.view.loads, now):
+                self._wake.set()
+        elif family not in (
+            None,
+            keys.HEALTH,
+            keys.PLACEMENT,
+            keys.FABRICS,
+            keys.ROLLOUT,
+            keys.SCALE,
+        ):
             self._pass_due = True
 
     def phases(self, now: float) -> dict[str, NodePhase]:
@@ -248,6 +267,7 @@ class Controller:
         # claim came back: it may have waited out a stalled link.
         self.tracker.restart_grace(self.clock.monotonic())
         hold_recorded_phases(self.view, self.tracker)
+        self.autoscaler.reset()  # its windows start now, from the counts in scale.<model>
         self._pass_due = True
         previous = takeover.previous
         log.info(
@@ -315,7 +335,9 @@ class Controller:
                 self.link.disconnected()
             if self.leadership.leading:
                 await self._pass()
-            await anyio.sleep(self.settings.tick)
+            with anyio.move_on_after(self.settings.tick):
+                await self._wake.wait()
+            self._wake = anyio.Event()
 
     async def _pass(self) -> None:
         back = self.link.state is LinkState.SUSPECT and await self._check_link()
@@ -332,6 +354,7 @@ class Controller:
             return
         try:
             changed = await self._judge_nodes(now)
+            changed = await self._autoscale(now) or changed
             due = self._pass_due or changed
             if anyio.current_time() - self._last_pass >= self.settings.resync:
                 due = True
@@ -362,6 +385,45 @@ class Controller:
         except Exception:  # noqa: BLE001 - no answer at all
             took = None
         return self.link.round_trip(took)
+
+    async def _autoscale(self, now: Instant) -> bool:
+        """Write `scale.<model>` where the autoscaler's count (or what it says) changed, and
+        remove it for models no longer autoscaled; True if a count changed."""
+        placed: dict[str, int] = {}
+        for r in self.view.replicas.values():
+            if r.phase in records.REPLICA_COUNTED:
+                placed[r.model] = placed.get(r.model, 0) + 1
+        changes = self.autoscaler.decide(
+            catalog=self.view.catalog,
+            desired=self.view.desired,
+            scales=self.view.scales,
+            loads=self.view.loads,
+            placed=placed,
+            placements=self.view.placements,
+            now=now.monotonic,
+            wall=now.wall,
+        )
+        counted = False
+        for model, scale in changes.items():
+            old = self.view.scales.get(model)
+            scale = msgspec.structs.replace(scale, epoch=self.epoch)
+            await self._put(keys.scale(model), scale)
+            self.view.scales[model] = scale
+            if old is None or old.replicas != scale.replicas:
+                counted = True
+                log.info("%s autoscaled: %s", model, scale.reason)
+                await self.bus.publish_event(
+                    "scaled", model, f"{model}: {scale.reason}", replicas=scale.replicas
+                )
+        for model in [
+            m
+            for m in self.view.scales
+            if not (m in self.view.desired and self.view.desired[m].auto)
+        ]:
+            # switched to a fixed count (or removed): `--auto` later starts from what runs
+            await self._delete(keys.scale(model))
+            self.view.scales.pop(model, None)
+        return counted
 
     async def _judge_nodes(self, now: Instant) -> bool:
         """Write `health.<node>` where a node's phase changed; True if any did."""
@@ -573,6 +635,8 @@ class Controller:
                 )
                 await self._put(keys.replica(replica.model, rid), updated)
                 self.view.replicas[rid] = updated
+                if phase == "ready" and replica.phase in ("placed", "starting"):
+                    self.autoscaler.loaded(replica.model, self.clock.wall() - replica.created_at)
                 if phase != replica.phase and phase in ("ready", "failed", "gave-up"):
                     log.info(
                         "%s %s is %s%s",
@@ -722,7 +786,15 @@ class Controller:
             )
         for model, rec in records_by_model.items():
             if model in self.view.desired:
-                rec = msgspec.structs.replace(rec, desired_at=self.view.desired[model].updated_at)
+                rec = msgspec.structs.replace(
+                    rec,
+                    desired_at=self.view.desired[model].updated_at,
+                    scaled=scaled_text(
+                        self.view.desired[model],
+                        self.view.catalog.get(model),
+                        self.view.scales.get(model),
+                    ),
+                )
             old = self.view.placements.get(model)
             if old is not None and _same_decision(old, rec):
                 continue

@@ -32,6 +32,8 @@ class View:
     placements: dict[str, records.PlacementRecord] = field(default_factory=dict)
     ops: dict[str, records.NodeOps] = field(default_factory=dict)  # node -> operator's intent
     rollouts: dict[str, records.Rollout] = field(default_factory=dict)
+    scales: dict[str, records.Scale] = field(default_factory=dict)  # the autoscaler's counts
+    loads: dict[str, records.RouterLoad] = field(default_factory=dict)  # router -> its load
     leader: records.Leader | None = None
     leader_rev: int = 0
     skipped: trust.SkippedValues = field(default_factory=trust.SkippedValues)
@@ -89,6 +91,8 @@ class View:
             keys.PLACEMENT: (self.placements, ids[0]),
             keys.OPS: (self.ops, ids[0]),
             keys.ROLLOUT: (self.rollouts, ids[0]),
+            keys.SCALE: (self.scales, ids[0]),
+            keys.LOAD: (self.loads, ids[0]),
         }[prefix]
 
     def invalid_catalog(self) -> dict[str, str]:

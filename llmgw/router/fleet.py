@@ -239,17 +239,25 @@ def _per_model(histogram) -> dict[str, _Buckets]:
     return out
 
 
-def local_load(backends: Iterable, ttfb: dict[str, dict]) -> dict[str, dict[str, Any]]:
+def local_load(
+    backends: Iterable, ttfb: dict[str, dict], waiting: dict[str, int]
+) -> dict[str, dict[str, Any]]:
     """This router's figures per model (catalog id): requests in flight at its engines, the
-    requests it holds queued (None: this router queues nothing), and time to first byte
+    requests it holds queued waiting for a replica (router/hold.py), and time to first byte
     over the TtfbWindow. Fleet-wide load, every router's summed, belongs in `fleet_state`'s
-    `load.fleet` once routers publish theirs."""
+    `load.fleet`."""
     out: dict[str, dict[str, Any]] = {}
+
+    def model(name: str) -> dict[str, Any]:
+        return out.setdefault(name, {"in_flight": 0, "queued": 0, "ttfb": None})
+
     for b in backends:
-        m = out.setdefault(b.model, {"in_flight": 0, "queued": None, "ttfb": None})
-        m["in_flight"] += b.in_flight
-    for model, summary in ttfb.items():
-        out.setdefault(model, {"in_flight": 0, "queued": None, "ttfb": None})["ttfb"] = summary
+        model(b.model)["in_flight"] += b.in_flight
+    for name, summary in ttfb.items():
+        model(name)["ttfb"] = summary
+    for name, count in waiting.items():
+        if count:
+            model(name)["queued"] = count
     return out
 
 

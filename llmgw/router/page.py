@@ -62,10 +62,12 @@ class FleetPage:
         ttfb_histogram,
         router_info: Callable[[], dict[str, Any]],
         watch: FleetWatch | None = None,
+        waiting: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self.table = table
         self.watch = watch or FleetWatch()
         self._router_info = router_info
+        self._waiting = waiting  # requests held per model, waiting for a replica
         self._ttfb = TtfbWindow(ttfb_histogram)
         self._files = {path: (_read(name), kind) for path, (name, kind) in _FILES.items()}
         self._built: tuple[float, bytes] | None = None
@@ -90,7 +92,7 @@ class FleetPage:
             if self._built is not None and now - self._built[0] < REBUILD_AFTER_S:
                 return self._built[1]
             records = self._records()
-            load = router_load(list(self.table.backends()), self._ttfb.sample(now))
+            load = router_load(list(self.table.backends()), self._ttfb.sample(now), self._waiting())
             info = {**info, "fleet_read": synced, "poll_s": POLL_S}
             body = await anyio.to_thread.run_sync(
                 lambda: encode_state(fleet_state(records, load, time.time(), info))

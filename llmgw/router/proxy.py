@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmgw.router.balancer import Balancer
+from llmgw.router.hold import MAX_WAIT_HEADER, Holds, Refused
+from llmgw.router.load import LoadCounter
 from llmgw.router.metrics import CONTENT_TYPE as METRICS_TYPE
 from llmgw.router.metrics import ReplicaSeries, RouterMetrics
 from llmgw.router.page import FleetPage
@@ -94,8 +96,12 @@ class Proxy:
         settings: ProxySettings | None = None,
         health: Callable[[], dict[str, object]] = dict,
         page: FleetPage | None = None,
+        load: LoadCounter | None = None,
+        holds: Holds | None = None,
     ) -> None:
         self.table = table
+        self.load = load or LoadCounter()
+        self.holds = holds
         self.balancer = balancer
         self.pool = pool
         self.metrics = metrics
@@ -156,9 +162,14 @@ class Proxy:
             )
 
     def _models(self) -> bytes:
+        # a cold model (autoscaled to zero, or its first replica loading) is listed too: a
+        # request for it waits for a replica
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
             for name in self.table.served_names()
+        ] + [
+            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "cold": True}
+            for name in self.table.cold_names()
         ]
         return json.dumps({"object": "list", "data": data}).encode()
 
@@ -219,6 +230,26 @@ class Proxy:
             return
         now = time.monotonic()
         backend = self.balancer.pick(route.backends, parsed.affinity, now)
+        if backend is None and self.holds is not None and self.table.autoscaled(route.model):
+            held = await self.holds.wait(
+                parsed.model,
+                route.model,
+                req.header(MAX_WAIT_HEADER),
+                lambda r: self.balancer.pick(r.backends, parsed.affinity, time.monotonic()),
+            )
+            if isinstance(held, Refused):
+                await self._fail(
+                    resp,
+                    held.status,
+                    held.message,
+                    route.model,
+                    kind="no_replica",
+                    code=held.code,
+                    headers=((b"retry-after", str(held.retry_after).encode()),),
+                )
+                return
+            route, backend = held
+            now = time.monotonic()
         if backend is None:
             await self._fail(
                 resp,
@@ -255,11 +286,13 @@ class Proxy:
                 return
             break
         series = self.metrics.replica(route.model, backend.id)
+        self.load.started(route.model)
         try:
             await self._relay(backend, conn, resp, series, now)
         finally:
             backend.in_flight -= 1
             series.finished()
+            self.load.finished(route.model)
 
     def _forwarded_head(self, req: Request) -> bytes:
         lines = []
@@ -334,6 +367,7 @@ class Proxy:
                     if first:
                         first = False
                         series.ttfb.observe(time.monotonic() - started)
+                        self.load.first_token(model, time.monotonic() - started)
                     await resp.write(chunk)
             except UpstreamFailed as e:
                 # The client already has part of the answer: the only honest signal left is to

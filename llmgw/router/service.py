@@ -12,6 +12,7 @@ Two ways to fill the table:
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass, field
 
 import anyio
@@ -21,6 +22,8 @@ from llmgw.bus import keys
 from llmgw.errors import LlmgwError
 from llmgw.keyfiles import read_key
 from llmgw.router.balancer import Balancer, BalancerSettings
+from llmgw.router.hold import Holds, HoldSettings
+from llmgw.router.load import LOAD_INTERVAL_S, LoadCounter, LoadPublisher
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.page import FleetPage
 from llmgw.router.probe import HealthProber
@@ -61,6 +64,8 @@ WATCHED = (
     keys.pattern(keys.SHARDS),
     keys.pattern(keys.HEALTH),
     keys.pattern(keys.PLACEMENT),
+    keys.pattern(keys.DESIRED),  # which models are autoscaled: their requests may be held
+    keys.pattern(keys.SCALE),  # how long their last replica took to load (Retry-After)
 )
 
 
@@ -76,6 +81,10 @@ class RouterSettings:
     probe_timeout: float = 2.0
     # SIGTERM: requests in flight get this long to finish before their connections are cut
     shutdown_grace: float = 30.0
+    hold: HoldSettings = field(default_factory=HoldSettings)
+    # the key this router writes its load in, load.<router_id>; "" = <hostname>-<port>
+    router_id: str = ""
+    load_interval: float = LOAD_INTERVAL_S
 
 
 class Router:
@@ -83,12 +92,22 @@ class Router:
         self.settings = settings or RouterSettings()
         self.table = EndpointTable(self.settings.proxy.engine_api_key, StaticKeys())
         self.metrics = RouterMetrics()
+        self.load = LoadCounter()
+        self.holds = Holds(self.table, self.load, self.settings.hold)
         self.source = "none"
         self.bus = None  # the Bus, once connected (a bucket-fed router)
         self.proxy: Proxy | None = None
         self.page: FleetPage | None = None
         self.server: HttpServer | None = None
         self.draining = False
+
+    @property
+    def router_id(self) -> str:
+        """Its id in `load.<router_id>`: as configured, else <hostname>-<port>."""
+        if self.settings.router_id:
+            return self.settings.router_id
+        port = self.server.sockets[0].getsockname()[1] if self.server else self.settings.port
+        return keys.sanitize_token(f"{socket.gethostname().split('.')[0]}-{port}")
 
     @property
     def url(self) -> str:
@@ -136,7 +155,11 @@ class Router:
                 idle_timeout=s.upstream.idle_timeout,
             )
         )
-        self.page = FleetPage(self.table, self.metrics.ttfb, self.health) if s.proxy.page else None
+        self.page = (
+            FleetPage(self.table, self.metrics.ttfb, self.health, waiting=self.load.waiting)
+            if s.proxy.page
+            else None
+        )
         self.proxy = Proxy(
             self.table,
             Balancer(s.balancer),
@@ -145,6 +168,8 @@ class Router:
             s.proxy,
             health=self.health,
             page=self.page,
+            load=self.load,
+            holds=self.holds,
         )
         prober = HealthProber(
             self.table,
@@ -239,6 +264,8 @@ class Router:
         synced: set[str] = set()
         try:
             async with anyio.create_task_group() as tg:
+                publisher = LoadPublisher(self.load, self.router_id, self.settings.load_interval)
+                tg.start_soon(publisher.run, bus)
                 for pattern in WATCHED:
                     tg.start_soon(self._follow, bus, pattern, synced, Synced)
         finally:
@@ -252,6 +279,7 @@ class Router:
                 if not self.table.synced and len(synced) == len(WATCHED):
                     self.table.synced = True
                     self.table.rebuild()
+                    self.holds.changed()
                     log.info(
                         "router: read the bucket: %d model(s), %d with a ready engine",
                         len(self.table.known_names()),
@@ -259,3 +287,4 @@ class Router:
                     )
                 continue
             self.table.apply(item.key, item.value, item.revision)
+            self.holds.changed()

@@ -1,7 +1,7 @@
 """Which engines serve which model: the router's endpoint table. Pure, no I/O.
 
 Fed the bucket's records (`catalog.*`, `replicas.*.*`, `shards.*.*`, `health.*`,
-`placement.*`) as they change, or a catalog file's static endpoints for a router-only run,
+`placement.*`, and for autoscaled models `desired.*` and `scale.*`) as they change, or a catalog file's static endpoints for a router-only run,
 it answers `route(served_name)`: the model, its engines that may take a new request, and
 why there are none when there are none.
 
@@ -109,6 +109,10 @@ class EndpointTable:
         self.shards: dict[tuple[str, str], records.Shard] = {}  # (node, rid)
         self.health: dict[str, str] = {}  # node -> phase
         self.placements: dict[str, records.PlacementRecord] = {}
+        # autoscaled models (router/hold.py): `desired.<model>` says auto, `scale.<model>`
+        # how long its last replica took to load
+        self.desired: dict[str, records.Desired] = {}
+        self.scales: dict[str, records.Scale] = {}
         self.synced = True  # False until a bucket follower has read the bucket once
         self._backends: dict[str, Backend] = {}
         self._routes: dict[str, Route] = {}
@@ -155,6 +159,10 @@ class EndpointTable:
             _put(self.health, ids[0], None if h is None else h.phase)
         elif prefix == keys.PLACEMENT:
             _put(self.placements, ids[0], _decode(data, records.PlacementRecord))
+        elif prefix == keys.DESIRED:
+            _put(self.desired, ids[0], _decode(data, records.Desired))
+        elif prefix == keys.SCALE:
+            _put(self.scales, ids[0], _decode(data, records.Scale))
 
     def set_static(self, models: list[catalog.Model]) -> None:
         """A router-only run: models with `endpoints` from a catalog file, no bucket."""
@@ -174,6 +182,31 @@ class EndpointTable:
         if self._dirty:
             self.rebuild()
         return sorted(n for n, r in self._routes.items() if r.backends)
+
+    def autoscaled(self, model_id: str) -> bool:
+        """Whether `model_id`'s count follows its load: a request for it while no replica
+        is ready is held (router/hold.py) instead of refused."""
+        desired = self.desired.get(model_id)
+        model = self.models.get(model_id)
+        return (
+            desired is not None
+            and desired.auto
+            and model is not None
+            and model.autoscale is not None
+        )
+
+    def load_seconds(self, model_id: str) -> float:
+        """How long the model's last replica took from placed to ready; 0: not measured."""
+        scale = self.scales.get(model_id)
+        return scale.load_s if scale is not None else 0.0
+
+    def cold_names(self) -> list[str]:
+        """Autoscaled models with no engine to send to: listed by /v1/models as cold."""
+        if self._dirty:
+            self.rebuild()
+        return sorted(
+            n for n, r in self._routes.items() if not r.backends and self.autoscaled(r.model)
+        )
 
     def known_names(self) -> list[str]:
         if self._dirty:

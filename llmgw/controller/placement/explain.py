@@ -131,6 +131,7 @@ def _decision(r: PlacementRecord) -> tuple:
         tuple(r.broken),
         r.rollout,
         r.rollout_detail,
+        r.scaled,
     )
 
 

@@ -1,0 +1,311 @@
+"""The autoscaler: how many replicas a model asks for, from the load its routers see. Pure,
+no I/O, time passed in.
+
+Each router writes its own load per model in `load.<router>` (in flight, held for a
+replica, requests started, time to first token). The leader sums the routers whose key
+still moves (`LoadSum`; a router that stopped writing is gone and so is its load: it is
+never counted twice, since every router counts only what it sent), and for each model
+that `desired.<model>` says is autoscaled, `Scaler.step` turns the summed load into a
+count, as the catalog's `autoscale` policy says:
+
+- wanted = what is in flight and waiting, over `target_in_flight` per replica (plus one
+  while the slowest first token is over `ttft_target_ms`), within min..max_replicas;
+- up, when every sample of the last `scale_up_after` seconds wanted more (the stable
+  window), or at once when the load wants twice the replicas there are (the panic
+  window: a burst is answered within a pass, as Knative's 200% panic threshold does);
+- down, only when every sample of the last `scale_down_after` seconds wanted fewer, and
+  the count has not changed for that long: at steady load it changes at most once per
+  window, and a replica removed drains first (placement's own removal);
+- to zero after `idle_unload_after` seconds without a request, and back from zero at once
+  when a router holds a request for it (a cold start).
+
+Every change comes with its figures: "3 -> 5: 14 in flight over 3 replicas, target 2, for
+30 s". A controller that takes over starts from the count the previous leader wrote, with
+empty windows: it places nothing beyond that count until its own windows have filled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from llmgw.bus import records
+from llmgw.catalog import Autoscale
+
+# a router whose load key has not moved for this long is gone (it writes every second)
+LOAD_STALE_AFTER_S = 5.0
+# panic: the load asks for this many times the replicas there are
+PANIC_RATIO = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoad:
+    """One model's load, summed over the routers whose load is current."""
+
+    in_flight: float = 0.0
+    waiting: int = 0
+    ttft_ms: float = 0.0  # the slowest router's
+    routers: int = 0  # routers that reported this model
+    active: bool = False  # a request was seen since the last sum (or is in flight now)
+
+
+class LoadSum:
+    """The routers' `load.<router>` records, summed per model. A router's record counts
+    while its key keeps moving (judged by this controller's clock, as leases are)."""
+
+    def __init__(self, stale_after: float = LOAD_STALE_AFTER_S) -> None:
+        self.stale_after = stale_after
+        self._seen: dict[str, tuple[int, float]] = {}  # router -> (seq, when it moved)
+        self._requests: dict[tuple[str, str], int] = {}  # (router, model) -> last count
+
+    def saw(self, router: str, load: records.RouterLoad | None, now: float) -> None:
+        if load is None:
+            self._seen.pop(router, None)
+            return
+        seen = self._seen.get(router)
+        if seen is None or seen[0] != load.seq:
+            self._seen[router] = (load.seq, now)
+
+    def current(self, loads: Mapping[str, records.RouterLoad], now: float) -> list[str]:
+        """The routers whose load counts now."""
+        return sorted(
+            r for r in loads if r in self._seen and now - self._seen[r][1] <= self.stale_after
+        )
+
+    def sum(self, loads: Mapping[str, records.RouterLoad], now: float) -> dict[str, ModelLoad]:
+        per: dict[str, ModelLoad] = {}
+        for router in self.current(loads, now):
+            for model, m in loads[router].models.items():
+                before = self._requests.get((router, model))
+                self._requests[(router, model)] = m.requests
+                started = before is not None and m.requests != before
+                have = per.get(model, ModelLoad())
+                per[model] = ModelLoad(
+                    in_flight=have.in_flight + m.in_flight,
+                    waiting=have.waiting + m.waiting,
+                    ttft_ms=max(have.ttft_ms, m.ttft_ms),
+                    routers=have.routers + 1,
+                    active=have.active or started or m.in_flight > 0 or m.waiting > 0,
+                )
+        return per
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    replicas: int
+    wanted: int  # what the load alone asks for, within the policy's bounds
+    reason: str = ""  # set when the count changed
+    limited: str = ""  # what held the count back
+
+
+@dataclass
+class Scaler:
+    """One model's windows. Made when a controller starts leading, from the count in
+    `scale.<model>` (or what runs), so a takeover continues where the last leader was."""
+
+    replicas: int
+    started: float  # when this controller began judging it (monotonic)
+    last_active: float = field(default=0.0)
+    changed_at: float = field(default=float("-inf"))
+    samples: deque[tuple[float, int]] = field(default_factory=deque)  # (when, wanted)
+
+    def __post_init__(self) -> None:
+        self.last_active = self.started  # a fresh leader gives every model its full idle time
+
+    def step(
+        self, policy: Autoscale, load: ModelLoad, now: float, fleet_short: str = ""
+    ) -> Decision:
+        """`fleet_short`: why the fleet places fewer than the count already asked; the count
+        then goes no higher (it says so in `limited`)."""
+        if load.active:
+            self.last_active = now
+        wanted = _wanted(policy, load, self.replicas)
+        self.samples.append((now, wanted))
+        horizon = max(policy.scale_up_after, policy.scale_down_after)
+        while self.samples and self.samples[0][0] < now - horizon - 1.0:
+            self.samples.popleft()
+        decision = self._decide(policy, load, wanted, now)
+        if fleet_short and decision.replicas > self.replicas > 0:
+            decision = Decision(self.replicas, wanted, "", fleet_short)
+        if decision.replicas != self.replicas:
+            self.replicas = decision.replicas
+            self.changed_at = now
+        return decision
+
+    def _decide(self, policy: Autoscale, load: ModelLoad, wanted: int, now: float) -> Decision:
+        have = self.replicas
+        figures = _figures(load, have, policy)
+        limited = (
+            f"max_replicas {policy.max_replicas}"
+            if _raw(policy, load, have) > policy.max_replicas
+            else ""
+        )
+        if have == 0:
+            if load.waiting > 0 or load.in_flight > 0:
+                return Decision(wanted, wanted, f"0 -> {wanted}: cold start, {figures}", limited)
+            if policy.idle_unload_after == 0:  # never idles out: the floor holds
+                return Decision(wanted, wanted, f"0 -> {wanted}: min_replicas {wanted}")
+            return Decision(0, 0)
+        idle = now - self.last_active
+        if policy.idle_unload_after > 0 and idle >= policy.idle_unload_after:
+            return Decision(
+                0,
+                0,
+                f"{have} -> 0: no request for {idle:.0f} s "
+                f"(idle_unload_after {policy.idle_unload_after:g})",
+            )
+        if wanted >= PANIC_RATIO * have:
+            return Decision(wanted, wanted, f"{have} -> {wanted}: {figures} (panic)", limited)
+        up = self._held(now, policy.scale_up_after, min)
+        if up is not None and up > have:
+            return Decision(
+                up, wanted, f"{have} -> {up}: {figures}, for {policy.scale_up_after:g} s", limited
+            )
+        down = self._held(now, policy.scale_down_after, max)
+        if down is not None and down < have and now - self.changed_at >= policy.scale_down_after:
+            return Decision(
+                down, wanted, f"{have} -> {down}: {figures}, for {policy.scale_down_after:g} s"
+            )
+        return Decision(have, wanted, "", limited)
+
+    def _held(self, now: float, window: float, pick) -> int | None:
+        """The count every sample of the last `window` seconds asked at least (min) or at
+        most (max); None until this controller has judged the model that long."""
+        if now - self.started < window:
+            return None
+        inside = [w for t, w in self.samples if t >= now - window]
+        return pick(inside) if inside else None
+
+
+def _fleet_short(rec: records.PlacementRecord | None) -> str:
+    if rec is None or rec.placed >= rec.desired or not rec.refused:
+        return ""
+    return f"the fleet, which places {rec.placed} of {rec.desired}: {rec.explanation}"
+
+
+def _raw(policy: Autoscale, load: ModelLoad, have: int) -> int:
+    demand = load.in_flight + load.waiting
+    raw = math.ceil(demand / policy.target_in_flight - 1e-9) if demand > 0 else 0
+    if policy.ttft_target_ms > 0 and load.in_flight > 0 and load.ttft_ms > policy.ttft_target_ms:
+        raw = max(raw, have + 1)  # answers are slow to start: one more than now
+    return raw
+
+
+def _wanted(policy: Autoscale, load: ModelLoad, have: int) -> int:
+    return max(policy.min_replicas, min(policy.max_replicas, _raw(policy, load, have)))
+
+
+def _figures(load: ModelLoad, have: int, policy: Autoscale) -> str:
+    text = f"{load.in_flight:.3g} in flight"
+    if load.waiting:
+        text += f" and {load.waiting} waiting"
+    text += f" over {have} replica{'s' if have != 1 else ''}, target {policy.target_in_flight:g}"
+    if policy.ttft_target_ms > 0 and load.ttft_ms > policy.ttft_target_ms:
+        text += f", first token in {load.ttft_ms:.0f} ms (target {policy.ttft_target_ms:g})"
+    return text
+
+
+def autoscaled(desired: records.Desired | None, policy: Autoscale | None) -> bool:
+    """Whether a model's count is the autoscaler's: `llmgw place --auto`, and a policy."""
+    return desired is not None and desired.auto and policy is not None
+
+
+def scaled_text(desired: records.Desired, model: object | None, scale: records.Scale | None) -> str:
+    """What `placement.<model>.scaled` says: the autoscaler's latest change and its figures."""
+    if not desired.auto:
+        return ""
+    if getattr(model, "autoscale", None) is None:
+        held = f" at {scale.replicas}" if scale is not None else ""
+        return (
+            f"autoscaled, but the catalog entry has no autoscale policy: the count is "
+            f"held{held}; add [models.autoscale] or `llmgw place MODEL --replicas N`"
+        )
+    if scale is None:
+        return "autoscaled: no decision yet"
+    return scale.reason + (f"; held back by {scale.limited}" if scale.limited else "")
+
+
+class Autoscaler:
+    """The leader's autoscaling state across passes: the routers' load, a Scaler per
+    autoscaled model, and how long each model's last replica took to become ready."""
+
+    def __init__(self, stale_after: float = LOAD_STALE_AFTER_S) -> None:
+        self.loads = LoadSum(stale_after)
+        self.scalers: dict[str, Scaler] = {}
+        self.load_s: dict[str, float] = {}
+
+    def reset(self) -> None:
+        """A new leadership: windows start empty, counts come from `scale.<model>`."""
+        self.scalers.clear()
+
+    def loaded(self, model: str, seconds: float) -> None:
+        """A replica of `model` became ready `seconds` after it was placed."""
+        self.load_s[model] = max(0.0, seconds)
+
+    def decide(
+        self,
+        *,
+        catalog: Mapping[str, object],
+        desired: Mapping[str, records.Desired],
+        scales: Mapping[str, records.Scale],
+        loads: Mapping[str, records.RouterLoad],
+        placed: Mapping[str, int],
+        placements: Mapping[str, records.PlacementRecord],
+        now: float,
+        wall: float,
+    ) -> dict[str, records.Scale]:
+        """The `scale.<model>` records to write: those whose count, reason or measured load
+        time changed. `placed` is each model's replicas counted toward its desired count."""
+        summed = self.loads.sum(loads, now)
+        out: dict[str, records.Scale] = {}
+        for model, want in desired.items():
+            entry = catalog.get(model)
+            policy = getattr(entry, "autoscale", None)
+            if not autoscaled(want, policy):
+                self.scalers.pop(model, None)
+                continue
+            old = scales.get(model)
+            scaler = self.scalers.get(model)
+            if scaler is None:
+                start = old.replicas if old is not None else placed.get(model, 0)
+                start = min(policy.max_replicas, start)
+                if start > 0:
+                    start = max(policy.min_replicas, start)
+                scaler = self.scalers[model] = Scaler(start, now)
+            load = summed.get(model, ModelLoad())
+            before = scaler.replicas
+            d = scaler.step(policy, load, now, _fleet_short(placements.get(model)))
+            load_s = self.load_s.get(model, old.load_s if old else 0.0)
+            if (
+                old is not None
+                and old.replicas == d.replicas
+                and old.load_s == load_s
+                and old.limited == d.limited
+            ):
+                continue
+            out[model] = records.Scale(
+                model=model,
+                replicas=d.replicas,
+                wanted=d.wanted,
+                in_flight=math.ceil(load.in_flight),
+                waiting=load.waiting,
+                routers=load.routers,
+                ttft_ms=load.ttft_ms,
+                reason=d.reason or (old.reason if old else f"starts at {d.replicas}"),
+                limited=d.limited,
+                changed_at=wall if (old is None or d.replicas != before) else old.changed_at,
+                load_s=load_s,
+            )
+        return out
+
+    def cold_waiting(self, loads: Mapping[str, records.RouterLoad], now: float) -> bool:
+        """A router holds a request for an autoscaled model at zero: decide now, not at the
+        next tick."""
+        for router in self.loads.current(loads, now):
+            for model, m in loads[router].models.items():
+                s = self.scalers.get(model)
+                if m.waiting > 0 and (s is None or s.replicas == 0):
+                    return True
+        return False

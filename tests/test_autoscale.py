@@ -1,0 +1,195 @@
+"""The autoscaler's decisions, time passed in (llmgw/controller/autoscale.py), and the
+catalog's autoscale policy rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw import catalog
+from llmgw.bus import records
+from llmgw.controller.autoscale import Autoscaler, LoadSum, ModelLoad, Scaler
+
+POLICY = catalog.Autoscale(
+    min_replicas=1,
+    max_replicas=8,
+    target_in_flight=2,
+    scale_up_after=30,
+    scale_down_after=60,
+    idle_unload_after=0,
+)
+
+
+def _run(scaler: Scaler, load: ModelLoad, start: float, end: float, policy=POLICY, step=1.0):
+    """Step once a second from `start` to `end`; the decisions that changed the count."""
+    changes = []
+    t = start
+    while t <= end:
+        d = scaler.step(policy, load, t)
+        if d.reason:
+            changes.append((t, d))
+        t += step
+    return changes
+
+
+def _load(in_flight: float, waiting: int = 0) -> ModelLoad:
+    return ModelLoad(in_flight=in_flight, waiting=waiting, routers=1, active=in_flight > 0)
+
+
+def test_a_burst_of_twice_the_target_scales_up_at_once_with_its_figures() -> None:
+    s = Scaler(3, started=0.0)
+    changes = _run(s, _load(14), 100, 100)
+    assert [(t, d.replicas) for t, d in changes] == [(100, 7)]
+    assert changes[0][1].reason == "3 -> 7: 14 in flight over 3 replicas, target 2 (panic)"
+
+
+def test_a_load_above_target_scales_up_only_once_it_held_for_the_up_window() -> None:
+    s = Scaler(3, started=0.0)
+    _run(s, _load(6), 0, 40)  # what 3 replicas are for
+    changes = _run(s, _load(10), 41, 100)  # 5 wanted: not twice 3, so no panic
+    assert [(t, d.replicas) for t, d in changes] == [(71, 5)]
+    assert changes[0][1].reason == "3 -> 5: 10 in flight over 3 replicas, target 2, for 30 s"
+
+
+def test_the_load_ending_scales_down_after_the_down_window_and_not_before() -> None:
+    s = Scaler(5, started=0.0)
+    _run(s, _load(10), 0, 60)
+    changes = _run(s, _load(2), 61, 200)
+    assert [(t, d.replicas) for t, d in changes] == [(121, 1)]
+    assert changes[0][1].reason.startswith("5 -> 1: 2 in flight over 5 replicas, target 2")
+
+
+def test_a_steady_load_changes_the_count_at_most_once_per_window() -> None:
+    s = Scaler(1, started=0.0)
+    # steady, noisy load around 7 in flight: 4 replicas, never flapping
+    loads = [6.5, 7.5, 7.0, 6.8, 7.2]
+    changes = []
+    for i in range(600):
+        d = s.step(POLICY, _load(loads[i % len(loads)]), float(i))
+        if d.reason:
+            changes.append(i)
+    assert len(changes) <= 2, changes  # one up (panic from 1), at most one settling change
+    assert all(b - a >= POLICY.scale_up_after for a, b in zip(changes, changes[1:], strict=False))
+
+
+def test_max_replicas_bounds_the_count_and_says_so() -> None:
+    s = Scaler(2, started=0.0)
+    d = s.step(POLICY, _load(100), 10)
+    assert d.replicas == 8 and d.limited == "max_replicas 8"
+
+
+def test_an_idle_model_goes_to_zero_and_a_waiting_request_brings_it_back_at_once() -> None:
+    policy = catalog.Autoscale(max_replicas=4, idle_unload_after=120, scale_down_after=60)
+    s = Scaler(2, started=0.0)
+    changes = _run(s, ModelLoad(), 0, 130, policy)
+    # down to the floor after the down window, then to zero once idle that long
+    assert [(t, d.replicas) for t, d in changes] == [(60, 1), (120, 0)]
+    assert changes[1][1].reason == "1 -> 0: no request for 120 s (idle_unload_after 120)"
+    d = s.step(policy, ModelLoad(waiting=1, routers=1, active=True), 131)
+    assert d.replicas == 1
+    assert d.reason == "0 -> 1: cold start, 0 in flight and 1 waiting over 0 replicas, target 2"
+
+
+def test_a_fleet_that_places_fewer_than_asked_stops_the_count_growing() -> None:
+    s = Scaler(4, started=0.0)
+    short = "the fleet, which places 3 of 4: 0/3 nodes fit"
+    d = s.step(POLICY, _load(100), 10, fleet_short=short)
+    assert d.replicas == 4 and d.limited == short
+
+
+def _router(name: str, seq: int, **models: ModelLoad) -> records.RouterLoad:
+    return records.RouterLoad(
+        router=name,
+        seq=seq,
+        at=0.0,
+        models={
+            m: records.ModelLoad(in_flight=v.in_flight, waiting=v.waiting)
+            for m, v in models.items()
+        },
+    )
+
+
+def test_two_routers_are_summed_and_one_rewriting_its_key_is_not_counted_twice() -> None:
+    sums = LoadSum(stale_after=5)
+    loads = {"r1": _router("r1", 1, tiny=_load(3)), "r2": _router("r2", 1, tiny=_load(4))}
+    for name, load in loads.items():
+        sums.saw(name, load, 0.0)
+    assert sums.sum(loads, 1.0)["tiny"].in_flight == 7
+    loads["r1"] = _router("r1", 2, tiny=_load(3))  # its next write: the same requests
+    sums.saw("r1", loads["r1"], 1.0)
+    assert sums.sum(loads, 2.0)["tiny"].in_flight == 7
+    assert sums.sum(loads, 2.0)["tiny"].routers == 2
+
+
+def test_a_router_whose_key_stopped_moving_counts_no_more() -> None:
+    sums = LoadSum(stale_after=5)
+    loads = {"r1": _router("r1", 1, tiny=_load(3)), "r2": _router("r2", 1, tiny=_load(4))}
+    sums.saw("r1", loads["r1"], 0.0)
+    sums.saw("r2", loads["r2"], 0.0)
+    for t in range(1, 10):
+        loads["r2"] = _router("r2", 1 + t, tiny=_load(4))
+        sums.saw("r2", loads["r2"], float(t))
+    assert sums.sum(loads, 9.0)["tiny"].in_flight == 4
+    assert sums.current(loads, 9.0) == ["r2"]
+
+
+def _model(**autoscale) -> catalog.Model:
+    return catalog.validate_models(
+        {
+            "models": [
+                {
+                    "id": "tiny",
+                    "profiles": [
+                        {
+                            "name": "cpu",
+                            "engine": "llama-server",
+                            "weights": {"path": "/w/tiny.gguf"},
+                            "gpus_per_node": 0,
+                        }
+                    ],
+                    "autoscale": autoscale,
+                }
+            ]
+        }
+    )[0]
+
+
+def test_a_controller_taking_over_starts_from_the_count_the_last_leader_wrote() -> None:
+    model = _model(max_replicas=6, scale_up_after=30)
+    desired = {"tiny": records.Desired(model="tiny", replicas=1, auto=True)}
+    written = {"tiny": records.Scale(model="tiny", replicas=5, reason="1 -> 5: ...")}
+    loads = {"r1": _router("r1", 1, tiny=_load(9))}  # asks for 5: what was decided
+    a = Autoscaler()
+    a.loads.saw("r1", loads["r1"], 0.0)
+    out = a.decide(
+        catalog={"tiny": model},
+        desired=desired,
+        scales=written,
+        loads=loads,
+        placed={"tiny": 2},  # the scale-up was under way: 2 of 5 placed
+        placements={},
+        now=0.0,
+        wall=0.0,
+    )
+    assert out == {}  # nothing to change: the count stays 5, nothing more is asked
+    assert a.scalers["tiny"].replicas == 5
+
+
+def test_the_catalog_refuses_an_autoscale_policy_that_cannot_work() -> None:
+    with pytest.raises(catalog.CatalogError) as e:
+        _model(min_replicas=0, max_replicas=2, target_in_flight=0, scale_up_aftr=3)
+    text = str(e.value)
+    assert "autoscale.min_replicas: 0 is not a floor" in text
+    assert "scale to zero is idle_unload_after" in text
+    assert "autoscale.target_in_flight: expected a number > 0" in text
+    assert "autoscale.scale_up_aftr: unknown field (did you mean 'scale_up_after'?)" in text
+    with pytest.raises(catalog.CatalogError, match="max_replicas: expected an integer >= 1"):
+        _model()
+    with pytest.raises(catalog.CatalogError, match="min_replicas 3 is above max_replicas 2"):
+        _model(min_replicas=3, max_replicas=2)
+
+
+def test_an_autoscale_policy_survives_the_bucket_round_trip() -> None:
+    model = _model(max_replicas=4, idle_unload_after=300, ttft_target_ms=500)
+    back = catalog.decode_model(catalog.encode_model(model), "tiny")
+    assert back.autoscale == model.autoscale
+    assert back.autoscale.idle_unload_after == 300 and back.autoscale.min_replicas == 1

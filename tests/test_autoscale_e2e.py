@@ -1,0 +1,480 @@
+"""Autoscaling end to end: three agent processes (three hosts on one machine, one loopback
+address each) run the fake engine, a controller leads, routers serve from the bucket, and
+clients' load moves the replica count: up within seconds of a burst, down after the down
+window with drains, to zero when idle and back at the first request, which waits and then
+succeeds (streamed too); one that cannot wait gets 503 with Retry-After; two routers' load
+is summed once; a controller taking over in the middle of a scale-up places no surplus.
+Windows are short here (a second or two); docs/placement.md gives the real defaults."""
+
+from __future__ import annotations
+
+import re
+
+import aiohttp
+import anyio
+import msgspec
+import pytest
+from agent_helpers import agent_config, host_dirs, start_agent, stop
+from router_helpers import SERVED, chat_body, router_settings, running_router
+from serving import sse_events
+from waiting import until
+
+from llmgw import catalog
+from llmgw.agent.config import Engines
+from llmgw.bus import keys, records
+from llmgw.bus.client import Bus, decoder
+from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.router.hold import HoldSettings
+from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+NODES = {"node1": "127.0.0.2", "node2": "127.0.0.3", "node3": "127.0.0.4"}
+
+
+@pytest.fixture
+def fleet(tmp_path, nats_server):
+    procs = []
+    for node, address in NODES.items():
+        root = tmp_path / node
+        dirs = host_dirs(root)
+        install_fake_engines(dirs["bin"])
+        cfg = agent_config(nats_server.url, dirs, id=node, address=address)
+        cfg = msgspec.structs.replace(
+            cfg,
+            engines=Engines(
+                listen_host=address,
+                poll_interval=0.1,
+                backoff_base=0.2,
+                backoff_cap=2,
+                stop_grace=3,
+                drain_timeout=30,
+            ),
+        )
+        procs.append(
+            start_agent(
+                cfg, root / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], root / "agent.log"
+            )
+        )
+    yield tmp_path
+    for p in procs:
+        stop(p)
+
+
+def _controller_settings(name: str) -> ControllerSettings:
+    # ports of their own: other suites' engines may hold 18000 on this machine
+    return ControllerSettings(
+        controller_id=name,
+        unreachable_after=2,
+        lost_after=30,
+        leader_ttl=1,
+        tick=0.05,
+        resync=0.5,
+        port_range=(24000, 24999),
+        load_stale_after=2,
+    )
+
+
+@pytest.fixture
+async def controller(nats_settings):
+    b = await Bus.connect(nats_settings, give_up_after=5)
+    async with anyio.create_task_group() as tg:
+        await tg.start(Controller(b, _controller_settings("c1")).run)
+        yield
+        tg.cancel_scope.cancel()
+    await b.close()
+
+
+def _model(tmp_path, *, env: dict[str, str] | None = None, **autoscale) -> catalog.Model:
+    gguf = str(write_fake_gguf(tmp_path / "weights" / "tiny.gguf"))
+    policy = {
+        "min_replicas": 1,
+        "max_replicas": 3,
+        "target_in_flight": 1,
+        "scale_up_after": 1,
+        "scale_down_after": 2,
+        **autoscale,
+    }
+    return catalog.validate_models(
+        {
+            "models": [
+                {
+                    "id": "tiny",
+                    "served_name": SERVED,
+                    "autoscale": policy,
+                    "profiles": [
+                        {
+                            "name": "cpu",
+                            "engine": "llama-server",
+                            "weights": {"path": gguf},
+                            "gpus_per_node": 0,
+                            "host_ram_gb": 1,
+                            # a stream of 20 tokens at 40 a second: half a second each
+                            "env": {
+                                "FAKE_ENGINE_TOKENS": "20",
+                                "FAKE_ENGINE_TOKEN_RATE": "40",
+                                **(env or {}),
+                            },
+                        }
+                    ],
+                }
+            ]
+        }
+    )[0]
+
+
+async def _serve_auto(bus: Bus, model: catalog.Model) -> None:
+    """`llmgw catalog apply`, then `llmgw place tiny --auto`."""
+    await bus.put(keys.catalog(model.id), catalog.encode_model(model))
+    await bus.put(
+        keys.desired(model.id),
+        records.Desired(model=model.id, replicas=0, auto=True, updated_at=1.0),
+    )
+
+
+async def _replicas(bus: Bus) -> list[records.Replica]:
+    got = await bus.list(keys.pattern(keys.REPLICAS, "tiny"), decoder(records.Replica))
+    return sorted((e.value for e in got.values()), key=lambda r: r.rid)
+
+
+async def _scale(bus: Bus) -> records.Scale | None:
+    got = await bus.get(keys.scale("tiny"), decoder(records.Scale))
+    return got.value if got else None
+
+
+async def _nodes_ready(bus: Bus) -> None:
+    async def every_node_ready():
+        got = await bus.list(keys.pattern(keys.HEALTH), decoder(records.Health))
+        return sum(e.value.phase == "ready" for e in got.values()) == len(NODES)
+
+    await until(every_node_ready, timeout=30)
+
+
+def _ready(router, n: int):
+    async def check():
+        route = router.table.route(SERVED)
+        return route is not None and len(route.backends) == n
+
+    return check
+
+
+class Phases:
+    """Every phase each replica was seen in, and the most replicas counted at once."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.seen: dict[str, list[str]] = {}
+        self.most_counted = 0
+
+    async def run(self, stop: anyio.Event) -> None:
+        while not stop.is_set():
+            reps = await _replicas(self.bus)
+            for r in reps:
+                phases = self.seen.setdefault(r.rid, [])
+                if not phases or phases[-1] != r.phase:
+                    phases.append(r.phase)
+            counted = sum(r.phase in records.REPLICA_COUNTED for r in reps)
+            self.most_counted = max(self.most_counted, counted)
+            await anyio.sleep(0.02)
+
+
+class Streams:
+    """`workers` clients streaming one after the other through `urls`; every failure kept."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.completed = 0
+        self.failed: list[str] = []
+        self.replicas: set[str] = set()
+
+    async def run(self, http: aiohttp.ClientSession, workers: int, stop: anyio.Event) -> None:
+        async def worker(i: int) -> None:
+            url = self.urls[i % len(self.urls)]
+            n = 0
+            while not stop.is_set():
+                n += 1
+                async with http.post(
+                    f"{url}/v1/chat/completions", json=chat_body(f"w{i} {n}", stream=True)
+                ) as resp:
+                    body = await resp.read()
+                    if resp.status != 200 or not body.rstrip().endswith(b"data: [DONE]"):
+                        self.failed.append(f"{resp.status} {body[-120:]!r}")
+                    else:
+                        self.completed += 1
+                        self.replicas.add(resp.headers.get("x-llmgw-replica", ""))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(workers):
+                tg.start_soon(worker, i)
+
+
+def _connect(nats_settings):
+    return lambda: Bus.connect(nats_settings, give_up_after=None)
+
+
+async def test_a_burst_scales_up_and_its_end_scales_down_after_the_window_with_drains(
+    bus, nats_settings, fleet, controller
+):
+    await _nodes_ready(bus)
+    await _serve_auto(bus, _model(fleet))
+    phases = Phases(bus)
+    stop_watch = anyio.Event()
+    async with (
+        running_router(connect=_connect(nats_settings), settings=router_settings()) as router,
+        anyio.create_task_group() as outer,
+    ):
+        outer.start_soon(phases.run, stop_watch)
+        await until(_ready(router, 1), timeout=60)  # min_replicas
+        streams = Streams([router.url])
+        stop_load = anyio.Event()
+        async with aiohttp.ClientSession() as http, anyio.create_task_group() as tg:
+            tg.start_soon(streams.run, http, 6, stop_load)
+            # 6 in flight, target 1, at most 3: a panic scale-up to the ceiling
+            await until(_ready(router, 3), timeout=60)
+            done = streams.completed
+            await until(lambda: _true(streams.completed >= done + 12), timeout=30)
+            stop_load.set()
+        scale = await _scale(bus)
+        assert scale is not None and scale.limited == "max_replicas 3", scale
+        # the burst arrives over a second or so: straight to 3, or by way of 2
+        assert re.match(r"[12] -> 3: [\d.]+ in flight over [12] replicas?, target 1", scale.reason)
+        # the load ended: back to the floor once the down window passed, by draining
+        await until(_ready(router, 1), timeout=60)
+
+        async def one_left():
+            reps = await _replicas(bus)
+            return len(reps) == 1 and reps[0].phase == "ready"
+
+        await until(one_left, timeout=60)
+        stop_watch.set()
+    assert streams.failed == [], streams.failed[:5]
+    assert len(streams.replicas) == 3, streams.replicas  # the new replicas took traffic
+    removed = [
+        rid for rid, seen in phases.seen.items() if rid not in {r.rid for r in await _replicas(bus)}
+    ]
+    assert len(removed) == 2, phases.seen
+    assert all("draining" in phases.seen[rid] for rid in removed), phases.seen
+    placement = (await bus.get(keys.placement("tiny"), decoder(records.PlacementRecord))).value
+    assert placement.scaled.startswith("3 -> 1: 0 in flight over 3 replicas, target 1, for 2 s")
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _cold(bus: Bus, router) -> None:
+    """Scaled to zero: no replica left, and /v1/models lists the model as cold."""
+
+    async def none_left():
+        scale = await _scale(bus)
+        return scale is not None and scale.replicas == 0 and not await _replicas(bus)
+
+    await until(none_left, timeout=60)
+
+    async def listed_cold():
+        async with aiohttp.ClientSession() as http, http.get(f"{router.url}/v1/models") as r:
+            listed = (await r.json())["data"]
+        return [(m["id"], m.get("cold")) for m in listed] == [(SERVED, True)]
+
+    await until(listed_cold, timeout=10)
+
+
+async def test_a_cold_models_first_requests_wait_for_a_replica_and_succeed_streamed_too(
+    bus, nats_settings, fleet, controller
+):
+    await _nodes_ready(bus)
+    # no request for 1 s: to zero; each replica takes a second to load
+    await _serve_auto(
+        bus, _model(fleet, idle_unload_after=1, env={"FAKE_ENGINE_LOAD_SECONDS": "1"})
+    )
+    async with running_router(
+        connect=_connect(nats_settings), settings=router_settings()
+    ) as router:
+        await _cold(bus, router)
+        events: list[str] = []
+
+        async def streamed():
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(f"{router.url}/v1/chat/completions", json=chat_body(stream=True)) as r,
+            ):
+                assert r.status == 200, await r.text()
+                async for data in sse_events(r):
+                    events.append(data)
+
+        async def plain():
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(f"{router.url}/v1/chat/completions", json=chat_body()) as r,
+            ):
+                assert r.status == 200, await r.text()
+                return await r.json()
+
+        answers = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(streamed)
+
+            async def keep():
+                answers.append(await plain())
+
+            tg.start_soon(keep)
+        assert events[-1] == "[DONE]" and len(events) > 2, events
+        assert answers[0]["choices"][0]["message"]["content"], answers
+        scale = await _scale(bus)
+        # two requests waiting, target 1: two replicas
+        assert scale is not None and scale.replicas == 2, scale
+        assert (
+            scale.reason
+            == "0 -> 2: cold start, 0 in flight and 2 waiting over 0 replicas, target 1"
+        )
+        assert scale.load_s >= 1.0, scale  # measured: the engine's second of loading at least
+
+
+async def test_a_request_that_cannot_wait_gets_503_with_retry_after_and_a_full_hold_429(
+    bus, nats_settings, fleet, controller
+):
+    await _nodes_ready(bus)
+    await _serve_auto(
+        bus, _model(fleet, idle_unload_after=1, env={"FAKE_ENGINE_LOAD_SECONDS": "3"})
+    )
+    settings = router_settings(hold=HoldSettings(max_held=1, max_wait=30))
+    async with (
+        running_router(connect=_connect(nats_settings), settings=settings) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        await _cold(bus, router)
+        async with http.post(
+            f"{router.url}/v1/chat/completions",
+            json=chat_body(),
+            headers={"x-llmgw-max-wait": "0"},
+        ) as r:
+            assert r.status == 503
+            assert int(r.headers["retry-after"]) >= 1
+            error = (await r.json())["error"]
+        assert error["code"] == "model_cold"
+        assert f"model {SERVED!r} is cold" in error["message"]
+        assert "the client does not wait" in error["message"]
+        # it asked for a replica all the same
+        await until(lambda: _scaled_to(bus, 1), timeout=30)
+
+        # one held (its replica loads for 3 s), the next finds the hold full
+        async def held():
+            async with http.post(f"{router.url}/v1/chat/completions", json=chat_body()) as r:
+                return r.status
+
+        statuses = []
+        async with anyio.create_task_group() as tg:
+
+            async def first():
+                statuses.append(await held())
+
+            tg.start_soon(first)
+            await until(lambda: _true(router.holds.held.get("tiny", 0) == 1), timeout=10)
+            async with http.post(f"{router.url}/v1/chat/completions", json=chat_body()) as r:
+                assert r.status == 429, await r.text()
+                assert "hold queue is full" in (await r.json())["error"]["message"]
+                assert int(r.headers["retry-after"]) >= 1
+        assert statuses == [200]
+
+
+async def _scaled_to(bus: Bus, n: int) -> bool:
+    scale = await _scale(bus)
+    return scale is not None and scale.replicas == n
+
+
+async def test_two_routers_load_is_summed_once(bus, nats_settings, fleet, controller):
+    await _nodes_ready(bus)
+    # long streams: four always in flight, two through each router; target 1, at most 6
+    model = _model(
+        fleet,
+        max_replicas=6,
+        scale_up_after=30,  # no stable-window scale-up meanwhile: the panic alone moves it
+        env={"FAKE_ENGINE_TOKENS": "400", "FAKE_ENGINE_TOKEN_RATE": "100"},
+    )
+    await _serve_auto(bus, model)
+    async with (
+        running_router(connect=_connect(nats_settings), settings=router_settings()) as a,
+        running_router(connect=_connect(nats_settings), settings=router_settings()) as b,
+    ):
+        await until(_ready(a, 1), timeout=60)
+        await until(_ready(b, 1), timeout=60)
+        streams = Streams([a.url, b.url])
+        stop_load = anyio.Event()
+        seen: list[records.Scale] = []
+        async with aiohttp.ClientSession() as http, anyio.create_task_group() as tg:
+            tg.start_soon(streams.run, http, 4, stop_load)
+
+            async def summed():
+                scale = await _scale(bus)
+                if scale is not None and scale.routers == 2:
+                    seen.append(scale)
+                return scale is not None and scale.replicas == 4 and scale.routers == 2
+
+            await until(summed, timeout=60)
+            stop_load.set()
+    assert streams.failed == [], streams.failed[:5]
+    # 4 in flight wants 4 replicas: counted twice it would be 8, and 6 (the ceiling)
+    assert all(s.in_flight <= 4 and s.replicas <= 4 for s in seen), seen
+    assert re.match(r"\d -> 4: [\d.]+ in flight over \d replicas?, target 1", seen[-1].reason)
+
+
+async def test_a_controller_taking_over_during_a_scale_up_places_no_surplus(
+    bus, nats_settings, fleet
+):
+    # replicas load for 2 s: the takeover comes while the new ones load
+    await _serve_auto(bus, _model(fleet, env={"FAKE_ENGINE_LOAD_SECONDS": "2"}))
+    phases = Phases(bus)
+    stop_all = anyio.Event()
+    a_bus = await Bus.connect(nats_settings, give_up_after=5)
+    b_bus = await Bus.connect(nats_settings, give_up_after=5)
+    try:
+        async with anyio.create_task_group() as tg:
+            a_scope = anyio.CancelScope()
+
+            async def run_a():
+                with a_scope:
+                    await Controller(a_bus, _controller_settings("a")).run()
+
+            tg.start_soon(run_a)
+            await until(lambda: _leader_is(bus, "a"), timeout=20)
+            await _nodes_ready(bus)  # health is the leader's to write
+            b = Controller(b_bus, _controller_settings("b"))
+            await tg.start(b.run)
+            tg.start_soon(phases.run, stop_all)
+            async with running_router(
+                connect=_connect(nats_settings), settings=router_settings()
+            ) as router:
+                await until(_ready(router, 1), timeout=60)
+                streams = Streams([router.url])
+                stop_load = anyio.Event()
+                async with aiohttp.ClientSession() as http, anyio.create_task_group() as load:
+                    load.start_soon(streams.run, http, 6, stop_load)
+
+                    async def scaling_up():
+                        reps = await _replicas(bus)
+                        return (
+                            await _scaled_to(bus, 3)
+                            and len(reps) == 3
+                            and any(r.phase != "ready" for r in reps)
+                        )
+
+                    await until(scaling_up, timeout=60)
+                    a_scope.cancel()  # the leader goes away mid scale-up
+                    await until(lambda: _true(b.leading), timeout=20)
+                    await until(_ready(router, 3), timeout=60)
+                    done = streams.completed
+                    await until(lambda: _true(streams.completed >= done + 6), timeout=30)
+                    stop_load.set()
+            stop_all.set()
+            tg.cancel_scope.cancel()
+    finally:
+        await a_bus.close()
+        await b_bus.close()
+    assert streams.failed == [], streams.failed[:5]
+    assert phases.most_counted == 3, phases.seen  # never a fourth replica
+    assert len(phases.seen) == 3, phases.seen
+
+
+async def _leader_is(bus: Bus, name: str) -> bool:
+    got = await bus.get(keys.leader(), decoder(records.Leader))
+    return got is not None and got.value.holder == name
