@@ -171,9 +171,21 @@ def _explain(path: Path, err: msgspec.ValidationError, names: list[str]) -> Flee
     if missing:
         key = f"{where}.{missing.group(1)}" if where else missing.group(1)
         return FleetError(f"{prefix} key {key!r} is required; docs/sim.md shows an example")
+    enum = re.match(r"Invalid enum value (.+)$", msg)
+    if enum:
+        field = re.sub(r"\[\d+\]", "", where)
+        allowed = " or ".join(repr(v) for v in _CHOICES.get(field, ()))
+        msg = f"{enum.group(1)} is not allowed; use {allowed}" if allowed else msg
     if where:
         return FleetError(f"{prefix} key {where!r}: {msg}")
     return FleetError(f"{prefix} {msg}")
+
+
+_CHOICES = {
+    "engines": ("llama-server", "vllm"),
+    "state": ("up", "dead"),
+    "ib.state": ("up", "down"),
+}
 
 
 def _check(raw: FleetFile, path: Path) -> Fleet:
