@@ -81,7 +81,9 @@ models = ["tiny.gguf"]
 """
 
 
-def _model(mid: str, engine: str, key: str, gpus: int, ram: float, gpu_gb: float = 0) -> catalog.Model:
+def _model(
+    mid: str, engine: str, key: str, gpus: int, ram: float, gpu_gb: float = 0
+) -> catalog.Model:
     return catalog.Model(
         id=mid,
         served_name=f"served/{mid}",

@@ -86,7 +86,7 @@ def sim(
 
     logging.getLogger("llmgw").setLevel(logging.INFO)
     load_fleet(fleet_file)  # a bad file is refused here, before anything starts
-    data_dir = data_dir or Path(platformdirs.user_data_dir("llmgw")) / "sim"
+    data_dir = data_dir or Path(platformdirs.user_data_dir("llmgw")) / "sim-fleet"
     if processes > 1 and part is None:
         _run_processes(processes, data_dir)
         return

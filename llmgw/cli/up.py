@@ -25,7 +25,8 @@ from llmgw.shutdown import drain_then_cancel_on_signal
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="where NATS stores the bucket and the agent its state [default: the user data dir]",
+    help="where NATS stores the bucket and the agent its state [default: the user data dir; "
+    "with --sim, its sim/ folder, so a simulated fleet never mixes with this machine's]",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="address NATS listens on")
 @click.option("--port", default=4222, show_default=True, help="port NATS listens on")
@@ -80,7 +81,7 @@ def up(
 
         load_fleet(fleet_file)  # a bad file is refused before NATS starts
         sim = (fleet_file, connections, poll)
-    data_dir = data_dir or Path(platformdirs.user_data_dir("llmgw"))
+    data_dir = data_dir or Path(platformdirs.user_data_dir("llmgw")) / ("sim" if sim else "")
     router = None if no_router else router_settings(router_listen, **router_opts)
     server = EmbeddedNats(data_dir=data_dir / "nats", host=host, port=port)
     server.start()
@@ -167,7 +168,7 @@ async def _run_up_parts(
                 fleet_file,
                 NatsSettings(urls=tuple(cfg.nats.urls), name="llmgw sim"),
                 BucketSettings(name=cfg.nats.bucket),
-                data_dir / "sim",
+                data_dir / "fleet",
                 connections=connections,
                 poll=poll,
             )
