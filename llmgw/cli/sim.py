@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import subprocess
@@ -92,32 +93,24 @@ def sim(
         return
     part = part or Part()
     root = data_dir / f"part-{part.index}" if part.count > 1 else data_dir
-    run_fast(
-        lambda: until_signalled(_simulator(fleet_file, nats, bucket, root, connections, part, poll))
-    )
+    simulate = functools.partial(_simulate, fleet_file, nats, bucket, root, connections, part, poll)
+    run_fast(functools.partial(until_signalled, simulate))
 
 
-def _simulator(fleet_file, nats, bucket, root, connections, part, poll):
+async def _simulate(fleet_file, nats, bucket, root, connections, part, poll) -> None:
+    import anyio
+
     from llmgw.sim.simulator import Simulator
 
-    async def run() -> None:
-        sim = Simulator(
-            fleet_file, nats, bucket, root, connections=connections, part=part, poll=poll
+    simulator = Simulator(
+        fleet_file, nats, bucket, root, connections=connections, part=part, poll=poll
+    )
+    async with anyio.create_task_group() as tg:
+        await tg.start(simulator.run)
+        click.echo(
+            f"simulated fleet {fleet_file}: {len(simulator.nodes)} nodes; edit the file to "
+            "change it live"
         )
-        await sim.run(task_status=_Announce(fleet_file))
-
-    return run
-
-
-class _Announce:
-    """Says on stdout when the fleet is up (a task_status stand-in)."""
-
-    def __init__(self, fleet_file: Path) -> None:
-        self.fleet_file = fleet_file
-
-    def started(self, sim=None) -> None:
-        nodes = len(sim.nodes) if sim is not None else 0
-        click.echo(f"simulated fleet {self.fleet_file}: {nodes} nodes; edit the file to change it")
 
 
 def _run_processes(processes: int, data_dir: Path) -> None:
