@@ -38,7 +38,7 @@ from llmgw import catalog
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, NatsSettings, Update, decoder
 from llmgw.bus.server import EmbeddedNats, free_port
-from llmgw.testing.sim import SimNode, inventory
+from llmgw.sim.bare import SimNode, inventory
 
 FABRICS = ["ib-a", "ib-b", "ib-c", "ib-d"]
 # (id, engine, weights source, GPUs per node, nodes, replicas)

@@ -35,7 +35,7 @@ from llmgw.bus.client import (
 from llmgw.bus.errors import Unanswered, ValueTooLarge, WrongRevision
 from llmgw.bus.server import EmbeddedNats, free_port
 from llmgw.errors import LlmgwError
-from llmgw.testing.sim import inventory
+from llmgw.sim.bare import inventory
 
 pytestmark = pytest.mark.anyio
 

@@ -28,8 +28,8 @@ from llmgw.catalog import Model, encode_model, validate_models
 from llmgw.cli.place import dry_run_plan, follow_placement
 from llmgw.cli.status import gather, render
 from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.sim.bare import SimNode, inventory
 from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
-from llmgw.testing.sim import SimNode, inventory
 
 LLMGW = [sys.executable, "-m", "llmgw.cli"]
 

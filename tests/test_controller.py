@@ -20,7 +20,7 @@ from llmgw.bus import classify, keys, records
 from llmgw.bus.client import Bus, BusError, FencedOff, NatsSettings, Update, decoder
 from llmgw.controller import placement
 from llmgw.controller.loop import Controller, ControllerSettings
-from llmgw.testing.sim import SimNode, inventory
+from llmgw.sim.bare import SimNode, inventory
 
 pytestmark = pytest.mark.anyio
 

@@ -28,7 +28,7 @@ from llmgw.controller.fabrics import (
     nodes_seeing,
     render_fabrics,
 )
-from llmgw.testing.sim import inventory
+from llmgw.sim.bare import inventory
 
 FILER = Store(kind="shared", identity="nfs:filer01:/export/models", fs_type="nfs")
 GB = 1_000_000_000

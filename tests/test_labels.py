@@ -10,7 +10,7 @@ import pytest
 
 from llmgw import labels
 from llmgw.bus import records
-from llmgw.testing.sim import inventory
+from llmgw.sim.bare import inventory
 
 
 def test_discovered_labels_come_from_the_inventory_alone():

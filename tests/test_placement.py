@@ -39,7 +39,7 @@ from llmgw.controller.placement import (
     same_decision,
 )
 from llmgw.controller.placement.rollout import Outdated, roll
-from llmgw.testing.sim import SimNode, inventory
+from llmgw.sim.bare import SimNode, inventory
 
 GB = 1_000_000_000
 GIB = 1 << 30

@@ -3,8 +3,9 @@
 What is written still wins: every override beats discovery and is listed in
 `from_config`, so `nats kv get llmgw nodes.<id>` shows which values a person set.
 The functions here block (subprocesses, sysfs, NVML): the agent calls them in a worker thread.
-Hardware facts that are not files under `paths.procfs`/`paths.sysfs` come from a `Hardware`
-the agent is given: the real machine unless a simulated node (llmgw.testing) passes its own.
+The facts come from a `Hardware` the agent is given: the real machine (NVML, files under
+`paths.procfs`/`paths.sysfs`, engines on disk) unless a simulated node (llmgw.sim, or
+llmgw.testing's recorded NVML) passes its own. The overrides apply on top either way.
 """
 
 from __future__ import annotations
@@ -33,13 +34,50 @@ def _nvml(lookup: gpus.ProcessLookup) -> records.Gpus:
     return gpus.discover_gpus(processes=lookup)
 
 
+def _meminfo(cfg: AgentConfig) -> records.Memory:
+    return memory.read_memory(Path(cfg.paths.procfs))
+
+
+def _cpuinfo(cfg: AgentConfig) -> records.Cpu:
+    return cpu.read_cpu(Path(cfg.paths.procfs))
+
+
+def _sysfs_ib(cfg: AgentConfig) -> list[records.IbAdapter]:
+    return infiniband.read_adapters(Path(cfg.paths.sysfs), cfg.fabrics)
+
+
+def _installed_engines(cfg: AgentConfig) -> list[records.EngineInstall]:
+    search = (
+        [Path(p) for p in cfg.paths.llama_search_dirs]
+        if cfg.paths.llama_search_dirs is not None
+        else None
+    )
+    return engines.probe_engines(
+        search_dirs=search, llama_server_path=cfg.node.llama_server, vllm_path=cfg.node.vllm
+    )
+
+
+def _listeners(cfg: AgentConfig) -> records.PortsTaken:
+    own = [e.port for e in read_pidfiles(Path(cfg.paths.state_dir))]
+    e = cfg.engines
+    return read_ports_taken(Path(cfg.paths.procfs), e.port_low, e.port_high, own)
+
+
 @dataclass(frozen=True)
 class Hardware:
-    """Where the hardware facts not read from files come from. `gpus` answers what NVML
-    would (see discovery.gpus.discover_gpus for what each status means), naming the
-    processes it finds with the lookup it is given."""
+    """Where each fact about the node comes from; the defaults read this machine. `gpus`
+    answers what NVML would (see discovery.gpus.discover_gpus for what each status means),
+    naming the processes it finds with the lookup it is given; `ib` gives each adapter the
+    fabric `cfg.fabrics` names; `ports` lists listeners on the engine port range that are
+    not this agent's engines."""
 
     gpus: Callable[[gpus.ProcessLookup], records.Gpus] = _nvml
+    hostname: Callable[[], str] = identity.read_hostname
+    memory: Callable[[AgentConfig], records.Memory] = _meminfo
+    cpu: Callable[[AgentConfig], records.Cpu] = _cpuinfo
+    ib: Callable[[AgentConfig], list[records.IbAdapter]] = _sysfs_ib
+    engines: Callable[[AgentConfig], list[records.EngineInstall]] = _installed_engines
+    ports: Callable[[AgentConfig], records.PortsTaken] = _listeners
 
 
 @dataclass(frozen=True)
@@ -49,17 +87,17 @@ class Identity:
     address: str
 
 
-def node_identity(cfg: AgentConfig) -> Identity:
-    hostname = identity.read_hostname()
+def node_identity(cfg: AgentConfig, hardware: Hardware | None = None) -> Identity:
+    hostname = (hardware or Hardware()).hostname()
     node = cfg.node.id or identity.node_id_from_hostname(hostname)
     addr = cfg.node.address or address.address_for_urls(cfg.nats.urls or [DEFAULT_NATS_URL])
     return Identity(node=node, hostname=hostname, address=addr)
 
 
-def read_memory(cfg: AgentConfig) -> records.Memory:
+def read_memory(cfg: AgentConfig, hardware: Hardware | None = None) -> records.Memory:
     """Read on every heartbeat (a VM given more RAM becomes a candidate without a restart);
     a configured total caps what is reported."""
-    mem = memory.read_memory(Path(cfg.paths.procfs))
+    mem = (hardware or Hardware()).memory(cfg)
     if cfg.node.ram_total_gb is not None:
         total = int(cfg.node.ram_total_gb * GIB)
         return records.Memory(total_bytes=total, available_bytes=min(mem.available_bytes, total))
@@ -73,28 +111,6 @@ def read_gpus(cfg: AgentConfig, hardware: Hardware) -> records.Gpus:
         return records.Gpus(status="disabled", detail="node.gpus = false in the agent config")
     lookup = HostProcesses(Path(cfg.paths.procfs), read_pidfiles(Path(cfg.paths.state_dir)))
     return hardware.gpus(lookup)
-
-
-def read_ports(cfg: AgentConfig) -> records.PortsTaken:
-    """Listeners on the engine port range that are not this agent's engines."""
-    own = [e.port for e in read_pidfiles(Path(cfg.paths.state_dir))]
-    e = cfg.engines
-    return read_ports_taken(Path(cfg.paths.procfs), e.port_low, e.port_high, own)
-
-
-def read_engines(cfg: AgentConfig) -> list[records.EngineInstall]:
-    search = (
-        [Path(p) for p in cfg.paths.llama_search_dirs]
-        if cfg.paths.llama_search_dirs is not None
-        else None
-    )
-    return engines.probe_engines(
-        search_dirs=search, llama_server_path=cfg.node.llama_server, vllm_path=cfg.node.vllm
-    )
-
-
-def read_ib(cfg: AgentConfig) -> list[records.IbAdapter]:
-    return infiniband.read_adapters(Path(cfg.paths.sysfs), cfg.fabrics)
 
 
 def discover(
@@ -113,13 +129,13 @@ def discover(
         address=ident.address,
         agent_version=__version__,
         started_at=started_at,
-        cpu=_safely("cpu", lambda: cpu.read_cpu(Path(cfg.paths.procfs)), records.Cpu(count=0)),
-        memory=read_memory(cfg),
+        cpu=_safely("cpu", lambda: hardware.cpu(cfg), records.Cpu(count=0)),
+        memory=read_memory(cfg, hardware),
         gpus=_safely("gpus", lambda: read_gpus(cfg, hardware), GPUS_FAILED),
-        ib=_safely("infiniband", lambda: read_ib(cfg), []),
-        engines=_safely("engines", lambda: read_engines(cfg), []),
+        ib=_safely("infiniband", lambda: hardware.ib(cfg), []),
+        engines=_safely("engines", lambda: hardware.engines(cfg), []),
         weights=weights or records.Weights(),
-        ports=_safely("ports", lambda: read_ports(cfg), records.PortsTaken()),
+        ports=_safely("ports", lambda: hardware.ports(cfg), records.PortsTaken()),
         fetch_dir=cfg.weights.fetch_dir,
         from_config=cfg.overrides(),
         updated_at=time.time(),
@@ -144,9 +160,9 @@ def probe_gpus(cfg: AgentConfig, hardware: Hardware) -> records.Gpus:
     return _safely("gpus", lambda: read_gpus(cfg, hardware), GPUS_FAILED)
 
 
-def probe_ports(cfg: AgentConfig) -> records.PortsTaken | None:
-    """`read_ports`; None when reading failed (a bug: logged), to keep what was reported."""
-    return _safely("ports", lambda: read_ports(cfg), None)
+def probe_ports(cfg: AgentConfig, hardware: Hardware) -> records.PortsTaken | None:
+    """`hardware.ports`; None when reading failed (a bug: logged), to keep what was reported."""
+    return _safely("ports", lambda: hardware.ports(cfg), None)
 
 
 # Memory moving by less than this is no new fact for placement: written within

@@ -15,6 +15,7 @@ time, and a scan stuck inside a filer is reported as such while heartbeats go on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -36,6 +37,7 @@ from llmgw.agent import inventory
 from llmgw.agent.certificate import CertificateError, check_tls_files
 from llmgw.agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_config
 from llmgw.agent.discovery.weights.scan import weights_equal_for_resend
+from llmgw.agent.engines.launcher import EngineLauncher
 from llmgw.agent.lifetime import leave_engines_now
 from llmgw.agent.metrics import AgentMetrics
 from llmgw.agent.shards import NodeShards
@@ -76,12 +78,19 @@ class Agent:
         *,
         weights_scanner: WeightsScanner | None = None,
         hardware: inventory.Hardware | None = None,
+        launcher: EngineLauncher | None = None,
+        bus: Bus | None = None,
         config_path: str = "the agent config",
     ) -> None:
+        """`hardware` and `launcher` answer for the node and start its engines (this
+        machine's, by default); `bus`: a connection shared with other agents (simulated
+        nodes, llmgw.sim), used and left open, instead of one of its own."""
         self.cfg = cfg
         self.config_path = config_path
         self.started_at = time.time()
-        self.bus: Bus | None = None
+        self.bus: Bus | None = bus
+        self._own_bus = bus is None
+        self._launcher = launcher
         self.inventory: records.NodeInventory | None = None
         self.shards: NodeShards | None = None  # once running: its replicas on this node
         self._written: records.NodeInventory | None = None
@@ -109,7 +118,7 @@ class Agent:
         self, *, task_status: anyio.abc.TaskStatus[Agent] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         cfg = self.cfg
-        ident = await _blocking(inventory.node_identity, cfg)
+        ident = await _blocking(inventory.node_identity, cfg, self._hardware)
         source = "config node.id" if cfg.node.id else f"hostname {ident.hostname}"
         log.info(
             "llmgw-agent %s: node %s (%s), address %s",
@@ -137,9 +146,19 @@ class Agent:
         self.inventory = await _blocking(
             inventory.discover, cfg, ident, self.started_at, not_scanned, self._hardware
         )
-        self.bus = await Bus.connect(
-            nats_settings(cfg, ident.node, source),
-            BucketSettings(name=cfg.nats.bucket, replicas=cfg.nats.bucket_replicas),
+        if self._own_bus:
+            self.bus = await Bus.connect(
+                nats_settings(cfg, ident.node, source),
+                BucketSettings(name=cfg.nats.bucket, replicas=cfg.nats.bucket_replicas),
+            )
+        assert self.bus is not None
+        rescans = None
+        shards = self.shards = NodeShards(
+            self.bus,
+            cfg,
+            lambda: self.inventory,
+            engine_api_key=engine_key,
+            launcher=self._launcher,
         )
         try:
             await self._write_inventory(force=True)
@@ -157,17 +176,23 @@ class Agent:
                 tg.start_soon(self._gpu_probes)
                 tg.start_soon(self._port_probes)
                 tg.start_soon(self._weights_scans)
-                shards = self.shards = NodeShards(
-                    self.bus, cfg, lambda: self.inventory, engine_api_key=engine_key
-                )
                 tg.start_soon(shards.run)
                 # serve, not subscribe: a consumer another node aims here must not make us act
-                await self.bus.serve(keys.agent_subject(self.node, "rescan"), self._on_rescan)
+                rescans = await self.bus.serve(
+                    keys.agent_subject(self.node, "rescan"), self._on_rescan
+                )
                 task_status.started(self)
         finally:
             with anyio.CancelScope(shield=True):
-                await self.bus.close()
-                log.info("llmgw-agent stopped")
+                if self._own_bus:
+                    await self.bus.close()
+                else:  # the connection goes on without this agent
+                    self.bus.forget_reconnected(self._on_reconnected)
+                    self.bus.forget_reconnected(shards.report_all)
+                    if rescans is not None:
+                        with contextlib.suppress(Exception):
+                            await rescans.unsubscribe()
+                log.info("llmgw-agent stopped: node %s", self.node)
 
     # --- nodes.<id> --------------------------------------------------------------------
 
@@ -202,7 +227,9 @@ class Agent:
     async def _heartbeats(self) -> None:
         assert self.bus is not None and self.inventory is not None
         while True:
-            mem = inventory.read_memory(self.cfg)  # one small file read: fine on the loop
+            mem = inventory.read_memory(
+                self.cfg, self._hardware
+            )  # one small file: fine on the loop
             if mem.total_bytes != self.inventory.memory.total_bytes:
                 old = self.inventory.memory.total_bytes
                 self.inventory = msgspec.structs.replace(self.inventory, memory=mem)
@@ -232,7 +259,7 @@ class Agent:
 
     async def _probe_engines(self) -> None:
         assert self.inventory is not None
-        found = await _blocking(inventory.read_engines, self.cfg)
+        found = await _blocking(self._hardware.engines, self.cfg)
         if found != self.inventory.engines:
             before = {e.name: e.version for e in self.inventory.engines}
             after = {e.name: e.version for e in found}
@@ -273,7 +300,7 @@ class Agent:
 
     async def _probe_ports(self) -> None:
         assert self.inventory is not None
-        found = await _blocking(inventory.probe_ports, self.cfg)
+        found = await _blocking(inventory.probe_ports, self.cfg, self._hardware)
         if found is not None and found != self.inventory.ports:
             before = self.inventory.ports.ports
             self.inventory = msgspec.structs.replace(self.inventory, ports=found)
@@ -339,14 +366,18 @@ class Agent:
         self.inventory = msgspec.structs.replace(self.inventory, weights=weights)
         await self._write_inventory(why=f"weights scan stuck in {directory}")
 
-    async def _on_rescan(self, payload: bytes) -> bytes:
-        """`llmgw.agent.<node>.rescan`: scan weights and probe engines, GPUs and ports now,
-        reply with counts. Only requests reach it (Bus.serve); the payload is ignored."""
-        log.info("rescan requested: scanning weights and probing engines, GPUs and ports")
+    async def rescan(self) -> None:
+        """Scan weights and probe engines, GPUs and ports now (and write what changed)."""
         await self._scan_weights()
         await self._probe_engines()
         await self._probe_gpus()
         await self._probe_ports()
+
+    async def _on_rescan(self, payload: bytes) -> bytes:
+        """`llmgw.agent.<node>.rescan`: `rescan`, replying with counts. Only requests reach
+        it (Bus.serve); the payload is ignored."""
+        log.info("rescan requested: scanning weights and probing engines, GPUs and ports")
+        await self.rescan()
         assert self.inventory is not None
         reply = {
             "node": self.node,

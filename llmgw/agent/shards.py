@@ -29,6 +29,7 @@ from llmgw import catalog
 from llmgw.agent.config import AgentConfig
 from llmgw.agent.engines import adapter_for
 from llmgw.agent.engines.base import LaunchSpec
+from llmgw.agent.engines.launcher import EngineLauncher, ProcessLauncher
 from llmgw.agent.engines.pidfile import (
     EngineProcess,
     leader_alive,
@@ -47,12 +48,14 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ThisNode:
     """What every shard on this node uses: the bus, the agent's config, the node's current
-    inventory and the API key engines are started with."""
+    inventory, the API key engines are started with and how they are started (processes,
+    unless a simulated node serves them itself)."""
 
     bus: Bus
     cfg: AgentConfig
     inventory: Callable[[], records.NodeInventory]
     engine_api_key: str | None = None
+    launcher: EngineLauncher = field(default_factory=ProcessLauncher)
 
     @property
     def name(self) -> str:
@@ -129,8 +132,9 @@ class NodeShards:
         inventory: Callable[[], records.NodeInventory],
         *,
         engine_api_key: str | None = None,
+        launcher: EngineLauncher | None = None,
     ) -> None:
-        self.node = ThisNode(bus, cfg, inventory, engine_api_key)
+        self.node = ThisNode(bus, cfg, inventory, engine_api_key, launcher or ProcessLauncher())
         self._shards: dict[str, LocalShard] = {}
         self._tg: anyio.abc.TaskGroup | None = None
         # engines an earlier agent left running, by rid, until adopted or stopped
@@ -453,6 +457,7 @@ class LocalShard:
             adopt=adopt,
             generation=want.generation,
             launch_prefix=self.node.launch_prefix(self.rid, want.generation),
+            launcher=self.node.launcher,
         )
         engine = _Engine(want, spec, supervisor)
         self.engine = engine

@@ -22,7 +22,6 @@ import functools
 import logging
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import aiohttp
 import anyio
 
 from llmgw.agent.engines import EngineAdapter, EngineCommand, LaunchSpec, Probe, adapter_for
+from llmgw.agent.engines.launcher import EngineLauncher, EngineRun, ProcessGroup, ProcessLauncher
 from llmgw.agent.engines.output import EngineLog
 from llmgw.agent.engines.pidfile import EngineProcess, new_record, remove_pidfile, write_pidfile
 from llmgw.clock import Clock, SystemClock
@@ -140,6 +140,7 @@ class EngineSupervisor:
         adopt: EngineProcess | None = None,
         generation: int = 0,
         launch_prefix: list[str] | None = None,
+        launcher: EngineLauncher | None = None,
     ) -> None:
         self.spec = spec
         self.shard = shard
@@ -150,6 +151,7 @@ class EngineSupervisor:
         self.generation = generation
         # e.g. `systemd-run --scope ...`: the engine in a cgroup of its own (docs/engines.md)
         self._prefix = list(launch_prefix or [])
+        self._launcher = launcher or ProcessLauncher()
         self._on_phase = on_phase
         self._log = EngineLog(log_path)
         self._log_from = 0  # where this run's output begins in the log
@@ -166,8 +168,7 @@ class EngineSupervisor:
         self.restarts = 0
         self.restart_delays: list[float] = []  # the backoff chosen before each restart
         self.pid: int | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._group_alive = False
+        self._run: EngineRun | None = None  # the engine started or adopted last
         self._ready_at: float | None = None
         self._stop_requested = anyio.Event()
         self._leave = False
@@ -241,8 +242,8 @@ class EngineSupervisor:
                         self.state = EngineState.EXITED
                     await self._terminate(self.timing.cancel_grace)
                     self._forget_pidfile()
-                if self._proc is not None and self.state is not EngineState.LEFT:
-                    self._proc.poll()  # collected if it exited
+                if self._run is not None and self.state is not EngineState.LEFT:
+                    self._run.signal(0)  # collected if it exited
             self._done.set()
 
     async def drain(self, timeout: float | None = None) -> None:
@@ -295,37 +296,23 @@ class EngineSupervisor:
             out = self._log.open_for_engine()
         except OSError as e:
             return f"cannot open engine log {self._log.path}: {e.strerror}; check the agent's state dir"
-        # A plain Popen, not asyncio's subprocess: asyncio kills a child whose transport is
-        # closed or collected, and an engine must be able to outlive this agent. Its exit
-        # is learnt from a pidfd, as an adopted engine's is.
-        popen = functools.partial(
-            subprocess.Popen,
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **self.command.env},
-            start_new_session=True,  # own group: one signal reaches every worker
-        )
         try:
-            proc = await anyio.to_thread.run_sync(popen)
+            run = await self._launcher.start(argv, self.command.env, out)
         except OSError as e:
             return f"cannot start {argv[0]}: {e.strerror or e}"
         finally:
             os.close(out)  # the engine has its own copy
-        self._proc, self.pid, self._group_alive = proc, proc.pid, True
+        self._run, self.pid = run, run.pid
         self._remember_pidfile()
         failure: list[str] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_readiness, failure)
             tg.start_soon(self._watch_stop)
             tg.start_soon(self._watch_log)
-            await _exited(proc.pid)
-            code = proc.wait()  # exited: this only collects its status
+            code = await run.exited()
             # the leader is gone; workers it left (holding GPU memory) go too
             await self._terminate(self.timing.stop_grace)
             tg.cancel_scope.cancel()
-        self._proc = None
         self._forget_pidfile()
         self._log.write(f"=== llmgw: engine exited: {describe_exit(code)}\n".encode())
         if self._stop_requested.is_set():
@@ -338,7 +325,8 @@ class EngineSupervisor:
     async def _watch_adopted(self, record: EngineProcess) -> str | None:
         """An engine an earlier agent started: not this process's child, so its exit is
         learnt from a pidfd (its code is lost; its log's last lines are not)."""
-        self.pid, self._group_alive = record.pid, True
+        group = ProcessGroup(record.pid)
+        self._run, self.pid = group, record.pid
         self._log_from = max(0, self._log.size() - 64 * 1024)
         self.state = EngineState.STARTING
         self._remember_pidfile(record)
@@ -351,10 +339,10 @@ class EngineSupervisor:
             tg.start_soon(functools.partial(self._watch_readiness, failure, adopted=True))
             tg.start_soon(self._watch_stop)
             tg.start_soon(self._watch_log)
-            await _exited(record.pid)
+            await group.exited()
             await self._terminate(self.timing.stop_grace)
             tg.cancel_scope.cancel()
-        self._group_alive = False
+        group.alive = False
         self._forget_pidfile()
         self._log.write(b"=== llmgw: adopted engine exited (its exit status is not known)\n")
         if self._stop_requested.is_set():
@@ -450,23 +438,17 @@ class EngineSupervisor:
 
     # --- signals -------------------------------------------------------------------
 
+    @property
+    def _group_alive(self) -> bool:
+        return self._run is not None and self._run.signal(0)
+
     def _signal_group(self, sig: int) -> bool:
-        """Signal the engine's group; False once the group is gone (then never again:
-        its id could be reused by an unrelated process group)."""
-        if not self._group_alive or self.pid is None:
-            return False
-        try:
-            os.killpg(self.pid, sig)
-            return True
-        except ProcessLookupError:
-            self._group_alive = False
-            return False
+        """Signal the engine's group; False once the group is gone (then never again)."""
+        return self._run is not None and self._run.signal(sig)
 
     async def _group_gone(self, within: float) -> bool:
         with anyio.move_on_after(within):
             while True:
-                if self._proc is not None:
-                    self._proc.poll()  # a child of ours: collect it, or it lingers a zombie
                 if not self._signal_group(0):
                     return True
                 await anyio.sleep(0.02)
@@ -520,32 +502,6 @@ class EngineSupervisor:
     def _forget_pidfile(self) -> None:
         if self.state_dir is not None and not self._group_alive:
             remove_pidfile(self.state_dir, self.shard)
-
-
-async def _exited(pid: int) -> None:
-    """Returns when process `pid` (not a child of this one) has exited."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    except OSError:  # no pidfd (an old kernel): ask every half second
-        while _alive(pid):
-            await anyio.sleep(0.5)
-        return
-    try:
-        await anyio.wait_readable(fd)
-    finally:
-        os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def describe_exit(code: int | None) -> str:

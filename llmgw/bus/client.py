@@ -189,6 +189,12 @@ class Bus:
         """Run `cb` after every reconnect (re-read assignments, re-report shards...)."""
         self._reconnect_listeners.append(cb)
 
+    def forget_reconnected(self, cb: Callable[[], Awaitable[None]]) -> None:
+        """No longer run `cb`: its owner stopped while the bus goes on (many simulated
+        agents share one connection, llmgw.sim)."""
+        with contextlib.suppress(ValueError):
+            self._reconnect_listeners.remove(cb)
+
     async def _on_reconnected(self) -> None:
         # Listeners first: they may need to know the view is stale before the watches
         # replay the bucket.

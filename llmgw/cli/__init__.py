@@ -11,6 +11,7 @@ rollout.py     llmgw rollout status / undo: rollout.<model>
 node.py        llmgw node cordon / uncordon / drain / taint / untaint: ops.<node>
 catalog.py     llmgw catalog apply / ls
 agent.py       llmgw agent init / run
+sim.py         llmgw sim: a simulated fleet (llmgw/sim/)
 pki.py         llmgw pki: the fleet's CA and certificates
 """
 

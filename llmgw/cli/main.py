@@ -16,6 +16,7 @@ from llmgw.cli.pki import pki
 from llmgw.cli.place import place
 from llmgw.cli.rollout import rollout
 from llmgw.cli.router import router
+from llmgw.cli.sim import sim
 from llmgw.cli.status import status
 from llmgw.cli.up import up
 from llmgw.logs import setup_logging
@@ -31,5 +32,5 @@ def main(log_level: str) -> None:
     setup_logging(log_level)
 
 
-for command in (up, status, controller, place, rollout, node, catalog, router, agent, pki):
+for command in (up, status, controller, place, rollout, node, catalog, router, agent, sim, pki):
     main.add_command(command)

@@ -1,4 +1,5 @@
-"""`llmgw up`: one machine, everything: embedded NATS, a controller, a router, an agent."""
+"""`llmgw up`: one machine, everything: embedded NATS, a controller, a router, an agent (or,
+with --sim, a simulated fleet instead: docs/sim.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from llmgw.bus import keys
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 from llmgw.cli.common import listen, run_fast
 from llmgw.cli.router import router_options, router_settings
+from llmgw.cli.sim import sim_options
 from llmgw.shutdown import drain_then_cancel_on_signal
 
 
@@ -23,7 +25,8 @@ from llmgw.shutdown import drain_then_cancel_on_signal
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="where NATS stores the bucket and the agent its state [default: the user data dir]",
+    help="where NATS stores the bucket and the agent its state [default: the user data dir; "
+    "with --sim, its sim/ folder, so a simulated fleet never mixes with this machine's]",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="address NATS listens on")
 @click.option("--port", default=4222, show_default=True, help="port NATS listens on")
@@ -43,6 +46,14 @@ from llmgw.shutdown import drain_then_cancel_on_signal
     help="HOST:PORT of the OpenAI API",
 )
 @click.option("--no-router", is_flag=True, help="do not run a router")
+@click.option(
+    "--sim",
+    "fleet_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="run the simulated fleet this file describes instead of a local agent (docs/sim.md)",
+)
+@sim_options
 @router_options
 def up(
     data_dir: Path | None,
@@ -52,15 +63,25 @@ def up(
     no_agent: bool,
     router_listen: tuple[str, int],
     no_router: bool,
+    fleet_file: Path | None,
+    connections: int,
+    poll: float,
     **router_opts,
 ) -> None:
-    """Run llmgw on this machine: embedded NATS, a controller, a router and a local agent."""
+    """Run llmgw on this machine: embedded NATS, a controller, a router and a local agent
+    (or, with --sim, a simulated fleet)."""
     import platformdirs
 
     from llmgw.bus.server import EmbeddedNats
 
     logging.getLogger("llmgw").setLevel(logging.INFO)
-    data_dir = data_dir or Path(platformdirs.user_data_dir("llmgw"))
+    sim = None
+    if fleet_file is not None:
+        from llmgw.sim.fleet import load_fleet
+
+        load_fleet(fleet_file)  # a bad file is refused before NATS starts
+        sim = (fleet_file, connections, poll)
+    data_dir = data_dir or Path(platformdirs.user_data_dir("llmgw")) / ("sim" if sim else "")
     router = None if no_router else router_settings(router_listen, **router_opts)
     server = EmbeddedNats(data_dir=data_dir / "nats", host=host, port=port)
     server.start()
@@ -79,7 +100,7 @@ def up(
             f"  nats --server {url} kv ls {keys.DEFAULT_BUCKET}; nats --server {url} kv watch {keys.DEFAULT_BUCKET}"
         )
         click.echo("Ctrl-C stops everything (the router first lets its requests in flight finish).")
-        run_fast(functools.partial(_run_up, cfg, no_agent, router, cmd))
+        run_fast(functools.partial(_run_up, cfg, no_agent, router, cmd, sim, data_dir))
     finally:
         server.stop()
         click.echo("stopped")
@@ -109,20 +130,22 @@ def _up_agent_config(path: Path | None, url: str, data_dir: Path) -> AgentConfig
     return msgspec.structs.replace(cfg, nats=msgspec.structs.replace(cfg.nats, urls=[url]))
 
 
-async def _run_up(cfg: AgentConfig, no_agent: bool, router, cmd: str) -> None:
+async def _run_up(cfg: AgentConfig, no_agent: bool, router, cmd: str, sim, data_dir: Path) -> None:
     bus = await Bus.connect(
         NatsSettings(urls=tuple(cfg.nats.urls), name="llmgw controller"),
         BucketSettings(name=cfg.nats.bucket),
         give_up_after=10,
     )
     try:
-        await _run_up_parts(cfg, no_agent, router, cmd, bus)
+        await _run_up_parts(cfg, no_agent, router, cmd, bus, sim, data_dir)
     finally:
         with anyio.CancelScope(shield=True):
             await bus.close()
 
 
-async def _run_up_parts(cfg: AgentConfig, no_agent: bool, router, cmd: str, bus: Bus) -> None:
+async def _run_up_parts(
+    cfg: AgentConfig, no_agent: bool, router, cmd: str, bus: Bus, sim, data_dir: Path
+) -> None:
     from llmgw.controller.loop import Controller
 
     routers = []
@@ -137,7 +160,24 @@ async def _run_up_parts(cfg: AgentConfig, no_agent: bool, router, cmd: str, bus:
         await tg.start(Controller(bus).run)
         click.echo("controller running")
         agent = None
-        if not no_agent:
+        if sim is not None:
+            from llmgw.sim.simulator import Simulator
+
+            fleet_file, connections, poll = sim
+            simulator = Simulator(
+                fleet_file,
+                NatsSettings(urls=tuple(cfg.nats.urls), name="llmgw sim"),
+                BucketSettings(name=cfg.nats.bucket),
+                data_dir / "fleet",
+                connections=connections,
+                poll=poll,
+            )
+            await tg.start(simulator.run)
+            click.echo(
+                f"simulated fleet {fleet_file}: {len(simulator.nodes)} nodes (edit the file to "
+                "change it live)"
+            )
+        elif not no_agent:
             from llmgw.agent.service import Agent
 
             agent = await tg.start(Agent(cfg).run)

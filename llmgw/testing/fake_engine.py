@@ -582,6 +582,45 @@ def _vllm_model_problem(ns: argparse.Namespace) -> list[str]:
     ]
 
 
+def engine_for(
+    kind: str,
+    ns: argparse.Namespace,
+    *,
+    tokens: int = 8,
+    token_rate: float = 1000.0,
+    first_token_seconds: float = 0.0,
+    prefill_rate: float = 0.0,
+    close_after_stream: float | None = None,
+) -> Engine:
+    """The engine the parsed command line `ns` (parse_llama / parse_vllm) starts: its served
+    name, key, slots and context as the real one takes them from its flags. Also how
+    llmgw.sim serves many engines in one process (build_app of each)."""
+    vllm = kind == "vllm"
+    served = (
+        (ns.served_model_name[0] if ns.served_model_name else ns.model)
+        if vllm
+        else (ns.alias or Path(ns.model or ns.hf_repo or ns.model_url).stem)
+    )
+    return Engine(
+        kind=kind,
+        served_name=served,
+        api_key=ns.api_key,
+        metrics=True if vllm else ns.metrics,
+        slots=1 if vllm else max(1, ns.parallel),
+        ctx=(ns.max_model_len or 4096) if vllm else ns.ctx_size,
+        tokens=tokens,
+        token_rate=max(0.001, token_rate),
+        first_token_seconds=max(0.0, first_token_seconds),
+        prefill_rate=max(0.0, prefill_rate),
+        close_after_stream=close_after_stream,
+    )
+
+
+def listen_host(kind: str, ns: argparse.Namespace) -> str:
+    """Where the engine listens when its command line says no --host: as the real ones."""
+    return ns.host or ("0.0.0.0" if kind == "vllm" else "127.0.0.1")
+
+
 async def serve(kind: str, ns: argparse.Namespace) -> int:
     from aiohttp import web
 
@@ -596,29 +635,21 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
     load_seconds = _env_float("FAKE_ENGINE_LOAD_SECONDS", 0.0)
     workers = _start_workers()
     vllm = kind == "vllm"
-    served = (
-        (ns.served_model_name[0] if ns.served_model_name else ns.model)
-        if vllm
-        else (ns.alias or Path(ns.model or ns.hf_repo or ns.model_url).stem)
-    )
-    engine = Engine(
-        kind=kind,
-        served_name=served,
-        api_key=ns.api_key,
-        metrics=True if vllm else ns.metrics,
-        slots=1 if vllm else max(1, ns.parallel),
-        ctx=(ns.max_model_len or 4096) if vllm else ns.ctx_size,
+    engine = engine_for(
+        kind,
+        ns,
         tokens=int(_env_float("FAKE_ENGINE_TOKENS", 8)),
-        token_rate=max(0.001, _env_float("FAKE_ENGINE_TOKEN_RATE", 1000.0)),
-        first_token_seconds=max(0.0, _env_float("FAKE_ENGINE_FIRST_TOKEN_SECONDS", 0.0)),
-        prefill_rate=max(0.0, _env_float("FAKE_ENGINE_PREFILL_RATE", 0.0)),
+        token_rate=_env_float("FAKE_ENGINE_TOKEN_RATE", 1000.0),
+        first_token_seconds=_env_float("FAKE_ENGINE_FIRST_TOKEN_SECONDS", 0.0),
+        prefill_rate=_env_float("FAKE_ENGINE_PREFILL_RATE", 0.0),
         close_after_stream=(
             None
             if vllm or os.environ.get("FAKE_ENGINE_CLOSE_AFTER_STREAM") == "never"
             else max(0.0, _env_float("FAKE_ENGINE_CLOSE_AFTER_STREAM", 0.0))
         ),
     )
-    host = ns.host or ("0.0.0.0" if vllm else "127.0.0.1")
+    served = engine.served_name
+    host = listen_host(kind, ns)
     runner = web.AppRunner(
         build_app(engine),
         shutdown_timeout=0.5,

@@ -82,7 +82,8 @@ class RecordedNvml:
     ecc_uncorrected: per GPU index, volatile uncorrected ECC errors; remapped_rows: per GPU
     index, nvmlDeviceGetRemappedRows' (corrected, uncorrected, pending, failure);
     process_error: an NVML error code the process lists answer with; unlisted_used: per GPU
-    index, memory used that no process listed accounts for (NVML could not attribute it)."""
+    index, memory used that no process listed accounts for (NVML could not attribute it).
+    name / memory_total: another model's answers in the same layout (simulated fleets)."""
 
     def __init__(
         self,
@@ -99,6 +100,8 @@ class RecordedNvml:
         remapped_rows: dict[int, tuple[int, int, int, int]] | None = None,
         process_error: int | None = None,
         unlisted_used: dict[int, int] | None = None,
+        name: str = H100_NAME,
+        memory_total: int = H100_MEMORY_TOTAL,
     ) -> None:
         if not 0 <= count <= len(H100_UUIDS):
             raise ValueError(f"a recorded node has 0 to {len(H100_UUIDS)} GPUs, not {count}")
@@ -115,6 +118,8 @@ class RecordedNvml:
         self.remapped_rows = remapped_rows or {}
         self.process_error = process_error
         self.unlisted_used = unlisted_used or {}
+        self.name = name
+        self.memory_total = memory_total
         self.initialised = 0  # nvmlInit calls minus nvmlShutdown calls
         self.shutdowns = 0
 
@@ -160,7 +165,7 @@ class RecordedNvml:
         return index  # a real handle is an opaque pointer; the index serves here
 
     def nvmlDeviceGetName(self, handle: int) -> str | bytes:
-        return self._str(H100_NAME)
+        return self._str(self.name)
 
     def nvmlDeviceGetUUID(self, handle: int) -> str | bytes:
         return self._str(self.uuids[handle])
@@ -168,7 +173,8 @@ class RecordedNvml:
     def nvmlDeviceGetMemoryInfo(self, handle: int) -> _MemoryInfo:
         held = self.processes.get(handle, []) + self.graphics.get(handle, [])
         used = DRIVER_RESERVED + sum(n or 0 for _, n in held) + self.unlisted_used.get(handle, 0)
-        return _MemoryInfo(total=H100_MEMORY_TOTAL, free=H100_MEMORY_TOTAL - used, used=used)
+        total = self.memory_total
+        return _MemoryInfo(total=total, free=total - used, used=used)
 
     def _listed(self, held: Held) -> list[_ProcessInfo]:
         if self.process_error is not None:

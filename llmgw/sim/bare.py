@@ -1,4 +1,4 @@
-"""Simulated nodes: real records on a real bus, without real hardware.
+"""Bare simulated nodes: the records an agent writes, on a real bus, without the agent.
 
 A SimNode writes `nodes.<id>` and heartbeats `leases.<id>` the way an agent does, so the
 controller and the CLI can be exercised (and benchmarked) at fleet size on one machine.

@@ -1,0 +1,10 @@
+"""A simulated fleet: real agents on simulated hardware, serving simulated engines, from a
+fleet file (docs/sim.md). `llmgw sim FLEET.toml`, `llmgw up --sim FLEET.toml`.
+
+fleet.py      FLEET.toml: the format, its checks, groups expanded to nodes
+hardware.py   what a simulated node's discovery is answered with
+disk.py       the weights files and engine binaries simulated nodes hold
+engines.py    every simulated engine served inside the simulator (an EngineLauncher)
+simulator.py  one agent per node, kept as the file says while it changes
+bare.py       bare nodes: the records an agent writes, without the agent (tests, benches)
+"""
