@@ -19,7 +19,7 @@ import msgspec
 from llmgw import catalog
 from llmgw.bus import records
 from llmgw.router.fleet import FleetRecords, encode_state, fleet_state
-from llmgw.testing.sim import inventory
+from llmgw.sim.bare import inventory
 
 
 def _fleet(nodes: int, models: int) -> FleetRecords:

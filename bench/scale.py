@@ -60,7 +60,7 @@ from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, NatsSettings, Update, decoder
 from llmgw.bus.server import EmbeddedNats, free_port
 from llmgw.controller.liveness import UNREACHABLE_AFTER_S
-from llmgw.testing.sim import SimNode
+from llmgw.sim.bare import SimNode
 
 MODEL = "bench-100"  # the model `llmgw place` asks 100 replicas of
 MODEL_ROW = (MODEL, "llama-server", "hf://org/bench-100:Q4_K_M", 1, 1, 0)

@@ -1,7 +1,7 @@
 """Seeing the fleet: the router's page in a real browser, and every component's /metrics.
 
 One fleet for all of it (`fleet`): NATS, a controller, a router, an agent on recorded
-hardware running a real (fake) engine, and simulated nodes (llmgw.testing.sim) on two
+hardware running a real (fake) engine, and simulated nodes (llmgw.sim.bare) on two
 fabrics, one of them with names written to break a page that takes them as markup. A node
 "killed" is a SimNode whose heartbeats stop.
 """
@@ -33,9 +33,9 @@ from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.router.service import Router
+from llmgw.sim.bare import SimNode, inventory
 from llmgw.testing.fake_engine import write_fake_gguf
 from llmgw.testing.nvml import FOREIGN_PID, RecordedNvml
-from llmgw.testing.sim import SimNode, inventory
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -321,3 +321,85 @@ async def test_controller_and_agent_metrics_parse_and_carry_the_documented_serie
     assert await _chat(fleet.router) == 200
     m = await _scrape(f"{fleet.router.url}/metrics")
     assert sum(m["llmgw_router_requests_total"].values()) >= 1
+
+
+async def test_the_page_of_an_up_sim_fleet_follows_a_node_killed_in_the_fleet_file(tmp_path):
+    """`llmgw up --sim` as a newcomer runs it: the page shows every node and model the
+    bucket holds, and a node killed by editing the fleet file turns unreachable on the
+    page, without a reload."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import tomllib
+
+    from llmgw.bus.server import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text((root / "examples" / "fleet.toml").read_text())
+    llmgw = [sys.executable, "-m", "llmgw.cli"]
+    nats, http = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    env["LLMGW_NATS"] = f"nats://127.0.0.1:{nats}"
+    log = tmp_path / "up.log"
+    with log.open("wb") as out:
+        up = subprocess.Popen(
+            [*llmgw, "up", "--sim", str(fleet_file), "--data-dir", str(tmp_path / "data"),
+             "--port", str(nats), "--router-listen", f"127.0.0.1:{http}", "--poll", "0.2"],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+
+    async def run(*args: str) -> str:
+        done = await anyio.run_process([*llmgw, *args], env=env, cwd=root, check=False)
+        assert done.returncode == 0, (done.stdout + done.stderr).decode()
+        return done.stdout.decode()
+
+    try:
+
+        async def up_and_simulating() -> bool:
+            assert up.poll() is None, log.read_text()
+            return "simulated fleet" in log.read_text()
+
+        await until(up_and_simulating, timeout=60)
+        await run("catalog", "apply", "examples/sim-catalog.toml")
+        await run("place", "qwen3-8b", "--replicas", "1", "--wait")
+        view = json.loads(await run("status", "--json"))
+        nodes = sorted(view["nodes"])
+        # every model of the catalog the bucket holds, placed or not
+        catalog_file = tomllib.loads((root / "examples" / "sim-catalog.toml").read_text())
+        models = sorted(m["id"] for m in catalog_file["models"])
+        assert len(nodes) == 12 and "qwen3-8b" in models and len(models) > 1
+        async with browser(tmp_path) as open_tab, open_tab(f"http://127.0.0.1:{http}/") as tab:
+            nodes_js = "[...document.querySelectorAll('[data-node]')].map(e => e.dataset.node)"
+            shown = await tab.until(
+                f"(() => {{ const n = {nodes_js}.sort(); return n.length === {len(nodes)} && n; }})()"
+            )
+            assert shown == nodes
+            shown_models = await tab.evaluate(
+                "[...document.querySelectorAll('[data-model]')].map(e => e.dataset.model).sort()"
+            )
+            assert shown_models == models
+            assert "1/1 ready" in await tab.evaluate(
+                "document.querySelector('[data-model=\"qwen3-8b\"]').textContent"
+            )
+            await tab.screenshot(artifacts_dir() / "fleet-page-sim.png")
+
+            cpu_02 = "document.querySelector('[data-node=\"cpu-02\"]').dataset.phase"
+            assert await tab.until(f"{cpu_02} === 'ready'")
+            rendered = await tab.evaluate("Number(document.body.dataset.rendered)")
+            text = fleet_file.read_text()
+            fleet_file.write_text(
+                text.replace('name = "cpu-02"\n', 'name = "cpu-02"\nstate = "dead"\n')
+            )
+            # three missed heartbeats (15 s) before the controller says unreachable
+            phase = await tab.until(
+                f"(() => {{ const p = {cpu_02}; return p !== 'ready' && p; }})()", timeout=60
+            )
+            assert phase == "unreachable"
+            assert await tab.evaluate("Number(document.body.dataset.rendered)") > rendered
+            assert await tab.evaluate("performance.getEntriesByType('navigation').length") == 1
+            await tab.screenshot(artifacts_dir() / "fleet-page-sim-node-killed.png")
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(30)

@@ -19,7 +19,7 @@ from llmgw.controller.metrics import main_reason, unplaced_count
 from llmgw.router.fleet import NO_FABRIC, FleetRecords, TtfbWindow, fleet_state
 from llmgw.router.proxy import ProxySettings
 from llmgw.router.service import Router
-from llmgw.testing.sim import SimNode, inventory
+from llmgw.sim.bare import SimNode, inventory
 
 GB = 10**9
 
