@@ -13,6 +13,8 @@ import aiohttp
 import anyio
 import pytest
 from click.testing import CliRunner
+from router_helpers import router_settings, running_router
+from waiting import until
 
 from llmgw import catalog
 from llmgw.bus import keys, records
@@ -22,8 +24,6 @@ from llmgw.cli.main import main
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.sim.fleet import FleetError, parse_fleet
 from llmgw.sim.simulator import Simulator
-from tests.router_helpers import router_settings, running_router
-from tests.waiting import until
 
 pytestmark = pytest.mark.anyio
 
