@@ -127,7 +127,12 @@ async def test_a_burst_scales_up_and_its_end_scales_down_after_the_window_with_d
     assert len(removed) == 2, phases.seen
     assert all("draining" in phases.seen[rid] for rid in removed), phases.seen
     placement = (await bus.get(keys.placement("tiny"), decoder(records.PlacementRecord))).value
-    assert placement.scaled.startswith("3 -> 1: 0 in flight over 3 replicas, target 1, for 2 s")
+    # the load's end comes over a second or so too: a window whose samples still hold the
+    # tail of the load (a mean of 1-2 in flight) takes the most they asked, 2, and the next
+    # window the rest; straight to 1, or by way of 2
+    assert re.match(
+        r"[23] -> 1: 0 in flight over [23] replicas, target 1, for 2 s", placement.scaled
+    ), placement.scaled
 
 
 async def _true(value: bool) -> bool:
