@@ -110,21 +110,25 @@ async def _remove(bus: Bus, model: str) -> None:
 
 
 class Counts:
-    """scale.<model>.replicas at every change: (when, count)."""
+    """scale.<model> at every change of count: (when, count, the leader's reason)."""
 
     def __init__(self, bus: Bus, model: str) -> None:
         self.bus, self.model = bus, model
-        self.changes: list[tuple[float, int]] = []
+        self.changes: list[tuple[float, int, str]] = []
 
     async def run(self, stop: anyio.Event) -> None:
         while not stop.is_set():
             s = await _scale(self.bus, self.model)
             if s is not None and (not self.changes or self.changes[-1][1] != s.replicas):
-                self.changes.append((time.monotonic(), s.replicas))
+                self.changes.append((time.monotonic(), s.replicas, s.reason))
             await anyio.sleep(0.05)  # a sampling period
 
-    def between(self, start: float, end: float) -> list[tuple[float, int]]:
+    def between(self, start: float, end: float) -> list[tuple[float, int, str]]:
         return [c for c in self.changes if start < c[0] <= end]
+
+    def show(self, t0: float) -> None:
+        for t, _, reason in self.changes:
+            print(f"  {t - t0:6.1f} s  {reason}")
 
 
 # --- baselines: the engine started directly ----------------------------------------------
@@ -244,8 +248,9 @@ async def step(bus, router, work: Path, bindir: Path) -> None:
     print(
         f"replicas held at most: {most} for {PEAK_REPLICAS} wanted (overshoot {most - PEAK_REPLICAS})"
     )
-    print(f"changes of count over 20 s at steady load (2 down windows): {len(steady)} {steady}")
-    print("count changes:", [(round(t - t0, 1), n) for t, n in counts.changes])
+    print(f"changes of count over 20 s at steady load (2 down windows): {len(steady)}")
+    print("changes of count, seconds from the step:")
+    counts.show(t0)
     await _remove(bus, "step")
 
 
@@ -278,10 +283,8 @@ async def day(bus, router, work: Path) -> None:
     print(f"requests failed: {len(streams.failed)} of {streams.completed + len(streams.failed)}")
     if streams.failed:
         print("  e.g.", streams.failed[:3])
-    print(
-        f"changes of count: {len(counts.changes) - 1}",
-        [(round(t - t0, 1), n) for t, n in counts.changes],
-    )
+    print(f"changes of count: {len(counts.changes) - 1}, seconds into the day:")
+    counts.show(t0)
     await _remove(bus, "day")
 
 
