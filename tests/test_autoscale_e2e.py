@@ -12,129 +12,49 @@ import re
 
 import aiohttp
 import anyio
-import msgspec
 import pytest
-from agent_helpers import agent_config, host_dirs, start_agent, stop
+from autoscale_fleet import (
+    NODES,
+    Phases,
+    Streams,
+    autoscaled_model,
+    controller_settings,
+    replicas_of,
+    serve_auto,
+    start_agents,
+    stop_agents,
+)
 from router_helpers import SERVED, chat_body, router_settings, running_router
 from serving import sse_events
 from waiting import until
 
-from llmgw import catalog
-from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
-from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.controller.loop import Controller
 from llmgw.router.hold import HoldSettings
-from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
-
-NODES = {"node1": "127.0.0.2", "node2": "127.0.0.3", "node3": "127.0.0.4"}
 
 
 @pytest.fixture
 def fleet(tmp_path, nats_server):
-    procs = []
-    for node, address in NODES.items():
-        root = tmp_path / node
-        dirs = host_dirs(root)
-        install_fake_engines(dirs["bin"])
-        cfg = agent_config(nats_server.url, dirs, id=node, address=address)
-        cfg = msgspec.structs.replace(
-            cfg,
-            engines=Engines(
-                listen_host=address,
-                poll_interval=0.1,
-                backoff_base=0.2,
-                backoff_cap=2,
-                stop_grace=3,
-                drain_timeout=30,
-            ),
-        )
-        procs.append(
-            start_agent(
-                cfg, root / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], root / "agent.log"
-            )
-        )
+    procs = start_agents(nats_server.url, tmp_path)
     yield tmp_path
-    for p in procs:
-        stop(p)
-
-
-def _controller_settings(name: str) -> ControllerSettings:
-    # ports of their own: other suites' engines may hold 18000 on this machine
-    return ControllerSettings(
-        controller_id=name,
-        unreachable_after=2,
-        lost_after=30,
-        leader_ttl=1,
-        tick=0.05,
-        resync=0.5,
-        port_range=(24000, 24999),
-        load_stale_after=2,
-    )
+    stop_agents(procs)
 
 
 @pytest.fixture
 async def controller(nats_settings):
     b = await Bus.connect(nats_settings, give_up_after=5)
     async with anyio.create_task_group() as tg:
-        await tg.start(Controller(b, _controller_settings("c1")).run)
+        await tg.start(Controller(b, controller_settings("c1")).run)
         yield
         tg.cancel_scope.cancel()
     await b.close()
 
 
-def _model(tmp_path, *, env: dict[str, str] | None = None, **autoscale) -> catalog.Model:
-    gguf = str(write_fake_gguf(tmp_path / "weights" / "tiny.gguf"))
-    policy = {
-        "min_replicas": 1,
-        "max_replicas": 3,
-        "target_in_flight": 1,
-        "scale_up_after": 1,
-        "scale_down_after": 2,
-        **autoscale,
-    }
-    return catalog.validate_models(
-        {
-            "models": [
-                {
-                    "id": "tiny",
-                    "served_name": SERVED,
-                    "autoscale": policy,
-                    "profiles": [
-                        {
-                            "name": "cpu",
-                            "engine": "llama-server",
-                            "weights": {"path": gguf},
-                            "gpus_per_node": 0,
-                            "host_ram_gb": 1,
-                            # a stream of 20 tokens at 40 a second: half a second each
-                            "env": {
-                                "FAKE_ENGINE_TOKENS": "20",
-                                "FAKE_ENGINE_TOKEN_RATE": "40",
-                                **(env or {}),
-                            },
-                        }
-                    ],
-                }
-            ]
-        }
-    )[0]
-
-
-async def _serve_auto(bus: Bus, model: catalog.Model) -> None:
-    """`llmgw catalog apply`, then `llmgw place tiny --auto`."""
-    await bus.put(keys.catalog(model.id), catalog.encode_model(model))
-    await bus.put(
-        keys.desired(model.id),
-        records.Desired(model=model.id, replicas=0, auto=True, updated_at=1.0),
-    )
-
-
-async def _replicas(bus: Bus) -> list[records.Replica]:
-    got = await bus.list(keys.pattern(keys.REPLICAS, "tiny"), decoder(records.Replica))
-    return sorted((e.value for e in got.values()), key=lambda r: r.rid)
+def _model(tmp_path, **kw):
+    return autoscaled_model(tmp_path / "weights", **kw)
 
 
 async def _scale(bus: Bus) -> records.Scale | None:
@@ -158,56 +78,6 @@ def _ready(router, n: int):
     return check
 
 
-class Phases:
-    """Every phase each replica was seen in, and the most replicas counted at once."""
-
-    def __init__(self, bus: Bus) -> None:
-        self.bus = bus
-        self.seen: dict[str, list[str]] = {}
-        self.most_counted = 0
-
-    async def run(self, stop: anyio.Event) -> None:
-        while not stop.is_set():
-            reps = await _replicas(self.bus)
-            for r in reps:
-                phases = self.seen.setdefault(r.rid, [])
-                if not phases or phases[-1] != r.phase:
-                    phases.append(r.phase)
-            counted = sum(r.phase in records.REPLICA_COUNTED for r in reps)
-            self.most_counted = max(self.most_counted, counted)
-            await anyio.sleep(0.02)
-
-
-class Streams:
-    """`workers` clients streaming one after the other through `urls`; every failure kept."""
-
-    def __init__(self, urls: list[str]) -> None:
-        self.urls = urls
-        self.completed = 0
-        self.failed: list[str] = []
-        self.replicas: set[str] = set()
-
-    async def run(self, http: aiohttp.ClientSession, workers: int, stop: anyio.Event) -> None:
-        async def worker(i: int) -> None:
-            url = self.urls[i % len(self.urls)]
-            n = 0
-            while not stop.is_set():
-                n += 1
-                async with http.post(
-                    f"{url}/v1/chat/completions", json=chat_body(f"w{i} {n}", stream=True)
-                ) as resp:
-                    body = await resp.read()
-                    if resp.status != 200 or not body.rstrip().endswith(b"data: [DONE]"):
-                        self.failed.append(f"{resp.status} {body[-120:]!r}")
-                    else:
-                        self.completed += 1
-                        self.replicas.add(resp.headers.get("x-llmgw-replica", ""))
-
-        async with anyio.create_task_group() as tg:
-            for i in range(workers):
-                tg.start_soon(worker, i)
-
-
 def _connect(nats_settings):
     return lambda: Bus.connect(nats_settings, give_up_after=None)
 
@@ -216,7 +86,7 @@ async def test_a_burst_scales_up_and_its_end_scales_down_after_the_window_with_d
     bus, nats_settings, fleet, controller
 ):
     await _nodes_ready(bus)
-    await _serve_auto(bus, _model(fleet))
+    await serve_auto(bus, _model(fleet))
     phases = Phases(bus)
     stop_watch = anyio.Event()
     async with (
@@ -242,7 +112,7 @@ async def test_a_burst_scales_up_and_its_end_scales_down_after_the_window_with_d
         await until(_ready(router, 1), timeout=60)
 
         async def one_left():
-            reps = await _replicas(bus)
+            reps = await replicas_of(bus)
             return len(reps) == 1 and reps[0].phase == "ready"
 
         await until(one_left, timeout=60)
@@ -250,12 +120,19 @@ async def test_a_burst_scales_up_and_its_end_scales_down_after_the_window_with_d
     assert streams.failed == [], streams.failed[:5]
     assert len(streams.replicas) == 3, streams.replicas  # the new replicas took traffic
     removed = [
-        rid for rid, seen in phases.seen.items() if rid not in {r.rid for r in await _replicas(bus)}
+        rid
+        for rid, seen in phases.seen.items()
+        if rid not in {r.rid for r in await replicas_of(bus)}
     ]
     assert len(removed) == 2, phases.seen
     assert all("draining" in phases.seen[rid] for rid in removed), phases.seen
     placement = (await bus.get(keys.placement("tiny"), decoder(records.PlacementRecord))).value
-    assert placement.scaled.startswith("3 -> 1: 0 in flight over 3 replicas, target 1, for 2 s")
+    # the load's end comes over a second or so too: a window whose samples still hold the
+    # tail of the load (a mean of 1-2 in flight) takes the most they asked, 2, and the next
+    # window the rest; straight to 1, or by way of 2
+    assert re.match(
+        r"[23] -> 1: 0 in flight over [23] replicas, target 1, for 2 s", placement.scaled
+    ), placement.scaled
 
 
 async def _true(value: bool) -> bool:
@@ -267,7 +144,7 @@ async def _cold(bus: Bus, router) -> None:
 
     async def none_left():
         scale = await _scale(bus)
-        return scale is not None and scale.replicas == 0 and not await _replicas(bus)
+        return scale is not None and scale.replicas == 0 and not await replicas_of(bus)
 
     await until(none_left, timeout=60)
 
@@ -284,9 +161,7 @@ async def test_a_cold_models_first_requests_wait_for_a_replica_and_succeed_strea
 ):
     await _nodes_ready(bus)
     # no request for 1 s: to zero; each replica takes a second to load
-    await _serve_auto(
-        bus, _model(fleet, idle_unload_after=1, env={"FAKE_ENGINE_LOAD_SECONDS": "1"})
-    )
+    await serve_auto(bus, _model(fleet, idle_unload_after=1, env={"FAKE_ENGINE_LOAD_SECONDS": "1"}))
     async with running_router(
         connect=_connect(nats_settings), settings=router_settings()
     ) as router:
@@ -334,9 +209,7 @@ async def test_a_request_that_cannot_wait_gets_503_with_retry_after_and_a_full_h
     bus, nats_settings, fleet, controller
 ):
     await _nodes_ready(bus)
-    await _serve_auto(
-        bus, _model(fleet, idle_unload_after=1, env={"FAKE_ENGINE_LOAD_SECONDS": "3"})
-    )
+    await serve_auto(bus, _model(fleet, idle_unload_after=1, env={"FAKE_ENGINE_LOAD_SECONDS": "3"}))
     settings = router_settings(hold=HoldSettings(max_held=1, max_wait=30))
     async with (
         running_router(connect=_connect(nats_settings), settings=settings) as router,
@@ -391,7 +264,7 @@ async def test_two_routers_load_is_summed_once(bus, nats_settings, fleet, contro
         scale_up_after=30,  # no stable-window scale-up meanwhile: the panic alone moves it
         env={"FAKE_ENGINE_TOKENS": "400", "FAKE_ENGINE_TOKEN_RATE": "100"},
     )
-    await _serve_auto(bus, model)
+    await serve_auto(bus, model)
     async with (
         running_router(connect=_connect(nats_settings), settings=router_settings()) as a,
         running_router(connect=_connect(nats_settings), settings=router_settings()) as b,
@@ -422,7 +295,7 @@ async def test_a_controller_taking_over_during_a_scale_up_places_no_surplus(
     bus, nats_settings, fleet
 ):
     # replicas load for 2 s: the takeover comes while the new ones load
-    await _serve_auto(bus, _model(fleet, env={"FAKE_ENGINE_LOAD_SECONDS": "2"}))
+    await serve_auto(bus, _model(fleet, env={"FAKE_ENGINE_LOAD_SECONDS": "2"}))
     phases = Phases(bus)
     stop_all = anyio.Event()
     a_bus = await Bus.connect(nats_settings, give_up_after=5)
@@ -433,12 +306,12 @@ async def test_a_controller_taking_over_during_a_scale_up_places_no_surplus(
 
             async def run_a():
                 with a_scope:
-                    await Controller(a_bus, _controller_settings("a")).run()
+                    await Controller(a_bus, controller_settings("a")).run()
 
             tg.start_soon(run_a)
             await until(lambda: _leader_is(bus, "a"), timeout=20)
             await _nodes_ready(bus)  # health is the leader's to write
-            b = Controller(b_bus, _controller_settings("b"))
+            b = Controller(b_bus, controller_settings("b"))
             await tg.start(b.run)
             tg.start_soon(phases.run, stop_all)
             async with running_router(
@@ -451,7 +324,7 @@ async def test_a_controller_taking_over_during_a_scale_up_places_no_surplus(
                     load.start_soon(streams.run, http, 6, stop_load)
 
                     async def scaling_up():
-                        reps = await _replicas(bus)
+                        reps = await replicas_of(bus)
                         return (
                             await _scaled_to(bus, 3)
                             and len(reps) == 3
