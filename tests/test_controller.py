@@ -18,6 +18,7 @@ from waiting import until
 from llmgw import catalog
 from llmgw.bus import classify, keys, records
 from llmgw.bus.client import Bus, BusError, FencedOff, NatsSettings, Update, decoder
+from llmgw.bus.errors import BusUnavailable
 from llmgw.controller import placement
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.sim.bare import SimNode, inventory
@@ -621,7 +622,16 @@ async def test_nats_outage_longer_than_lost_after_neither_crashes_the_controller
         nats_server.stop()
         await anyio.sleep(FAST["lost_after"] + 1.5)  # the controller saw no lease move meanwhile
         nats_server.start()
-        await until(lambda: _leader_is(bus, controller.id), timeout=30)
+
+        async def leads_again() -> bool:
+            # the test's own client may still be reconnecting, or JetStream still starting:
+            # a get that finds no answer yet is "not yet", not the controller's failure
+            try:
+                return await _leader_is(bus, controller.id)
+            except BusUnavailable:
+                return False
+
+        await until(leads_again, timeout=30)
         await anyio.sleep(FAST["lost_after"])  # time enough to have (wrongly) declared it lost
         after = await _replicas(bus)
         health = await bus.get(keys.health("gpu-a"), decoder(records.Health))
