@@ -328,49 +328,24 @@ async def test_the_page_of_an_up_sim_fleet_follows_a_node_killed_in_the_fleet_fi
     bucket holds, and a node killed by editing the fleet file turns unreachable on the
     page, without a reload."""
     import json
-    import signal
-    import subprocess
-    import sys
     import tomllib
 
-    from llmgw.bus.server import free_port
+    from up_sim import ROOT, up_sim
 
-    root = Path(__file__).resolve().parents[1]
     fleet_file = tmp_path / "fleet.toml"
-    fleet_file.write_text((root / "examples" / "fleet.toml").read_text())
-    llmgw = [sys.executable, "-m", "llmgw.cli"]
-    nats, http = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
-    env["LLMGW_NATS"] = f"nats://127.0.0.1:{nats}"
-    log = tmp_path / "up.log"
-    with log.open("wb") as out:
-        up = subprocess.Popen(
-            [*llmgw, "up", "--sim", str(fleet_file), "--data-dir", str(tmp_path / "data"),
-             "--port", str(nats), "--router-listen", f"127.0.0.1:{http}", "--poll", "0.2"],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-
-    async def run(*args: str) -> str:
-        done = await anyio.run_process([*llmgw, *args], env=env, cwd=root, check=False)
-        assert done.returncode == 0, (done.stdout + done.stderr).decode()
-        return done.stdout.decode()
-
-    try:
-
-        async def up_and_simulating() -> bool:
-            assert up.poll() is None, log.read_text()
-            return "simulated fleet" in log.read_text()
-
-        await until(up_and_simulating, timeout=60)
-        await run("catalog", "apply", "examples/sim-catalog.toml")
-        await run("place", "qwen3-8b", "--replicas", "1", "--wait")
-        view = json.loads(await run("status", "--json"))
+    fleet_file.write_text((ROOT / "examples" / "fleet.toml").read_text())
+    # every model of the catalog the bucket holds, placed or not
+    catalog_file = tomllib.loads((ROOT / "examples" / "sim-catalog.toml").read_text())
+    models = sorted(m["id"] for m in catalog_file["models"])
+    # starting and stopping it block this event loop, which has nothing else to run then;
+    # the CLI runs in a worker thread
+    with up_sim(fleet_file, tmp_path, "--poll", "0.2") as up:
+        await anyio.to_thread.run_sync(up.run, "catalog", "apply", "examples/sim-catalog.toml")
+        await anyio.to_thread.run_sync(up.run, "place", "qwen3-8b", "--replicas", "1", "--wait")
+        view = json.loads(await anyio.to_thread.run_sync(up.run, "status", "--json"))
         nodes = sorted(view["nodes"])
-        # every model of the catalog the bucket holds, placed or not
-        catalog_file = tomllib.loads((root / "examples" / "sim-catalog.toml").read_text())
-        models = sorted(m["id"] for m in catalog_file["models"])
         assert len(nodes) == 12 and "qwen3-8b" in models and len(models) > 1
-        async with browser(tmp_path) as open_tab, open_tab(f"http://127.0.0.1:{http}/") as tab:
+        async with browser(tmp_path) as open_tab, open_tab(up.http_url + "/") as tab:
             nodes_js = "[...document.querySelectorAll('[data-node]')].map(e => e.dataset.node)"
             shown = await tab.until(
                 f"(() => {{ const n = {nodes_js}.sort(); return n.length === {len(nodes)} && n; }})()"
@@ -400,6 +375,3 @@ async def test_the_page_of_an_up_sim_fleet_follows_a_node_killed_in_the_fleet_fi
             assert await tab.evaluate("Number(document.body.dataset.rendered)") > rendered
             assert await tab.evaluate("performance.getEntriesByType('navigation').length") == 1
             await tab.screenshot(artifacts_dir() / "fleet-page-sim-node-killed.png")
-    finally:
-        up.send_signal(signal.SIGINT)
-        up.wait(30)

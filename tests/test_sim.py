@@ -321,41 +321,12 @@ def test_llmgw_sim_refuses_a_bad_file_before_connecting(tmp_path):
 
 @pytest.mark.slow
 def test_the_quick_start_places_by_fabric_and_streams_through_the_router(tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
     import urllib.request
 
-    from llmgw.bus.server import free_port
+    from up_sim import ROOT, up_sim
 
-    root = Path(__file__).parents[1]
-    llmgw = [sys.executable, "-m", "llmgw.cli"]
-    nats, http = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
-    env["LLMGW_NATS"] = f"nats://127.0.0.1:{nats}"
-    log = tmp_path / "up.log"
-    with log.open("wb") as out:
-        up = subprocess.Popen(
-            [*llmgw, "up", "--sim", str(root / "examples" / "fleet.toml"), "--data-dir",
-             str(tmp_path / "data"), "--port", str(nats), "--router-listen",
-             f"127.0.0.1:{http}"],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while "simulated fleet" not in log.read_text():
-            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-
-        def run(*args: str) -> str:
-            done = subprocess.run(
-                [*llmgw, *args], capture_output=True, text=True, env=env, timeout=60, cwd=root
-            )
-            assert done.returncode == 0, done.stdout + done.stderr
-            return done.stdout
-
+    with up_sim(ROOT / "examples" / "fleet.toml", tmp_path) as up:
+        run = up.run
         run("catalog", "apply", "examples/sim-catalog.toml")
         assert "placed on h100-b-04" in run("place", "qwen3-8b", "--replicas", "1", "--wait")
         status = run("status")
@@ -366,7 +337,7 @@ def test_the_quick_start_places_by_fabric_and_streams_through_the_router(tmp_pat
              "stream": True, "max_tokens": 3}
         ).encode()  # fmt: skip
         request = urllib.request.Request(
-            f"http://127.0.0.1:{http}/v1/chat/completions",
+            f"{up.http_url}/v1/chat/completions",
             data=body,
             headers={"Content-Type": "application/json"},
         )
@@ -375,6 +346,3 @@ def test_the_quick_start_places_by_fabric_and_streams_through_the_router(tmp_pat
         assert lines[-1] == "data: [DONE]"
         deltas = [json.loads(x[6:])["choices"][0]["delta"].get("content") for x in lines[:-1]]
         assert "".join(d for d in deltas if d) == "tok0 tok1 tok2 "
-    finally:
-        up.send_signal(signal.SIGINT)
-        up.wait(30)
