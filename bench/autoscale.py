@@ -61,7 +61,7 @@ from llmgw.bus import keys, records  # noqa: E402
 from llmgw.bus.client import Bus, NatsSettings, decoder  # noqa: E402
 from llmgw.bus.server import EmbeddedNats, free_port  # noqa: E402
 from llmgw.controller.loop import Controller  # noqa: E402
-from llmgw.testing.fake_engine import install_fake_engines  # noqa: E402
+from llmgw.sim.fake_engine import install_fake_engines  # noqa: E402
 
 LOAD_S = 1.0  # the fake engine's load time (FAKE_ENGINE_LOAD_SECONDS)
 COLD_LOAD_S = 2.0

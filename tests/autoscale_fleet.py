@@ -20,7 +20,7 @@ from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
 from llmgw.controller.loop import ControllerSettings
-from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
+from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
 
 NODES = {"node1": "127.0.0.2", "node2": "127.0.0.3", "node3": "127.0.0.4"}
 

@@ -1,6 +1,6 @@
 """Real fake engines and an in-process router, for the router's tests.
 
-`FakeEngines` starts `llmgw.testing.fake_engine` processes (llama-server's flags and HTTP) on
+`FakeEngines` starts `llmgw.sim.fake_engine` processes (llama-server's flags and HTTP) on
 free ports; `running_router` runs a `Router` in the test's event loop, fed either static
 endpoints or the bucket; `EngineState` reads what an engine itself says is in flight.
 """
@@ -27,7 +27,7 @@ from llmgw.bus.server import free_port
 from llmgw.router.balancer import BalancerSettings
 from llmgw.router.proxy import ProxySettings
 from llmgw.router.service import Router, RouterSettings
-from llmgw.testing.fake_engine import write_fake_gguf
+from llmgw.sim.fake_engine import write_fake_gguf
 
 SERVED = "tiny-chat"
 
@@ -98,7 +98,7 @@ class FakeEngines:
         argv = [
             sys.executable,
             "-m",
-            "llmgw.testing.fake_engine",
+            "llmgw.sim.fake_engine",
             "llama-server",
             "-m",
             str(model),

@@ -523,7 +523,7 @@ async def test_gpu_processes_and_faults_are_written_at_once_and_memory_drift_wit
     from llmgw.agent.discovery.gpus import discover_gpus
     from llmgw.agent.inventory import Hardware
     from llmgw.agent.service import Agent
-    from llmgw.testing.nvml import RecordedNvml
+    from llmgw.sim.nvml import RecordedNvml
 
     nvml = RecordedNvml(count=4)
     cfg = agent_config(nats_server.url, host, id="gpu07", gpus=True)

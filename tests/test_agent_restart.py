@@ -23,7 +23,7 @@ from llmgw.agent.config import Engines
 from llmgw.agent.engines.pidfile import reap_leftover_engines
 from llmgw.bus import records
 from llmgw.bus.client import Bus, decoder
-from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
+from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

@@ -29,7 +29,7 @@ from llmgw.cli.place import dry_run_plan, follow_placement
 from llmgw.cli.status import gather, render
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.sim.bare import SimNode, inventory
-from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
+from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
 
 LLMGW = [sys.executable, "-m", "llmgw.cli"]
 

@@ -40,7 +40,7 @@ from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings, Update, decoder
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.router.service import Router
-from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
+from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(300)]
 

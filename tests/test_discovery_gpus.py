@@ -7,7 +7,7 @@ from samples.nvml import DRIVER_VERSION, H100_BUS_IDS, H100_UUIDS, RecordedNvml
 
 from llmgw.agent.discovery.gpus import discover_gpus
 from llmgw.bus.records import MAX_GPU_PROCESSES
-from llmgw.testing.nvml import DRIVER_RESERVED
+from llmgw.sim.nvml import DRIVER_RESERVED
 
 
 def test_eight_h100s_are_listed_in_nvml_order_with_uuids_and_bus_ids():
@@ -327,7 +327,7 @@ def test_the_inventory_carries_gpu_processes_named_and_told_apart(host, tmp_path
 
 
 def test_a_simulated_agents_recording_can_hold_memory_and_count_ecc_errors():
-    from llmgw.testing.nvml import FOREIGN_PID, from_spec
+    from llmgw.sim.nvml import FOREIGN_PID, from_spec
 
     gpus = discover_gpus(from_spec("count=4,node=gpu-a,held=3:60,ecc=2:1"))
 

@@ -24,7 +24,7 @@ from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
 from llmgw.bus.server import free_port
 from llmgw.controller.loop import Controller, ControllerSettings
-from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
+from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

@@ -34,8 +34,8 @@ from llmgw.bus.client import Bus, decoder
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.router.service import Router
 from llmgw.sim.bare import SimNode, inventory
-from llmgw.testing.fake_engine import write_fake_gguf
-from llmgw.testing.nvml import FOREIGN_PID, RecordedNvml
+from llmgw.sim.fake_engine import write_fake_gguf
+from llmgw.sim.nvml import FOREIGN_PID, RecordedNvml
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

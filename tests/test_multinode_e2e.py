@@ -20,7 +20,7 @@ from llmgw import catalog
 from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
 from llmgw.bus.client import decoder
-from llmgw.testing.fake_engine import install_fake_engines
+from llmgw.sim.fake_engine import install_fake_engines
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

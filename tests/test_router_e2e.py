@@ -17,7 +17,7 @@ from waiting import until
 from llmgw.agent.config import Engines
 from llmgw.bus.client import Bus
 from llmgw.router.proxy import ProxySettings
-from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
+from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

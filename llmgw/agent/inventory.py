@@ -5,7 +5,7 @@ What is written still wins: every override beats discovery and is listed in
 The functions here block (subprocesses, sysfs, NVML): the agent calls them in a worker thread.
 The facts come from a `Hardware` the agent is given: the real machine (NVML, files under
 `paths.procfs`/`paths.sysfs`, engines on disk) unless a simulated node (llmgw.sim, or
-llmgw.testing's recorded NVML) passes its own. The overrides apply on top either way.
+llmgw.sim's recorded NVML) passes its own. The overrides apply on top either way.
 """
 
 from __future__ import annotations

@@ -7,4 +7,6 @@ disk.py       the weights files and engine binaries simulated nodes hold
 engines.py    every simulated engine served inside the simulator (an EngineLauncher)
 simulator.py  one agent per node, kept as the file says while it changes
 bare.py       bare nodes: the records an agent writes, without the agent (tests, benches)
+fake_engine.py  a stand-in for llama-server and vLLM: their flags and HTTP API (also tests')
+nvml.py       recorded NVML answers, read by the real discover_gpus
 """

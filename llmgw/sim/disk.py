@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from llmgw.agent.discovery.weights.mounts import SHARE_ID_FILE
-from llmgw.testing.fake_engine import install_fake_engines, write_fake_gguf
+from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
 
 MARKER = ".llmgw-sim"  # the root is the simulator's: it may clear it
 

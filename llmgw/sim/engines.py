@@ -3,7 +3,7 @@
 `SimulatedEngines` is the `EngineLauncher` (llmgw.agent.engines.launcher) simulated agents
 are given: the real supervisor builds the real command line and hands it over, and
 instead of a process this reads it with the fake engine's own parsers and serves the fake
-engine's HTTP app (llmgw.testing.fake_engine: health while loading, OpenAI routes with
+engine's HTTP app (llmgw.sim.fake_engine: health while loading, OpenAI routes with
 SSE streaming, metrics, llama-server's /slots) on the address and port the command line
 names: the node's own loopback address and the port the controller assigned. It streams
 tokens at the fleet file's rate, and takes the supervisor's signals as an engine does
@@ -22,8 +22,8 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
+from llmgw.sim import fake_engine
 from llmgw.sim.fleet import Sim
-from llmgw.testing import fake_engine
 
 
 class SimulatedEngines:

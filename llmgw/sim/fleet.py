@@ -36,7 +36,7 @@ from llmgw.bus.keys import InvalidId, check_token
 from llmgw.errors import LlmgwError
 
 EngineName = Literal["llama-server", "vllm"]
-MAX_GPUS = 8  # a recorded node's PCI layout (llmgw.testing.nvml)
+MAX_GPUS = 8  # a recorded node's PCI layout (llmgw.sim.nvml)
 MAX_NODES = 100_000
 
 

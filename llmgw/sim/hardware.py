@@ -3,7 +3,7 @@
 The agent asks its `Hardware` (llmgw.agent.inventory) for each fact; a simulated node
 answers from its current `NodeSpec`, which the simulator replaces when the fleet file
 changes. GPUs go through the real `discover_gpus`, asking a recorded NVML
-(llmgw.testing.nvml) of the model and memory the file names; RAM is read on every
+(llmgw.sim.nvml) of the model and memory the file names; RAM is read on every
 heartbeat, as on a real node, so a node given more RAM is seen at its next lease.
 """
 
@@ -16,7 +16,7 @@ from llmgw.agent.discovery.gpus import ProcessLookup, discover_gpus
 from llmgw.agent.inventory import Hardware
 from llmgw.bus import records
 from llmgw.sim.fleet import NodeSpec
-from llmgw.testing.nvml import RecordedNvml
+from llmgw.sim.nvml import RecordedNvml
 
 GIB = 1 << 30
 _UP = records.IbPort(

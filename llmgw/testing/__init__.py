@@ -1,6 +1,6 @@
 """Test helpers that run real processes: a fake llama-server / vLLM.
 
-`install_fake_engines` is imported lazily so `python -m llmgw.testing.fake_engine`
+`install_fake_engines` is imported lazily so `python -m llmgw.sim.fake_engine`
 does not import the module twice.
 """
 
@@ -13,7 +13,7 @@ __all__ = ["free_port", "install_fake_engines", "write_fake_gguf"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from llmgw.testing import fake_engine
+        from llmgw.sim import fake_engine
 
         return getattr(fake_engine, name)
     raise AttributeError(name)

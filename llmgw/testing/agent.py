@@ -6,7 +6,7 @@ and a weights scanner that answer for hardware this machine does not have:
     python -m llmgw.testing.agent --recorded-nvml count=2,node=gpu-a --config agent.toml
     python -m llmgw.testing.agent --hung-weights-dir /mnt/filer --config agent.toml
 
---recorded-nvml: GPU discovery asks a recorded 8x H100 node (llmgw.testing.nvml) through
+--recorded-nvml: GPU discovery asks a recorded 8x H100 node (llmgw.sim.nvml) through
 the real discover_gpus code. --hung-weights-dir: a scan that reaches that directory blocks
 forever, as one does on a hard-mounted NFS share whose server went away. Never run this on
 a real node.
@@ -27,7 +27,7 @@ from llmgw.agent.inventory import Hardware
 from llmgw.agent.service import serve
 from llmgw.agent.weights import WeightsScanner
 from llmgw.bus import records
-from llmgw.testing.nvml import from_spec
+from llmgw.sim.nvml import from_spec
 
 
 def recorded_gpus(spec: str) -> Callable[[ProcessLookup], records.Gpus]:

@@ -5,8 +5,8 @@ same HTTP surface (health while loading, OpenAI routes with SSE streaming, metri
 llama-server's /slots), same signals. Tests install it on PATH under the real names
 (`install_fake_engines`) so adapters run it through their real argv.
 
-    python -m llmgw.testing.fake_engine llama-server -m model.gguf --port 8080 ...
-    python -m llmgw.testing.fake_engine vllm serve MODEL --port 8000 ...
+    python -m llmgw.sim.fake_engine llama-server -m model.gguf --port 8080 ...
+    python -m llmgw.sim.fake_engine vllm serve MODEL --port 8000 ...
 
 Behaviour knobs (environment):
     FAKE_ENGINE_LOAD_SECONDS      time spent "loading" (default 0)
@@ -798,7 +798,7 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("llama-server", "vllm"):
-        log("usage: python -m llmgw.testing.fake_engine {llama-server|vllm} ...")
+        log("usage: python -m llmgw.sim.fake_engine {llama-server|vllm} ...")
         return 2
     kind, rest = argv[0], argv[1:]
     ns = parse_llama(rest) if kind == "llama-server" else parse_vllm(rest)
@@ -851,7 +851,7 @@ def install_fake_engines(bin_dir: Path) -> dict[str, Path]:
     pythonpath = f'PYTHONPATH="{root}${{PYTHONPATH:+:$PYTHONPATH}}"'
     llama = bin_dir / "llama-server"
     llama.write_text(
-        f'#!/bin/sh\n{pythonpath} exec "{sys.executable}" -m llmgw.testing.fake_engine llama-server "$@"\n'
+        f'#!/bin/sh\n{pythonpath} exec "{sys.executable}" -m llmgw.sim.fake_engine llama-server "$@"\n'
     )
     env = bin_dir.parent / f"{bin_dir.name}-vllm-env"
     python = env / "bin" / "python3"
@@ -864,8 +864,8 @@ def install_fake_engines(bin_dir: Path) -> dict[str, Path]:
     )
     vllm = bin_dir / "vllm"
     vllm.write_text(
-        f"#!{python}\nimport sys\nfrom llmgw.testing.fake_engine import main\n"
-        "# argv as `python -m llmgw.testing.fake_engine vllm ...` has it\n"
+        f"#!{python}\nimport sys\nfrom llmgw.sim.fake_engine import main\n"
+        "# argv as `python -m llmgw.sim.fake_engine vllm ...` has it\n"
         'sys.argv = [sys.argv[0], "vllm", *sys.argv[1:]]\n'
         "sys.exit(main())\n"
     )
