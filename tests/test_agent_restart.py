@@ -146,36 +146,88 @@ async def test_an_agent_restarted_or_killed_under_load_keeps_its_engines_serving
     assert all(p.is_running() for p in engines)
 
 
-async def test_an_engine_whose_assignment_changed_while_the_agent_was_away_is_replaced(
+async def _away(node) -> None:
+    """The agent goes the way `systemctl restart` takes it down: its engines serve on."""
+    node["proc"].send_signal(signal.SIGTERM)
+    assert await anyio.to_thread.run_sync(node["proc"].wait, 10) == 0
+
+
+def _back(node) -> None:
+    node["proc"] = start_agent(node["cfg"], node["tmp"] / "agent.toml", node["path"], node["log"])
+
+
+async def test_a_catalog_edit_made_while_the_agent_was_away_is_rolled_out_with_no_gap(
     bus, node, controller
 ):
-    model = _model(node["tmp"])
-    await serve(bus, model, 1)
+    """The profile changes while no agent runs (a new generation, another command line):
+    the new agent adopts the engine still serving, as a running agent keeps it, and the
+    controller's rollout replaces it; at no moment is there no ready replica."""
+    await serve(bus, _model(node["tmp"]), 1)
     (first,) = await until(lambda: _all_ready(bus, 1), timeout=30)
     old = psutil.Process(first.pid)
     node["engines"] = [old]
-    node["proc"].send_signal(signal.SIGTERM)
-    assert await anyio.to_thread.run_sync(node["proc"].wait, 10) == 0
+    await _away(node)
     assert old.is_running()
-    # the profile changes while no agent runs: a new generation, another command line
-    changed = _model(node["tmp"], extra_args=["--threads", "2"])
-    await serve(bus, changed, 1, at=2.0)
+    await serve(bus, _model(node["tmp"], extra_args=["--threads", "2"]), 1, at=2.0)
 
     async def reassigned():
         got = await bus.list("assign.node1.*", decoder(records.Assignment))
         return any(e.value.generation > 1 for e in got.values())
 
     await until(reassigned, timeout=20)
-    node["proc"] = start_agent(node["cfg"], node["tmp"] / "agent.toml", node["path"], node["log"])
+    _back(node)
+    gaps: list[list[str]] = []
+
+    async def rolled_out():
+        shards = await _shards(bus)
+        ready = [s for s in shards if s.phase == "ready"]
+        if not ready:
+            gaps.append([f"{s.rid} {s.phase}" for s in shards])
+        if len(shards) == 1 and ready and ready[0].pid != first.pid:
+            return ready[0]
+        return None
+
+    second = await until(rolled_out, timeout=40)
+    node["engines"].append(psutil.Process(second.pid))
+    log_text = node["log"].read_text()
+    assert f"adopted the engine an earlier agent left (pid {first.pid})" in log_text
+    assert gaps == []  # one ready replica at every look
+    assert _gone(old)  # drained by the rollout, not killed at adoption
+
+
+async def test_an_engine_its_controller_moved_while_the_agent_was_away_is_replaced(
+    bus, node, controller
+):
+    """The controller gives the replica another port while no agent runs (another program
+    was reported on it): the engine left on the old port no longer matches its assignment;
+    the new agent stops it and starts the replica where it now belongs."""
+    await serve(bus, _model(node["tmp"]), 1)
+    (first,) = await until(lambda: _all_ready(bus, 1), timeout=30)
+    old = psutil.Process(first.pid)
+    node["engines"] = [old]
+    await _away(node)
+    # what an agent reports when its port was taken before launch (records.PORT_IN_USE)
+    refused = msgspec.structs.replace(first, phase="failed", refused=records.PORT_IN_USE)
+    await bus.put(f"shards.node1.{first.rid}", refused)
+
+    async def moved():
+        got = await bus.get(f"assign.node1.{first.rid}", decoder(records.Assignment))
+        return got.value if got and got.value.port != first.port else None
+
+    assignment = await until(moved, timeout=20)
+    _back(node)
 
     async def replaced():
         shards = await _all_ready(bus, 1)
-        return shards if shards and shards[0].pid != first.pid else None
+        return shards[0] if shards and shards[0].pid != first.pid else None
 
-    (second,) = await until(replaced, timeout=30)
-    assert _gone(old)
-    assert "it no longer matches its assignment" in node["log"].read_text()
+    second = await until(replaced, timeout=30)
     node["engines"].append(psutil.Process(second.pid))
+    assert second.port == assignment.port and _gone(old)
+    assert (
+        f"its assignment moved it (port {first.port} -> {assignment.port})"
+        in node["log"].read_text()
+    )
 
 
 async def test_sigint_and_a_plain_sigterm_still_stop_the_engines(bus, node, controller):

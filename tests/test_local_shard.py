@@ -3,6 +3,8 @@ as it runs the fake engine against a real nats-server, without the agent around 
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +20,7 @@ from waiting import until
 from llmgw import catalog
 from llmgw.agent.config import AgentConfig, Engines, Paths
 from llmgw.agent.engines.base import LaunchSpec
+from llmgw.agent.engines.pidfile import EngineProcess, leftover_engines
 from llmgw.agent.shards import (
     LocalShard,
     NodeShards,
@@ -25,6 +28,7 @@ from llmgw.agent.shards import (
     ShardState,
     Step,
     ThisNode,
+    adoption,
     keeps_launch,
     next_step,
 )
@@ -82,6 +86,43 @@ def test_a_new_place_or_no_launch_at_all_replaces_the_engine() -> None:
     assert not keeps_launch(replace(SPEC, port=8081), SPEC, healthy=True)
     assert not keeps_launch(replace(SPEC, gpu_uuids=("GPU-1",)), SPEC, healthy=True)
     assert not keeps_launch(None, SPEC, healthy=True)  # its catalog entry is gone
+
+
+def _left(spec: LaunchSpec, generation: int, **kw: object) -> EngineProcess:
+    fields: dict[str, object] = {
+        "shard": "n1.r1",
+        "pid": 1,
+        "pgid": 1,
+        "create_time": 0.0,
+        "argv": ["llama-server"],
+        "port": spec.port,
+        "gpus": list(spec.gpu_uuids),
+        "generation": generation,
+    }
+    return EngineProcess(**{**fields, **kw})  # type: ignore[arg-type]
+
+
+def test_an_engine_left_for_this_generation_and_place_is_adopted_whatever_its_command() -> None:
+    spec = replace(SPEC, gpu_uuids=("GPU-1",))
+    assert adoption(_left(spec, 3), RUN, spec) == ""
+    # the catalog changed while no agent ran (a new generation, another command line, the
+    # weights not scanned yet): served on, as a running agent keeps it, until rolled out
+    assert adoption(_left(spec, 2, argv=["llama-server", "-c", "4096"]), RUN, spec) == ""
+
+
+def test_an_engine_left_somewhere_its_assignment_no_longer_puts_it_is_not_adopted() -> None:
+    spec = replace(SPEC, gpu_uuids=("GPU-1",))
+    moved = adoption(_left(replace(spec, port=8081), 3), RUN, spec)
+    assert moved == "its assignment moved it (port 8081 -> 8080)"
+    other = adoption(_left(replace(spec, gpu_uuids=("GPU-2",)), 3), RUN, spec)
+    assert other == "its assignment moved it (GPUs GPU-2 -> GPU-1)"
+    rank = adoption(_left(spec, 3, rank=1, nodes=2, master_addr="10.0.0.1"), RUN, spec)
+    assert rank == "its assignment moved it (rank 1 -> 0; nodes 2 -> 1; rank 0 at 10.0.0.1 -> )"
+
+
+def test_an_engine_started_for_a_later_generation_than_its_assignment_is_not_adopted() -> None:
+    # the assignment was deleted and made anew (generations start again at 1)
+    assert "made anew" in adoption(_left(SPEC, 7), RUN, SPEC)
 
 
 def test_the_retry_delay_doubles_to_its_cap_while_nothing_new_arrives() -> None:
@@ -280,3 +321,161 @@ async def test_a_replica_placed_here_again_after_it_was_gone_runs_again(bus, nod
         second = await until(_phase(bus, "ready"))
         assert second.generation == 2 and second.pid != first.pid
         tg.cancel_scope.cancel()
+
+
+# --- engines an earlier agent left --------------------------------------------------------------
+
+
+@asynccontextmanager
+async def left_serving(
+    bus: Bus, node: ThisNode, gguf: Path
+) -> AsyncIterator[tuple[records.Assignment, records.Shard, EngineProcess]]:
+    """r1 served, then its shard's owner gone the way a restarted agent goes: the engine
+    serves on with its pidfile. Yields the assignment, its ready record and that pidfile."""
+    async with serving(bus, node, gguf) as (shard, a, ready):
+        assert shard.engine is not None
+        shard.engine.supervisor.leave_running()
+        # (the block's end cancels the shard: the engine is left)
+    (left,), _ = leftover_engines(node.state_dir)
+    assert left.pid == ready.pid and left.ready  # it had served: the next agent expects it to
+    try:
+        yield a, ready, left
+    finally:
+        import psutil
+
+        from llmgw.agent.engines.pidfile import reap_leftover_engines
+
+        reap_leftover_engines(node.state_dir, grace=2)
+        if psutil.pid_exists(left.pid):
+            os.killpg(left.pid, signal.SIGKILL)
+
+
+def _own_phase(shard: LocalShard, phase: str):
+    """The phase this shard itself reported (the bucket may still hold an earlier owner's)."""
+
+    async def check() -> records.Shard | None:
+        r = shard.record
+        return r if r is not None and r.phase == phase else None
+
+    return check
+
+
+def _adopting(node: ThisNode, left: EngineProcess) -> LocalShard:
+    claims = {"r1": left}
+    return LocalShard("r1", node, _no_overlap, claims.pop)  # type: ignore[arg-type]
+
+
+async def _run_shard(shard: LocalShard, want: records.Assignment, tg: anyio.abc.TaskGroup) -> None:
+    tg.start_soon(shard.run)
+    shard.assign(want)
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_a_catalog_edit_made_while_no_agent_ran_keeps_the_engine_it_left(
+    bus, node, gguf
+) -> None:
+    async with left_serving(bus, node, gguf) as (a, ready, left):
+        await _put_model(bus, gguf, context=4096)  # what the engine runs is not this now
+        shard = _adopting(node, left)
+        async with anyio.create_task_group() as tg:
+            await _run_shard(shard, generation(a, 2), tg)
+
+            again = await until(_own_phase(shard, "ready"))
+            assert again.generation == 2
+            assert again.pid == ready.pid and _alive(ready.pid)
+            # its pidfile now says the generation it serves, for the agent after this one
+            (kept,), _ = leftover_engines(node.state_dir)
+            assert (kept.generation, kept.argv) == (2, left.argv)
+            tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_an_engine_kept_for_a_new_generation_is_adopted_by_the_next_agent_too(
+    bus, node, gguf
+) -> None:
+    """A running agent keeps its engine through a catalog edit; its pidfile says so, and the
+    agent after it adopts that engine for the new generation."""
+    async with left_serving(bus, node, gguf) as (a, ready, left):
+        await _put_model(bus, gguf, context=4096)
+        first = _adopting(node, left)
+        async with anyio.create_task_group() as tg:
+            await _run_shard(first, a, tg)
+            await until(_own_phase(first, "ready"))
+            first.assign(generation(a, 2))  # the running agent keeps it
+
+            async def taken() -> records.Shard | None:
+                s = await _stored(bus)
+                return s if s is not None and s.generation == 2 else None
+
+            await until(taken)
+            assert first.engine is not None
+            first.engine.supervisor.leave_running()
+            tg.cancel_scope.cancel()
+        (record,), _ = leftover_engines(node.state_dir)
+        assert (record.pid, record.generation) == (ready.pid, 2)
+        second = _adopting(node, record)
+        async with anyio.create_task_group() as tg:
+            await _run_shard(second, generation(a, 2), tg)
+            again = await until(_own_phase(second, "ready"))
+            assert again.pid == ready.pid and second.engine is not None
+            assert second.engine.supervisor.adopted
+            tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_an_engine_left_where_its_assignment_no_longer_puts_it_is_stopped_and_replaced(
+    bus, node, gguf
+) -> None:
+    async with left_serving(bus, node, gguf) as (a, ready, left):
+        moved = generation(a, 2, port=free_port())  # the controller moved it meanwhile
+        shard = _adopting(node, left)
+        async with anyio.create_task_group() as tg:
+            await _run_shard(shard, moved, tg)
+
+            new = await until(_own_phase(shard, "ready"), timeout=20)
+            assert new.pid != ready.pid
+            assert new.port == moved.port and not _alive(ready.pid)
+            tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_an_engine_left_while_its_replica_drained_is_adopted_and_drained(
+    bus, node, gguf
+) -> None:
+    """An agent restarted in the middle of a node drain or a rollout: the engine it left
+    is this replica's to drain, not left running with no owner."""
+    async with left_serving(bus, node, gguf) as (a, ready, left):
+        shard = _adopting(node, left)
+        async with anyio.create_task_group() as tg:
+            await _run_shard(shard, generation(a, 2, action="drain"), tg)
+            stopped = await until(_own_phase(shard, "stopped"), timeout=20)
+            assert stopped.reason == "assignment says drain"
+            assert not _alive(ready.pid)
+            assert leftover_engines(node.state_dir) == ([], [])
+            tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+async def test_an_engine_left_for_a_removed_replica_is_stopped(bus, node, gguf) -> None:
+    async with left_serving(bus, node, gguf) as (_a, ready, left):
+        shard = _adopting(node, left)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(shard.run)
+            shard.assign(None)
+            await until(_in(shard, ShardState.GONE), timeout=20)
+            assert not _alive(ready.pid)
+            tg.cancel_scope.cancel()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import operator
 import os
 import shutil
 import time
@@ -27,7 +26,6 @@ import anyio
 
 from llmgw import catalog
 from llmgw.agent.config import AgentConfig
-from llmgw.agent.engines import adapter_for
 from llmgw.agent.engines.base import LaunchSpec
 from llmgw.agent.engines.launcher import EngineLauncher, ProcessLauncher
 from llmgw.agent.engines.pidfile import (
@@ -96,21 +94,28 @@ class ThisNode:
         spec = launch_spec(self.cfg, self.inventory(), entry.value, profile, a)
         return dataclasses.replace(spec, api_key=self.engine_api_key), []
 
-    def launch_prefix(self, rid: str, generation: int) -> list[str]:
+    def launch_prefix(self, rid: str, generation: int) -> Callable[[], list[str]]:
         """What the engine's command line is run under: under systemd, a scope of its own
         in llmgw-engines.slice, so that stopping or restarting the agent's unit (which
-        kills what is left in its cgroup) leaves the engine alone (docs/engines.md)."""
+        kills what is left in its cgroup) leaves the engine alone (docs/engines.md). Asked
+        at every start: a scope's name is new each time (a stray process of an earlier
+        start can keep that start's scope alive, and systemd refuses a name in use)."""
         if not own_scope(self.cfg.engines.own_scope, os.environ, shutil.which("systemd-run")):
-            return []
-        return [
-            "systemd-run",
-            "--scope",
-            "--quiet",
-            "--collect",
-            f"--unit=llmgw-engine-{rid}-{generation}",
-            "--slice=llmgw-engines.slice",
-            "--",
-        ]
+            return list
+
+        def prefix() -> list[str]:
+            started = int(time.time() * 1000)
+            return [
+                "systemd-run",
+                "--scope",
+                "--quiet",
+                "--collect",
+                f"--unit=llmgw-engine-{rid}-{generation}-{started}",
+                "--slice=llmgw-engines.slice",
+                "--",
+            ]
+
+        return prefix
 
     async def put(self, shard: records.Shard) -> None:
         try:
@@ -293,6 +298,8 @@ class LocalShard:
         self._wait_for_room = wait_for_room
         self._changed = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
+        # the engine an earlier agent left for this replica, until adopted or stopped
+        self._leftover: EngineProcess | None = None
 
     def assign(self, want: records.Assignment | None) -> None:
         """The latest assignment (None: deleted); the loop looks at it at once, or as soon
@@ -339,6 +346,10 @@ class LocalShard:
         """One decision; True when it should be tried again later. Only `run`'s loop calls
         it, so decisions for one replica never overlap; other replicas go on meanwhile."""
         want, running = self.wanted, self.engine
+        if running is None and self._leftover is None:
+            # claimed whatever the assignment says: an engine left while its replica was
+            # being drained or removed is this replica's to drain, never nobody's
+            self._leftover = self._claim_leftover(self.rid)
         step = next_step(want, running.assignment if running is not None else None)
         if step is Step.LEAVE:
             self._to(ShardState.RUNNING)
@@ -346,6 +357,7 @@ class LocalShard:
         if step is Step.FORGET:
             if running is not None:
                 await self._stop(running, drain=True)
+            await self._stop_leftover("its assignment is gone")
             await self._forget()
             # gone only while nothing is assigned: from then on an assignment for this rid
             # goes to a new LocalShard (`NodeShards._assigned`)
@@ -353,6 +365,8 @@ class LocalShard:
             return False
         assert want is not None
         if step is Step.STOP:
+            if running is None and self._leftover is not None:
+                running = await self._adopt_to_stop(want)
             if running is not None:
                 running.assignment = want
                 await self._stop(running, drain=want.action == "drain")
@@ -371,14 +385,27 @@ class LocalShard:
                         self.rid,
                     )
                 running.assignment = want
+                running.supervisor.keep_for(want.generation)
                 await self._report(want, self.record.phase if self.record else "starting")
                 self._to(ShardState.RUNNING)
                 return False
             await self._stop(running, drain=True)
         self._to(ShardState.LAUNCHING)
-        leftover = self._claim_leftover(self.rid)
-        if leftover is not None:
-            if spec is not None and await self._adoptable(leftover, want, spec):
+        if self._leftover is not None:
+            if spec is None:
+                # nothing to judge it by (its catalog entry does not read): it serves on,
+                # and is judged when the entry or the assignment changes
+                await self._report(
+                    want,
+                    "failed",
+                    reason=f"{problems[0].reason}; the engine an earlier agent left "
+                    "serves on until its catalog entry reads",
+                )
+                self._to(ShardState.IDLE)
+                return False
+            leftover, self._leftover = self._leftover, None
+            why = await self._not_adoptable(leftover, want, spec)
+            if not why:
                 log.info(
                     "%s %s: adopted the engine an earlier agent left (pid %d)",
                     want.model,
@@ -387,11 +414,7 @@ class LocalShard:
                 )
                 self._start(want, spec, adopt=leftover)
                 return False
-            why = "it no longer matches its assignment (generation or command line)"
-            line = await anyio.to_thread.run_sync(
-                stop_engine, self.node.state_dir, leftover, why, self.node.cfg.engines.stop_grace
-            )
-            log.warning("%s", line)
+            await self._stop_leftover(why, leftover)
         if spec is not None:
             await self._wait_for_room(self.rid, spec)
         await self._report(want, "validating")
@@ -416,17 +439,55 @@ class LocalShard:
         self._start(want, spec)
         return False
 
-    async def _adoptable(
+    async def _not_adoptable(
         self, leftover: EngineProcess, want: records.Assignment, spec: LaunchSpec
-    ) -> bool:
-        """An engine left by an earlier agent serves this assignment when it was started
-        for this generation, with the command line this assignment asks for now, and its
-        first process is still that command (read back from /proc)."""
-        if leftover.generation != want.generation:
-            return False
-        if leftover.argv != adapter_for(spec.engine).command(spec).argv:
-            return False
-        return await anyio.to_thread.run_sync(leader_alive, leftover)
+    ) -> str:
+        """Why the engine an earlier agent left does not serve `want` ("" when it does): its
+        first process must still be the command it was started with (pid, start time and
+        command line read back from /proc), and its assignment must still be the one it
+        serves (`adoption`)."""
+        if not await anyio.to_thread.run_sync(leader_alive, leftover):
+            return "its first process is gone or is another program now"
+        return adoption(leftover, want, spec)
+
+    async def _adopt_to_stop(self, want: records.Assignment) -> _Engine | None:
+        """The engine an earlier agent left for a replica now to be drained or stopped:
+        adopted, so that a drain lets its requests finish, when it is still the engine it
+        was and still where its assignment puts it; else stopped. The engine, or None."""
+        leftover, self._leftover = self._leftover, None
+        assert leftover is not None
+        spec, problems = await self.node.launch_for(want)
+        why = problems[0].reason if spec is None else ""
+        if spec is not None:
+            why = await self._not_adoptable(leftover, want, spec)
+        if why or spec is None:
+            await self._stop_leftover(why, leftover)
+            return None
+        log.info(
+            "%s %s: adopted the engine an earlier agent left (pid %d) to %s it",
+            want.model,
+            self.rid,
+            leftover.pid,
+            want.action,
+        )
+        self._start(want, spec, adopt=leftover)
+        return self.engine
+
+    async def _stop_leftover(self, why: str, leftover: EngineProcess | None = None) -> None:
+        """Stop the engine an earlier agent left for this replica (SIGTERM, then SIGKILL
+        after the stop grace), saying why in the log."""
+        if leftover is None:
+            leftover, self._leftover = self._leftover, None
+        if leftover is None:
+            return
+        line = await anyio.to_thread.run_sync(
+            stop_engine,
+            self.node.state_dir,
+            leftover,
+            f"not adopted: {why}",
+            self.node.cfg.engines.stop_grace,
+        )
+        log.warning("%s", line)
 
     def _start(
         self, want: records.Assignment, spec: LaunchSpec, *, adopt: EngineProcess | None = None
@@ -581,6 +642,30 @@ def next_step(want: records.Assignment | None, running: records.Assignment | Non
     return Step.LAUNCH
 
 
+def adoption(leftover: EngineProcess, want: records.Assignment, spec: LaunchSpec) -> str:
+    """Why an engine an earlier agent left, still alive, does not serve `want`, or "" when
+    it does. The same rule as a running agent's (`keeps_launch`): it serves its assignment
+    until the controller moves it (other GPUs, another port or rank) or makes it anew. An
+    edit of the catalog alone (a new generation, another command line) does not stop it:
+    the controller's rollout replaces it with no gap, where stopping it at adoption would
+    take every old replica of the node down at once."""
+    if leftover.generation > want.generation:
+        return (
+            f"it was started for generation {leftover.generation} of an assignment now at "
+            f"generation {want.generation}: the assignment was made anew"
+        )
+    have, now = leftover.place, place_of(spec)
+    if have != now:
+        moved = [
+            f"{name} {a if not isinstance(a, tuple) else ','.join(a) or 'none'} -> "
+            f"{b if not isinstance(b, tuple) else ','.join(b) or 'none'}"
+            for name, a, b in zip(_PLACE_NAMES, have, now, strict=True)
+            if a != b
+        ]
+        return f"its assignment moved it ({'; '.join(moved)})"
+    return ""
+
+
 def keeps_launch(new: LaunchSpec | None, running: LaunchSpec, *, healthy: bool) -> bool:
     """Whether a running engine stays for a new generation of its assignment: nothing it sees
     changed, or only the catalog did and it is not failing (editing a profile does not
@@ -683,12 +768,17 @@ def _overlaps(a: LaunchSpec, b: LaunchSpec) -> bool:
     return a.port == b.port or bool(set(a.gpu_uuids) & set(b.gpu_uuids))
 
 
-# what the controller decided, as opposed to the catalog: same GPUs, port and ranks
-_place = operator.attrgetter("gpu_uuids", "port", "rank", "nodes", "master_addr")
+_PLACE_NAMES = ("GPUs", "port", "rank", "nodes", "rank 0 at")
+
+
+def place_of(spec: LaunchSpec) -> tuple[tuple[str, ...], int, int, int, str]:
+    """What the controller decided for a launch, as opposed to the catalog: its GPUs, port,
+    rank, node count and rank 0's address (`EngineProcess.place` for a running engine)."""
+    return (tuple(spec.gpu_uuids), spec.port, spec.rank, spec.nodes, spec.master_addr or "")
 
 
 def _same_place(a: LaunchSpec, b: LaunchSpec) -> bool:
-    return _place(a) == _place(b)
+    return place_of(a) == place_of(b)
 
 
 def launch_spec(

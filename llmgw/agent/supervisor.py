@@ -23,7 +23,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -31,11 +31,18 @@ from typing import Literal
 
 import aiohttp
 import anyio
+import msgspec
 
 from llmgw.agent.engines import EngineAdapter, EngineCommand, LaunchSpec, Probe, adapter_for
 from llmgw.agent.engines.launcher import EngineLauncher, EngineRun, ProcessGroup, ProcessLauncher
 from llmgw.agent.engines.output import EngineLog
-from llmgw.agent.engines.pidfile import EngineProcess, new_record, remove_pidfile, write_pidfile
+from llmgw.agent.engines.pidfile import (
+    EngineProcess,
+    leader_alive,
+    new_record,
+    remove_pidfile,
+    write_pidfile,
+)
 from llmgw.clock import Clock, SystemClock
 
 log = logging.getLogger(__name__)
@@ -92,6 +99,9 @@ class SupervisorTiming:
     drain_timeout: float = 300.0
     drain_poll: float = 1.0
     probe_timeout: float = 5.0
+    # an adopted engine that had answered ready must answer ready again within this, or it
+    # is a hung engine, not a loading one (it is stopped and started again)
+    adopted_ready_grace: float = 30.0
     log_check: float = 30.0  # how often the log file's size is checked for rotation
 
 
@@ -139,7 +149,7 @@ class EngineSupervisor:
         clock: Clock | None = None,
         adopt: EngineProcess | None = None,
         generation: int = 0,
-        launch_prefix: list[str] | None = None,
+        launch_prefix: Sequence[str] | Callable[[], Sequence[str]] = (),
         launcher: EngineLauncher | None = None,
     ) -> None:
         self.spec = spec
@@ -150,7 +160,8 @@ class EngineSupervisor:
         self.state_dir = state_dir
         self.generation = generation
         # e.g. `systemd-run --scope ...`: the engine in a cgroup of its own (docs/engines.md)
-        self._prefix = list(launch_prefix or [])
+        # (a function: asked again at every start, as a scope's name must be new each time)
+        self._prefix = launch_prefix
         self._launcher = launcher or ProcessLauncher()
         self._on_phase = on_phase
         self._log = EngineLog(log_path)
@@ -163,6 +174,10 @@ class EngineSupervisor:
             self.timing.max_failed_starts,
         )
         self._adopt = adopt
+        self._adopted = adopt is not None
+        self._adopted_ready = adopt is not None and adopt.ready
+        self._engine_up = anyio.Event()  # an engine was started or adopted, or run() ended
+        self._pidfile: EngineProcess | None = None  # what the next agent will read
         self.state = EngineState.IDLE
         self.phase: SupervisorPhase | None = None
         self.restarts = 0
@@ -184,7 +199,14 @@ class EngineSupervisor:
 
     @property
     def adopted(self) -> bool:
-        return self._adopt is not None
+        """Whether its engine was started by an earlier agent."""
+        return self._adopted
+
+    def keep_for(self, generation: int) -> None:
+        """The engine stays for a new generation of its assignment (only the catalog changed):
+        its pidfile says so, or the next agent would take it for a stale engine."""
+        self.generation = generation
+        self._rewrite_pidfile(generation=generation)
 
     def leave_running(self) -> None:
         """The agent is being restarted: when this supervisor is cancelled, its engine
@@ -199,10 +221,13 @@ class EngineSupervisor:
         try:
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 self._http = http
-                while not self._stop_requested.is_set():
+                while True:
                     if self._adopt is not None:
+                        # even when a stop came first: an adopted engine is ours to stop
                         record, self._adopt = self._adopt, None
                         failure = await self._watch_adopted(record)
+                    elif self._stop_requested.is_set():
+                        break
                     else:
                         failure = await self._run_once()
                     if failure is None or self._stop_requested.is_set():
@@ -244,6 +269,7 @@ class EngineSupervisor:
                     self._forget_pidfile()
                 if self._run is not None and self.state is not EngineState.LEFT:
                     self._run.signal(0)  # collected if it exited
+            self._engine_up.set()
             self._done.set()
 
     async def drain(self, timeout: float | None = None) -> None:
@@ -253,10 +279,11 @@ class EngineSupervisor:
         self._draining = True
         self.state = EngineState.STOPPING
         await self._report("draining", "waiting for in-flight requests")
-        if self.phase_was_ready and self.command.base_url:
+        if (self.phase_was_ready or self._adopted_ready) and self.command.base_url:
             with anyio.move_on_after(
                 self.timing.drain_timeout if timeout is None else timeout
             ) as scope:
+                await self._engine_up.wait()  # an engine adopted to be drained, say
                 await self._wait_idle()
             if scope.cancelled_caught:
                 log.warning("%s: drain timed out with requests in flight; stopping", self.shard)
@@ -286,7 +313,8 @@ class EngineSupervisor:
         self._ready_at = None
         self.state = EngineState.STARTING
         await self._report("starting", " ".join(self.command.argv))
-        argv = self._prefix + self.command.argv
+        prefix = self._prefix() if callable(self._prefix) else self._prefix
+        argv = [*prefix, *self.command.argv]
         try:
             self._log.write(
                 f"=== llmgw {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: "
@@ -303,6 +331,7 @@ class EngineSupervisor:
         finally:
             os.close(out)  # the engine has its own copy
         self._run, self.pid = run, run.pid
+        self._engine_up.set()
         self._remember_pidfile()
         failure: list[str] = []
         async with anyio.create_task_group() as tg:
@@ -325,10 +354,18 @@ class EngineSupervisor:
     async def _watch_adopted(self, record: EngineProcess) -> str | None:
         """An engine an earlier agent started: not this process's child, so its exit is
         learnt from a pidfd (its code is lost; its log's last lines are not)."""
-        group = ProcessGroup(record.pid)
-        self._run, self.pid = group, record.pid
         self._log_from = max(0, self._log.size() - 64 * 1024)
         self.state = EngineState.STARTING
+        adopted = await anyio.to_thread.run_sync(
+            ProcessGroup.adopt, record.pid, functools.partial(leader_alive, record)
+        )
+        if adopted is None:
+            if self.state_dir is not None:
+                remove_pidfile(self.state_dir, self.shard)
+            return "the engine left by an earlier agent exited before it was adopted"
+        group = adopted
+        self._run, self.pid = group, record.pid
+        self._engine_up.set()
         self._remember_pidfile(record)
         self._log.write(
             f"=== llmgw {time.strftime('%Y-%m-%dT%H:%M:%S')} adopted by a new agent "
@@ -336,7 +373,7 @@ class EngineSupervisor:
         )
         failure: list[str] = []
         async with anyio.create_task_group() as tg:
-            tg.start_soon(functools.partial(self._watch_readiness, failure, adopted=True))
+            tg.start_soon(functools.partial(self._watch_readiness, failure, adopted=record))
             tg.start_soon(self._watch_stop)
             tg.start_soon(self._watch_log)
             await group.exited()
@@ -352,26 +389,43 @@ class EngineSupervisor:
         when = "while loading" if self._ready_at is None else "while serving"
         return f"exited {when} (adopted from an earlier agent: exit status not known)"
 
-    async def _watch_readiness(self, failure: list[str], *, adopted: bool = False) -> None:
-        if not adopted:
+    async def _watch_readiness(
+        self, failure: list[str], *, adopted: EngineProcess | None = None
+    ) -> None:
+        within = self.timing.readiness_timeout
+        if adopted is None:
             await self._report("loading", "process started, waiting for readiness")
-        deadline = anyio.current_time() + self.timing.readiness_timeout
+        elif adopted.ready:
+            # it served under its earlier agent: it answers ready again at once, or it hangs
+            within = self.timing.adopted_ready_grace
+        else:  # still loading: its load began when it started, not now
+            within -= max(0.0, time.time() - adopted.started_at)
+        hung = adopted is not None and adopted.ready
+        deadline = anyio.current_time() + within
         probe = Probe(False, "not probed yet")
         while anyio.current_time() < deadline:
             probe = await self._probe()
-            if not probe.ready and adopted:
-                adopted = False  # still loading when its agent went: say so
-                await self._report("loading", f"adopted while loading: {probe.detail}")
+            if not probe.ready and adopted is not None:
+                how = "adopted after serving, not ready now" if hung else "adopted while loading"
+                adopted = None  # say so once
+                await self._report("loading", f"{how}: {probe.detail}")
             if probe.ready:
                 self._ready_at = self._clock.monotonic()
                 self.state = EngineState.RUNNING
+                self._rewrite_pidfile(ready=True)
                 await self._report("ready", probe.detail)
                 return
             await anyio.sleep(self.timing.poll_interval)
-        failure.append(
-            f"not ready after {self.timing.readiness_timeout:g} s (last: {probe.detail}); "
-            "raise the readiness timeout if this model loads slower"
-        )
+        if hung:
+            failure.append(
+                f"adopted after it had served, but not ready again within {within:g} s "
+                f"(last: {probe.detail}): a hung engine"
+            )
+        else:
+            failure.append(
+                f"not ready after {self.timing.readiness_timeout:g} s (last: {probe.detail}); "
+                "raise the readiness timeout if this model loads slower"
+            )
         await self._terminate(self.timing.stop_grace)
 
     async def _watch_stop(self) -> None:
@@ -488,20 +542,35 @@ class EngineSupervisor:
     def _remember_pidfile(self, adopted: EngineProcess | None = None) -> None:
         if self.state_dir is None or self.pid is None:
             return
-        record = adopted or new_record(
-            self.shard,
-            self.pid,
-            self.command.argv,
-            self.spec.port,
-            list(self.spec.gpu_uuids),
-            str(self._log.path),
-            generation=self.generation,
-        )
+        if adopted is not None:
+            # its command line stays the one it was started with (what /proc shows)
+            record = msgspec.structs.replace(adopted, generation=self.generation, ready=False)
+        else:
+            record = new_record(
+                self.shard,
+                self.pid,
+                self.command.argv,
+                self.spec.port,
+                list(self.spec.gpu_uuids),
+                str(self._log.path),
+                generation=self.generation,
+                rank=self.spec.rank,
+                nodes=self.spec.nodes,
+                master_addr=self.spec.master_addr or "",
+            )
+        self._pidfile = record
         write_pidfile(self.state_dir, record)
+
+    def _rewrite_pidfile(self, **change: object) -> None:
+        if self.state_dir is None or self._pidfile is None or not self._group_alive:
+            return
+        self._pidfile = msgspec.structs.replace(self._pidfile, **change)
+        write_pidfile(self.state_dir, self._pidfile)
 
     def _forget_pidfile(self) -> None:
         if self.state_dir is not None and not self._group_alive:
             remove_pidfile(self.state_dir, self.shard)
+            self._pidfile = None
 
 
 def describe_exit(code: int | None) -> str:

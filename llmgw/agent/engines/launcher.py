@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import anyio
@@ -45,14 +45,42 @@ class ProcessGroup:
     """An engine as an OS process group: its leader started here (`popen`) or adopted from
     an earlier agent (the pid only: its exit status is then unknown)."""
 
-    def __init__(self, pid: int, popen: subprocess.Popen[bytes] | None = None) -> None:
+    def __init__(
+        self, pid: int, popen: subprocess.Popen[bytes] | None = None, *, pidfd: int | None = None
+    ) -> None:
         self.pid: int | None = pid
         self.popen = popen
         self.alive = True  # False once a signal found the group gone: never signalled again
+        self._pidfd = pidfd  # opened before its identity was checked (`adopt`)
+
+    @classmethod
+    def adopt(cls, pid: int, still_ours: Callable[[], bool]) -> ProcessGroup | None:
+        """The group of an engine an earlier agent started, or None when `still_ours()`
+        (pid, start time and command line read back) says the pid is not that engine.
+        The pidfd is opened first and the identity checked after: a pid that died and was
+        reused between the two is caught by the check, never watched by mistake."""
+        try:
+            fd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return None
+        except OSError:
+            fd = None  # no pidfd here: polled (`_exited`)
+        if not still_ours():
+            if fd is not None:
+                os.close(fd)
+            return None
+        return cls(pid, pidfd=fd)
 
     async def exited(self) -> int | None:
         assert self.pid is not None
-        await _exited(self.pid)
+        if self._pidfd is not None:
+            fd, self._pidfd = self._pidfd, None
+            try:
+                await anyio.wait_readable(fd)
+            finally:
+                os.close(fd)
+        else:
+            await _exited(self.pid)
         return self.popen.wait() if self.popen is not None else None
 
     def signal(self, sig: int) -> bool:

@@ -32,11 +32,25 @@ class EngineProcess(msgspec.Struct, kw_only=True):
     gpus: list[str] = []
     log_path: str = ""
     started_at: float = 0.0
-    generation: int = 0  # of the assignment it was started for
+    # of the assignment it serves: the one it was started for, or a later one its agent
+    # kept it for (only the catalog changed, not where it runs)
+    generation: int = 0
+    # where the controller put it, beside port and GPUs: a multi-node replica's rank, its
+    # node count and rank 0's address (what an adopting agent compares with its assignment)
+    rank: int = 0
+    nodes: int = 1
+    master_addr: str = ""
+    ready: bool = False  # it has answered ready: an adopting agent expects it to go on
 
     @property
     def rid(self) -> str:
         return self.shard.rsplit(".", 1)[-1]
+
+    @property
+    def place(self) -> tuple[tuple[str, ...], int, int, int, str]:
+        """GPUs, port, rank, node count and rank 0's address: what the controller decided
+        for it, as opposed to what the catalog says (`shards.place_of` for a launch)."""
+        return (tuple(self.gpus), self.port, self.rank, self.nodes, self.master_addr)
 
 
 def pidfile_path(state_dir: Path, shard: str) -> Path:
@@ -185,6 +199,9 @@ def new_record(
     log_path: str,
     *,
     generation: int = 0,
+    rank: int = 0,
+    nodes: int = 1,
+    master_addr: str = "",
 ) -> EngineProcess:
     try:
         created = process_create_time(pid)
@@ -201,4 +218,7 @@ def new_record(
         log_path=log_path,
         started_at=time.time(),
         generation=generation,
+        rank=rank,
+        nodes=nodes,
+        master_addr=master_addr,
     )
