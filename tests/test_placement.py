@@ -794,9 +794,10 @@ def test_a_gpu_out_of_service_is_given_to_no_new_replica():
     ops = _ops(n1={"gpus_out": ["GPU-n1-00"]})
     result = plan(_with(snapshot(nodes, [model()], {"m": 2}), ops=ops))
     assert [m.gpus for r in result.create for m in r.members] == [["GPU-n1-01"]]
-    assert (
-        result.placements["m"].explanation
-        == "0/1 nodes fit: 1 short of free GPUs (0 free, needs 1)"
+    # the explanation names the GPU and how it comes back
+    assert result.placements["m"].explanation == (
+        "0/1 nodes fit: 1 short of healthy free GPUs (0 usable, needs 1; GPU 0 of n1: out of "
+        "service by the operator (llmgw node uncordon n1 --gpu 0))"
     )
 
 

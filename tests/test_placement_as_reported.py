@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from test_placement import model, node, replica, snapshot
+from test_placement import _with, model, node, replica, snapshot
 
 from llmgw.bus.records import (
     PORT_IN_USE,
@@ -14,13 +14,12 @@ from llmgw.bus.records import (
     GpuNamed,
     GpuProcess,
     NodeInventory,
+    NodeOps,
     PortsTaken,
     Shard,
 )
 from llmgw.controller.placement import (
-    Unschedulable,
     fit,
-    mark_unschedulable,
     plan,
     same_decision,
 )
@@ -172,16 +171,20 @@ def test_healthy_counters_and_unknown_ones_leave_a_gpu_schedulable():
     assert placed.members[0].gpus == ["GPU-n1-01", "GPU-n1-02"]
 
 
-def test_an_unschedulable_gpu_from_another_source_is_refused_the_same_way():
-    # an operator's cordon of one GPU feeds the same place NVML's faults do
-    snap = snapshot([node("n1", gpus=2)], [model(gpus=2)], {"m": 1})
+def test_an_operators_cordon_of_one_gpu_is_refused_and_explained_the_way_a_fault_is():
+    # `llmgw node cordon n1 --gpu 1` writes ops.n1.gpus_out; the node's other GPU still serves
+    snap = _with(
+        snapshot([node("n1", gpus=2)], [model(gpus=1)], {"m": 2}),
+        ops={"n1": NodeOps(node="n1", gpus_out=["GPU-n1-01"])},
+    )
     nodes = fleet_nodes(snap)
-    mark_unschedulable(nodes["n1"], "GPU-n1-01", Unschedulable("cordoned"))
 
     refusal = fit(nodes["n1"], Need.of("m", model(gpus=2).profiles[0], snap.port_range))
-
     assert refusal.reason == "gpus-unschedulable" and refusal.has == 1
     assert refusal.gpu == GpuNamed(node="n1", gpu=1, why="cordoned")
+    result = plan(snap)
+    assert [m.gpus for r in result.create for m in r.members] == [["GPU-n1-00"]]
+    assert "GPU 1 of n1: out of service by the operator" in result.placements["m"].explanation
 
 
 # --- ports other programs listen on -------------------------------------------------------

@@ -293,6 +293,9 @@ _FAULT_TEXT: dict[str, Callable[[GpuNamed], str]] = {
     "row-remap-pending": lambda n: "memory rows waiting to be remapped at a GPU reset",
     "row-remap-failed": lambda n: "a memory row could not be remapped (the GPU needs service)",
     "retired-pages-pending": lambda n: "memory pages waiting to be retired at a GPU reset",
+    "cordoned": lambda n: (
+        f"out of service by the operator (llmgw node uncordon {n.node} --gpu {n.gpu})"
+    ),
 }
 
 

@@ -36,11 +36,15 @@ from llmgw.labels import node_labels
 @dataclass(frozen=True, slots=True)
 class Unschedulable:
     """Why one GPU takes no new replica: a constant key (GpuNamed.why: "ecc-uncorrected",
-    "retired-pages-pending", "row-remap-pending", "row-remap-failed", or an operator's) and
+    "retired-pages-pending", "row-remap-pending", "row-remap-failed", or GPU_CORDONED: an operator's) and
     what it counts. Replicas already on it are not moved by this."""
 
     why: str
     count: int | None = None
+
+
+# an operator's `llmgw node cordon NODE --gpu N` (ops.<node>.gpus_out)
+GPU_CORDONED = "cordoned"
 
 
 def nvml_fault(gpu: Gpu) -> Unschedulable | None:
@@ -278,7 +282,10 @@ def with_operations(nodes: dict[str, NodeState], snapshot: Snapshot) -> dict[str
             continue
         node.cordon = "draining" if ops.drain else "cordoned" if ops.cordoned else ""
         node.gpus_out = frozenset(ops.gpus_out)
-        node.free = [g for g in node.free if g.uuid not in node.gpus_out]
+        for gpu in node.gpus:
+            if gpu.uuid in node.gpus_out:
+                # through the same place as NVML's faults, so the explanation names the GPU
+                mark_unschedulable(node, gpu.uuid, Unschedulable(GPU_CORDONED))
     return nodes
 
 
