@@ -337,3 +337,81 @@ def test_a_simulated_agents_recording_can_hold_memory_and_count_ecc_errors():
     assert gpus.devices[2].errors.ecc_uncorrected_volatile == 1
     with pytest.raises(ValueError, match="GPU:AMOUNT"):
         from_spec("held=3")
+
+
+# --- Xid events ---------------------------------------------------------------------------------
+
+
+def _watch(nvml, *, until_events_told: bool = True):
+    """watch_xids on `nvml` in a thread, stopped once the recording has told every event."""
+    import threading
+    import time
+
+    from llmgw.agent.discovery.xid import XidLog, watch_xids
+
+    log, stop, unfit = XidLog(), threading.Event(), []
+    out: list[str] = []
+    t = threading.Thread(
+        target=lambda: out.append(watch_xids(nvml, log, stop, lambda: unfit.append(1), 50))
+    )
+    t.start()
+    deadline = time.monotonic() + 5
+    while until_events_told and nvml.xids and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    stop.set()
+    t.join(5)
+    assert not t.is_alive()
+    return log, unfit, out[0]
+
+
+def test_an_xid_that_makes_a_gpu_unfit_is_kept_and_an_application_fault_is_not():
+    from llmgw.sim.nvml import from_spec
+
+    # 13: a graphics engine exception (the application's); 79: fallen off the bus; 74 on the
+    # same GPU afterwards: the first unfit one stays
+    nvml = from_spec("count=4,node=n1,xid=1:13+2:79+2:74")
+    log, unfit, why = _watch(nvml)
+
+    assert set(log.unfit()) == {"GPU-n1-2"} and log.unfit()["GPU-n1-2"][0] == 79
+    assert len(unfit) == 1 and why == "Xid watch stopped"
+    assert nvml.initialised == 0 and nvml.event_sets == 0  # session and event set let go
+
+
+def test_gpus_that_deliver_no_events_are_skipped_and_none_at_all_ends_the_watch():
+    from llmgw.sim.nvml import RecordedNvml
+
+    some = RecordedNvml(count=2, node="n1", events_unsupported={0}, xids=[(0, 79), (1, 48)])
+    log, _, _ = _watch(some)
+    assert set(log.unfit()) == {"GPU-n1-1"}  # GPU 0 never registered: told nothing
+
+    none = RecordedNvml(count=2, node="n1", events_unsupported={0, 1})
+    _, _, why = _watch(none, until_events_told=False)
+    assert why == "no Xid watch: no GPU here delivers Xid events"
+    assert none.initialised == 0
+
+
+def test_no_nvml_means_no_watch_not_an_error():
+    from llmgw.sim.nvml import RecordedNvml
+
+    _, _, why = _watch(
+        RecordedNvml(count=0, init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND),
+        until_events_told=False,
+    )
+    assert why.startswith("no Xid watch: NVML did not initialise")
+
+
+def test_an_unfit_xid_reaches_the_gpus_error_fields():
+    from llmgw.agent.discovery.xid import XidLog, with_xids
+    from llmgw.sim.nvml import from_spec
+
+    gpus = discover_gpus(from_spec("count=2,node=n1"))
+    log = XidLog()
+    assert log.record("GPU-n1-1", 119, 1000.0) and not log.record("GPU-n1-1", 79, 1001.0)
+    assert not log.record("GPU-n1-0", 31, 1000.0)  # a memory page fault: the application's
+
+    merged = with_xids(gpus, log.unfit())
+    assert [(g.errors.xid, g.errors.xid_at) for g in merged.devices] == [
+        (None, None),
+        (119, 1000.0),
+    ]

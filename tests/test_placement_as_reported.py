@@ -151,9 +151,14 @@ def test_a_gpu_with_ecc_errors_is_unschedulable_while_its_nodes_other_gpus_take_
         (GpuErrors(remapped_rows_pending=True), "row-remap-pending", "memory rows waiting"),
         (GpuErrors(remapping_failed=True), "row-remap-failed", "could not be remapped"),
         (GpuErrors(retired_pages_pending=True), "retired-pages-pending", "pages waiting"),
+        (
+            GpuErrors(xid=79, xid_at=1.0),
+            "xid",
+            "Xid 79 (fallen off the bus) reported by NVML; reset the GPU, then restart its agent",
+        ),
     ],
 )
-def test_memory_waiting_for_a_reset_makes_a_gpu_unschedulable(errors, why, text):
+def test_a_fault_waiting_for_a_reset_makes_a_gpu_unschedulable(errors, why, text):
     n = with_gpu(node("n1", gpus=1), 0, errors=errors)
 
     record = plan(snapshot([n], [model(gpus=1)], {"m": 1})).placements["m"]

@@ -11,6 +11,7 @@ llmgw.sim's recorded NVML) passes its own. The overrides apply on top either way
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,16 @@ from pathlib import Path
 
 from llmgw import __version__
 from llmgw.agent.config import AgentConfig
-from llmgw.agent.discovery import address, cpu, engines, gpus, identity, infiniband, memory
+from llmgw.agent.discovery import (
+    address,
+    cpu,
+    engines,
+    gpus,
+    identity,
+    infiniband,
+    memory,
+    xid,
+)
 from llmgw.agent.discovery.ports import read_ports_taken
 from llmgw.agent.discovery.processes import HostProcesses
 from llmgw.agent.engines.pidfile import read_pidfiles
@@ -32,6 +42,14 @@ GIB = 1 << 30
 
 def _nvml(lookup: gpus.ProcessLookup) -> records.Gpus:
     return gpus.discover_gpus(processes=lookup)
+
+
+def _nvml_xids(log: xid.XidLog, stop: threading.Event, on_unfit: Callable[[], None]) -> str:
+    try:
+        import pynvml
+    except ImportError as e:
+        return f"no Xid watch: pynvml is not installed ({e})"
+    return xid.watch_xids(pynvml, log, stop, on_unfit)
 
 
 def _meminfo(cfg: AgentConfig) -> records.Memory:
@@ -69,9 +87,11 @@ class Hardware:
     answers what NVML would (see discovery.gpus.discover_gpus for what each status means),
     naming the processes it finds with the lookup it is given; `ib` gives each adapter the
     fabric `cfg.fabrics` names; `ports` lists listeners on the engine port range that are
-    not this agent's engines."""
+    not this agent's engines; `xids` waits for NVML's Xid events until told to stop
+    (discovery.xid.watch_xids; None: nothing to wait for, as on a simulated node)."""
 
     gpus: Callable[[gpus.ProcessLookup], records.Gpus] = _nvml
+    xids: Callable[[xid.XidLog, threading.Event, Callable[[], None]], str] | None = _nvml_xids
     hostname: Callable[[], str] = identity.read_hostname
     memory: Callable[[AgentConfig], records.Memory] = _meminfo
     cpu: Callable[[AgentConfig], records.Cpu] = _cpuinfo

@@ -37,6 +37,7 @@ from llmgw.agent import inventory
 from llmgw.agent.certificate import CertificateError, check_tls_files
 from llmgw.agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_config
 from llmgw.agent.discovery.weights.scan import weights_equal_for_resend
+from llmgw.agent.discovery.xid import XidLog, with_xids
 from llmgw.agent.engines.launcher import EngineLauncher
 from llmgw.agent.lifetime import leave_engines_now
 from llmgw.agent.metrics import AgentMetrics
@@ -108,6 +109,8 @@ class Agent:
             self._weights_scanner.scanning,
         )
         self.metrics_port: int | None = None  # bound, once serving /metrics
+        self.xids = XidLog()  # Xid events that made a GPU unfit (discovery/xid.py)
+        self._xid_heard = anyio.Event()
 
     @property
     def node(self) -> str:
@@ -174,6 +177,7 @@ class Agent:
                 tg.start_soon(self._heartbeats)
                 tg.start_soon(self._engine_probes)
                 tg.start_soon(self._gpu_probes)
+                tg.start_soon(self._xid_watch)
                 tg.start_soon(self._port_probes)
                 tg.start_soon(self._weights_scans)
                 tg.start_soon(shards.run)
@@ -274,6 +278,35 @@ class Agent:
             if self.inventory.gpus.status not in ("disabled", "no_library", "no_driver"):
                 await self._probe_gpus()
 
+    async def _xid_watch(self) -> None:
+        """NVML's Xid events, waited for in a thread of its own for the agent's life; one that
+        makes a GPU unfit is probed and written at once (not at the next probe)."""
+        assert self.inventory is not None
+        watch = self._hardware.xids
+        if watch is None or self.inventory.gpus.status in ("disabled", "no_library", "no_driver"):
+            return
+        token = anyio.lowlevel.current_token()
+        stop = threading.Event()
+
+        def heard() -> None:
+            with contextlib.suppress(RuntimeError):  # the agent is stopping
+                anyio.from_thread.run_sync(self._xid_heard.set, token=token)
+
+        async def probe_on_news() -> None:
+            while True:
+                await self._xid_heard.wait()
+                self._xid_heard = anyio.Event()
+                await self._probe_gpus()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(probe_on_news)
+                why = await _in_daemon_thread(watch, self.xids, stop, heard)
+                log.info("%s", why)
+                tg.cancel_scope.cancel()  # nothing more will be heard
+        finally:
+            stop.set()
+
     async def _probe_gpus(self) -> None:
         """GPUs as they are now (NVML in a worker thread). Written at once when what
         placement decides by changed (processes, error counters, memory others hold moving
@@ -281,6 +314,7 @@ class Agent:
         since the last write."""
         assert self.inventory is not None
         found = await _blocking(inventory.probe_gpus, self.cfg, self._hardware)
+        found = with_xids(found, self.xids.unfit())
         self.inventory = msgspec.structs.replace(self.inventory, gpus=found)
         written = self._written.gpus if self._written is not None else None
         if written is None or written == found:

@@ -52,6 +52,10 @@ class GpuErrors(msgspec.Struct, kw_only=True):
     retired_pages_pending: bool | None = None  # pages retired at the next reset (pre-Ampere)
     remapped_rows_pending: bool | None = None  # rows remapped at the next reset (Ampere on)
     remapping_failed: bool | None = None  # a row could not be remapped: the GPU needs service
+    # an Xid event that makes the GPU unfit until reset (llmgw/xids.py), delivered by NVML
+    # while this agent ran, and when (unix seconds); the first one stays until it restarts
+    xid: int | None = None
+    xid_at: float | None = None
 
 
 class Gpu(msgspec.Struct, kw_only=True):
@@ -569,7 +573,7 @@ class GpuNamed(msgspec.Struct, kw_only=True, frozen=True):
     pid: int | None = None  # held: the one holding the most
     process: str = ""  # its name
     others: int = 0  # held: how many more processes that are not llmgw's hold memory there
-    count: int | None = None  # ecc-uncorrected: errors counted
+    count: int | None = None  # ecc-uncorrected: errors counted; xid: the Xid
 
 
 class RefusedNodes(msgspec.Struct, kw_only=True, frozen=True):

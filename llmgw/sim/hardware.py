@@ -46,6 +46,7 @@ class SimulatedHardware:
             ib=self.ib,
             engines=self.engines,
             ports=self.ports,
+            xids=None,  # a simulated GPU has no faults to wait for
         )
 
     def gpus(self, lookup: ProcessLookup) -> records.Gpus:

@@ -15,6 +15,7 @@ in the code under test is exercised exactly as on a real node.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,13 @@ Held = list[tuple[int, int | None]]  # (pid, usedGpuMemory) on one GPU
 
 
 @dataclass
+class _EventData:  # pynvml's c_nvmlEventData_t, the fields the agent reads
+    device: int
+    eventType: int
+    eventData: int
+
+
+@dataclass
 class _PciInfo:
     busId: bytes  # a ctypes char array: bytes, in every pynvml version
     busIdLegacy: bytes
@@ -102,6 +110,8 @@ class RecordedNvml:
         unlisted_used: dict[int, int] | None = None,
         name: str = H100_NAME,
         memory_total: int = H100_MEMORY_TOTAL,
+        xids: list[tuple[int, int]] | None = None,
+        events_unsupported: set[int] | None = None,
     ) -> None:
         if not 0 <= count <= len(H100_UUIDS):
             raise ValueError(f"a recorded node has 0 to {len(H100_UUIDS)} GPUs, not {count}")
@@ -120,6 +130,12 @@ class RecordedNvml:
         self.unlisted_used = unlisted_used or {}
         self.name = name
         self.memory_total = memory_total
+        # Xid events (GPU index, Xid) delivered in this order, each once, to a session
+        # waiting on an event set the GPU is registered with; GPUs that cannot register
+        self.xids = list(xids or [])
+        self.events_unsupported = events_unsupported or set()
+        self.registered: set[int] = set()
+        self.event_sets = 0  # created minus freed
         self.initialised = 0  # nvmlInit calls minus nvmlShutdown calls
         self.shutdowns = 0
 
@@ -208,6 +224,34 @@ class RecordedNvml:
     def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> tuple[int, int]:
         return (9, 0)
 
+    # --- events: what a session waiting for Xid errors is told ---------------------------
+
+    def nvmlEventSetCreate(self) -> object:
+        self._check_init()
+        self.event_sets += 1
+        return object()
+
+    def nvmlEventSetFree(self, event_set: object) -> None:
+        self.event_sets -= 1
+
+    def nvmlDeviceRegisterEvents(self, handle: int, event_types: int, event_set: object) -> None:
+        self._check_init()
+        if handle in self.events_unsupported:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if event_types & pynvml.nvmlEventTypeXidCriticalError:
+            self.registered.add(handle)
+
+    def nvmlEventSetWait_v2(self, event_set: object, timeout_ms: int) -> _EventData:
+        self._check_init()
+        while self.xids:
+            gpu, xid = self.xids.pop(0)
+            if gpu in self.registered:
+                return _EventData(
+                    device=gpu, eventType=pynvml.nvmlEventTypeXidCriticalError, eventData=xid
+                )
+        time.sleep(min(timeout_ms, 50) / 1000)  # nothing more to tell: a (short) timeout
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+
 
 FOREIGN_PID = 4242  # the pid of the process `held=` puts on a GPU (plus the GPU's index)
 
@@ -216,14 +260,16 @@ def from_spec(spec: str) -> RecordedNvml:
     """`count=2,node=gpu-a`: the recording a simulated agent answers GPU discovery with
     (`python -m llmgw.testing.agent --recorded-nvml count=2,node=gpu-a`). Recognised keys:
     count (GPUs, default 8), node (makes the UUIDs unique to it), held=GPU:GB[+GPU:GB...]
-    (a process, pid FOREIGN_PID + GPU index, holding that much memory there), and
-    ecc=GPU:N[+...] (N uncorrected volatile ECC errors on that GPU)."""
+    (a process, pid FOREIGN_PID + GPU index, holding that much memory there),
+    ecc=GPU:N[+...] (N uncorrected volatile ECC errors on that GPU), and xid=GPU:XID[+...]
+    (Xid events delivered, in that order, to the agent's watch)."""
     options: dict[str, str] = {}
     for part in filter(None, spec.split(",")):
         key, sep, val = part.partition("=")
-        if not sep or key not in ("count", "node", "held", "ecc"):
+        if not sep or key not in ("count", "node", "held", "ecc", "xid"):
             raise ValueError(
-                f"recorded NVML {spec!r}: expected count=N,node=NAME,held=GPU:GB,ecc=GPU:N"
+                f"recorded NVML {spec!r}: expected "
+                "count=N,node=NAME,held=GPU:GB,ecc=GPU:N,xid=GPU:XID"
             )
         options[key] = val
     held = _per_gpu(options.get("held", ""), spec)
@@ -232,14 +278,23 @@ def from_spec(spec: str) -> RecordedNvml:
         node=options.get("node"),
         processes={gpu: [(FOREIGN_PID + gpu, int(gb * 1e9))] for gpu, gb in held.items()},
         ecc_uncorrected={gpu: int(n) for gpu, n in _per_gpu(options.get("ecc", ""), spec).items()},
+        xids=_events(options.get("xid", ""), spec),
     )
 
 
+def _events(value: str, spec: str) -> list[tuple[int, int]]:
+    return [(gpu, int(xid)) for gpu, xid in _pairs(value, spec)]
+
+
 def _per_gpu(value: str, spec: str) -> dict[int, float]:
-    out: dict[int, float] = {}
+    return dict(_pairs(value, spec))
+
+
+def _pairs(value: str, spec: str) -> list[tuple[int, float]]:
+    out: list[tuple[int, float]] = []
     for item in filter(None, value.split("+")):
         gpu, sep, amount = item.partition(":")
         if not sep:
             raise ValueError(f"recorded NVML {spec!r}: {item!r} is not GPU:AMOUNT")
-        out[int(gpu)] = float(amount)
+        out.append((int(gpu), float(amount)))
     return out

@@ -23,6 +23,7 @@ import click
 
 from llmgw.agent.discovery.gpus import ProcessLookup, discover_gpus
 from llmgw.agent.discovery.weights.scan import scan_weights
+from llmgw.agent.discovery.xid import XidLog, watch_xids
 from llmgw.agent.inventory import Hardware
 from llmgw.agent.service import serve
 from llmgw.agent.weights import WeightsScanner
@@ -37,6 +38,15 @@ def recorded_gpus(spec: str) -> Callable[[ProcessLookup], records.Gpus]:
         return discover_gpus(from_spec(spec), lookup)
 
     return gpus
+
+
+def recorded_xids(spec: str) -> Callable[[XidLog, threading.Event, Callable[[], None]], str]:
+    """The Xid watch, told the recording's events (xid=GPU:XID) by the same code as NVML's."""
+
+    def watch(log: XidLog, stop: threading.Event, on_unfit: Callable[[], None]) -> str:
+        return watch_xids(from_spec(spec), log, stop, on_unfit)
+
+    return watch
 
 
 def hanging_scan(hung: set[str]) -> Callable[..., records.Weights]:
@@ -74,7 +84,11 @@ def main(
     hung_weights_dir: tuple[str, ...],
 ) -> None:
     """Run the llmgw agent on simulated hardware."""
-    hardware = Hardware(gpus=recorded_gpus(recorded_nvml)) if recorded_nvml else None
+    hardware = (
+        Hardware(gpus=recorded_gpus(recorded_nvml), xids=recorded_xids(recorded_nvml))
+        if recorded_nvml
+        else None
+    )
     scanner = WeightsScanner(scan=hanging_scan(set(hung_weights_dir))) if hung_weights_dir else None
     serve(config_path, nats_urls, log_level, hardware=hardware, weights_scanner=scanner)
 

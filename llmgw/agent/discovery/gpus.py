@@ -7,10 +7,9 @@ does makes this raise; the outcome is in `Gpus.status`.
 
 Besides what a GPU is, what it is doing: memory used, the processes holding it (named and
 told apart, own engine or not, by a `ProcessLookup` the caller gives), and NVML's memory
-fault counters. Xid events are not read: the faults that make a GPU unfit (double-bit ECC,
-Xid 48; pages or rows waiting to be retired or remapped, Xid 63/64) leave these counters
-set until a reset, which a level-triggered reader sees at any time, whereas events need an
-NVML session held open and a thread waiting on it, and are gone once missed.
+fault counters, which stay set until a reset (double-bit ECC, Xid 48; pages or rows waiting
+to be retired or remapped, Xid 63/64): a level-triggered reader sees them at any probe. The
+faults that leave no counter come as Xid events, waited for in `xid.py`.
 """
 
 from __future__ import annotations

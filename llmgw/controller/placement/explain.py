@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from llmgw.bus.records import Failure, GpuNamed, PlacementRecord, RefusedNodes
+from llmgw.xids import describe_xid
 
 GB = 1_000_000_000  # catalog sizes are 10^9 bytes, like the "80GB" on the card
 
@@ -293,6 +294,9 @@ _FAULT_TEXT: dict[str, Callable[[GpuNamed], str]] = {
     "row-remap-pending": lambda n: "memory rows waiting to be remapped at a GPU reset",
     "row-remap-failed": lambda n: "a memory row could not be remapped (the GPU needs service)",
     "retired-pages-pending": lambda n: "memory pages waiting to be retired at a GPU reset",
+    "xid": lambda n: (
+        f"{describe_xid(n.count or 0)} reported by NVML; reset the GPU, then restart its agent"
+    ),
     "cordoned": lambda n: (
         f"out of service by the operator (llmgw node uncordon {n.node} --gpu {n.gpu})"
     ),

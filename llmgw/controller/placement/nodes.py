@@ -48,10 +48,13 @@ GPU_CORDONED = "cordoned"
 
 
 def nvml_fault(gpu: Gpu) -> Unschedulable | None:
-    """A fault NVML counts that makes the GPU unfit until it is reset: an uncorrected ECC
+    """A fault NVML reports that makes the GPU unfit until it is reset: an Xid event that
+    says so (llmgw/xids.py: NVLink, fallen off the bus, GSP, ...), an uncorrected ECC
     error (the process that hit it was killed, Xid 48), memory rows or pages waiting for a
     reset to be remapped or retired, or a row remapping that failed (it needs service)."""
     e = gpu.errors
+    if e.xid is not None:
+        return Unschedulable("xid", e.xid)
     if e.ecc_uncorrected_volatile:
         return Unschedulable("ecc-uncorrected", e.ecc_uncorrected_volatile)
     if e.remapping_failed:
