@@ -243,3 +243,38 @@ class RetryingClient:
         async with anyio.create_task_group() as tg:
             for _ in range(workers):
                 tg.start_soon(worker)
+
+
+class StreamingLoad:
+    """Clients streaming chat completions through a router, each one request after another;
+    every failure kept (a status that is not 200, a stream that does not end with [DONE], a
+    connection error)."""
+
+    def __init__(self, url: str, model: str = SERVED, **body: object) -> None:
+        self.url = url
+        self.model = model
+        self.body = body  # more of the request: max_tokens, say
+        self.completed = 0
+        self.failed: list[str] = []
+
+    async def run(self, http: aiohttp.ClientSession, workers: int, stop: anyio.Event) -> None:
+        async def worker(w: int) -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                body = chat_body(
+                    f"worker {w} request {n}", stream=True, model=self.model, **self.body
+                )
+                try:
+                    async with http.post(f"{self.url}/v1/chat/completions", json=body) as resp:
+                        data = await resp.read()
+                    if resp.status != 200 or not data.rstrip().endswith(b"data: [DONE]"):
+                        self.failed.append(f"{resp.status}: {data[-120:]!r}")
+                    else:
+                        self.completed += 1
+                except aiohttp.ClientError as e:
+                    self.failed.append(repr(e))
+
+        async with anyio.create_task_group() as tg:
+            for w in range(workers):
+                tg.start_soon(worker, w)

@@ -14,7 +14,7 @@ import msgspec
 import psutil
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
-from router_helpers import SERVED, chat_body, running_router
+from router_helpers import SERVED, StreamingLoad, running_router
 from serving import cpu_model, serve
 from waiting import until
 
@@ -76,35 +76,6 @@ async def _all_ready(bus: Bus, n: int) -> list[records.Shard] | None:
     return shards if len(shards) == n and all(s.phase == "ready" for s in shards) else None
 
 
-class Load:
-    """Clients streaming through the router, one after another each; every failure kept."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.completed = 0
-        self.failed: list[str] = []
-
-    async def run(self, http: aiohttp.ClientSession, workers: int, stop: anyio.Event) -> None:
-        async def worker(w: int) -> None:
-            n = 0
-            while not stop.is_set():
-                n += 1
-                body = chat_body(f"worker {w} request {n}", stream=True)
-                try:
-                    async with http.post(f"{self.url}/v1/chat/completions", json=body) as resp:
-                        data = await resp.read()
-                    if resp.status != 200 or not data.rstrip().endswith(b"data: [DONE]"):
-                        self.failed.append(f"{resp.status}: {data[-120:]!r}")
-                    else:
-                        self.completed += 1
-                except aiohttp.ClientError as e:
-                    self.failed.append(repr(e))
-
-        async with anyio.create_task_group() as tg:
-            for w in range(workers):
-                tg.start_soon(worker, w)
-
-
 @pytest.mark.parametrize("how", ["restarted", "killed"])
 async def test_an_agent_restarted_or_killed_under_load_keeps_its_engines_serving(
     bus, nats_settings, node, controller, how
@@ -121,7 +92,7 @@ async def test_an_agent_restarted_or_killed_under_load_keeps_its_engines_serving
             return route is not None and len(route.backends) == 2
 
         await until(both_routed, timeout=30)
-        load, stop_load = Load(r.url), anyio.Event()
+        load, stop_load = StreamingLoad(r.url), anyio.Event()
         async with anyio.create_task_group() as tg:
             tg.start_soon(load.run, http, 6, stop_load)
             await anyio.sleep(1.5)

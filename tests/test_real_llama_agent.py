@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
 from real_llama import llama_server_binary, tiny_gguf
-from serving import cpu_model, serve, stream_chat
+from serving import cpu_model, serve
 from waiting import until
 
 from llmgw.agent.config import Engines
@@ -119,15 +119,18 @@ async def test_a_gguf_the_engine_refuses_leaves_its_output_tail_in_the_failed_sh
     assert len(tail) <= 8192 and len(shard.output_tail) <= 64
 
 
-async def test_a_restarted_agent_adopts_the_real_llama_server_it_left_serving(
-    bus, node, controller, tiny_model
+@pytest.mark.parametrize("how", ["restarted", "killed"])
+async def test_a_restarted_or_killed_agent_leaves_the_real_llama_server_serving_under_load(
+    bus, nats_settings, node, controller, tiny_model, how
 ):
-    """llama-server outlives an agent restarted the way systemd restarts it, keeps its pid
-    and serves throughout; the next agent adopts it without loading the model again."""
+    """llama-server outlives an agent restarted the way systemd restarts it (SIGTERM) or
+    killed hard (SIGKILL), keeps its pid and serves streamed requests through the router the
+    whole time; the next agent adopts it without loading the model again."""
     import signal
 
     import anyio
     import psutil
+    from router_helpers import StreamingLoad, running_router
 
     from llmgw.agent.engines.pidfile import reap_leftover_engines
 
@@ -140,24 +143,38 @@ async def test_a_restarted_agent_adopts_the_real_llama_server_it_left_serving(
     node["proc"] = start_agent(keep, node["tmp"] / "agent.toml", node["path"], node["log"])
     second = await until(lambda: _new_ready(bus, first.pid), timeout=60)
     engine = psutil.Process(second.pid)
+    connect = lambda: Bus.connect(nats_settings, give_up_after=None)  # noqa: E731
     try:
-        node["proc"].send_signal(signal.SIGTERM)  # what `systemctl restart` sends
-        assert await anyio.to_thread.run_sync(node["proc"].wait, 10) == 0
-        assert engine.is_running()
-        assert (await stream_chat(f"http://{second.endpoint}", "tiny-random", max_tokens=4))[
-            -1
-        ] == "[DONE]"
-        node["proc"] = start_agent(keep, node["tmp"] / "agent.toml", node["path"], node["log"])
+        async with running_router(connect=connect) as r, aiohttp.ClientSession() as http:
 
-        async def adopted():
-            return "adopted the engine an earlier agent left" in node["log"].read_text()
+            async def routed():
+                return r.table.route("tiny-random") is not None
 
-        await until(adopted, timeout=30)
+            await until(routed, timeout=30)
+            load = StreamingLoad(r.url, "tiny-random", max_tokens=8)
+            stop_load = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(load.run, http, 3, stop_load)
+                await anyio.sleep(1.0)
+                node["proc"].send_signal(signal.SIGTERM if how == "restarted" else signal.SIGKILL)
+                code = await anyio.to_thread.run_sync(node["proc"].wait, 10)
+                assert code in (0, -signal.SIGKILL)
+                assert engine.is_running()  # serving with no agent at all
+                await anyio.sleep(1.0)
+                node["proc"] = start_agent(
+                    keep, node["tmp"] / "agent.toml", node["path"], node["log"]
+                )
+
+                async def adopted():
+                    text = node["log"].read_text()
+                    return f"adopted the engine an earlier agent left (pid {second.pid})" in text
+
+                await until(adopted, timeout=30)
+                await anyio.sleep(1.0)  # load goes on under the new agent
+                stop_load.set()
         again = await until(lambda: _shard(bus, "ready"))
+        assert load.failed == [] and load.completed >= 10
         assert again.pid == second.pid and engine.is_running()
-        assert (await stream_chat(f"http://{again.endpoint}", "tiny-random", max_tokens=4))[
-            -1
-        ] == "[DONE]"
     finally:
         node["proc"].send_signal(signal.SIGTERM)
         node["proc"].wait(10)
