@@ -10,6 +10,7 @@ from __future__ import annotations
 import aiohttp
 import anyio
 import msgspec
+import psutil
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
 from router_helpers import SERVED, RetryingClient, router_settings, running_router
@@ -250,6 +251,9 @@ async def test_a_node_drained_under_load_loses_no_request_and_gets_nothing_new(
     async def drain(s: Serving) -> None:
         on_node1 = [r for r in await _replicas(bus) if r.members[0].node == "node1"]
         assert on_node1, "spread over the three nodes: one replica is on node1"
+        shards = await bus.list("shards.node1.*", decoder(records.Shard))
+        engines = [psutil.Process(e.value.pid) for e in shards.values() if e.value.pid]
+        assert engines, "node1's engine runs before the drain"
         await bus.put(keys.ops("node1"), records.NodeOps(node="node1", drain=True, cordoned=True))
 
         async def moved():
@@ -261,6 +265,9 @@ async def test_a_node_drained_under_load_loses_no_request_and_gets_nothing_new(
             )
 
         await until(moved, timeout=60)
+        # its engines were drained and stopped, not left running
+        gone, _ = await anyio.to_thread.run_sync(lambda: psutil.wait_procs(engines, timeout=10))
+        assert len(gone) == len(engines)
         # cordoned, it takes nothing new either
         await want(bus, "tiny", 5, at=2.0)
 
