@@ -140,6 +140,12 @@ class Autoscale(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
     scale_up_after: float = 10.0  # the load must ask for more for this long (the stable window)
     scale_down_after: float = 300.0  # and for fewer for this long before one drains
     idle_unload_after: float = 0.0  # no request for this long: scaled to 0 (0: never)
+    # the engines' own saturation, where they report it (their /metrics, through the
+    # heartbeat) asks for one more replica: requests queued in the engines per replica
+    # above this (llm-d's 5; 0: off), or the fullest engine's KV cache above this fraction
+    # (0.8; 0: off)
+    engine_queue_per_replica: float = 5.0
+    kv_cache_full: float = 0.8
 
 
 class Model(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -458,6 +464,8 @@ _AUTOSCALE_DEFAULTS = {
     "scale_up_after": 10.0,
     "scale_down_after": 300.0,
     "idle_unload_after": 0.0,
+    "engine_queue_per_replica": 5.0,
+    "kv_cache_full": 0.8,
 }
 
 
@@ -497,6 +505,9 @@ def _check_autoscale(check: _Checker, where: str, raw: Any) -> Autoscale | None:
     }
     if times["target_in_flight"] == 0:
         check.expected(where, "autoscale.target_in_flight", "a number > 0", 0)
+    full = times["kv_cache_full"]
+    if full is not None and full > 1:
+        check.expected(where, "autoscale.kv_cache_full", "a fraction 0..1 (0: off)", full)
     if len(check.errors) > before:
         return None
     return Autoscale(min_replicas=lo, max_replicas=hi, **times)

@@ -284,6 +284,31 @@ def test_in_flight_counts_running_and_queued_requests_across_label_sets():
     assert llama.in_flight("/metrics", 501, b"{}") is None
 
 
+def test_an_engines_own_load_is_read_by_the_names_each_engine_uses():
+    from llmgw.agent.engines.base import EngineGauges
+
+    vllm = adapter_for("vllm")
+    new = (
+        'vllm:num_requests_running{engine="0",model_name="m"} 4.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 7.0\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.91\n'
+    )
+    assert vllm.gauges(new) == EngineGauges(running=4, waiting=7, kv_cache=0.91)
+    # before 0.10 the KV cache gauge had another name (still a fraction)
+    old = new.replace("kv_cache_usage_perc", "gpu_cache_usage_perc")
+    assert vllm.gauges(old) == EngineGauges(running=4, waiting=7, kv_cache=0.91)
+    llama = adapter_for("llama-server")
+    text = (
+        "llamacpp:requests_processing 2\n"
+        "llamacpp:requests_deferred 5\n"
+        "llamacpp:kv_cache_usage_ratio 0.25\n"
+    )
+    assert llama.gauges(text) == EngineGauges(running=2, waiting=5, kv_cache=0.25)
+    # an older build without the KV gauge; an answer that is not Prometheus text
+    assert llama.gauges("llamacpp:requests_processing 1\n") == EngineGauges(1, None, None)
+    assert llama.gauges("<html>not metrics</html>") is None
+
+
 # --- validation ----------------------------------------------------------------------------
 
 

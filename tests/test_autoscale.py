@@ -3,11 +3,19 @@ catalog's autoscale policy rules."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from llmgw import catalog
 from llmgw.bus import records
-from llmgw.controller.autoscale import Autoscaler, LoadSum, ModelLoad, Scaler
+from llmgw.controller.autoscale import (
+    Autoscaler,
+    EngineSaturation,
+    LoadSum,
+    ModelLoad,
+    Scaler,
+    engine_saturation,
+)
 
 POLICY = catalog.Autoscale(
     min_replicas=1,
@@ -106,6 +114,85 @@ def _router(name: str, seq: int, **models: ModelLoad) -> records.RouterLoad:
             for m, v in models.items()
         },
     )
+
+
+def _engines(waiting: int = 0, kv: float = 0.0, in_flight: float = 4) -> ModelLoad:
+    return ModelLoad(
+        in_flight=in_flight,
+        routers=1,
+        active=True,
+        engines=EngineSaturation(engines=2, waiting=waiting, kv_cache=kv),
+    )
+
+
+def test_engines_that_queue_or_fill_their_kv_cache_ask_for_one_more_after_the_window() -> None:
+    # 4 in flight over 2 replicas is on target: only the engines' own word asks for more
+    queued = Scaler(2, started=0.0)
+    changes = _run(queued, _engines(waiting=12), 0, 40)
+    assert [(t, d.replicas) for t, d in changes] == [(30, 3)]
+    assert changes[0][1].reason == (
+        "2 -> 3: 4 in flight over 2 replicas, target 2, 12 queued in the engines "
+        "(over 5 a replica), for 30 s"
+    )
+    full = Scaler(2, started=0.0)
+    changes = _run(full, _engines(kv=0.93), 0, 40)
+    assert [(t, d.replicas) for t, d in changes] == [(30, 3)]
+    assert "an engine's KV cache 93% full (over 80%)" in changes[0][1].reason
+
+
+def test_engines_below_their_thresholds_or_with_the_signal_off_ask_for_nothing() -> None:
+    calm = Scaler(2, started=0.0)
+    assert _run(calm, _engines(waiting=10, kv=0.8), 0, 40) == []  # 5 a replica, not over
+    off = msgspec.structs.replace(POLICY, engine_queue_per_replica=0, kv_cache_full=0)
+    ignored = Scaler(2, started=0.0)
+    assert _run(ignored, _engines(waiting=50, kv=1.0), 0, 40, policy=off) == []
+
+
+def _lease(node: str, *loads: records.EngineLoad) -> records.Lease:
+    return records.Lease(
+        node=node,
+        seq=1,
+        time=0.0,
+        started_at=0.0,
+        memory=records.Memory(total_bytes=1, available_bytes=1),
+        engines=list(loads),
+    )
+
+
+def _replica(rid: str, model: str, node: str, phase: str = "ready") -> records.Replica:
+    return records.Replica(
+        model=model,
+        rid=rid,
+        profile="p",
+        phase=phase,  # type: ignore[arg-type]
+        members=[records.ReplicaMember(node=node, rank=0, gpus=[], port=18000)],
+    )
+
+
+def test_a_node_speaks_only_for_its_own_ready_replicas_of_their_own_model() -> None:
+    replicas = {
+        "r1": _replica("r1", "m", "n1"),
+        "r2": _replica("r2", "m", "n2"),
+        "r3": _replica("r3", "m", "n1", phase="placed"),
+    }
+    leases = {
+        "n1": _lease(
+            "n1",
+            records.EngineLoad(rid="r1", model="m", waiting=3, kv_cache=0.5),
+            records.EngineLoad(rid="r2", model="m", waiting=900, kv_cache=1.0),  # n2's
+            records.EngineLoad(rid="r1", model="other", waiting=900),  # another model
+            records.EngineLoad(rid="r3", model="m", waiting=900),  # not ready
+        ),
+        "n2": _lease("n2", records.EngineLoad(rid="r2", model="m", waiting=4, kv_cache=0.7)),
+        "n3": _lease("n3", records.EngineLoad(rid="r1", model="m", waiting=900)),  # silent
+    }
+    health = {
+        n: records.Health(node=n, phase="ready" if n != "n3" else "unreachable", since=0.0)
+        for n in leases
+    }
+    assert engine_saturation(leases, health, replicas) == {
+        "m": EngineSaturation(engines=2, waiting=7, kv_cache=0.7)
+    }
 
 
 def test_two_routers_are_summed_and_one_rewriting_its_key_is_not_counted_twice() -> None:

@@ -351,3 +351,30 @@ async def test_a_controller_taking_over_during_a_scale_up_places_no_surplus(
 async def _leader_is(bus: Bus, name: str) -> bool:
     got = await bus.get(keys.leader(), decoder(records.Leader))
     return got is not None and got.value.holder == name
+
+
+async def test_engines_that_say_they_are_saturated_scale_the_model_up_with_no_router(
+    bus, fleet, controller
+):
+    """No router sees any load; the engine itself reports its KV cache 95% full on its
+    /metrics. Through the agent's heartbeat it reaches the leader, which adds a replica and
+    says why, with the engine's figure."""
+    await _nodes_ready(bus)
+    await serve_auto(bus, _model(fleet, env={"FAKE_ENGINE_KV_USAGE": "0.95"}))
+
+    async def reported():
+        got = await bus.list(keys.pattern(keys.LEASES), decoder(records.Lease))
+        loads = [e for entry in got.values() for e in entry.value.engines]
+        return loads if loads and loads[0].kv_cache == 0.95 else None
+
+    (load,) = await until(reported, timeout=30)
+    assert load.model == "tiny" and load.running == 0 and load.waiting == 0
+
+    async def two():
+        s = await _scale(bus)
+        return s if s is not None and s.replicas >= 2 else None
+
+    scale = await until(two, timeout=30)
+    # 1 -> 2 (or, if the new replica's engine already spoke too, 2 -> 3)
+    assert re.match(r"(1 -> 2|2 -> 3): 0 in flight over [12] replicas?, target 1, ", scale.reason)
+    assert "an engine's KV cache 95% full (over 80%)" in scale.reason

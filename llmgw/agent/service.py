@@ -111,6 +111,8 @@ class Agent:
         self.metrics_port: int | None = None  # bound, once serving /metrics
         self.xids = XidLog()  # Xid events that made a GPU unfit (discovery/xid.py)
         self._xid_heard = anyio.Event()
+        # the engines' own load as last sampled, and when (anyio.current_time)
+        self._engine_loads: tuple[list[records.EngineLoad], float] = ([], float("-inf"))
 
     @property
     def node(self) -> str:
@@ -181,6 +183,7 @@ class Agent:
                 tg.start_soon(self._port_probes)
                 tg.start_soon(self._weights_scans)
                 tg.start_soon(shards.run)
+                tg.start_soon(self._engine_load_samples)
                 # serve, not subscribe: a consumer another node aims here must not make us act
                 rescans = await self.bus.serve(
                     keys.agent_subject(self.node, "rescan"), self._on_rescan
@@ -247,6 +250,7 @@ class Agent:
                 time=time.time(),
                 started_at=self.started_at,
                 memory=mem,
+                engines=self._fresh_engine_loads(),
             )
             try:
                 await self.bus.put(keys.lease(self.node), lease)
@@ -255,6 +259,22 @@ class Agent:
             if self._written is None:
                 await self._write_inventory(force=True, why="retry")
             await anyio.sleep(self.cfg.intervals.heartbeat)
+
+    async def _engine_load_samples(self) -> None:
+        """Each serving engine's own load, sampled once a heartbeat for the next one."""
+        assert self.shards is not None
+        beat = self.cfg.intervals.heartbeat
+        while True:
+            loads = await self.shards.engine_loads(within=min(beat, 5.0))
+            self._engine_loads = (loads, anyio.current_time())
+            await anyio.sleep(beat)
+
+    def _fresh_engine_loads(self) -> list[records.EngineLoad]:
+        """The last sample, unless it is older than two heartbeats (an engine that stopped
+        answering its metrics is not reported busy for ever)."""
+        loads, taken = self._engine_loads
+        fresh = anyio.current_time() - taken <= 2 * self.cfg.intervals.heartbeat
+        return loads if fresh else []
 
     async def _engine_probes(self) -> None:
         while True:

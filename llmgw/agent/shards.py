@@ -186,6 +186,31 @@ class NodeShards:
                     continue
                 self._assigned(item.key.rsplit(".", 1)[1], item.value)
 
+    async def engine_loads(self, within: float) -> list[records.EngineLoad]:
+        """What each serving engine says of its own load, asked of all at once, each given
+        `within` seconds (one that does not answer is left out)."""
+        loads: list[records.EngineLoad] = []
+
+        async def ask(shard: LocalShard, engine: _Engine) -> None:
+            with anyio.move_on_after(within):
+                g = await engine.supervisor.gauges()
+                if g is not None:
+                    loads.append(
+                        records.EngineLoad(
+                            rid=shard.rid,
+                            model=engine.assignment.model,
+                            running=g.running,
+                            waiting=g.waiting,
+                            kv_cache=g.kv_cache,
+                        )
+                    )
+
+        async with anyio.create_task_group() as tg:
+            for shard in list(self._shards.values()):
+                if shard.engine is not None:
+                    tg.start_soon(ask, shard, shard.engine)
+        return sorted(loads, key=lambda e: e.rid)[: records.MAX_LEASE_ENGINES]
+
     async def report_all(self) -> None:
         """After a NATS outage: the engines kept running; say so again."""
         for shard in list(self._shards.values()):

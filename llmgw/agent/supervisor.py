@@ -34,6 +34,7 @@ import anyio
 import msgspec
 
 from llmgw.agent.engines import EngineAdapter, EngineCommand, LaunchSpec, Probe, adapter_for
+from llmgw.agent.engines.base import EngineGauges
 from llmgw.agent.engines.launcher import EngineLauncher, EngineRun, ProcessGroup, ProcessLauncher
 from llmgw.agent.engines.output import EngineLog
 from llmgw.agent.engines.pidfile import (
@@ -469,6 +470,18 @@ class EngineSupervisor:
             )
             return None
         return r.status, body
+
+    async def gauges(self) -> EngineGauges | None:
+        """The engine's own load (its /metrics), while it serves; None otherwise, or when it
+        reports none. For the autoscaler, through the node's heartbeat."""
+        if self.state is not EngineState.RUNNING or self._http is None:
+            return None
+        if self.spec.headless or not self.command.base_url:
+            return None
+        got = await self._get("/metrics")
+        if got is None or got[0] != 200:
+            return None
+        return self.adapter.gauges(got[1].decode("utf-8", "replace"))
 
     async def _in_flight(self) -> int | None:
         for path in self.adapter.in_flight_paths(self.spec):

@@ -243,12 +243,33 @@ class NodeInventory(msgspec.Struct, kw_only=True):
 HEARTBEAT_S = 5.0
 
 
+class EngineLoad(msgspec.Struct, kw_only=True):
+    """One ready engine's own view of its load, from its Prometheus text (vLLM's
+    `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`;
+    llama-server's `llamacpp:requests_processing`, `llamacpp:requests_deferred`,
+    `llamacpp:kv_cache_usage_ratio`). None where the engine does not say."""
+
+    rid: str
+    model: str
+    running: int | None = None  # requests in its batches
+    waiting: int | None = None  # requests queued in the engine for a slot or KV blocks
+    kv_cache: float | None = None  # fraction of its KV cache in use, 0..1
+
+
+# engines a lease reports at most (a node runs one engine per GPU at most, and few GPUs)
+MAX_LEASE_ENGINES = 64
+
+
 class Lease(msgspec.Struct, kw_only=True):
     node: str
     seq: int  # increases by one each heartbeat; resets when the agent restarts
     time: float  # agent's clock, informational: liveness uses the controller's clock
     started_at: float
     memory: Memory
+    # the node's ready engines' own load, sampled within the last heartbeat: what the
+    # autoscaler counts beside the routers' (controller/autoscale.py); rides on the
+    # heartbeat, which is written anyway, so it costs no write of its own
+    engines: list[EngineLoad] = []
 
 
 # --- health.<node>: written by the controller

@@ -177,6 +177,12 @@ def _lease(p: _Problems, lease: records.Lease) -> None:
     p.owner("node", lease.node, p.ids[0])
     p.at_least("seq", lease.seq, 0)
     _memory(p, "memory", lease.memory)
+    p.at_most("engines", len(lease.engines), records.MAX_LEASE_ENGINES)
+    for e in lease.engines[: records.MAX_LEASE_ENGINES]:
+        p.token("engines[].rid", e.rid)
+        p.within(f"engines[{e.rid}].running", e.running, 0, 1_000_000)
+        p.within(f"engines[{e.rid}].waiting", e.waiting, 0, 1_000_000)
+        p.within(f"engines[{e.rid}].kv_cache", e.kv_cache, 0.0, 1.0)
 
 
 def _health(p: _Problems, h: records.Health) -> None:

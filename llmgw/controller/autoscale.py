@@ -9,7 +9,10 @@ that `desired.<model>` says is autoscaled, `Scaler.step` turns the summed load i
 count, as the catalog's `autoscale` policy says:
 
 - wanted = what is in flight and waiting, over `target_in_flight` per replica (plus one
-  while the slowest first token is over `ttft_target_ms`), within min..max_replicas;
+  while the slowest first token is over `ttft_target_ms`, or while the engines themselves
+  say they are saturated: more than `engine_queue_per_replica` requests queued in them per
+  replica, or the fullest one's KV cache above `kv_cache_full`; `EngineSaturation`, from
+  the engines' /metrics on their nodes' heartbeats), within min..max_replicas;
 - up, when every sample of the last `scale_up_after` seconds wanted more (the stable
   window), or at once when the load wants twice the replicas there are (the panic
   window: a burst is answered within a pass, as Knative's 200% panic threshold does);
@@ -26,6 +29,7 @@ empty windows: it places nothing beyond that count until its own windows have fi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Mapping
@@ -49,6 +53,45 @@ class ModelLoad:
     ttft_ms: float = 0.0  # the slowest router's
     routers: int = 0  # routers that reported this model
     active: bool = False  # a request was seen since the last sum (or is in flight now)
+    engines: EngineSaturation = field(default_factory=lambda: EngineSaturation())
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSaturation:
+    """What a model's ready engines say of themselves (records.EngineLoad on their nodes'
+    leases), summed: requests queued inside them, and the fullest KV cache."""
+
+    engines: int = 0  # engines that reported
+    waiting: int = 0
+    kv_cache: float = 0.0
+
+
+def engine_saturation(
+    leases: Mapping[str, records.Lease],
+    health: Mapping[str, records.Health],
+    replicas: Mapping[str, records.Replica],
+) -> dict[str, EngineSaturation]:
+    """Per model, from the leases of ready nodes. A lease speaks only for the node its key
+    names, and only of a replica placed on that node for that model: a node cannot add load
+    to another's replicas, or to a model it does not serve."""
+    per: dict[str, EngineSaturation] = {}
+    for node, lease in leases.items():
+        h = health.get(node)
+        if h is None or h.phase != "ready":
+            continue  # a silent node's last word is not today's load
+        for e in lease.engines[: records.MAX_LEASE_ENGINES]:
+            r = replicas.get(e.rid)
+            if r is None or r.model != e.model or r.phase != "ready":
+                continue
+            if not any(m.node == node for m in r.members):
+                continue
+            have = per.get(e.model, EngineSaturation())
+            per[e.model] = EngineSaturation(
+                engines=have.engines + 1,
+                waiting=have.waiting + (e.waiting or 0),
+                kv_cache=max(have.kv_cache, e.kv_cache or 0.0),
+            )
+    return per
 
 
 class LoadSum:
@@ -190,7 +233,23 @@ def _raw(policy: Autoscale, load: ModelLoad, have: int) -> int:
     raw = math.ceil(demand / policy.target_in_flight - 1e-9) if demand > 0 else 0
     if policy.ttft_target_ms > 0 and load.in_flight > 0 and load.ttft_ms > policy.ttft_target_ms:
         raw = max(raw, have + 1)  # answers are slow to start: one more than now
+    if have > 0 and _saturated(policy, load.engines, have):
+        raw = max(raw, have + 1)  # the engines queue or run out of KV cache: one more
     return raw
+
+
+def _queued(policy: Autoscale, e: EngineSaturation, have: int) -> bool:
+    return (
+        policy.engine_queue_per_replica > 0 and e.waiting > policy.engine_queue_per_replica * have
+    )
+
+
+def _kv_full(policy: Autoscale, e: EngineSaturation) -> bool:
+    return policy.kv_cache_full > 0 and e.kv_cache > policy.kv_cache_full
+
+
+def _saturated(policy: Autoscale, e: EngineSaturation, have: int) -> bool:
+    return e.engines > 0 and (_queued(policy, e, have) or _kv_full(policy, e))
 
 
 def _wanted(policy: Autoscale, load: ModelLoad, have: int) -> int:
@@ -204,6 +263,14 @@ def _figures(load: ModelLoad, have: int, policy: Autoscale) -> str:
     text += f" over {have} replica{'s' if have != 1 else ''}, target {policy.target_in_flight:g}"
     if policy.ttft_target_ms > 0 and load.ttft_ms > policy.ttft_target_ms:
         text += f", first token in {load.ttft_ms:.0f} ms (target {policy.ttft_target_ms:g})"
+    e = load.engines
+    if e.engines and _queued(policy, e, have):
+        text += (
+            f", {e.waiting} queued in the engines (over "
+            f"{policy.engine_queue_per_replica:g} a replica)"
+        )
+    if e.engines and _kv_full(policy, e):
+        text += f", an engine's KV cache {e.kv_cache:.0%} full (over {policy.kv_cache_full:.0%})"
     return text
 
 
@@ -255,10 +322,13 @@ class Autoscaler:
         placements: Mapping[str, records.PlacementRecord],
         now: float,
         wall: float,
+        engines: Mapping[str, EngineSaturation] | None = None,
     ) -> dict[str, records.Scale]:
         """The `scale.<model>` records to write: those whose count, reason or measured load
-        time changed. `placed` is each model's replicas counted toward its desired count."""
+        time changed. `placed` is each model's replicas counted toward its desired count;
+        `engines`: what the engines themselves say (`engine_saturation`)."""
         summed = self.loads.sum(loads, now)
+        engines = engines or {}
         out: dict[str, records.Scale] = {}
         for model, want in desired.items():
             entry = catalog.get(model)
@@ -275,6 +345,8 @@ class Autoscaler:
                     start = max(policy.min_replicas, start)
                 scaler = self.scalers[model] = Scaler(start, now)
             load = summed.get(model, ModelLoad())
+            if model in engines:
+                load = dataclasses.replace(load, engines=engines[model])
             before = scaler.replicas
             d = scaler.step(policy, load, now, _fleet_short(placements.get(model)))
             load_s = self.load_s.get(model, old.load_s if old else 0.0)

@@ -40,7 +40,12 @@ from llmgw.bus.client import (
 )
 from llmgw.bus.records import NodePhase
 from llmgw.controller import placement
-from llmgw.controller.autoscale import LOAD_STALE_AFTER_S, Autoscaler, scaled_text
+from llmgw.controller.autoscale import (
+    LOAD_STALE_AFTER_S,
+    Autoscaler,
+    engine_saturation,
+    scaled_text,
+)
 from llmgw.controller.clock import Clock, Instant, SystemClock, instant
 from llmgw.controller.inputs import hold_recorded_phases, placement_snapshot
 from llmgw.controller.leadership import CREATE, Leadership
@@ -402,6 +407,7 @@ class Controller:
             placements=self.view.placements,
             now=now.monotonic,
             wall=now.wall,
+            engines=engine_saturation(self.view.leases, self.view.health, self.view.replicas),
         )
         counted = False
         for model, scale in changes.items():

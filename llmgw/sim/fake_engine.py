@@ -25,6 +25,8 @@ Behaviour knobs (environment):
     FAKE_ENGINE_RECORD            path: write args, pid, pgid and engine env there as JSON
     FAKE_ENGINE_GPUS              GPUs on the "node" when CUDA_VISIBLE_DEVICES is unset (default 8)
     FAKE_ENGINE_WORKERS           child processes to start, like vLLM's workers (default 0)
+    FAKE_ENGINE_WAITING           requests /metrics reports queued besides its own (default 0)
+    FAKE_ENGINE_KV_USAGE          the KV cache fraction /metrics reports (default: busy slots)
 """
 
 from __future__ import annotations
@@ -160,6 +162,10 @@ class Engine:
     prefill_rate: float = 0.0
     close_after_stream: float | None = None
     started: float = field(default_factory=time.time)
+    # what /metrics says beside the real counts: requests queued, and the KV cache in use
+    # (None: llama-server's busy slots over its slots, vLLM's 0)
+    extra_waiting: int = 0
+    kv_usage: float | None = None
     # per slot: the tokens its KV cache holds (prompt and answer of its last request)
     slot_tokens: dict[int, list[str]] = field(default_factory=dict)
     slot_used: dict[int, float] = field(default_factory=dict)
@@ -280,13 +286,20 @@ def build_app(engine: Engine):
                     ),
                     status=501,
                 )
+            # requests beyond the slots wait for one (llama-server defers them)
+            running = min(engine.in_flight, engine.slots)
+            deferred = engine.in_flight - running + engine.extra_waiting
+            kv = engine.kv_usage if engine.kv_usage is not None else running / engine.slots
             text = (
                 "# HELP llamacpp:requests_processing Number of requests processing.\n"
                 "# TYPE llamacpp:requests_processing gauge\n"
-                f"llamacpp:requests_processing {engine.in_flight}\n"
+                f"llamacpp:requests_processing {running}\n"
                 "# HELP llamacpp:requests_deferred Number of requests deferred.\n"
                 "# TYPE llamacpp:requests_deferred gauge\n"
-                f"llamacpp:requests_deferred 0\n"
+                f"llamacpp:requests_deferred {deferred}\n"
+                "# HELP llamacpp:kv_cache_usage_ratio KV-cache usage. 1 means 100 percent usage.\n"
+                "# TYPE llamacpp:kv_cache_usage_ratio gauge\n"
+                f"llamacpp:kv_cache_usage_ratio {kv}\n"
             )
         else:
             label = f'{{engine="0",model_name="{engine.served_name}"}}'
@@ -296,7 +309,10 @@ def build_app(engine: Engine):
                 f"vllm:num_requests_running{label} {float(engine.in_flight)}\n"
                 "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
                 "# TYPE vllm:num_requests_waiting gauge\n"
-                f"vllm:num_requests_waiting{label} 0.0\n"
+                f"vllm:num_requests_waiting{label} {float(engine.extra_waiting)}\n"
+                "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+                "# TYPE vllm:kv_cache_usage_perc gauge\n"
+                f"vllm:kv_cache_usage_perc{label} {engine.kv_usage or 0.0}\n"
             )
         return web.Response(text=text, content_type="text/plain")
 
@@ -648,6 +664,9 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
             else max(0.0, _env_float("FAKE_ENGINE_CLOSE_AFTER_STREAM", 0.0))
         ),
     )
+    engine.extra_waiting = int(_env_float("FAKE_ENGINE_WAITING", 0))
+    if "FAKE_ENGINE_KV_USAGE" in os.environ:
+        engine.kv_usage = min(1.0, max(0.0, _env_float("FAKE_ENGINE_KV_USAGE", 0.0)))
     served = engine.served_name
     host = listen_host(kind, ns)
     runner = web.AppRunner(

@@ -142,9 +142,38 @@ class EngineAdapter(Protocol):
         """Requests being served or queued; None when this answer can't tell."""
         ...
 
+    def gauges(self, metrics: str) -> EngineGauges | None:
+        """The engine's own load from its /metrics text; None when it reports none."""
+        ...
+
     def check(self, spec: LaunchSpec) -> list[str]:
         """Engine-specific refusals that need no node facts (validation adds the rest)."""
         ...
+
+
+@dataclass(frozen=True)
+class EngineGauges:
+    """What an engine says of its own load (records.EngineLoad without whose it is)."""
+
+    running: int | None
+    waiting: int | None
+    kv_cache: float | None  # fraction in use, 0..1
+
+
+def read_gauges(
+    text: str, running: str, waiting: str, kv_cache: tuple[str, ...]
+) -> EngineGauges | None:
+    """An engine's three load gauges from its Prometheus text, by the names its adapter
+    gives (the KV cache's first name found: vLLM renamed it); None when it reports none."""
+    busy, queued = metric_sum(text, running), metric_sum(text, waiting)
+    kv = next((v for v in (metric_sum(text, n) for n in kv_cache) if v is not None), None)
+    if busy is None and queued is None and kv is None:
+        return None
+    return EngineGauges(
+        running=None if busy is None else max(0, int(busy)),
+        waiting=None if queued is None else max(0, int(queued)),
+        kv_cache=None if kv is None else min(1.0, max(0.0, kv)),
+    )
 
 
 def hf_repo(source: str) -> str | None:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from llmgw.agent.engines.base import (
     EngineCommand,
+    EngineGauges,
     Flag,
     FlagTable,
     LaunchSpec,
@@ -15,6 +16,7 @@ from llmgw.agent.engines.base import (
     cuda_env,
     hf_repo,
     is_url,
+    read_gauges,
     requests_at_engine,
 )
 
@@ -146,6 +148,14 @@ class LlamaServerAdapter:
         text = body.decode("utf-8", "replace")
         return requests_at_engine(
             text, "llamacpp:requests_processing", "llamacpp:requests_deferred"
+        )
+
+    def gauges(self, metrics: str) -> EngineGauges | None:
+        return read_gauges(
+            metrics,
+            "llamacpp:requests_processing",
+            "llamacpp:requests_deferred",
+            ("llamacpp:kv_cache_usage_ratio",),
         )
 
     def check(self, spec: LaunchSpec) -> list[str]:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from llmgw.agent.engines.base import (
     EngineCommand,
+    EngineGauges,
     Flag,
     FlagTable,
     LaunchSpec,
@@ -19,6 +20,7 @@ from llmgw.agent.engines.base import (
     base_url,
     cuda_env,
     hf_repo,
+    read_gauges,
     requests_at_engine,
 )
 
@@ -167,6 +169,15 @@ class VllmAdapter:
             return None
         text = body.decode("utf-8", "replace")
         return requests_at_engine(text, "vllm:num_requests_running", "vllm:num_requests_waiting")
+
+    def gauges(self, metrics: str) -> EngineGauges | None:
+        # vLLM's KV cache gauge is a fraction despite its name; renamed in 0.10
+        return read_gauges(
+            metrics,
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        )
 
     def check(self, spec: LaunchSpec) -> list[str]:
         reasons = []
