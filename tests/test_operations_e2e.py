@@ -279,3 +279,42 @@ async def test_a_node_drained_under_load_loses_no_request_and_gets_nothing_new(
         assert all(r.members[0].node != "node1" for r in await _replicas(bus))
 
     await _under_load(bus, nats_settings, _model(fleet), drain)
+
+
+async def test_an_engine_that_keeps_failing_on_one_node_is_moved_and_the_node_named(
+    bus, fleet, controller
+):
+    """The fake engine fails to load on node1 only (a broken GPU there): its agent gives up
+    after max_failed_starts, the controller places the replica on another node, and the
+    placement record and plain `llmgw status` name node1 and the engine's last line."""
+
+    async def every_node_ready():
+        got = await bus.list(keys.pattern(keys.HEALTH), decoder(records.Health))
+        return sum(e.value.phase == "ready" for e in got.values()) == len(NODES)
+
+    await until(every_node_ready, timeout=30)
+    broken_here = {
+        "FAKE_ENGINE_FAIL_LOAD": "CUDA error: uncorrectable ECC error encountered",
+        "FAKE_ENGINE_FAIL_ON_HOST": NODES["node1"],
+    }
+    await serve(bus, _model(fleet, **broken_here), 3)
+
+    async def moved():
+        reps = await _replicas(bus)
+        ready = [r for r in reps if r.phase == "ready"]
+        if len(ready) == 3 and all(r.members[0].node != "node1" for r in ready):
+            got = await bus.get(keys.placement("tiny"), decoder(records.PlacementRecord))
+            return got.value if got and got.value.failures else None
+        return None
+
+    record = await until(moved, timeout=90)
+    (failure,) = record.failures
+    assert failure.node == "node1" and failure.moved_to in ("node2", "node3")
+    said = (
+        "failed 5 times on node1 (exited with code 1 while loading; gave up after 5 failed "
+        "starts in a row: llama_model_load: error loading model: CUDA error: uncorrectable "
+        f"ECC error encountered); moved to {failure.moved_to}"
+    )
+    assert said in record.explanation, record.explanation
+    text = render(await gather(bus), now=0.0)
+    assert said in text

@@ -11,6 +11,7 @@ llama-server's /slots), same signals. Tests install it on PATH under the real na
 Behaviour knobs (environment):
     FAKE_ENGINE_LOAD_SECONDS      time spent "loading" (default 0)
     FAKE_ENGINE_FAIL_LOAD         message: fail at the end of loading, exit FAKE_ENGINE_EXIT_CODE
+    FAKE_ENGINE_FAIL_ON_HOST      address: fail to load only when listening there
     FAKE_ENGINE_CRASH_AFTER_LOAD  seconds after ready to crash with FAKE_ENGINE_EXIT_CODE
     FAKE_ENGINE_EXIT_CODE         exit code of a failure or crash (default 1)
     FAKE_ENGINE_TOKENS            tokens per completion (default 8; max_tokens lowers it)
@@ -192,6 +193,15 @@ class Engine:
         if not self.api_key:
             return True
         return request.headers.get("Authorization", "") == f"Bearer {self.api_key}"
+
+
+def _fails_load_here(host: str) -> bool:
+    """FAKE_ENGINE_FAIL_LOAD, on every host, or only on FAKE_ENGINE_FAIL_ON_HOST (the
+    address it listens on: one node of several on one machine, a broken GPU's node)."""
+    if not os.environ.get("FAKE_ENGINE_FAIL_LOAD"):
+        return False
+    only = os.environ.get("FAKE_ENGINE_FAIL_ON_HOST")
+    return not only or only == host
 
 
 def _common_prefix(a: list[str], b: list[str]) -> int:
@@ -736,7 +746,7 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
         # vLLM opens its port only after loading
         if await wait_or_stop(load_seconds):
             return 0
-        if os.environ.get("FAKE_ENGINE_FAIL_LOAD"):
+        if _fails_load_here(host):
             _fail(
                 [
                     "ERROR [core.py:700] EngineCore failed to start.",
@@ -782,7 +792,7 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
         log(f"srv    load_model: loading model '{ns.model}'")
         if await wait_or_stop(load_seconds):
             return 0
-        if os.environ.get("FAKE_ENGINE_FAIL_LOAD"):
+        if _fails_load_here(host):
             _fail(
                 [
                     f"llama_model_load: error loading model: {os.environ['FAKE_ENGINE_FAIL_LOAD']}",
