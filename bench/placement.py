@@ -8,12 +8,20 @@ Baseline, measured in the same run: a bare loop that only touches every (replica
 pair once, i.e. the cost of the most naive scheduler doing no work at all per pair.
 Printed: both times, nodes/s (replicas x nodes / plan time) and the ratio.
 
+Quality, checked in the same run: the plan again with an exhaustive single-node picker
+(every node judged by every filter for every profile, then the best-ranked taken, as
+placement did before it judged lazily). Printed: the weights score of the chosen nodes
+(2 on the node or a share it sees, 1 in its fabric, summed over the replicas placed) and
+packing, beside the exhaustive plan's, and whether the two placed every replica on the
+same nodes.
+
     .venv/bin/python bench/placement.py [--nodes 10000] [--replicas 1000]
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import random
 import time
 from dataclasses import replace
@@ -35,7 +43,12 @@ from llmgw.bus.records import (
     Weights,
 )
 from llmgw.catalog import validate_models
-from llmgw.controller.placement import Snapshot, plan
+from llmgw.controller.placement import Snapshot, pickers, plan, steps
+from llmgw.controller.placement.filters import fit
+from llmgw.controller.placement.nodes import Need, take
+from llmgw.controller.placement.pickers import Pick
+from llmgw.controller.placement.scores import rank, why_here
+from llmgw.controller.placement.weights import WeightsNearby
 
 GB = 1_000_000_000
 FABRICS = ["ib-a", "ib-b", "ib-c", "ib-d"]
@@ -151,6 +164,65 @@ def build(n_nodes: int, n_replicas: int, seed: int = 7) -> Snapshot:
     )
 
 
+class ExhaustivePicker:
+    """The reference: every node judged by every filter up front, a heap of those that fit."""
+
+    def __init__(self, nodes, need, weights) -> None:
+        self.nodes, self.need, self.weights = nodes, need, weights
+        self.refused = {}
+        self.heap = [o for o in (self._judge(n) for n in nodes.values()) if o is not None]
+        heapq.heapify(self.heap)
+
+    def _judge(self, node):
+        refusal = fit(node, self.need)
+        if refusal is not None:
+            self.refused[node.id] = refusal
+            return None
+        return rank(node, self.need, self.weights).order
+
+    def pick(self):
+        if not self.heap:
+            return None
+        node = self.nodes[heapq.heappop(self.heap)[-1]]
+        why = why_here(node, self.need, self.weights)
+        member = take(node, self.need, rank=0)
+        order = self._judge(node)
+        if order is not None:
+            heapq.heappush(self.heap, order)
+        return Pick([member], why)
+
+    def refusals(self):
+        return dict(self.refused)
+
+
+def exhaustive(snap: Snapshot):
+    def choose(nodes, need, weights):
+        if need.profile.nodes > 1:
+            return pickers.MultiNodePicker(nodes, need, weights)
+        return ExhaustivePicker(nodes, need, weights)
+
+    original = steps.picker
+    steps.picker = choose
+    try:
+        return plan(snap)
+    finally:
+        steps.picker = original
+
+
+def quality(snap: Snapshot, result) -> tuple[int, int]:
+    """(weights score, GPUs of already used nodes packed) of the replicas `result` creates."""
+    weights = WeightsNearby(snap)
+    score = packed = 0
+    used = {m.node for r in snap.replicas for m in r.members}
+    for r in result.create:
+        profile = snap.catalog[r.model].profile(r.profile)
+        need = Need.of(r.model, profile, snap.port_range)
+        for m in r.members:
+            score += weights.level(m.node, need)
+            packed += len(m.gpus) if m.node in used else 0
+    return score, packed
+
+
 def bare_loop(n_replicas: int, nodes: list[str]) -> float:
     start = time.perf_counter()
     touched = 0
@@ -191,6 +263,16 @@ def main() -> None:
     print(f"bare loop:   {base_s:8.3f} s  ({pairs / base_s:,.0f} pairs/s)")
     print(f"ratio plan/bare loop: {plan_s / base_s:.2f}")
     print(f"steady state, nothing to place: {steady_s:.3f} s ({steady_s / base_s:.2f} x bare loop)")
+    full_s, full = min(_timed(exhaustive, snap) for _ in range(3))
+    ours, theirs = quality(snap, result), quality(snap, full)
+    same = [(r.model, [m.node for m in r.members]) for r in result.create] == [
+        (r.model, [m.node for m in r.members]) for r in full.create
+    ]
+    print(
+        f"exhaustive plan(): {full_s:8.3f} s; chosen nodes' weights score {ours[0]} "
+        f"(exhaustive {theirs[0]}), GPUs packed onto used nodes {ours[1]} (exhaustive "
+        f"{theirs[1]}); the same nodes for every replica: {'yes' if same else 'NO'}"
+    )
     # refusals are grouped per reason, so an explanation stays one line at any fleet size
     longest = max((p.explanation for p in result.placements.values()), key=len, default="")
     print(f"longest explanation: {len(longest)} characters: {longest[:200]}")

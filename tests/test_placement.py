@@ -1131,3 +1131,100 @@ def test_the_records_lines_say_the_phase_the_shards_say_now():
     snap = placement_snapshot(view, {"n1": "ready"}, {}, port_range=(18000, 18999), now=1000.0)
     lines = plan(snap).placements["m"].decisions
     assert lines == ["keep r1 on n1 (failed on n1: exited with code 1 while serving)"]
+
+
+# --- the lazy picker chooses what judging every node would ----------------------------------
+
+
+class _JudgeEveryNode:
+    """The reference: every node judged by every filter up front, then the best-ranked of
+    those that fit (placement before it judged lazily)."""
+
+    def __init__(self, nodes, need, weights) -> None:
+        import heapq
+
+        from llmgw.controller.placement.filters import fit
+        from llmgw.controller.placement.scores import rank
+
+        self.nodes, self.need, self.weights = nodes, need, weights
+        self._fit, self._rank, self._heapq = fit, rank, heapq
+        self.refused = {}
+        self.heap = [o for o in map(self._judge, nodes.values()) if o is not None]
+        heapq.heapify(self.heap)
+
+    def _judge(self, n):
+        refusal = self._fit(n, self.need)
+        if refusal is not None:
+            self.refused[n.id] = refusal
+            return None
+        return self._rank(n, self.need, self.weights).order
+
+    def pick(self):
+        from llmgw.controller.placement.nodes import take
+        from llmgw.controller.placement.pickers import Pick
+        from llmgw.controller.placement.scores import why_here
+
+        if not self.heap:
+            return None
+        n = self.nodes[self._heapq.heappop(self.heap)[-1]]
+        why = why_here(n, self.need, self.weights)
+        member = take(n, self.need, rank=0)
+        order = self._judge(n)
+        if order is not None:
+            self._heapq.heappush(self.heap, order)
+        return Pick([member], why)
+
+    def refusals(self):
+        return dict(self.refused)
+
+
+def _random_fleet(seed: int) -> Snapshot:
+    import random
+
+    rng = random.Random(seed)
+    fabrics = ["ib-a", "ib-b", None]
+    nodes = [
+        node(
+            f"n{i:02d}",
+            gpus=rng.choice([0, 2, 4, 8]),
+            ram_gb=rng.choice([8, 64, 1000]),
+            engines=rng.choice([("vllm",), ("llama-server",), ("vllm", "llama-server")]),
+            fabric=rng.choice(fabrics),
+            held=[(KEY, f"local:n{i:02d}")] if rng.random() < 0.2 else [],
+        )
+        for i in range(rng.randint(3, 30))
+    ]
+    running = [
+        replica(f"x{i}", [(n.node, [0])], mid="m0")
+        for i, n in enumerate(nodes)
+        if n.gpus.devices and rng.random() < 0.3
+    ]
+    models = [
+        model(f"m{j}", gpus=rng.choice([0, 1, 2, 4]), ram_gb=rng.choice([0, 16, 128]))
+        for j in range(4)
+    ]
+    desired = {m.id: rng.randint(0, 12) for m in models}
+    health = {n.node: "lost" for n in nodes if rng.random() < 0.1}
+    return snapshot(nodes, models, desired, replicas=running, health=health)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_lazy_picker_places_and_explains_as_judging_every_node_would(seed, monkeypatch):
+    from llmgw.controller.placement import pickers, steps
+
+    snap = _random_fleet(seed)
+    lazy = plan(snap)
+
+    def reference(nodes, need, weights):
+        if need.profile.nodes > 1:
+            return pickers.MultiNodePicker(nodes, need, weights)
+        return _JudgeEveryNode(nodes, need, weights)
+
+    monkeypatch.setattr(steps, "picker", reference)
+    full = plan(snap)
+    assert [(r.model, placed) for r, placed in zip(lazy.create, placed_on(lazy), strict=True)] == [
+        (r.model, placed) for r, placed in zip(full.create, placed_on(full), strict=True)
+    ]
+    assert {m: p.explanation for m, p in lazy.placements.items()} == {
+        m: p.explanation for m, p in full.placements.items()
+    }

@@ -41,8 +41,9 @@ def fabric_view(inventories: Iterable[NodeInventory]) -> dict[str, FabricHolding
     # fabric -> model key -> store identity -> (kind, bytes, nodes)
     copies: dict[str, dict[str, dict[str, tuple[str, int, set[str]]]]] = {}
     for inv in inventories:
-        fabrics = node_fabrics(inv)
-        if not inv.fabrics():
+        on = inv.fabrics()
+        fabrics = sorted(on) or [island_name(inv.node)]  # node_fabrics, asked once
+        if not on:
             islands.add(fabrics[0])
         for fabric in fabrics:
             members.setdefault(fabric, set()).add(inv.node)

@@ -22,6 +22,7 @@ from llmgw.bus.records import (
     REPLICA_HOLDS_GPUS_AND_PORTS,
     REPLICA_RESERVES_HOST_RAM,
     Gpu,
+    GpuErrors,
     GpuNamed,
     NodeInventory,
     NodePhase,
@@ -163,16 +164,21 @@ def held_by_others(node: str, gpu: Gpu) -> GpuNamed:
     )
 
 
+_NO_FAULT = GpuErrors()  # what an agent that reads no counters, or a sound GPU before them, says
+
+
 def gpus_as_reported(node: NodeState) -> None:
     """What the node's agent says its GPUs are doing: faults NVML counts make a GPU
     unschedulable, memory other programs hold is taken off it."""
     for g in node.gpus:
-        fault = nvml_fault(g)
-        if fault is not None:
-            mark_unschedulable(node, g.uuid, fault)
-        held = g.foreign_bytes()
-        if held > 0:
-            node.held[g.uuid] = held
+        if g.errors != _NO_FAULT:
+            fault = nvml_fault(g)
+            if fault is not None:
+                mark_unschedulable(node, g.uuid, fault)
+        if g.processes or g.unlisted_foreign_bytes:  # else nothing is held (foreign_bytes)
+            held = g.foreign_bytes()
+            if held > 0:
+                node.held[g.uuid] = held
 
 
 def ports_refused(snapshot: Snapshot) -> dict[str, set[int]]:

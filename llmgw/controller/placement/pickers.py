@@ -30,79 +30,125 @@ class Picker(Protocol):
 
 
 class SingleNodePicker:
-    """All nodes are judged once; afterwards only the node just used changes (within one
-    plan resources only shrink), so it alone is judged again."""
+    """The best-ranked node that fits, lazily: every node is ranked (cheap: set lookups
+    and counts), and only the nodes reached in rank order are judged by the filters. Within
+    one plan resources only shrink, so a node refused stays refused, and the node just used
+    is ranked again (it may still take another). The node chosen is the one an exhaustive
+    judgement would choose: the best-ranked of those that fit (bench/placement.py checks
+    it). Every node is judged only when the profile runs out of nodes, which is when an
+    explanation needs every refusal."""
 
     def __init__(self, nodes: dict[str, NodeState], need: Need, weights: WeightsNearby) -> None:
         self.nodes, self.need, self.weights = nodes, need, weights
         self.refused: dict[str, Refusal] = {}
-        self.heap: list[tuple[int, int, int, str]] = []  # Rank.order: the node id last
-        for node in nodes.values():
-            order = self._judge(node)
-            if order is not None:
-                self.heap.append(order)
+        self._on, self._near = on, near = weights.levels(need)
+        want, model = need.profile.gpus_per_node, need.model
+        # Rank.order of scores.rank (weights level, packing, spread, id), inlined: this runs
+        # for every node of the fleet for every profile placed
+        self.heap: list[tuple[int, int, int, str]] = [
+            (
+                -2 if node_id in on else -1 if node_id in near else 0,
+                len(node.free) - want,
+                node.models.get(model, 0),
+                node_id,
+            )
+            for node_id, node in nodes.items()
+        ]
         heapq.heapify(self.heap)
 
-    def _judge(self, node: NodeState) -> tuple[int, int, int, str] | None:
-        refusal = fit(node, self.need)
-        if refusal is not None:
-            self.refused[node.id] = refusal
-            return None
-        return rank(node, self.need, self.weights).order
+    def _order(self, node: NodeState) -> tuple[int, int, int, str]:
+        node_id = node.id
+        level = 2 if node_id in self._on else 1 if node_id in self._near else 0
+        packing = self.need.profile.gpus_per_node - len(node.free)
+        return (-level, -packing, node.models.get(self.need.model, 0), node_id)
 
     def pick(self) -> Pick | None:
-        if not self.heap:
-            return None
-        node = self.nodes[heapq.heappop(self.heap)[-1]]
-        why = why_here(node, self.need, self.weights)
-        member = take(node, self.need, rank=0)
-        order = self._judge(node)
-        if order is not None:
-            heapq.heappush(self.heap, order)
-        return Pick([member], why)
+        while self.heap:
+            node = self.nodes[heapq.heappop(self.heap)[-1]]
+            refusal = fit(node, self.need)
+            if refusal is not None:
+                self.refused[node.id] = refusal
+                continue
+            why = why_here(node, self.need, self.weights)
+            member = take(node, self.need, rank=0)
+            heapq.heappush(self.heap, self._order(node))  # judged again when reached
+            return Pick([member], why)
+        return None
 
     def refusals(self) -> dict[str, Refusal]:
+        for order in self.heap:  # nodes never reached: judged now, for the explanation
+            node = self.nodes[order[-1]]
+            refusal = fit(node, self.need)
+            if refusal is not None:
+                self.refused[node.id] = refusal
         return dict(self.refused)
 
 
 class MultiNodePicker:
-    """N nodes in ONE fabric: NCCL runs over InfiniBand, and fabrics are not connected."""
+    """N nodes in ONE fabric: NCCL runs over InfiniBand, and fabrics are not connected.
+
+    Each fabric keeps its fitting nodes, their free GPUs summed, and a heap of their ranks,
+    all updated as nodes are judged again, so a pick looks at the top of each fabric's heap
+    instead of sorting the fabric (entries of a node judged since are skipped as stale)."""
 
     def __init__(self, nodes: dict[str, NodeState], need: Need, weights: WeightsNearby) -> None:
         self.nodes, self.need, self.weights = nodes, need, weights
         self.refused: dict[str, Refusal] = {}
         self.fitting: dict[str, Rank] = {}
+        self._free: dict[str, int] = {}  # node -> its free GPUs when last judged
+        self.members: dict[str, set[str]] = defaultdict(set)  # fabric -> fitting nodes
+        self.capacity: dict[str, int] = defaultdict(int)  # fabric -> their free GPUs
+        self.heaps: dict[str, list[tuple[int, int, int, str]]] = defaultdict(list)
         for node in nodes.values():
-            self._judge(node)
+            self._judge(node, push=False)
+        for heap in self.heaps.values():
+            heapq.heapify(heap)
 
-    def _judge(self, node: NodeState) -> None:
+    def _judge(self, node: NodeState, *, push: bool = True) -> None:
+        node_id = node.id
+        if node_id in self.fitting:
+            del self.fitting[node_id]
+            for name in node.fabrics:
+                self.members[name].discard(node_id)
+                self.capacity[name] -= self._free[node_id]
         refusal = fit(node, self.need)
-        if refusal is None:
-            self.fitting[node.id] = rank(node, self.need, self.weights)
-        else:
-            self.fitting.pop(node.id, None)
-            self.refused[node.id] = refusal
+        if refusal is not None:
+            self.refused[node_id] = refusal
+            return
+        r = self.fitting[node_id] = rank(node, self.need, self.weights)
+        self._free[node_id] = len(node.free)
+        for name in node.fabrics:
+            self.members[name].add(node_id)
+            self.capacity[name] += len(node.free)
+            if push:
+                heapq.heappush(self.heaps[name], r.order)
+            else:
+                self.heaps[name].append(r.order)
 
-    def _by_fabric(self) -> dict[str, list[str]]:
-        groups: dict[str, list[str]] = defaultdict(list)
-        for node_id in self.fitting:
-            for name in self.nodes[node_id].fabrics:
-                groups[name].append(node_id)
-        return groups
+    def _top(self, fabric: str, count: int) -> list[Rank]:
+        """The `count` best fitting nodes of `fabric`, in rank order."""
+        heap, chosen, seen = self.heaps[fabric], [], set()
+        while heap and len(chosen) < count:
+            order = heapq.heappop(heap)
+            r = self.fitting.get(order[-1])
+            if r is None or r.order != order or r.node in seen:
+                continue  # judged again since (or refused): a stale entry, dropped
+            seen.add(r.node)
+            chosen.append(r)
+        for r in chosen:
+            heapq.heappush(heap, r.order)
+        return chosen
 
     def pick(self) -> Pick | None:
         count = self.need.profile.nodes
         best: tuple | None = None
-        for name, members in self._by_fabric().items():
+        for name, members in self.members.items():
             if len(members) < count:
                 continue
-            chosen = heapq.nsmallest(
-                count, (self.fitting[n] for n in members), key=lambda r: r.order
-            )
+            chosen = self._top(name, count)
             weights_total = sum(r.weights for r in chosen)
-            capacity = sum(len(self.nodes[n].free) for n in members)
             # best weights across the chosen nodes, then most free capacity, then the name
-            key = (-weights_total, -capacity, name)
+            key = (-weights_total, -self.capacity[name], name)
             if best is None or key < best[0]:
                 best = (key, name, [r.node for r in chosen])
         if best is None:
@@ -119,10 +165,9 @@ class MultiNodePicker:
     def refusals(self) -> dict[str, Refusal]:
         """Per node, counting nodes that fit alone but whose fabric is too small."""
         out = dict(self.refused)
-        groups = self._by_fabric()
         for node_id in self.fitting:
             name, size = max(
-                ((n, len(groups[n])) for n in sorted(self.nodes[node_id].fabrics)),
+                ((n, len(self.members[n])) for n in sorted(self.nodes[node_id].fabrics)),
                 key=lambda item: item[1],
             )
             out[node_id] = Refusal(

@@ -20,7 +20,7 @@ def packing(node: NodeState, need: Need, weights: WeightsNearby) -> int:
 
 def spread(node: NodeState, need: Need, weights: WeightsNearby) -> int:
     # among equally packed nodes, one node going down should take as few replicas as possible
-    return -node.models[need.model]
+    return -node.models.get(need.model, 0)
 
 
 class Rank(NamedTuple):

@@ -8,9 +8,11 @@ explain. Models are handled oldest `desired.updated_at` first.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from llmgw.bus.records import (
@@ -86,6 +88,27 @@ class Filled:
 
 def plan(snapshot: Snapshot) -> Plan:
     """Decide replicas to create and remove for every model, with the reasons."""
+    with _collector_paused():
+        return _plan(snapshot)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off while a plan runs. A plan allocates a great many
+    short-lived objects (a node state per node, a rank per node per profile) that form no
+    cycles, so reference counting frees them all; left on, the collector's full passes walk
+    every record of the fleet's snapshot several times a plan: 30-40% of a plan's time at
+    10,000 nodes (bench/placement.py). Back on afterwards, as it was."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _plan(snapshot: Snapshot) -> Plan:
     fleet = Fleet(
         snapshot, fleet_nodes(snapshot), WeightsNearby(snapshot), {r.rid for r in snapshot.replicas}
     )

@@ -23,6 +23,7 @@ class WeightsNearby:
         self.by_path: dict[str, dict[str, str]] = defaultdict(dict)  # node -> path -> store
         self.in_fabric: dict[str, set[str]] = defaultdict(set)  # fabric -> keys
         self.fabrics_of: dict[str, list[str]] = defaultdict(list)  # node -> fabrics
+        self._holders: dict[str, set[str]] | None = None  # key -> nodes: built by `levels`
         for node_id, inv in snapshot.inventories.items():
             for held in inv.weights.models:
                 self.on_node[node_id].setdefault(held.key, held.store.identity)
@@ -52,6 +53,32 @@ class WeightsNearby:
             if need.weights_key in self.in_fabric.get(name, ()):
                 return name
         return None
+
+    def levels(self, need: Need) -> tuple[frozenset[str], frozenset[str]]:
+        """The nodes at level 2 and at level 1 for `need` (`level`), for every node at once:
+        what a picker ranks a whole fleet by, a set lookup a node."""
+        if self._holders is None:
+            self._holders = defaultdict(set)
+            self._path_holders: dict[str, set[str]] = defaultdict(set)
+            self._fabric_nodes: dict[str, set[str]] = defaultdict(set)
+            for node, held in self.on_node.items():
+                for key in held:
+                    self._holders[key].add(node)
+            for node, paths in self.by_path.items():
+                for path in paths:
+                    self._path_holders[path].add(node)
+            for node, names in self.fabrics_of.items():
+                for name in names:
+                    self._fabric_nodes[name].add(node)
+        on = set(self._holders.get(need.weights_key, ()))
+        path = need.profile.weights.path
+        if path is not None:
+            on |= self._path_holders.get(path, set())
+        near: set[str] = set()
+        for name, keys in self.in_fabric.items():
+            if need.weights_key in keys:
+                near |= self._fabric_nodes.get(name, set())
+        return frozenset(on), frozenset(near - on)
 
     def level(self, node: str, need: Need) -> int:
         """2: on the node or a share it sees; 1: elsewhere in its fabric; 0: nowhere near."""
