@@ -461,8 +461,14 @@ async def test_an_engine_left_while_its_replica_drained_is_adopted_and_drained(
         shard = _adopting(node, left)
         async with anyio.create_task_group() as tg:
             await _run_shard(shard, generation(a, 2, action="drain"), tg)
-            stopped = await until(_own_phase(shard, "stopped"), timeout=20)
-            assert stopped.reason == "assignment says drain"
+
+            # the supervisor's "stopped on request" comes first, then the shard's own word
+            async def drained() -> records.Shard | None:
+                r = shard.record
+                return r if r is not None and r.reason == "assignment says drain" else None
+
+            stopped = await until(drained, timeout=20)
+            assert stopped.phase == "stopped" and shard.engine is None
             assert not _alive(ready.pid)
             assert leftover_engines(node.state_dir) == ([], [])
             tg.cancel_scope.cancel()
