@@ -1118,6 +1118,26 @@ def test_a_launch_given_up_on_by_three_nodes_stops_moving_and_blames_the_profile
     )
 
 
+def test_on_a_fleet_of_two_a_launch_failing_on_both_blames_the_profile():
+    # three nodes is the default bar, but only two could ever run it: both failed
+    m = _rolling()
+    launch = launch_hash(m, m.profiles[0])
+    earlier = [
+        Failure(node="n1", rid="rn1", profile="p", launch=launch, at=900.0, moved_to="n2")
+    ]
+    stored = PlacementRecord(model="m", desired=1, placed=1, failures=earlier)
+    [crashed] = _running(m, "r2", phase="gave-up", nodes_=("n2",))
+    shards = {("n2", "r2"): _failed_shard(crashed, "exited with code 1", gave_up=True, line="boom")}
+    # n3 has no vLLM: it could never run this profile, and is not counted
+    nodes = [node("n1"), node("n2"), node("n3", engines=("llama-server",))]
+    snap = _with(
+        snapshot(nodes, [m], {"m": 1}, replicas=[crashed]), shards=shards, placements={"m": stored}
+    )
+    rec = plan(snap).placements["m"]
+    assert rec.broken == ["p"]
+    assert "profile p failed on n1, n2 (exited with code 1: boom): the profile" in rec.explanation
+
+
 def test_the_records_lines_say_the_phase_the_shards_say_now():
     from llmgw.controller.inputs import placement_snapshot
     from llmgw.controller.view import View

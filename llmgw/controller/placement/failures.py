@@ -72,9 +72,12 @@ def crashes(
     now: float,
     cooldown: float,
     nodes: int,
+    eligible: Mapping[str, int] | None = None,
 ) -> Crashes:
     """`given_up`: replicas in a terminal phase with their launch hash. Each is moved, unless
-    its launch has now failed on `nodes` distinct nodes: then it stays."""
+    its launch has now failed on `nodes` distinct nodes, or on every node that could run it
+    at all when fewer do (`eligible`, per launch: a fleet of two cannot give a third node
+    to fail on): then it stays."""
     failures = remembered(stored, now, cooldown)
     known = {f.rid: f for f in failures}
     pending: list[tuple[Replica, Failure]] = []
@@ -90,7 +93,12 @@ def crashes(
     by_launch: dict[str, set[str]] = {}
     for f in failures:
         by_launch.setdefault(f.launch, set()).add(f.node)
-    broken = {launch for launch, where in by_launch.items() if len(where) >= nodes}
+    eligible = eligible or {}
+
+    def enough(launch: str) -> int:
+        return max(1, min(nodes, eligible.get(launch, nodes)))
+
+    broken = {launch for launch, where in by_launch.items() if len(where) >= enough(launch)}
     out = Crashes(failures, broken)
     for replica, f in pending:
         (out.stay if f.launch in broken else out.move).append((replica, f))

@@ -157,3 +157,26 @@ def fit(node: NodeState, need: Need) -> Refusal | None:
         if refusal is not None:
             return refusal
     return None
+
+
+# What a node is, as opposed to what it has free now: these stay true within a plan and
+# across plans until the node or the operator changes
+_WHAT_IT_IS: tuple[Filter, ...] = (
+    node_ready,
+    schedulable,
+    matches_selector,
+    tolerates_taints,
+    engine_installed,
+    on_active_fabric,
+)
+
+
+def could_run(node: NodeState, need: Need) -> bool:
+    """Whether the node could run the profile at all, were nothing running on it: what it
+    is passes, and it has enough GPUs of the size asked, used or not."""
+    if any(check(node, need) is not None for check in _WHAT_IT_IS):
+        return False
+    wanted = need.profile.gpus_per_node
+    if wanted == 0:
+        return True
+    return sum(1 for g in node.gpus if g.memory_total_bytes >= need.gpu_bytes) >= wanted

@@ -26,6 +26,7 @@ from llmgw.bus.records import (
 from llmgw.catalog import Model, Profile, launch_hash
 from llmgw.controller.placement import explain, failures, rollout
 from llmgw.controller.placement.explain import Blocked, Refusal
+from llmgw.controller.placement.filters import could_run
 from llmgw.controller.placement.nodes import Need, NodeState, fleet_nodes
 from llmgw.controller.placement.pickers import Picker, picker
 from llmgw.controller.placement.ports import PortMove, move_taken_ports
@@ -195,6 +196,10 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
         now=snapshot.now,
         cooldown=snapshot.failures.cooldown,
         nodes=snapshot.failures.nodes,
+        eligible={
+            launches[p.name]: _could_run_on(fleet, model_id, p, snapshot.port_range)
+            for p in profiles
+        },
     )
     new = [r for r in new if r.phase not in REPLICA_TERMINAL]
     old = [o for o in old if o.replica.phase not in REPLICA_TERMINAL]
@@ -318,6 +323,13 @@ def _profiles(model: Model, desired: Desired | None) -> list[Profile]:
         assert chosen is not None  # blocked_model refused an unknown one
         return [chosen]
     return list(model.profiles)
+
+
+def _could_run_on(fleet: Fleet, model_id: str, profile: Profile, ports: tuple[int, int]) -> int:
+    """Nodes that could run `profile` at all, whatever runs on them now: what a launch must
+    fail on before the profile, not the nodes, is taken for the problem on a small fleet."""
+    need = Need.of(model_id, profile, ports)
+    return sum(1 for node in fleet.nodes.values() if could_run(node, need))
 
 
 def replace_lost(snapshot: Snapshot, live: list[Replica]) -> Sorted:
