@@ -1122,9 +1122,7 @@ def test_on_a_fleet_of_two_a_launch_failing_on_both_blames_the_profile():
     # three nodes is the default bar, but only two could ever run it: both failed
     m = _rolling()
     launch = launch_hash(m, m.profiles[0])
-    earlier = [
-        Failure(node="n1", rid="rn1", profile="p", launch=launch, at=900.0, moved_to="n2")
-    ]
+    earlier = [Failure(node="n1", rid="rn1", profile="p", launch=launch, at=900.0, moved_to="n2")]
     stored = PlacementRecord(model="m", desired=1, placed=1, failures=earlier)
     [crashed] = _running(m, "r2", phase="gave-up", nodes_=("n2",))
     shards = {("n2", "r2"): _failed_shard(crashed, "exited with code 1", gave_up=True, line="boom")}

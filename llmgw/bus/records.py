@@ -654,6 +654,9 @@ class PlacementRecord(msgspec.Struct, kw_only=True):
     # a rollout that is not complete ("progressing", "stopped") and, stopped, why
     rollout: str = ""
     rollout_detail: str = ""
+    # a stopped rollout: the last lines of the failing new replica's engine
+    # (rollout.<model>.output_tail's last few)
+    rollout_tail: list[str] = []
     # autoscaled (`desired.<model>` auto): the autoscaler's latest change, with its figures
     scaled: str = ""
 

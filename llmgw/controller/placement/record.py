@@ -67,6 +67,7 @@ class ModelRecord:
         broken: list[str] | None = None,
         rollout: str = "",
         rollout_detail: str = "",
+        rollout_tail: list[str] | None = None,
     ) -> PlacementRecord:
         rec = PlacementRecord(
             model=self.model,
@@ -77,6 +78,7 @@ class ModelRecord:
             broken=list(broken or []),
             rollout=rollout,
             rollout_detail=rollout_detail,
+            rollout_tail=list(rollout_tail or []),
         )
         if placed < self.desired or rec.waiting:
             rec.judged = judged

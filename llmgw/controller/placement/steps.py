@@ -256,6 +256,7 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
         broken=[p.name for p in profiles if launches[p.name] in crashes.broken],
         rollout="" if ro.phase == "complete" else ro.phase,
         rollout_detail=ro.reason if ro.phase == "stopped" else "",
+        rollout_tail=ro.output_tail[-ROLLOUT_TAIL_SAID:] if ro.phase == "stopped" else [],
     )
     if placed < want:
         n = want - placed
@@ -323,6 +324,9 @@ def _profiles(model: Model, desired: Desired | None) -> list[Profile]:
         assert chosen is not None  # blocked_model refused an unknown one
         return [chosen]
     return list(model.profiles)
+
+
+ROLLOUT_TAIL_SAID = 5  # engine lines a stopped rollout's placement record carries
 
 
 def _could_run_on(fleet: Fleet, model_id: str, profile: Profile, ports: tuple[int, int]) -> int:
