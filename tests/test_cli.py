@@ -751,6 +751,82 @@ async def test_rollout_undo_writes_the_earlier_profile_back_and_status_shows_the
 
 
 @pytest.mark.anyio
+async def test_rollout_undo_after_a_profile_switch_asks_for_the_earlier_profile_again(
+    bus, nats_server
+):
+    """`llmgw place m --profile q` switched profiles: undo names `p` again in desired.m,
+    leaves the catalog alone (its content did not change), and --wait follows the
+    controller's rollout back to its end."""
+    from llmgw.catalog import launch_hash
+
+    two = validate_models(
+        {
+            "models": [
+                {
+                    "id": "m",
+                    "profiles": [
+                        {
+                            "name": "p",
+                            "engine": "vllm",
+                            "weights": {"key": "org/m"},
+                            "gpus_per_node": 1,
+                        },
+                        {
+                            "name": "q",
+                            "engine": "vllm",
+                            "weights": {"key": "org/m"},
+                            "gpus_per_node": 2,
+                        },
+                    ],
+                }
+            ]
+        }
+    )[0]
+    profiles = [
+        records.ProfileRevision(
+            name=p.name, launch=launch_hash(two, p), content=msgspec.to_builtins(p)
+        )
+        for p in two.profiles
+    ]
+    on_p = records.Revision(profile="p", profiles=profiles, completed_at=1.0)
+    on_q = records.Revision(profile="q", profiles=profiles, since=2.0)
+    await bus.put(keys.catalog("m"), encode_model(two))
+    await bus.put(keys.desired("m"), records.Desired(model="m", replicas=1, profile="q"))
+    await bus.put(
+        keys.rollout("m"),
+        records.Rollout(model="m", phase="progressing", current=on_q, history=[on_p]),
+    )
+    url = nats_server.url
+
+    async def controller_follows() -> None:
+        # what the controller does once desired names p again: p's revision is current
+        # and complete, and placement has answered the new desired
+        async def asked_for_p():
+            got = await bus.get(keys.desired("m"), decoder(records.Desired))
+            return got.value if got and got.value.profile == "p" else None
+
+        chosen = await until(asked_for_p, timeout=20)
+        await bus.put(
+            keys.rollout("m"),
+            records.Rollout(model="m", phase="complete", current=on_p, history=[on_q]),
+        )
+        await bus.put(
+            keys.placement("m"),
+            records.PlacementRecord(model="m", desired=1, placed=1, desired_at=chosen.updated_at),
+        )
+        await bus.put(keys.replica("m", "r1"), _replica("r1", "ready", 0))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(controller_follows)
+        out = await _llmgw(url, "rollout", "undo", "m", "--wait", "--timeout", "20")
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert "desired.m: profile p" in out.stdout and "catalog.m" not in out.stdout
+    desired = await bus.get(keys.desired("m"), decoder(records.Desired))
+    assert desired.value.profile == "p" and desired.value.replicas == 1
+    assert (await bus.get(keys.catalog("m"), lambda b: b)).value == encode_model(two)
+
+
+@pytest.mark.anyio
 async def test_drain_wait_names_the_replicas_with_nowhere_to_go_and_ends_once_none_is_left(bus):
     from llmgw.cli.node import follow_drain
 
