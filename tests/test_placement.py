@@ -929,6 +929,39 @@ def test_surge_and_max_unavailable_set_how_many_go_at_once():
     assert len(result.create) == 2 and len(result.remove) == 1
 
 
+def _next_pass(snap: Snapshot, result) -> Snapshot:
+    """The fleet one pass later: what was created exists (placed, not ready yet), and what
+    was removed drains."""
+    going = {x.rid for x in result.remove}
+    replicas = [
+        msgspec.structs.replace(r, phase="draining") if r.rid in going else r for r in snap.replicas
+    ] + list(result.create)
+    return _with(snap, replicas=replicas)
+
+
+def _ready(r: Replica) -> bool:
+    return r.phase == "ready"
+
+
+@pytest.mark.parametrize(("surge", "max_unavailable"), [(1, 0), (2, 1), (0, 1)])
+def test_a_rollout_never_has_fewer_ready_than_desired_less_max_unavailable_over_passes(
+    surge, max_unavailable
+):
+    before = _rolling()
+    after = _rolling(surge=surge, max_unavailable=max_unavailable, context=4096)
+    snap = snapshot(_fleet(), [after], {"m": 3}, replicas=_running(before, "r1", "r2", "r3"))
+    for _ in range(4):  # the new replicas never become ready: nothing more may drain
+        result = plan(snap)
+        snap = _next_pass(snap, result)
+        live = [r for r in snap.replicas if r.phase != "draining"]
+        assert sum(map(_ready, live)) >= 3 - max_unavailable, [
+            (r.rid, r.phase) for r in snap.replicas
+        ]
+        assert len([r for r in snap.replicas if r.phase != "draining"]) <= 3 + surge
+    # how many went while nothing new was ready: max_unavailable of them, and no more
+    assert sum(r.phase == "draining" for r in snap.replicas) == max_unavailable
+
+
 def test_what_only_decides_where_a_replica_goes_restarts_nothing():
     before = _rolling()
     for changed in ({"host_ram_gb": 10}, {"node_selector": {"pool": "a"}}, {"tolerations": ["x"]}):
