@@ -24,6 +24,7 @@ from autoscale_fleet import (
     start_agents,
     stop_agents,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from router_helpers import SERVED, chat_body, router_settings, running_router
 from serving import sse_events
 from waiting import until
@@ -243,6 +244,16 @@ async def test_a_request_that_cannot_wait_gets_503_with_retry_after_and_a_full_h
 
             tg.start_soon(first)
             await until(lambda: _true(router.holds.held.get("tiny", 0) == 1), timeout=10)
+            # the router's /metrics says so too, as Prometheus reads it
+            async with http.get(f"{router.url}/metrics") as r:
+                families = text_string_to_metric_families(await r.text())
+                held = {
+                    s.labels["model"]: s.value
+                    for f in families
+                    if f.name == "llmgw_router_held"
+                    for s in f.samples
+                }
+            assert held == {"tiny": 1}
             async with http.post(f"{router.url}/v1/chat/completions", json=chat_body()) as r:
                 assert r.status == 429, await r.text()
                 assert "hold queue is full" in (await r.json())["error"]["message"]

@@ -87,6 +87,25 @@ def test_a_model_waiting_says_how_many_replicas_and_why():
     assert unplaced_count(rec) == 2 and main_reason(rec) == "gpus"
 
 
+def test_every_current_routers_load_is_summed_per_model_and_a_stale_one_left_out():
+    def router(name: str, at: float, **models: records.ModelLoad) -> records.RouterLoad:
+        return records.RouterLoad(router=name, seq=1, at=at, models=dict(models))
+
+    r = FleetRecords(
+        desired={"m": records.Desired(model="m", replicas=1)},
+        loads={
+            "r1": router("r1", 99.0, m=records.ModelLoad(in_flight=2.5, waiting=1, ttft_ms=80)),
+            "r2": router("r2", 100.0, m=records.ModelLoad(in_flight=1.0, waiting=3, ttft_ms=300)),
+            # its key stopped moving a minute ago: a router gone, not counted
+            "old": router("old", 40.0, m=records.ModelLoad(in_flight=50, waiting=50)),
+        },
+    )
+    state = fleet_state(r, {}, now=100.0, router={})
+    (m,) = state["models"]
+    assert m["fleet_load"] == {"in_flight": 3.5, "queued": 4, "ttft_ms": 300}
+    assert state["load"]["routers"] == 2
+
+
 def test_the_unplaced_reason_is_the_block_else_the_one_refusing_most_nodes():
     blocked = records.PlacementRecord(model="m", desired=1, placed=0, blocked="unknown-profile")
     assert main_reason(blocked) == "unknown-profile"

@@ -40,6 +40,7 @@ WATCHED_WHILE_OPEN: dict[str, type[msgspec.Struct]] = {
     keys.OPS: records.NodeOps,
     keys.FABRICS: records.FabricHoldings,
     keys.DESIRED: records.Desired,
+    keys.LOAD: records.RouterLoad,
 }
 NO_FABRIC = ""  # the group of nodes on no fabric (each its own island for placement)
 
@@ -58,6 +59,7 @@ class FleetRecords:
     replicas: dict[tuple[str, str], records.Replica] = field(default_factory=dict)
     shards: dict[tuple[str, str], records.Shard] = field(default_factory=dict)
     placements: dict[str, records.PlacementRecord] = field(default_factory=dict)
+    loads: dict[str, records.RouterLoad] = field(default_factory=dict)  # by router id
 
 
 class FleetWatch:
@@ -138,6 +140,7 @@ def _table_of(r: FleetRecords, prefix: str) -> dict:
         keys.OPS: r.ops,
         keys.FABRICS: r.fabrics,
         keys.DESIRED: r.desired,
+        keys.LOAD: r.loads,
     }[prefix]
 
 
@@ -271,6 +274,7 @@ def fleet_state(
     text, never as markup."""
     held = _gpus_held(r)
     ix = _Index.of(r)
+    fleet, routers = fleet_load(r.loads, now)
     groups: dict[str, list[str]] = {}
     for node in sorted(r.nodes):
         groups.setdefault(ix.fabric_of(node, r), []).append(node)
@@ -288,11 +292,35 @@ def fleet_state(
         "now": now,
         "router": router,
         "fabrics": fabrics,
-        "models": [_model(m, r, load.get(m), ix) for m in names],
-        # where each router's published load per model goes, summed over the fleet (the
-        # autoscaling work adds it); until then the page shows this router's own figures
-        "load": {"scope": "this router", "fleet": None},
+        "models": [_model(m, r, load.get(m), ix, fleet.get(m)) for m in names],
+        "load": {"scope": "this router", "routers": routers},
     }
+
+
+# a router's load.<router> key is rewritten every second while it serves; older than this,
+# by its own clock against this router's, it is a router gone (or far out of step)
+LOAD_CURRENT_S = 15.0
+
+
+def fleet_load(
+    loads: dict[str, records.RouterLoad], now: float
+) -> tuple[dict[str, dict[str, Any]], int]:
+    """Every current router's published load per model, summed (each router counts only
+    what it sent, so a sum counts nothing twice), and how many routers were current."""
+    out: dict[str, dict[str, Any]] = {}
+    current = 0
+    for load in loads.values():
+        if abs(now - load.at) > LOAD_CURRENT_S:
+            continue
+        current += 1
+        for model, m in list(load.models.items())[: records.MAX_LOAD_MODELS]:
+            have = out.setdefault(model, {"in_flight": 0.0, "queued": 0, "ttft_ms": 0.0})
+            have["in_flight"] += m.in_flight
+            have["queued"] += m.waiting
+            have["ttft_ms"] = max(have["ttft_ms"], m.ttft_ms)
+    for v in out.values():
+        v["in_flight"] = round(v["in_flight"], 1)
+    return out, current
 
 
 @dataclass
@@ -434,7 +462,13 @@ def _node(
     }
 
 
-def _model(model: str, r: FleetRecords, load: dict[str, Any] | None, ix: _Index) -> dict[str, Any]:
+def _model(
+    model: str,
+    r: FleetRecords,
+    load: dict[str, Any] | None,
+    ix: _Index,
+    fleet: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     cat = r.models.get(model)
     desired = r.desired.get(model)
     p = r.placements.get(model)
@@ -474,6 +508,8 @@ def _model(model: str, r: FleetRecords, load: dict[str, Any] | None, ix: _Index)
         "replicas": replicas,
         "placement": placement,
         "load": load or {"in_flight": 0, "queued": None, "ttfb": None},
+        # every router's, summed from their load.<router> keys (None: none published one)
+        "fleet_load": fleet,
     }
 
 

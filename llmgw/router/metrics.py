@@ -8,6 +8,7 @@ label set without bound (those are counted under model="").
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -17,6 +18,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 disable_created_metrics()  # `_created` series double the output and nobody graphs them
@@ -77,6 +79,14 @@ class RouterMetrics:
         )
 
         self._replicas: dict[tuple[str, str], ReplicaSeries] = {}
+        self._held: Callable[[], Mapping[str, int]] = dict
+
+    def held_from(self, held: Callable[[], Mapping[str, int]]) -> None:
+        """`llmgw_router_held{model}`: requests held for a cold model now (router/hold.py),
+        read from `held()` at every scrape; Dynamo's dashboards call queued requests at the
+        router the key metric of a fleet."""
+        self._held = held
+        self.registry.register(_HeldCollector(lambda: self._held()))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -145,3 +155,21 @@ class ReplicaSeries:
             m.requests.remove(*labels, str(code))
         for kind in self._errors:
             m.errors.remove(*labels, kind)
+
+
+class _HeldCollector:
+    """Held requests per model, as they are at the scrape (no bookkeeping on the request
+    path)."""
+
+    def __init__(self, held: Callable[[], Mapping[str, int]]) -> None:
+        self._held = held
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            "llmgw_router_held",
+            "Requests held for a model with no ready replica (a cold start), waiting for one",
+            labels=["model"],
+        )
+        for model, count in sorted(self._held().items()):
+            g.add_metric([model], count)
+        yield g

@@ -94,6 +94,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.load = LoadCounter()
         self.holds = Holds(self.table, self.load, self.settings.hold)
+        self.metrics.held_from(lambda: self.holds.held)
         self.source = "none"
         self.bus = None  # the Bus, once connected (a bucket-fed router)
         self.proxy: Proxy | None = None

@@ -41,16 +41,22 @@ function routerNow() {
 
 // --- models ------------------------------------------------------------------------------
 
-function loadCell(load) {
+function loadCell(load, fleet, routers) {
   const t = load.ttfb;
   const queued = load.queued === null ? "–" : load.queued;
   const since = t && t.window_s ? `in ${Math.round(t.window_s / 60)} min` : "since the router started";
   const ttfb = t && t.count
     ? `p50 ${secs(t.p50_s)} · p95 ${secs(t.p95_s)} (${t.count} ${since})`
     : "no requests " + (t ? since : "yet");
+  const all = fleet
+    ? el("div", { "data-role": "fleet-load" },
+      `all ${routers} router${routers === 1 ? "" : "s"}: in flight ${fleet.in_flight} · ` +
+      `queued ${fleet.queued} · slowest first token ${secs(fleet.ttft_ms / 1000)}`)
+    : null;
   return el("td", { "data-role": "load" },
     el("div", {}, `in flight ${load.in_flight} · queued ${queued}`),
-    el("div", { class: "muted" }, "first token " + ttfb));
+    el("div", { class: "muted" }, "first token " + ttfb),
+    all);
 }
 
 function replicaList(m) {
@@ -96,13 +102,14 @@ function models(state) {
       el("td", {}, el("div", { class: "node-id" }, m.id),
         m.served_name && m.served_name !== m.id ? el("div", { class: "muted" }, "served as " + m.served_name) : null),
       el("td", {}, `${ready}/${m.desired} ready`),
-      loadCell(m.load),
+      loadCell(m.load, m.fleet_load, state.load.routers),
       replicaList(m),
       whyCell(m)));
   }
   box.replaceChildren(table);
   document.getElementById("load-scope").textContent =
-    "Requests in flight, queued and time to first token are " + state.load.scope + "'s.";
+    "Requests in flight, queued and time to first token are " + state.load.scope +
+    "'s; the line under them sums every router's published load (load.<router> keys).";
 }
 
 // --- nodes -------------------------------------------------------------------------------
