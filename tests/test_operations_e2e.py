@@ -322,3 +322,82 @@ async def test_an_engine_that_keeps_failing_on_one_node_is_moved_and_the_node_na
     assert said in record.explanation, record.explanation
     text = render(await gather(bus), now=0.0)
     assert said in text
+
+
+@pytest.fixture
+def labelled_fleet(tmp_path, nats_server):
+    """Three agent processes whose agent files set labels and a taint, as an operator's
+    onboarding would: node1 pool=research, node2 pool=prod, node3 pool=research but tainted
+    gpu-flaky."""
+    config = {
+        "node1": ({"pool": "research"}, []),
+        "node2": ({"pool": "prod"}, []),
+        "node3": ({"pool": "research"}, ["gpu-flaky"]),
+    }
+    procs = []
+    for node, address in NODES.items():
+        root = tmp_path / node
+        dirs = host_dirs(root)
+        install_fake_engines(dirs["bin"])
+        cfg = agent_config(nats_server.url, dirs, id=node, address=address)
+        labels, taints = config[node]
+        cfg = msgspec.structs.replace(
+            cfg,
+            # 4 GiB as far as placement knows: one 3 GB replica a node
+            node=msgspec.structs.replace(cfg.node, labels=labels, taints=taints, ram_total_gb=4),
+            engines=Engines(listen_host=address, poll_interval=0.1, stop_grace=3),
+        )
+        procs.append(
+            start_agent(
+                cfg, root / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], root / "agent.log"
+            )
+        )
+    yield tmp_path
+    for p in procs:
+        stop(p)
+
+
+async def test_selectors_and_taints_from_agent_files_place_and_explain_with_counts(
+    bus, labelled_fleet, controller
+):
+    async def every_node_labelled():
+        got = await bus.list(keys.pattern(keys.NODES), decoder(records.NodeInventory))
+        return len(got) == len(NODES) and all(e.value.labels for e in got.values())
+
+    await until(every_node_labelled, timeout=30)
+    research = _model(labelled_fleet)
+    research = msgspec.structs.replace(
+        research,
+        profiles=[
+            msgspec.structs.replace(
+                research.profiles[0], node_selector={"pool": "research"}, host_ram_gb=3.0
+            )
+        ],
+    )
+    await serve(bus, research, 2)
+
+    async def decided():
+        got = await bus.get(keys.placement("tiny"), decoder(records.PlacementRecord))
+        return got.value if got and got.value.placed == 1 else None
+
+    record = await until(decided, timeout=30)
+    (placed,) = await _replicas(bus)
+    # node2 lacks the label, node3 has it but its taint is not tolerated
+    assert placed.members[0].node == "node1"
+    # and node1 has no RAM left for a second: each node refused is counted by its reason
+    assert record.explanation.startswith("0/3 nodes fit: "), record.explanation
+    for said in ("1 lack pool=research", "1 tainted gpu-flaky", "1 short of host RAM"):
+        assert said in record.explanation, record.explanation
+
+    # tolerating the taint, the second replica goes to node3
+    tolerant = msgspec.structs.replace(
+        research,
+        profiles=[msgspec.structs.replace(research.profiles[0], tolerations=["gpu-flaky"])],
+    )
+    await bus.put(keys.catalog("tiny"), catalog.encode_model(tolerant))
+
+    async def on_both():
+        nodes = {r.members[0].node for r in await _replicas(bus) if r.phase != "draining"}
+        return nodes == {"node1", "node3"}
+
+    await until(on_both, timeout=30)
