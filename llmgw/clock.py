@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+import anyio
+
 
 class Clock(Protocol):
     def monotonic(self) -> float:
@@ -17,9 +19,19 @@ class Clock(Protocol):
         ...
 
 
+class Timer(Clock, Protocol):
+    """A clock that can also be waited on: what a supervisor's backoff, readiness deadline
+    and drain wait by, so a test moves through minutes of them at once."""
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
 class SystemClock:
     def monotonic(self) -> float:
         return time.monotonic()
 
     def wall(self) -> float:
         return time.time()
+
+    async def sleep(self, seconds: float) -> None:
+        await anyio.sleep(seconds)

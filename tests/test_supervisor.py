@@ -396,6 +396,73 @@ async def test_an_engine_that_keeps_failing_to_start_is_given_up_on(bins, tmp_pa
     assert not pidfile_path(tmp_path / "state", "r1").exists()
 
 
+class FakeClock:
+    """Time that moves only when the supervisor waits: minutes of backoff in no time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return 1.7e9 + self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+        await anyio.sleep(0)
+
+
+async def test_backoff_and_giving_up_follow_the_injected_clock(bins, tmp_path, monkeypatch):
+    """Delays of 10, 20 and 40 s, then FATAL: taken on the supervisor's clock, so this runs
+    in the time the four failed starts take, and the records carry that clock's times."""
+    spec = llama(bins, tmp_path, monkeypatch, FAKE_ENGINE_FAIL_LOAD="CUDA error: no kernel image")
+    rec = Recorder()
+    clock = FakeClock()
+    timing = SupervisorTiming(
+        **{**FAST.__dict__, "backoff_base": 10, "backoff_cap": 60, "max_failed_starts": 4}
+    )
+    sup = EngineSupervisor(
+        spec,
+        shard="r1",
+        on_phase=rec,
+        log_path=tmp_path / "logs" / "r1.log",
+        state_dir=tmp_path / "state",
+        timing=timing,
+        clock=clock,
+    )
+    with anyio.fail_after(30):  # far less than the 70 s of backoff it decides
+        await sup.run()
+    assert sup.restart_delays == [10, 20, 40] and sup.state.value == "fatal"
+    assert [s for s in clock.slept if s >= 10] == [10, 20, 40]
+    assert rec.changes[-1].gave_up and rec.changes[-1].at >= 1.7e9 + 1070
+
+
+async def test_the_readiness_timeout_follows_the_injected_clock(bins, tmp_path, monkeypatch):
+    spec = llama(bins, tmp_path, monkeypatch, FAKE_ENGINE_LOAD_SECONDS="3600")
+    rec = Recorder()
+    clock = FakeClock()
+    timing = SupervisorTiming(
+        **{**FAST.__dict__, "readiness_timeout": 900, "poll_interval": 5, "max_failed_starts": 1}
+    )
+    sup = EngineSupervisor(
+        spec,
+        shard="r1",
+        on_phase=rec,
+        log_path=tmp_path / "logs" / "r1.log",
+        state_dir=tmp_path / "state",
+        timing=timing,
+        clock=clock,
+    )
+    with anyio.fail_after(60):  # a quarter of an hour of probing, in seconds
+        await sup.run()
+    last = rec.changes[-1]
+    assert last.gave_up and "not ready after 900 s" in last.reason
+    assert clock.now - 1000.0 >= 900
+
+
 async def test_an_engine_left_running_is_adopted_by_the_next_supervisor(
     bins, tmp_path, monkeypatch
 ):

@@ -8,7 +8,9 @@ exits with capped exponential backoff, gives up on one that keeps failing to sta
 
 What it does follows from one named state (`EngineState`, supervisord's names), and the
 restart decisions from one small pure policy (`RestartPolicy`) tested with time passed
-in. An engine outlives its supervisor only when told to (`leave_running()`: the agent is
+in. Every wait that decides something (the backoff, the readiness deadline, the drain) is
+taken on the supervisor's clock (`llmgw.clock.Timer`, injected), so a test walks through
+minutes of them at once. An engine outlives its supervisor only when told to (`leave_running()`: the agent is
 being restarted, and its successor adopts the engine instead of loading the model again);
 otherwise stop, drain and cancellation all end with the group gone.
 
@@ -24,7 +26,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Literal
@@ -44,7 +46,7 @@ from llmgw.agent.engines.pidfile import (
     remove_pidfile,
     write_pidfile,
 )
-from llmgw.clock import Clock, SystemClock
+from llmgw.clock import SystemClock, Timer
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class PhaseChange:
     tail: list[str]
     restarts: int  # restarts so far (0 on the first start)
     pid: int | None
-    at: float = field(default_factory=time.time)
+    at: float = 0.0  # unix seconds, by the supervisor's clock
     gave_up: bool = False  # FATAL: no restart will follow
 
 
@@ -147,7 +149,7 @@ class EngineSupervisor:
         state_dir: Path | None = None,
         timing: SupervisorTiming | None = None,
         adapter: EngineAdapter | None = None,
-        clock: Clock | None = None,
+        clock: Timer | None = None,
         adopt: EngineProcess | None = None,
         generation: int = 0,
         launch_prefix: Sequence[str] | Callable[[], Sequence[str]] = (),
@@ -188,7 +190,6 @@ class EngineSupervisor:
         self._ready_at: float | None = None
         self._stop_requested = anyio.Event()
         self._leave = False
-        self._draining = False
         self._running = False
         self._done = anyio.Event()
         self._http: aiohttp.ClientSession | None = None
@@ -252,8 +253,7 @@ class EngineSupervisor:
                     await self._report(
                         "failed", f"{failure}; restart {self.restarts} in {delay:g} s"
                     )
-                    with anyio.move_on_after(delay):
-                        await self._stop_requested.wait()
+                    await self._within(delay, self._stop_requested.wait)
             self.state = EngineState.EXITED
             await self._report("stopped", "stopped on request")
         finally:
@@ -277,16 +277,16 @@ class EngineSupervisor:
         """Report draining at once, let in-flight requests finish (bounded), then stop."""
         if self._done.is_set() or self._stop_requested.is_set():
             return await self.stop()
-        self._draining = True
         self.state = EngineState.STOPPING
         await self._report("draining", "waiting for in-flight requests")
         if (self.phase_was_ready or self._adopted_ready) and self.command.base_url:
-            with anyio.move_on_after(
-                self.timing.drain_timeout if timeout is None else timeout
-            ) as scope:
+
+            async def idle() -> None:
                 await self._engine_up.wait()  # an engine adopted to be drained, say
                 await self._wait_idle()
-            if scope.cancelled_caught:
+
+            limit = self.timing.drain_timeout if timeout is None else timeout
+            if not await self._within(limit, idle):
                 log.warning("%s: drain timed out with requests in flight; stopping", self.shard)
         await self.stop()
 
@@ -400,11 +400,11 @@ class EngineSupervisor:
             # it served under its earlier agent: it answers ready again at once, or it hangs
             within = self.timing.adopted_ready_grace
         else:  # still loading: its load began when it started, not now
-            within -= max(0.0, time.time() - adopted.started_at)
+            within -= max(0.0, self._clock.wall() - adopted.started_at)
         hung = adopted is not None and adopted.ready
-        deadline = anyio.current_time() + within
+        deadline = self._clock.monotonic() + within
         probe = Probe(False, "not probed yet")
-        while anyio.current_time() < deadline:
+        while self._clock.monotonic() < deadline:
             probe = await self._probe()
             if not probe.ready and adopted is not None:
                 how = "adopted after serving, not ready now" if hung else "adopted while loading"
@@ -416,7 +416,7 @@ class EngineSupervisor:
                 self._rewrite_pidfile(ready=True)
                 await self._report("ready", probe.detail)
                 return
-            await anyio.sleep(self.timing.poll_interval)
+            await self._clock.sleep(self.timing.poll_interval)
         if hung:
             failure.append(
                 f"adopted after it had served, but not ready again within {within:g} s "
@@ -428,6 +428,22 @@ class EngineSupervisor:
                 "raise the readiness timeout if this model loads slower"
             )
         await self._terminate(self.timing.stop_grace)
+
+    async def _within(self, seconds: float, wait: Callable[[], Awaitable[object]]) -> bool:
+        """`wait()` for at most `seconds` by the supervisor's clock; True if it returned."""
+        done = False
+        async with anyio.create_task_group() as tg:
+
+            async def waiting() -> None:
+                nonlocal done
+                await wait()
+                done = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(waiting)
+            await self._clock.sleep(seconds)
+            tg.cancel_scope.cancel()
+        return done
 
     async def _watch_stop(self) -> None:
         await self._stop_requested.wait()
@@ -501,7 +517,7 @@ class EngineSupervisor:
             count = await self._in_flight()
             zeros = zeros + 1 if count == 0 else 0
             if zeros < 2:
-                await anyio.sleep(self.timing.drain_poll)
+                await self._clock.sleep(self.timing.drain_poll)
 
     # --- signals -------------------------------------------------------------------
 
@@ -536,8 +552,8 @@ class EngineSupervisor:
     # --- reports and bookkeeping -----------------------------------------------------
 
     async def _report(self, phase: SupervisorPhase, reason: str, *, gave_up: bool = False) -> None:
-        if self._draining and phase in ("starting", "loading", "ready"):
-            return  # a drain in progress is what the router must keep seeing
+        if self.state is EngineState.STOPPING and phase in ("starting", "loading", "ready"):
+            return  # a drain or stop in progress is what the router must keep seeing
         self.phase = phase
         change = PhaseChange(
             phase=phase,
@@ -545,6 +561,7 @@ class EngineSupervisor:
             tail=self.tail() if phase in ("failed", "stopped") else [],
             restarts=self.restarts,
             pid=self.pid if phase not in ("stopped",) else None,
+            at=self._clock.wall(),
             gave_up=gave_up,
         )
         try:
