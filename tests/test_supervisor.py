@@ -76,7 +76,9 @@ def llama(bins, tmp_path: Path, monkeypatch, **env: str) -> LaunchSpec:
     )
 
 
-def supervisor(spec: LaunchSpec, tmp_path: Path, rec: Recorder, timing=FAST) -> EngineSupervisor:
+def supervisor(
+    spec: LaunchSpec, tmp_path: Path, rec: Recorder, timing=FAST, clock=None
+) -> EngineSupervisor:
     return EngineSupervisor(
         spec,
         shard="r1",
@@ -84,6 +86,7 @@ def supervisor(spec: LaunchSpec, tmp_path: Path, rec: Recorder, timing=FAST) -> 
         log_path=tmp_path / "logs" / "r1.log",
         state_dir=tmp_path / "state",
         timing=timing,
+        clock=clock,
     )
 
 
@@ -424,15 +427,7 @@ async def test_backoff_and_giving_up_follow_the_injected_clock(bins, tmp_path, m
     timing = SupervisorTiming(
         **{**FAST.__dict__, "backoff_base": 10, "backoff_cap": 60, "max_failed_starts": 4}
     )
-    sup = EngineSupervisor(
-        spec,
-        shard="r1",
-        on_phase=rec,
-        log_path=tmp_path / "logs" / "r1.log",
-        state_dir=tmp_path / "state",
-        timing=timing,
-        clock=clock,
-    )
+    sup = supervisor(spec, tmp_path, rec, timing, clock)
     with anyio.fail_after(30):  # far less than the 70 s of backoff it decides
         await sup.run()
     assert sup.restart_delays == [10, 20, 40] and sup.state.value == "fatal"
@@ -447,15 +442,7 @@ async def test_the_readiness_timeout_follows_the_injected_clock(bins, tmp_path, 
     timing = SupervisorTiming(
         **{**FAST.__dict__, "readiness_timeout": 900, "poll_interval": 5, "max_failed_starts": 1}
     )
-    sup = EngineSupervisor(
-        spec,
-        shard="r1",
-        on_phase=rec,
-        log_path=tmp_path / "logs" / "r1.log",
-        state_dir=tmp_path / "state",
-        timing=timing,
-        clock=clock,
-    )
+    sup = supervisor(spec, tmp_path, rec, timing, clock)
     with anyio.fail_after(60):  # a quarter of an hour of probing, in seconds
         await sup.run()
     last = rec.changes[-1]
