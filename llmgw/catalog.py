@@ -146,6 +146,10 @@ class Autoscale(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
     # (0.8; 0: off)
     engine_queue_per_replica: float = 5.0
     kv_cache_full: float = 0.8
+    # requests a router holds for this model while it has no ready replica, and for how
+    # long each (0: the router's --hold-max / --hold-timeout)
+    hold_max: int = 0
+    hold_timeout: float = 0.0
 
 
 class Model(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -457,6 +461,8 @@ def _check_model(check: _Checker, raw: Any, fallback: str) -> Model | None:
 
 
 _AUTOSCALE_FIELDS = tuple(Autoscale.__struct_fields__)
+# requests a router may hold for one model: each is an open connection and a task
+MAX_HELD = 100_000
 # the policy's numbers, and their defaults when not given (Autoscale's own)
 _AUTOSCALE_DEFAULTS = {
     "target_in_flight": 2.0,
@@ -466,6 +472,7 @@ _AUTOSCALE_DEFAULTS = {
     "idle_unload_after": 0.0,
     "engine_queue_per_replica": 5.0,
     "kv_cache_full": 0.8,
+    "hold_timeout": 0.0,
 }
 
 
@@ -505,12 +512,17 @@ def _check_autoscale(check: _Checker, where: str, raw: Any) -> Autoscale | None:
     }
     if times["target_in_flight"] == 0:
         check.expected(where, "autoscale.target_in_flight", "a number > 0", 0)
+    hold_max = check.integer(
+        where, "autoscale.hold_max", raw.get("hold_max", _MISSING), 0, default=0
+    )
+    if hold_max is not None and hold_max > MAX_HELD:
+        check.expected(where, "autoscale.hold_max", f"an integer <= {MAX_HELD}", hold_max)
     full = times["kv_cache_full"]
     if full is not None and full > 1:
         check.expected(where, "autoscale.kv_cache_full", "a fraction 0..1 (0: off)", full)
     if len(check.errors) > before:
         return None
-    return Autoscale(min_replicas=lo, max_replicas=hi, **times)
+    return Autoscale(min_replicas=lo, max_replicas=hi, hold_max=hold_max or 0, **times)
 
 
 def _check_rollout(

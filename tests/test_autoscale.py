@@ -273,6 +273,12 @@ def test_the_catalog_refuses_an_autoscale_policy_that_cannot_work() -> None:
         _model()
     with pytest.raises(catalog.CatalogError, match="min_replicas 3 is above max_replicas 2"):
         _model(min_replicas=3, max_replicas=2)
+    with pytest.raises(catalog.CatalogError) as e:
+        _model(max_replicas=2, hold_max=10**6, hold_timeout=-1, kv_cache_full=1.5)
+    text = str(e.value)
+    assert "autoscale.hold_max: expected an integer <= 100000" in text
+    assert "autoscale.hold_timeout: expected a number >= 0" in text
+    assert "autoscale.kv_cache_full: expected a fraction 0..1 (0: off)" in text
 
 
 def test_an_autoscale_policy_survives_the_bucket_round_trip() -> None:

@@ -206,12 +206,18 @@ async def test_a_cold_models_first_requests_wait_for_a_replica_and_succeed_strea
         assert scale.load_s >= 1.0, scale  # measured: the engine's second of loading at least
 
 
+@pytest.mark.parametrize("bounds", ["router", "model"])
 async def test_a_request_that_cannot_wait_gets_503_with_retry_after_and_a_full_hold_429(
-    bus, nats_settings, fleet, controller
+    bus, nats_settings, fleet, controller, bounds
 ):
+    """One request held at most: by the router's --hold-max, or by the model's own
+    autoscale.hold_max over the router's default (256)."""
     await _nodes_ready(bus)
-    await serve_auto(bus, _model(fleet, idle_unload_after=1, env={"FAKE_ENGINE_LOAD_SECONDS": "3"}))
-    settings = router_settings(hold=HoldSettings(max_held=1, max_wait=30))
+    own = {"hold_max": 1, "hold_timeout": 30} if bounds == "model" else {}
+    model = _model(fleet, idle_unload_after=1, env={"FAKE_ENGINE_LOAD_SECONDS": "3"}, **own)
+    await serve_auto(bus, model)
+    hold = HoldSettings(max_held=1, max_wait=30) if bounds == "router" else HoldSettings()
+    settings = router_settings(hold=hold)
     async with (
         running_router(connect=_connect(nats_settings), settings=settings) as router,
         aiohttp.ClientSession() as http,

@@ -9,7 +9,8 @@ request looks at the table again at every change of it, so none is lost between 
 replica is ready" and "the router knows": it is sent on the change that makes it known.
 
 Bounded per model: at most `max_held` requests (one more gets 429: the router's queue is
-full), each for at most `max_wait` seconds, or less when the client says so with the
+full), each for at most `max_wait` seconds (the model's `autoscale.hold_max` and
+`hold_timeout` where its catalog entry sets them, else the router's settings), or less when the client says so with the
 `x-llmgw-max-wait: SECONDS` header (0: do not wait). A request that cannot wait gets 503
 with `Retry-After` from the model's last measured load time (`scale.<model>.load_s`).
 """
@@ -71,7 +72,9 @@ class Holds:
         pick: Callable[[Route], Backend | None],
     ) -> tuple[Route, Backend] | Refused:
         """Hold until `pick` finds a backend for `served_name`, or say why not."""
-        wait = self.settings.max_wait
+        own_max, own_wait = self.table.hold_bounds(model)
+        max_held = own_max or self.settings.max_held
+        wait = own_wait or self.settings.max_wait
         asked = _client_wait(max_wait_header)
         if asked is not None:
             wait = min(wait, asked)
@@ -80,12 +83,12 @@ class Holds:
             return self._cannot_wait(
                 model, served_name, f"the client does not wait ({MAX_WAIT_HEADER.decode()})"
             )
-        if self.held.get(model, 0) >= self.settings.max_held:
+        if self.held.get(model, 0) >= max_held:
             self.load.asked(model)
             return Refused(
                 429,
                 f"model {served_name!r} is cold and the router already holds "
-                f"{self.settings.max_held} requests for it (its hold queue is full); "
+                f"{max_held} requests for it (its hold queue is full); "
                 f"retry after {self.retry_after(model)} s",
                 "hold_queue_full",
                 self.retry_after(model),

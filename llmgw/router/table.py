@@ -195,6 +195,13 @@ class EndpointTable:
             and model.autoscale is not None
         )
 
+    def hold_bounds(self, model_id: str) -> tuple[int, float]:
+        """The model's own hold bounds from its autoscale policy: (requests, seconds), 0
+        where it leaves them to the router's settings."""
+        model = self.models.get(model_id)
+        policy = model.autoscale if model is not None else None
+        return (policy.hold_max, policy.hold_timeout) if policy is not None else (0, 0.0)
+
     def load_seconds(self, model_id: str) -> float:
         """How long the model's last replica took from placed to ready; 0: not measured."""
         scale = self.scales.get(model_id)
