@@ -308,9 +308,12 @@ async def test_two_routers_load_is_summed_once(bus, nats_settings, fleet, contro
     assert re.match(r"\d -> 4: [\d.]+ in flight over \d replicas?, target 1", seen[-1].reason)
 
 
+@pytest.mark.parametrize("how", ["stops", "dies"])
 async def test_a_controller_taking_over_during_a_scale_up_places_no_surplus(
-    bus, nats_settings, fleet
+    bus, nats_settings, fleet, how
 ):
+    """The leader stops (and resigns), or dies without a word as SIGKILL leaves it (its
+    lease expires), while the replicas it scaled up are still loading."""
     # replicas load for 2 s: the takeover comes while the new ones load
     await serve_auto(bus, _model(fleet, env={"FAKE_ENGINE_LOAD_SECONDS": "2"}))
     phases = Phases(bus)
@@ -322,8 +325,15 @@ async def test_a_controller_taking_over_during_a_scale_up_places_no_surplus(
             a_scope = anyio.CancelScope()
 
             async def run_a():
+                a = Controller(a_bus, controller_settings("a"))
+                if how == "dies":
+
+                    async def says_nothing() -> None:
+                        pass  # a process killed hard resigns nothing: its lease just expires
+
+                    a._resign = says_nothing  # type: ignore[method-assign]
                 with a_scope:
-                    await Controller(a_bus, controller_settings("a")).run()
+                    await a.run()
 
             tg.start_soon(run_a)
             await until(lambda: _leader_is(bus, "a"), timeout=20)
