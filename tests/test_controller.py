@@ -686,11 +686,11 @@ async def _one_failing_pass(
     clock.advance(10)
     plan, raised = placement.plan, anyio.Event()
 
-    def plan_failing_once(snap):
+    def plan_failing_once(snap, nodes=None):
         if not raised.is_set():
             raised.set()
             raise error
-        return plan(snap)
+        return plan(snap, nodes)
 
     monkeypatch.setattr(placement, "plan", plan_failing_once)
     with anyio.fail_after(10):
@@ -753,8 +753,8 @@ async def test_a_pass_that_planned_for_long_judges_its_nodes_again_before_placin
         clock.advance(10)
         plan, planned = placement.plan, anyio.Event()
 
-        def slow_plan(snap):
-            result = plan(snap)
+        def slow_plan(snap, nodes=None):
+            result = plan(snap, nodes)
             if result.create and not planned.is_set():
                 clock.advance(10)  # planning took 10 s
                 planned.set()
@@ -783,8 +783,8 @@ async def test_a_record_too_large_to_write_is_a_bug_not_a_link_failure(
     await node.register()
     plan = placement.plan
 
-    def huge_record(snap):
-        result = plan(snap)
+    def huge_record(snap, nodes=None):
+        result = plan(snap, nodes)
         for model, rec in result.placements.items():
             result.placements[model] = msgspec.structs.replace(rec, explanation="x" * 2_000_000)
         return result

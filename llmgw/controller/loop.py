@@ -514,9 +514,12 @@ class Controller:
         frozen = self.view.frozen()
         snap = self.snapshot(frozen, now)
         await self._write_fabrics(snap.fabrics or {})
+        # the fleet is built once a pass, for both (and with the cycle collector paused)
+        with placement.collector_paused():
+            nodes = placement.fleet_nodes(snap)
         # before planning: a node that just started qualifying is placed on in this same pass
-        await self._report_qualifying(snap)
-        plan = placement.plan(snap)
+        await self._report_qualifying(snap, nodes)
+        plan = placement.plan(snap, nodes)
         creates = self._still_placeable(plan.create, now)
         # A frozen model keeps its replicas: a garbled or deleted catalog entry is not a
         # request to remove the model.
@@ -830,14 +833,17 @@ class Controller:
             await self._delete(keys.placement(model))
             self.view.placements.pop(model, None)
 
-    async def _report_qualifying(self, snap: placement.Snapshot) -> None:
+    async def _report_qualifying(
+        self, snap: placement.Snapshot, nodes: dict[str, placement.NodeState]
+    ) -> None:
         """Log and publish when a node starts or stops qualifying for a model still waiting:
         the answer to "why was this placed an hour after it was asked for"."""
         waiting = {m for m, p in self.view.placements.items() if p.placed < p.desired}
         for model in list(self._qualifying):
             if model not in waiting:
                 del self._qualifying[model]
-        qualifying = placement.qualifying_nodes_by_model(snap, waiting)
+        with placement.collector_paused():
+            qualifying = placement.qualifying_nodes_by_model(snap, waiting, nodes)
         for model in waiting:
             now_q = qualifying[model]
             before = self._qualifying.get(model)

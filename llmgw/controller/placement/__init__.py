@@ -36,7 +36,13 @@ Rules kept here (docs/placement.md says why for each):
 
 from llmgw.controller.placement.explain import GB, Blocked, Reason, Refusal, same_decision
 from llmgw.controller.placement.filters import FILTERS, Filter, fit
-from llmgw.controller.placement.nodes import Need, NodeState, Unschedulable, mark_unschedulable
+from llmgw.controller.placement.nodes import (
+    Need,
+    NodeState,
+    Unschedulable,
+    fleet_nodes,
+    mark_unschedulable,
+)
 from llmgw.controller.placement.ports import PortMove, move_taken_ports
 from llmgw.controller.placement.qualifying import qualifying_nodes, qualifying_nodes_by_model
 from llmgw.controller.placement.record import frozen_record
@@ -53,6 +59,7 @@ from llmgw.controller.placement.steps import (
     Plan,
     Removal,
     blocked_model,
+    collector_paused,
     fill,
     plan,
     plan_model,
@@ -80,7 +87,9 @@ __all__ = [
     "Snapshot",
     "Unschedulable",
     "blocked_model",
+    "collector_paused",
     "fill",
+    "fleet_nodes",
     "fit",
     "frozen_record",
     "mark_unschedulable",

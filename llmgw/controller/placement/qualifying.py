@@ -17,11 +17,15 @@ def qualifying_nodes(snapshot: Snapshot, model: str, profile: str | None = None)
     return _qualifying(snapshot, model, profile, fleet_nodes(snapshot))
 
 
-def qualifying_nodes_by_model(snapshot: Snapshot, models: Iterable[str]) -> dict[str, set[str]]:
+def qualifying_nodes_by_model(
+    snapshot: Snapshot, models: Iterable[str], nodes: Mapping[str, NodeState] | None = None
+) -> dict[str, set[str]]:
     """`qualifying_nodes` of several models with the fleet built once per call, not once per
-    model: building it is O(nodes), ~45 ms at 2,000 nodes (bench/reconcile.py --waiting)."""
+    model: building it is O(nodes), ~45 ms at 2,000 nodes (bench/reconcile.py --waiting).
+    `nodes`: that fleet, when the caller built it already (a pass builds it once for this
+    and the plan; judging here only reads it)."""
     models = list(models)
-    fleet = fleet_nodes(snapshot) if models else {}
+    fleet = (nodes if nodes is not None else fleet_nodes(snapshot)) if models else {}
     return {m: _qualifying(snapshot, m, None, fleet) for m in models}
 
 

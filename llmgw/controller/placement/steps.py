@@ -87,14 +87,16 @@ class Filled:
     refusals: list[tuple[str, dict[str, Refusal]]]
 
 
-def plan(snapshot: Snapshot) -> Plan:
-    """Decide replicas to create and remove for every model, with the reasons."""
-    with _collector_paused():
-        return _plan(snapshot)
+def plan(snapshot: Snapshot, nodes: dict[str, NodeState] | None = None) -> Plan:
+    """Decide replicas to create and remove for every model, with the reasons. `nodes`:
+    `fleet_nodes(snapshot)` when the caller built it already (and nothing changed it):
+    the plan takes resources off them as it places."""
+    with collector_paused():
+        return _plan(snapshot, nodes if nodes is not None else fleet_nodes(snapshot))
 
 
 @contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Python's cycle collector off while a plan runs. A plan allocates a great many
     short-lived objects (a node state per node, a rank per node per profile) that form no
     cycles, so reference counting frees them all; left on, the collector's full passes walk
@@ -109,10 +111,8 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _plan(snapshot: Snapshot) -> Plan:
-    fleet = Fleet(
-        snapshot, fleet_nodes(snapshot), WeightsNearby(snapshot), {r.rid for r in snapshot.replicas}
-    )
+def _plan(snapshot: Snapshot, nodes: dict[str, NodeState]) -> Plan:
+    fleet = Fleet(snapshot, nodes, WeightsNearby(snapshot), {r.rid for r in snapshot.replicas})
     # before anything is placed: the ports they move to are then used
     moves = move_taken_ports(snapshot, fleet.nodes)
     by_model: dict[str, list[Replica]] = defaultdict(list)
