@@ -196,10 +196,13 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
         now=snapshot.now,
         cooldown=snapshot.failures.cooldown,
         nodes=snapshot.failures.nodes,
+        # judged only when there is a failure to weigh: it reads every node
         eligible={
             launches[p.name]: _could_run_on(fleet, model_id, p, snapshot.port_range)
             for p in profiles
-        },
+        }
+        if given_up or _failed_lately(snapshot.placements.get(model_id))
+        else None,
     )
     new = [r for r in new if r.phase not in REPLICA_TERMINAL]
     old = [o for o in old if o.replica.phase not in REPLICA_TERMINAL]
@@ -324,6 +327,10 @@ def _profiles(model: Model, desired: Desired | None) -> list[Profile]:
         assert chosen is not None  # blocked_model refused an unknown one
         return [chosen]
     return list(model.profiles)
+
+
+def _failed_lately(stored: PlacementRecord | None) -> bool:
+    return stored is not None and bool(stored.failures)
 
 
 ROLLOUT_TAIL_SAID = 5  # engine lines a stopped rollout's placement record carries
