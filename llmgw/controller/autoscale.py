@@ -76,6 +76,8 @@ def engine_saturation(
     to another's replicas, or to a model it does not serve."""
     per: dict[str, EngineSaturation] = {}
     for node, lease in leases.items():
+        if not lease.engines:
+            continue
         h = health.get(node)
         if h is None or h.phase != "ready":
             continue  # a silent node's last word is not today's load

@@ -407,7 +407,11 @@ class Controller:
             placements=self.view.placements,
             now=now.monotonic,
             wall=now.wall,
-            engines=engine_saturation(self.view.leases, self.view.health, self.view.replicas),
+            engines=(
+                engine_saturation(self.view.leases, self.view.health, self.view.replicas)
+                if any(d.auto for d in self.view.desired.values())
+                else None
+            ),
         )
         counted = False
         for model, scale in changes.items():
