@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from collections import Counter
@@ -12,6 +13,7 @@ import nats
 import nats.errors
 import nats.js.errors
 import pytest
+from denying import nats_denying
 from links import ProxyLink
 from nats.js.api import KeyValueConfig
 from waiting import until
@@ -30,6 +32,7 @@ from llmgw.bus.client import (
     NatsUnreachable,
     Synced,
     Update,
+    Write,
     decoder,
 )
 from llmgw.bus.errors import Unanswered, ValueTooLarge, WrongRevision
@@ -129,6 +132,99 @@ async def test_a_fenced_write_lands_only_while_the_fence_key_is_at_its_revision(
     assert await bus.get_raw(keys.health("n2")) is None  # neither refused write landed
     assert await bus.get_raw(keys.health("n3")) is not None
     assert await bus.put(keys.health("n2"), _health("n2"), fence=Fence("leader", moved))
+
+
+async def _stream_config(bus: Bus) -> dict:
+    msg = await bus.connection.nc.request("$JS.API.STREAM.INFO.KV_llmgw", b"", timeout=5)
+    return json.loads(msg.data)["config"]
+
+
+async def test_many_fenced_writes_go_in_atomic_batches_stored_whole_or_not_at_all(
+    bus: Bus,
+) -> None:
+    before = await _stream_config(bus)
+    assert not before.get("allow_atomic")
+    assert bus.batches is not True  # not until asked for
+    assert await bus.allow_batches() is True
+    after = await _stream_config(bus)
+    # only allow_atomic changed: history, value cap, subjects, direct get stay as they were
+    # (the server's own metadata says the stream now needs its API level 2: nats-server 2.12)
+    assert after.pop("metadata")["_nats.req.level"] == "2"
+    before.pop("metadata")
+    assert after == {**before, "allow_atomic": True}
+    held = await bus.put("leader", records.Leader(holder="a", since=1, renewed_at=1))
+    await bus.put(keys.health("gone"), _health("gone"))
+    writes = [Write(keys.health(f"n{i}"), _health(f"n{i}")) for i in range(2_500)]
+    writes.append(Write(keys.health("gone"), None))
+    sent = _count_publishes(bus)
+    await bus.write_all(writes, fence=Fence("leader", held))
+    assert len(sent) <= 3 * 3  # three batches of at most 1,000: one ack each, not 2,501
+    stored = await bus.list(keys.pattern(keys.HEALTH), decoder(records.Health))
+    assert sorted(stored) == sorted(keys.health(f"n{i}") for i in range(2_500))
+
+    moved = await bus.update("leader", records.Leader(holder="b", since=2, renewed_at=2), last=held)
+    late = [Write(keys.health(f"late{i}"), _health(f"late{i}")) for i in range(10)]
+    late.append(Write(keys.health("n1"), None))
+    with pytest.raises(FencedOff) as refused:
+        await bus.write_all(late, fence=Fence("leader", held))
+    assert refused.value.now_at == moved
+    # nothing of the refused batch: neither its puts nor its deletion
+    assert await bus.get_raw(keys.health("late9")) is None
+    assert await bus.get_raw(keys.health("n1")) is not None
+    # a value over the cap is refused before anything is sent
+    with pytest.raises(ValueTooLarge, match="health.big"):
+        await bus.write_all(
+            [
+                Write(keys.health("first"), _health("first")),
+                Write(keys.health("big"), b"x" * (MAX_VALUE_BYTES + 1)),
+            ],
+            fence=Fence("leader", moved),
+        )
+    assert await bus.get_raw(keys.health("first")) is None
+
+
+def _count_publishes(bus: Bus) -> list[str]:
+    """Requests made through the connection from now on (a batch's commit is one)."""
+    nc = bus.connection.nc
+    made: list[str] = []
+    request = nc.request
+
+    async def counting(subject, *args, **kwargs):
+        made.append(subject)
+        return await request(subject, *args, **kwargs)
+
+    nc.request = counting
+    return made
+
+
+async def test_batches_shrink_to_the_servers_limit_and_fall_back_when_the_stream_refuses(
+    bus: Bus, caplog
+) -> None:
+    assert await bus.allow_batches() is True
+    held = await bus.put("leader", records.Leader(holder="a", since=1, renewed_at=1))
+    fence = Fence("leader", held)
+    bus._batch_max = 1_500  # over nats-server's default limit (1,000): it says so, 10199
+    await bus.write_all(
+        [Write(keys.health(f"a{i}"), _health(f"a{i}")) for i in range(1_200)], fence=fence
+    )
+    assert bus._batch_max == 1_000
+    assert len(await bus.list(keys.pattern(keys.HEALTH), decoder(records.Health))) == 1_200
+    # an operator turns atomic batches off on the stream: writes go one at a time, said
+    config = await _stream_config(bus)
+    config["allow_atomic"] = False
+    await bus.connection.nc.request(
+        "$JS.API.STREAM.UPDATE.KV_llmgw", json.dumps(config).encode(), timeout=5
+    )
+    await bus.write_all(
+        [Write(keys.health(f"b{i}"), _health(f"b{i}")) for i in range(30)], fence=fence
+    )
+    assert "atomic publish is disabled" in str(bus.batches)
+    assert "writing one at a time" in caplog.text
+    assert len(await bus.list(keys.pattern(keys.HEALTH), decoder(records.Health))) == 1_230
+    with pytest.raises(FencedOff):  # one at a time, still fenced
+        await bus.write_all(
+            [Write(keys.health("c"), _health("c"))], fence=Fence("leader", held + 99)
+        )
 
 
 async def test_a_write_at_a_stale_revision_reads_as_wrong_revision_at_the_servers_revision(
@@ -269,30 +365,11 @@ async def test_a_server_without_jetstream_is_named_not_waited_for(tmp_path) -> N
 async def test_a_bucket_this_identity_may_not_create_is_said_at_once_not_waited_for(
     tmp_path,
 ) -> None:
-    import subprocess
-
-    from llmgw.bus.server import find_nats_server
-
-    port = free_port()
-    config = tmp_path / "nats.conf"
-    config.write_text(
-        f'port: {port}\nhost: "127.0.0.1"\njetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
-        'authorization { users: [ { user: "node", password: "pw", permissions: {\n'
-        '  publish: { allow: ">", deny: "$JS.API.STREAM.CREATE.>" } } } ] }\n'
-    )
-    proc = subprocess.Popen(
-        [str(find_nats_server()), "-c", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        settings = NatsSettings(urls=(f"nats://node:pw@127.0.0.1:{port}",), connect_timeout=0.5)
+    with nats_denying(tmp_path, "$JS.API.STREAM.CREATE.>", user="node") as url:
+        settings = NatsSettings(urls=(url,), connect_timeout=0.5)
         with pytest.raises(BusError, match="does not exist and this identity may not create it"):
             with anyio.fail_after(20):  # no give_up_after: a refusal must not be waited on
                 await Bus.connect(settings)
-    finally:
-        proc.terminate()
-        proc.wait()
 
 
 @pytest.mark.parametrize("replicas", [0, 6])

@@ -16,7 +16,15 @@ import pytest
 from waiting import until
 
 from llmgw.bus import keys, records
-from llmgw.bus.client import BucketSettings, Bus, Fence, FencedOff, NatsSettings, decoder
+from llmgw.bus.client import (
+    BucketSettings,
+    Bus,
+    Fence,
+    FencedOff,
+    NatsSettings,
+    Write,
+    decoder,
+)
 from llmgw.bus.server import find_nats_server, free_port
 from llmgw.controller.loop import Controller, ControllerSettings
 
@@ -205,6 +213,48 @@ async def test_on_a_cluster_a_fenced_write_lands_before_a_takeover_or_not_at_all
     assert max(landed.values()) < took_over_at, "a fenced write landed after the takeover"
     assert min(refused) > max(landed)  # once refused, every later one is refused too
     assert all(e.now_at is not None and e.now_at >= took_over_at for e in refused.values())
+
+
+async def test_on_a_cluster_a_batch_of_fenced_writes_lands_whole_before_a_takeover_or_not_at_all(
+    cluster,
+):
+    for i in range(3):
+        cluster.start(i)
+    settings = _settings(*cluster.urls)
+    async with (
+        await Bus.connect(settings, BucketSettings(replicas=3), give_up_after=20) as old,
+        await Bus.connect(settings, BucketSettings(replicas=3), give_up_after=20) as new,
+    ):
+        assert await old.allow_batches() is True
+        held = await old.put(keys.leader(), records.Leader(holder="old", since=1, renewed_at=1))
+        fence = Fence(keys.leader(), held)
+        outcomes: dict[int, bool] = {}  # batch: landed, or refused
+
+        async def batches() -> None:
+            for b in range(60):
+                writes = [Write(keys.health(f"b{b}-{i}"), _health(f"b{b}-{i}")) for i in range(50)]
+                try:
+                    await old.write_all(writes, fence=fence)
+                    outcomes[b] = True
+                except FencedOff:
+                    outcomes[b] = False
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(batches)
+            await until(lambda: _true(len(outcomes) >= 5))
+            taker = records.Leader(holder="new", since=2, renewed_at=2)
+            while (took_over_at := await new.update(keys.leader(), taker, last=held)) is None:
+                await anyio.sleep(0.01)
+        stored = await new.list(keys.pattern(keys.HEALTH), decoder(records.Health))
+    landed = sorted(b for b, ok in outcomes.items() if ok)
+    refused = sorted(b for b, ok in outcomes.items() if not ok)
+    assert landed and refused, "the takeover did not land among the batches"
+    assert max(landed) < min(refused)  # once refused, every later batch is refused too
+    for b in range(60):
+        revisions = [stored[k].revision for k in stored if k.startswith(f"health.b{b}-")]
+        # each batch whole or not at all, and none stored after the takeover
+        assert len(revisions) == (50 if b in landed else 0), b
+        assert all(r < took_over_at for r in revisions)
 
 
 def _health(node: str) -> records.Health:

@@ -12,6 +12,7 @@ import anyio
 import msgspec
 import nats.errors
 import pytest
+from denying import nats_denying
 from links import ProxyLink
 from waiting import until
 
@@ -1123,3 +1124,58 @@ async def test_a_replica_given_up_on_moves_and_a_launch_failing_everywhere_stays
 
 async def _replica_is(bus: Bus, rid: str, phase: str) -> bool:
     return any(r.rid == rid and r.phase == phase for r in await _replicas(bus))
+
+
+async def _health_of(bus: Bus, count: int) -> dict[str, records.Health] | None:
+    """Every node's health record once there are `count` of them."""
+    got = await bus.list(keys.pattern(keys.HEALTH), decoder(records.Health))
+    return {e.value.node: e.value for e in got.values()} if len(got) == count else None
+
+
+async def test_a_fleets_health_at_start_up_is_written_in_atomic_batches(
+    bus, second_bus, caplog
+) -> None:
+    nodes = [inventory(f"n{i:02d}", gpus=1) for i in range(60)]
+    sent: list[str] = []
+    request = second_bus.connection.nc.request
+
+    async def counting(subject, *args, **kwargs):
+        sent.append(subject)
+        return await request(subject, *args, **kwargs)
+
+    second_bus.connection.nc.request = counting
+    controller = Controller(second_bus, ControllerSettings(**MANUAL))
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, *nodes)
+        tg.start_soon(controller.run)
+        health = await until(lambda: _health_of(bus, 60), timeout=20)
+        tg.cancel_scope.cancel()
+    assert {h.phase for h in health.values()} == {"ready"}
+    assert {h.epoch for h in health.values()} == {controller.epoch}
+    assert second_bus.batches is True
+    health_writes = [s for s in sent if s.startswith("$KV.llmgw.health.")]
+    assert len(health_writes) == 1, health_writes  # one batch's commit, not 60 writes
+    assert "one at a time" not in caplog.text
+
+
+async def test_an_identity_that_may_not_allow_batches_writes_one_at_a_time_and_says_why(
+    tmp_path, caplog
+) -> None:
+    with nats_denying(tmp_path, "$JS.API.STREAM.UPDATE.>") as url:
+        settings = NatsSettings(urls=(url,), connect_timeout=0.5)
+        bus = await Bus.connect(settings, give_up_after=10)
+        other = await Bus.connect(settings, give_up_after=10)
+        controller = Controller(other, ControllerSettings(**MANUAL))
+        async with anyio.create_task_group() as tg:
+            await _sim(bus, tg, *[inventory(f"n{i:02d}", gpus=1) for i in range(30)])
+            tg.start_soon(controller.run)
+            health = await until(lambda: _health_of(bus, 30), timeout=30)
+            with anyio.fail_after(15):
+                while "one at a time" not in caplog.text:
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+        assert {h.phase for h in health.values()} == {"ready"}
+        assert other.batches is not True
+        assert "$JS.API.STREAM.UPDATE.KV_llmgw" in caplog.text  # the fix, named
+        await bus.close()
+        await other.close()

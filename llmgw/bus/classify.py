@@ -38,6 +38,9 @@ WRONG_LAST_SEQUENCE = 10071  # compared, and the subject is at another revision
 # stream leader, which lets one at a time through; it decides nothing
 WRONG_LAST_SEQUENCE_BUSY = 10164
 REPLICAS_NEED_A_CLUSTER = 10074  # "replicas > 1 not supported in non-clustered mode"
+# atomic batch publishes (nats-server >= 2.12): refused as a whole, nothing stored
+ATOMIC_DISABLED = 10174  # "atomic publish is disabled": the stream does not allow them
+ATOMIC_TOO_LARGE = 10199  # "atomic publish batch is too large: N" (the server's limit)
 
 # no connection to send on, or it went while the request waited
 _NOT_CONNECTED = (

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 import msgspec
+import nats.js.errors
 from nats.aio.client import Client
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
@@ -78,6 +81,14 @@ _EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 # nats-server >= 2.11: the expected revision is that of this subject, not the written one's
 _EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
 _FENCE_BUSY_ATTEMPTS = 40  # about 3 s of 10164s before a write gives up until the next pass
+# atomic batch publishes (nats-server >= 2.12, on a stream that allows them): the headers
+_BATCH_ID = "Nats-Batch-Id"
+_BATCH_SEQUENCE = "Nats-Batch-Sequence"
+_BATCH_COMMIT = "Nats-Batch-Commit"
+# nats-server's default limit on one atomic batch (`max_batch_size`); a server configured
+# lower says its own in error 10199, and the batches shrink to it
+BATCH_MAX = 1000
+_REQUEST_TIMEOUT = 5.0  # as nats-py's JetStream requests (the bucket's reads and writes)
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,14 @@ class Update(Generic[T]):
     key: str
     value: T | None
     revision: int
+
+
+@dataclass(frozen=True)
+class Write:
+    """One write of a batch (`Bus.write_all`): `value` None deletes the key."""
+
+    key: str
+    value: msgspec.Struct | bytes | None
 
 
 @dataclass(frozen=True)
@@ -135,6 +154,9 @@ class Bus:
         self._reconnect_listeners: list[Callable[[], Awaitable[None]]] = []
         self._watchers: set[KeyWatch] = set()
         self._closed = False
+        # atomic batches: unknown until `allow_batches`, then True, or why not
+        self.batches: bool | str = "not asked for (Bus.allow_batches)"
+        self._batch_max = BATCH_MAX
         connection.after_reconnect = self._on_reconnected
 
     # --- connecting -----------------------------------------------------------------
@@ -328,6 +350,121 @@ class Bus:
         raise BusError(
             f"write to {key} not made: {fence.key} stayed busy with other conditional writes "
             f"for {_FENCE_BUSY_ATTEMPTS} attempts; it is tried again on the next pass"
+        )
+
+    # --- many fenced writes at once ------------------------------------------------------
+
+    async def allow_batches(self) -> bool | str:
+        """Let the bucket's stream take atomic batch publishes (nats-server >= 2.12), which
+        `write_all` uses: its first write carries the fence and the server stores all of
+        them or none, so many fenced writes cost one round trip, not one each. The stream's
+        own configuration is sent back with `allow_atomic` set, nothing else changed. True,
+        or why not (an older server, an identity without $JS.API.STREAM.UPDATE), which the
+        caller says: `write_all` then writes one at a time."""
+        stream = f"KV_{self.bucket.name}"
+        try:
+            info = await self._js(
+                self._api(f"$JS.API.STREAM.INFO.{stream}", b""), f"reading stream {stream}"
+            )
+            config = info.get("config") or {}
+            if config.get("allow_atomic"):
+                self.batches = True
+                return True
+            version = self.connection.nc.connected_server_version
+            if (version.major, version.minor) < (2, 12):
+                self.batches = f"nats-server {version} has no atomic batches (2.12 has)"
+                return self.batches
+            config["allow_atomic"] = True
+            await self._js(
+                self._api(f"$JS.API.STREAM.UPDATE.{stream}", json.dumps(config).encode()),
+                f"allowing atomic batches on stream {stream}",
+            )
+        except BusError as e:
+            self.batches = (
+                f'{e}; set "allow_atomic": true in stream {stream}\'s configuration '
+                f"(nats-server >= 2.12), or let the controller's identity publish to "
+                f"$JS.API.STREAM.UPDATE.{stream}"
+            )
+            return self.batches
+        self.batches = True
+        log.info("stream %s now allows atomic batches (many fenced writes at once)", stream)
+        return True
+
+    async def _api(self, subject: str, payload: bytes, headers: dict[str, str] | None = None):
+        """A request whose answer is JetStream's JSON (an API call, a publish's ack): the
+        answer, or the APIError it carries."""
+        msg = await self.connection.nc.request(
+            subject, payload, timeout=_REQUEST_TIMEOUT, headers=headers
+        )
+        answer = json.loads(msg.data)
+        if isinstance(answer, dict) and answer.get("error"):
+            raise nats.js.errors.APIError.from_error(answer["error"])
+        return answer
+
+    async def write_all(self, writes: Sequence[Write], *, fence: Fence) -> None:
+        """Make every write in `writes` while `fence.key` is at its revision (FencedOff if
+        not): in atomic batches of up to BATCH_MAX, each stored whole or not at all, when
+        the stream allows them (`allow_batches`), else one at a time. A batch whose answer
+        is lost has an unknown outcome as a whole, like any one write."""
+        start = 0
+        while start < len(writes):
+            if self.batches is not True:
+                for w in writes[start:]:
+                    if w.value is None:
+                        await self.delete(w.key, fence=fence)
+                    else:
+                        await self.put(w.key, w.value, fence=fence)
+                return
+            chunk = writes[start : start + self._batch_max]
+            try:
+                await self._batch(chunk, fence)
+            except BusRefused as e:
+                if e.err_code == classify.ATOMIC_DISABLED:
+                    # edited away since: nothing of this batch was stored
+                    self.batches = f"stream KV_{self.bucket.name}: {e.description}"
+                    log.warning("atomic batches refused (%s): writing one at a time", e)
+                    continue
+                if e.err_code == classify.ATOMIC_TOO_LARGE and len(chunk) > 1:
+                    said = classify.revision_in(e.description)  # "...too large: N"
+                    self._batch_max = said if said and said < len(chunk) else len(chunk) // 2
+                    continue
+                raise
+            start += len(chunk)
+
+    async def _batch(self, writes: Sequence[Write], fence: Fence) -> None:
+        """One atomic batch, the fence on its first write; ConditionBusy retried."""
+        doing = f"write {len(writes)} keys ({writes[0].key}...) fenced by {fence.key}"
+        messages = []
+        for w in writes:
+            if w.value is None:
+                messages.append((self._subject(w.key), b"", {KV_OP: KV_DEL}))
+            else:
+                data = w.value if isinstance(w.value, bytes) else records.encode(w.value)
+                messages.append((self._subject(w.key), self._sized(w.key, data), {}))
+        backoff = Backoff(base=0.005, cap=0.1)
+        nc = self.connection.nc
+        for _ in range(_FENCE_BUSY_ATTEMPTS):
+            batch_id = uuid.uuid4().hex
+            last = len(messages)
+            for n, (subject, data, headers) in enumerate(messages, 1):
+                headers = {**headers, _BATCH_ID: batch_id, _BATCH_SEQUENCE: str(n)}
+                if n == 1:
+                    headers[_EXPECTED_LAST_SUBJECT_SEQUENCE] = str(fence.revision)
+                    headers[_EXPECTED_LAST_SUBJECT_SEQUENCE_SUBJECT] = self._subject(fence.key)
+                if n < last:
+                    await self._js(nc.publish(subject, data, headers=headers), doing)
+                    continue
+                headers[_BATCH_COMMIT] = "1"
+                try:
+                    await self._js(self._api(subject, data, headers), doing)
+                    return
+                except WrongRevision as e:
+                    raise FencedOff(writes[0].key, fence, e.now_at) from None
+                except ConditionBusy:
+                    await asyncio.sleep(backoff.next_delay())
+        raise BusError(
+            f"{doing}: not made, {fence.key} stayed busy with other conditional writes for "
+            f"{_FENCE_BUSY_ATTEMPTS} attempts; it is tried again on the next pass"
         )
 
     def _subject(self, key: str) -> str:

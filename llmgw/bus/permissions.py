@@ -110,6 +110,8 @@ def controller_permissions(bucket: str = keys.DEFAULT_BUCKET) -> dict[str, objec
                 # the first controller creates a missing bucket (create is idempotent for the
                 # same config and refused for another); agents wait for it
                 f"$JS.API.STREAM.CREATE.KV_{bucket}",
+                # and lets it take atomic batches (Bus.allow_batches): its only edit of it
+                f"$JS.API.STREAM.UPDATE.KV_{bucket}",
                 f"{keys.EVENTS_ROOT}.>",
                 "llmgw.agent.>",
             ]
