@@ -201,3 +201,40 @@ def test_declared_identity_with_spaces_is_refused_naming_the_directory() -> None
 def test_line_without_separator_is_refused() -> None:
     with pytest.raises(ValueError, match="not a mountinfo line"):
         parse_mountinfo_line("36 35 98:0 /mnt1 /mnt/parent rw,noatime")
+
+
+def test_a_scans_remembered_realpath_answers_as_os_realpath_does(tmp_path) -> None:
+    """Links at every level (into a filer's mount, back up the tree, dangling, in a loop),
+    dots, missing paths and a relative start: the same answer as os.path.realpath."""
+    from llmgw.agent.discovery.weights.mounts import RealPaths
+
+    root = tmp_path / "w"
+    (root / "real" / "a" / "b").mkdir(parents=True)
+    (root / "real" / "a" / "b" / "f.safetensors").write_bytes(b"x")
+    (root / "filer" / "models" / "m").mkdir(parents=True)
+    (root / "linked").symlink_to(root / "real")  # a directory link above the file
+    (root / "real" / "a" / "to-filer").symlink_to(root / "filer" / "models")
+    (root / "real" / "a" / "up").symlink_to("../..")  # relative, up the tree
+    (root / "real" / "dangling").symlink_to(root / "nowhere")
+    (root / "loop1").symlink_to(root / "loop2")
+    (root / "loop2").symlink_to(root / "loop1")
+    paths = [
+        root / "linked" / "a" / "b" / "f.safetensors",
+        root / "real" / "a" / "to-filer" / "m",
+        root / "real" / "a" / "up" / "real" / "a" / "b",
+        root / "real" / "dangling",
+        root / "real" / "dangling" / "below",
+        root / "loop1" / "x",
+        root / "missing" / "deeper",
+        f"{root}/real/a/./b/../b",
+        f"{root}/linked/a/b/",
+        "relative/path",
+        "/",
+    ]
+    remembered = RealPaths()
+    for p in paths * 2:  # the second round from memory
+        assert remembered(p) == os.path.realpath(p), p
+    # a relinked directory is seen by the next scan's RealPaths, not this one's
+    (root / "linked").unlink()
+    (root / "linked").symlink_to(root / "filer")
+    assert RealPaths()(root / "linked" / "models") == str(root / "filer" / "models")

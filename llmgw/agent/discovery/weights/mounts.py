@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import posixpath
 import re
-from collections.abc import Mapping
+import stat
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -291,20 +292,51 @@ def read_mount_table(procfs: Path = Path("/proc")) -> MountTable:
     return MountTable(table.mounts, hosts)
 
 
+class RealPaths:
+    """`os.path.realpath`, remembered for one scan: a directory's parent is resolved once
+    for all its entries, and an entry that is not a symlink then costs one lstat, where
+    realpath lstats every component of every path again (25 per model on a deep tree).
+    Only for one scan: a link may be changed between two."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, str] = {}
+
+    def __call__(self, path: str | Path) -> str:
+        path = os.fspath(path)
+        real = self._known.get(path)
+        if real is None:
+            real = self._resolve(path)
+            self._known[path] = real
+        return real
+
+    def _resolve(self, path: str) -> str:
+        parent, name = os.path.split(path)
+        if not parent or not name or name in (".", "..") or parent == path:
+            return os.path.realpath(path)  # a root, a relative start, a dot: as realpath does
+        try:
+            link = stat.S_ISLNK(os.lstat(path).st_mode)
+        except OSError:
+            link = True  # missing or unreadable: realpath says what it says of those
+        if link:
+            return os.path.realpath(path)
+        return os.path.join(self(parent), name)
+
+
 def resolve_store(
     path: Path,
     mounts: MountTable,
     node: str,
     shared_overrides: Mapping[str, str],
     share_ids: Mapping[str, str] | None = None,
+    realpath: Callable[[str | Path], str] = os.path.realpath,
 ) -> Store:
     """The store of `path`, most written first: a config override for a directory above it,
     then a `.llmgw-share-id` (`share_ids`: resolved weights directory -> identity read from
     its id file) of a weights directory above it, then the mount. Symlinks are resolved
-    first, so a link into a filer is the filer."""
-    real = os.path.realpath(path)
+    first, so a link into a filer is the filer (`realpath`: a scan's RealPaths)."""
+    real = realpath(path)
     for declared, identity in sorted(shared_overrides.items(), key=lambda kv: -len(kv[0])):
-        if is_under(real, os.path.realpath(declared)):
+        if is_under(real, realpath(declared)):
             return Store(kind="shared", identity=identity, source="config")
     mount_store = mounts.store_for(real, node)
     for top, share_id in sorted((share_ids or {}).items(), key=lambda kv: -len(kv[0])):

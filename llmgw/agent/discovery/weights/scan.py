@@ -40,6 +40,7 @@ from llmgw.agent.discovery.weights.formats import (
 )
 from llmgw.agent.discovery.weights.mounts import (
     MountTable,
+    RealPaths,
     is_under,
     read_share_id,
     resolve_store,
@@ -149,13 +150,16 @@ class _Context:
     share_ids: Mapping[str, str]
     cache: FileCheckCache
     expired: Callable[[], bool]
+    realpath: RealPaths  # this scan's only
 
     def tick(self) -> None:
         if self.expired():
             raise _Timeout
 
     def store(self, path: Path) -> Store:
-        return resolve_store(path, self.mounts, self.node, self.overrides, self.share_ids)
+        return resolve_store(
+            path, self.mounts, self.node, self.overrides, self.share_ids, self.realpath
+        )
 
     def held(self, key: str, fmt: str, path: Path, check: Check) -> Found:
         model = HeldModel(
@@ -534,10 +538,11 @@ def scan_weights(
     ordered: list[Path] = []
     seen_real: set[str] = set()
     share_ids: dict[str, str] = {}
+    realpath = RealPaths()
     for d in [*dirs, fetch_dir]:
         if on_dir is not None:
             on_dir(Path(d))
-        real = os.path.realpath(d)
+        real = realpath(d)
         if real not in seen_real:
             seen_real.add(real)
             ordered.append(Path(d))
@@ -551,6 +556,7 @@ def scan_weights(
         share_ids=share_ids,
         cache=cache if cache is not None else _NoCache(),
         expired=lambda: clock() - started >= deadline_s,
+        realpath=realpath,
     )
     results: list[WeightsDir] = []
     found = _NOTHING
@@ -578,18 +584,18 @@ def scan_weights(
         looked=configured,
         scanned_at=now(),
         dirs=results,
-        models=_dedupe_models(found.held),
+        models=_dedupe_models(found.held, realpath),
         incomplete=sorted(
             {(i.key, i.path): i for i in found.incomplete}.values(), key=lambda i: (i.key, i.path)
         ),
     )
 
 
-def _dedupe_models(models: Iterable[HeldModel]) -> list[HeldModel]:
+def _dedupe_models(models: Iterable[HeldModel], realpath: RealPaths) -> list[HeldModel]:
     # the same files reached twice (a configured dir inside another) are one holding
     unique: dict[tuple[str, str], HeldModel] = {}
     for m in models:
-        unique.setdefault((m.key, os.path.realpath(m.path)), m)
+        unique.setdefault((m.key, realpath(m.path)), m)
     return sorted(unique.values(), key=lambda m: (m.key, m.path))
 
 
