@@ -1175,10 +1175,13 @@ def test_the_records_lines_say_the_phase_the_shards_say_now():
 
     m = _rolling()
     [r] = _running(m, "r1", nodes_=("n1",))  # stored ready, from the pass before
-    view = View(catalog={"m": m}, desired={"m": Desired(model="m", replicas=1)})
-    view.nodes = {"n1": node("n1")}
-    view.replicas = {"r1": r}
-    view.shards = {("n1", "r1"): _failed_shard(r, "exited with code 1 while serving")}
+    view = View(
+        catalog={"m": m},
+        desired={"m": Desired(model="m", replicas=1)},
+        nodes={"n1": node("n1")},
+        replicas={"r1": r},
+        shards={("n1", "r1"): _failed_shard(r, "exited with code 1 while serving")},
+    )
     snap = placement_snapshot(view, {"n1": "ready"}, {}, port_range=(18000, 18999), now=1000.0)
     lines = plan(snap).placements["m"].decisions
     assert lines == ["keep r1 on n1 (failed on n1: exited with code 1 while serving)"]

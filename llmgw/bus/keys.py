@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 from llmgw.errors import LlmgwError
 
@@ -167,8 +168,11 @@ class Key:
     ids: tuple[str, ...]
 
 
+@lru_cache(maxsize=1 << 17)  # a fleet's keys come back at every heartbeat: parsed once each
 def parse(key: str) -> Key | None:
-    """Parse a bucket key; None for a key that is not one of llmgw's (logged by callers)."""
+    """Parse a bucket key; None for a key that is not one of llmgw's (logged by callers).
+    Remembered for the last 131,072 keys (a Key is immutable); a flood of new keys only
+    pushes the oldest out."""
     parts = key.split(".")
     prefix, ids = parts[0], tuple(parts[1:])
     arity = _ARITY.get(prefix)

@@ -38,6 +38,26 @@ class View:
     leader_rev: int = 0
     skipped: trust.SkippedValues = field(default_factory=trust.SkippedValues)
 
+    def __post_init__(self) -> None:
+        # family -> its table, and which id keys it (None: all of them). The tables are
+        # changed in place, never replaced.
+        self._tables: dict[str, tuple[dict, int | None]] = {
+            keys.CATALOG: (self.catalog, 0),
+            keys.DESIRED: (self.desired, 0),
+            keys.NODES: (self.nodes, 0),
+            keys.LEASES: (self.leases, 0),
+            keys.HEALTH: (self.health, 0),
+            keys.FABRICS: (self.fabrics, 0),
+            keys.REPLICAS: (self.replicas, -1),
+            keys.ASSIGN: (self.assigns, None),
+            keys.SHARDS: (self.shards, None),
+            keys.PLACEMENT: (self.placements, 0),
+            keys.OPS: (self.ops, 0),
+            keys.ROLLOUT: (self.rollouts, 0),
+            keys.SCALE: (self.scales, 0),
+            keys.LOAD: (self.loads, 0),
+        }
+
     def apply(self, key: str, data: bytes | None, revision: int) -> str | None:
         """Apply one change; returns the key family it touched (None: not ours)."""
         parsed = keys.parse(key)
@@ -78,22 +98,8 @@ class View:
             table[k] = value
 
     def _slot(self, prefix: str, ids: tuple[str, ...]):
-        return {
-            keys.CATALOG: (self.catalog, ids[0]),
-            keys.DESIRED: (self.desired, ids[0]),
-            keys.NODES: (self.nodes, ids[0]),
-            keys.LEASES: (self.leases, ids[0]),
-            keys.HEALTH: (self.health, ids[0]),
-            keys.FABRICS: (self.fabrics, ids[0]),
-            keys.REPLICAS: (self.replicas, ids[-1]),
-            keys.ASSIGN: (self.assigns, ids),
-            keys.SHARDS: (self.shards, ids),
-            keys.PLACEMENT: (self.placements, ids[0]),
-            keys.OPS: (self.ops, ids[0]),
-            keys.ROLLOUT: (self.rollouts, ids[0]),
-            keys.SCALE: (self.scales, ids[0]),
-            keys.LOAD: (self.loads, ids[0]),
-        }[prefix]
+        table, by_ids = self._tables[prefix]
+        return table, ids if by_ids is None else ids[by_ids]
 
     def invalid_catalog(self) -> dict[str, str]:
         return {
