@@ -268,3 +268,48 @@ def test_a_second_move_goes_above_the_port_it_leaves_not_back_to_the_first():
         "node has all 8 GPUs free (port moved: port 18001 on n1 was taken by another program, "
         "moved to 18002)"
     )
+
+
+# --- what an inventory says, remembered between passes ---------------------------------------
+
+
+def test_the_fleet_remembered_between_passes_follows_every_change_of_an_inventory():
+    """The controller keeps what each inventory says from one pass to the next: a new
+    inventory (a fault, foreign memory, a port taken, an engine gone) is seen at the next
+    pass exactly as a fleet built afresh sees it, and a node removed is forgotten."""
+    from llmgw.controller.placement import InventoryMemo
+
+    memo = InventoryMemo()
+    first = snapshot([node("n1", gpus=2), node("n2", gpus=2)], [model(gpus=1)], {"m": 1})
+
+    def same_as_fresh(snap) -> dict:
+        kept, fresh = fleet_nodes(snap, memo), fleet_nodes(snap)
+        assert kept.keys() == fresh.keys()
+        for n in fresh:
+            a, b = kept[n], fresh[n]
+            assert (a.gpus, a.free, a.unschedulable, a.held, a.used_ports, a.engines) == (
+                b.gpus,
+                b.free,
+                b.unschedulable,
+                b.held,
+                b.used_ports,
+                b.engines,
+            )
+        return kept
+
+    assert same_as_fresh(first)["n1"].unschedulable == {}
+    changed = with_gpu(first.inventories["n1"], 1, errors=GpuErrors(ecc_uncorrected_volatile=2))
+    changed = with_gpu(changed, 0, processes=python_holding(10))
+    changed = msgspec.structs.replace(
+        changed, ports=PortsTaken(low=18000, high=18999, ports=[18005]), engines=[]
+    )
+    later = _with(first, inventories={"n1": changed, "n2": first.inventories["n2"]})
+    n1 = same_as_fresh(later)["n1"]
+    assert n1.unschedulable["GPU-n1-01"].why == "ecc-uncorrected"
+    assert n1.held["GPU-n1-00"] > 0 and 18005 in n1.used_ports and not n1.engines
+    # a replica on the node still takes its GPU off the remembered list
+    held = _with(later, replicas=[replica("r1", [("n2", [0])])])
+    assert [g.uuid for g in same_as_fresh(held)["n2"].free] == ["GPU-n2-01"]
+    gone = _with(later, inventories={"n2": first.inventories["n2"]})
+    assert list(same_as_fresh(gone)) == ["n2"]
+    assert list(memo._by_node) == ["n2"]

@@ -123,6 +123,7 @@ class Controller:
         self.autoscaler = Autoscaler(self.settings.load_stale_after)
         self._wake = anyio.Event()  # a cold model's request is waiting: pass now
         self._batches_asked = anyio.Event()  # the stream said whether it takes batches
+        self._inventories = placement.InventoryMemo()  # what each one says, between passes
 
     @property
     def id(self) -> str:
@@ -560,7 +561,7 @@ class Controller:
         await self._write_fabrics(snap.fabrics or {})
         # the fleet is built once a pass, for both (and with the cycle collector paused)
         with placement.collector_paused():
-            nodes = placement.fleet_nodes(snap)
+            nodes = placement.fleet_nodes(snap, self._inventories)
         # before planning: a node that just started qualifying is placed on in this same pass
         await self._report_qualifying(snap, nodes)
         plan = placement.plan(snap, nodes)

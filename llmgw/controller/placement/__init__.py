@@ -37,6 +37,7 @@ Rules kept here (docs/placement.md says why for each):
 from llmgw.controller.placement.explain import GB, Blocked, Reason, Refusal, same_decision
 from llmgw.controller.placement.filters import FILTERS, Filter, fit
 from llmgw.controller.placement.nodes import (
+    InventoryMemo,
     Need,
     NodeState,
     Unschedulable,
@@ -89,6 +90,7 @@ __all__ = [
     "blocked_model",
     "collector_paused",
     "fill",
+    "InventoryMemo",
     "fleet_nodes",
     "fit",
     "frozen_record",
