@@ -618,7 +618,11 @@ async def test_node_cordon_drain_gpu_and_taint_are_the_operators_ops_record(bus,
     assert (await _ops(bus, "n1")).gpus_out == ["GPU-n1-01"]
     out = await _llmgw(url, "node", "cordon", "n1", "--gpu", "7")
     assert out.returncode == 1 and "node n1 has no GPU '7' (its GPUs: 0 (GPU-n1-00)" in out.stderr
+    await bus.put(keys.replica("m", "r1"), _replica("r1", "ready", 0))
     out = await _llmgw(url, "node", "drain", "n1", "--force")
+    assert out.returncode == 0, out.stderr
+    assert "  m r1 on n1: to be replaced elsewhere, then drained" in out.stdout
+    assert "drained anyway (--force)" in out.stdout and "'drained by force'" in out.stdout
     out = await _llmgw(url, "node", "taint", "n1", "gpu-flaky")
     ops = await _ops(bus, "n1")
     assert (ops.drain, ops.force, ops.taints, ops.reason) == (

@@ -200,10 +200,39 @@ def drain(
             await write_ops(bus, ops)
             click.echo(_say(ops, inv))
             if not wait:
+                await _say_what_moves(bus, node_id, force)
                 return 0
             return await follow_drain(bus, node_id, force=force, timeout=timeout, echo=click.echo)
 
     raise SystemExit(anyio.run(run))
+
+
+async def _say_what_moves(bus: Bus, node_id: str, force: bool) -> None:
+    """Without --wait: the replicas on the node now, and what happens to those that have
+    nowhere else to go."""
+    here = sorted(
+        (
+            r
+            for r in await PollReader(bus).list(keys.pattern(keys.REPLICAS), records.Replica)
+            if any(m.node == node_id for m in r.members) and r.phase not in records.REPLICA_GOING
+        ),
+        key=lambda r: (r.model, r.rid),
+    )
+    for r in here:
+        click.echo(f"  {r.model} {r.rid} on {node_id}: to be replaced elsewhere, then drained")
+    if not here:
+        click.echo(f"  no replica on {node_id}")
+    elif force:
+        click.echo(
+            "  one that no other node can take is drained anyway (--force) and is then down: "
+            f"`llmgw status` names it 'drained by force', `llmgw node drain {node_id} --wait` "
+            "follows"
+        )
+    else:
+        click.echo(
+            "  one that no other node can take stays where it is: `llmgw node drain "
+            f"{node_id} --wait` follows and names it"
+        )
 
 
 async def follow_drain(
