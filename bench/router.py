@@ -516,7 +516,7 @@ def section_affinity(tmp: Path) -> None:
         print("  (skipped: no llama-server; run tools/build-llama-server.sh)")
         return
     vocab = binary.parent / "ggml-vocab-llama-spm.gguf"
-    from llmgw.testing.tiny_gguf import write_tiny_gguf
+    from llmgw.sim.tiny_gguf import write_tiny_gguf
 
     model = write_tiny_gguf(vocab, tmp / "tiny.gguf")
     ports = [free_port() for _ in range(4)]

@@ -74,7 +74,7 @@ def start_agent(
     env_extra: dict[str, str] | None = None,
     simulate: list[str] | None = None,
 ) -> subprocess.Popen:
-    """llmgw-agent as a process; with `simulate` (options of llmgw.testing.agent, such as
+    """llmgw-agent as a process; with `simulate` (options of llmgw.sim.agent, such as
     ["--recorded-nvml", "count=2"]) the same agent on simulated hardware."""
     write_config(cfg, config_path)
     env = {**os.environ, **(env_extra or {})}
@@ -85,7 +85,7 @@ def start_agent(
             [
                 sys.executable,
                 "-m",
-                "llmgw.testing.agent" if simulate else "llmgw.agent.service",
+                "llmgw.sim.agent" if simulate else "llmgw.agent.service",
                 *(simulate or []),
                 "--config",
                 str(config_path),

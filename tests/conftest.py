@@ -61,7 +61,7 @@ async def controller(nats_settings: NatsSettings) -> AsyncIterator[None]:
 
 @pytest.fixture
 def bins(tmp_path: Path) -> dict[str, Path]:
-    """The fake llama-server and vllm, installed as the real ones are (llmgw.testing)."""
+    """The fake llama-server and vllm, installed as the real ones are (llmgw.sim.fake_engine)."""
     from llmgw.sim.fake_engine import install_fake_engines
 
     return install_fake_engines(tmp_path / "bin")

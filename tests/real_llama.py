@@ -107,7 +107,7 @@ def llama_vocab() -> Path:
 
 def tiny_gguf(directory: Path, *, seed: int = 0) -> Path:
     """A random-weight llama GGUF (dim 64, 2 layers, 32k vocabulary) in `directory`."""
-    from llmgw.testing.tiny_gguf import write_tiny_gguf
+    from llmgw.sim.tiny_gguf import write_tiny_gguf
 
     return write_tiny_gguf(llama_vocab(), directory / "tiny-random.gguf", seed=seed)
 

@@ -16,7 +16,7 @@ import pytest
 from llmgw.agent.engines import LaunchSpec, adapter_for
 from llmgw.agent.engines.validate import NodeFacts, Problem, validate_launch
 from llmgw.bus.records import EngineInstall, Gpu
-from llmgw.testing import free_port, write_fake_gguf
+from llmgw.sim.fake_engine import free_port, write_fake_gguf
 
 UUIDS = [f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd" for i in range(8)]
 

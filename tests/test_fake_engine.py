@@ -15,7 +15,7 @@ from urllib.request import Request, urlopen
 
 import pytest
 
-from llmgw.testing import free_port, write_fake_gguf
+from llmgw.sim.fake_engine import free_port, write_fake_gguf
 
 
 def run(argv: list[str], **env: str) -> subprocess.CompletedProcess[str]:

@@ -34,7 +34,7 @@ from llmgw.agent.shards import (
 )
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
-from llmgw.testing import free_port, write_fake_gguf
+from llmgw.sim.fake_engine import free_port, write_fake_gguf
 
 RUN = records.Assignment(model="tiny", rid="r1", profile="cpu", action="run", generation=3)
 

@@ -23,7 +23,7 @@ from llmgw.agent.engines.pidfile import (
     write_pidfile,
 )
 from llmgw.agent.supervisor import EngineSupervisor, PhaseChange, SupervisorTiming
-from llmgw.testing import free_port, write_fake_gguf
+from llmgw.sim.fake_engine import free_port, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 

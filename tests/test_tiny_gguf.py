@@ -7,7 +7,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from llmgw.testing.tiny_gguf import TinyShape, VocabError, write_tiny_gguf
+from llmgw.sim.tiny_gguf import TinyShape, VocabError, write_tiny_gguf
 
 TOKENS = ["<unk>", "<s>", "</s>", "▁hello", "▁world", "!"]
 

@@ -258,7 +258,7 @@ FOREIGN_PID = 4242  # the pid of the process `held=` puts on a GPU (plus the GPU
 
 def from_spec(spec: str) -> RecordedNvml:
     """`count=2,node=gpu-a`: the recording a simulated agent answers GPU discovery with
-    (`python -m llmgw.testing.agent --recorded-nvml count=2,node=gpu-a`). Recognised keys:
+    (`python -m llmgw.sim.agent --recorded-nvml count=2,node=gpu-a`). Recognised keys:
     count (GPUs, default 8), node (makes the UUIDs unique to it), held=GPU:GB[+GPU:GB...]
     (a process, pid FOREIGN_PID + GPU index, holding that much memory there),
     ecc=GPU:N[+...] (N uncorrected volatile ECC errors on that GPU), and xid=GPU:XID[+...]

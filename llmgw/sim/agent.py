@@ -3,8 +3,8 @@
 The same agent as `llmgw-agent` (same config, options and exit codes), given a `Hardware`
 and a weights scanner that answer for hardware this machine does not have:
 
-    python -m llmgw.testing.agent --recorded-nvml count=2,node=gpu-a --config agent.toml
-    python -m llmgw.testing.agent --hung-weights-dir /mnt/filer --config agent.toml
+    python -m llmgw.sim.agent --recorded-nvml count=2,node=gpu-a --config agent.toml
+    python -m llmgw.sim.agent --hung-weights-dir /mnt/filer --config agent.toml
 
 --recorded-nvml: GPU discovery asks a recorded 8x H100 node (llmgw.sim.nvml) through
 the real discover_gpus code. --hung-weights-dir: a scan that reaches that directory blocks

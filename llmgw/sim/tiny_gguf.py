@@ -5,7 +5,7 @@ llama.cpp's models/ggml-vocab-llama-spm.gguf, which tools/build-llama-server.sh 
 next to the binary. Output is gibberish but real: tokens are sampled, detokenized and
 streamed like any model's, in a tenth of a second of load time.
 
-    python -m llmgw.testing.tiny_gguf VOCAB.gguf OUT.gguf
+    python -m llmgw.sim.tiny_gguf VOCAB.gguf OUT.gguf
 """
 
 from __future__ import annotations
