@@ -15,6 +15,7 @@ the takeover. It judges nodes only while its own link to the bucket is trusted
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -155,6 +156,7 @@ class Controller:
                 task_status.started(self)
                 await self._reconcile_forever()
         finally:
+            gc.unfreeze()  # what the first replay froze is collected again once garbage
             with anyio.CancelScope(shield=True):
                 await self._resign()
 
@@ -176,19 +178,38 @@ class Controller:
     # --- the view -------------------------------------------------------------------------
 
     async def _follow_bucket(self) -> None:
-        async for item in self.bus.watch(">", lambda data: data):
-            if isinstance(item, Synced):
-                if not self._synced.is_set():
-                    hold_recorded_phases(self.view, self.tracker)
-                    self._synced.set()
-                if self.link.synced():
-                    # Back after an outage: this controller saw no lease move while it was
-                    # away, which says nothing about the nodes. Every node gets a fresh grace
-                    # period, as after a restart; a network blip must not drain the fleet.
-                    self.tracker.restart_grace(self.clock.monotonic())
-                self._pass_due = True
-                continue
-            self._apply(item)
+        # The first replay builds the whole view (10,000 inventories are ~400,000 objects):
+        # the cycle collector is paused until it is done, as during a plan (its passes over
+        # a growing view were a third of the replay's time), and what the replay built is
+        # then frozen out of later collections (until `run` ends): the view's records form
+        # no cycles, and reference counting frees each one that a newer value replaces.
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            async for item in self.bus.watch(">", lambda data: data):
+                if isinstance(item, Synced):
+                    if paused:
+                        gc.freeze()
+                        gc.enable()
+                        paused = False
+                    self._synced_again()
+                    continue
+                self._apply(item)
+        finally:
+            if paused:
+                gc.enable()
+
+    def _synced_again(self) -> None:
+        """The watch has delivered the bucket as it is (at start, and after a reconnect)."""
+        if not self._synced.is_set():
+            hold_recorded_phases(self.view, self.tracker)
+            self._synced.set()
+        if self.link.synced():
+            # Back after an outage: this controller saw no lease move while it was away,
+            # which says nothing about the nodes. Every node gets a fresh grace period, as
+            # after a restart; a network blip must not drain the fleet.
+            self.tracker.restart_grace(self.clock.monotonic())
+        self._pass_due = True
 
     async def _on_reconnected(self) -> None:
         self.link.disconnected()  # stale until the watch has replayed the bucket
