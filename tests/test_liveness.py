@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from llmgw.bus.records import Health, Lease, Memory
 from llmgw.controller.liveness import LivenessTracker, health_changes, node_phases
@@ -146,3 +148,39 @@ def test_forgotten_node_has_no_phase():
 def test_lost_must_come_after_unreachable():
     with pytest.raises(ValueError, match="unreachable_after"):
         LivenessTracker(unreachable_after=60, lost_after=15)
+
+
+@given(
+    events=st.lists(
+        st.tuples(
+            st.sampled_from(["observe", "hold", "forget", "grace"]),
+            st.sampled_from(["a", "b", "c", "d"]),
+            st.integers(0, 3),  # seq
+            st.sampled_from(["ready", "unreachable", "lost"]),
+            st.floats(0, 200, allow_nan=False),
+        ),
+        max_size=30,
+    ),
+    now=st.floats(0, 400, allow_nan=False),
+)
+def test_the_fleets_phases_in_one_loop_are_each_nodes_phase(events, now) -> None:
+    """phases_of (every tick, for the whole fleet) judges each node as phase does, a node
+    with no lease seen unreachable, at every boundary and with holds."""
+    tracker = LivenessTracker(unreachable_after=15, lost_after=30)
+    for what, node, seq, phase, at in sorted(events, key=lambda e: e[4]):
+        if what == "observe":
+            tracker.observe(node, seq, at)
+        elif what == "hold":
+            tracker.hold(node, phase, seq if seq else None)
+        elif what == "forget":
+            tracker.forget(node)
+        else:
+            tracker.restart_grace(at)
+    nodes = ["a", "b", "c", "d", "e"]
+    assert tracker.phases_of(nodes, now) == {
+        n: tracker.phase(n, now) or "unreachable" for n in nodes
+    }
+    # and exactly at the boundaries
+    tracker.observe("z", 99, 100.0)
+    for t in (114.999, 115.0, 129.999, 130.0):
+        assert tracker.phases_of(["z"], t) == {"z": tracker.phase("z", t)}

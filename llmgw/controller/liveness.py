@@ -102,6 +102,33 @@ class LivenessTracker:
     def phases(self, now: float) -> dict[str, NodePhase]:
         return {node: self.phase(node, now) for node in sorted(self._seen)}  # type: ignore[misc]
 
+    def phases_of(self, nodes: Iterable[str], now: float) -> dict[str, NodePhase]:
+        """`phase` of each of `nodes`, "unreachable" for one with no lease seen: the same
+        judgement in one loop, as the controller asks it for the whole fleet every tick
+        (two calls a node were a tenth of its time at 10,000 nodes)."""
+        seen_of, held_of = self._seen.get, self._held.get
+        unreachable_after, lost_after = self.unreachable_after, self.lost_after
+        out: dict[str, NodePhase] = {}
+        for node in nodes:
+            seen = seen_of(node)
+            judged: NodePhase | None
+            if seen is None:
+                judged = None
+            else:
+                still = now - seen.moved_at
+                judged = (
+                    "lost"
+                    if still >= lost_after
+                    else "unreachable"
+                    if still >= unreachable_after
+                    else "ready"
+                )
+            held = held_of(node)
+            if held is not None and (judged is None or _SEVERITY[held.phase] > _SEVERITY[judged]):
+                judged = held.phase
+            out[node] = judged or "unreachable"
+        return out
+
     def reason(self, node: str, now: float) -> str:
         phase = self.phase(node, now)
         held = self._held.get(node)
@@ -119,7 +146,7 @@ class LivenessTracker:
 
 def node_phases(nodes: Iterable[str], tracker: LivenessTracker, now: float) -> dict[str, NodePhase]:
     """The phase of every node with an inventory; one with no lease yet is unreachable."""
-    return {node: tracker.phase(node, now) or "unreachable" for node in nodes}
+    return tracker.phases_of(nodes, now)
 
 
 @dataclass(frozen=True, slots=True)
