@@ -82,33 +82,20 @@ class LivenessTracker:
 
     def phase(self, node: str, now: float) -> NodePhase | None:
         """None: no lease seen and nothing held."""
-        judged = self._judged(node, now)
-        held = self._held.get(node)
-        if held is not None and (judged is None or _SEVERITY[held.phase] > _SEVERITY[judged]):
-            return held.phase
-        return judged
-
-    def _judged(self, node: str, now: float) -> NodePhase | None:
-        seen = self._seen.get(node)
-        if seen is None:
-            return None
-        still = now - seen.moved_at
-        if still >= self.lost_after:
-            return "lost"
-        if still >= self.unreachable_after:
-            return "unreachable"
-        return "ready"
+        return self.phases_of((node,), now, missing=None)[node]
 
     def phases(self, now: float) -> dict[str, NodePhase]:
-        return {node: self.phase(node, now) for node in sorted(self._seen)}  # type: ignore[misc]
+        return self.phases_of(sorted(self._seen), now)
 
-    def phases_of(self, nodes: Iterable[str], now: float) -> dict[str, NodePhase]:
-        """`phase` of each of `nodes`, "unreachable" for one with no lease seen: the same
-        judgement in one loop, as the controller asks it for the whole fleet every tick
-        (two calls a node were a tenth of its time at 10,000 nodes)."""
+    def phases_of(
+        self, nodes: Iterable[str], now: float, missing: NodePhase | None = "unreachable"
+    ) -> dict[str, NodePhase | None]:
+        """The phase of each of `nodes` (`missing` for one with no lease seen and nothing
+        held), in one loop: the controller asks it for the whole fleet every tick, and a
+        call or two per node was a tenth of its time at 10,000 nodes."""
         seen_of, held_of = self._seen.get, self._held.get
         unreachable_after, lost_after = self.unreachable_after, self.lost_after
-        out: dict[str, NodePhase] = {}
+        out: dict[str, NodePhase | None] = {}
         for node in nodes:
             seen = seen_of(node)
             judged: NodePhase | None
@@ -126,7 +113,7 @@ class LivenessTracker:
             held = held_of(node)
             if held is not None and (judged is None or _SEVERITY[held.phase] > _SEVERITY[judged]):
                 judged = held.phase
-            out[node] = judged or "unreachable"
+            out[node] = judged if judged is not None else missing
         return out
 
     def reason(self, node: str, now: float) -> str:
@@ -146,7 +133,7 @@ class LivenessTracker:
 
 def node_phases(nodes: Iterable[str], tracker: LivenessTracker, now: float) -> dict[str, NodePhase]:
     """The phase of every node with an inventory; one with no lease yet is unreachable."""
-    return tracker.phases_of(nodes, now)
+    return tracker.phases_of(nodes, now)  # type: ignore[return-value]  # never None here
 
 
 @dataclass(frozen=True, slots=True)
