@@ -4,10 +4,12 @@ keeps a deposed controller's writes out, as the cluster's stream leader applies 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,7 +172,9 @@ async def test_a_bucket_of_one_copy_on_a_cluster_is_warned_about_naming_the_fix(
     assert caplog.text == "" and info.config.num_replicas == 3
 
 
-async def test_on_a_cluster_a_fenced_write_lands_before_a_takeover_or_not_at_all(cluster):
+@contextlib.asynccontextmanager
+async def _old_and_new_leader(cluster) -> AsyncIterator[tuple[Bus, Bus, int]]:
+    """Three servers and two clients, `old` holding the leader key: (old, new, its revision)."""
     for i in range(3):
         cluster.start(i)
     settings = _settings(*cluster.urls)
@@ -179,6 +183,21 @@ async def test_on_a_cluster_a_fenced_write_lands_before_a_takeover_or_not_at_all
         await Bus.connect(settings, BucketSettings(replicas=3), give_up_after=20) as new,
     ):
         held = await old.put(keys.leader(), records.Leader(holder="old", since=1, renewed_at=1))
+        yield old, new, held
+
+
+async def _take_over(new: Bus, held: int) -> int:
+    # a takeover's compare-and-set is refused, without comparing, while one of the fenced
+    # writes is in flight on the stream leader: it tries again, as a controller does at its
+    # next step
+    taker = records.Leader(holder="new", since=2, renewed_at=2)
+    while (rev := await new.update(keys.leader(), taker, last=held)) is None:
+        await anyio.sleep(0.01)
+    return rev
+
+
+async def test_on_a_cluster_a_fenced_write_lands_before_a_takeover_or_not_at_all(cluster):
+    async with _old_and_new_leader(cluster) as (old, new, held):
         fence = Fence(keys.leader(), held)
         outcomes: dict[int, int | FencedOff] = {}
 
@@ -187,15 +206,6 @@ async def test_on_a_cluster_a_fenced_write_lands_before_a_takeover_or_not_at_all
                 outcomes[i] = await old.put(keys.health(f"n{i}"), _health(f"n{i}"), fence=fence)
             except FencedOff as e:
                 outcomes[i] = e
-
-        async def take_over() -> int:
-            # a takeover's compare-and-set is refused, without comparing, while one of the
-            # fenced writes is in flight on the stream leader: it tries again, as a
-            # controller does at its next step
-            taker = records.Leader(holder="new", since=2, renewed_at=2)
-            while (rev := await new.update(keys.leader(), taker, last=held)) is None:
-                await anyio.sleep(0.01)
-            return rev
 
         # one controller's writes go one at a time: so do these, with the takeover racing
         async with anyio.create_task_group() as tg:
@@ -206,7 +216,7 @@ async def test_on_a_cluster_a_fenced_write_lands_before_a_takeover_or_not_at_all
 
             tg.start_soon(writes)
             await until(lambda: _true(len(outcomes) >= 20))
-            took_over_at = await take_over()
+            took_over_at = await _take_over(new, held)
         landed = {i: o for i, o in outcomes.items() if isinstance(o, int)}
         refused = {i: o for i, o in outcomes.items() if isinstance(o, FencedOff)}
     assert landed and refused, "the takeover did not land among the writes"
@@ -218,15 +228,8 @@ async def test_on_a_cluster_a_fenced_write_lands_before_a_takeover_or_not_at_all
 async def test_on_a_cluster_a_batch_of_fenced_writes_lands_whole_before_a_takeover_or_not_at_all(
     cluster,
 ):
-    for i in range(3):
-        cluster.start(i)
-    settings = _settings(*cluster.urls)
-    async with (
-        await Bus.connect(settings, BucketSettings(replicas=3), give_up_after=20) as old,
-        await Bus.connect(settings, BucketSettings(replicas=3), give_up_after=20) as new,
-    ):
+    async with _old_and_new_leader(cluster) as (old, new, held):
         assert await old.allow_batches() is True
-        held = await old.put(keys.leader(), records.Leader(holder="old", since=1, renewed_at=1))
         fence = Fence(keys.leader(), held)
         outcomes: dict[int, bool] = {}  # batch: landed, or refused
 
@@ -242,9 +245,7 @@ async def test_on_a_cluster_a_batch_of_fenced_writes_lands_whole_before_a_takeov
         async with anyio.create_task_group() as tg:
             tg.start_soon(batches)
             await until(lambda: _true(len(outcomes) >= 5))
-            taker = records.Leader(holder="new", since=2, renewed_at=2)
-            while (took_over_at := await new.update(keys.leader(), taker, last=held)) is None:
-                await anyio.sleep(0.01)
+            took_over_at = await _take_over(new, held)
         stored = await new.list(keys.pattern(keys.HEALTH), decoder(records.Health))
     landed = sorted(b for b, ok in outcomes.items() if ok)
     refused = sorted(b for b, ok in outcomes.items() if not ok)

@@ -134,13 +134,20 @@ Filter = Callable[[NodeState, Need], Refusal | None]
 # The operator's intent and the profile's rules about where it may run come right after the
 # node's phase: they stay true until someone changes them. A launch that failed on the node
 # comes last, so that its count is of nodes that would otherwise fit.
-FILTERS: tuple[Filter, ...] = (
+
+# What a node is, as opposed to what it has free now: these stay true within a plan and
+# across plans until the node or the operator changes
+_WHAT_IT_IS: tuple[Filter, ...] = (
     node_ready,
     schedulable,
     matches_selector,
     tolerates_taints,
     engine_installed,
     on_active_fabric,
+)
+
+FILTERS: tuple[Filter, ...] = (
+    *_WHAT_IT_IS,
     enough_gpus,
     gpus_schedulable,
     gpus_not_held,
@@ -157,18 +164,6 @@ def fit(node: NodeState, need: Need) -> Refusal | None:
         if refusal is not None:
             return refusal
     return None
-
-
-# What a node is, as opposed to what it has free now: these stay true within a plan and
-# across plans until the node or the operator changes
-_WHAT_IT_IS: tuple[Filter, ...] = (
-    node_ready,
-    schedulable,
-    matches_selector,
-    tolerates_taints,
-    engine_installed,
-    on_active_fabric,
-)
 
 
 def could_run(node: NodeState, need: Need) -> bool:
