@@ -192,10 +192,6 @@ def event_subject(kind: str, subject_id: str) -> str:
     return f"{EVENTS_ROOT}.{kind}.{check_token(subject_id, 'event subject id')}"
 
 
-def events_pattern() -> str:
-    return f"{EVENTS_ROOT}.>"
-
-
 def agent_subject(node_id: str, verb: str) -> str:
     """`llmgw.agent.<node>.<verb>`: request/reply to one agent (rescan, probe, tail). Serve
     it with `Bus.serve`, which acts only on requests (llmgw.bus.requests)."""
