@@ -308,6 +308,28 @@ def test_safetensors_header_of_deeply_nested_json_is_a_bad_file(tmp_path: Path, 
     assert check.problem == "header does not parse"
 
 
+def test_a_file_swapped_for_a_fifo_after_its_stat_is_still_never_read(tmp_path: Path) -> None:
+    # a cached scan hands the check the stat it keyed by, and the check skips its own; the
+    # path then becomes a FIFO before the open: what was opened is checked, nothing hangs
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, {"a": 16})
+    before = os.stat(path)
+    path.unlink()
+    os.mkfifo(path)
+    check = check_safetensors(path, before)
+    assert check.reason == "model.safetensors not a regular file"
+    os.unlink(path)
+    os.mkfifo(path.with_suffix(".gguf"))
+    assert check_gguf(path.with_suffix(".gguf"), before).why.endswith("not a regular file: a FIFO")
+
+
+def test_negative_data_offsets_name_the_tensor(tmp_path: Path) -> None:
+    header = b'{"__metadata__":{"format":"pt"},"good":{"data_offsets":[0,1]},"bad":{"data_offsets":[-1,1]}}'
+    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
+    check = check_safetensors(tmp_path / "m.safetensors")
+    assert check.problem == "header does not parse" and "tensor 'bad'" in check.detail
+
+
 def test_index_of_deeply_nested_json_is_a_bad_file(tmp_path: Path) -> None:
     nested = b'{"metadata":' + b"[" * 100_000 + b"]" * 100_000 + b', "weight_map": {}}'
     (tmp_path / "model.safetensors.index.json").write_bytes(nested)

@@ -40,14 +40,19 @@ def _refuse(path: str | Path, mode: int) -> NotRegularFile:
     return NotRegularFile(path, _kind(mode))
 
 
-def open_regular_fd(path: str | Path) -> tuple[int, os.stat_result]:
+def open_regular_fd(
+    path: str | Path, st: os.stat_result | None = None
+) -> tuple[int, os.stat_result]:
     """A raw descriptor on `path` and its fstat, when it is a regular file (links to one are
     fine); NotRegularFile (an OSError) otherwise. Never blocks on a FIFO or a device: the
     kind is checked before opening, and again on what was opened, in case the path was
     swapped in between. The descriptor keeps O_NONBLOCK, which regular files ignore; the
     caller closes it. For readers that need no file object (a header check per shard): an
-    open, an fstat, the reads and a close, without the fcntl and fstat calls a file adds."""
-    st = os.stat(path)
+    open, an fstat, the reads and a close, without the fcntl and fstat calls a file adds.
+    `st`, a stat of `path` the caller has just taken (a cache keyed by it), saves the one
+    before opening."""
+    if st is None:
+        st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
         raise _refuse(path, st.st_mode)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
@@ -61,9 +66,11 @@ def open_regular_fd(path: str | Path) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-def open_regular(path: str | Path, *, buffering: int = -1) -> BinaryIO:
+def open_regular(
+    path: str | Path, *, buffering: int = -1, st: os.stat_result | None = None
+) -> BinaryIO:
     """`path` opened for binary reading when it is a regular file, as `open_regular_fd`."""
-    fd, _ = open_regular_fd(path)
+    fd, _ = open_regular_fd(path, st)
     try:
         os.set_blocking(fd, True)  # regular files ignore O_NONBLOCK; say what is meant
         return os.fdopen(fd, "rb", buffering=buffering)
