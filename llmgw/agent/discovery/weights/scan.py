@@ -149,18 +149,6 @@ def _nothing() -> None:
     pass
 
 
-class _NoCache(FileCheckCache):
-    def check_all(
-        self,
-        paths: Iterable[str],
-        fn: Callable[[str, os.stat_result | None], T],
-        tick: Callable[[], None],
-    ) -> Iterator[T]:
-        for path in paths:
-            tick()
-            yield fn(path, None)
-
-
 def _index_names(path: str, st: os.stat_result | None = None) -> tuple[str, ...]:
     return tuple(index_files(path))
 
@@ -589,7 +577,7 @@ def scan_weights(
         mounts=mounts,
         overrides=overrides,
         share_ids=share_ids,
-        cache=cache if cache is not None else _NoCache(),
+        cache=cache if cache is not None else FileCheckCache(),  # this scan's only
         clock=clock,
         deadline=started + deadline_s,
         realpath=realpath,
