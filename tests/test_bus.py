@@ -925,3 +925,28 @@ async def test_reading_the_bucket_leaves_no_consumer_behind(bus: Bus) -> None:
         return (await bus.js.stream_info("KV_llmgw")).state.consumer_count == 0
 
     await until(none_left, timeout=20)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "$JS.ACK.KV_llmgw.abc123XYZ.1.12345.678.1733300000000000000.42",
+        "$JS.ACK.hub.ACCHASH.KV_llmgw.abc123XYZ.3.12345.678.1733300000000000000.0.RANDOM",
+        "$JS.ACK._.ACCHASH.KV_llmgw.abc123XYZ.3.9.8.1733300000000000000.7",
+    ],
+)
+def test_a_deliverys_sequences_read_from_its_reply_subject_agree_with_nats_py(reply) -> None:
+    from nats.aio.msg import Msg
+
+    from llmgw.bus.watcher import delivery
+
+    meta = Msg(None, reply=reply).metadata
+    assert delivery(reply) == (meta.sequence.stream, meta.sequence.consumer, meta.num_pending)
+
+
+@pytest.mark.parametrize("reply", ["", "_INBOX.abc", "$JS.ACK.a.b.c", "$JS.ACK.s.c.1.x.2.3.4"])
+def test_a_reply_subject_that_is_no_delivery_is_refused(reply) -> None:
+    from llmgw.bus.watcher import delivery
+
+    with pytest.raises(ValueError):
+        delivery(reply)

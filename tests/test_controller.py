@@ -1179,3 +1179,19 @@ async def test_an_identity_that_may_not_allow_batches_writes_one_at_a_time_and_s
         assert "$JS.API.STREAM.UPDATE.KV_llmgw" in caplog.text  # the fix, named
         await bus.close()
         await other.close()
+
+
+async def test_a_new_leaders_first_pass_runs_as_its_takeover_comes_back_not_a_tick_later(
+    bus, second_bus
+) -> None:
+    # The pass waits for the view to hold the controller's own takeover; the echo of its
+    # leader write wakes it. With a 30 s tick, waking only on the tick would leave the
+    # fleet without health for 30 s after every start.
+    nodes = [inventory(f"n{i}", gpus=1) for i in range(3)]
+    controller = Controller(second_bus, ControllerSettings(**{**MANUAL, "tick": 30.0}))
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, *nodes)
+        tg.start_soon(controller.run)
+        health = await until(lambda: _health_of(bus, 3), timeout=10)
+        tg.cancel_scope.cancel()
+    assert {h.phase for h in health.values()} == {"ready"}

@@ -228,6 +228,7 @@ class Controller:
                 self.tracker.forget(node)
         elif family == keys.LEADER:
             self.leadership.saw(self.view.leader_rev, self.view.leader, now)
+            self._wake_once_writable()
         elif family == keys.LOAD:
             parsed = keys.parse(item.key)
             assert parsed is not None
@@ -244,6 +245,13 @@ class Controller:
             keys.SCALE,
         ):
             self._pass_due = True
+
+    def _wake_once_writable(self) -> None:
+        """A pass due since the takeover runs as soon as the view holds the takeover (the
+        claim's answer and its echo through the watch come in either order), not a tick
+        later: at start, the whole fleet is without health until it does."""
+        if self._pass_due and self.leadership.fence(self.view.leader_rev) is not None:
+            self._wake.set()
 
     def phases(self, now: float) -> dict[str, NodePhase]:
         return node_phases(self.view.nodes, self.tracker, now)
@@ -314,6 +322,7 @@ class Controller:
         hold_recorded_phases(self.view, self.tracker)
         self.autoscaler.reset()  # its windows start now, from the counts in scale.<model>
         self._pass_due = True
+        self._wake_once_writable()
         previous = takeover.previous
         log.info(
             "controller %s leads, epoch %d (previous: %s)", self.id, self.epoch, previous or "none"
