@@ -67,7 +67,7 @@ class View:
         prefix, ids = parsed.prefix, parsed.ids
         self.invalid.pop(key, None)
         try:
-            value = None if data is None else self._decode(prefix, ids, data)
+            value = None if data is None else self._decode(parsed, data)
         except catalog.UNREADABLE as e:
             self.invalid[key] = str(e)
             self.skipped.skipped(log, key, revision, str(e))
@@ -84,11 +84,11 @@ class View:
         return prefix
 
     @staticmethod
-    def _decode(prefix: str, ids: tuple[str, ...], data: bytes):
-        if prefix == keys.CATALOG:
-            return catalog.decode_model(data, ids[0])
+    def _decode(key: keys.Key, data: bytes):
+        if key.prefix == keys.CATALOG:
+            return catalog.decode_model(data, key.ids[0])
         # the owner comes from the key, never the value; ranges and ids are checked there
-        return trust.decode_for_key(keys.Key(prefix, ids), data)
+        return trust.decode_for_key(key, data)
 
     def _store(self, prefix: str, ids: tuple[str, ...], value) -> None:
         table, k = self._slot(prefix, ids)
