@@ -5,7 +5,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.bus.records import Health, Lease, Memory
-from llmgw.controller.liveness import LivenessTracker, health_changes, node_phases
+from llmgw.controller.liveness import (
+    LivenessTracker,
+    health_changes,
+    judge,
+    moving_matters,
+    node_phases,
+)
 
 
 def _moving(tracker: LivenessTracker, node: str, start: float, until: float, every: float = 5.0):
@@ -202,3 +208,88 @@ def test_the_fleets_phases_follow_lease_movement_and_holds(events, now) -> None:
     nodes = ["a", "b", "c", "d", "e"]
     assert tracker.phases_of(nodes, now) == {n: expected(n) or "unreachable" for n in nodes}
     assert {n: tracker.phase(n, now) for n in nodes} == {n: expected(n) for n in nodes}
+
+
+@given(
+    events=st.lists(
+        st.tuples(
+            st.sampled_from(
+                ["observe", "observe", "forget", "add", "add", "remove", "edit", "hold", "grace"]
+                + ["judge"] * 4
+            ),
+            st.sampled_from(["a", "b", "c"]),
+            st.integers(0, 3),  # seq
+            st.sampled_from(["ready", "unreachable", "lost"]),
+            st.floats(0, 200, allow_nan=False),
+        ),
+        max_size=40,
+    )
+)
+def test_judging_only_the_touched_nodes_stores_what_judging_the_whole_fleet_stores(events):
+    """The controller judges, each tick, only the nodes whose inventory or health record
+    changed since its last judgement, or whose lease moved while not stored ready, and
+    those standing still; a world
+    that judges every node each time must end with the same phases stored after every
+    judgement, whatever happened in between."""
+    tracker = LivenessTracker(unreachable_after=15, lost_after=30)
+    inventories: dict[str, object] = {}
+    leases: dict[str, Lease] = {}
+    whole: dict[str, Health] = {}  # stored by the world that judges every node
+    part: dict[str, Health] = {}  # stored by the one that judges the touched ones
+    touched: set[str] | None = None
+
+    def store(stored: dict[str, Health], changes) -> None:
+        for c in changes.write:
+            stored[c.record.node] = c.record
+        for node in changes.delete:
+            stored.pop(node, None)
+
+    # and then time passes with nothing happening: nodes go unreachable, then lost
+    later = [("judge", "", 0, "ready", 200.0 + k) for k in (0, 10, 20, 40)]
+    for what, node, seq, phase, at in sorted(events, key=lambda e: e[4]) + later:
+        if what == "judge":
+            store(whole, judge(inventories, whole, leases, tracker, at, at))
+            store(part, judge(inventories, part, leases, tracker, at, at, touched))
+            touched = set()
+            assert {n: h.phase for n, h in part.items()} == {n: h.phase for n, h in whole.items()}
+            continue
+        if what in ("hold", "grace"):
+            if what == "hold":
+                tracker.hold(node, phase, seq or None)
+            else:
+                tracker.restart_grace(at)
+            touched = None  # as the controller asks after either
+            continue
+        if what == "observe":
+            leases[node] = _lease(node, seq)
+            tracker.observe(node, seq, at)
+            if not moving_matters(part.get(node)):
+                continue  # stored ready: the controller does not judge it again for this
+        elif what == "forget":
+            leases.pop(node, None)
+            tracker.forget(node)
+        elif what == "add":
+            inventories[node] = object()
+        elif what == "remove":
+            inventories.pop(node, None)
+        else:  # a health record changed under the controller (its own write's echo, a hand)
+            for stored in (whole, part):
+                stored[node] = Health(node=node, phase=phase, since=at)
+        if touched is not None:
+            touched.add(node)
+
+
+def test_a_lease_that_moves_goes_behind_those_standing_still():
+    # `still` reads only the front of the tracker's nodes, in the order their leases last
+    # moved: a node that moved must leave its place, or the ones behind it are never seen
+    tracker = LivenessTracker(unreachable_after=15, lost_after=30)
+    tracker.observe("a", 1, 0.0)
+    tracker.observe("b", 1, 1.0)
+    tracker.observe("c", 1, 2.0)
+    tracker.observe("a", 2, 10.0)  # moved: now the freshest
+    tracker.observe("c", 1, 11.0)  # the same seq: it did not move
+    assert tracker.still(15.5) == []
+    assert tracker.still(17.0) == ["b", "c"]
+    assert tracker.still(25.0) == ["b", "c", "a"]
+    tracker.restart_grace(30.0)
+    assert tracker.still(44.9) == [] and tracker.still(45.0) == ["b", "c", "a"]

@@ -58,6 +58,9 @@ class LivenessTracker:
         movement: a sequence that goes backwards is an agent that restarted."""
         seen = self._seen.get(node)
         if seen is None or seen.seq != seq:
+            # to the end: `_seen` stays in the order leases last moved (`now` never goes
+            # back), so the ones standing still are always at its front (`still`)
+            self._seen.pop(node, None)
             self._seen[node] = _Seen(seq, now)
         held = self._held.get(node)
         if held is not None and held.seq != seq:
@@ -75,6 +78,17 @@ class LivenessTracker:
         nothing, which says nothing about the nodes), as after a restart."""
         for seen in self._seen.values():
             seen.moved_at = now
+
+    def still(self, now: float) -> list[str]:
+        """Nodes whose lease has stood still for `unreachable_after` or longer, longest
+        first: the front of `_seen`, however large the fleet behind it."""
+        cutoff = now - self.unreachable_after
+        out = []
+        for node, seen in self._seen.items():
+            if seen.moved_at > cutoff:
+                break
+            out.append(node)
+        return out
 
     def forget(self, node: str) -> None:
         """The node's lease was deleted (node decommissioned): stop tracking it."""
@@ -154,6 +168,38 @@ class HealthChanges:
         return any(c.record.phase != "ready" for c in self.write)
 
 
+def moving_matters(stored: Health | None) -> bool:
+    """Whether a node's lease moving can change what is stored of it: not while it is
+    stored ready (a lease that moves keeps its node ready). Thousands of leases move every
+    second; only these make their node one to judge again."""
+    return stored is None or stored.phase != "ready"
+
+
+def judge(
+    nodes: Mapping[str, object],
+    stored: Mapping[str, Health],
+    leases: Mapping[str, Lease],
+    tracker: LivenessTracker,
+    now: float,
+    wall: float,
+    touched: Iterable[str] | None = None,
+) -> HealthChanges:
+    """The health records to write and delete for the nodes with an inventory (`nodes`).
+    `touched`: the nodes whose inventory or health record changed since the last judgement
+    whose changes were all written, or whose lease moved where `moving_matters`; only they and the nodes whose lease stands
+    still can have a phase other than the stored one, so only they are judged (the
+    controller judges every tick: at 10,000 nodes, the whole fleet every second was a tenth
+    of its time). None: every node; needed after a grace period and after a hold (either
+    changes phases without touching a node), at start, and now and then as a safety net."""
+    if touched is None:
+        return health_changes(node_phases(nodes, tracker, now), stored, leases, tracker, now, wall)
+    candidates = set(touched).union(tracker.still(now))
+    judged = sorted(n for n in candidates if n in nodes)
+    gone = sorted(n for n in candidates if n not in nodes and n in stored)
+    phases = node_phases(judged, tracker, now)
+    return health_changes(phases, stored, leases, tracker, now, wall, gone=gone)
+
+
 def health_changes(
     phases: Mapping[str, NodePhase],
     stored: Mapping[str, Health],
@@ -161,10 +207,12 @@ def health_changes(
     tracker: LivenessTracker,
     now: float,
     wall: float,
+    *,
+    gone: Iterable[str] | None = None,
 ) -> HealthChanges:
     """The `health.<node>` records to write (phases that differ from the stored ones) and
-    to delete (nodes without an inventory any more). `now` is the tracker's clock, `wall`
-    the records' timestamp."""
+    to delete (nodes without an inventory any more: `gone`, or when None, every stored node
+    `phases` leaves out). `now` is the tracker's clock, `wall` the records' timestamp."""
     write = []
     for node, phase in phases.items():
         old = stored.get(node)
@@ -179,4 +227,6 @@ def health_changes(
             last_seq=lease.seq if lease else 0,
         )
         write.append(HealthChange(record, old.phase if old else None))
-    return HealthChanges(write=write, delete=[n for n in stored if n not in phases])
+    if gone is None:
+        gone = [n for n in stored if n not in phases]
+    return HealthChanges(write=write, delete=list(gone))

@@ -58,7 +58,8 @@ from llmgw.controller.liveness import (
     UNREACHABLE_AFTER_S,
     HealthChanges,
     LivenessTracker,
-    health_changes,
+    judge,
+    moving_matters,
     node_phases,
 )
 from llmgw.controller.metrics import ControllerMetrics
@@ -66,6 +67,9 @@ from llmgw.controller.view import Freeze, View
 from llmgw.metrics_http import serve_metrics
 
 log = logging.getLogger(__name__)
+
+# key families whose change can change a node's phase or what is stored of it
+_JUDGED_BY = frozenset((keys.LEASES, keys.NODES, keys.HEALTH))
 
 
 class _NotLeading(Exception):
@@ -125,6 +129,10 @@ class Controller:
         self._wake = anyio.Event()  # a cold model's request is waiting: pass now
         self._batches_asked = anyio.Event()  # the stream said whether it takes batches
         self._inventories = placement.InventoryMemo()  # what each one says, between passes
+        # nodes whose lease, inventory or health changed since the last judgement that was
+        # written; None: judge every node next (liveness.judge)
+        self._touched: set[str] | None = None
+        self._judged_all_at = float("-inf")  # event-loop time of the last whole-fleet one
 
     @property
     def id(self) -> str:
@@ -203,12 +211,13 @@ class Controller:
         """The watch has delivered the bucket as it is (at start, and after a reconnect)."""
         if not self._synced.is_set():
             hold_recorded_phases(self.view, self.tracker)
+            self._touched = None
             self._synced.set()
         if self.link.synced():
             # Back after an outage: this controller saw no lease move while it was away,
             # which says nothing about the nodes. Every node gets a fresh grace period, as
             # after a restart; a network blip must not drain the fleet.
-            self.tracker.restart_grace(self.clock.monotonic())
+            self._grace(self.clock.monotonic())
         self._pass_due = True
 
     async def _on_reconnected(self) -> None:
@@ -217,10 +226,16 @@ class Controller:
     def _apply(self, item: Update[bytes]) -> None:
         family = self.view.apply(item.key, item.value, item.revision)
         now = self.clock.monotonic()
-        if family == keys.LEASES:
+        node = ""
+        if family in _JUDGED_BY:  # keyed by the node
             parsed = keys.parse(item.key)
             assert parsed is not None
             node = parsed.ids[0]
+            if self._touched is not None and (
+                family != keys.LEASES or moving_matters(self.view.health.get(node))
+            ):
+                self._touched.add(node)  # its phase is judged at the next tick
+        if family == keys.LEASES:
             lease = self.view.leases.get(node)
             if lease is not None:
                 self.tracker.observe(node, lease.seq, now)
@@ -252,6 +267,12 @@ class Controller:
         later: at start, the whole fleet is without health until it does."""
         if self._pass_due and self.leadership.fence(self.view.leader_rev) is not None:
             self._wake.set()
+
+    def _grace(self, now: float) -> None:
+        """Every node gets a fresh grace period (LivenessTracker.restart_grace), and so is
+        judged again."""
+        self.tracker.restart_grace(now)
+        self._touched = None
 
     def phases(self, now: float) -> dict[str, NodePhase]:
         return node_phases(self.view.nodes, self.tracker, now)
@@ -318,8 +339,8 @@ class Controller:
         # reconnect, so no re-sync) with leases that only look still. Nodes already
         # recorded unreachable or lost stay so until their lease moves. Now is when the
         # claim came back: it may have waited out a stalled link.
-        self.tracker.restart_grace(self.clock.monotonic())
-        hold_recorded_phases(self.view, self.tracker)
+        self._grace(self.clock.monotonic())
+        hold_recorded_phases(self.view, self.tracker)  # (_grace has every node judged)
         self.autoscaler.reset()  # its windows start now, from the counts in scale.<model>
         self._pass_due = True
         self._wake_once_writable()
@@ -398,7 +419,7 @@ class Controller:
         # the one "now" of this pass, read after the round trip: judged and stamped by it
         now = instant(self.clock)
         if back:
-            self.tracker.restart_grace(now.monotonic)
+            self._grace(now.monotonic)
         if not self.link.may_judge:
             return  # the view may be stale: judge nothing
         if self.leadership.fence(self.view.leader_rev) is None:
@@ -485,22 +506,35 @@ class Controller:
         return counted
 
     async def _judge_nodes(self, now: Instant) -> bool:
-        """Write `health.<node>` where a node's phase changed; True if any did."""
-        changes = health_changes(
-            self.phases(now.monotonic),
+        """Write `health.<node>` where a node's phase changed; True if any did. Judges the
+        nodes touched since the last judgement (liveness.judge), the whole fleet when that
+        was asked for and every `resync` seconds besides."""
+        touched, self._touched = self._touched, set()
+        if anyio.current_time() - self._judged_all_at >= self.settings.resync:
+            touched = None
+        if touched is None:
+            self._judged_all_at = anyio.current_time()
+        changes = judge(
+            self.view.nodes,
             self.view.health,
             self.view.leases,
             self.tracker,
             now.monotonic,
             now.wall,
+            touched,
         )
-        if changes.declares_silence:
-            # no node is declared silent without a round trip
-            if await self._check_link():
-                self.tracker.restart_grace(now.monotonic)
-            if not self.link.may_judge:
-                return False
-        await self._write_health(changes)
+        try:
+            if changes.declares_silence:
+                # no node is declared silent without a round trip
+                if await self._check_link():
+                    self._grace(now.monotonic)
+                if not self.link.may_judge:
+                    self._touched = None  # judged but not written: all again next time
+                    return False
+            await self._write_health(changes)
+        except BaseException:
+            self._touched = None  # some may not be written: every node again next time
+            raise
         return bool(changes.write)
 
     async def _write_health(self, changes: HealthChanges) -> None:
