@@ -60,6 +60,15 @@ class SpoofedRecord(RecordRejected):
         )
 
 
+# a field's name: "seq", or (where, name) for one inside a part ("gpus.devices[3]", "index"),
+# joined only when a problem is said: a fleet's inventories pass thousands of checks
+_Field = str | tuple[str, str]
+
+
+def _said(field: _Field) -> str:
+    return field if isinstance(field, str) else f"{field[0]}.{field[1]}"
+
+
 class _Problems:
     """The problems found in one value: those about ownership, and the rest."""
 
@@ -74,21 +83,21 @@ class _Problems:
         if said != key_id:
             self.spoofs.append(f"its {field} is {said!r} but the key says {key_id!r}")
 
-    def at_least(self, field: str, value: float | None, low: float) -> None:
+    def at_least(self, field: _Field, value: float | None, low: float) -> None:
         if value is not None and value < low:
-            self.others.append(f"{field} {value!r} is below {low!r}")
+            self.others.append(f"{_said(field)} {value!r} is below {low!r}")
 
-    def within(self, field: str, value: float | None, low: float, high: float) -> None:
+    def within(self, field: _Field, value: float | None, low: float, high: float) -> None:
         if value is not None and not low <= value <= high:
-            self.others.append(f"{field} {value!r} is outside {low!r}..{high!r}")
+            self.others.append(f"{_said(field)} {value!r} is outside {low!r}..{high!r}")
 
-    def at_most(self, field: str, count: int, high: int, unit: str = "entries") -> None:
+    def at_most(self, field: _Field, count: int, high: int, unit: str = "entries") -> None:
         if count > high:
-            self.others.append(f"{field} has {count} {unit}, more than {high}")
+            self.others.append(f"{_said(field)} has {count} {unit}, more than {high}")
 
-    def token(self, field: str, value: str | None) -> None:
+    def token(self, field: _Field, value: str | None) -> None:
         if value is not None and not keys.is_token(value):
-            self.others.append(f"{field} {value!r} is not an id (letters, digits, '-', '_')")
+            self.others.append(f"{_said(field)} {value!r} is not an id (letters, digits, '-', '_')")
 
     def raise_if_any(self, key: str) -> None:
         if self.spoofs:
@@ -103,8 +112,8 @@ class _Problems:
 def _memory(p: _Problems, where: str, m: records.Memory) -> None:
     if m.total_bytes >= 0 and m.available_bytes >= 0:
         return  # every heartbeat carries one: no messages built for a good one
-    p.at_least(f"{where}.total_bytes", m.total_bytes, 0)
-    p.at_least(f"{where}.available_bytes", m.available_bytes, 0)
+    p.at_least((where, "total_bytes"), m.total_bytes, 0)
+    p.at_least((where, "available_bytes"), m.available_bytes, 0)
 
 
 def _store(p: _Problems, where: str, store: records.Store, node: str) -> None:
@@ -154,17 +163,17 @@ def _taints(p: _Problems, where: str, given: list[str]) -> None:
 
 
 def _gpu(p: _Problems, where: str, g: records.Gpu) -> None:
-    p.at_least(f"{where}.index", g.index, 0)
-    p.at_least(f"{where}.memory_total_bytes", g.memory_total_bytes, 0)
-    p.at_least(f"{where}.memory_used_bytes", g.memory_used_bytes, 0)
-    p.at_least(f"{where}.processes_unlisted", g.processes_unlisted, 0)
-    p.at_least(f"{where}.unlisted_foreign_bytes", g.unlisted_foreign_bytes, 0)
-    p.at_most(f"{where}.processes", len(g.processes), records.MAX_GPU_PROCESSES)
+    p.at_least((where, "index"), g.index, 0)
+    p.at_least((where, "memory_total_bytes"), g.memory_total_bytes, 0)
+    p.at_least((where, "memory_used_bytes"), g.memory_used_bytes, 0)
+    p.at_least((where, "processes_unlisted"), g.processes_unlisted, 0)
+    p.at_least((where, "unlisted_foreign_bytes"), g.unlisted_foreign_bytes, 0)
+    p.at_most((where, "processes"), len(g.processes), records.MAX_GPU_PROCESSES)
     for j, proc in enumerate(g.processes[: records.MAX_GPU_PROCESSES]):
         p.within(f"{where}.processes[{j}].pid", proc.pid, 1, MAX_PID)
         p.at_least(f"{where}.processes[{j}].used_bytes", proc.used_bytes, 0)
         p.at_most(f"{where}.processes[{j}].name", len(proc.name), MAX_PROCESS_NAME, "characters")
-    p.at_least(f"{where}.errors.ecc_uncorrected_volatile", g.errors.ecc_uncorrected_volatile, 0)
+    p.at_least((where, "errors.ecc_uncorrected_volatile"), g.errors.ecc_uncorrected_volatile, 0)
 
 
 def _ports_taken(p: _Problems, ports: records.PortsTaken) -> None:
