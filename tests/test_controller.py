@@ -687,11 +687,11 @@ async def _one_failing_pass(
     clock.advance(10)
     plan, raised = placement.plan, anyio.Event()
 
-    def plan_failing_once(snap, nodes=None):
+    def plan_failing_once(snap, nodes=None, memo=None):
         if not raised.is_set():
             raised.set()
             raise error
-        return plan(snap, nodes)
+        return plan(snap, nodes, memo)
 
     monkeypatch.setattr(placement, "plan", plan_failing_once)
     with anyio.fail_after(10):
@@ -754,8 +754,8 @@ async def test_a_pass_that_planned_for_long_judges_its_nodes_again_before_placin
         clock.advance(10)
         plan, planned = placement.plan, anyio.Event()
 
-        def slow_plan(snap, nodes=None):
-            result = plan(snap, nodes)
+        def slow_plan(snap, nodes=None, memo=None):
+            result = plan(snap, nodes, memo)
             if result.create and not planned.is_set():
                 clock.advance(10)  # planning took 10 s
                 planned.set()
@@ -784,8 +784,8 @@ async def test_a_record_too_large_to_write_is_a_bug_not_a_link_failure(
     await node.register()
     plan = placement.plan
 
-    def huge_record(snap, nodes=None):
-        result = plan(snap, nodes)
+    def huge_record(snap, nodes=None, memo=None):
+        result = plan(snap, nodes, memo)
         for model, rec in result.placements.items():
             result.placements[model] = msgspec.structs.replace(rec, explanation="x" * 2_000_000)
         return result

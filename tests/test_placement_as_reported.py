@@ -313,3 +313,34 @@ def test_the_fleet_remembered_between_passes_follows_every_change_of_an_inventor
     gone = _with(later, inventories={"n2": first.inventories["n2"]})
     assert list(same_as_fresh(gone)) == ["n2"]
     assert list(memo._by_node) == ["n2"]
+
+
+def test_what_the_whole_fleet_says_is_kept_only_while_every_inventory_is_the_same() -> None:
+    # the fabric view and where weights are follow from all the inventories together: the
+    # controller keeps them between passes, and any new inventory value builds them again
+    from llmgw.controller.fabrics import fabric_view
+    from llmgw.controller.placement import InventoryMemo
+
+    memo = InventoryMemo()
+    first = snapshot([node("n1", gpus=2), node("n2", gpus=2)], [model(gpus=1)], {"m": 1})
+    built: list[dict] = []
+
+    def fabrics(snap) -> dict:
+        def build() -> dict:
+            built.append(fabric_view(snap.inventories.values()))
+            return built[-1]
+
+        return memo.of_fleet("fabrics", snap.inventories, build)
+
+    assert fabrics(first) is fabrics(first) and len(built) == 1
+    same_values = _with(first, inventories=dict(first.inventories))  # another dict, same values
+    assert fabrics(same_values) is built[0] and len(built) == 1
+    n1 = msgspec.structs.replace(
+        first.inventories["n1"], labels={"pool": "b"}
+    )  # an equal-ish new value
+    assert fabrics(_with(first, inventories={**first.inventories, "n1": n1})) is not built[0]
+    assert len(built) == 2
+    assert fabrics(_with(first, inventories={"n2": first.inventories["n2"]}))["node-n2"].nodes == [
+        "n2"
+    ]
+    assert len(built) == 3

@@ -27,19 +27,26 @@ def placement_snapshot(
     port_range: tuple[int, int],
     now: float,
     failures: placement.FailurePolicy | None = None,
+    memo: placement.InventoryMemo | None = None,
 ) -> placement.Snapshot:
     """The plan's input. A frozen model is left out of what is asked for, so nothing is
     placed for it; its replicas stay in (they hold GPUs and ports). `now` is wall time:
     what the plan stamps on what it decides. Replicas carry the phase their shards say now
     (the stored one is the previous pass's summary), so that a replica that failed reads
-    failed in this decision's lines, not ready."""
+    failed in this decision's lines, not ready. `memo` (the controller's) keeps the fabric
+    view while no inventory changes."""
+    nodes = view.nodes
+    if memo is None:
+        fabrics = fabric_view(nodes.values())
+    else:
+        fabrics = memo.of_fleet("fabrics", nodes, lambda: fabric_view(nodes.values()))
     return placement.Snapshot(
         catalog={m: entry for m, entry in view.catalog.items() if m not in frozen},
         desired={m: asked(view, d) for m, d in view.desired.items() if m not in frozen},
         inventories=view.nodes,
         health=phases,
         replicas=[current_phase(r, view) for r in view.replicas.values()],
-        fabrics=fabric_view(view.nodes.values()),
+        fabrics=fabrics,
         leases=view.leases,
         port_range=port_range,
         now=now,

@@ -611,6 +611,7 @@ class Controller:
             failures=placement.FailurePolicy(
                 self.settings.failure_cooldown, self.settings.failure_nodes
             ),
+            memo=self._inventories,
         )
 
     async def reconcile(self, now: Instant) -> None:
@@ -623,7 +624,7 @@ class Controller:
             nodes = placement.fleet_nodes(snap, self._inventories)
         # before planning: a node that just started qualifying is placed on in this same pass
         await self._report_qualifying(snap, nodes)
-        plan = placement.plan(snap, nodes)
+        plan = placement.plan(snap, nodes, self._inventories)
         creates = self._still_placeable(plan.create, now)
         # A frozen model keeps its replicas: a garbled or deleted catalog entry is not a
         # request to remove the model.

@@ -27,7 +27,7 @@ from llmgw.catalog import Model, Profile, launch_hash
 from llmgw.controller.placement import explain, failures, rollout
 from llmgw.controller.placement.explain import Blocked, Refusal
 from llmgw.controller.placement.filters import could_run
-from llmgw.controller.placement.nodes import Need, NodeState, fleet_nodes
+from llmgw.controller.placement.nodes import InventoryMemo, Need, NodeState, fleet_nodes
 from llmgw.controller.placement.pickers import Picker, picker
 from llmgw.controller.placement.ports import PortMove, move_taken_ports
 from llmgw.controller.placement.record import ModelRecord
@@ -87,12 +87,25 @@ class Filled:
     refusals: list[tuple[str, dict[str, Refusal]]]
 
 
-def plan(snapshot: Snapshot, nodes: dict[str, NodeState] | None = None) -> Plan:
+def plan(
+    snapshot: Snapshot,
+    nodes: dict[str, NodeState] | None = None,
+    memo: InventoryMemo | None = None,
+) -> Plan:
     """Decide replicas to create and remove for every model, with the reasons. `nodes`:
     `fleet_nodes(snapshot)` when the caller built it already (and nothing changed it):
-    the plan takes resources off them as it places."""
+    the plan takes resources off them as it places. `memo`: the caller's InventoryMemo,
+    which keeps where weights are while no inventory changes."""
     with collector_paused():
-        return _plan(snapshot, nodes if nodes is not None else fleet_nodes(snapshot))
+        nodes = nodes if nodes is not None else fleet_nodes(snapshot, memo)
+        if memo is None:
+            weights = WeightsNearby(snapshot)
+        else:
+            # built from the inventories and the fabric view, which follows from them
+            weights = memo.of_fleet(
+                "weights", snapshot.inventories, lambda: WeightsNearby(snapshot)
+            )
+        return _plan(snapshot, nodes, weights)
 
 
 @contextmanager
@@ -111,8 +124,8 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _plan(snapshot: Snapshot, nodes: dict[str, NodeState]) -> Plan:
-    fleet = Fleet(snapshot, nodes, WeightsNearby(snapshot), {r.rid for r in snapshot.replicas})
+def _plan(snapshot: Snapshot, nodes: dict[str, NodeState], weights: WeightsNearby) -> Plan:
+    fleet = Fleet(snapshot, nodes, weights, {r.rid for r in snapshot.replicas})
     # before anything is placed: the ports they move to are then used
     moves = move_taken_ports(snapshot, fleet.nodes)
     by_model: dict[str, list[Replica]] = defaultdict(list)
