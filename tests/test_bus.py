@@ -819,6 +819,35 @@ def test_values_are_checked_against_their_ranges(key, value, why) -> None:
         trust.decode_for_key(key, records.encode(value))
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        "index",
+        "memory_total_bytes",
+        "memory_used_bytes",
+        "processes_unlisted",
+        "unlisted_foreign_bytes",
+        "errors.ecc_uncorrected_volatile",
+    ],
+)
+def test_every_gpu_count_below_zero_is_refused_with_or_without_processes(field) -> None:
+    # a GPU without processes is checked in one quick test first: it must miss nothing
+    for processes in ([], [records.GpuProcess(pid=9)]):
+        inv = _gpu_holders("n1", processes)
+        gpu = inv.gpus.devices[0]
+        if field.startswith("errors."):
+            gpu = msgspec.structs.replace(
+                gpu, errors=msgspec.structs.replace(gpu.errors, **{field[7:]: -1})
+            )
+        else:
+            gpu = msgspec.structs.replace(gpu, **{field: -1})
+        bad = msgspec.structs.replace(inv, gpus=msgspec.structs.replace(inv.gpus, devices=[gpu]))
+        with pytest.raises(
+            trust.RecordRejected, match=rf"gpus\.devices\[0\]\.{field} -1 is below 0"
+        ):
+            trust.decode_for_key("nodes.n1", records.encode(bad))
+
+
 def test_values_that_agree_with_their_keys_pass() -> None:
     trust.check("nodes.node05", inventory("node05"))
     trust.check("replicas.m1.r1", _replica("m1", "r1", 1, 0))
