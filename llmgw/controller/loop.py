@@ -547,6 +547,11 @@ class Controller:
         )
         for change, record in zip(changes.write, stamped, strict=True):
             self.view.health[record.node] = record
+            if record.phase != "ready" and self._touched is not None:
+                # its lease may have moved while this was written, when it was still stored
+                # ready (moving_matters said no): judged again next tick, not only when the
+                # echo of this write comes back
+                self._touched.add(record.node)
             level = logging.INFO if record.phase == "ready" else logging.WARNING
             log.log(
                 logging.DEBUG if many and record.phase == "ready" else level,
