@@ -1195,3 +1195,29 @@ async def test_a_new_leaders_first_pass_runs_as_its_takeover_comes_back_not_a_ti
         health = await until(lambda: _health_of(bus, 3), timeout=10)
         tg.cancel_scope.cancel()
     assert {h.phase for h in health.values()} == {"ready"}
+
+
+@pytest.mark.parametrize("how", ["deleted", "garbled"])
+async def test_a_ready_node_whose_lease_goes_away_is_written_unreachable_at_the_next_tick(
+    bus, second_bus, how
+) -> None:
+    # found by review of the incremental judgement: with a 30 s resync, only the tick's
+    # judgement can see it, and it must not wait for the resync
+    clock = ManualClock()
+    node = SimNode(bus, inventory("gpu-a", gpus=1))
+    await node.register()
+    controller = Controller(second_bus, ControllerSettings(**{**MANUAL, "resync": 30.0}), clock)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(controller.run)
+        await until(lambda: _phase_is(bus, "gpu-a", "ready"))
+        # the watch delivers in order: once a later write is in the view, so is the echo
+        # of the ready record (which would have the node judged again by itself)
+        await bus.put(keys.desired("later"), records.Desired(model="later", replicas=0))
+        await until(lambda: _true("later" in controller.view.desired))
+        await until(lambda: _true(controller._touched == set()))  # and a tick judged it
+        if how == "deleted":
+            await bus.delete(keys.lease("gpu-a"))
+        else:
+            await bus.put(keys.lease("gpu-a"), b"not a lease")  # does not read: no lease
+        await until(lambda: _phase_is(bus, "gpu-a", "unreachable"), timeout=5)
+        tg.cancel_scope.cancel()

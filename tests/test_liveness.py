@@ -9,7 +9,7 @@ from llmgw.controller.liveness import (
     LivenessTracker,
     health_changes,
     judge,
-    moving_matters,
+    lease_change_matters,
     node_phases,
 )
 
@@ -227,7 +227,8 @@ def test_the_fleets_phases_follow_lease_movement_and_holds(events, now) -> None:
 )
 def test_judging_only_the_touched_nodes_stores_what_judging_the_whole_fleet_stores(events):
     """The controller judges, each tick, only the nodes whose inventory or health record
-    changed since its last judgement, or whose lease moved while not stored ready, and
+    changed since its last judgement, or whose lease moved while not stored ready or was
+    deleted, and
     those standing still; a world
     that judges every node each time must end with the same phases stored after every
     judgement, whatever happened in between."""
@@ -260,14 +261,15 @@ def test_judging_only_the_touched_nodes_stores_what_judging_the_whole_fleet_stor
                 tracker.restart_grace(at)
             touched = None  # as the controller asks after either
             continue
-        if what == "observe":
-            leases[node] = _lease(node, seq)
-            tracker.observe(node, seq, at)
-            if not moving_matters(part.get(node)):
-                continue  # stored ready: the controller does not judge it again for this
-        elif what == "forget":
-            leases.pop(node, None)
-            tracker.forget(node)
+        if what in ("observe", "forget"):  # a lease moved, or was deleted
+            if what == "observe":
+                leases[node] = _lease(node, seq)
+                tracker.observe(node, seq, at)
+            else:
+                leases.pop(node, None)
+                tracker.forget(node)
+            if not lease_change_matters(part.get(node), leases.get(node)):
+                continue  # the controller does not judge the node again for this
         elif what == "add":
             inventories[node] = object()
         elif what == "remove":
@@ -293,3 +295,21 @@ def test_a_lease_that_moves_goes_behind_those_standing_still():
     assert tracker.still(25.0) == ["b", "c", "a"]
     tracker.restart_grace(30.0)
     assert tracker.still(44.9) == [] and tracker.still(45.0) == ["b", "c", "a"]
+
+
+def test_a_lease_deleted_from_a_node_stored_ready_is_judged_at_the_next_tick():
+    # a moving lease keeps its node ready, so the controller skips it when stored ready;
+    # a lease that goes away (deleted, or a value that does not read) never is
+    tracker = LivenessTracker(unreachable_after=15, lost_after=30)
+    nodes, leases = {"a": object()}, {"a": _lease("a", 1)}
+    tracker.observe("a", 1, 0.0)
+    stored = {c.record.node: c.record for c in judge(nodes, {}, leases, tracker, 1.0, 1.0).write}
+    assert stored["a"].phase == "ready"
+    tracker.observe("a", 2, 2.0)
+    leases["a"] = _lease("a", 2)
+    assert not lease_change_matters(stored["a"], leases["a"])
+    leases.pop("a")
+    tracker.forget("a")
+    assert lease_change_matters(stored["a"], None)
+    changes = judge(nodes, stored, leases, tracker, 3.0, 3.0, {"a"})
+    assert [(c.record.node, c.record.phase) for c in changes.write] == [("a", "unreachable")]

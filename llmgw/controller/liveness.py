@@ -168,11 +168,12 @@ class HealthChanges:
         return any(c.record.phase != "ready" for c in self.write)
 
 
-def moving_matters(stored: Health | None) -> bool:
-    """Whether a node's lease moving can change what is stored of it: not while it is
-    stored ready (a lease that moves keeps its node ready). Thousands of leases move every
+def lease_change_matters(stored: Health | None, lease: Lease | None) -> bool:
+    """Whether a change of a node's lease can change what is stored of it. A lease that
+    moves keeps its node ready, so not while it is stored ready; a lease gone (deleted, or
+    a value that does not read) makes any node unreachable. Thousands of leases move every
     second; only these make their node one to judge again."""
-    return stored is None or stored.phase != "ready"
+    return lease is None or stored is None or stored.phase != "ready"
 
 
 def judge(
@@ -186,7 +187,7 @@ def judge(
 ) -> HealthChanges:
     """The health records to write and delete for the nodes with an inventory (`nodes`).
     `touched`: the nodes whose inventory or health record changed since the last judgement
-    whose changes were all written, or whose lease moved where `moving_matters`; only they and the nodes whose lease stands
+    whose changes were all written, or whose lease changed where `lease_change_matters`; only they and the nodes whose lease stands
     still can have a phase other than the stored one, so only they are judged (the
     controller judges every tick: at 10,000 nodes, the whole fleet every second was a tenth
     of its time). None: every node; needed after a grace period and after a hold (either

@@ -59,7 +59,7 @@ from llmgw.controller.liveness import (
     HealthChanges,
     LivenessTracker,
     judge,
-    moving_matters,
+    lease_change_matters,
     node_phases,
 )
 from llmgw.controller.metrics import ControllerMetrics
@@ -232,7 +232,8 @@ class Controller:
             assert parsed is not None
             node = parsed.ids[0]
             if self._touched is not None and (
-                family != keys.LEASES or moving_matters(self.view.health.get(node))
+                family != keys.LEASES
+                or lease_change_matters(self.view.health.get(node), self.view.leases.get(node))
             ):
                 self._touched.add(node)  # its phase is judged at the next tick
         if family == keys.LEASES:
@@ -549,7 +550,7 @@ class Controller:
             self.view.health[record.node] = record
             if record.phase != "ready" and self._touched is not None:
                 # its lease may have moved while this was written, when it was still stored
-                # ready (moving_matters said no): judged again next tick, not only when the
+                # ready (lease_change_matters said no): judged again next tick, not only when the
                 # echo of this write comes back
                 self._touched.add(record.node)
             level = logging.INFO if record.phase == "ready" else logging.WARNING
