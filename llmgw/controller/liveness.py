@@ -186,12 +186,14 @@ def judge(
     touched: Iterable[str] | None = None,
 ) -> HealthChanges:
     """The health records to write and delete for the nodes with an inventory (`nodes`).
+
     `touched`: the nodes whose inventory or health record changed since the last judgement
-    whose changes were all written, or whose lease changed where `lease_change_matters`; only they and the nodes whose lease stands
-    still can have a phase other than the stored one, so only they are judged (the
-    controller judges every tick: at 10,000 nodes, the whole fleet every second was a tenth
-    of its time). None: every node; needed after a grace period and after a hold (either
-    changes phases without touching a node), at start, and now and then as a safety net."""
+    whose changes were all written, and those whose lease changed where
+    `lease_change_matters`. Only they and the nodes whose lease stands still can have a
+    phase other than the stored one, so only they are judged (the controller judges every
+    tick: at 10,000 nodes, the whole fleet every second was a tenth of its time). None:
+    every node; needed after a grace period and after a hold (either changes phases
+    without touching a node), at start, and now and then as a safety net."""
     if touched is None:
         return health_changes(node_phases(nodes, tracker, now), stored, leases, tracker, now, wall)
     candidates = set(touched).union(tracker.still(now))
