@@ -1132,6 +1132,19 @@ async def _health_of(bus: Bus, count: int) -> dict[str, records.Health] | None:
     return {e.value.node: e.value for e in got.values()} if len(got) == count else None
 
 
+async def _health_at_start(
+    bus: Bus, controller: Controller, nodes: list[records.NodeInventory], timeout: float = 20
+) -> dict[str, records.Health]:
+    """Every node's health record, once the controller started beside the nodes has
+    written one for each."""
+    async with anyio.create_task_group() as tg:
+        await _sim(bus, tg, *nodes)
+        tg.start_soon(controller.run)
+        health = await until(lambda: _health_of(bus, len(nodes)), timeout=timeout)
+        tg.cancel_scope.cancel()
+    return health
+
+
 async def test_a_fleets_health_at_start_up_is_written_in_atomic_batches(
     bus, second_bus, caplog
 ) -> None:
@@ -1145,11 +1158,7 @@ async def test_a_fleets_health_at_start_up_is_written_in_atomic_batches(
 
     second_bus.connection.nc.request = counting
     controller = Controller(second_bus, ControllerSettings(**MANUAL))
-    async with anyio.create_task_group() as tg:
-        await _sim(bus, tg, *nodes)
-        tg.start_soon(controller.run)
-        health = await until(lambda: _health_of(bus, 60), timeout=20)
-        tg.cancel_scope.cancel()
+    health = await _health_at_start(bus, controller, nodes)
     assert {h.phase for h in health.values()} == {"ready"}
     assert {h.epoch for h in health.values()} == {controller.epoch}
     assert second_bus.batches is True
@@ -1189,11 +1198,7 @@ async def test_a_new_leaders_first_pass_runs_as_its_takeover_comes_back_not_a_ti
     # fleet without health for 30 s after every start.
     nodes = [inventory(f"n{i}", gpus=1) for i in range(3)]
     controller = Controller(second_bus, ControllerSettings(**{**MANUAL, "tick": 30.0}))
-    async with anyio.create_task_group() as tg:
-        await _sim(bus, tg, *nodes)
-        tg.start_soon(controller.run)
-        health = await until(lambda: _health_of(bus, 3), timeout=10)
-        tg.cancel_scope.cancel()
+    health = await _health_at_start(bus, controller, nodes, timeout=10)
     assert {h.phase for h in health.values()} == {"ready"}
 
 
