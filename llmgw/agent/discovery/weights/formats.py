@@ -71,6 +71,11 @@ def _bad(file: str, problem: str, detail: str = "") -> Check:
     return Check(complete=False, file=file, problem=problem, detail=detail)
 
 
+def _bad_file(path: str | Path, problem: str, detail: str = "") -> Check:
+    # the file's name is worked out only for a problem: a cold scan checks thousands
+    return _bad(os.path.basename(path), problem, detail)
+
+
 def _unopenable(name: str, exc: OSError) -> Check:
     if isinstance(exc, NotRegularFile):
         return _bad(name, "not a regular file", exc.kind)
@@ -150,23 +155,17 @@ def check_safetensors(path: str | Path, st: os.stat_result | None = None) -> Che
             size = st.st_size
             head = _read_exactly(fd, min(size, _FIRST_READ))
             if len(head) < 8:
-                return _bad(
-                    os.path.basename(path),
-                    "truncated",
-                    f"{size} bytes, shorter than the 8-byte header length",
+                return _bad_file(
+                    path, "truncated", f"{size} bytes, shorter than the 8-byte header length"
                 )
             n = _U64(head)[0]
             if n == 0 or n > SAFETENSORS_MAX_HEADER:
-                return _bad(
-                    os.path.basename(path),
-                    "header does not parse",
-                    f"header length {n} is not plausible",
+                return _bad_file(
+                    path, "header does not parse", f"header length {n} is not plausible"
                 )
             if 8 + n > size:
-                return _bad(
-                    os.path.basename(path),
-                    "truncated",
-                    f"{size} of at least {8 + n} bytes (header cut)",
+                return _bad_file(
+                    path, "truncated", f"{size} of at least {8 + n} bytes (header cut)"
                 )
             if 8 + n <= len(head):
                 header = memoryview(head)[8 : 8 + n]  # no copy of a few KB
@@ -179,17 +178,13 @@ def check_safetensors(path: str | Path, st: os.stat_result | None = None) -> Che
     try:
         required = safetensors_required_size(n, header)
     except ValueError as exc:
-        return _bad(os.path.basename(path), "header does not parse", str(exc))
+        return _bad_file(path, "header does not parse", str(exc))
     if size == required:
         return _ok(size)
     if size < required:
-        return _bad(os.path.basename(path), "truncated", f"{size} of {required} bytes")
+        return _bad_file(path, "truncated", f"{size} of {required} bytes")
     # a preallocated or appended-to file: not what the header describes
-    return _bad(
-        os.path.basename(path),
-        "larger than its header says",
-        f"{size} bytes, header says {required}",
-    )
+    return _bad_file(path, "larger than its header says", f"{size} bytes, header says {required}")
 
 
 _FIRST_READ = 16 << 10  # a header of ~150 tensors; more costs a second read

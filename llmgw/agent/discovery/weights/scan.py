@@ -150,7 +150,7 @@ def _nothing() -> None:
 
 
 def _index_names(path: str, st: os.stat_result | None = None) -> tuple[str, ...]:
-    return tuple(index_files(path))
+    return tuple(index_files(path))  # (read whole and bounded: `st` is not needed)
 
 
 # --- one scan
@@ -172,8 +172,8 @@ class _Context:
     def expired(self) -> bool:
         return self.clock() >= self.deadline
 
-    def tick(self) -> None:  # once per file: as cheap as it can be
-        if self.clock() >= self.deadline:
+    def tick(self) -> None:
+        if self.expired():
             raise _Timeout
 
     def store(self, path: Path) -> Store:
