@@ -36,10 +36,8 @@ def placement_snapshot(
     failed in this decision's lines, not ready. `memo` (the controller's) keeps the fabric
     view while no inventory changes."""
     nodes = view.nodes
-    if memo is None:
-        fabrics = fabric_view(nodes.values())
-    else:
-        fabrics = memo.of_fleet("fabrics", nodes, lambda: fabric_view(nodes.values()))
+    memo = memo if memo is not None else placement.InventoryMemo()
+    fabrics = memo.of_fleet("fabrics", nodes, lambda: fabric_view(nodes.values()))
     return placement.Snapshot(
         catalog={m: entry for m, entry in view.catalog.items() if m not in frozen},
         desired={m: asked(view, d) for m, d in view.desired.items() if m not in frozen},

@@ -97,14 +97,10 @@ def plan(
     the plan takes resources off them as it places. `memo`: the caller's InventoryMemo,
     which keeps where weights are while no inventory changes."""
     with collector_paused():
+        memo = memo if memo is not None else InventoryMemo()
         nodes = nodes if nodes is not None else fleet_nodes(snapshot, memo)
-        if memo is None:
-            weights = WeightsNearby(snapshot)
-        else:
-            # built from the inventories and the fabric view, which follows from them
-            weights = memo.of_fleet(
-                "weights", snapshot.inventories, lambda: WeightsNearby(snapshot)
-            )
+        # built from the inventories and the fabric view, which follows from them
+        weights = memo.of_fleet("weights", snapshot.inventories, lambda: WeightsNearby(snapshot))
         return _plan(snapshot, nodes, weights)
 
 
