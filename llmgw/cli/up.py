@@ -14,8 +14,8 @@ import msgspec
 from llmgw.agent.config import AgentConfig, Paths, Weights, load_config
 from llmgw.bus import keys
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
-from llmgw.cli.common import listen, run_fast
-from llmgw.cli.router import router_options, router_settings
+from llmgw.cli.common import check_ports_free, listen, run_fast
+from llmgw.cli.router import FromSettings, default_listen, router_options, router_settings
 from llmgw.cli.sim import sim_options
 from llmgw.shutdown import drain_then_cancel_on_signal
 
@@ -41,7 +41,8 @@ from llmgw.shutdown import drain_then_cancel_on_signal
     "--router-listen",
     "router_listen",
     callback=listen,
-    default="127.0.0.1:8080",
+    cls=FromSettings,
+    default=lambda: default_listen(),
     show_default=True,
     help="HOST:PORT of the OpenAI API",
 )
@@ -82,12 +83,21 @@ def up(
         load_fleet(fleet_file)  # a bad file is refused before NATS starts
         sim = (fleet_file, connections, poll)
     data_dir = data_dir or Path(platformdirs.user_data_dir("llmgw")) / ("sim" if sim else "")
-    router = None if no_router else router_settings(router_listen, **router_opts)
     server = EmbeddedNats(data_dir=data_dir / "nats", host=host, port=port)
+    cfg = _up_agent_config(agent_config, server.url, data_dir)
+    check_ports_free(
+        _up_ports(
+            host,
+            port,
+            None if no_router else router_listen,
+            cfg if sim is None and not no_agent else None,
+            agent_config,
+        )
+    )
+    router = None if no_router else router_settings(router_listen, **router_opts)
     server.start()
     url = server.url
     try:
-        cfg = _up_agent_config(agent_config, url, data_dir)
         cmd = _this_command()
         click.echo(f"NATS listening on {url}")
         click.echo(
@@ -116,6 +126,38 @@ def _this_command() -> str:
         path = str(argv0.resolve())
         return "llmgw" if shutil.which("llmgw") == path else path
     return f"{sys.executable} -m llmgw.cli"
+
+
+def _up_ports(
+    host: str,
+    port: int,
+    router: tuple[str, int] | None,
+    agent: AgentConfig | None,
+    agent_config: Path | None,
+) -> list[tuple[str, tuple[str, int], str]]:
+    """Every port `llmgw up` listens on, with the option that moves it (NATS's monitoring
+    port is picked free)."""
+    from llmgw.metrics_http import parse_listen
+
+    ports = [("NATS", (host, port), "move it with --port PORT")]
+    if router is not None:
+        ports.append(
+            (
+                "the router (OpenAI API)",
+                router,
+                "move it with --router-listen HOST:PORT",
+            )
+        )
+    if agent is not None and agent.metrics.listen:
+        where = agent_config or "the agent config"
+        ports.append(
+            (
+                "the agent's /metrics",
+                parse_listen(agent.metrics.listen, "metrics.listen"),
+                f'set metrics.listen in {where} ("" serves none)',
+            )
+        )
+    return ports
 
 
 def _up_agent_config(path: Path | None, url: str, data_dir: Path) -> AgentConfig:
@@ -182,6 +224,9 @@ async def _run_up_parts(
 
             agent = await tg.start(Agent(cfg).run)
             click.echo("agent running")
+            if agent.inventory is not None and not agent.inventory.engines:
+                for line in _no_engine(cmd):
+                    click.echo(line)
         if router is not None:
             from llmgw.router.service import Router
 
@@ -198,6 +243,21 @@ async def _run_up_parts(
         for line in await _earlier_run(bus, agent, cmd):
             click.echo(line)
         await anyio.sleep_forever()
+
+
+def _no_engine(cmd: str) -> list[str]:
+    """What a first run on a machine with no engine does next, rather than placing models
+    that can never start."""
+    return [
+        "this machine has no engine (no llama-server or vllm on PATH or in the agent config), "
+        "so no model can run here. Next:",
+        f"  try the simulated fleet: {cmd} up --sim examples/fleet.toml (copy the file to edit "
+        "it; docs/sim.md)",
+        "  or get llama-server: put a llama.cpp release's llama-server on PATH, or build one "
+        "with tools/build-llama-server.sh (it prints the binary's path: give it as "
+        "node.llama_server in an --agent-config file; docs/llama-server-build.md), then start "
+        f"{cmd} up again",
+    ]
 
 
 async def _earlier_run(bus: Bus, agent, cmd: str) -> list[str]:
