@@ -228,7 +228,7 @@ gpus_per_node = -1
 
 def test_place_refuses_a_model_not_in_the_catalog(up):
     out = llmgw("place", "nope", "--replicas", "1", env=up["env"])
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert (
         "model 'nope' is not in the catalog" in out.stderr and "llmgw catalog apply" in out.stderr
     )
@@ -555,8 +555,8 @@ def test_commands_that_run_no_agent_do_not_load_its_stack():
 
 def test_a_problem_stated_for_a_person_is_a_message_not_a_traceback(up):
     out = llmgw("place", "not.a.token", "--replicas", "1", env=up["env"])
-    assert out.returncode == 1
-    assert "is not a valid id" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2  # names nothing there, as a usage error
+    assert "is not in the catalog" in out.stderr and "Traceback" not in out.stderr
     out = llmgw("place", "nope", "--replicas", "1", "--bucket-replicas", "9", env=up["env"])
     assert out.returncode == 2 and "--bucket-replicas" in out.stderr
 

@@ -31,7 +31,10 @@ class StatedErrors(click.Group):
             problem = stated(e)
             if problem is None:
                 raise
-            raise click.ClickException(str(problem)) from None
+            refused = click.ClickException(str(problem))
+            # 2, as click's own usage errors, where what was given names nothing there is
+            refused.exit_code = getattr(problem, "exit_code", 1)
+            raise refused from None
 
 
 def nats_options(fn):
@@ -182,3 +185,16 @@ def _overlap(a: str, b: str) -> bool:
 
 def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def did_you_mean(given: str, known: list[str], what: str, *, shown: int = 20) -> str:
+    """ "did you mean 'n1'? known nodes: n1, n2" for an error about a name that names
+    nothing; the list is cut short where a fleet has thousands."""
+    import difflib
+
+    close = difflib.get_close_matches(given, known, n=1, cutoff=0.6)
+    names = ", ".join(known[:shown]) + (
+        f", and {len(known) - shown} more" if len(known) > shown else ""
+    )
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{hint}known {what}: {names or 'none'}"
