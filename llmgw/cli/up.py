@@ -110,7 +110,9 @@ def up(
             f"  nats --server {url} kv ls {keys.DEFAULT_BUCKET}; nats --server {url} kv watch {keys.DEFAULT_BUCKET}"
         )
         click.echo("Ctrl-C stops everything (the router first lets its requests in flight finish).")
-        run_fast(functools.partial(_run_up, cfg, no_agent, router, cmd, sim, data_dir))
+        run_fast(
+            functools.partial(_run_up, cfg, no_agent, router, cmd, sim, data_dir, agent_config)
+        )
     finally:
         server.stop()
         click.echo("stopped")
@@ -172,21 +174,36 @@ def _up_agent_config(path: Path | None, url: str, data_dir: Path) -> AgentConfig
     return msgspec.structs.replace(cfg, nats=msgspec.structs.replace(cfg.nats, urls=[url]))
 
 
-async def _run_up(cfg: AgentConfig, no_agent: bool, router, cmd: str, sim, data_dir: Path) -> None:
+async def _run_up(
+    cfg: AgentConfig,
+    no_agent: bool,
+    router,
+    cmd: str,
+    sim,
+    data_dir: Path,
+    agent_config: Path | None,
+) -> None:
     bus = await Bus.connect(
         NatsSettings(urls=tuple(cfg.nats.urls), name="llmgw controller"),
         BucketSettings(name=cfg.nats.bucket),
         give_up_after=10,
     )
     try:
-        await _run_up_parts(cfg, no_agent, router, cmd, bus, sim, data_dir)
+        await _run_up_parts(cfg, no_agent, router, cmd, bus, sim, data_dir, agent_config)
     finally:
         with anyio.CancelScope(shield=True):
             await bus.close()
 
 
 async def _run_up_parts(
-    cfg: AgentConfig, no_agent: bool, router, cmd: str, bus: Bus, sim, data_dir: Path
+    cfg: AgentConfig,
+    no_agent: bool,
+    router,
+    cmd: str,
+    bus: Bus,
+    sim,
+    data_dir: Path,
+    agent_config: Path | None,
 ) -> None:
     from llmgw.controller.loop import Controller
 
@@ -222,7 +239,8 @@ async def _run_up_parts(
         elif not no_agent:
             from llmgw.agent.service import Agent
 
-            agent = await tg.start(Agent(cfg).run)
+            where = str(agent_config) if agent_config else "the agent config"
+            agent = await tg.start(Agent(cfg, config_path=where).run)
             click.echo("agent running")
             if agent.inventory is not None and not agent.inventory.engines:
                 for line in _no_engine(cmd):
