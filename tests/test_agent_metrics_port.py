@@ -57,3 +57,55 @@ async def test_a_metrics_port_held_by_another_program_never_takes_the_node_out_o
             assert f"metrics port 127.0.0.1:{port} is in use by another program" in log
         finally:
             assert stop(proc) == 0
+
+
+async def test_a_metrics_port_freed_later_is_served_and_the_error_cleared(
+    bus, nats_server, tmp_path, monkeypatch
+):
+    """The agent in this process, trying the address again quickly."""
+    import urllib.request
+
+    from llmgw.agent import service
+    from llmgw.agent.service import Agent
+
+    monkeypatch.setattr(service, "METRICS_RETRY_S", 0.1)
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    port = other.getsockname()[1]
+    cfg = msgspec.structs.replace(
+        agent_config(nats_server.url, host_dirs(tmp_path), id="m2"),
+        metrics=Metrics(listen=f"127.0.0.1:{port}"),
+    )
+    agent = Agent(cfg, config_path="/etc/llmgw/agent.toml")
+
+    async def metrics_error() -> str | None:
+        entry = await bus.get(keys.node("m2"), decoder(records.NodeInventory))
+        return entry.value.metrics_error if entry else None
+
+    async with anyio.create_task_group() as tg:
+        try:
+            await tg.start(agent.run)
+            said = await until(metrics_error, timeout=10)
+            assert said == (
+                f"metrics port 127.0.0.1:{port} is in use by another program; set "
+                "metrics.listen in /etc/llmgw/agent.toml"
+            )
+            assert agent.metrics_port is None
+            other.close()  # the other program goes away
+
+            async def cleared() -> bool:
+                return await metrics_error() is None and agent.metrics_port == port
+
+            await until(cleared, timeout=10)
+            text = await anyio.to_thread.run_sync(
+                lambda: (
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+                    .read()
+                    .decode()
+                )
+            )
+            assert 'llmgw_agent_node{node="m2"} 1.0' in text
+        finally:
+            other.close()
+            tg.cancel_scope.cancel()
