@@ -10,6 +10,7 @@ given an address: a fleet's nodes open no port nobody asked for, and the documen
 
 from __future__ import annotations
 
+import errno
 import logging
 
 import anyio
@@ -26,6 +27,15 @@ CONTROLLER_PORT = 9465
 
 class MetricsListenError(LlmgwError, ValueError):
     """A metrics address that does not parse, or cannot be listened on."""
+
+
+class MetricsPortUnavailable(MetricsListenError):
+    """An address that parses but cannot be listened on: another program holds it
+    (`in_use`), or it is no address of this host."""
+
+    def __init__(self, message: str, *, host: str, port: int, in_use: bool, reason: str) -> None:
+        super().__init__(message)
+        self.host, self.port, self.in_use, self.reason = host, port, in_use, reason
 
 
 def parse_listen(value: str, what: str) -> tuple[str, int]:
@@ -66,9 +76,13 @@ async def serve_metrics(
         try:
             await site.start()
         except OSError as e:
-            raise MetricsListenError(
+            raise MetricsPortUnavailable(
                 f"cannot serve /metrics on {host}:{port}: {e.strerror or e}; choose another "
-                "address, or none"
+                "address, or none",
+                host=host,
+                port=port,
+                in_use=e.errno == errno.EADDRINUSE,
+                reason=e.strerror or str(e),
             ) from None
         bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         log.info("metrics at http://%s:%d/metrics", host, bound)

@@ -228,7 +228,7 @@ gpus_per_node = -1
 
 def test_place_refuses_a_model_not_in_the_catalog(up):
     out = llmgw("place", "nope", "--replicas", "1", env=up["env"])
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert (
         "model 'nope' is not in the catalog" in out.stderr and "llmgw catalog apply" in out.stderr
     )
@@ -536,8 +536,10 @@ def test_router_refuses_what_it_cannot_serve_and_says_why(tmp_path):
 def test_up_on_a_port_nats_already_holds_says_so_without_a_traceback(up, tmp_path):
     taken = up["env"]["LLMGW_NATS"].rsplit(":", 1)[1]
     out = llmgw("up", "--port", taken, "--data-dir", str(tmp_path / "second"), timeout=30)
-    assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert f"cannot start nats-server on 127.0.0.1:{taken}" in out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"NATS 127.0.0.1:{taken} is in use by another program: move it with --port" in (
+        out.stderr
+    )
 
 
 def test_commands_that_run_no_agent_do_not_load_its_stack():
@@ -553,8 +555,8 @@ def test_commands_that_run_no_agent_do_not_load_its_stack():
 
 def test_a_problem_stated_for_a_person_is_a_message_not_a_traceback(up):
     out = llmgw("place", "not.a.token", "--replicas", "1", env=up["env"])
-    assert out.returncode == 1
-    assert "is not a valid id" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2  # names nothing there, as a usage error
+    assert "is not in the catalog" in out.stderr and "Traceback" not in out.stderr
     out = llmgw("place", "nope", "--replicas", "1", "--bucket-replicas", "9", env=up["env"])
     assert out.returncode == 2 and "--bucket-replicas" in out.stderr
 

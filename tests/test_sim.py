@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -295,6 +298,53 @@ def test_bad_fleet_files_name_the_node_the_key_and_the_fix(change, message):
         parse_fleet(FLEET.replace(old, new, 1), Path("fleet.toml"))
     assert str(e.value).startswith("fleet.toml: ")
     assert message in str(e.value), str(e.value)
+
+
+def test_a_fleet_file_lists_every_problem_at_once_each_naming_the_node_and_the_key():
+    """One error per run made an edit of a fleet file take as many runs as it had errors."""
+    text = FLEET.replace("heartbeat = 0.2", "heartbeat = 0\nbeat = 1", 1)
+    text = text.replace("ram_gb = 512\nib", 'ram_gb = "lots"\nib', 1)  # nodes[0]
+    text = text.replace('mounts = ["filer"]', 'mounts = ["filr"]', 1)  # nodes[0] too
+    text = text.replace('engines = ["vllm"]\nmodels', 'engines = ["sglang"]\nmodels', 1)
+    text = text.replace('name = "cpu"', "cpus = 3", 1)
+    with pytest.raises(FleetError) as e:
+        parse_fleet(text, Path("fleet.toml"))
+    lines = str(e.value).splitlines()
+    assert lines[0] == "fleet.toml: fleet file refused (6 error(s)):"
+    assert sorted(line.strip() for line in lines[1:]) == sorted(
+        [
+            "unknown key 'sim.beat'; docs/sim.md lists every key",
+            "key 'sim.heartbeat': 0 is out of range 0.05..3600",
+            "nodes[0] (name 'a'): key 'ram_gb': expected `float`, got `str`",
+            "nodes[0] (name 'a'): key 'mounts': 'filr' is no share of this file (filer); "
+            "add [shares.filr] or fix the name",
+            "nodes[2] (name 'b-local'): key 'engines[0]': 'sglang' is not allowed; use "
+            "'llama-server' or 'vllm'",
+            "nodes[3] (name '?'): key 'name' is required; docs/sim.md shows an example",
+        ]
+    )
+
+
+def test_llmgw_sim_refuses_a_file_that_is_not_utf8_text_or_not_a_regular_file(tmp_path):
+    """A Latin-1 file died with a UnicodeDecodeError traceback; a FIFO would hang the
+    command and /dev/zero grow it until it died."""
+    latin1 = tmp_path / "fleet.toml"
+    latin1.write_bytes(b'[[nodes]]\nname = "caf\xe9"\n')
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    for path, said in (
+        (latin1, f"{latin1}: not UTF-8 text (byte 0xe9 at line 2, column 12); save it as UTF-8"),
+        (fifo, f"{fifo}: not a regular file; give the path of a FLEET.toml file"),
+        (Path("/dev/zero"), "/dev/zero: not a regular file; give the path of a FLEET.toml file"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "llmgw.cli", "sim", str(path), "--nats", "nats://127.0.0.1:1"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 1
+        assert out.stderr.splitlines() == [f"Error: {said}"]
 
 
 def test_the_fleet_file_expands_groups_and_the_example_parses():

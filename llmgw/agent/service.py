@@ -49,7 +49,7 @@ from llmgw.bus.errors import BusSettingsError
 from llmgw.errors import stated
 from llmgw.keyfiles import read_key
 from llmgw.logs import setup_logging
-from llmgw.metrics_http import parse_listen, serve_metrics
+from llmgw.metrics_http import MetricsPortUnavailable, parse_listen, serve_metrics
 
 log = logging.getLogger("llmgw.agent.service")  # also when run as __main__
 
@@ -70,6 +70,8 @@ def nats_settings(cfg: AgentConfig, node_id: str, identity_source: str) -> NatsS
 # A scan past its deadline stops at its next file operation; one still running this long
 # after the deadline is stuck inside one (a hung filer), where no deadline reaches.
 STUCK_GRACE = 2.0
+# seconds between tries of a metrics address another program holds
+METRICS_RETRY_S = 30.0
 
 
 class Agent:
@@ -171,11 +173,8 @@ class Agent:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 if cfg.metrics.listen:
-                    self.metrics_port = await tg.start(
-                        serve_metrics,
-                        self.metrics.registry,
-                        parse_listen(cfg.metrics.listen, "metrics.listen"),
-                    )
+                    listen = parse_listen(cfg.metrics.listen, "metrics.listen")
+                    await tg.start(self._serve_metrics, listen)
                 tg.start_soon(self._heartbeats)
                 tg.start_soon(self._engine_probes)
                 tg.start_soon(self._gpu_probes)
@@ -228,6 +227,49 @@ class Agent:
     async def _on_reconnected(self) -> None:
         # registration carries everything: a control plane that lost its view rebuilds it
         await self._write_inventory(force=True, why="reconnected")
+
+    # --- GET /metrics -------------------------------------------------------------------
+
+    async def _serve_metrics(
+        self, listen: tuple[str, int], *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        """/metrics for as long as the agent runs. The node's job is to run engines: an
+        address another program holds must never take it out of service (the agent exited
+        right after registering, leaving its record behind). It is said loudly, in the log
+        and in nodes.<id> (metrics_error, which `llmgw status` shows), and tried again every
+        METRICS_RETRY_S until it is free."""
+        started = False
+        async with anyio.create_task_group() as tg:
+            while True:
+                try:
+                    self.metrics_port = await tg.start(serve_metrics, self.metrics.registry, listen)
+                except MetricsPortUnavailable as e:
+                    problem = self._metrics_problem(e)
+                    if self.inventory is not None and self.inventory.metrics_error != problem:
+                        log.error("%s (the node serves on without /metrics)", problem)
+                    await self._set_metrics_error(problem)
+                    if not started:
+                        started = True
+                        task_status.started()
+                    await anyio.sleep(METRICS_RETRY_S)
+                    continue
+                if self.inventory is not None and self.inventory.metrics_error is not None:
+                    log.info("metrics: %s:%d is free again; /metrics served", *listen)
+                await self._set_metrics_error(None)
+                if not started:
+                    task_status.started()
+                break  # serve_metrics runs until the agent stops
+
+    def _metrics_problem(self, e: MetricsPortUnavailable) -> str:
+        where = f"[{e.host}]:{e.port}" if ":" in e.host else f"{e.host}:{e.port}"
+        what = "is in use by another program" if e.in_use else f"cannot be listened on ({e.reason})"
+        return f"metrics port {where} {what}; set metrics.listen in {self.config_path}"
+
+    async def _set_metrics_error(self, problem: str | None) -> None:
+        if self.inventory is None or self.inventory.metrics_error == problem:
+            return
+        self.inventory = msgspec.structs.replace(self.inventory, metrics_error=problem)
+        await self._write_inventory(why=problem or "/metrics served")
 
     # --- loops -------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ how errors stated for a person become messages, and running until a signal."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 from collections.abc import AsyncIterator
 
@@ -30,7 +31,10 @@ class StatedErrors(click.Group):
             problem = stated(e)
             if problem is None:
                 raise
-            raise click.ClickException(str(problem)) from None
+            refused = click.ClickException(str(problem))
+            # 2, as click's own usage errors, where what was given names nothing there is
+            refused.exit_code = getattr(problem, "exit_code", 1)
+            raise refused from None
 
 
 def nats_options(fn):
@@ -126,3 +130,71 @@ def run_fast(fn) -> None:
     except ImportError:
         options = {}
     anyio.run(fn, backend_options=options)
+
+
+class PortTaken(click.ClickException):
+    """A port a command is about to listen on is taken: one line naming it and the option
+    that moves it, before anything starts (a half-started `llmgw up` leaves NATS, a
+    controller and an agent behind a traceback)."""
+
+    exit_code = 2
+
+
+def check_ports_free(wanted: list[tuple[str, tuple[str, int], str]]) -> None:
+    """Refuse, before anything starts, the ports in `wanted` that another program listens on
+    or that two of them ask for alike: (what listens, (host, port), how to move it). Port 0
+    (the kernel picks one) is never taken."""
+    import socket
+
+    problems = []
+    seen: list[tuple[str, str, int]] = []
+    for what, (host, port), move in wanted:
+        if port == 0:
+            continue
+        same = next((w for w, h, p in seen if p == port and _overlap(h, host)), None)
+        if same is not None:
+            problems.append(f"{what} and {same} both ask for port {port}: {move}")
+            continue
+        seen.append((what, host, port))
+        try:
+            family, kind, proto, _, addr = socket.getaddrinfo(
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+        except OSError as e:
+            problems.append(f"{what}: cannot resolve host {host!r} ({e}): {move}")
+            continue
+        with socket.socket(family, kind, proto) as s:
+            # as the servers bind: a port left in TIME_WAIT by an earlier run is free
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                why = (
+                    "is in use by another program"
+                    if e.errno == errno.EADDRINUSE
+                    else (f"cannot be listened on ({e.strerror or e})")
+                )
+                problems.append(f"{what} {_hostport(host, port)} {why}: {move}")
+    if problems:
+        raise PortTaken("\n".join(problems))
+
+
+def _overlap(a: str, b: str) -> bool:
+    return a == b or bool({a, b} & {"", "0.0.0.0", "::"})
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def did_you_mean(given: str, known: list[str], what: str, *, shown: int = 20) -> str:
+    """ "did you mean 'n1'? known nodes: n1, n2" for an error about a name that names
+    nothing; the list is cut short where a fleet has thousands."""
+    import difflib
+
+    close = difflib.get_close_matches(given, known, n=1, cutoff=0.6)
+    names = ", ".join(known[:shown]) + (
+        f", and {len(known) - shown} more" if len(known) > shown else ""
+    )
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{hint}known {what}: {names or 'none'}"

@@ -14,13 +14,19 @@ import msgspec
 from llmgw import labels
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings, decoder
-from llmgw.cli.common import nats_options, open_bus
+from llmgw.cli.common import did_you_mean, nats_options, open_bus
 from llmgw.cli.place import PollReader
 from llmgw.errors import LlmgwError
 
 
 class NodeOpsError(LlmgwError):
     """`llmgw node` cannot say this: a GPU the node does not have, a taint that is no name."""
+
+
+class UnknownNode(NodeOpsError):
+    """A node id no inventory names (a typo, most often): nothing is written."""
+
+    exit_code = 2
 
 
 @click.group()
@@ -45,6 +51,29 @@ async def write_ops(bus: Bus, ops: records.NodeOps) -> None:
 async def _inventory(bus: Bus, node_id: str) -> records.NodeInventory | None:
     entry = await bus.get(keys.node(node_id), decoder(records.NodeInventory))
     return entry.value if entry is not None else None
+
+
+async def known_node(
+    bus: Bus, node_id: str, *, yet_to_join: bool, verb: str
+) -> tuple[records.NodeOps, records.NodeInventory | None]:
+    """ops.<node> and nodes.<node>, refusing a node that neither names: `cordon h100-a-1`
+    (a typo of h100-a-01) wrote ops.h100-a-1, exited 0 and cordoned nothing. A node yet to
+    join is named on purpose (`yet_to_join`, --force); one with an ops record is known."""
+    keys.check_token(node_id, "node id")
+    inv = await _inventory(bus, node_id)
+    if inv is not None or yet_to_join or await bus.get_raw(keys.ops(node_id)) is not None:
+        return await read_ops(bus, node_id), inv
+    reported = await bus.list(keys.pattern(keys.NODES), lambda data: data)
+    known = sorted(key.split(".", 1)[1] for key in reported)
+    how = (
+        f"`llmgw node {verb} {node_id} --force`"
+        if verb != "drain"
+        else f"`llmgw node cordon {node_id} --force` (a node yet to join has nothing to drain)"
+    )
+    raise UnknownNode(
+        f"no node {node_id!r} has reported to this bucket, so nothing was written; "
+        f"{did_you_mean(node_id, known, 'nodes')}. For a node yet to join, {how}"
+    )
 
 
 def resolve_gpu(inv: records.NodeInventory | None, node_id: str, given: str) -> str:
@@ -84,17 +113,30 @@ def _reason_option(fn):
     return click.option("--reason", default=None, help="why, for `llmgw status`")(fn)
 
 
+def _force_option(fn):
+    return click.option(
+        "--force",
+        "yet_to_join",
+        is_flag=True,
+        help="NODE has not joined yet: write its ops record anyway (without it, a node no "
+        "inventory names is refused as a typo)",
+    )(fn)
+
+
 def _change(
     nats: NatsSettings,
     bucket: BucketSettings,
     node_id: str,
     change: Callable[[records.NodeOps, records.NodeInventory | None], None],
+    *,
+    yet_to_join: bool,
+    verb: str,
 ) -> None:
     """Read ops.<node>, change it, write it back (or delete it), and say what it is now."""
 
     async def run() -> None:
         async with open_bus(nats, bucket) as bus:
-            ops, inv = await read_ops(bus, node_id), await _inventory(bus, node_id)
+            ops, inv = await known_node(bus, node_id, yet_to_join=yet_to_join, verb=verb)
             change(ops, inv)
             await write_ops(bus, ops)
             click.echo(_say(ops, inv))
@@ -111,8 +153,9 @@ def _change(
     help="only this GPU (NVML index or UUID; repeatable): out of service, the node stays",
 )
 @_reason_option
+@_force_option
 @nats_options
-def cordon(node_id, gpus, reason, nats: NatsSettings, bucket: BucketSettings) -> None:
+def cordon(node_id, gpus, reason, yet_to_join, nats: NatsSettings, bucket: BucketSettings) -> None:
     """Place nothing new on NODE (its replicas stay), or take one of its GPUs out of service."""
 
     def change(ops: records.NodeOps, inv: records.NodeInventory | None) -> None:
@@ -123,14 +166,15 @@ def cordon(node_id, gpus, reason, nats: NatsSettings, bucket: BucketSettings) ->
             ops.cordoned = True
         ops.reason = reason if reason is not None else ops.reason
 
-    _change(nats, bucket, node_id, change)
+    _change(nats, bucket, node_id, change, yet_to_join=yet_to_join, verb="cordon")
 
 
 @node.command("uncordon")
 @click.argument("node_id", metavar="NODE")
 @click.option("--gpu", "gpus", multiple=True, help="only this GPU back in service (index or UUID)")
+@_force_option
 @nats_options
-def uncordon(node_id, gpus, nats: NatsSettings, bucket: BucketSettings) -> None:
+def uncordon(node_id, gpus, yet_to_join, nats: NatsSettings, bucket: BucketSettings) -> None:
     """Place on NODE again (ends a cordon or a drain), or bring one of its GPUs back."""
 
     def change(ops: records.NodeOps, inv: records.NodeInventory | None) -> None:
@@ -141,14 +185,15 @@ def uncordon(node_id, gpus, nats: NatsSettings, bucket: BucketSettings) -> None:
             ops.cordoned = ops.drain = ops.force = False
             ops.reason = ""
 
-    _change(nats, bucket, node_id, change)
+    _change(nats, bucket, node_id, change, yet_to_join=yet_to_join, verb="uncordon")
 
 
 @node.command("taint")
 @click.argument("node_id", metavar="NODE")
 @click.argument("taint")
+@_force_option
 @nats_options
-def taint(node_id, taint, nats: NatsSettings, bucket: BucketSettings) -> None:
+def taint(node_id, taint, yet_to_join, nats: NatsSettings, bucket: BucketSettings) -> None:
     """Keep off NODE every profile that does not list TAINT in its tolerations."""
     problem = labels.key_problem(taint)
     if problem:
@@ -157,20 +202,21 @@ def taint(node_id, taint, nats: NatsSettings, bucket: BucketSettings) -> None:
     def change(ops: records.NodeOps, inv: records.NodeInventory | None) -> None:
         ops.taints = sorted(set(ops.taints) | {taint})
 
-    _change(nats, bucket, node_id, change)
+    _change(nats, bucket, node_id, change, yet_to_join=yet_to_join, verb="taint")
 
 
 @node.command("untaint")
 @click.argument("node_id", metavar="NODE")
 @click.argument("taint")
+@_force_option
 @nats_options
-def untaint(node_id, taint, nats: NatsSettings, bucket: BucketSettings) -> None:
+def untaint(node_id, taint, yet_to_join, nats: NatsSettings, bucket: BucketSettings) -> None:
     """Remove a taint the operator set (those of the agent config stay)."""
 
     def change(ops: records.NodeOps, inv: records.NodeInventory | None) -> None:
         ops.taints = [t for t in ops.taints if t != taint]
 
-    _change(nats, bucket, node_id, change)
+    _change(nats, bucket, node_id, change, yet_to_join=yet_to_join, verb="untaint")
 
 
 @node.command("drain")
@@ -193,7 +239,7 @@ def drain(
 
     async def run() -> int:
         async with open_bus(nats, bucket) as bus:
-            ops, inv = await read_ops(bus, node_id), await _inventory(bus, node_id)
+            ops, inv = await known_node(bus, node_id, yet_to_join=False, verb="drain")
             ops.cordoned = ops.drain = True
             ops.force = force
             ops.reason = reason if reason is not None else ops.reason

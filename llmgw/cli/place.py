@@ -15,8 +15,8 @@ import msgspec
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings, decoder
 from llmgw.bus.trust import MAX_REPLICAS
-from llmgw.catalog import decode_model
-from llmgw.cli.common import nats_options, open_bus
+from llmgw.catalog import Model, decode_model
+from llmgw.cli.common import did_you_mean, nats_options, open_bus
 from llmgw.controller import placement
 from llmgw.controller.inputs import phases_at_takeover, placement_snapshot
 from llmgw.controller.view import View
@@ -29,18 +29,42 @@ class PlacingError(LlmgwError):
     """`llmgw place` cannot ask for this: the model or profile is not in the catalog."""
 
 
-async def _check_model(bus: Bus, model: str, profile: str | None, *, auto: bool = False) -> None:
-    keys.check_token(model, "model id")
-    entry = await bus.get(keys.catalog(model), lambda b: decode_model(b, model))
-    if entry is None:
-        raise PlacingError(
-            f"model {model!r} is not in the catalog (or its entry is invalid): "
-            "add it with `llmgw catalog apply FILE.toml`; `llmgw catalog ls` lists what is there"
+class UnknownModel(PlacingError):
+    """A model id the catalog does not name: a served name given for the id, or a typo."""
+
+    exit_code = 2
+
+
+async def catalog_model(bus: Bus, model: str) -> Model:
+    """The catalog entry of the model id `model`; else UnknownModel saying what was meant:
+    `llmgw place Qwen/Qwen3-8B` (a served name) got "not a valid id", and a typo of an id
+    was told to add it to the catalog."""
+    entry = None
+    if keys.is_token(model):
+        entry = await bus.get(keys.catalog(model), lambda b: decode_model(b, model))
+    if entry is not None:
+        return entry.value
+    listed = await bus.list(keys.pattern(keys.CATALOG), lambda b: decode_model(b))
+    models = sorted((e.value for e in listed.values()), key=lambda m: m.id)
+    serving = [m.id for m in models if m.served_name == model]
+    if serving:
+        raise UnknownModel(
+            f"{model!r} is the served name of model {serving[0]!r} (what clients ask for); "
+            f"commands take the model id: {serving[0]}"
         )
-    if profile and entry.value.profile(profile) is None:
-        names = ", ".join(p.name for p in entry.value.profiles) or "none: static endpoints"
+    raise UnknownModel(
+        f"model {model!r} is not in the catalog (or its entry is invalid); "
+        f"{did_you_mean(model, [m.id for m in models], 'model ids')}. Add one with `llmgw "
+        "catalog apply FILE.toml`; `llmgw catalog ls` lists what is there"
+    )
+
+
+async def _check_model(bus: Bus, model: str, profile: str | None, *, auto: bool = False) -> None:
+    entry = await catalog_model(bus, model)
+    if profile and entry.profile(profile) is None:
+        names = ", ".join(p.name for p in entry.profiles) or "none: static endpoints"
         raise PlacingError(f"model {model!r} has no profile {profile!r} (profiles: {names})")
-    if auto and entry.value.autoscale is None:
+    if auto and entry.autoscale is None:
         raise PlacingError(
             f"model {model!r} has no autoscale policy in the catalog: add an [models.autoscale] "
             "table (min_replicas, max_replicas, target_in_flight, ...; docs/placement.md) and "

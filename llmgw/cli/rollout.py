@@ -16,7 +16,7 @@ from llmgw import catalog
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings, decoder
 from llmgw.cli.common import json_option, nats_options, open_bus
-from llmgw.cli.place import follow_placement, rollout_line
+from llmgw.cli.place import catalog_model, follow_placement, rollout_line
 from llmgw.errors import LlmgwError
 
 
@@ -30,9 +30,12 @@ def rollout() -> None:
 
 
 async def _rollout(bus: Bus, model: str) -> records.Rollout:
-    keys.check_token(model, "model id")
-    entry = await bus.get(keys.rollout(model), decoder(records.Rollout))
+    entry = None
+    if keys.is_token(model):
+        entry = await bus.get(keys.rollout(model), decoder(records.Rollout))
     if entry is None:
+        # a model that does not exist is said so, not told to be placed
+        await catalog_model(bus, model)
         raise RolloutError(
             f"no rollout recorded for {model!r}: a controller records one once the model is "
             "placed (`llmgw place`)"

@@ -11,8 +11,34 @@ import anyio
 import click
 
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
-from llmgw.cli.common import listen, nats_options, run_fast
+from llmgw.cli.common import check_ports_free, listen, nats_options, run_fast
 from llmgw.shutdown import drain_then_cancel_on_signal
+
+_MB = 1024 * 1024
+
+
+class FromSettings(click.Option):
+    """An option whose default is read from the router's settings classes when it is needed
+    (and shown in --help), so the two cannot differ; the router's modules are imported only
+    by the commands that run it or show its help."""
+
+    def get_default(self, ctx: click.Context, call: bool = True):
+        return super().get_default(ctx, call=True)
+
+
+def _defaults():
+    from llmgw.router.service import RouterSettings
+
+    return RouterSettings()
+
+
+def _limits():
+    return _defaults().limits
+
+
+def default_listen() -> str:
+    d = _defaults()
+    return f"{d.host}:{d.port}"
 
 
 def router_options(fn):
@@ -36,27 +62,31 @@ def router_options(fn):
         click.option(
             "--max-body-mb",
             type=click.FloatRange(min=0.001),
-            default=16.0,
+            cls=FromSettings,
+            default=lambda: _limits().max_body / _MB,
             show_default=True,
             help="largest request body; larger ones get 413",
         ),
         click.option(
             "--affinity-load-factor",
             type=click.FloatRange(min=0.0),
-            default=1.25,
+            cls=FromSettings,
+            default=lambda: _defaults().balancer.affinity_load_factor,
             show_default=True,
             help="a conversation stays on its replica while that replica carries at most this "
             "times the average load; 0 turns prefix affinity off",
         ),
         click.option(
             "--session-header",
-            default="x-session-id",
+            cls=FromSettings,
+            default=lambda: _defaults().proxy.session_header,
             show_default=True,
             help="request header naming a session, kept on one replica like a conversation",
         ),
         click.option(
             "--replica-header/--no-replica-header",
-            default=True,
+            cls=FromSettings,
+            default=lambda: _defaults().proxy.replica_header,
             show_default=True,
             help="say in x-llmgw-replica which replica (or static URL) served each answer",
         ),
@@ -64,7 +94,8 @@ def router_options(fn):
             "--metrics",
             "metrics_access",
             type=click.Choice(["public", "keyed", "off"]),
-            default="public",
+            cls=FromSettings,
+            default=lambda: _defaults().proxy.metrics,
             show_default=True,
             help="/metrics on the API port: open to all (for Prometheus), only with a client "
             "key (--api-keys-file), or not served",
@@ -72,7 +103,8 @@ def router_options(fn):
         click.option(
             "--page/--no-page",
             "fleet_page",
-            default=True,
+            cls=FromSettings,
+            default=lambda: _defaults().proxy.page,
             show_default=True,
             help="the fleet page at / (nodes, models, why replicas wait; read-only): it shows "
             "node addresses and engine endpoints to whoever reaches the router",
@@ -80,7 +112,8 @@ def router_options(fn):
         click.option(
             "--engine-timeout",
             type=click.FloatRange(min=0.001),
-            default=600.0,
+            cls=FromSettings,
+            default=lambda: _defaults().upstream.read_timeout,
             show_default=True,
             help="seconds an engine may stay silent in a request (before its first byte, and "
             "between two): a long prefill in a queue takes minutes",
@@ -88,7 +121,8 @@ def router_options(fn):
         click.option(
             "--shutdown-grace",
             type=click.FloatRange(min=0.0),
-            default=30.0,
+            cls=FromSettings,
+            default=lambda: _defaults().shutdown_grace,
             show_default=True,
             help="seconds requests in flight get to finish after SIGTERM or Ctrl-C; what is "
             "still running then is cut (a second signal cuts at once)",
@@ -96,15 +130,17 @@ def router_options(fn):
         click.option(
             "--max-connections",
             type=click.IntRange(min=1),
-            default=10_000,
+            cls=FromSettings,
+            default=lambda: _limits().max_connections,
             show_default=True,
             help="client connections held at once; past it the oldest idle one is closed, "
-            "or a new one gets 503",
+            "or a new one gets 503 (by default fewer where the open-file limit holds fewer)",
         ),
         click.option(
             "--hold-max",
             type=click.IntRange(min=0),
-            default=256,
+            cls=FromSettings,
+            default=lambda: _defaults().hold.max_held,
             show_default=True,
             help="requests held per cold model (autoscaled, no replica ready) while a replica "
             "starts; one more gets 429",
@@ -112,7 +148,8 @@ def router_options(fn):
         click.option(
             "--hold-timeout",
             type=click.FloatRange(min=0.0),
-            default=300.0,
+            cls=FromSettings,
+            default=lambda: _defaults().hold.max_wait,
             show_default=True,
             help="seconds a request is held for a cold model at most; then 503 with "
             "Retry-After (a client may ask for less with x-llmgw-max-wait)",
@@ -128,6 +165,17 @@ def router_options(fn):
     for option in reversed(options):
         fn = option(fn)
     return fn
+
+
+def _given(param: str) -> bool:
+    """Whether the operator set `param` (on the command line or in its environment variable),
+    rather than leaving the default."""
+    ctx = click.get_current_context(silent=True)
+    source = ctx.get_parameter_source(param) if ctx is not None else None
+    return source in (
+        click.core.ParameterSource.COMMANDLINE,
+        click.core.ParameterSource.ENVIRONMENT,
+    )
 
 
 def router_settings(
@@ -165,7 +213,7 @@ def router_settings(
         port=listen[1],
         limits=HttpLimits(
             max_body=int(max_body_mb * 1024 * 1024),
-            max_connections=fit_fd_limit(max_connections),
+            max_connections=fit_fd_limit(max_connections, explicit=_given("max_connections")),
         ),
         shutdown_grace=shutdown_grace,
         hold=HoldSettings(max_held=hold_max, max_wait=hold_timeout),
@@ -195,7 +243,8 @@ def router_settings(
 @click.option(
     "--listen",
     callback=listen,
-    default="127.0.0.1:8080",
+    cls=FromSettings,
+    default=lambda: default_listen(),
     show_default=True,
     help="HOST:PORT the OpenAI API listens on (0.0.0.0:8080 for every interface)",
 )
@@ -223,6 +272,7 @@ def router(
             "--catalog runs the router without NATS; drop --nats, or drop --catalog to serve "
             "the bucket's models"
         )
+    check_ports_free([("the router (OpenAI API)", listen, "move it with --listen HOST:PORT")])
     settings = router_settings(listen, **options)
     logging.getLogger("llmgw").setLevel(logging.INFO)
     r = Router(settings)
@@ -256,12 +306,13 @@ _FD_RESERVE = 256
 _NOFILE_CEILING = 1 << 20  # the kernel's usual nr_open
 
 
-def fit_fd_limit(max_connections: int) -> int:
+def fit_fd_limit(max_connections: int, *, explicit: bool = True) -> int:
     """Raise this process's soft limit on open files to the hard one, say what it got, and
     hold at most as many client connections as fit beside an engine connection each and a
-    reserve (NATS, probes, logs); where that is fewer than asked, the log says how to allow
-    more. Without this, a router under 1,024 idle connections served nobody, and its own
-    engine connections and probes failed with "Too many open files"."""
+    reserve (NATS, probes, logs). A default fits the machine it runs on: it is sized to the
+    limit quietly; only an operator's `explicit` count that cannot be met is warned about,
+    with how to allow more. Without this, a router under 1,024 idle connections served
+    nobody, and its own engine connections and probes failed with "Too many open files"."""
     log = logging.getLogger(__name__)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = _NOFILE_CEILING if hard == resource.RLIM_INFINITY else min(hard, _NOFILE_CEILING)
@@ -280,10 +331,11 @@ def fit_fd_limit(max_connections: int) -> int:
         f" (raised from {raised_from})" if raised_from is not None else "",
         held,
     )
-    if fits < max_connections:
+    if explicit and fits < max_connections:
         log.warning(
             "router: the open-file limit (%d) holds %d client connections, not the %d asked "
-            "for; raise its hard limit (ulimit -Hn, or LimitNOFILE= in the systemd unit)",
+            "for with --max-connections; raise its hard limit (ulimit -Hn, or LimitNOFILE= in "
+            "the systemd unit)",
             soft,
             fits,
             max_connections,

@@ -14,8 +14,8 @@ import msgspec
 from llmgw.agent.config import AgentConfig, Paths, Weights, load_config
 from llmgw.bus import keys
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
-from llmgw.cli.common import listen, run_fast
-from llmgw.cli.router import router_options, router_settings
+from llmgw.cli.common import check_ports_free, listen, run_fast
+from llmgw.cli.router import FromSettings, default_listen, router_options, router_settings
 from llmgw.cli.sim import sim_options
 from llmgw.shutdown import drain_then_cancel_on_signal
 
@@ -41,7 +41,8 @@ from llmgw.shutdown import drain_then_cancel_on_signal
     "--router-listen",
     "router_listen",
     callback=listen,
-    default="127.0.0.1:8080",
+    cls=FromSettings,
+    default=lambda: default_listen(),
     show_default=True,
     help="HOST:PORT of the OpenAI API",
 )
@@ -82,12 +83,21 @@ def up(
         load_fleet(fleet_file)  # a bad file is refused before NATS starts
         sim = (fleet_file, connections, poll)
     data_dir = data_dir or Path(platformdirs.user_data_dir("llmgw")) / ("sim" if sim else "")
-    router = None if no_router else router_settings(router_listen, **router_opts)
     server = EmbeddedNats(data_dir=data_dir / "nats", host=host, port=port)
+    cfg = _up_agent_config(agent_config, server.url, data_dir)
+    check_ports_free(
+        _up_ports(
+            host,
+            port,
+            None if no_router else router_listen,
+            cfg if sim is None and not no_agent else None,
+            agent_config,
+        )
+    )
+    router = None if no_router else router_settings(router_listen, **router_opts)
     server.start()
     url = server.url
     try:
-        cfg = _up_agent_config(agent_config, url, data_dir)
         cmd = _this_command()
         click.echo(f"NATS listening on {url}")
         click.echo(
@@ -100,7 +110,9 @@ def up(
             f"  nats --server {url} kv ls {keys.DEFAULT_BUCKET}; nats --server {url} kv watch {keys.DEFAULT_BUCKET}"
         )
         click.echo("Ctrl-C stops everything (the router first lets its requests in flight finish).")
-        run_fast(functools.partial(_run_up, cfg, no_agent, router, cmd, sim, data_dir))
+        run_fast(
+            functools.partial(_run_up, cfg, no_agent, router, cmd, sim, data_dir, agent_config)
+        )
     finally:
         server.stop()
         click.echo("stopped")
@@ -118,6 +130,38 @@ def _this_command() -> str:
     return f"{sys.executable} -m llmgw.cli"
 
 
+def _up_ports(
+    host: str,
+    port: int,
+    router: tuple[str, int] | None,
+    agent: AgentConfig | None,
+    agent_config: Path | None,
+) -> list[tuple[str, tuple[str, int], str]]:
+    """Every port `llmgw up` listens on, with the option that moves it (NATS's monitoring
+    port is picked free)."""
+    from llmgw.metrics_http import parse_listen
+
+    ports = [("NATS", (host, port), "move it with --port PORT")]
+    if router is not None:
+        ports.append(
+            (
+                "the router (OpenAI API)",
+                router,
+                "move it with --router-listen HOST:PORT",
+            )
+        )
+    if agent is not None and agent.metrics.listen:
+        where = agent_config or "the agent config"
+        ports.append(
+            (
+                "the agent's /metrics",
+                parse_listen(agent.metrics.listen, "metrics.listen"),
+                f'set metrics.listen in {where} ("" serves none)',
+            )
+        )
+    return ports
+
+
 def _up_agent_config(path: Path | None, url: str, data_dir: Path) -> AgentConfig:
     cfg = (
         load_config(path)
@@ -130,21 +174,36 @@ def _up_agent_config(path: Path | None, url: str, data_dir: Path) -> AgentConfig
     return msgspec.structs.replace(cfg, nats=msgspec.structs.replace(cfg.nats, urls=[url]))
 
 
-async def _run_up(cfg: AgentConfig, no_agent: bool, router, cmd: str, sim, data_dir: Path) -> None:
+async def _run_up(
+    cfg: AgentConfig,
+    no_agent: bool,
+    router,
+    cmd: str,
+    sim,
+    data_dir: Path,
+    agent_config: Path | None,
+) -> None:
     bus = await Bus.connect(
         NatsSettings(urls=tuple(cfg.nats.urls), name="llmgw controller"),
         BucketSettings(name=cfg.nats.bucket),
         give_up_after=10,
     )
     try:
-        await _run_up_parts(cfg, no_agent, router, cmd, bus, sim, data_dir)
+        await _run_up_parts(cfg, no_agent, router, cmd, bus, sim, data_dir, agent_config)
     finally:
         with anyio.CancelScope(shield=True):
             await bus.close()
 
 
 async def _run_up_parts(
-    cfg: AgentConfig, no_agent: bool, router, cmd: str, bus: Bus, sim, data_dir: Path
+    cfg: AgentConfig,
+    no_agent: bool,
+    router,
+    cmd: str,
+    bus: Bus,
+    sim,
+    data_dir: Path,
+    agent_config: Path | None,
 ) -> None:
     from llmgw.controller.loop import Controller
 
@@ -180,8 +239,12 @@ async def _run_up_parts(
         elif not no_agent:
             from llmgw.agent.service import Agent
 
-            agent = await tg.start(Agent(cfg).run)
+            where = str(agent_config) if agent_config else "the agent config"
+            agent = await tg.start(Agent(cfg, config_path=where).run)
             click.echo("agent running")
+            if agent.inventory is not None and not agent.inventory.engines:
+                for line in _no_engine(cmd):
+                    click.echo(line)
         if router is not None:
             from llmgw.router.service import Router
 
@@ -198,6 +261,21 @@ async def _run_up_parts(
         for line in await _earlier_run(bus, agent, cmd):
             click.echo(line)
         await anyio.sleep_forever()
+
+
+def _no_engine(cmd: str) -> list[str]:
+    """What a first run on a machine with no engine does next, rather than placing models
+    that can never start."""
+    return [
+        "this machine has no engine (no llama-server or vllm on PATH or in the agent config), "
+        "so no model can run here. Next:",
+        f"  try the simulated fleet: {cmd} up --sim examples/fleet.toml (copy the file to edit "
+        "it; docs/sim.md)",
+        "  or get llama-server: put a llama.cpp release's llama-server on PATH, or build one "
+        "with tools/build-llama-server.sh (it prints the binary's path: give it as "
+        "node.llama_server in an --agent-config file; docs/llama-server-build.md), then start "
+        f"{cmd} up again",
+    ]
 
 
 async def _earlier_run(bus: Bus, agent, cmd: str) -> list[str]:

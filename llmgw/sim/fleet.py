@@ -26,9 +26,13 @@ agent's weights scan reads them.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -42,6 +46,12 @@ MAX_NODES = 100_000
 
 class FleetError(LlmgwError, ValueError):
     """The fleet file cannot be used; the message names the file, the node, the key and the fix."""
+
+    @classmethod
+    def listing(cls, path: Path, errors: list[str]) -> FleetError:
+        return cls(
+            f"{path}: fleet file refused ({len(errors)} error(s)):\n  " + "\n  ".join(errors)
+        )
 
 
 class Sim(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -115,70 +125,156 @@ class Fleet(msgspec.Struct, frozen=True, kw_only=True):
     nodes: dict[str, NodeSpec]  # by name, in file order
 
 
+MAX_FILE_BYTES = 16 << 20  # a fleet of 100,000 nodes in groups is a few kilobytes
+
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")
-_NODE_AT = re.compile(r"^\.nodes\[(\d+)\]\.?(.*)$")
 
 
-def parse_fleet(text: str, path: Path = Path("<fleet>")) -> Fleet:
-    """The fleet `text` describes; FleetError naming what is wrong and how to fix it."""
+def read_fleet_bytes(path: Path) -> bytes:
+    """The fleet file's bytes: a regular file of at most MAX_FILE_BYTES (a FIFO would hang
+    the command, a link to /dev/zero grow it until it dies)."""
     try:
-        raw = msgspec.toml.decode(text.encode(), type=FleetFile)
-    except msgspec.ValidationError as e:
-        raise _explain(path, e, _names(text)) from None
-    except msgspec.DecodeError as e:
-        raise FleetError(f"{path}: not valid TOML: {e}") from None
-    return _check(raw, path)
-
-
-def load_fleet(path: Path) -> Fleet:
-    try:
-        text = path.read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without a writer
     except FileNotFoundError:
         raise FleetError(
             f"{path}: no such fleet file; examples/fleet.toml is one to start from"
         ) from None
     except OSError as e:
-        raise FleetError(f"{path}: cannot read it: {e.strerror}") from None
+        raise FleetError(f"{path}: cannot read it: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FleetError(f"{path}: not a regular file; give the path of a FLEET.toml file")
+        try:
+            data = f.read(MAX_FILE_BYTES + 1)
+        except OSError as e:
+            raise FleetError(f"{path}: cannot read it: {e.strerror or e}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise FleetError(
+            f"{path}: over {MAX_FILE_BYTES >> 20} MiB, too big for a fleet file; describe "
+            "alike nodes as one [[nodes]] group with a count"
+        )
+    return data
+
+
+def load_fleet(path: Path) -> Fleet:
+    return parse_fleet_bytes(read_fleet_bytes(path), path)
+
+
+def parse_fleet_bytes(data: bytes, path: Path = Path("<fleet>")) -> Fleet:
+    """The fleet the file's bytes describe; TOML is UTF-8, and bytes that are not are named
+    where they are, not a UnicodeDecodeError traceback."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise FleetError(
+            f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}, column "
+            f"{column}); save it as UTF-8"
+        ) from None
     return parse_fleet(text, path)
 
 
-def _names(text: str) -> list[str]:
-    """The node names in file order, read leniently, to say which node an error is in."""
+def parse_fleet(text: str, path: Path = Path("<fleet>")) -> Fleet:
+    """The fleet `text` describes; FleetError listing every problem at once (fixing them one
+    run at a time is how an edit eats an hour), each naming the node, the key and the fix."""
     try:
         data = msgspec.toml.decode(text.encode())
-        return [str(n.get("name", "?")) if isinstance(n, dict) else "?" for n in data["nodes"]]
-    except Exception:  # noqa: BLE001 - only for the message
-        return []
+    except msgspec.DecodeError as e:
+        raise FleetError(f"{path}: not valid TOML: {e}") from None
+    if not isinstance(data, dict):  # pragma: no cover - TOML's top level is a table
+        raise FleetError(f"{path}: not a TOML table")
+    errors: list[str] = []
+    sim, shares, groups = _typed(data, errors)
+    fleet = _check(sim, shares, groups, errors)
+    if errors:
+        raise FleetError.listing(path, errors)
+    return fleet
 
 
-def _explain(path: Path, err: msgspec.ValidationError, names: list[str]) -> FleetError:
-    m = _AT.match(str(err))
-    msg, where = (m.group("msg"), m.group("path") or "") if m else (str(err), "")
-    msg = msg.replace("Expected", "expected")
-    node = _NODE_AT.match(where)
-    prefix = f"{path}:"
-    if node:
-        i = int(node.group(1))
-        name = names[i] if i < len(names) else "?"
-        prefix, where = f"{path}: nodes[{i}] (name {name!r}):", node.group(2)
+def _typed(data: dict, errors: list[str]) -> tuple[Sim, dict[str, Share], list[tuple[int, Node]]]:
+    """The file's tables as typed values, each part on its own: what does not convert is in
+    `errors`, and the rest is still checked (a share that does not convert is kept empty, so
+    that nodes mounting it are not also told it does not exist)."""
+    known = {f.encode_name for f in msgspec.structs.fields(FleetFile)}
+    for key in data:
+        if key not in known:
+            errors.append(f"unknown key {key!r}; docs/sim.md lists every key")
+    sim = _convert(data.get("sim", {}), Sim, "", "sim", errors) or Sim()
+    shares: dict[str, Share] = {}
+    raw_shares = data.get("shares", {})
+    if isinstance(raw_shares, dict):
+        for name, held in raw_shares.items():
+            shares[name] = _convert(held, Share, "", f"shares.{name}", errors) or Share()
     else:
-        where = where.lstrip(".")
-    unknown = re.match(r"Object contains unknown field `([^`]+)`", msg)
-    if unknown:
-        key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
-        return FleetError(f"{prefix} unknown key {key!r}; docs/sim.md lists every key")
-    missing = re.match(r"Object missing required field `([^`]+)`", msg)
-    if missing:
-        key = f"{where}.{missing.group(1)}" if where else missing.group(1)
-        return FleetError(f"{prefix} key {key!r} is required; docs/sim.md shows an example")
+        _convert(raw_shares, dict[str, Share], "", "shares", errors)
+    groups: list[tuple[int, Node]] = []
+    raw_nodes = data.get("nodes", [])
+    if isinstance(raw_nodes, list):
+        for i, raw in enumerate(raw_nodes):
+            name = raw.get("name", "?") if isinstance(raw, dict) else "?"
+            group = _convert(raw, Node, f"nodes[{i}] (name {str(name)!r}):", "", errors)
+            if group is not None:
+                groups.append((i, group))
+    else:
+        _convert(raw_nodes, list[Node], "", "nodes", errors)
+    return sim, shares, groups
+
+
+def _convert(value: Any, type_: Any, prefix: str, key: str, errors: list[str]) -> Any:
+    """`value` as `type_`; where it does not convert, every problem goes to `errors` and
+    what did convert is kept (a table is checked key by key, where msgspec stops at the
+    first), so the checks after this one still see the rest. None where nothing is left.
+    `prefix` names the [[nodes]] entry ("nodes[0] (name 'a'):"), `key` the dotted key."""
+    try:
+        return msgspec.convert(value, type_)
+    except msgspec.ValidationError as e:
+        if (
+            isinstance(type_, type)
+            and issubclass(type_, msgspec.Struct)
+            and isinstance(value, dict)
+        ):
+            return _convert_fields(value, type_, prefix, key, errors)
+        errors.append(_explain(prefix, key, e))
+        return None
+
+
+def _convert_fields(value: dict, type_: type, prefix: str, key: str, errors: list[str]) -> Any:
+    fields = {f.encode_name: f for f in msgspec.structs.fields(type_)}
+    converted = {}
+    for name, item in value.items():
+        path = f"{key}.{name}" if key else name
+        if name not in fields:
+            errors.append(_say(prefix, f"unknown key {path!r}; docs/sim.md lists every key"))
+            continue
+        got = _convert(item, fields[name].type, prefix, path, errors)
+        if got is not None or item is None:
+            converted[fields[name].name] = got
+    for f in fields.values():
+        if f.required and f.encode_name not in value:
+            path = f"{key}.{f.encode_name}" if key else f.encode_name
+            errors.append(_say(prefix, f"key {path!r} is required; docs/sim.md shows an example"))
+    try:
+        return type_(**converted)  # the keys that did not convert keep their defaults
+    except TypeError:  # a required key is missing or did not convert
+        return None
+
+
+def _say(prefix: str, text: str) -> str:
+    return f"{prefix} {text}" if prefix else text
+
+
+def _explain(prefix: str, key: str, err: msgspec.ValidationError) -> str:
+    """One msgspec error as "nodes[0] (name 'a'): key 'ram_gb': expected `float`, got `str`"."""
+    m = _AT.match(str(err))
+    msg, at = (m.group("msg"), m.group("path") or "") if m else (str(err), "")
+    msg = msg.replace("Expected", "expected")
+    key = f"{key}{at}".lstrip(".")  # at: "", "[0]" or ".fabric" within the value
     enum = re.match(r"Invalid enum value (.+)$", msg)
     if enum:
-        field = re.sub(r"\[\d+\]", "", where)
-        allowed = " or ".join(repr(v) for v in _CHOICES.get(field, ()))
+        allowed = " or ".join(repr(v) for v in _CHOICES.get(re.sub(r"\[\d+\]", "", key), ()))
         msg = f"{enum.group(1)} is not allowed; use {allowed}" if allowed else msg
-    if where:
-        return FleetError(f"{prefix} key {where!r}: {msg}")
-    return FleetError(f"{prefix} {msg}")
+    return _say(prefix, f"key {key!r}: {msg}" if key else msg)
 
 
 _CHOICES = {
@@ -188,8 +284,9 @@ _CHOICES = {
 }
 
 
-def _check(raw: FleetFile, path: Path) -> Fleet:
-    s = raw.sim
+def _check(
+    s: Sim, shares: dict[str, Share], groups: list[tuple[int, Node]], errors: list[str]
+) -> Fleet:
     for key, value, low, high in (
         ("heartbeat", s.heartbeat, 0.05, 3600),
         ("tokens", s.tokens, 1, 1_000_000),
@@ -198,26 +295,37 @@ def _check(raw: FleetFile, path: Path) -> Fleet:
         ("load_seconds", s.load_seconds, 0, 3600),
     ):
         if not low <= value <= high:
-            raise FleetError(
-                f"{path}: key 'sim.{key}': {value:g} is out of range {low:g}..{high:g}"
-            )
-    for share, held in raw.shares.items():
-        _token(path, f"shares.{share}", share, "share name")
+            errors.append(f"key 'sim.{key}': {value:g} is out of range {low:g}..{high:g}")
+    for share, held in shares.items():
+        with _collect(errors):
+            _token("", f"shares.{share}", share, "share name")
         for model in held.models:
-            _model(path, f"shares.{share}.models", model)
+            with _collect(errors):
+                _model("", f"shares.{share}.models", model)
     nodes: dict[str, NodeSpec] = {}
-    for i, group in enumerate(raw.nodes):
-        where = f"{path}: nodes[{i}] (name {group.name!r}):"
-        for spec in _expand(group, where, raw.shares):
-            if spec.name in nodes:
-                raise FleetError(
-                    f"{where} node {spec.name!r} is named twice; node names must be unique "
-                    "(a group with a count is named <name>-01, <name>-02, ...)"
-                )
-            nodes[spec.name] = spec
+    for i, group in groups:
+        where = f"nodes[{i}] (name {group.name!r}):"
+        with _collect(errors):
+            for spec in _expand(group, where, shares):
+                if spec.name in nodes:
+                    raise FleetError(
+                        f"{where} node {spec.name!r} is named twice; node names must be unique "
+                        "(a group with a count is named <name>-01, <name>-02, ...)"
+                    )
+                nodes[spec.name] = spec
     if len(nodes) > MAX_NODES:
-        raise FleetError(f"{path}: {len(nodes)} nodes; at most {MAX_NODES} in one fleet file")
-    return Fleet(sim=s, shares=dict(raw.shares), nodes=nodes)
+        errors.append(f"{len(nodes)} nodes; at most {MAX_NODES} in one fleet file")
+    return Fleet(sim=s, shares=dict(shares), nodes=nodes)
+
+
+@contextlib.contextmanager
+def _collect(errors: list[str]) -> Iterator[None]:
+    """The first problem of one node group (or share) joins the list; the others are
+    still checked."""
+    try:
+        yield
+    except FleetError as e:
+        errors.append(str(e))
 
 
 def _expand(group: Node, where: str, shares: dict[str, Share]) -> list[NodeSpec]:
@@ -289,7 +397,7 @@ def _token(where: Path | str, key: str, value: str, what: str) -> None:
     try:
         check_token(value, what)
     except InvalidId as e:
-        raise FleetError(f"{_colon(where)} key {key!r}: {e}") from None
+        raise FleetError(_say(_colon(where), f"key {key!r}: {e}")) from None
 
 
 _MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -298,9 +406,12 @@ _MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$
 def _model(where: Path | str, key: str, model: str) -> None:
     if not _MODEL.match(model) or ".." in model or len(model) > 200:
         raise FleetError(
-            f"{_colon(where)} key {key!r}: {model!r} is not a model name; use `name`, "
-            "`org/name` (a safetensors directory) or `name.gguf` (a GGUF file): letters, "
-            "digits and ._- only"
+            _say(
+                _colon(where),
+                f"key {key!r}: {model!r} is not a model name; use `name`, `org/name` (a "
+                "safetensors directory) or `name.gguf` (a GGUF file): letters, digits and ._- "
+                "only",
+            )
         )
 
 

@@ -35,7 +35,15 @@ from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 from llmgw.errors import LlmgwError
 from llmgw.sim.disk import SimDisk
 from llmgw.sim.engines import SimulatedEngines
-from llmgw.sim.fleet import Fleet, FleetError, NodeSpec, Sim, load_fleet, parse_fleet
+from llmgw.sim.fleet import (
+    Fleet,
+    FleetError,
+    NodeSpec,
+    Sim,
+    load_fleet,
+    parse_fleet_bytes,
+    read_fleet_bytes,
+)
 from llmgw.sim.hardware import SimulatedHardware
 
 log = logging.getLogger("llmgw.sim")
@@ -142,18 +150,16 @@ class Simulator:
         while True:
             await anyio.sleep(self.poll)
             try:
-                data = await anyio.to_thread.run_sync(self.path.read_bytes)
-            except OSError as e:
-                log.warning(
-                    "fleet %s: cannot read it (%s); the fleet runs on as it is", self.path, e
-                )
+                data = await anyio.to_thread.run_sync(read_fleet_bytes, self.path)
+            except FleetError as e:
+                log.warning("%s; the fleet runs on as it is", e)
                 continue
             digest = _digest(data)
             if digest == self._digest:
                 continue
             self._digest = digest
             try:
-                fleet = parse_fleet(data.decode(errors="replace"), self.path)
+                fleet = parse_fleet_bytes(data, self.path)
             except FleetError as e:
                 log.error("%s; the fleet runs on as it was", e)
                 continue
