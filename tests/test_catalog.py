@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -439,3 +440,21 @@ def test_selectors_and_tolerations_are_labels_and_taint_names():
     (m,) = validate_models(raw)
     assert m.profiles[0].node_selector == {"pool": "research", "node": "!node07"}
     assert decode_model(encode_model(m), "m") == m
+
+
+def test_the_structs_carry_their_own_bounds_so_a_typed_decode_refuses_what_the_checker_does():
+    import msgspec
+
+    from llmgw.catalog import Autoscale, Model, Profile
+
+    for typ, raw, path in [
+        (Profile, _profile(context=0), "$.context"),
+        (Profile, _profile(gpu_memory_gb=-1), "$.gpu_memory_gb"),
+        (Autoscale, {"max_replicas": 2, "kv_cache_full": 1.5}, "$.kv_cache_full"),
+        (Model, {"id": "m", "served_name": "m", "surge": 10**6}, "$.surge"),
+    ]:
+        with pytest.raises(msgspec.ValidationError, match=re.escape(path)):
+            msgspec.convert(raw, typ)
+        # and the checker says the same of it, in the catalog's words
+        if typ is Profile:
+            assert _errors({"models": [{"id": "m", "profiles": [raw]}]})
