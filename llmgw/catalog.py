@@ -124,6 +124,12 @@ class Profile(msgspec.Struct, kw_only=True, omit_defaults=True):
     # where it may run (llmgw.labels): every label asked for ("!v": not v), every taint tolerated
     node_selector: dict[str, str] = {}
     tolerations: list[str] = []
+    # Replicas placed by GPU memory beside others on one GPU (docs/placement.md, "Sharing a
+    # GPU"): each is given `gpu_memory_gb` of it. One GPU per replica, on one node.
+    share_gpus: bool = False
+    # only GPUs of this model: a MIG profile ("1g.18gb") or a GPU's name ("H100-80GB-HBM3",
+    # as its gpu.model label reads); a node selector alone says which nodes, not which GPUs
+    gpu_model: str | None = None
 
 
 # What reaches the engine (the agent's launch_spec reads these, and the model's served
@@ -141,8 +147,9 @@ LAUNCH_FIELDS = (
     "parallel",
     "extra_args",
     "env",
+    "share_gpus",
 )
-PLACEMENT_FIELDS = ("name", "host_ram_gb", "node_selector", "tolerations")
+PLACEMENT_FIELDS = ("name", "host_ram_gb", "node_selector", "tolerations", "gpu_model")
 
 
 class Autoscale(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
@@ -198,6 +205,8 @@ def launch_hash(model: Model, profile: Profile) -> str:
     catalog makes them replicas to replace."""
     content = {"served_name": model.served_name}
     content.update({f: msgspec.to_builtins(getattr(profile, f)) for f in LAUNCH_FIELDS})
+    if not profile.share_gpus:  # the fingerprint of a profile that does not share is as it was
+        del content["share_gpus"]
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
     return digest[:12]
 
@@ -642,6 +651,17 @@ def _check_profile(check: _Checker, where: str, path: str, raw: Any) -> Profile 
         check.problem(
             where, f"{path}.gpu_memory_gb", "set on a CPU profile (gpus_per_node = 0); remove it"
         )
+    share = raw.get("share_gpus", False)
+    if not isinstance(share, bool):
+        check.expected(where, f"{path}.share_gpus", "true or false", share)
+        share = False
+    if share:
+        _check_sharing(check, where, f"{path}.share_gpus", gpus, gpu_mem, nodes)
+    gpu_model = raw.get("gpu_model", None)
+    if gpu_model is not None:
+        gpu_model = check.text(where, f"{path}.gpu_model", gpu_model)
+        if gpus == 0:
+            check.problem(where, f"{path}.gpu_model", "set on a CPU profile; remove it")
     if len(check.errors) > before:
         return None
     return Profile(
@@ -653,7 +673,39 @@ def _check_profile(check: _Checker, where: str, path: str, raw: Any) -> Profile 
         env=env,
         node_selector=selector,
         tolerations=tolerations,
+        share_gpus=share,
+        gpu_model=gpu_model,
     )
+
+
+def _check_sharing(
+    check: _Checker, where: str, path: str, gpus: int | None, gpu_mem: float | None, nodes
+) -> None:
+    """A shared replica is one engine on part of one GPU: placement gives it `gpu_memory_gb`
+    of a GPU. Tensor and pipeline parallel engines take their GPUs whole (NCCL peers,
+    each rank sized to the card), so those stay exclusive."""
+    if gpus == 0:
+        check.problem(where, path, "a CPU profile (gpus_per_node = 0) has no GPU to share")
+    elif gpus is not None and gpus > 1:
+        check.problem(
+            where,
+            path,
+            f"a replica on {gpus} GPUs has them to itself (tensor parallel); only "
+            "gpus_per_node = 1 shares a GPU: remove share_gpus or set gpus_per_node = 1",
+        )
+    if nodes is not None and nodes > 1:
+        check.problem(
+            where,
+            path,
+            "a multi-node replica has its GPUs to itself; remove share_gpus or set nodes = 1",
+        )
+    if gpus and not gpu_mem:
+        check.problem(
+            where,
+            path,
+            "needs gpu_memory_gb: the GPU memory each replica is given, which placement "
+            "counts against each GPU's (e.g. gpu_memory_gb = 20)",
+        )
 
 
 def _check_weights(
