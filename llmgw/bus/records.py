@@ -77,6 +77,12 @@ class Gpu(msgspec.Struct, kw_only=True, gc=False):
     processes_unlisted: int = 0
     unlisted_foreign_bytes: int = 0  # memory the unlisted foreign processes hold
     errors: GpuErrors = msgspec.field(default_factory=GpuErrors)
+    # A MIG device (its UUID "MIG-...") is a GPU of its own: `index` is its parent's, and
+    # the parent, whose MIG mode is on, is not listed (CUDA cannot run on it). The layout
+    # is the operator's: llmgw observes it, never changes it.
+    mig_profile: str = ""  # "1g.18gb"; "" for a whole GPU
+    parent_uuid: str = ""
+    mig_slices: int = 0  # the parent's memory and SM slices it has (of 7 on Hopper)
 
     def foreign_bytes(self) -> int:
         """Memory held by processes that are not llmgw's engines, as far as NVML says: what
