@@ -387,6 +387,8 @@ class ReplicaMember(msgspec.Struct, kw_only=True, gc=False):
     rank: int
     gpus: list[str] = []  # GPU UUIDs on that node
     port: int = 0
+    # a shared replica's (share_gpus) allotment on its GPU, bytes; 0: its GPUs are its own
+    gpu_bytes: int = 0
 
 
 class Replica(msgspec.Struct, kw_only=True, gc=False):
@@ -606,6 +608,11 @@ class GpuNamed(msgspec.Struct, kw_only=True, gc=False, frozen=True):
     process: str = ""  # its name
     others: int = 0  # held: how many more processes that are not llmgw's hold memory there
     count: int | None = None  # ecc-uncorrected: errors counted; xid: the Xid
+    # shared: a GPU shared replicas could not fit on: its memory, what llmgw allotted
+    # there and to how many replicas (`bytes`, `pid`, ... are other programs', as for held)
+    total_bytes: int | None = None
+    allotted_bytes: int = 0
+    replicas: int = 0
 
 
 class RefusedNodes(msgspec.Struct, kw_only=True, gc=False, frozen=True):
