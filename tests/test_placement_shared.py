@@ -170,3 +170,49 @@ def test_a_profile_asking_for_a_mig_profile_is_given_such_mig_devices_by_uuid():
 def test_a_node_without_the_gpu_model_asked_is_refused_saying_so():
     result = plan(snapshot([node("h1", gpus=2)], [shared(gb=8, gpu_model="1g.18gb")], {"s": 1}))
     assert result.placements["s"].explanation == "0/1 nodes fit: 1 without a GPU of model 1g.18gb"
+
+
+def test_the_lazy_picker_takes_the_node_an_exhaustive_judgement_would():
+    import random
+
+    from llmgw.controller.placement.filters import fit
+    from llmgw.controller.placement.nodes import Need, fleet_nodes, take
+    from llmgw.controller.placement.pickers import SingleNodePicker
+    from llmgw.controller.placement.weights import WeightsNearby
+
+    rng = random.Random(3)
+    invs, running = [], []
+    for i in range(40):
+        inv = node(f"n{i:02d}", gpus=4, gpu_gb=rng.choice([48, 85.5, 141]))
+        if rng.random() < 0.3:
+            inv = with_gpu(inv, rng.randrange(4), processes=python_holding(rng.choice([5, 30])))
+        if rng.random() < 0.3:  # a GPU too small for the profile: the bound is below the node
+            inv = with_gpu(inv, 3, memory_total_bytes=10 * GB)
+        invs.append(inv)
+        if rng.random() < 0.4:
+            running.append(sharing(f"r{i}", inv.node, rng.randrange(4), rng.choice([10, 20, 40])))
+    snap = snapshot(invs, [shared(gb=12)], {"s": 60}, replicas=running)
+    need = Need.of("s", snap.catalog["s"].profiles[0], snap.port_range)
+    lazy_nodes, full_nodes = fleet_nodes(snap), fleet_nodes(snap)
+    weights = WeightsNearby(snap)
+    lazy = SingleNodePicker(lazy_nodes, need, weights)
+    judge = SingleNodePicker(full_nodes, need, weights)  # its exact order, for every node
+    for _ in range(60):
+        fitting = [n for n in full_nodes.values() if fit(n, need) is None]
+        expected = min(fitting, key=lambda n: judge._shared_order(n, exact=True), default=None)
+        got = lazy.pick()
+        assert (got and got.members[0].node) == (expected and expected.id)
+        if expected is None:
+            break
+        take(expected, need, rank=0)
+        # and the same GPU on it
+        assert lazy_nodes[expected.id].allotted == expected.allotted
+
+
+def test_best_fit_looks_past_a_gpu_too_small_for_the_replica():
+    # node a's smallest GPU (10 GB) cannot take 12 GB: its best fit is a 141 GB GPU (128 GB
+    # left), worse than b's 48 GB GPU (35 GB left)
+    a = with_gpu(node("a", gpus=4, gpu_gb=141), 0, memory_total_bytes=10 * GB)
+    b = node("b", gpus=4, gpu_gb=48)
+    result = plan(snapshot([a, b], [shared(gb=12)], {"s": 1}))
+    assert gpus_of(result) == [("b", "GPU-b-00", 12 * GB)]
