@@ -216,3 +216,19 @@ def test_best_fit_looks_past_a_gpu_too_small_for_the_replica():
     b = node("b", gpus=4, gpu_gb=48)
     result = plan(snapshot([a, b], [shared(gb=12)], {"s": 1}))
     assert gpus_of(result) == [("b", "GPU-b-00", 12 * GB)]
+
+
+def test_a_full_mig_device_is_named_as_one():
+    inv = mig_node("h1", ["1g.18gb"])
+    running = [
+        Replica(
+            model="other",
+            rid="r0",
+            profile="p",
+            members=[ReplicaMember(node="h1", rank=0, gpus=["MIG-h1-0"], gpu_bytes=10 * GB)],
+        )
+    ]
+    result = plan(snapshot([inv], [shared(gb=8, gpu_model="1g.18gb")], {"s": 1}, replicas=running))
+    assert "MIG 1g.18gb of GPU 0 of h1: 17.4 GB, 10 GB allocated to 1 replica" in (
+        result.placements["s"].explanation
+    )

@@ -613,6 +613,7 @@ class GpuNamed(msgspec.Struct, kw_only=True, gc=False, frozen=True):
     total_bytes: int | None = None
     allotted_bytes: int = 0
     replicas: int = 0
+    mig_profile: str = ""  # a MIG device of GPU `gpu`: its profile ("1g.18gb")
 
 
 class RefusedNodes(msgspec.Struct, kw_only=True, gc=False, frozen=True):

@@ -313,6 +313,8 @@ _FAULT_TEXT: dict[str, Callable[[GpuNamed], str]] = {
 def render_gpu(n: GpuNamed) -> str:
     """ "GPU 3 of node05: 60 GB held by pid 4242 (python), not llmgw's" """
     where = f"GPU {n.gpu} of {n.node}"
+    if n.mig_profile:
+        where = f"MIG {n.mig_profile} of {where}"
     if n.why == "held":
         who = (
             "processes"

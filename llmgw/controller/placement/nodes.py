@@ -225,6 +225,7 @@ def held_by_others(node: str, gpu: Gpu) -> GpuNamed:
         pid=top.pid if top else None,
         process=top.name if top else "",
         others=max(len(foreign) - 1, 0) + unlisted,
+        mig_profile=gpu.mig_profile,
     )
 
 

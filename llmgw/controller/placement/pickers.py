@@ -58,8 +58,7 @@ class SingleNodePicker:
                     node.models.get(model, 0),
                     node_id,
                 )
-                if node.free
-                and not (node.allotted or node.held or node.unschedulable or gpu_model)
+                if node.free and not (node.allotted or node.held or node.unschedulable or gpu_model)
                 else order(node, exact=False)
                 for node_id, node in nodes.items()
             ]

@@ -66,9 +66,10 @@ def _shares(node: NodeState, need: Need) -> str:
         return "shares a GPU"
     gpu, _ = best
     size = f"{gpu.memory_total_bytes / GB:.0f} GB"
+    name = f"MIG {gpu.mig_profile} of GPU {gpu.index}" if gpu.mig_profile else f"GPU {gpu.index}"
     sharing = node.sharing.get(gpu.uuid, 0)
     if not sharing:
-        return f"shares GPU {gpu.index} ({size}), which no replica shared yet"
+        return f"shares {name} ({size}), which no replica shared yet"
     allotted = node.allotted.get(gpu.uuid, 0) / GB
     many = "replica" if sharing == 1 else "replicas"
-    return f"shares GPU {gpu.index} ({size}) with {sharing} {many} ({allotted:g} GB allotted)"
+    return f"shares {name} ({size}) with {sharing} {many} ({allotted:g} GB allotted)"
