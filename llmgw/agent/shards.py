@@ -34,7 +34,7 @@ from llmgw.agent.engines.pidfile import (
     leftover_engines,
     stop_engine,
 )
-from llmgw.agent.engines.validate import NodeFacts, Problem, validate_launch
+from llmgw.agent.engines.validate import NodeFacts, Problem, prepare_launch
 from llmgw.agent.lifetime import own_scope
 from llmgw.agent.supervisor import EngineSupervisor, PhaseChange, SupervisorTiming
 from llmgw.bus import keys, records
@@ -444,7 +444,7 @@ class LocalShard:
             await self._wait_for_room(self.rid, spec)
         await self._report(want, "validating")
         if spec is not None and not problems:
-            problems = await anyio.to_thread.run_sync(validate_launch, spec, self.node.facts())
+            spec, problems = await anyio.to_thread.run_sync(prepare_launch, spec, self.node.facts())
         if problems:
             reason = "; ".join(p.reason for p in problems)
             log.error("%s %s refused before launch: %s", want.model, self.rid, reason)
@@ -840,6 +840,10 @@ def launch_spec(
         fetch_dir=inv.fetch_dir,
         gpu_uuids=tuple(a.gpus),
         gpu_memory_gb=profile.gpu_memory_gb or None,
+        gpu_shared=profile.share_gpus,
+        gpu_total_bytes=next(
+            (g.memory_total_bytes for g in inv.gpus.devices if g.uuid in a.gpus), 0
+        ),
         context=profile.context,
         parallel=profile.parallel,
         extra_args=tuple(profile.extra_args),
