@@ -128,6 +128,9 @@ class Lookup:
     def own(self, pid: int) -> bool:
         return pid in self.mine
 
+    def engine(self, pid: int) -> int | None:
+        return pid if pid in self.mine else None  # each its own engine's leader
+
 
 def test_used_memory_and_the_processes_holding_it_are_reported_foreign_first():
     nvml = RecordedNvml(
@@ -261,6 +264,8 @@ def test_an_engine_and_its_workers_are_own_and_everything_else_foreign(host):
     lookup = HostProcesses(host, [_engine(7001, 500.0)], clock_ticks=TICKS)
 
     assert lookup.own(7001) and lookup.own(7050)
+    # which engine: its group, the leader's pid (a shard's pid)
+    assert (lookup.engine(7001), lookup.engine(7050), lookup.engine(4242)) == (7001, 7001, None)
     assert not lookup.own(4242)
     assert not lookup.own(99999)  # not in /proc at all: not an engine this agent knows
     assert (lookup.name(4242), lookup.name(7050), lookup.name(99999)) == (
@@ -319,9 +324,9 @@ def test_the_inventory_carries_gpu_processes_named_and_told_apart(host, tmp_path
     )
 
     gpu = inv.gpus.devices[3]
-    assert [(p.pid, p.name, p.own) for p in gpu.processes] == [
-        (4242, "python", False),
-        (7050, "VllmWorker TP0", True),
+    assert [(p.pid, p.name, p.own, p.engine) for p in gpu.processes] == [
+        (4242, "python", False, None),
+        (7050, "VllmWorker TP0", True, 7001),
     ]
     assert gpu.foreign_bytes() == 60 * GB
 

@@ -46,6 +46,9 @@ class GpuProcess(msgspec.Struct, kw_only=True, gc=False):
     used_bytes: int | None = None  # None: NVML cannot tell (NVML_VALUE_NOT_AVAILABLE)
     # one of this agent's engines: in the process group of an engine its pidfiles name
     own: bool = False
+    # own: which engine, by its process group (its leader's pid, the shard's `pid`): what
+    # an engine holds on a GPU is what its processes there hold (vLLM's workers hold it)
+    engine: int | None = None
 
 
 class GpuErrors(msgspec.Struct, kw_only=True, gc=False):

@@ -51,6 +51,10 @@ class ProcessLookup(Protocol):
 
     def own(self, pid: int) -> bool: ...
 
+    def engine(self, pid: int) -> int | None:
+        """The process group (its leader's pid) of the engine `pid` belongs to, or None."""
+        ...
+
 
 class _Unknown:
     def name(self, pid: int) -> str:
@@ -58,6 +62,9 @@ class _Unknown:
 
     def own(self, pid: int) -> bool:
         return False
+
+    def engine(self, pid: int) -> int | None:
+        return None
 
 
 def _devices(nvml: Any, index: int, lookup: ProcessLookup) -> list[Gpu]:
@@ -159,15 +166,18 @@ def _processes(
             before = used.get(pid)
             # a process with both kinds of context is listed in both, with the same memory
             used[pid] = nbytes if before is None else max(before, nbytes or 0)
-    everyone = [
-        GpuProcess(
-            pid=pid,
-            name=lookup.name(pid),
-            used_bytes=None if nbytes is None else int(nbytes),
-            own=lookup.own(pid),
+    everyone = []
+    for pid, nbytes in used.items():
+        engine = lookup.engine(pid)
+        everyone.append(
+            GpuProcess(
+                pid=pid,
+                name=lookup.name(pid),
+                used_bytes=None if nbytes is None else int(nbytes),
+                own=engine is not None or lookup.own(pid),
+                engine=engine,
+            )
         )
-        for pid, nbytes in used.items()
-    ]
     everyone.sort(key=lambda p: (p.own, -(p.used_bytes or 0), p.pid))
     rest = everyone[MAX_GPU_PROCESSES:]
     foreign_rest = sum(p.used_bytes or 0 for p in rest if not p.own)
