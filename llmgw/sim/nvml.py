@@ -151,6 +151,7 @@ class RecordedNvml:
             raise ValueError(f"a recorded node has 0 to {len(H100_UUIDS)} GPUs, not {count}")
         self.count = count
         # several simulated nodes on one machine need GPU UUIDs of their own
+        self.node = node
         self.uuids = [f"GPU-{node}-{i}" for i in range(count)] if node else H100_UUIDS
         self.init_error = init_error
         self.count_error = count_error
@@ -224,6 +225,8 @@ class RecordedNvml:
         return self._str(self.name)
 
     def nvmlDeviceGetUUID(self, handle: int | _MigHandle) -> str | bytes:
+        if isinstance(handle, _MigHandle) and self.node:
+            return self._str(f"MIG-{self.node}-{handle.gpu}-{handle.slot}")
         if isinstance(handle, _MigHandle):
             # MIG UUIDs are of their own, not derived from the parent's
             return self._str(
@@ -235,6 +238,21 @@ class RecordedNvml:
 
     def _profile(self, handle: _MigHandle) -> str:
         return self.mig[handle.gpu][handle.slot]
+
+    def devices(self) -> dict[str, tuple[int, int | None, int]]:
+        """Every GPU CUDA could be given, by UUID: (index, MIG slot or None, memory)."""
+        out: dict[str, tuple[int, int | None, int]] = {}
+        for i in range(self.count):
+            if i not in self.mig:
+                out[self.uuids[i]] = (i, None, self.memory_total)
+            for slot, profile in enumerate(self.mig.get(i, [])):
+                uuid = self.nvmlDeviceGetUUID(_MigHandle(i, slot))
+                out[uuid.decode() if isinstance(uuid, bytes) else uuid] = (
+                    i,
+                    slot,
+                    H200_MIG[profile][0],
+                )
+        return out
 
     def nvmlDeviceGetMigMode(self, handle: int) -> tuple[int, int]:
         on = pynvml.NVML_DEVICE_MIG_ENABLE if handle in self.mig else pynvml.NVML_DEVICE_MIG_DISABLE

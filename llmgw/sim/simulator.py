@@ -236,7 +236,8 @@ class Simulator:
         self._seq += 1
         address = f"127.{self.part.index + 1}.{n // 254}.{n % 254 + 1}"
         self.disk.hold(self.disk.weights_dir(spec.name), spec.models)
-        running = RunningNode(spec, address, SimulatedHardware(spec, self._installs))
+        hardware = SimulatedHardware(spec, self._installs, lambda: self._engines_on(address))
+        running = RunningNode(spec, address, hardware)
         self.nodes[spec.name] = running
         return running
 
@@ -254,6 +255,9 @@ class Simulator:
         )
         node.scope = anyio.CancelScope()
         self._tg.start_soon(_run_agent, node.agent, node.scope, node.spec.name)
+
+    def _engines_on(self, address: str) -> list:
+        return self._engines.on(address) if self._engines is not None else []
 
     def _seq_of(self, node: RunningNode) -> int:
         _, _, x, y = node.address.split(".")
