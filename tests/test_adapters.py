@@ -627,3 +627,13 @@ def test_a_shared_llama_server_whose_weights_alone_exceed_its_allotment_is_refus
             False,
         )
     ]
+
+
+def test_a_new_shared_engine_does_not_wait_for_one_stopping_on_the_same_gpu(model_dir):
+    from llmgw.agent.shards import _overlaps
+
+    a = vllm_spec("vllm", model_dir, gpu_uuids=(UUIDS[0],), port=18001, gpu_shared=True)
+    b = replace(a, port=18002)
+    assert not _overlaps(a, b)  # each has its allotment of GPU 0
+    assert _overlaps(a, replace(b, gpu_shared=False))  # an exclusive one has it whole
+    assert _overlaps(a, replace(b, port=18001))  # a port is never shared

@@ -790,7 +790,9 @@ def next_shard(old: records.Shard | None, event: ShardEvent) -> records.Shard:
 
 
 def _overlaps(a: LaunchSpec, b: LaunchSpec) -> bool:
-    return a.port == b.port or bool(set(a.gpu_uuids) & set(b.gpu_uuids))
+    # engines sharing a GPU (share_gpus) each have their allotment of it: not an overlap
+    shared = a.gpu_shared and b.gpu_shared
+    return a.port == b.port or (not shared and bool(set(a.gpu_uuids) & set(b.gpu_uuids)))
 
 
 _PLACE_NAMES = ("GPUs", "port", "rank", "nodes", "rank 0 at")
