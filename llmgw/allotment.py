@@ -8,7 +8,8 @@ profiled). Its neighbours on the GPU then find less than they were promised. Wha
 is the memory NVML lists for the processes of its group (`GpuProcess.engine`, which is the
 shard's `pid`): vLLM's workers, not its leader, hold the memory.
 
-An engine over its allotment is named (`llmgw status`, the page), never stopped: stopping it
+An engine over its allotment is named (its shard record's `gpu_outgrown`, written by its
+agent with `held_to_allotment`; `outgrown` from the bucket), never stopped: stopping it
 would drop the requests it serves, and memory it took is given back only by a restart the
 operator chooses (a smaller context, or a larger gpu_memory_gb).
 """
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+import msgspec
 
 from llmgw.bus.records import Gpu, NodeInventory, Replica, Shard
 
@@ -29,6 +32,11 @@ MARGIN_MIN_BYTES = GB
 
 def margin(allotted: int) -> int:
     return max(int(allotted * MARGIN_FRACTION), MARGIN_MIN_BYTES)
+
+
+def is_over(used: int, allotted: int) -> bool:
+    """Whether an engine holding `used` bytes has outgrown an allotment of `allotted`."""
+    return used > allotted + margin(allotted)
 
 
 def engine_bytes(gpu: Gpu, engine_pid: int) -> int:
@@ -77,7 +85,7 @@ def outgrown(
                 if gpu.uuid not in member.gpus:
                     continue
                 used = engine_bytes(gpu, shard.pid)
-                if used > member.gpu_bytes + margin(member.gpu_bytes):
+                if is_over(used, member.gpu_bytes):
                     out.append(
                         Outgrown(
                             member.node,
@@ -90,3 +98,20 @@ def outgrown(
                         )
                     )
     return out
+
+
+def held_to_allotment(shard: Shard, gpu: Gpu, allotted: int) -> Shard | None:
+    """`shard` with what its engine holds on `gpu` against `allotted`, or None when its
+    record says that already: the used memory within a GB of what it says, and the same
+    verdict. Memory merely drifting does not rewrite the record."""
+    if shard.pid is None:
+        return None
+    used = engine_bytes(gpu, shard.pid)
+    over = is_over(used, allotted)
+    said = shard.gpu_used_bytes
+    if said is not None and abs(said - used) < GB and over == shard.gpu_outgrown:
+        if shard.gpu_allotted_bytes == allotted:
+            return None
+    return msgspec.structs.replace(
+        shard, gpu_used_bytes=used, gpu_allotted_bytes=allotted, gpu_outgrown=over
+    )

@@ -62,3 +62,52 @@ def test_an_engine_over_its_allotment_beyond_the_margin_is_named_by_its_groups_m
     )
     # the worker grew: its engine (the group, not the leader alone) is over now
     assert sorted(o.rid for o in outgrown(*_setup(worker_gb=22))) == ["r1", "r2"]
+
+
+def test_the_shard_record_says_what_its_engine_holds_and_only_news_rewrites_it():
+    from llmgw.allotment import held_to_allotment
+
+    invs, _, shards = _setup(worker_gb=10)
+    gpu = invs["h1"].gpus.devices[0]
+    first = held_to_allotment(shards[("h1", "r1")], gpu, 20 * GB)
+    assert (first.gpu_used_bytes, first.gpu_allotted_bytes, first.gpu_outgrown) == (
+        int(10.5 * GB),
+        20 * GB,
+        False,
+    )
+    assert held_to_allotment(first, gpu, 20 * GB) is None  # nothing new: not rewritten
+    drifted, _, _ = _setup(worker_gb=10.4)
+    assert held_to_allotment(first, drifted["h1"].gpus.devices[0], 20 * GB) is None
+    grown, _, _ = _setup(worker_gb=23)
+    over = held_to_allotment(first, grown["h1"].gpus.devices[0], 20 * GB)
+    assert over.gpu_outgrown and over.gpu_used_bytes == int(23.5 * GB)
+    assert over.phase == "ready"  # named, not stopped
+    gone = msgspec.structs.replace(first, pid=None)
+    assert held_to_allotment(gone, gpu, 20 * GB) is None
+
+
+def test_what_a_shard_record_says_of_its_engines_memory_lasts_while_the_engine_runs():
+    from llmgw.agent.shards import ShardEvent, next_shard
+    from llmgw.bus.records import Assignment
+
+    a = Assignment(model="m", rid="r1", profile="p", action="run", generation=1, port=18001)
+    said = Shard(
+        node="h1",
+        rid="r1",
+        model="m",
+        generation=1,
+        phase="loading",
+        since=0,
+        pid=7001,
+        gpu_used_bytes=23 * GB,
+        gpu_allotted_bytes=20 * GB,
+        gpu_outgrown=True,
+    )
+
+    def event(phase: str) -> ShardEvent:
+        return ShardEvent(node="h1", rid="r1", assignment=a, phase=phase, at=1.0)
+
+    ready = next_shard(said, event("ready"))
+    assert (ready.gpu_used_bytes, ready.gpu_outgrown) == (23 * GB, True)
+    stopped = next_shard(said, event("stopped"))
+    assert (stopped.gpu_used_bytes, stopped.gpu_outgrown) == (None, False)

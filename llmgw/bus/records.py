@@ -463,6 +463,12 @@ class Shard(msgspec.Struct, kw_only=True, gc=False):
     # (another process listens on `port`: the controller gives the replica another port);
     # "" for every other refusal, and when nothing was refused
     refused: str = ""
+    # a shared engine (share_gpus): what its processes hold on its GPU (NVML, written when it
+    # moves by a GB or more), what it was given, and whether it holds more than that plus
+    # the margin (llmgw/allotment.py); it is not stopped for it
+    gpu_used_bytes: int | None = None
+    gpu_allotted_bytes: int = 0
+    gpu_outgrown: bool = False
 
     def telling_line(self) -> str:
         """The engine's output line that says most, for one-line explanations: the first of
