@@ -105,3 +105,85 @@ def test_a_mig_layout_no_card_could_have_is_refused_naming_the_key(mig, message)
     text = FLEET.replace('{ "0" = ["3g.71gb", "2g.35gb", "1g.18gb", "1g.18gb"] }', mig)
     with pytest.raises(FleetError, match=message):
         parse_fleet(text, Path("fleet.toml"))
+
+
+# --- the whole way: controller, simulated agents and engines, the bucket ------------------
+
+SHARED_FLEET = """
+[sim]
+heartbeat = 0.2
+load_seconds = 0.1
+gpu_probe = 0.2
+
+[[nodes]]
+name = "h200"
+gpus = { count = 1, name = "NVIDIA H200", memory_gb = 150.75 }
+engines = ["vllm"]
+models = ["org/small"]
+"""
+
+
+@pytest.mark.anyio
+async def test_shared_replicas_run_on_one_gpu_and_their_engines_memory_reaches_the_bucket(
+    tmp_path, nats_settings
+):
+    import anyio
+    from waiting import until
+
+    from llmgw import catalog
+    from llmgw.bus import keys, records
+    from llmgw.bus.client import BucketSettings, Bus, decoder
+    from llmgw.controller.loop import Controller, ControllerSettings
+    from llmgw.sim.simulator import Simulator
+
+    (model,) = catalog.validate_models(
+        {
+            "models": [
+                {
+                    "id": "small",
+                    "profiles": [
+                        {
+                            "name": "p",
+                            "engine": "vllm",
+                            "weights": {"key": "org/small"},
+                            "gpus_per_node": 1,
+                            "gpu_memory_gb": 20,
+                            "share_gpus": True,
+                        }
+                    ],
+                }
+            ]
+        }
+    )
+    path = tmp_path / "fleet.toml"
+    path.write_text(SHARED_FLEET)
+    settings = ControllerSettings(unreachable_after=1, lost_after=2.5, leader_ttl=1, tick=0.05)
+    sim = Simulator(path, nats_settings, BucketSettings(), tmp_path / "sim", poll=0.1)
+    async with await Bus.connect(nats_settings, give_up_after=5) as bus:
+        await bus.put(keys.catalog("small"), catalog.encode_model(model))
+        async with anyio.create_task_group() as tg:
+            await tg.start(Controller(bus, settings).run)
+            await tg.start(sim.run)
+            await bus.put(keys.desired("small"), records.Desired(model="small", replicas=3))
+
+            async def ready() -> list[records.Replica] | None:
+                found = await bus.list(
+                    keys.pattern(keys.REPLICAS, "small"), decoder(records.Replica)
+                )
+                reps = [e.value for e in found.values()]
+                return reps if len([r for r in reps if r.phase == "ready"]) == 3 else None
+
+            replicas = await until(ready, timeout=30)
+            members = [r.members[0] for r in replicas]
+            assert {(m.gpus[0], m.gpu_bytes) for m in members} == {("GPU-h200-0", 20 * 10**9)}
+
+            async def listed() -> list[records.GpuProcess] | None:
+                entry = await bus.get(keys.node("h200"), decoder(records.NodeInventory))
+                procs = entry.value.gpus.devices[0].processes if entry else []
+                return procs if len(procs) == 3 else None
+
+            procs = await until(listed, timeout=30)
+            tg.cancel_scope.cancel()
+    # each engine was launched with its allotment's share of the card, and holds that much
+    share = int(int(150.75e9) * 0.132)
+    assert [(p.name, p.own, p.used_bytes) for p in procs] == [("vllm", True, share)] * 3

@@ -52,6 +52,7 @@ class Sim(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     token_rate: float = 50.0  # tokens per second streamed
     first_token_seconds: float = 0.05  # time before the first token
     load_seconds: float = 1.0  # time an engine takes to "load" before it is ready
+    gpu_probe: float = 10.0  # seconds between GPU probes (engines' memory), as an agent's
 
 
 class Gpus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -199,6 +200,7 @@ def _check(raw: FleetFile, path: Path) -> Fleet:
         ("token_rate", s.token_rate, 0.01, 1_000_000),
         ("first_token_seconds", s.first_token_seconds, 0, 3600),
         ("load_seconds", s.load_seconds, 0, 3600),
+        ("gpu_probe", s.gpu_probe, 0.05, 86400),
     ):
         if not low <= value <= high:
             raise FleetError(

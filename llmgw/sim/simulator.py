@@ -295,7 +295,10 @@ class Simulator:
                 dirs=dirs, fetch_dir=str(state / "fetched"), scan_interval=DAY
             ),
             intervals=agent_config.Intervals(
-                heartbeat=sim.heartbeat, engine_probe=DAY, gpu_probe=DAY, port_probe=DAY
+                heartbeat=sim.heartbeat,
+                engine_probe=DAY,
+                gpu_probe=sim.gpu_probe,  # engines' GPU memory moves (llmgw.sim.hardware)
+                port_probe=DAY,
             ),
             engines=agent_config.Engines(
                 listen_host=node.address,
