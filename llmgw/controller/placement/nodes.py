@@ -420,9 +420,13 @@ def fleet_nodes(snapshot: Snapshot, memo: InventoryMemo | None = None) -> dict[s
             if node is None:
                 continue
             node.used_gpus.update(member.gpus)
-            if member.gpu_bytes:  # a shared replica: its allotment, from its own record
+            if member.gpu_bytes:  # a shared replica: its allotment, from its own record,
+                # or what its engine holds when it outgrew that (its agent says, shard record)
+                shard = snapshot.shards.get((member.node, replica.rid))
+                grown = shard.gpu_used_bytes if shard is not None else None
+                taken = max(member.gpu_bytes, grown or 0)
                 for uuid in member.gpus:
-                    node.allotted[uuid] = node.allotted.get(uuid, 0) + member.gpu_bytes
+                    node.allotted[uuid] = node.allotted.get(uuid, 0) + taken
                     node.sharing[uuid] = node.sharing.get(uuid, 0) + 1
             node.used_ports.add(member.port)
             node.models[replica.model] = node.models.get(replica.model, 0) + 1
