@@ -14,6 +14,7 @@ quietly place a model where it cannot load.
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import math
@@ -21,10 +22,12 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
+import msgspec.inspect
+from msgspec import Meta
 
 from llmgw import labels
 from llmgw.bus import records
@@ -45,6 +48,19 @@ RESERVED_ARGS: tuple[str, ...] = ("--host", "--port")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
+
+# JSON integers can be any length; engines read theirs (context, parallel) as 32-bit
+_MAX_INT = 2**31 - 1
+# requests a router may hold for one model: each is an open connection and a task
+MAX_HELD = 100_000
+
+# The bounds of every number live on the Struct's fields (msgspec.Meta): the Struct is the
+# one description of a record, and the checker below reads its bounds from there. `expected`
+# in a Meta's extra is the wording of the error when the bare bound would read poorly.
+Count = Annotated[int, Meta(ge=0, le=_MAX_INT)]
+Positive = Annotated[int, Meta(ge=1, le=_MAX_INT)]
+Replicas = Annotated[int, Meta(ge=1, le=MAX_REPLICAS)]
+Size = Annotated[float, Meta(ge=0)]  # GB, seconds, a rate: finite and never negative
 
 # a value read from the bucket is refused by its reader, which writes nothing anyway
 _VALUE_REFUSED = "catalog value refused"
@@ -97,17 +113,23 @@ class Profile(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str
     engine: Engine
     weights: WeightsRef
-    gpus_per_node: int  # 0 = CPU only
-    gpu_memory_gb: float = 0.0  # per GPU
-    host_ram_gb: float = 0.0  # per node
-    nodes: int = 1  # > 1: vLLM, tensor parallel inside a node, pipeline parallel across
-    context: int | None = None
-    parallel: int | None = None
+    gpus_per_node: Count  # 0 = CPU only
+    gpu_memory_gb: Size = 0.0  # per GPU
+    host_ram_gb: Size = 0.0  # per node
+    nodes: Positive = 1  # > 1: vLLM, tensor parallel inside a node, pipeline parallel across
+    context: Positive | None = None
+    parallel: Positive | None = None
     extra_args: list[str] = []
     env: dict[str, str] = {}
     # where it may run (llmgw.labels): every label asked for ("!v": not v), every taint tolerated
     node_selector: dict[str, str] = {}
     tolerations: list[str] = []
+    # Replicas placed by GPU memory beside others on one GPU (docs/placement.md, "Sharing a
+    # GPU"): each is given `gpu_memory_gb` of it. One GPU per replica, on one node.
+    share_gpus: bool = False
+    # only GPUs of this model: a MIG profile ("1g.18gb") or a GPU's name ("H100-80GB-HBM3",
+    # as its gpu.model label reads); a node selector alone says which nodes, not which GPUs
+    gpu_model: str | None = None
 
 
 # What reaches the engine (the agent's launch_spec reads these, and the model's served
@@ -125,31 +147,35 @@ LAUNCH_FIELDS = (
     "parallel",
     "extra_args",
     "env",
+    "share_gpus",
 )
-PLACEMENT_FIELDS = ("name", "host_ram_gb", "node_selector", "tolerations")
+PLACEMENT_FIELDS = ("name", "host_ram_gb", "node_selector", "tolerations", "gpu_model")
 
 
 class Autoscale(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
     """How a model's replica count follows its load once `llmgw place MODEL --auto` asks
     for it (docs/placement.md, "Autoscaling"). Times are seconds."""
 
-    min_replicas: int = 1  # the floor while the model is used
-    max_replicas: int  # never more, whatever the load
-    target_in_flight: float = 2.0  # requests in flight per replica it aims at
-    ttft_target_ms: float = 0.0  # optional: a slower first token asks for one more (0: off)
-    scale_up_after: float = 10.0  # the load must ask for more for this long (the stable window)
-    scale_down_after: float = 300.0  # and for fewer for this long before one drains
-    idle_unload_after: float = 0.0  # no request for this long: scaled to 0 (0: never)
+    min_replicas: Replicas = 1  # the floor while the model is used
+    max_replicas: Replicas  # never more, whatever the load
+    # requests in flight per replica it aims at
+    target_in_flight: Annotated[float, Meta(gt=0)] = 2.0
+    ttft_target_ms: Size = 0.0  # optional: a slower first token asks for one more (0: off)
+    scale_up_after: Size = 10.0  # the load must ask for more for this long (the stable window)
+    scale_down_after: Size = 300.0  # and for fewer for this long before one drains
+    idle_unload_after: Size = 0.0  # no request for this long: scaled to 0 (0: never)
     # the engines' own saturation, where they report it (their /metrics, through the
     # heartbeat) asks for one more replica: requests queued in the engines per replica
     # above this (llm-d's 5; 0: off), or the fullest engine's KV cache above this fraction
     # (0.8; 0: off)
-    engine_queue_per_replica: float = 5.0
-    kv_cache_full: float = 0.8
+    engine_queue_per_replica: Size = 5.0
+    kv_cache_full: Annotated[
+        float, Meta(ge=0, le=1, extra={"expected": "a fraction 0..1 (0: off)"})
+    ] = 0.8
     # requests a router holds for this model while it has no ready replica, and for how
     # long each (0: the router's --hold-max / --hold-timeout)
-    hold_max: int = 0
-    hold_timeout: float = 0.0
+    hold_max: Annotated[int, Meta(ge=0, le=MAX_HELD)] = 0
+    hold_timeout: Size = 0.0
 
 
 class Model(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -165,8 +191,8 @@ class Model(msgspec.Struct, kw_only=True, omit_defaults=True):
     api_key_file: str | None = None
     # a rollout (docs/placement.md): new replicas started beyond the desired count at once,
     # and ready replicas that may be missing meanwhile (both 0 could do neither)
-    surge: int = 1
-    max_unavailable: int = 0
+    surge: Annotated[int, Meta(ge=0, le=MAX_REPLICAS)] = 1
+    max_unavailable: Annotated[int, Meta(ge=0, le=MAX_REPLICAS)] = 0
     autoscale: Autoscale | None = None  # a policy `llmgw place --auto` switches on
 
     def profile(self, name: str) -> Profile | None:
@@ -179,6 +205,8 @@ def launch_hash(model: Model, profile: Profile) -> str:
     catalog makes them replicas to replace."""
     content = {"served_name": model.served_name}
     content.update({f: msgspec.to_builtins(getattr(profile, f)) for f in LAUNCH_FIELDS})
+    if not profile.share_gpus:  # the fingerprint of a profile that does not share is as it was
+        del content["share_gpus"]
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
     return digest[:12]
 
@@ -186,19 +214,8 @@ def launch_hash(model: Model, profile: Profile) -> str:
 # --- the checks: every one appends to the list of errors instead of stopping ------------
 
 _MISSING: Any = object()
-# JSON integers can be any length; engines read theirs (context, parallel) as 32-bit
-_MAX_INT = 2**31 - 1
 
-_MODEL_FIELDS = (
-    "id",
-    "served_name",
-    "profiles",
-    "endpoints",
-    "api_key_file",
-    "surge",
-    "max_unavailable",
-    "autoscale",
-)
+_MODEL_FIELDS = tuple(Model.__struct_fields__)
 # Limits on one model, stated and checked here (`llmgw catalog apply`) before anything else
 # looks at the lists, so that what the controller writes about a model stays small: its
 # placement record holds a line per profile and reason (docs/placement.md).
@@ -227,27 +244,53 @@ class _Checker:
             hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(known)})"
             self.problem(where, f"{path}{name}", f"unknown field{hint}")
 
-    def integer(self, where, path, value, minimum: int, *, default=_MISSING) -> int | None:
-        if value is _MISSING and default is not _MISSING:
-            return default
+    def field(self, where: str, path: str, raw: Mapping[str, Any], struct: type, name: str) -> Any:
+        """`raw[name]` checked against the bounds the Struct declares for that field (its
+        default when missing); None, with the error listed, when refused."""
+        field = _fields(struct)[name]
+        value = raw.get(name, _MISSING)
+        if value is _MISSING and not field.required:
+            return field.default
+        kind, extra = field.type, {}
+        if isinstance(kind, msgspec.inspect.UnionType):  # `X | None`: None only as default
+            kind = next(t for t in kind.types if not isinstance(t, msgspec.inspect.NoneType))
+        if isinstance(kind, msgspec.inspect.Metadata):
+            kind, extra = kind.type, kind.extra or {}
+        if isinstance(kind, msgspec.inspect.IntType):
+            return self.integer(where, path, value, kind.ge, kind.le, extra.get("expected"))
+        if isinstance(kind, msgspec.inspect.FloatType):
+            return self.number(where, path, value, kind, extra.get("expected"))
+        raise TypeError(f"{struct.__name__}.{name}: no bounds to check")  # a bug, not input
+
+    def integer(
+        self, where, path, value, minimum: int, maximum: int | None, wording: str | None
+    ) -> int | None:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            self.expected(where, path, f"an integer >= {minimum}", value)
+            self.expected(where, path, wording or f"an integer >= {minimum}", value)
             return None
-        if value > _MAX_INT:
-            self.expected(where, path, f"an integer <= {_MAX_INT}", value)
+        maximum = _MAX_INT if maximum is None else maximum
+        if value > maximum:
+            self.expected(where, path, wording or f"an integer <= {maximum}", value)
             return None
         return value
 
-    def number(self, where, path, value, *, default=_MISSING) -> float | None:
-        if value is _MISSING and default is not _MISSING:
-            return default
+    def number(
+        self, where, path, value, bounds: msgspec.inspect.FloatType, wording: str | None
+    ) -> float | None:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         try:
             number = float(value) if ok else math.nan  # a JSON integer can be any length
         except OverflowError:
             number = math.inf
-        if not math.isfinite(number) or number < 0:
-            self.expected(where, path, "a number >= 0", value)
+        if bounds.gt is not None:
+            low, below = f"a number > {bounds.gt:g}", not number > bounds.gt
+        else:
+            low, below = f"a number >= {bounds.ge or 0:g}", not number >= (bounds.ge or 0)
+        if not math.isfinite(number) or below:
+            self.expected(where, path, wording or low, value)
+            return None
+        if bounds.le is not None and number > bounds.le:
+            self.expected(where, path, wording or f"a number <= {bounds.le:g}", value)
             return None
         return number
 
@@ -258,6 +301,13 @@ class _Checker:
             self.expected(where, path, "a non-empty string", value)
             return None
         return value
+
+
+@functools.cache
+def _fields(struct: type) -> dict[str, msgspec.inspect.Field]:
+    info = msgspec.inspect.type_info(struct)
+    assert isinstance(info, msgspec.inspect.StructType)
+    return {f.name: f for f in info.fields}
 
 
 _SHOWN = 120  # characters of a refused value quoted in its error: enough to recognise it
@@ -461,27 +511,6 @@ def _check_model(check: _Checker, raw: Any, fallback: str) -> Model | None:
 
 
 _AUTOSCALE_FIELDS = tuple(Autoscale.__struct_fields__)
-# requests a router may hold for one model: each is an open connection and a task
-MAX_HELD = 100_000
-# the policy's numbers, and their defaults when not given (Autoscale's own)
-_AUTOSCALE_DEFAULTS = {
-    "target_in_flight": 2.0,
-    "ttft_target_ms": 0.0,
-    "scale_up_after": 10.0,
-    "scale_down_after": 300.0,
-    "idle_unload_after": 0.0,
-    "engine_queue_per_replica": 5.0,
-    "kv_cache_full": 0.8,
-    "hold_timeout": 0.0,
-}
-
-
-def _replica_count(check: _Checker, where: str, path: str, value: Any, *, default=_MISSING):
-    count = check.integer(where, path, value, 1, default=default)
-    if count is not None and count > MAX_REPLICAS:
-        check.expected(where, path, f"an integer <= {MAX_REPLICAS}", count)
-        return None
-    return count
 
 
 def _check_autoscale(check: _Checker, where: str, raw: Any) -> Autoscale | None:
@@ -500,29 +529,20 @@ def _check_autoscale(check: _Checker, where: str, raw: Any) -> Autoscale | None:
         )
         lo = None
     else:
-        lo = _replica_count(check, where, "autoscale.min_replicas", lo, default=1)
-    hi = _replica_count(check, where, "autoscale.max_replicas", raw.get("max_replicas", _MISSING))
+        lo = check.field(where, "autoscale.min_replicas", raw, Autoscale, "min_replicas")
+    values = {
+        name: check.field(where, f"autoscale.{name}", raw, Autoscale, name)
+        for name in _AUTOSCALE_FIELDS
+        if name != "min_replicas"
+    }
+    hi = values["max_replicas"]
     if lo is not None and hi is not None and lo > hi:
         check.problem(
             where, "autoscale.min_replicas", f"min_replicas {lo} is above max_replicas {hi}"
         )
-    times = {
-        name: check.number(where, f"autoscale.{name}", raw.get(name, _MISSING), default=default)
-        for name, default in _AUTOSCALE_DEFAULTS.items()
-    }
-    if times["target_in_flight"] == 0:
-        check.expected(where, "autoscale.target_in_flight", "a number > 0", 0)
-    hold_max = check.integer(
-        where, "autoscale.hold_max", raw.get("hold_max", _MISSING), 0, default=0
-    )
-    if hold_max is not None and hold_max > MAX_HELD:
-        check.expected(where, "autoscale.hold_max", f"an integer <= {MAX_HELD}", hold_max)
-    full = times["kv_cache_full"]
-    if full is not None and full > 1:
-        check.expected(where, "autoscale.kv_cache_full", "a fraction 0..1 (0: off)", full)
     if len(check.errors) > before:
         return None
-    return Autoscale(min_replicas=lo, max_replicas=hi, hold_max=hold_max or 0, **times)
+    return Autoscale(min_replicas=lo, **values)
 
 
 def _check_rollout(
@@ -531,13 +551,8 @@ def _check_rollout(
     given = [f for f in ("surge", "max_unavailable") if f in raw]
     if static and given:
         check.problem(where, given[0], "only a model with profiles is rolled out; remove it")
-    surge = check.integer(where, "surge", raw.get("surge", _MISSING), 0, default=1)
-    unavailable = check.integer(
-        where, "max_unavailable", raw.get("max_unavailable", _MISSING), 0, default=0
-    )
-    for path, value in (("surge", surge), ("max_unavailable", unavailable)):
-        if value is not None and value > MAX_REPLICAS:
-            check.expected(where, path, f"an integer <= {MAX_REPLICAS}", value)
+    surge = check.field(where, "surge", raw, Model, "surge")
+    unavailable = check.field(where, "max_unavailable", raw, Model, "max_unavailable")
     if surge == 0 and unavailable == 0:
         check.problem(
             where,
@@ -611,16 +626,11 @@ def _check_profile(check: _Checker, where: str, path: str, raw: Any) -> Profile 
         check.expected(where, f"{path}.engine", " or ".join(repr(e) for e in ENGINES), engine)
         engine = None
     weights = _check_weights(check, where, f"{path}.weights", raw.get("weights", _MISSING), engine)
-    gpus = check.integer(where, f"{path}.gpus_per_node", raw.get("gpus_per_node", _MISSING), 0)
-    gpu_mem = check.number(
-        where, f"{path}.gpu_memory_gb", raw.get("gpu_memory_gb", _MISSING), default=0.0
-    )
-    ram = check.number(where, f"{path}.host_ram_gb", raw.get("host_ram_gb", _MISSING), default=0.0)
-    nodes = check.integer(where, f"{path}.nodes", raw.get("nodes", _MISSING), 1, default=1)
-    context = check.integer(where, f"{path}.context", raw.get("context", _MISSING), 1, default=None)
-    parallel = check.integer(
-        where, f"{path}.parallel", raw.get("parallel", _MISSING), 1, default=None
-    )
+    bounded = {
+        f: check.field(where, f"{path}.{f}", raw, Profile, f)
+        for f in ("gpus_per_node", "gpu_memory_gb", "host_ram_gb", "nodes", "context", "parallel")
+    }
+    gpus, gpu_mem, nodes = bounded["gpus_per_node"], bounded["gpu_memory_gb"], bounded["nodes"]
     extra_args = _check_args(check, where, f"{path}.extra_args", raw.get("extra_args", []))
     env = _check_env(check, where, f"{path}.env", raw.get("env", {}))
     selector = _check_selector(check, where, f"{path}.node_selector", raw.get("node_selector", {}))
@@ -641,23 +651,61 @@ def _check_profile(check: _Checker, where: str, path: str, raw: Any) -> Profile 
         check.problem(
             where, f"{path}.gpu_memory_gb", "set on a CPU profile (gpus_per_node = 0); remove it"
         )
+    share = raw.get("share_gpus", False)
+    if not isinstance(share, bool):
+        check.expected(where, f"{path}.share_gpus", "true or false", share)
+        share = False
+    if share:
+        _check_sharing(check, where, f"{path}.share_gpus", gpus, gpu_mem, nodes)
+    gpu_model = raw.get("gpu_model", None)
+    if gpu_model is not None:
+        gpu_model = check.text(where, f"{path}.gpu_model", gpu_model)
+        if gpus == 0:
+            check.problem(where, f"{path}.gpu_model", "set on a CPU profile; remove it")
     if len(check.errors) > before:
         return None
     return Profile(
         name=name,
         engine=engine,
         weights=weights,
-        gpus_per_node=gpus,
-        gpu_memory_gb=gpu_mem,
-        host_ram_gb=ram,
-        nodes=nodes,
-        context=context,
-        parallel=parallel,
+        **bounded,
         extra_args=extra_args,
         env=env,
         node_selector=selector,
         tolerations=tolerations,
+        share_gpus=share,
+        gpu_model=gpu_model,
     )
+
+
+def _check_sharing(
+    check: _Checker, where: str, path: str, gpus: int | None, gpu_mem: float | None, nodes
+) -> None:
+    """A shared replica is one engine on part of one GPU: placement gives it `gpu_memory_gb`
+    of a GPU. Tensor and pipeline parallel engines take their GPUs whole (NCCL peers,
+    each rank sized to the card), so those stay exclusive."""
+    if gpus == 0:
+        check.problem(where, path, "a CPU profile (gpus_per_node = 0) has no GPU to share")
+    elif gpus is not None and gpus > 1:
+        check.problem(
+            where,
+            path,
+            f"a replica on {gpus} GPUs has them to itself (tensor parallel); only "
+            "gpus_per_node = 1 shares a GPU: remove share_gpus or set gpus_per_node = 1",
+        )
+    if nodes is not None and nodes > 1:
+        check.problem(
+            where,
+            path,
+            "a multi-node replica has its GPUs to itself; remove share_gpus or set nodes = 1",
+        )
+    if gpus and not gpu_mem:
+        check.problem(
+            where,
+            path,
+            "needs gpu_memory_gb: the GPU memory each replica is given, which placement "
+            "counts against each GPU's (e.g. gpu_memory_gb = 20)",
+        )
 
 
 def _check_weights(

@@ -64,7 +64,7 @@ def sanitize_value(text: str) -> str:
 
 def discovered_labels(inv: NodeInventory) -> dict[str, frozenset[str]]:
     """The labels a node's inventory says of it, in one place: `node`, `gpu.model`,
-    `gpu.count`, `fabric` (active ones), `engine`, and `<engine>.version`."""
+    `gpu.count`, `gpu.mig`, `fabric` (active ones), `engine`, and `<engine>.version`."""
     labels: dict[str, set[str]] = {
         "node": {inv.node},
         "gpu.count": {str(len(inv.gpus.devices))},
@@ -72,6 +72,11 @@ def discovered_labels(inv: NodeInventory) -> dict[str, frozenset[str]]:
     models = {sanitize_value(g.name) for g in inv.gpus.devices}
     if models:
         labels["gpu.model"] = models
+    # the MIG profiles the operator configured ("1g.18gb"): `gpu.mig = "1g.18gb"` asks for a
+    # node that has one (a profile's gpu_model asks for the GPU itself)
+    migs = {g.mig_profile for g in inv.gpus.devices if g.mig_profile}
+    if migs:
+        labels["gpu.mig"] = {sanitize_value(m) for m in migs}
     fabrics = inv.fabrics()
     if fabrics:
         labels["fabric"] = set(fabrics)

@@ -509,3 +509,131 @@ def test_llama_download_lands_in_the_fetch_dir(bins, tmp_path):
 def test_in_flight_of_an_answer_that_is_not_prometheus_text_is_unknown():
     assert adapter_for("vllm").in_flight("/metrics", 200, b"vllm:num_requests_running {{\n") is None
     assert adapter_for("vllm").in_flight("/metrics", 200, b"<html>not metrics</html>\n") is None
+
+
+# --- a shared GPU: each engine held to its allotment ------------------------------------
+
+H200_BYTES = 150_754_820_096  # 143,771 MiB
+
+
+def test_a_shared_vllm_is_given_its_allotment_as_a_fraction_of_the_whole_card():
+    spec = vllm_spec(
+        "/opt/vllm/bin/vllm",
+        Path("/m"),
+        gpu_uuids=("MIG-00010000-aaaa-5bbb-8ccc-000000000000",),
+        gpu_memory_gb=20,
+        gpu_shared=True,
+        gpu_total_bytes=H200_BYTES,
+    )
+    argv = adapter_for("vllm").command(spec).argv
+    # 20e9 / 150.75e9 = 0.1327: rounded down, never more than it was given
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.132"
+    assert adapter_for("vllm").command(spec).env["CUDA_VISIBLE_DEVICES"] == spec.gpu_uuids[0]
+    exclusive = replace(spec, gpu_shared=False)
+    assert "--gpu-memory-utilization" not in adapter_for("vllm").command(exclusive).argv
+    mine = replace(spec, extra_args=("--gpu-memory-utilization", "0.9"))
+    assert adapter_for("vllm").check(mine) == [
+        "a vLLM sharing its GPU is given --gpu-memory-utilization from its allotment "
+        "(gpu_memory_gb); remove it from extra_args"
+    ]
+    assert adapter_for("vllm").check(replace(mine, gpu_shared=False)) == []
+
+
+def _shared_gpu(used_gb: float) -> NodeFacts:
+    gpu = replace_gpu(gpus(1, 141)[0], memory_used_bytes=int(used_gb * 1e9))
+    return NodeFacts(gpus=[gpu])
+
+
+def replace_gpu(gpu: Gpu, **fields) -> Gpu:
+    import msgspec
+
+    return msgspec.structs.replace(gpu, **fields)
+
+
+def test_a_shared_engine_waits_while_the_gpus_free_memory_is_short_of_its_allotment(model_dir):
+    from llmgw.agent.engines.validate import fit_allotment
+
+    spec = vllm_spec("vllm", model_dir, gpu_uuids=(UUIDS[0],), gpu_memory_gb=20, gpu_shared=True)
+    _, problems = fit_allotment(spec, _shared_gpu(used_gb=135))  # 150.8 - 135 = 15.8 GB free
+    assert [(p.reason, p.transient) for p in problems] == [
+        (
+            f"GPU {UUIDS[0]} has 15.8 GB free, less than the 20 GB this replica is given "
+            "(gpu_memory_gb): the engine would not start; tried again as memory frees",
+            True,
+        )
+    ]
+    assert fit_allotment(spec, _shared_gpu(used_gb=100)) == (spec, [])
+
+
+def _shaped_gguf(path: Path, *, context: int = 4096, layers: int = 32) -> Path:
+    """A GGUF header of an 8B-like shape (KV: 32 layers x 8 heads x (128 + 128) x 2 bytes
+    = 128 KiB a token) and one small tensor: its file is its size on disk."""
+    import gguf as gguf_lib
+    import numpy as np
+
+    writer = gguf_lib.GGUFWriter(path, "llama")
+    writer.add_context_length(context)
+    writer.add_embedding_length(4096)
+    writer.add_block_count(layers)
+    writer.add_head_count(32)
+    writer.add_head_count_kv(8)
+    writer.add_tensor("token_embd.weight", np.zeros((64, 64), dtype=np.float16))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_shared_llama_server_gets_the_context_its_allotment_leaves(tmp_path):
+    from llmgw.agent.engines.validate import CONTEXT_STEP, LLAMA_OVERHEAD, fit_allotment
+
+    model = _shaped_gguf(tmp_path / "m.gguf", context=32768)
+    size = model.stat().st_size
+    per_token = 32 * 8 * (128 + 128) * 2
+    spec = llama_spec("llama-server", model, gpu_memory_gb=2, gpu_shared=True, context=None)
+    fitted, problems = fit_allotment(spec, NodeFacts(gpus=gpus(8, 141)))
+    room = 2 * 10**9 - size - LLAMA_OVERHEAD
+    assert problems == []
+    assert fitted.context == room // per_token // CONTEXT_STEP * CONTEXT_STEP == 7424
+    assert "-c" in (argv := adapter_for("llama-server").command(fitted).argv)
+    assert argv[argv.index("-c") + 1] == "7424"
+    # never more than the model was trained for
+    small = _shaped_gguf(tmp_path / "s.gguf", context=2048)
+    fitted, _ = fit_allotment(replace(spec, weights_path=str(small)), NodeFacts(gpus=gpus()))
+    assert fitted.context == 2048
+    # a context asked for that does not fit is refused, saying what would
+    _, problems = fit_allotment(replace(spec, context=16384), NodeFacts(gpus=gpus()))
+    assert [p.reason for p in problems] == [
+        "context 16384 takes 2.1 GB of KV cache; the 2 GB given leave 1.0 GB after the "
+        "weights and buffers: lower context to 7424 or raise gpu_memory_gb"
+    ]
+
+
+def test_a_shared_llama_server_whose_weights_alone_exceed_its_allotment_is_refused(tmp_path):
+    from llmgw.agent.engines.validate import fit_allotment
+
+    model = _shaped_gguf(tmp_path / "m.gguf")
+    with model.open("ab") as f:
+        f.truncate(1_500_000_000)  # 1.5 GB of weights, sparse
+    spec = llama_spec("llama-server", model, gpu_memory_gb=2, gpu_shared=True, context=None)
+    _, problems = fit_allotment(spec, NodeFacts(gpus=gpus()))
+    assert [(p.reason, p.transient) for p in problems] == [
+        (
+            f"weights {model} are 1.5 GB; with 1 GB for the CUDA context and compute buffers "
+            "that is more than the 2 GB this replica is given: raise gpu_memory_gb or use a "
+            "smaller quantisation",
+            False,
+        )
+    ]
+
+
+def test_a_new_shared_engine_does_not_wait_for_one_stopping_on_the_same_gpu(model_dir):
+    from llmgw.agent.shards import _overlaps
+
+    a = vllm_spec("vllm", model_dir, gpu_uuids=(UUIDS[0],), port=18001, gpu_shared=True)
+    b = replace(a, port=18002)
+    assert not _overlaps(a, b)  # each has its allotment of GPU 0
+    assert _overlaps(a, replace(b, gpu_shared=False))  # an exclusive one has it whole
+    assert _overlaps(a, replace(b, port=18001))  # a port is never shared

@@ -796,6 +796,12 @@ OUT_OF_RANGE = [
     ("nodes.n1", _gpu_holders("n1", [records.GpuProcess(pid=0)]), "pid 0 is outside 1..4194304"),
     ("nodes.n1", _gpu_holders("n1", [records.GpuProcess(pid=9, name="x" * 65)]), "65 characters"),
     ("nodes.n1", _gpu_holders("n1", [records.GpuProcess(pid=9, used_bytes=-1)]), "used_bytes -1"),
+    ("nodes.n1", _gpu_holders("n1", [records.GpuProcess(pid=9, engine=0)]), "engine 0 is outside"),
+    (
+        "shards.n1.r1",
+        msgspec.structs.replace(_shard("n1", "r1"), gpu_used_bytes=-1),
+        "gpu_used_bytes -1",
+    ),
     ("nodes.n1", _gpu_holders("n1", [], ecc=-2), "ecc_uncorrected_volatile -2"),
     ("nodes.n1", _ports("n1", [70000]), "[70000] are not TCP ports"),
     ("nodes.n1", _ports("n1", list(range(1, 1026))), "1025 entries, more than 1024"),
@@ -828,6 +834,7 @@ def test_values_are_checked_against_their_ranges(key, value, why) -> None:
         "processes_unlisted",
         "unlisted_foreign_bytes",
         "errors.ecc_uncorrected_volatile",
+        "mig_slices",
     ],
 )
 def test_every_gpu_count_below_zero_is_refused_with_or_without_processes(field) -> None:

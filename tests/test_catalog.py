@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -439,3 +440,84 @@ def test_selectors_and_tolerations_are_labels_and_taint_names():
     (m,) = validate_models(raw)
     assert m.profiles[0].node_selector == {"pool": "research", "node": "!node07"}
     assert decode_model(encode_model(m), "m") == m
+
+
+def test_the_structs_carry_their_own_bounds_so_a_typed_decode_refuses_what_the_checker_does():
+    import msgspec
+
+    from llmgw.catalog import Autoscale, Model, Profile
+
+    for typ, raw, path in [
+        (Profile, _profile(context=0), "$.context"),
+        (Profile, _profile(gpu_memory_gb=-1), "$.gpu_memory_gb"),
+        (Autoscale, {"max_replicas": 2, "kv_cache_full": 1.5}, "$.kv_cache_full"),
+        (Model, {"id": "m", "served_name": "m", "surge": 10**6}, "$.surge"),
+    ]:
+        with pytest.raises(msgspec.ValidationError, match=re.escape(path)):
+            msgspec.convert(raw, typ)
+        # and the checker says the same of it, in the catalog's words
+        if typ is Profile:
+            assert _errors({"models": [{"id": "m", "profiles": [raw]}]})
+
+
+def _shared(**over):
+    return _profile(**{"engine": "llama-server", "gpus_per_node": 1, "share_gpus": True, **over})
+
+
+def test_a_shared_profile_needs_the_memory_each_replica_is_given():
+    errors = _errors({"models": [{"id": "m", "profiles": [_shared()]}]})
+    assert errors == [
+        "model 'm', profiles[0].share_gpus: needs gpu_memory_gb: the GPU memory each replica "
+        "is given, which placement counts against each GPU's (e.g. gpu_memory_gb = 20)"
+    ]
+    (model,) = validate_models({"models": [{"id": "m", "profiles": [_shared(gpu_memory_gb=20)]}]})
+    assert model.profiles[0].share_gpus and model.profiles[0].gpu_memory_gb == 20
+
+
+def test_multi_gpu_and_multi_node_profiles_stay_exclusive_and_the_catalog_says_so():
+    raw = {
+        "models": [
+            {"id": "tp", "profiles": [_profile(share_gpus=True, gpu_memory_gb=20)]},
+            {
+                "id": "pp",
+                "profiles": [_profile(share_gpus=True, gpu_memory_gb=20, gpus_per_node=1, nodes=2)],
+            },
+            {"id": "cpu", "profiles": [_profile(share_gpus=True, gpus_per_node=0)]},
+            {"id": "typo", "profiles": [_shared(gpu_memory_gb=20, share_gpus="yes")]},
+        ]
+    }
+    assert _errors(raw) == [
+        "model 'tp', profiles[0].share_gpus: a replica on 8 GPUs has them to itself (tensor "
+        "parallel); only gpus_per_node = 1 shares a GPU: remove share_gpus or set gpus_per_node = 1",
+        "model 'pp', profiles[0].share_gpus: a multi-node replica has its GPUs to itself; "
+        "remove share_gpus or set nodes = 1",
+        "model 'cpu', profiles[0].share_gpus: a CPU profile (gpus_per_node = 0) has no GPU to share",
+        "model 'typo', profiles[0].share_gpus: expected true or false, got 'yes'",
+    ]
+
+
+def test_sharing_is_part_of_the_launch_and_profiles_that_do_not_share_keep_their_fingerprint():
+    from llmgw.catalog import launch_hash
+
+    def first(**over):
+        (m,) = validate_models({"models": [{"id": "m", "profiles": [_shared(**over)]}]})
+        return m, m.profiles[0]
+
+    exclusive = first(gpu_memory_gb=20, share_gpus=False)
+    # the fingerprint of this profile before share_gpus existed: upgrading rolls nothing out
+    assert launch_hash(*exclusive) == "01238a2f6ff7"
+    assert launch_hash(*first(gpu_memory_gb=20)) != launch_hash(*exclusive)
+
+
+def test_gpu_model_names_the_gpus_a_replica_may_be_given():
+    (m,) = validate_models(
+        {"models": [{"id": "m", "profiles": [_shared(gpu_memory_gb=9, gpu_model="1g.18gb")]}]}
+    )
+    assert m.profiles[0].gpu_model == "1g.18gb"
+    errors = _errors(
+        {"models": [{"id": "m", "profiles": [_profile(gpus_per_node=0, gpu_model="")]}]}
+    )
+    assert errors == [
+        "model 'm', profiles[0].gpu_model: expected a non-empty string, got ''",
+        "model 'm', profiles[0].gpu_model: set on a CPU profile; remove it",
+    ]

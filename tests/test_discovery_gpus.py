@@ -128,6 +128,9 @@ class Lookup:
     def own(self, pid: int) -> bool:
         return pid in self.mine
 
+    def engine(self, pid: int) -> int | None:
+        return pid if pid in self.mine else None  # each its own engine's leader
+
 
 def test_used_memory_and_the_processes_holding_it_are_reported_foreign_first():
     nvml = RecordedNvml(
@@ -261,6 +264,8 @@ def test_an_engine_and_its_workers_are_own_and_everything_else_foreign(host):
     lookup = HostProcesses(host, [_engine(7001, 500.0)], clock_ticks=TICKS)
 
     assert lookup.own(7001) and lookup.own(7050)
+    # which engine: its group, the leader's pid (a shard's pid)
+    assert (lookup.engine(7001), lookup.engine(7050), lookup.engine(4242)) == (7001, 7001, None)
     assert not lookup.own(4242)
     assert not lookup.own(99999)  # not in /proc at all: not an engine this agent knows
     assert (lookup.name(4242), lookup.name(7050), lookup.name(99999)) == (
@@ -319,9 +324,9 @@ def test_the_inventory_carries_gpu_processes_named_and_told_apart(host, tmp_path
     )
 
     gpu = inv.gpus.devices[3]
-    assert [(p.pid, p.name, p.own) for p in gpu.processes] == [
-        (4242, "python", False),
-        (7050, "VllmWorker TP0", True),
+    assert [(p.pid, p.name, p.own, p.engine) for p in gpu.processes] == [
+        (4242, "python", False, None),
+        (7050, "VllmWorker TP0", True, 7001),
     ]
     assert gpu.foreign_bytes() == 60 * GB
 
@@ -415,3 +420,76 @@ def test_an_unfit_xid_reaches_the_gpus_error_fields():
         (None, None),
         (119, 1000.0),
     ]
+
+
+# --- MIG: what the operator made of a card, observed, never changed -----------------------
+
+
+def _h200s(**over) -> RecordedNvml:
+    from llmgw.sim.nvml import H200_MEMORY_TOTAL, H200_NAME
+
+    return RecordedNvml(count=2, name=H200_NAME, memory_total=H200_MEMORY_TOTAL, **over)
+
+
+def test_mig_devices_of_mixed_slices_are_gpus_of_their_own_with_their_parent_named():
+    from llmgw.labels import discovered_labels
+    from llmgw.sim.nvml import H200_MIG
+
+    mixed = ["3g.71gb", "2g.35gb", "1g.18gb", "1g.18gb"]
+    gpus = discover_gpus(_h200s(mig={0: mixed}))
+
+    assert gpus.status == "ok"
+    migs, whole = gpus.devices[:4], gpus.devices[4:]
+    # the card in MIG mode is not listed (CUDA cannot run on it): its MIG devices are
+    assert [g.uuid for g in gpus.devices].count(H100_UUIDS[0]) == 0
+    assert [(g.mig_profile, g.mig_slices, g.memory_total_bytes) for g in migs] == [
+        (p, H200_MIG[p][1], H200_MIG[p][0]) for p in mixed
+    ]
+    assert all(g.uuid.startswith("MIG-") for g in migs)
+    assert len({g.uuid for g in migs}) == 4
+    assert {(g.index, g.parent_uuid, g.pci_bus_id) for g in migs} == {
+        (0, H100_UUIDS[0], H100_BUS_IDS[0])
+    }
+    assert migs[2].name == "NVIDIA H200 MIG 1g.18gb"
+    assert [(g.uuid, g.mig_profile, g.parent_uuid) for g in whole] == [(H100_UUIDS[1], "", "")]
+    inventory_labels = discovered_labels(_inventory_of(gpus))
+    assert inventory_labels["gpu.mig"] == {"1g.18gb", "2g.35gb", "3g.71gb"}
+
+
+def test_a_mig_gpu_without_mig_devices_lists_nothing_it_could_run():
+    gpus = discover_gpus(_h200s(mig={1: []}))
+    assert [g.uuid for g in gpus.devices] == [H100_UUIDS[0]]
+
+
+def test_mig_devices_list_their_own_processes_and_memory():
+    nvml = _h200s(
+        mig={0: ["1g.18gb", "1g.18gb"]},
+        mig_processes={(0, 1): [(4949, 9 * GB), (7001, 5 * GB)]},
+    )
+
+    gpus = discover_gpus(nvml, Lookup({4949: "python3", 7001: "llama-server"}, own={7001}))
+
+    idle, busy = gpus.devices[0], gpus.devices[1]
+    assert idle.processes == [] and idle.foreign_bytes() == 0
+    assert [(p.pid, p.name, p.own) for p in busy.processes] == [
+        (4949, "python3", False),
+        (7001, "llama-server", True),
+    ]
+    assert busy.foreign_bytes() == 9 * GB
+    assert busy.memory_used_bytes > 14 * GB  # its own memory, not the card's
+
+
+def test_an_xid_on_a_card_makes_every_mig_device_of_it_unfit():
+    from llmgw.agent.discovery.xid import with_xids
+
+    gpus = discover_gpus(_h200s(mig={0: ["1g.18gb", "2g.35gb"]}))
+    marked = with_xids(gpus, {H100_UUIDS[0]: (79, 5.0)})
+    assert [g.errors.xid for g in marked.devices] == [79, 79, None]
+
+
+def _inventory_of(gpus):
+    from llmgw.sim.bare import inventory
+
+    inv = inventory("h200-01", gpus=0)
+    inv.gpus = gpus
+    return inv

@@ -378,6 +378,8 @@ class Agent:
         found = await _blocking(inventory.probe_gpus, self.cfg, self._hardware)
         found = with_xids(found, self.xids.unfit())
         self.inventory = msgspec.structs.replace(self.inventory, gpus=found)
+        if self.shards is not None:  # shared engines against their allotments
+            await self.shards.hold_to_allotments(self.inventory)
         written = self._written.gpus if self._written is not None else None
         if written is None or written == found:
             return  # nothing written yet (the heartbeat retries with this), or no news

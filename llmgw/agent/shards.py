@@ -34,9 +34,10 @@ from llmgw.agent.engines.pidfile import (
     leftover_engines,
     stop_engine,
 )
-from llmgw.agent.engines.validate import NodeFacts, Problem, validate_launch
+from llmgw.agent.engines.validate import NodeFacts, Problem, prepare_launch
 from llmgw.agent.lifetime import own_scope
 from llmgw.agent.supervisor import EngineSupervisor, PhaseChange, SupervisorTiming
+from llmgw.allotment import held_to_allotment
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, Synced, decoder
 
@@ -210,6 +211,33 @@ class NodeShards:
                 if shard.engine is not None:
                     tg.start_soon(ask, shard, shard.engine)
         return sorted(loads, key=lambda e: e.rid)[: records.MAX_LEASE_ENGINES]
+
+    async def hold_to_allotments(self, inv: records.NodeInventory) -> None:
+        """After a GPU probe: each shared engine's memory on its GPU against its allotment,
+        in its shard record when it moved by a GB or crossed the margin
+        (llmgw/allotment.py). An engine over it is named and logged, not stopped."""
+        gpus = {g.uuid: g for g in inv.gpus.devices}
+        for shard in list(self._shards.values()):
+            engine, record = shard.engine, shard.record
+            if engine is None or record is None or not engine.spec.gpu_shared:
+                continue
+            gpu = gpus.get(engine.spec.gpu_uuids[0]) if engine.spec.gpu_uuids else None
+            allotted = int((engine.spec.gpu_memory_gb or 0) * 1e9)
+            held = None if gpu is None else held_to_allotment(record, gpu, allotted)
+            if held is None:
+                continue
+            if held.gpu_outgrown and not record.gpu_outgrown:
+                log.warning(
+                    "%s %s: its engine holds %.1f GB of GPU %s, more than the %.1f GB it was "
+                    "given; not stopped",
+                    record.model,
+                    record.rid,
+                    (held.gpu_used_bytes or 0) / 1e9,
+                    gpu.uuid if gpu else "?",
+                    allotted / 1e9,
+                )
+            shard.record = held
+            await self.node.put(held)
 
     async def report_all(self) -> None:
         """After a NATS outage: the engines kept running; say so again."""
@@ -444,7 +472,7 @@ class LocalShard:
             await self._wait_for_room(self.rid, spec)
         await self._report(want, "validating")
         if spec is not None and not problems:
-            problems = await anyio.to_thread.run_sync(validate_launch, spec, self.node.facts())
+            spec, problems = await anyio.to_thread.run_sync(prepare_launch, spec, self.node.facts())
         if problems:
             reason = "; ".join(p.reason for p in problems)
             log.error("%s %s refused before launch: %s", want.model, self.rid, reason)
@@ -786,11 +814,23 @@ def next_shard(old: records.Shard | None, event: ShardEvent) -> records.Shard:
         gave_up=event.gave_up,
         port=a.port,
         refused=event.refused,
+        # a shared engine's memory, as last read, while it runs (hold_to_allotments)
+        **(
+            {}
+            if old is None or pid is None
+            else {
+                "gpu_used_bytes": old.gpu_used_bytes,
+                "gpu_allotted_bytes": old.gpu_allotted_bytes,
+                "gpu_outgrown": old.gpu_outgrown,
+            }
+        ),
     )
 
 
 def _overlaps(a: LaunchSpec, b: LaunchSpec) -> bool:
-    return a.port == b.port or bool(set(a.gpu_uuids) & set(b.gpu_uuids))
+    # engines sharing a GPU (share_gpus) each have their allotment of it: not an overlap
+    shared = a.gpu_shared and b.gpu_shared
+    return a.port == b.port or (not shared and bool(set(a.gpu_uuids) & set(b.gpu_uuids)))
 
 
 _PLACE_NAMES = ("GPUs", "port", "rank", "nodes", "rank 0 at")
@@ -840,6 +880,10 @@ def launch_spec(
         fetch_dir=inv.fetch_dir,
         gpu_uuids=tuple(a.gpus),
         gpu_memory_gb=profile.gpu_memory_gb or None,
+        gpu_shared=profile.share_gpus,
+        gpu_total_bytes=next(
+            (g.memory_total_bytes for g in inv.gpus.devices if g.uuid in a.gpus), 0
+        ),
         context=profile.context,
         parallel=profile.parallel,
         extra_args=tuple(profile.extra_args),

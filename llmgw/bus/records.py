@@ -46,6 +46,9 @@ class GpuProcess(msgspec.Struct, kw_only=True, gc=False):
     used_bytes: int | None = None  # None: NVML cannot tell (NVML_VALUE_NOT_AVAILABLE)
     # one of this agent's engines: in the process group of an engine its pidfiles name
     own: bool = False
+    # own: which engine, by its process group (its leader's pid, the shard's `pid`): what
+    # an engine holds on a GPU is what its processes there hold (vLLM's workers hold it)
+    engine: int | None = None
 
 
 class GpuErrors(msgspec.Struct, kw_only=True, gc=False):
@@ -77,6 +80,12 @@ class Gpu(msgspec.Struct, kw_only=True, gc=False):
     processes_unlisted: int = 0
     unlisted_foreign_bytes: int = 0  # memory the unlisted foreign processes hold
     errors: GpuErrors = msgspec.field(default_factory=GpuErrors)
+    # A MIG device (its UUID "MIG-...") is a GPU of its own: `index` is its parent's, and
+    # the parent, whose MIG mode is on, is not listed (CUDA cannot run on it). The layout
+    # is the operator's: llmgw observes it, never changes it.
+    mig_profile: str = ""  # "1g.18gb"; "" for a whole GPU
+    parent_uuid: str = ""
+    mig_slices: int = 0  # the parent's memory and SM slices it has (of 7 on Hopper)
 
     def foreign_bytes(self) -> int:
         """Memory held by processes that are not llmgw's engines, as far as NVML says: what
@@ -382,6 +391,8 @@ class ReplicaMember(msgspec.Struct, kw_only=True, gc=False):
     rank: int
     gpus: list[str] = []  # GPU UUIDs on that node
     port: int = 0
+    # a shared replica's (share_gpus) allotment on its GPU, bytes; 0: its GPUs are its own
+    gpu_bytes: int = 0
 
 
 class Replica(msgspec.Struct, kw_only=True, gc=False):
@@ -453,6 +464,12 @@ class Shard(msgspec.Struct, kw_only=True, gc=False):
     # (another process listens on `port`: the controller gives the replica another port);
     # "" for every other refusal, and when nothing was refused
     refused: str = ""
+    # a shared engine (share_gpus): what its processes hold on its GPU (NVML, written when it
+    # moves by a GB or more), what it was given, and whether it holds more than that plus
+    # the margin (llmgw/allotment.py); it is not stopped for it
+    gpu_used_bytes: int | None = None
+    gpu_allotted_bytes: int = 0
+    gpu_outgrown: bool = False
 
     def telling_line(self) -> str:
         """The engine's output line that says most, for one-line explanations: the first of
@@ -601,6 +618,12 @@ class GpuNamed(msgspec.Struct, kw_only=True, gc=False, frozen=True):
     process: str = ""  # its name
     others: int = 0  # held: how many more processes that are not llmgw's hold memory there
     count: int | None = None  # ecc-uncorrected: errors counted; xid: the Xid
+    # shared: a GPU shared replicas could not fit on: its memory, what llmgw allotted
+    # there and to how many replicas (`bytes`, `pid`, ... are other programs', as for held)
+    total_bytes: int | None = None
+    allotted_bytes: int = 0
+    replicas: int = 0
+    mig_profile: str = ""  # a MIG device of GPU `gpu`: its profile ("1g.18gb")
 
 
 class RefusedNodes(msgspec.Struct, kw_only=True, gc=False, frozen=True):

@@ -174,6 +174,7 @@ def _gpu(p: _Problems, where: str, g: records.Gpu) -> None:
         and g.processes_unlisted >= 0
         and g.unlisted_foreign_bytes >= 0
         and (g.errors.ecc_uncorrected_volatile is None or g.errors.ecc_uncorrected_volatile >= 0)
+        and g.mig_slices >= 0
     ):
         return
     p.at_least((where, "index"), g.index, 0)
@@ -181,10 +182,12 @@ def _gpu(p: _Problems, where: str, g: records.Gpu) -> None:
     p.at_least((where, "memory_used_bytes"), g.memory_used_bytes, 0)
     p.at_least((where, "processes_unlisted"), g.processes_unlisted, 0)
     p.at_least((where, "unlisted_foreign_bytes"), g.unlisted_foreign_bytes, 0)
+    p.at_least((where, "mig_slices"), g.mig_slices, 0)
     p.at_most((where, "processes"), len(g.processes), records.MAX_GPU_PROCESSES)
     for j, proc in enumerate(g.processes[: records.MAX_GPU_PROCESSES]):
         p.within(f"{where}.processes[{j}].pid", proc.pid, 1, MAX_PID)
         p.at_least(f"{where}.processes[{j}].used_bytes", proc.used_bytes, 0)
+        p.within(f"{where}.processes[{j}].engine", proc.engine, 1, MAX_PID)
         p.at_most(f"{where}.processes[{j}].name", len(proc.name), MAX_PROCESS_NAME, "characters")
     p.at_least((where, "errors.ecc_uncorrected_volatile"), g.errors.ecc_uncorrected_volatile, 0)
 
@@ -238,6 +241,7 @@ def _replica(p: _Problems, r: records.Replica) -> None:
     for i, m in enumerate(r.members):
         p.token(f"members[{i}].node", m.node)
         p.within(f"members[{i}].port", m.port, 0, MAX_PORT)
+        p.at_least(f"members[{i}].gpu_bytes", m.gpu_bytes, 0)
 
 
 def _assignment(p: _Problems, a: records.Assignment) -> None:
@@ -259,6 +263,8 @@ def _shard(p: _Problems, s: records.Shard) -> None:
     p.within("port", s.port, 0, MAX_PORT)
     if s.pid is not None:
         p.at_least("pid", s.pid, 1)
+    p.at_least("gpu_used_bytes", s.gpu_used_bytes, 0)
+    p.at_least("gpu_allotted_bytes", s.gpu_allotted_bytes, 0)
 
 
 def _placement(p: _Problems, rec: records.PlacementRecord) -> None:

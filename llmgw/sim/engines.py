@@ -25,6 +25,12 @@ import anyio.abc
 from llmgw.sim import fake_engine
 from llmgw.sim.fleet import Sim
 
+# What a simulated engine's GPU memory is listed as (llmgw.sim.hardware): a pid of its own
+# (its port above this), and for llama-server an 8B model's weights and f16 KV cache
+SIM_PID_BASE = 4_000_000
+SIM_GGUF_BYTES = 5_000_000_000
+SIM_KV_BYTES_PER_TOKEN = 131_072
+
 
 class SimulatedEngines:
     """Starts engines as tasks of `run`'s task group (`await tg.start(engines.run)` first)."""
@@ -44,10 +50,14 @@ class SimulatedEngines:
         self, argv: Sequence[str], env: Mapping[str, str], output: int
     ) -> SimulatedEngine:
         assert self._tg is not None, "SimulatedEngines.run is not running"
-        engine = SimulatedEngine(list(argv), self.behaviour, os.dup(output))
+        engine = SimulatedEngine(list(argv), self.behaviour, os.dup(output), env=dict(env))
         self.running.add(engine)
         self._tg.start_soon(self._serve, engine)
         return engine
+
+    def on(self, host: str) -> list[SimulatedEngine]:
+        """The engines of the node whose address is `host`, loaded or loading."""
+        return [e for e in self.running if e.host == host and not e.gone]
 
     async def _serve(self, engine: SimulatedEngine) -> None:
         try:
@@ -61,14 +71,44 @@ class SimulatedEngine:
 
     pid: int | None = None
 
-    def __init__(self, argv: list[str], behaviour: Sim, output: int) -> None:
+    def __init__(
+        self, argv: list[str], behaviour: Sim, output: int, env: Mapping[str, str] | None = None
+    ) -> None:
         self.argv = argv
+        self.env = dict(env or {})
         self.behaviour = behaviour
+        self.kind = "vllm" if Path(argv[0]).name == "vllm" else "llama-server"
+        self.ns: object | None = None  # the engine's parsed command line, once parsed
         self._output = output
         self._stop = anyio.Event()
         self._gone = anyio.Event()
         self._scope: anyio.CancelScope | None = None
         self.code: int | None = None
+
+    @property
+    def gone(self) -> bool:
+        return self._gone.is_set()
+
+    @property
+    def host(self) -> str:
+        return fake_engine.listen_host(self.kind, self.ns) if self.ns is not None else ""  # type: ignore[arg-type]
+
+    @property
+    def gpu_pid(self) -> int:
+        """The pid its GPU memory is listed under (a simulated engine has no process)."""
+        return SIM_PID_BASE + (self.ns.port if self.ns is not None else 0)  # type: ignore[attr-defined]
+
+    def gpu_held(self, totals: Mapping[str, int]) -> dict[str, int]:
+        """What it holds on each GPU it was given (CUDA_VISIBLE_DEVICES), by UUID: vLLM its
+        --gpu-memory-utilization of the card, llama-server its weights and KV cache."""
+        if self.ns is None:
+            return {}
+        uuids = [u for u in self.env.get("CUDA_VISIBLE_DEVICES", "").split(",") if u in totals]
+        if self.kind == "vllm":
+            share = self.ns.gpu_memory_utilization  # type: ignore[attr-defined]
+            return {u: int(totals[u] * share) for u in uuids}
+        kv = self.ns.ctx_size * SIM_KV_BYTES_PER_TOKEN  # type: ignore[attr-defined]
+        return {uuids[0]: SIM_GGUF_BYTES + kv} if uuids else {}
 
     async def exited(self) -> int | None:
         await self._gone.wait()
@@ -105,7 +145,7 @@ class SimulatedEngine:
     async def _serve(self) -> int:
         from aiohttp import web
 
-        kind = "vllm" if Path(self.argv[0]).name == "vllm" else "llama-server"
+        kind = self.kind
         said = io.StringIO()
         try:  # the engine's own refusals of its flags, in its log as it would write them
             with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
@@ -114,6 +154,7 @@ class SimulatedEngine:
         except SystemExit as e:
             self._say(said.getvalue())
             return e.code if isinstance(e.code, int) else 1
+        self.ns = ns
         b = self.behaviour
         engine = fake_engine.engine_for(
             kind,

@@ -62,12 +62,16 @@ class Sim(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     token_rate: float = 50.0  # tokens per second streamed
     first_token_seconds: float = 0.05  # time before the first token
     load_seconds: float = 1.0  # time an engine takes to "load" before it is ready
+    gpu_probe: float = 10.0  # seconds between GPU probes (engines' memory), as an agent's
 
 
 class Gpus(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     count: int = 0
     name: str = "NVIDIA H100 80GB HBM3"
     memory_gb: float = 85.52  # decimal GB, as NVML reports an "80GB" H100: 85.52e9 bytes
+    # GPU index -> the MIG devices the operator made of it (H200 profiles: "1g.18gb",
+    # "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"), as `nvidia-smi mig` would
+    mig: dict[str, list[str]] = {}
 
 
 class Adapter(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -293,6 +297,7 @@ def _check(
         ("token_rate", s.token_rate, 0.01, 1_000_000),
         ("first_token_seconds", s.first_token_seconds, 0, 3600),
         ("load_seconds", s.load_seconds, 0, 3600),
+        ("gpu_probe", s.gpu_probe, 0.05, 86400),
     ):
         if not low <= value <= high:
             errors.append(f"key 'sim.{key}': {value:g} is out of range {low:g}..{high:g}")
@@ -328,6 +333,29 @@ def _collect(errors: list[str]) -> Iterator[None]:
         errors.append(str(e))
 
 
+def _check_mig(where: str, g: Gpus) -> None:
+    from llmgw.sim.nvml import H200_MIG  # the profiles a simulated card offers
+
+    for index, profiles in g.mig.items():
+        if not (index.isdigit() and int(index) < g.count):
+            raise FleetError(
+                f"{where} key 'gpus.mig.{index}': not the index of one of its {g.count} GPUs"
+            )
+        slices = 0
+        for p in profiles:
+            if p not in H200_MIG:
+                raise FleetError(
+                    f"{where} key 'gpus.mig.{index}': {p!r} is not a MIG profile of the "
+                    f"simulated H200 ({', '.join(H200_MIG)})"
+                )
+            slices += H200_MIG[p][1]
+        if slices > 7 or len(profiles) > 7:
+            raise FleetError(
+                f"{where} key 'gpus.mig.{index}': {slices} slices; a card has 7 "
+                "(nvidia-smi would refuse this layout)"
+            )
+
+
 def _expand(group: Node, where: str, shares: dict[str, Share]) -> list[NodeSpec]:
     if group.count is not None and not 1 <= group.count <= MAX_NODES:
         raise FleetError(f"{where} key 'count': {group.count} is out of range 1..{MAX_NODES}")
@@ -340,6 +368,7 @@ def _expand(group: Node, where: str, shares: dict[str, Share]) -> list[NodeSpec]
         )
     if not 0 < g.memory_gb <= 10_000:
         raise FleetError(f"{where} key 'gpus.memory_gb': {g.memory_gb:g} is out of range 0..10000")
+    _check_mig(where, g)
     if not 0 < group.ram_gb <= 1 << 20:
         raise FleetError(f"{where} key 'ram_gb': {group.ram_gb:g} is out of range 0..1048576 GiB")
     if not 1 <= group.cpus <= 100_000:

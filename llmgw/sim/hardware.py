@@ -9,12 +9,15 @@ heartbeat, as on a real node, so a node given more RAM is seen at its next lease
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import pynvml
 
 from llmgw.agent.config import AgentConfig
 from llmgw.agent.discovery.gpus import ProcessLookup, discover_gpus
 from llmgw.agent.inventory import Hardware
 from llmgw.bus import records
+from llmgw.sim.engines import SimulatedEngine
 from llmgw.sim.fleet import NodeSpec
 from llmgw.sim.nvml import RecordedNvml
 
@@ -33,9 +36,15 @@ _DOWN = records.IbPort(port=1, state="DOWN", phys_state="Disabled", link_layer="
 class SimulatedHardware:
     """One node's answers; `spec` is replaced by the simulator when the file changes."""
 
-    def __init__(self, spec: NodeSpec, installs: dict[str, records.EngineInstall]) -> None:
+    def __init__(
+        self,
+        spec: NodeSpec,
+        installs: dict[str, records.EngineInstall],
+        engines: Callable[[], Iterable[SimulatedEngine]] = tuple,
+    ) -> None:
         self.spec = spec
         self._installs = installs
+        self._engines = engines  # the node's running engines, whose GPU memory NVML lists
 
     def hardware(self) -> Hardware:
         return Hardware(
@@ -59,8 +68,28 @@ class SimulatedHardware:
                 node=self.spec.name,
                 name=g.name,
                 memory_total=int(g.memory_gb * 1e9),
+                mig={int(i): list(p) for i, p in g.mig.items()},
             )
+            lookup = self._list_engines(nvml, lookup)
         return discover_gpus(nvml, lookup)
+
+    def _list_engines(self, nvml: RecordedNvml, lookup: ProcessLookup) -> ProcessLookup:
+        """The node's simulated engines as NVML lists processes: each holding what it
+        would on the GPUs (or MIG devices) it was given, under a pid of its own that is
+        the agent's (an engine of its own group)."""
+        devices = nvml.devices()
+        totals = {uuid: total for uuid, (_, _, total) in devices.items()}
+        names: dict[int, str] = {}
+        for engine in self._engines():
+            for uuid, held in engine.gpu_held(totals).items():
+                index, slot, _ = devices[uuid]
+                holder = (engine.gpu_pid, held)
+                if slot is None:
+                    nvml.processes.setdefault(index, []).append(holder)
+                else:
+                    nvml.mig_processes.setdefault((index, slot), []).append(holder)
+                names[engine.gpu_pid] = engine.kind
+        return _EnginesAreOwn(lookup, names) if names else lookup
 
     def memory(self, cfg: AgentConfig) -> records.Memory:
         total = int(self.spec.ram_gb * GIB)
@@ -90,3 +119,19 @@ class SimulatedHardware:
     def ports(self, cfg: AgentConfig) -> records.PortsTaken:
         # each node has a loopback address of its own: nothing else listens there
         return records.PortsTaken(low=cfg.engines.port_low, high=cfg.engines.port_high)
+
+
+class _EnginesAreOwn:
+    """`lookup`, with the simulated engines' pids named and known as the agent's own."""
+
+    def __init__(self, lookup: ProcessLookup, engines: dict[int, str]) -> None:
+        self.lookup, self.engines = lookup, engines
+
+    def name(self, pid: int) -> str:
+        return self.engines.get(pid) or self.lookup.name(pid)
+
+    def own(self, pid: int) -> bool:
+        return pid in self.engines or self.lookup.own(pid)
+
+    def engine(self, pid: int) -> int | None:
+        return pid if pid in self.engines else self.lookup.engine(pid)

@@ -47,6 +47,36 @@ H100_BUS_IDS = [
 ]
 
 
+# An H200 (141 GB) and the MIG profiles its driver offers, with the memory each MIG device
+# reports and its slices of 7. The sizes are approximate (the driver's, within a few
+# percent): what the tests read is that they differ and add up below the card's.
+H200_NAME = "NVIDIA H200"
+H200_MEMORY_TOTAL = 150_754_820_096  # 143,771 MiB, as measured on a real H200
+_MIB = 1024 * 1024
+H200_MIG = {
+    "1g.18gb": (16_640 * _MIB, 1),
+    "1g.35gb": (33_280 * _MIB, 1),
+    "2g.35gb": (33_280 * _MIB, 2),
+    "3g.71gb": (67_072 * _MIB, 3),
+    "4g.71gb": (67_072 * _MIB, 4),
+    "7g.141gb": (140_800 * _MIB, 7),
+}
+MIG_RESERVED = 12_582_912  # what an idle MIG device reports used
+
+
+@dataclass(frozen=True)
+class _MigHandle:  # a MIG device: its parent's index and its slot there
+    gpu: int
+    slot: int
+
+
+@dataclass
+class _Attributes:  # pynvml's c_nvmlDeviceAttributes_t, the fields the agent reads
+    gpuInstanceSliceCount: int
+    computeInstanceSliceCount: int
+    memorySizeMB: int
+
+
 @dataclass
 class _MemoryInfo:
     total: int
@@ -91,7 +121,9 @@ class RecordedNvml:
     index, nvmlDeviceGetRemappedRows' (corrected, uncorrected, pending, failure);
     process_error: an NVML error code the process lists answer with; unlisted_used: per GPU
     index, memory used that no process listed accounts for (NVML could not attribute it).
-    name / memory_total: another model's answers in the same layout (simulated fleets)."""
+    name / memory_total: another model's answers in the same layout (simulated fleets).
+    mig: per GPU index, MIG mode on with these MIG devices (H200_MIG profiles, in slot
+    order); mig_processes: per (GPU index, slot), the processes of that MIG device."""
 
     def __init__(
         self,
@@ -112,11 +144,14 @@ class RecordedNvml:
         memory_total: int = H100_MEMORY_TOTAL,
         xids: list[tuple[int, int]] | None = None,
         events_unsupported: set[int] | None = None,
+        mig: dict[int, list[str]] | None = None,
+        mig_processes: dict[tuple[int, int], Held] | None = None,
     ) -> None:
         if not 0 <= count <= len(H100_UUIDS):
             raise ValueError(f"a recorded node has 0 to {len(H100_UUIDS)} GPUs, not {count}")
         self.count = count
         # several simulated nodes on one machine need GPU UUIDs of their own
+        self.node = node
         self.uuids = [f"GPU-{node}-{i}" for i in range(count)] if node else H100_UUIDS
         self.init_error = init_error
         self.count_error = count_error
@@ -134,6 +169,10 @@ class RecordedNvml:
         # waiting on an event set the GPU is registered with; GPUs that cannot register
         self.xids = list(xids or [])
         self.events_unsupported = events_unsupported or set()
+        # per GPU index whose MIG mode is on, its MIG devices' profiles (H200_MIG) by slot,
+        # and per (GPU, slot) the compute processes of that MIG device
+        self.mig = mig or {}
+        self.mig_processes = mig_processes or {}
         self.registered: set[int] = set()
         self.event_sets = 0  # created minus freed
         self.initialised = 0  # nvmlInit calls minus nvmlShutdown calls
@@ -180,13 +219,65 @@ class RecordedNvml:
             raise pynvml.NVMLError(self.failing_devices[index])
         return index  # a real handle is an opaque pointer; the index serves here
 
-    def nvmlDeviceGetName(self, handle: int) -> str | bytes:
+    def nvmlDeviceGetName(self, handle: int | _MigHandle) -> str | bytes:
+        if isinstance(handle, _MigHandle):
+            return self._str(f"{self.name} MIG {self._profile(handle)}")
         return self._str(self.name)
 
-    def nvmlDeviceGetUUID(self, handle: int) -> str | bytes:
+    def nvmlDeviceGetUUID(self, handle: int | _MigHandle) -> str | bytes:
+        if isinstance(handle, _MigHandle) and self.node:
+            return self._str(f"MIG-{self.node}-{handle.gpu}-{handle.slot}")
+        if isinstance(handle, _MigHandle):
+            # MIG UUIDs are of their own, not derived from the parent's
+            return self._str(
+                f"MIG-{handle.gpu:02d}{handle.slot:02d}0000-aaaa-5bbb-8ccc-{handle.gpu:012d}"
+            )
         return self._str(self.uuids[handle])
 
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> _MemoryInfo:
+    # --- MIG: what the operator configured (`nvidia-smi mig -cgi ... -C`) -----------------
+
+    def _profile(self, handle: _MigHandle) -> str:
+        return self.mig[handle.gpu][handle.slot]
+
+    def devices(self) -> dict[str, tuple[int, int | None, int]]:
+        """Every GPU CUDA could be given, by UUID: (index, MIG slot or None, memory)."""
+        out: dict[str, tuple[int, int | None, int]] = {}
+        for i in range(self.count):
+            if i not in self.mig:
+                out[self.uuids[i]] = (i, None, self.memory_total)
+            for slot, profile in enumerate(self.mig.get(i, [])):
+                uuid = self.nvmlDeviceGetUUID(_MigHandle(i, slot))
+                out[uuid.decode() if isinstance(uuid, bytes) else uuid] = (
+                    i,
+                    slot,
+                    H200_MIG[profile][0],
+                )
+        return out
+
+    def nvmlDeviceGetMigMode(self, handle: int) -> tuple[int, int]:
+        on = pynvml.NVML_DEVICE_MIG_ENABLE if handle in self.mig else pynvml.NVML_DEVICE_MIG_DISABLE
+        return (on, on)  # (current, pending)
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: int) -> int:
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: int, slot: int) -> _MigHandle:
+        if slot >= len(self.mig.get(handle, [])):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return _MigHandle(handle, slot)
+
+    def nvmlDeviceGetAttributes(self, handle: _MigHandle) -> _Attributes:
+        if not isinstance(handle, _MigHandle):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        total, slices = H200_MIG[self._profile(handle)]
+        return _Attributes(slices, slices, total // _MIB)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int | _MigHandle) -> _MemoryInfo:
+        if isinstance(handle, _MigHandle):
+            held = self.mig_processes.get((handle.gpu, handle.slot), [])
+            total = H200_MIG[self._profile(handle)][0]
+            used = MIG_RESERVED + sum(n or 0 for _, n in held)
+            return _MemoryInfo(total=total, free=total - used, used=used)
         held = self.processes.get(handle, []) + self.graphics.get(handle, [])
         used = DRIVER_RESERVED + sum(n or 0 for _, n in held) + self.unlisted_used.get(handle, 0)
         total = self.memory_total
@@ -197,10 +288,14 @@ class RecordedNvml:
             raise pynvml.NVMLError(self.process_error)
         return [_ProcessInfo(pid=pid, usedGpuMemory=n) for pid, n in held]
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[_ProcessInfo]:
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int | _MigHandle) -> list[_ProcessInfo]:
+        if isinstance(handle, _MigHandle):
+            return self._listed(self.mig_processes.get((handle.gpu, handle.slot), []))
         return self._listed(self.processes.get(handle, []))
 
-    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: int) -> list[_ProcessInfo]:
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: int | _MigHandle) -> list[_ProcessInfo]:
+        if isinstance(handle, _MigHandle):
+            return []  # no graphics on a MIG device
         return self._listed(self.graphics.get(handle, []))
 
     def nvmlDeviceGetTotalEccErrors(self, handle: int, error_type: int, counter: int) -> int:

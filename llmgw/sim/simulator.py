@@ -242,7 +242,8 @@ class Simulator:
         self._seq += 1
         address = f"127.{self.part.index + 1}.{n // 254}.{n % 254 + 1}"
         self.disk.hold(self.disk.weights_dir(spec.name), spec.models)
-        running = RunningNode(spec, address, SimulatedHardware(spec, self._installs))
+        hardware = SimulatedHardware(spec, self._installs, lambda: self._engines_on(address))
+        running = RunningNode(spec, address, hardware)
         self.nodes[spec.name] = running
         return running
 
@@ -260,6 +261,9 @@ class Simulator:
         )
         node.scope = anyio.CancelScope()
         self._tg.start_soon(_run_agent, node.agent, node.scope, node.spec.name)
+
+    def _engines_on(self, address: str) -> list:
+        return self._engines.on(address) if self._engines is not None else []
 
     def _seq_of(self, node: RunningNode) -> int:
         _, _, x, y = node.address.split(".")
@@ -297,7 +301,10 @@ class Simulator:
                 dirs=dirs, fetch_dir=str(state / "fetched"), scan_interval=DAY
             ),
             intervals=agent_config.Intervals(
-                heartbeat=sim.heartbeat, engine_probe=DAY, gpu_probe=DAY, port_probe=DAY
+                heartbeat=sim.heartbeat,
+                engine_probe=DAY,
+                gpu_probe=sim.gpu_probe,  # engines' GPU memory moves (llmgw.sim.hardware)
+                port_probe=DAY,
             ),
             engines=agent_config.Engines(
                 listen_host=node.address,

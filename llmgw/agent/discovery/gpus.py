@@ -10,11 +10,16 @@ told apart, own engine or not, by a `ProcessLookup` the caller gives), and NVML'
 fault counters, which stay set until a reset (double-bit ECC, Xid 48; pages or rows waiting
 to be retired or remapped, Xid 63/64): a level-triggered reader sees them at any probe. The
 faults that leave no counter come as Xid events, waited for in `xid.py`.
+
+A card whose MIG mode is on is listed as its MIG devices, each a GPU of its own (its own
+UUID, memory, slices and processes; its parent named), because that is what CUDA runs on.
+The layout is the operator's (`nvidia-smi mig`): llmgw reads it as it reads storage.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -46,6 +51,10 @@ class ProcessLookup(Protocol):
 
     def own(self, pid: int) -> bool: ...
 
+    def engine(self, pid: int) -> int | None:
+        """The process group (its leader's pid) of the engine `pid` belongs to, or None."""
+        ...
+
 
 class _Unknown:
     def name(self, pid: int) -> str:
@@ -54,9 +63,20 @@ class _Unknown:
     def own(self, pid: int) -> bool:
         return False
 
+    def engine(self, pid: int) -> int | None:
+        return None
 
-def _device(nvml: Any, index: int, lookup: ProcessLookup) -> Gpu:
+
+def _devices(nvml: Any, index: int, lookup: ProcessLookup) -> list[Gpu]:
+    """The GPU at `index`, or, when its MIG mode is on, its MIG devices instead."""
     handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    gpu = _device(nvml, handle, index, lookup)
+    if not _mig_enabled(nvml, handle):
+        return [gpu]
+    return _mig_devices(nvml, handle, gpu, lookup)
+
+
+def _device(nvml: Any, handle: Any, index: int, lookup: ProcessLookup) -> Gpu:
     major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
     memory = nvml.nvmlDeviceGetMemoryInfo(handle)
     listed, unlisted, unlisted_bytes = _processes(nvml, handle, index, lookup)
@@ -73,6 +93,58 @@ def _device(nvml: Any, index: int, lookup: ProcessLookup) -> Gpu:
         unlisted_foreign_bytes=unlisted_bytes,
         errors=_errors(nvml, handle),
     )
+
+
+def _mig_enabled(nvml: Any, handle: Any) -> bool:
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except (nvml.NVMLError, AttributeError):  # not a MIG GPU (NOT_SUPPORTED), or old pynvml
+        return False
+    # a pending change needs a GPU reset to apply: what runs now is the current mode
+    return bool(current == nvml.NVML_DEVICE_MIG_ENABLE)
+
+
+# "NVIDIA H200 MIG 1g.18gb", "NVIDIA A100-SXM4-40GB MIG 1c.3g.20gb": the profile is the last word
+_MIG_PROFILE = re.compile(r"(?:\d+c\.)?(\d+g\.\d+gb(?:\+\w+)?)$")
+
+
+def _mig_devices(nvml: Any, parent_handle: Any, parent: Gpu, lookup: ProcessLookup) -> list[Gpu]:
+    """The MIG devices the operator made of `parent`, each a GPU of its own: its UUID (what
+    CUDA_VISIBLE_DEVICES takes), memory, slices and processes; the parent's fault counters,
+    which are the card's. Empty slots answer NOT_FOUND and are skipped; a MIG GPU without
+    any MIG device runs nothing at all, so nothing is listed for it."""
+    out: list[Gpu] = []
+    for slot in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(parent_handle))):
+        try:
+            handle = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent_handle, slot)
+        except nvml.NVMLError_NotFound:
+            continue
+        name = _text(nvml.nvmlDeviceGetName(handle))
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        listed, unlisted, unlisted_bytes = _processes(nvml, handle, parent.index, lookup)
+        attributes = _optional(nvml, nvml.nvmlDeviceGetAttributes, handle)
+        profile = _MIG_PROFILE.search(name)
+        out.append(
+            Gpu(
+                index=parent.index,
+                name=name,
+                uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+                memory_total_bytes=int(memory.total),
+                pci_bus_id=parent.pci_bus_id,
+                compute_capability=parent.compute_capability,
+                memory_used_bytes=int(memory.used),
+                processes=listed,
+                processes_unlisted=unlisted,
+                unlisted_foreign_bytes=unlisted_bytes,
+                errors=parent.errors,
+                mig_profile=profile.group(1) if profile else name.rsplit(" ", 1)[-1],
+                parent_uuid=parent.uuid,
+                mig_slices=int(attributes.gpuInstanceSliceCount) if attributes else 0,
+            )
+        )
+    if not out:
+        log.info("GPU %d: MIG mode is on and no MIG device is configured", parent.index)
+    return out
 
 
 def _processes(
@@ -94,15 +166,18 @@ def _processes(
             before = used.get(pid)
             # a process with both kinds of context is listed in both, with the same memory
             used[pid] = nbytes if before is None else max(before, nbytes or 0)
-    everyone = [
-        GpuProcess(
-            pid=pid,
-            name=lookup.name(pid),
-            used_bytes=None if nbytes is None else int(nbytes),
-            own=lookup.own(pid),
+    everyone = []
+    for pid, nbytes in used.items():
+        engine = lookup.engine(pid)
+        everyone.append(
+            GpuProcess(
+                pid=pid,
+                name=lookup.name(pid),
+                used_bytes=None if nbytes is None else int(nbytes),
+                own=engine is not None or lookup.own(pid),
+                engine=engine,
+            )
         )
-        for pid, nbytes in used.items()
-    ]
     everyone.sort(key=lambda p: (p.own, -(p.used_bytes or 0), p.pid))
     rest = everyone[MAX_GPU_PROCESSES:]
     foreign_rest = sum(p.used_bytes or 0 for p in rest if not p.own)
@@ -184,7 +259,7 @@ def _inventory(nvml: Any, lookup: ProcessLookup) -> Gpus:
     failures: list[str] = []
     for index in range(count):
         try:
-            devices.append(_device(nvml, index, lookup))
+            devices.extend(_devices(nvml, index, lookup))
         except nvml.NVMLError as exc:
             # one lost GPU must not hide the seven that work; the status says not all is well
             failures.append(f"GPU {index}: {exc} ({_error_name(exc)})")

@@ -80,13 +80,21 @@ def engine_groups(engines: Iterable[EngineProcess]) -> list[EngineGroup]:
 
 def in_engine_group(stat: ProcStat, started: float | None, groups: Sequence[EngineGroup]) -> bool:
     """Whether a process (its stat, and when it started if known) is one of the engines'."""
+    return engine_group(stat, started, groups) is not None
+
+
+def engine_group(
+    stat: ProcStat, started: float | None, groups: Sequence[EngineGroup]
+) -> int | None:
+    """The process group of the engine a process (its stat, and when it started if known)
+    belongs to, or None."""
     for g in groups:
         if g.pgid not in (stat.pgrp, stat.session):
             continue
         # workers start after their leader: an older process only reuses the number
         if started is None or started + 0.05 >= g.leader_started:
-            return True
-    return False
+            return g.pgid
+    return None
 
 
 class HostProcesses:
@@ -120,13 +128,18 @@ class HostProcesses:
         return "" if text is None else parse_comm(text)
 
     def own(self, pid: int) -> bool:
+        return self.engine(pid) is not None
+
+    def engine(self, pid: int) -> int | None:
+        """The process group of the engine `pid` is part of (its leader's pid), or None."""
         if not self.groups:
-            return False
+            return None
         text = self._read(str(pid), "stat")
         stat = None if text is None else parse_stat(text)
         if stat is None:
-            return pid in self.leaders  # listed by NVML, so alive: an engine's leader
+            # listed by NVML, so alive: an engine's leader
+            return pid if pid in self.leaders else None
         started = (
             None if self.boot_time is None else self.boot_time + stat.start_ticks / self.clock_ticks
         )
-        return in_engine_group(stat, started, self.groups)
+        return engine_group(stat, started, self.groups)

@@ -57,12 +57,14 @@ class XidLog:
 
 def with_xids(gpus: Gpus, unfit: Mapping[str, tuple[int, float]]) -> Gpus:
     """`gpus` with the Xid each unfit GPU had in its error fields."""
-    if not unfit or not any(g.uuid in unfit for g in gpus.devices):
+    # an Xid names the card: every MIG device made of it is unfit with it
+    if not unfit or not any(g.uuid in unfit or g.parent_uuid in unfit for g in gpus.devices):
         return gpus
     devices = []
     for g in gpus.devices:
-        if g.uuid in unfit:
-            xid, at = unfit[g.uuid]
+        card = g.uuid if g.uuid in unfit else g.parent_uuid
+        if card in unfit:
+            xid, at = unfit[card]
             g = msgspec.structs.replace(
                 g, errors=msgspec.structs.replace(g.errors, xid=xid, xid_at=at)
             )

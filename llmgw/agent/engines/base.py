@@ -38,6 +38,10 @@ class LaunchSpec:
     fetch_dir: str | None = None  # where downloads land (the node's fetch dir, always scanned)
     gpu_uuids: tuple[str, ...] = ()  # empty = CPU only (GPUs hidden from the engine)
     gpu_memory_gb: float | None = None  # per GPU the profile needs (decimal GB, as sold)
+    # share_gpus: gpu_memory_gb is all this engine is given of its one GPU, whose memory is
+    # gpu_total_bytes (the adapters hold the engine to it: docs/engines.md)
+    gpu_shared: bool = False
+    gpu_total_bytes: int = 0
     context: int | None = None
     parallel: int | None = None  # concurrent requests: llama-server -np, vLLM --max-num-seqs
     extra_args: tuple[str, ...] = ()

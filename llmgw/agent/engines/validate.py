@@ -13,10 +13,16 @@ import os
 import shutil
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from llmgw.agent.discovery.weights.formats import check_gguf, check_gguf_split, gguf_split
+from llmgw.agent.discovery.weights.formats import (
+    check_gguf,
+    check_gguf_split,
+    gguf_metadata,
+    gguf_part_names,
+    gguf_split,
+)
 from llmgw.agent.engines import adapter_for
 from llmgw.agent.engines.base import EngineAdapter, LaunchSpec, flag_tokens, hf_repo
 from llmgw.agent.engines.vllm import pipeline_parallel, tensor_parallel
@@ -62,6 +68,15 @@ def validate_launch(spec: LaunchSpec, node: NodeFacts) -> list[Problem]:
         problems += check(spec, node, adapter)
     problems += _refuse(*adapter.check(spec))
     return problems
+
+
+def prepare_launch(spec: LaunchSpec, node: NodeFacts) -> tuple[LaunchSpec, list[Problem]]:
+    """`validate_launch`, then, for an engine sharing its GPU, the spec held to its
+    allotment (`fit_allotment`): what the caller launches, or why it does not."""
+    problems = validate_launch(spec, node)
+    if problems or not spec.gpu_shared:
+        return spec, problems
+    return fit_allotment(spec, node)
 
 
 Check = Callable[[LaunchSpec, NodeFacts, EngineAdapter], list[Problem]]
@@ -294,3 +309,117 @@ def _int_value(args: Sequence[str], adapter: EngineAdapter, key: str) -> int | N
         except ValueError:
             return None
     return None
+
+
+# --- a shared GPU: the engine held to its allotment (docs/engines.md) ---------------------
+
+# What a shared llama-server needs beside its weights and KV cache: the CUDA context (about
+# 0.5 GB) and the compute buffers at the default micro-batch of 512 (a few hundred MB for
+# 7-8B models). Kept out of the allotment before the context is sized.
+LLAMA_OVERHEAD = GB
+CONTEXT_STEP = 256  # a fitted context is a multiple of this
+_GGUF_SHAPE = (
+    ".block_count",
+    ".context_length",
+    ".embedding_length",
+    ".attention.head_count",
+    ".attention.head_count_kv",
+    ".attention.key_length",
+    ".attention.value_length",
+)
+
+
+def fit_allotment(spec: LaunchSpec, node: NodeFacts) -> tuple[LaunchSpec, list[Problem]]:
+    """Refused while the GPU's free memory (NVML's, as the inventory last said) is short of
+    the allotment: vLLM would refuse to start ("Free memory on device ... is less than
+    desired GPU memory utilization"), llama-server would fail to allocate. It clears when
+    the other program or a replica stopping frees memory, so it is tried again. Then per
+    engine: vLLM's --gpu-memory-utilization is the adapter's (from the spec); llama-server's
+    context is sized to what the allotment leaves after its weights."""
+    allotted = int((spec.gpu_memory_gb or 0) * GB)
+    by_uuid = {g.uuid: g for g in node.gpus}
+    gpu = by_uuid.get(spec.gpu_uuids[0]) if spec.gpu_uuids else None
+    if gpu is not None and gpu.memory_used_bytes is not None:
+        free = gpu.memory_total_bytes - gpu.memory_used_bytes
+        if free < allotted:
+            return spec, [
+                Problem(
+                    f"GPU {gpu.uuid} has {free / GB:.1f} GB free, less than the "
+                    f"{allotted / GB:g} GB this replica is given (gpu_memory_gb): the engine "
+                    "would not start; tried again as memory frees",
+                    transient=True,
+                )
+            ]
+    if spec.engine != "llama-server" or not spec.weights_path:
+        return spec, []  # a download's size is not known before it: the engine sizes itself
+    return _fit_llama_server(spec, allotted)
+
+
+def _fit_llama_server(spec: LaunchSpec, allotted: int) -> tuple[LaunchSpec, list[Problem]]:
+    path = spec.weights_path
+    assert path is not None
+    try:
+        weights = _gguf_bytes(path)
+        with open_regular(path, buffering=0) as f:
+            meta = gguf_metadata(f, os.fstat(f.fileno()).st_size, _wanted_shape)
+    except (OSError, ValueError) as e:
+        return spec, _refuse(f"weights file {path} cannot be read for its shape: {e}")
+    room = allotted - weights - LLAMA_OVERHEAD
+    if room <= 0:
+        return spec, _refuse(
+            f"weights {path} are {weights / GB:.1f} GB; with {LLAMA_OVERHEAD / GB:g} GB for "
+            f"the CUDA context and compute buffers that is more than the {allotted / GB:g} GB "
+            "this replica is given: raise gpu_memory_gb or use a smaller quantisation"
+        )
+    per_token = kv_bytes_per_token(meta)
+    if per_token is None:
+        return spec, []  # an architecture without the usual keys: the profile's context as is
+    fits = room // per_token // CONTEXT_STEP * CONTEXT_STEP
+    if spec.context:
+        if spec.context * per_token > room:
+            return spec, _refuse(
+                f"context {spec.context} takes {spec.context * per_token / GB:.1f} GB of KV "
+                f"cache; the {allotted / GB:g} GB given leave {room / GB:.1f} GB after the "
+                f"weights and buffers: lower context to {fits} or raise gpu_memory_gb"
+            )
+        return spec, []
+    trained = _number(meta, ".context_length")
+    context = min(fits, trained) if trained else fits
+    least = CONTEXT_STEP * (spec.parallel or 1)
+    if context < least:
+        return spec, _refuse(
+            f"the {allotted / GB:g} GB given leave room for {fits} tokens of context after "
+            f"the weights, less than {least}: raise gpu_memory_gb"
+        )
+    return replace(spec, context=context), []
+
+
+def kv_bytes_per_token(meta: dict[str, object]) -> int | None:
+    """Bytes of f16 KV cache one token takes: layers x KV heads x (key + value width) x 2."""
+    layers, kv_heads = _number(meta, ".block_count"), _number(meta, ".attention.head_count_kv")
+    heads, width = _number(meta, ".attention.head_count"), _number(meta, ".embedding_length")
+    kv_heads = kv_heads or heads
+    if not (layers and kv_heads and heads and width):
+        return None
+    key = _number(meta, ".attention.key_length") or width // heads
+    value = _number(meta, ".attention.value_length") or width // heads
+    return layers * kv_heads * (key + value) * 2
+
+
+def _wanted_shape(key: str) -> bool:
+    return key == "general.architecture" or key.endswith(_GGUF_SHAPE)
+
+
+def _number(meta: dict[str, object], suffix: str) -> int:
+    arch = meta.get("general.architecture")
+    value = meta.get(f"{arch}{suffix}")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _gguf_bytes(path: str) -> int:
+    """The weights' size on disk: every part of a split model."""
+    file = Path(path)
+    split = gguf_split(file.name)
+    if split is None:
+        return file.stat().st_size
+    return sum((file.parent / name).stat().st_size for name in gguf_part_names(split))

@@ -88,6 +88,16 @@ def pipeline_parallel(spec: LaunchSpec) -> int:
     return spec.pipeline_parallel or spec.nodes
 
 
+def memory_utilization(spec: LaunchSpec) -> str | None:
+    """A shared engine's --gpu-memory-utilization: its allotment as a fraction of the whole
+    card, which is how vLLM reads it (the budget of this instance, CUDA context included),
+    rounded down so that the engine never takes more than it was given."""
+    if not (spec.gpu_shared and spec.gpu_memory_gb and spec.gpu_total_bytes):
+        return None
+    thousandths = int(spec.gpu_memory_gb * 1e9 * 1000 // spec.gpu_total_bytes)
+    return f"{min(thousandths, 1000) / 1000:.3f}"
+
+
 class VllmAdapter:
     name = "vllm"
     managed = MANAGED
@@ -110,6 +120,9 @@ class VllmAdapter:
         if spec.parallel:
             # the profile's concurrency: llama-server's slots, vLLM's running sequences
             argv += ["--max-num-seqs", str(spec.parallel)]
+        share = memory_utilization(spec)
+        if share is not None:
+            argv += ["--gpu-memory-utilization", share]
         if spec.nodes > 1:
             argv += ["--nnodes", str(spec.nodes), "--node-rank", str(spec.rank)]
             argv += ["--master-addr", spec.master_addr]
@@ -187,6 +200,13 @@ class VllmAdapter:
             reasons.append(
                 f"multi-node vLLM ({spec.nodes} nodes) needs the rank-0 node's address "
                 "(master_addr) in the assignment"
+            )
+        if spec.gpu_shared and any(
+            self.known.key(t) == "--gpu-memory-utilization" for t in spec.extra_args
+        ):
+            reasons.append(
+                "a vLLM sharing its GPU is given --gpu-memory-utilization from its allotment "
+                "(gpu_memory_gb); remove it from extra_args"
             )
         if not 0 <= spec.rank < max(1, spec.nodes):
             reasons.append(

@@ -44,6 +44,8 @@ Reason = Literal[
     "gpus",  # needs/has: count of free GPUs with enough memory
     "gpus-unschedulable",  # needs/has: free GPUs that are healthy; gpu: one that is not
     "gpus-held",  # needs/has: free GPUs with the memory left; gpu: one other programs hold
+    "gpu-model",  # detail: the gpu_model the profile asks for, which no GPU here is
+    "gpu-shared",  # needs/has: bytes a shared replica is given / the most room left on a GPU
     "ram",  # needs/has: bytes of host RAM free
     "ports",  # detail: the port range, all in use
     "fabric-size",  # needs/has: fitting nodes in the fabric; detail: the fabric
@@ -267,6 +269,11 @@ _GROUP_TEXT: dict[str, Callable[[RefusedNodes], str]] = {
         f"short of free GPUs other programs leave room on ({_range(g, str)} usable, needs "
         f"{g.needs}{_named(g.gpu)})"
     ),
+    "gpu-model": lambda g: f"without a GPU of model {g.detail}",
+    "gpu-shared": lambda g: (
+        f"short of GPU memory to share ({_range(g, _gb)} GB left on a GPU, needs "
+        f"{_gb(g.needs)}{_named(g.gpu)})"
+    ),
     "ram": lambda g: f"short of host RAM ({_range(g, _gb)} GB free, needs {_gb(g.needs)})",
     "ports": lambda g: f"with no free port in {g.detail}",
     "fabric-size": lambda g: (
@@ -306,6 +313,8 @@ _FAULT_TEXT: dict[str, Callable[[GpuNamed], str]] = {
 def render_gpu(n: GpuNamed) -> str:
     """ "GPU 3 of node05: 60 GB held by pid 4242 (python), not llmgw's" """
     where = f"GPU {n.gpu} of {n.node}"
+    if n.mig_profile:
+        where = f"MIG {n.mig_profile} of {where}"
     if n.why == "held":
         who = (
             "processes"
@@ -314,8 +323,24 @@ def render_gpu(n: GpuNamed) -> str:
         )
         more = f" and {n.others} more" if n.others else ""
         return f"{where}: {_gb(n.bytes)} GB held by {who}{more}, not llmgw's"
+    if n.why == "shared":
+        return f"{where}: " + ", ".join(_shared_parts(n))
     text = _FAULT_TEXT.get(n.why)
     return f"{where}: {text(n) if text else n.why}"
+
+
+def _shared_parts(n: GpuNamed) -> list[str]:
+    """ "141 GB", "60 GB allocated to 3 replicas", "65 GB held by pid 4949 (python3)" """
+    parts = [f"{_gb(n.total_bytes)} GB"]
+    if n.replicas:
+        many = "replica" if n.replicas == 1 else "replicas"
+        parts.append(f"{_gb(n.allotted_bytes)} GB allocated to {n.replicas} {many}")
+    if n.bytes:
+        who = "processes" if n.pid is None else f"pid {n.pid}"
+        who += f" ({n.process})" if n.process and n.pid is not None else ""
+        who += f" and {n.others} more" if n.others else ""
+        parts.append(f"{_gb(n.bytes)} GB held by {who}")
+    return parts
 
 
 def _named(n: GpuNamed | None) -> str:

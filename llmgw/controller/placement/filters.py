@@ -11,7 +11,14 @@ from collections.abc import Callable
 from llmgw import labels
 from llmgw.bus.records import GpuNamed
 from llmgw.controller.placement.explain import Refusal
-from llmgw.controller.placement.nodes import Need, NodeState, held_by_others
+from llmgw.controller.placement.nodes import (
+    SHARE_HEADROOM,
+    Need,
+    NodeState,
+    gpu_is,
+    held_by_others,
+    shared_named,
+)
 
 
 def node_ready(node: NodeState, need: Need) -> Refusal | None:
@@ -68,7 +75,12 @@ def enough_gpus(node: NodeState, need: Need) -> Refusal | None:
         return Refusal(_NO_GPUS.get(node.inventory.gpus.status, "no-gpus"))
     if need.gpu_bytes > node.largest_gpu:  # no waiting will fix this one
         return Refusal("gpu-memory", needs=need.gpu_bytes, has=node.largest_gpu)
-    usable = len(node.free_gpus(need.gpu_bytes))
+    model = need.profile.gpu_model
+    if model is not None and not any(gpu_is(g, model) for g in node.gpus):
+        return Refusal("gpu-model", detail=model)
+    if need.profile.share_gpus:
+        return None  # by memory, not by count: shared_gpu_memory
+    usable = len(node.free_gpus(need.gpu_bytes, model))
     if usable < wanted:
         return Refusal("gpus", needs=wanted, has=usable)
     return None
@@ -77,13 +89,14 @@ def enough_gpus(node: NodeState, need: Need) -> Refusal | None:
 def gpus_schedulable(node: NodeState, need: Need) -> Refusal | None:
     # one bad GPU takes itself out, not its node: the node's other GPUs still take replicas
     wanted = need.profile.gpus_per_node
-    if wanted == 0 or not node.unschedulable:
+    if wanted == 0 or not node.unschedulable or need.profile.share_gpus:
         return None
-    usable = len(node.schedulable_gpus(need.gpu_bytes))
+    model = need.profile.gpu_model
+    usable = len(node.schedulable_gpus(need.gpu_bytes, model))
     if usable >= wanted:
         return None
     # enough_gpus passed, so one of the free GPUs is what is missing
-    bad = next(g for g in node.free_gpus(need.gpu_bytes) if g.uuid in node.unschedulable)
+    bad = next(g for g in node.free_gpus(need.gpu_bytes, model) if g.uuid in node.unschedulable)
     why = node.unschedulable[bad.uuid]
     named = GpuNamed(node=node.id, gpu=bad.index, why=why.why, count=why.count)
     return Refusal("gpus-unschedulable", needs=wanted, has=usable, gpu=named)
@@ -93,15 +106,37 @@ def gpus_not_held(node: NodeState, need: Need) -> Refusal | None:
     # memory another program holds is not free, whoever llmgw gave the GPU to: the engine
     # placed there would fail at start (GPUStack #2852, #6044)
     wanted = need.profile.gpus_per_node
-    if wanted == 0 or not node.held:
+    if wanted == 0 or not node.held or need.profile.share_gpus:
         return None
-    usable = len(node.usable_gpus(need.gpu_bytes))
+    model = need.profile.gpu_model
+    usable = len(node.usable_gpus(need.gpu_bytes, model))
     if usable >= wanted:
         return None
     taken = next(
-        g for g in node.schedulable_gpus(need.gpu_bytes) if not node.has_room(g, need.gpu_bytes)
+        g
+        for g in node.schedulable_gpus(need.gpu_bytes, model)
+        if not node.has_room(g, need.gpu_bytes)
     )
     return Refusal("gpus-held", needs=wanted, has=usable, gpu=held_by_others(node.id, taken))
+
+
+def shared_gpu_memory(node: NodeState, need: Need) -> Refusal | None:
+    # a shared replica goes to a GPU, free or shared already, whose memory less llmgw's
+    # allotments, other programs' memory and the headroom covers its own (nodes.py)
+    if not need.profile.share_gpus:
+        return None
+    if node.best_shared_fit(need) is not None:
+        return None
+    candidates = node.shareable_gpus(need.profile.gpu_model)
+    if not candidates:  # every GPU is an exclusive replica's, or unschedulable
+        return Refusal("gpus", needs=1, has=0)
+    fullest = max(candidates, key=lambda g: (node.room(g), -g.index))
+    return Refusal(
+        "gpu-shared",
+        needs=need.gpu_bytes,
+        has=max(node.room(fullest), 0),
+        gpu=shared_named(node, fullest),
+    )
 
 
 def enough_ram(node: NodeState, need: Need) -> Refusal | None:
@@ -151,6 +186,7 @@ FILTERS: tuple[Filter, ...] = (
     enough_gpus,
     gpus_schedulable,
     gpus_not_held,
+    shared_gpu_memory,
     enough_ram,
     free_port,
     not_failed_here,
@@ -174,4 +210,7 @@ def could_run(node: NodeState, need: Need) -> bool:
     wanted = need.profile.gpus_per_node
     if wanted == 0:
         return True
-    return sum(1 for g in node.gpus if g.memory_total_bytes >= need.gpu_bytes) >= wanted
+    least = need.gpu_bytes + (SHARE_HEADROOM if need.profile.share_gpus else 0)
+    model = need.profile.gpu_model
+    fitting = (g for g in node.gpus if g.memory_total_bytes >= least and gpu_is(g, model))
+    return sum(1 for _ in fitting) >= wanted

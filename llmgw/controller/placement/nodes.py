@@ -11,6 +11,12 @@ new replica while the node's other GPUs still do (`NodeState.unschedulable`, fed
 and a port another program listens on is used (the agent lists it, or a launch was refused
 for it: `ports_refused`). What an inventory says is worked out once per inventory
 (`InventoryMemo`), not at every pass.
+
+Sharing (a profile's `share_gpus`): a shared replica is given `gpu_memory_gb` of one GPU
+(its member's `gpu_bytes`). A GPU takes one more when its memory, less what llmgw allotted
+there, less what other programs hold (NVML), less SHARE_HEADROOM, covers the allotment
+(`NodeState.room`). A GPU is either shared or given whole: exclusive replicas never land
+on a GPU a shared one holds (it is in `used_gpus`), nor shared ones on an exclusive's.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+import msgspec
 
 from llmgw.bus.records import (
     PORT_IN_USE,
@@ -33,9 +41,22 @@ from llmgw.bus.records import (
 from llmgw.catalog import Profile
 from llmgw.controller.placement.explain import GB
 from llmgw.controller.placement.snapshot import Snapshot
-from llmgw.labels import node_labels
+from llmgw.labels import node_labels, sanitize_value
 
 T = TypeVar("T")
+
+# What a shared GPU keeps free beside the allotments: the driver's own reservation (0.55 GB
+# on an idle H100) and room for the allocator's rounding. Each engine's CUDA context is
+# inside its allotment (the adapters size the engine to fit: docs/engines.md).
+SHARE_HEADROOM = GB
+
+
+def gpu_is(gpu: Gpu, model: str | None) -> bool:
+    """Whether `gpu` is what a profile's gpu_model asks for: its MIG profile ("1g.18gb"),
+    or its name as NVML gives it or as its gpu.model label reads it ("H100-80GB-HBM3")."""
+    if model is None:
+        return True
+    return model in (gpu.mig_profile, gpu.name, sanitize_value(gpu.name))
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +117,10 @@ class NodeState:
     cordon: str = ""  # "cordoned" or "draining": nothing new goes here
     taints: frozenset[str] = frozenset()  # the agent config's and the operator's
     gpus_out: frozenset[str] = frozenset()  # out of service: never given to a new replica
+    # GPU UUID -> bytes allotted to the shared replicas there, and how many they are (such a
+    # GPU is in used_gpus too: no exclusive replica is given it)
+    allotted: dict[str, int] = field(default_factory=dict)
+    sharing: dict[str, int] = field(default_factory=dict)
     _labels: Mapping[str, frozenset[str]] | None = None
 
     @property
@@ -106,23 +131,25 @@ class NodeState:
             self._labels = node_labels(self.inventory)
         return self._labels
 
-    def free_gpus(self, min_bytes: int = 0) -> list[Gpu]:
-        """Not used by any replica, and as large as `min_bytes`."""
+    def free_gpus(self, min_bytes: int = 0, model: str | None = None) -> list[Gpu]:
+        """Not used by any replica, as large as `min_bytes`, and of `model` (gpu_is)."""
+        if model is not None:
+            return [g for g in self.free_gpus(min_bytes) if gpu_is(g, model)]
         if min_bytes <= self.smallest_gpu:
             return self.free
         return [g for g in self.free if g.memory_total_bytes >= min_bytes]
 
-    def schedulable_gpus(self, min_bytes: int = 0) -> list[Gpu]:
+    def schedulable_gpus(self, min_bytes: int = 0, model: str | None = None) -> list[Gpu]:
         """`free_gpus`, less the unschedulable ones."""
-        free = self.free_gpus(min_bytes)
+        free = self.free_gpus(min_bytes, model)
         if not self.unschedulable:
             return free
         return [g for g in free if g.uuid not in self.unschedulable]
 
-    def usable_gpus(self, min_bytes: int = 0) -> list[Gpu]:
+    def usable_gpus(self, min_bytes: int = 0, model: str | None = None) -> list[Gpu]:
         """`schedulable_gpus` that still have `min_bytes` once other programs' memory is
         taken off, those nobody else holds first: what a replica is given."""
-        ok = self.schedulable_gpus(min_bytes)
+        ok = self.schedulable_gpus(min_bytes, model)
         if not self.held:
             return ok
         fits = [g for g in ok if self.has_room(g, min_bytes)]
@@ -134,6 +161,37 @@ class NodeState:
         (vLLM takes 90% of it by default)."""
         held = self.held.get(gpu.uuid, 0)
         return not held or (min_bytes > 0 and gpu.memory_total_bytes - held >= min_bytes)
+
+    def room(self, gpu: Gpu) -> int:
+        """Bytes a shared replica could still be given on `gpu`: its memory less llmgw's
+        allotments there, other programs' memory and SHARE_HEADROOM."""
+        taken = self.allotted.get(gpu.uuid, 0) + self.held.get(gpu.uuid, 0)
+        return gpu.memory_total_bytes - taken - SHARE_HEADROOM
+
+    def shareable_gpus(self, model: str | None = None) -> list[Gpu]:
+        """GPUs a shared replica may go to, room or not: healthy, of `model`, and either
+        free or shared already (not an exclusive replica's)."""
+        return [
+            g
+            for g in self.gpus
+            if (g.uuid not in self.used_gpus or g.uuid in self.allotted)
+            and g.uuid not in self.unschedulable
+            and gpu_is(g, model)
+        ]
+
+    def best_shared_fit(self, need: Need) -> tuple[Gpu, int] | None:
+        """The GPU a shared replica of `need` goes to here, and the room it leaves there:
+        a GPU shared already first, then the least room left (best fit), so that whole GPUs
+        stay free for exclusive profiles and big allotments; None when none has room."""
+        best: tuple[tuple[bool, int, int], Gpu, int] | None = None
+        for g in self.shareable_gpus(need.profile.gpu_model):
+            left = self.room(g) - need.gpu_bytes
+            if left < 0:
+                continue
+            key = (g.uuid not in self.allotted, left, g.index)
+            if best is None or key < best[0]:
+                best = (key, g, left)
+        return None if best is None else (best[1], best[2])
 
     def free_port(self, lo: int, hi: int) -> int | None:
         port = lo
@@ -167,7 +225,21 @@ def held_by_others(node: str, gpu: Gpu) -> GpuNamed:
         pid=top.pid if top else None,
         process=top.name if top else "",
         others=max(len(foreign) - 1, 0) + unlisted,
+        mig_profile=gpu.mig_profile,
     )
+
+
+def shared_named(node: NodeState, gpu: Gpu) -> GpuNamed:
+    """A GPU a shared replica found too full, named with what fills it: llmgw's allotments
+    there and other programs' memory (as held_by_others names them)."""
+    held = msgspec.structs.replace(
+        held_by_others(node.id, gpu),
+        why="shared",
+        total_bytes=gpu.memory_total_bytes,
+        allotted_bytes=node.allotted.get(gpu.uuid, 0),
+        replicas=node.sharing.get(gpu.uuid, 0),
+    )
+    return held
 
 
 _NO_FAULT = GpuErrors()  # what an agent that reads no counters, or a sound GPU before them, says
@@ -348,6 +420,14 @@ def fleet_nodes(snapshot: Snapshot, memo: InventoryMemo | None = None) -> dict[s
             if node is None:
                 continue
             node.used_gpus.update(member.gpus)
+            if member.gpu_bytes:  # a shared replica: its allotment, from its own record,
+                # or what its engine holds when it outgrew that (its agent says, shard record)
+                shard = snapshot.shards.get((member.node, replica.rid))
+                grown = shard.gpu_used_bytes if shard is not None else None
+                taken = max(member.gpu_bytes, grown or 0)
+                for uuid in member.gpus:
+                    node.allotted[uuid] = node.allotted.get(uuid, 0) + taken
+                    node.sharing[uuid] = node.sharing.get(uuid, 0) + 1
             node.used_ports.add(member.port)
             node.models[replica.model] = node.models.get(replica.model, 0) + 1
             if reserve:
@@ -380,8 +460,19 @@ def with_operations(nodes: dict[str, NodeState], snapshot: Snapshot) -> dict[str
 
 
 def take(node: NodeState, need: Need, rank: int) -> ReplicaMember:
-    """A member of a new replica on `node`: its GPUs, port and RAM are taken off the node."""
-    gpus = node.usable_gpus(need.gpu_bytes)[: need.profile.gpus_per_node]
+    """A member of a new replica on `node`: its GPUs (or, shared, its allotment of one),
+    port and RAM are taken off the node."""
+    allotment = 0
+    if need.profile.share_gpus:
+        fit = node.best_shared_fit(need)
+        assert fit is not None  # the shared_gpu_memory filter passed
+        gpus, allotment = [fit[0]], need.gpu_bytes
+        uuid = fit[0].uuid
+        node.allotted[uuid] = node.allotted.get(uuid, 0) + allotment
+        node.sharing[uuid] = node.sharing.get(uuid, 0) + 1
+    else:
+        gpus = node.usable_gpus(need.gpu_bytes, need.profile.gpu_model)
+        gpus = gpus[: need.profile.gpus_per_node]
     port = node.free_port(*need.ports)
     assert port is not None  # the free_port filter passed
     node.used_gpus.update(g.uuid for g in gpus)
@@ -389,4 +480,6 @@ def take(node: NodeState, need: Need, rank: int) -> ReplicaMember:
     node.used_ports.add(port)
     node.ram_free -= need.ram_bytes
     node.models[need.model] = node.models.get(need.model, 0) + 1
-    return ReplicaMember(node=node.id, rank=rank, gpus=[g.uuid for g in gpus], port=port)
+    return ReplicaMember(
+        node=node.id, rank=rank, gpus=[g.uuid for g in gpus], port=port, gpu_bytes=allotment
+    )

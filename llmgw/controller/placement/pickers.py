@@ -10,7 +10,7 @@ from typing import Protocol
 from llmgw.bus.records import ReplicaMember
 from llmgw.controller.placement.explain import Refusal
 from llmgw.controller.placement.filters import fit
-from llmgw.controller.placement.nodes import Need, NodeState, take
+from llmgw.controller.placement.nodes import SHARE_HEADROOM, Need, NodeState, take
 from llmgw.controller.placement.scores import Rank, rank, why_here
 from llmgw.controller.placement.weights import WeightsNearby
 
@@ -43,9 +43,30 @@ class SingleNodePicker:
         self.refused: dict[str, Refusal] = {}
         self._on, self._near = on, near = weights.levels(need)
         want, model = need.profile.gpus_per_node, need.model
+        self._shared = need.profile.share_gpus
+        if self._shared:
+            # _shared_order's bound, inlined for the nodes nothing shares or holds (most of
+            # a fleet): this runs for every node for every shared profile placed
+            k, order = SHARE_HEADROOM + need.gpu_bytes, self._shared_order
+            gpu_model = need.profile.gpu_model
+            self.heap: list[tuple] = [
+                (
+                    1,
+                    -2 if node_id in on else -1 if node_id in near else 0,
+                    node.smallest_gpu - k,
+                    len(node.free),
+                    node.models.get(model, 0),
+                    node_id,
+                )
+                if node.free and not (node.allotted or node.held or node.unschedulable or gpu_model)
+                else order(node, exact=False)
+                for node_id, node in nodes.items()
+            ]
+            heapq.heapify(self.heap)
+            return
         # Rank.order of scores.rank (weights level, packing, spread, id), inlined: this runs
         # for every node of the fleet for every profile placed
-        self.heap: list[tuple[int, int, int, str]] = [
+        self.heap = [
             (
                 -2 if node_id in on else -1 if node_id in near else 0,
                 len(node.free) - want,
@@ -56,15 +77,52 @@ class SingleNodePicker:
         ]
         heapq.heapify(self.heap)
 
-    def _order(self, node: NodeState) -> tuple[int, int, int, str]:
+    def _order(self, node: NodeState) -> tuple:
         node_id = node.id
         level = 2 if node_id in self._on else 1 if node_id in self._near else 0
+        if self._shared:
+            return self._shared_order(node, exact=True)
         packing = self.need.profile.gpus_per_node - len(node.free)
         return (-level, -packing, node.models.get(self.need.model, 0), node_id)
 
+    def _shared_order(self, node: NodeState, *, exact: bool) -> tuple:
+        """A shared profile's order: a GPU shared already before a fresh one (whole GPUs stay
+        free for exclusive profiles), then the weights level, then the least room left on
+        the GPU (best fit), then the node with fewest free GPUs (whole nodes stay free),
+        spread, id. Not `exact`, a node nothing shares or holds gets a bound no worse than
+        its order (its smallest GPU's room): `pick` puts a node whose order is worse than
+        its entry back, so the first node taken is the best."""
+        node_id, need = node.id, self.need
+        level = 2 if node_id in self._on else 1 if node_id in self._near else 0
+        spread = node.models.get(need.model, 0)
+        if not node.free and not node.allotted:
+            return (2, -level, 0, 0, spread, node_id)  # no GPU to share: refused when reached
+        plain = not (node.allotted or node.held or node.unschedulable or need.profile.gpu_model)
+        if not exact and plain:
+            left = node.smallest_gpu - SHARE_HEADROOM - need.gpu_bytes
+            return (1, -level, left, len(node.free), spread, node_id)
+        best = node.best_shared_fit(need)
+        if best is None:
+            return (2, -level, 0, 0, spread, node_id)
+        gpu, left = best
+        return (
+            0 if gpu.uuid in node.allotted else 1,
+            -level,
+            left,
+            len(node.free),
+            spread,
+            node_id,
+        )
+
     def pick(self) -> Pick | None:
         while self.heap:
-            node = self.nodes[heapq.heappop(self.heap)[-1]]
+            entry = heapq.heappop(self.heap)
+            node = self.nodes[entry[-1]]
+            if self._shared:
+                order = self._order(node)
+                if order != entry:  # a bound, or a stale entry: judged at its true order
+                    heapq.heappush(self.heap, order)
+                    continue
             refusal = fit(node, self.need)
             if refusal is not None:
                 self.refused[node.id] = refusal

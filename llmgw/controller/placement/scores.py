@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from llmgw.controller.placement.explain import GB
 from llmgw.controller.placement.nodes import Need, NodeState
 from llmgw.controller.placement.weights import WeightsNearby
 
@@ -52,6 +53,23 @@ def why_here(node: NodeState, need: Need, weights: WeightsNearby) -> str:
     total, used = len(node.gpus), len(node.used_gpus)
     if need.profile.gpus_per_node == 0:
         return f"{text}; CPU profile"
+    if need.profile.share_gpus:
+        return f"{text}; {_shares(node, need)}"
     if used:
         return f"{text}; packs node with {used} of {total} GPUs used"
     return f"{text}; node has all {total} GPUs free"
+
+
+def _shares(node: NodeState, need: Need) -> str:
+    best = node.best_shared_fit(need)
+    if best is None:
+        return "shares a GPU"
+    gpu, _ = best
+    size = f"{gpu.memory_total_bytes / GB:.0f} GB"
+    name = f"MIG {gpu.mig_profile} of GPU {gpu.index}" if gpu.mig_profile else f"GPU {gpu.index}"
+    sharing = node.sharing.get(gpu.uuid, 0)
+    if not sharing:
+        return f"shares {name} ({size}), which no replica shared yet"
+    allotted = node.allotted.get(gpu.uuid, 0) / GB
+    many = "replica" if sharing == 1 else "replicas"
+    return f"shares {name} ({size}) with {sharing} {many} ({allotted:g} GB allotted)"

@@ -613,6 +613,38 @@ def _gguf_layout(f: BinaryIO, size: int) -> GgufLayout:
     )
 
 
+def gguf_metadata(f: BinaryIO, size: int, wanted: Callable[[str], bool]) -> dict[str, object]:
+    """The header's values whose keys `wanted` accepts, when they are numbers or strings
+    (what a GPU memory budget reads: "llama.block_count", ...), walking the header as
+    `gguf_layout` does, as bounded. Raises ValueError naming the problem."""
+    found: dict[str, object] = {}
+    try:
+        r = _Reader(f, size)
+        head = r.take(8)
+        if head[:4] != GGUF_MAGIC:
+            raise _Malformed("no GGUF magic")
+        if struct.unpack("<I", head[4:])[0] not in (2, 3):
+            r.e = ">"
+            if struct.unpack(">I", head[4:])[0] not in (2, 3):
+                raise _Malformed("GGUF version is not supported (2 or 3)")
+        _tensors, n_kv = r.u64(), r.u64()
+        if n_kv > _GGUF_MAX_KV:
+            raise _Malformed(f"implausible count: {n_kv} key-values")
+        for _ in range(n_kv):
+            key = r.string().decode(errors="replace")
+            want = wanted(key)
+            value = r.value(r.u32(), want)
+            if want and value is not None:
+                found[key] = value.decode(errors="replace") if isinstance(value, bytes) else value
+    except _Truncated:
+        raise ValueError(
+            f"truncated: header runs past the end of the file ({size} bytes)"
+        ) from None
+    except _Malformed as exc:
+        raise ValueError(str(exc)) from None
+    return found
+
+
 def check_gguf(path: str | Path, st: os.stat_result | None = None) -> Check:
     """One .gguf file: complete when its size reaches the end of its last tensor. `st`: a
     stat of `path` just taken (see `open_regular_fd`)."""
