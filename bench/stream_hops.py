@@ -3,14 +3,20 @@
     .venv/bin/python bench/stream_hops.py                                  # the fake engine
     .venv/bin/python bench/stream_hops.py --llama-server BIN --model M.gguf [--ngl 99]
 
-Each round sends sequential streamed chat completions, in turn straight to the engine, through
-a router whose engine connections ACK at once (TCP_QUICKACK after each read, the default) and
-through one that leaves ACKs to the kernel's timing (`UpstreamSettings.quickack = False`, as
-before). For each stream the client, a raw socket, records when the response head came, when
-the first event came, when the first token came, and the gaps between tokens; llama-server's
-own `timings` (prompt_ms, predicted_per_token_ms) say what the engine spent, so what is left is
-the path. The kernel's count of delayed ACKs (TcpExt DelayedACKs, /proc/net/netstat) is read
-around each phase: a router that holds ACKs back shows them there, a stream's worth at a time.
+Each round sends sequential streamed chat completions, in turn straight to the engine and
+through a router (`llmgw router --catalog`, uvloop), each over a new connection. For each
+stream the client, a raw socket, records when the response head came, when the first event
+came, when the first token came, and the gaps between tokens; llama-server's own `timings`
+(prompt_ms, predicted_per_token_ms) say what the engine spent on the prompt and a token, so
+what is left is the path and the engine's work before it starts (queueing, slot selection,
+its prompt cache). The kernel's count of delayed ACKs (TcpExt DelayedACKs, machine-wide) is
+read around each phase.
+
+Every stream is measured twice over, in two orders: right after another long answer on the
+same engine ("after long"), and after a short one of --lead-tokens ("after short"). The
+order matters to llama-server: a slot that must drop most of what it holds (a long answer
+followed by a new request sharing only the prompt) is first saved to its host-memory prompt
+cache, on the request's time (docs/performance.md, "Time to first token, hop by hop").
 
 Prints a table and, with --json FILE, writes every figure.
 """
@@ -186,6 +192,7 @@ def start_engine(args, port: int, log, tmp: str) -> subprocess.Popen:
             "4",
             "-ngl",
             str(args.ngl),
+            *args.engine_arg,
         ]
     else:
         cmd = [
@@ -222,39 +229,22 @@ def start_engine(args, port: int, log, tmp: str) -> subprocess.Popen:
     return p
 
 
-def start_router(engine_port: int, quickack: bool, log, tmp: str) -> tuple[subprocess.Popen, int]:
+def start_router(engine_port: int, log, tmp: str) -> tuple[subprocess.Popen, int]:
+    """`llmgw router --catalog` in front of the engine, as an operator runs one."""
     port = free_port()
-    cat = Path(tmp) / f"static-{port}.toml"
+    cat = Path(tmp) / "static.toml"
     cat.write_text(
         f'[[models]]\nid = "bench"\nserved_name = "bench"\n'
         f'endpoints = ["http://127.0.0.1:{engine_port}"]\n'
     )
     p = subprocess.Popen(
-        [PY, __file__, "_router", str(port), str(cat), "1" if quickack else "0"],
+        [PY, "-m", "llmgw.cli", "router", "--catalog", str(cat), "--listen", f"127.0.0.1:{port}"],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     wait_port(port, p, "router")
     return p, port
-
-
-def serve_router(port: int, catalog_path: str, quickack: bool) -> None:
-    import anyio
-
-    from llmgw.catalog import load_catalog_toml
-    from llmgw.cli.common import run_fast
-    from llmgw.router.service import Router, RouterSettings
-    from llmgw.router.upstream import UpstreamSettings
-
-    models = load_catalog_toml(Path(catalog_path))
-    r = Router(RouterSettings(port=port, upstream=UpstreamSettings(quickack=quickack)))
-
-    async def run() -> None:
-        async with anyio.create_task_group() as tg:
-            await tg.start(r.serve_static, models)
-
-    run_fast(run)
 
 
 # --- figures -------------------------------------------------------------------------------
@@ -304,25 +294,34 @@ def summarize(runs: list[dict], acks: int | None) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "_router":
-        serve_router(int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1")
-        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llama-server", help="a llama-server binary (else the fake engine)")
     ap.add_argument("--model", help="the GGUF file llama-server loads")
     ap.add_argument("--ngl", type=int, default=0, help="llama-server -ngl (99 on a GPU)")
     ap.add_argument("--engine-port", type=int, help="an engine already listening here")
     ap.add_argument("--rate", type=float, default=2000.0, help="the fake engine's tokens/s")
-    ap.add_argument("--tokens", type=int, default=128, help="tokens per stream")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per measured stream")
+    ap.add_argument(
+        "--lead-tokens",
+        type=int,
+        default=8,
+        help="tokens of the short answer before an 'after short' stream",
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--streams", type=int, default=6, help="streams per phase and round")
+    ap.add_argument(
+        "--engine-arg", action="append", default=[], help="one more llama-server argument (repeat)"
+    )
+    ap.add_argument(
+        "--log", help="the engine's and the router's output go here (default: a temporary file)"
+    )
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
     if args.llama_server and not args.model:
         ap.error("--llama-server needs --model")
 
     tmp = tempfile.mkdtemp(prefix="stream-hops-")
-    log = open(os.path.join(tmp, "processes.log"), "ab")
+    log = open(args.log or os.path.join(tmp, "processes.log"), "ab")
     procs: list[subprocess.Popen] = []
     try:
         if args.engine_port:
@@ -330,35 +329,45 @@ def main() -> None:
         else:
             eport = free_port()
             procs.append(start_engine(args, eport, log, tmp))
-        r_on, on_port = start_router(eport, True, log, tmp)
-        r_off, off_port = start_router(eport, False, log, tmp)
-        procs += [r_on, r_off]
-        body = json.dumps(
-            {
-                "model": "bench",
-                "stream": True,
-                "max_tokens": args.tokens,
-                "ignore_eos": True,
-                "temperature": 0.8,
-                "messages": [{"role": "user", "content": "Tell me a long story."}],
-            }
-        ).encode()
-        phases = {"direct": eport, "router, quickack": on_port, "router, kernel ACKs": off_port}
-        for port in phases.values():  # warm every path once
-            stream_once(port, body)
-        runs: dict[str, list[dict]] = {p: [] for p in phases}
-        acks: dict[str, int | None] = {p: 0 for p in phases}
+        router, rport = start_router(eport, log, tmp)
+        procs.append(router)
+
+        def body(tokens: int) -> bytes:
+            return json.dumps(
+                {
+                    "model": "bench",
+                    "stream": True,
+                    "max_tokens": tokens,
+                    "ignore_eos": True,
+                    "temperature": 0.8,
+                    "messages": [{"role": "user", "content": "Tell me a long story."}],
+                }
+            ).encode()
+
+        long, lead = body(args.tokens), body(args.lead_tokens)
+        paths = {"direct": eport, "router": rport}
+        phases = [
+            (f"{path}, after {order}", port, order)
+            for order in ("long", "short")
+            for path, port in paths.items()
+        ]
+        for port in paths.values():  # warm every path once
+            stream_once(port, long)
+        runs: dict[str, list[dict]] = {name: [] for name, _, _ in phases}
+        acks: dict[str, int | None] = {name: 0 for name, _, _ in phases}
         for _ in range(args.rounds):
-            for name, port in phases.items():
+            for name, port, order in phases:
                 before = delayed_acks()
                 for _ in range(args.streams):
-                    runs[name].append(stream_once(port, body))
+                    if order == "short":
+                        stream_once(port, lead)
+                    runs[name].append(stream_once(port, long))
                 after = delayed_acks()
                 if before is None or after is None or acks[name] is None:
                     acks[name] = None
                 else:
                     acks[name] += after - before
-        result = {name: summarize(runs[name], acks[name]) for name in phases}
+        result = {name: summarize(runs[name], acks[name]) for name in runs}
     finally:
         for p in procs:
             try:
@@ -387,16 +396,13 @@ def main() -> None:
     for name, row in result.items():
         cells = "".join(f"{'-' if row[c] is None else format(row[c], '.2f'):>15}" for c in cols)
         print(f"{name:22}{cells}")
-    d = result["direct"]
-    for name in ("router, quickack", "router, kernel ACKs"):
-        r = result[name]
+    for order in ("long", "short"):
+        d, r = result[f"direct, after {order}"], result[f"router, after {order}"]
         if d["ttft_ms_p50"] is not None and r["ttft_ms_p50"] is not None:
-            rate = (r["tok_s_p50"] / d["tok_s_p50"]) if d["tok_s_p50"] and r["tok_s_p50"] else None
+            rate = (r["tok_s_p50"] / d["tok_s_p50"]) if d["tok_s_p50"] and r["tok_s_p50"] else 0.0
             print(
-                f"{name}: time to first token +{r['ttft_ms_p50'] - d['ttft_ms_p50']:.2f} ms (p50), "
-                f"token rate {rate:.3f}x direct"
-                if rate
-                else ""
+                f"after {order}: the router adds {r['ttft_ms_p50'] - d['ttft_ms_p50']:+.2f} ms to the "
+                f"time to first token (p50) and relays {rate:.3f}x direct's token rate"
             )
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": result, "runs": runs}, indent=1))

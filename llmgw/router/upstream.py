@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import socket
 import ssl
 import time
 from dataclasses import dataclass
@@ -60,11 +59,6 @@ class UpstreamSettings:
     max_idle_per_endpoint: int = 1024
     # stop reading from an engine while this much of its answer waits for a slow client
     buffer_high: int = 256 * 1024
-    # acknowledge an engine's bytes as soon as they arrive (TCP_QUICKACK after each read):
-    # llama-server's sockets keep Nagle's algorithm on, so each small SSE chunk waits for the
-    # ACK of the one before, and a delayed ACK held here costs the stream tens of ms
-    # (docs/performance.md, "Streams and delayed ACKs"). False: the kernel's own timing.
-    quickack: bool = True
 
 
 class Phase(enum.Enum):
@@ -75,7 +69,6 @@ class Phase(enum.Enum):
     CLOSED = "closed"  # by either side; never used again
 
 
-_QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux only
 _IDLE, _WAITING, _BODY, _DONE, _CLOSED = Phase  # (module names: read at every callback)
 _ANSWERING = frozenset((_WAITING, _BODY))
 
@@ -88,7 +81,6 @@ class UpstreamConnection(asyncio.Protocol):
         self.key = key
         self._loop = pool.loop
         self._transport: asyncio.Transport | None = None
-        self._quickack = None  # the socket to set TCP_QUICKACK on after each read, if any
         self._parser = httptools.HttpResponseParser(self)
         self.phase = _IDLE
         self.requests = 0  # sent on this connection so far
@@ -176,10 +168,6 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment] (uvloop's is not a subclass)
-        if self._pool.settings.quickack and _QUICKACK is not None:
-            sock = transport.get_extra_info("socket")
-            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-                self._quickack = sock
 
     def data_received(self, data: bytes) -> None:
         if self.phase not in _ANSWERING:
@@ -188,12 +176,6 @@ class UpstreamConnection(asyncio.Protocol):
             self.abort()
             return
         self._got_bytes = True
-        if self._quickack is not None:
-            # Linux clears quick-ACK mode as it pleases, so it is set again after every read
-            try:
-                self._quickack.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 1)
-            except OSError:
-                self._quickack = None
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError:
