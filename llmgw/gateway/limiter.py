@@ -1,0 +1,366 @@
+"""Limiter: every limit that applies to a request, spent from shares this router claims on
+the counter stream that all routers add to (budget.py says how a share works).
+
+Admitting a request spends from the shares this router holds: no NATS round trip, except
+the one claim in every `share` units. A claim is one atomic increment on the counter
+(`Counter.add`: a JetStream publish with `Nats-Incr`, llmgw/bus/counters.py).
+
+When the counters cannot be reached, the operator chooses (`offline`):
+- "serve" (the default): keep admitting from the shares already held, for at most
+  `serve_offline_for` seconds; past them, or once the shares are spent, answer 503.
+  Nothing admitted is ever beyond what the counter granted, so a cut-off router cannot
+  make the fleet pass a limit: it only stops sooner.
+- "refuse": answer 503 to every limited request until the counters answer again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from llmgw.bus import keys
+from llmgw.errors import LlmgwError
+
+from . import refusals
+from .budget import Budget, Dimension
+from .refusals import RateHeaders, Refusal
+from .table import Identity
+
+log = logging.getLogger(__name__)
+
+Offline = Literal["serve", "refuse"]
+
+
+class Counter(Protocol):
+    """The counter stream, as the limiter needs it (llmgw/bus/counters.py)."""
+
+    async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
+        """Add `delta` to `subject`'s total; the new total. Raises on failure."""
+        ...
+
+
+@dataclass(frozen=True)
+class LimitSettings:
+    share: float = 0.01  # of a limit, claimed at a time
+    offline: Offline = "serve"
+    serve_offline_for: float = 300.0
+    claim_timeout: float = 0.5  # a claim not answered by then: the counters are away
+    retry_claims_after: float = 1.0  # while away, claim again this often, not per request
+
+
+@dataclass(frozen=True, slots=True)
+class _Need:
+    budget: Budget
+    units: int
+    scope: str  # "key k1", "team t", "key k1 on model m": for messages
+
+
+@dataclass
+class Held:
+    """What one admitted request holds: hand it back with `settle` (once)."""
+
+    limiter: Limiter
+    taken: list[tuple[Budget, int, int]]  # budget, window, units
+    tokens: int  # tokens reserved
+    rate: RateHeaders | None
+    charged: int = 0  # tokens charged past the reservation (a stream running long)
+    settled: bool = False
+    _token_budgets: list[tuple[Budget, str]] = field(default_factory=list)
+
+    async def progress(self, used: int) -> bool:
+        """A stream has used `used` tokens so far: charge what passes the reservation as it
+        comes. False when the limits refuse more (the router ends the stream)."""
+        extra = used - self.tokens - self.charged
+        if extra <= 0 or not self._token_budgets:
+            return True
+        needs = [_Need(b, extra, scope) for b, scope in self._token_budgets]
+        refused = await self.limiter._take(needs, self.limiter.clock())
+        if refused is not None:
+            return False
+        self.charged += extra
+        for b, _ in self._token_budgets:
+            self.taken.append((b, b.window, extra))
+        return True
+
+    def settle(self, used_tokens: int | None) -> None:
+        """The request is over: give back what it reserved and did not use (its usage in
+        `used_tokens`; None: unknown, the reservation stands), charge what it used past it,
+        and free its place in flight."""
+        if self.settled:
+            return
+        self.settled = True
+        reserved_tokens = self.tokens + self.charged
+        for budget, window, units in self.taken:
+            if budget.dimension is Dimension.PARALLEL:
+                budget.give_back(units, window)
+        if used_tokens is None:
+            return
+        diff = used_tokens - reserved_tokens
+        for budget, _scope in self._token_budgets:
+            if diff < 0:
+                window = next((w for b, w, _ in self.taken if b is budget), budget.window)
+                budget.give_back(-diff, window)
+            elif diff > 0:
+                budget.roll(time.time())
+                beyond = budget.force(diff)
+                if beyond:
+                    self.limiter.owe(budget.window_subject(), beyond)
+
+
+class Limiter:
+    def __init__(
+        self,
+        counter: Counter,
+        settings: LimitSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.counter = counter
+        self.settings = settings or LimitSettings()
+        self.clock = clock
+        self._budgets: dict[str, Budget] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._owed: dict[str, int] = {}  # counter subject -> units to add when it answers
+        self.offline_since: float | None = None
+        self._last_attempt = 0.0
+
+    # --- which limits apply ------------------------------------------------------------
+
+    def _budget(self, subject: str, dimension: Dimension, limit: int) -> Budget:
+        b = self._budgets.get(subject)
+        if b is None:
+            b = self._budgets[subject] = Budget.new(subject, dimension, limit, self.settings.share)
+            self._locks[subject] = asyncio.Lock()
+        else:
+            b.relimit(limit, self.settings.share)
+        return b
+
+    def _needs(self, identity: Identity, model: str, tokens: int) -> list[_Need]:
+        scopes = [(f"key {identity.name}", f"key.{identity.name}", identity.key.limits)]
+        if identity.team is not None:
+            t = identity.team
+            scopes.append((f"team {t.team}", f"team.{t.team}", t.limits))
+        scopes.append(
+            (
+                f"key {identity.name} on model {model}",
+                f"keymodel.{identity.name}.{keys.name_token(model)}",
+                identity.key.model_limits,
+            )
+        )
+        out = []
+        for scope, path, limits in scopes:
+            for dimension, limit, units in (
+                (Dimension.REQUESTS, limits.rpm, 1),
+                (Dimension.TOKENS, limits.tpm, tokens),
+                (Dimension.DAY, limits.tokens_per_day, tokens),
+                (Dimension.PARALLEL, limits.max_parallel, 1),
+            ):
+                if limit is None:
+                    continue
+                subject = f"{keys.LIMITS_ROOT}.{path}.{dimension.value}"
+                out.append(_Need(self._budget(subject, dimension, limit), units, scope))
+        return out
+
+    # --- admitting ---------------------------------------------------------------------
+
+    async def admit(self, identity: Identity, model: str, tokens: int) -> Held | Refusal:
+        """Spend one request and `tokens` (the prompt and the most it may generate) from
+        every limit of `identity` on `model`, or say which limit refuses it."""
+        now = self.clock()
+        needs = self._needs(identity, model, tokens)
+        if not needs:
+            return Held(self, [], tokens, None)
+        for n in needs:
+            if not n.budget.fits(n.units):
+                return self._refusal(n, now, never_fits=True)
+        refused = await self._take(needs, now)
+        if refused is not None:
+            return refused
+        held = Held(
+            self,
+            [(n.budget, n.budget.window, n.units) for n in needs],
+            tokens,
+            self._rate(needs, now),
+        )
+        held._token_budgets = [
+            (n.budget, n.scope)
+            for n in needs
+            if n.budget.dimension in (Dimension.TOKENS, Dimension.DAY)
+        ]
+        return held
+
+    async def _take(self, needs: list[_Need], now: float) -> Refusal | None:
+        """Spend every need, claiming shares for those this router holds too little of; all
+        or nothing."""
+        for n in needs:
+            n.budget.roll(now)
+        if self._offline_too_long(now):
+            return refusals.limits_unavailable(
+                f"not answering for {now - (self.offline_since or now):.0f} s"
+            )
+        spent: list[_Need] = []
+        short = []
+        for n in needs:
+            (spent if n.budget.try_spend(n.units) else short).append(n)
+        if short:
+            if self.offline_since is not None and self.settings.offline == "refuse":
+                self._undo(spent)
+                return refusals.limits_unavailable("they did not answer")
+            results = await asyncio.gather(*(self._claim(n) for n in short))
+            for n, ok in zip(short, results, strict=True):
+                if ok is None:  # the counters are away
+                    self._undo(spent)
+                    return refusals.limits_unavailable("they did not answer")
+                if not n.budget.try_spend(n.units):
+                    self._undo(spent)
+                    return self._refusal(n, now)
+                spent.append(n)
+        return None
+
+    def _undo(self, spent: list[_Need]) -> None:
+        for n in spent:
+            n.budget.give_back(n.units, n.budget.window)
+
+    async def _claim(self, n: _Need) -> bool | None:
+        """Claim a share of `n`'s budget: True when it holds enough now, False when the limit
+        refuses, None when the counters cannot be reached."""
+        b = n.budget
+        async with self._locks[b.subject]:
+            if b.spent + n.units <= b.granted:
+                return True  # another request's claim brought enough meanwhile
+            now = self.clock()
+            if self.offline_since is not None and now - self._last_attempt < (
+                self.settings.retry_claims_after
+            ):
+                return None
+            if (
+                not b.dimension.carries  # places in flight come back; minutes never do
+                and b.total >= b.limit
+                and b.window == int(now // b.dimension.window_s)
+            ):
+                return False  # the fleet has claimed it all: no need to ask again
+            self._last_attempt = now
+            subject, asked = b.window_subject(), b.to_claim(n.units)
+            try:
+                total = await asyncio.wait_for(
+                    self.counter.add(subject, asked), self.settings.claim_timeout
+                )
+            except (LlmgwError, TimeoutError, OSError) as e:
+                self._went_offline(now, e)
+                return None
+            self._back_online()
+            back = b.claimed(asked, total)
+            if back:
+                try:
+                    await asyncio.wait_for(
+                        self.counter.add(subject, -back), self.settings.claim_timeout
+                    )
+                except (LlmgwError, TimeoutError, OSError):
+                    self.owe(subject, -back)
+            return b.spent + n.units <= b.granted
+
+    def _went_offline(self, now: float, e: BaseException) -> None:
+        if self.offline_since is None:
+            self.offline_since = now
+            log.warning(
+                "rate-limit counters not answering (%s): %s",
+                e or type(e).__name__,
+                "serving on the shares held"
+                if self.settings.offline == "serve"
+                else "refusing limited requests (503)",
+            )
+
+    def _back_online(self) -> None:
+        if self.offline_since is not None:
+            log.warning("rate-limit counters answer again")
+            self.offline_since = None
+
+    def _offline_too_long(self, now: float) -> bool:
+        return (
+            self.offline_since is not None
+            and now - self.offline_since > self.settings.serve_offline_for
+        )
+
+    def cut_off(self, now: float | None = None) -> None:
+        """The shell lost NATS: act as if a claim had failed now."""
+        if self.offline_since is None:
+            self._went_offline(self.clock() if now is None else now, ConnectionError("cut off"))
+
+    def reconnected(self) -> None:
+        """The shell has NATS again: claim at the next need."""
+        self._back_online()
+        self._last_attempt = 0.0
+
+    # --- what it says ------------------------------------------------------------------
+
+    def _refusal(self, n: _Need, now: float, never_fits: bool = False) -> Refusal:
+        b = n.budget
+        rate = self._rate([n], now)
+        retry = max(0.001, b.reset_in(now)) if b.window >= 0 else float(b.dimension.window_s)
+        if never_fits:
+            return Refusal(
+                429,
+                "tokens",
+                "rate_limit_exceeded",
+                f"this request needs {n.units} tokens (its prompt and max_tokens) but {n.scope} "
+                f"may use {b.limit} per {'day' if b.dimension is Dimension.DAY else 'minute'}; "
+                "lower max_tokens",
+                retry_after=None,
+                rate=rate,
+            )
+        if b.dimension is Dimension.DAY:
+            return refusals.out_of_quota(n.scope, b.limit, retry, rate)
+        if b.dimension is Dimension.PARALLEL:
+            return refusals.rate_limited(n.scope, "requests_in_flight", b.limit, 1.0, rate)
+        what = "requests" if b.dimension is Dimension.REQUESTS else "tokens"
+        return refusals.rate_limited(n.scope, what, b.limit, retry, rate)
+
+    def _rate(self, needs: list[_Need], now: float) -> RateHeaders | None:
+        """The tightest request limit and token limit among `needs`."""
+        req = [n.budget for n in needs if n.budget.dimension is Dimension.REQUESTS]
+        tok = [n.budget for n in needs if n.budget.dimension is Dimension.TOKENS]
+        if not req and not tok:
+            return None
+        r = min(req, key=Budget.remaining, default=None)
+        t = min(tok, key=Budget.remaining, default=None)
+        return RateHeaders(
+            limit_requests=r.limit if r else None,
+            remaining_requests=r.remaining() if r else None,
+            reset_requests=r.reset_in(now) if r else None,
+            limit_tokens=t.limit if t else None,
+            remaining_tokens=t.remaining() if t else None,
+            reset_tokens=t.reset_in(now) if t else None,
+        )
+
+    # --- units owed to the counter -----------------------------------------------------
+
+    def owe(self, subject: str, units: int) -> None:
+        self._owed[subject] = self._owed.get(subject, 0) + units
+
+    async def flush(self) -> None:
+        """Hand back places in flight no longer held, and add what is owed (tokens used past
+        reservations, give-backs that failed). The gateway's loop runs it often."""
+        now = self.clock()
+        for b in self._budgets.values():
+            if b.dimension.carries:
+                b.roll(now)
+                surplus = b.surplus()
+                if surplus:
+                    self.owe(b.window_subject(), -surplus)
+        for subject, units in list(self._owed.items()):
+            if not units:
+                self._owed.pop(subject, None)
+                continue
+            try:
+                await asyncio.wait_for(
+                    self.counter.add(subject, units), self.settings.claim_timeout
+                )
+            except (LlmgwError, TimeoutError, OSError):
+                return  # next time
+            self._owed[subject] -= units
+            if not self._owed[subject]:
+                del self._owed[subject]
