@@ -202,23 +202,22 @@ class Limiter:
             return refusals.limits_unavailable(
                 f"not answering for {now - (self.offline_since or now):.0f} s"
             )
+        if self.offline_since is not None and self.settings.offline == "refuse":
+            if not await self._answering(needs[0].budget, now):
+                return refusals.limits_unavailable("they did not answer")
         spent: list[_Need] = []
         short = []
         for n in needs:
             (spent if n.budget.try_spend(n.units) else short).append(n)
         if short:
-            if self.offline_since is not None and self.settings.offline == "refuse":
+            results = await asyncio.gather(*(self._claim(n) for n in short))
+            spent += [n for n, ok in zip(short, results, strict=True) if ok]
+            if None in results:  # the counters are away
                 self._undo(spent)
                 return refusals.limits_unavailable("they did not answer")
-            results = await asyncio.gather(*(self._claim(n) for n in short))
-            for n, ok in zip(short, results, strict=True):
-                if ok is None:  # the counters are away
-                    self._undo(spent)
-                    return refusals.limits_unavailable("they did not answer")
-                if not n.budget.try_spend(n.units):
-                    self._undo(spent)
-                    return self._refusal(n, now)
-                spent.append(n)
+            if False in results:
+                self._undo(spent)
+                return self._refusal(short[results.index(False)], now)
         return None
 
     def _undo(self, spent: list[_Need]) -> None:
@@ -226,11 +225,12 @@ class Limiter:
             n.budget.give_back(n.units, n.budget.window)
 
     async def _claim(self, n: _Need) -> bool | None:
-        """Claim a share of `n`'s budget: True when it holds enough now, False when the limit
-        refuses, None when the counters cannot be reached."""
+        """Claim a share of `n`'s budget and spend `n` from it: True when spent, False when
+        the limit refuses, None when the counters cannot be reached. One claim at a time per
+        budget: the requests waiting behind it spend from what it brought."""
         b = n.budget
         async with self._locks[b.subject]:
-            if b.spent + n.units <= b.granted:
+            if b.try_spend(n.units):
                 return True  # another request's claim brought enough meanwhile
             now = self.clock()
             if self.offline_since is not None and now - self._last_attempt < (
@@ -261,7 +261,21 @@ class Limiter:
                     )
                 except (LlmgwError, TimeoutError, OSError):
                     self.owe(subject, -back)
-            return b.spent + n.units <= b.granted
+            return b.try_spend(n.units)
+
+    async def _answering(self, b: Budget, now: float) -> bool:
+        """While away, in "refuse": ask the counter (adding 0) once per retry interval."""
+        if now - self._last_attempt < self.settings.retry_claims_after:
+            return False
+        self._last_attempt = now
+        try:
+            await asyncio.wait_for(
+                self.counter.add(b.window_subject(), 0), self.settings.claim_timeout
+            )
+        except (LlmgwError, TimeoutError, OSError):
+            return False
+        self._back_online()
+        return True
 
     def _went_offline(self, now: float, e: BaseException) -> None:
         if self.offline_since is None:
