@@ -202,15 +202,16 @@ async def _replay(
     )
     try:
         info = await classify.answer(sub.consumer_info(), f"read stream {stream}")
-        pending = info.num_pending
-        while follow or pending > 0:
+        # a push consumer may have delivered some already: those are not pending any more
+        left = info.num_pending + info.delivered.consumer_seq
+        while follow or left > 0:
             try:
                 msg = await sub.next_msg(timeout=_TIMEOUT if not follow else 3600)
             except nats.errors.TimeoutError:
                 if follow:
                     continue
                 break
-            pending = msg.metadata.num_pending
+            left = msg.metadata.num_pending
             yield msg
     finally:
         try:
