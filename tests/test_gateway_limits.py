@@ -323,3 +323,21 @@ async def test_the_openai_client_raises_its_usual_exceptions_with_the_gateway_s_
     assert seen["429"]["x-ratelimit-remaining-tokens"] == "19000"
     assert seen["429"]["x-ratelimit-reset-tokens"] == "30s"
     assert json.loads(answers["403"].body())["error"]["allowed_models"] == ["small"]
+
+
+async def test_model_names_a_client_makes_up_cannot_grow_a_router_s_budgets_without_bound(
+    streams: Bus, nats_settings: NatsSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmgw.gateway import limiter
+
+    monkeypatch.setattr(limiter, "MAX_BUDGETS", 50)
+    secret = credentials.new_secret("k1")
+    key = records.ApiKey(
+        name="k1", secrets=[credentials.hash_secret(secret, 0)], model_limits=records.Limits(rpm=5)
+    )
+    async with router(nats_settings, Clock(), key) as (_, a):
+        for i in range(200):
+            admitted = await a.admit(authorization=f"Bearer {secret}", model=f"made-up-{i}")
+            assert isinstance(admitted, Admission)
+            admitted.finish(status=404, usage=None)
+        assert len(a.limiter._budgets) <= 50

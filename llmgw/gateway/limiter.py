@@ -33,6 +33,9 @@ from .table import Identity
 log = logging.getLogger(__name__)
 
 Offline = Literal["serve", "refuse"]
+# budgets one router keeps (a key on each model is one each): past it, all but those holding
+# places in flight are forgotten, so model names a client makes up cannot grow it
+MAX_BUDGETS = 100_000
 
 
 class Counter(Protocol):
@@ -133,11 +136,26 @@ class Limiter:
     def _budget(self, subject: str, dimension: Dimension, limit: int) -> Budget:
         b = self._budgets.get(subject)
         if b is None:
+            if len(self._budgets) >= MAX_BUDGETS:
+                self._forget_idle()
             b = self._budgets[subject] = Budget.new(subject, dimension, limit, self.settings.share)
             self._locks[subject] = asyncio.Lock()
         else:
             b.relimit(limit, self.settings.share)
         return b
+
+    def _forget_idle(self) -> None:
+        """Drop every budget but the places in flight still held: the counters keep what was
+        claimed, so a forgotten budget only loses its unspent share (safe: less is
+        admitted, never more), and a new one claims again."""
+        now = self.clock()
+        for subject, b in list(self._budgets.items()):
+            b.roll(now)
+            if (not b.dimension.carries or b.spent == 0) and not self._locks[subject].locked():
+                if b.granted and b.dimension.carries:
+                    self.owe(b.window_subject(), -b.granted)
+                del self._budgets[subject]
+                del self._locks[subject]
 
     def _needs(self, identity: Identity, model: str, tokens: int) -> list[_Need]:
         scopes = [(f"key {identity.name}", f"key.{identity.name}", identity.key.limits)]
