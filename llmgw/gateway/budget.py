@@ -47,6 +47,10 @@ class Budget:
     dimension: Dimension
     limit: int
     share: int
+    # the dimension's facts, kept here: read on every request (an Enum property is slow)
+    window_s: int = 60
+    carries: bool = False
+    tokens: bool = False
     window: int = -1
     granted: int = 0  # claimed on the counter in this window by this router
     spent: int = 0  # spent (or held, in flight) here in this window
@@ -55,7 +59,15 @@ class Budget:
 
     @classmethod
     def new(cls, subject: str, dimension: Dimension, limit: int, share_fraction: float) -> Budget:
-        return cls(subject, dimension, limit, _share(dimension, limit, share_fraction))
+        return cls(
+            subject,
+            dimension,
+            limit,
+            _share(dimension, limit, share_fraction),
+            window_s=dimension.window_s,
+            carries=dimension.carries,
+            tokens=dimension in (Dimension.TOKENS, Dimension.DAY),
+        )
 
     def relimit(self, limit: int, share_fraction: float) -> None:
         """The operator changed the limit: it applies from the next request."""
@@ -64,19 +76,19 @@ class Budget:
             self.share = _share(self.dimension, limit, share_fraction)
 
     def roll(self, now: float) -> None:
-        window = int(now // self.dimension.window_s)
+        window = int(now // self.window_s)
         if window != self.window:
             self.window = window
             self.granted = 0
             self.total = 0
-            if not self.dimension.carries:
+            if not self.carries:
                 self.spent = 0
 
     def window_subject(self) -> str:
         return f"{self.subject}.{self.window}"
 
     def reset_in(self, now: float) -> float:
-        return (self.window + 1) * self.dimension.window_s - now
+        return (self.window + 1) * self.window_s - now
 
     def try_spend(self, units: int) -> bool:
         """Spend from what this router holds; False if it holds too little."""
@@ -98,7 +110,7 @@ class Budget:
     def give_back(self, units: int, window: int) -> None:
         """Units spent in `window` were not used after all (a reservation larger than the
         usage, a request no longer in flight): they can be spent again here."""
-        if window == self.window or self.dimension.carries:
+        if window == self.window or self.carries:
             self.spent = max(0, self.spent - units)
 
     def to_claim(self, units: int) -> int:
@@ -125,7 +137,7 @@ class Budget:
 
     def surplus(self) -> int:
         """In flight: places claimed and no longer held, which other routers may need."""
-        if not self.dimension.carries or self.granted <= self.spent:
+        if not self.carries or self.granted <= self.spent:
             return 0
         surplus = self.granted - self.spent
         self.granted = self.spent

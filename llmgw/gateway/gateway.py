@@ -84,7 +84,7 @@ class Admission:
 
     def headers(self) -> dict[str, str]:
         """x-ratelimit-* for a limited key, on every answer."""
-        rate = self.held.rate if self.held is not None else None
+        rate = self.held.rate() if self.held is not None else None
         return rate.headers() if rate is not None else {}
 
     async def progress(self, completion_tokens: int) -> bool:

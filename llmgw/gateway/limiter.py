@@ -69,10 +69,15 @@ class Held:
     limiter: Limiter
     taken: list[tuple[Budget, int, int]]  # budget, window, units
     tokens: int  # tokens reserved
-    rate: RateHeaders | None
+    needs: list[_Need]
+    at: float  # when admitted
     charged: int = 0  # tokens charged past the reservation (a stream running long)
     settled: bool = False
     _token_budgets: list[tuple[Budget, str]] = field(default_factory=list)
+
+    def rate(self) -> RateHeaders | None:
+        """The x-ratelimit-* figures of this request's tightest limits, as of now."""
+        return self.limiter._rate(self.needs, self.at) if self.needs else None
 
     async def progress(self, used: int) -> bool:
         """A stream has used `used` tokens so far: charge what passes the reservation as it
@@ -98,7 +103,7 @@ class Held:
         self.settled = True
         reserved_tokens = self.tokens + self.charged
         for budget, window, units in self.taken:
-            if budget.dimension is Dimension.PARALLEL:
+            if budget.carries:
                 budget.give_back(units, window)
         if used_tokens is None:
             return
@@ -126,6 +131,7 @@ class Limiter:
         self.settings = settings or LimitSettings()
         self.clock = clock
         self._budgets: dict[str, Budget] = {}
+        self._plans: dict[tuple[str, str], tuple[object, object, list[tuple[Budget, str]]]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._owed: dict[str, int] = {}  # counter subject -> units to add when it answers
         self.offline_since: float | None = None
@@ -149,6 +155,7 @@ class Limiter:
         claimed, so a forgotten budget only loses its unspent share (safe: less is
         admitted, never more), and a new one claims again."""
         now = self.clock()
+        self._plans.clear()
         for subject, b in list(self._budgets.items()):
             b.roll(now)
             if (not b.dimension.carries or b.spent == 0) and not self._locks[subject].locked():
@@ -157,7 +164,12 @@ class Limiter:
                 del self._budgets[subject]
                 del self._locks[subject]
 
-    def _needs(self, identity: Identity, model: str, tokens: int) -> list[_Need]:
+    def _plan(self, identity: Identity, model: str) -> list[tuple[Budget, str]]:
+        """The budgets of `identity` on `model` and the scope each says in a refusal;
+        remembered until its key's or team's record changes."""
+        cached = self._plans.get((identity.name, model))
+        if cached is not None and cached[0] is identity.key and cached[1] is identity.team:
+            return cached[2]
         scopes = [(f"key {identity.name}", f"key.{identity.name}", identity.key.limits)]
         if identity.team is not None:
             t = identity.team
@@ -169,19 +181,21 @@ class Limiter:
                 identity.key.model_limits,
             )
         )
-        out = []
+        plan = []
         for scope, path, limits in scopes:
-            for dimension, limit, units in (
-                (Dimension.REQUESTS, limits.rpm, 1),
-                (Dimension.TOKENS, limits.tpm, tokens),
-                (Dimension.DAY, limits.tokens_per_day, tokens),
-                (Dimension.PARALLEL, limits.max_parallel, 1),
+            for dimension, limit in (
+                (Dimension.REQUESTS, limits.rpm),
+                (Dimension.TOKENS, limits.tpm),
+                (Dimension.DAY, limits.tokens_per_day),
+                (Dimension.PARALLEL, limits.max_parallel),
             ):
-                if limit is None:
-                    continue
-                subject = f"{keys.LIMITS_ROOT}.{path}.{dimension.value}"
-                out.append(_Need(self._budget(subject, dimension, limit), units, scope))
-        return out
+                if limit is not None:
+                    subject = f"{keys.LIMITS_ROOT}.{path}.{dimension.value}"
+                    plan.append((self._budget(subject, dimension, limit), scope))
+        if len(self._plans) >= MAX_BUDGETS:
+            self._plans.clear()
+        self._plans[identity.name, model] = (identity.key, identity.team, plan)
+        return plan
 
     # --- admitting ---------------------------------------------------------------------
 
@@ -189,26 +203,18 @@ class Limiter:
         """Spend one request and `tokens` (the prompt and the most it may generate) from
         every limit of `identity` on `model`, or say which limit refuses it."""
         now = self.clock()
-        needs = self._needs(identity, model, tokens)
-        if not needs:
-            return Held(self, [], tokens, None)
+        plan = self._plan(identity, model)
+        if not plan:
+            return Held(self, [], tokens, [], now)
+        needs = [_Need(b, tokens if b.tokens else 1, scope) for b, scope in plan]
         for n in needs:
             if not n.budget.fits(n.units):
                 return self._refusal(n, now, never_fits=True)
         refused = await self._take(needs, now)
         if refused is not None:
             return refused
-        held = Held(
-            self,
-            [(n.budget, n.budget.window, n.units) for n in needs],
-            tokens,
-            self._rate(needs, now),
-        )
-        held._token_budgets = [
-            (n.budget, n.scope)
-            for n in needs
-            if n.budget.dimension in (Dimension.TOKENS, Dimension.DAY)
-        ]
+        held = Held(self, [(n.budget, n.budget.window, n.units) for n in needs], tokens, needs, now)
+        held._token_budgets = [(b, scope) for b, scope in plan if b.tokens]
         return held
 
     async def _take(self, needs: list[_Need], now: float) -> Refusal | None:
@@ -353,18 +359,26 @@ class Limiter:
 
     def _rate(self, needs: list[_Need], now: float) -> RateHeaders | None:
         """The tightest request limit and token limit among `needs`."""
-        req = [n.budget for n in needs if n.budget.dimension is Dimension.REQUESTS]
-        tok = [n.budget for n in needs if n.budget.dimension is Dimension.TOKENS]
-        if not req and not tok:
+        r = t = None
+        r_left = t_left = 0
+        for n in needs:  # one pass: on every answer to a limited key
+            b = n.budget
+            if b.dimension is Dimension.REQUESTS:
+                left = b.remaining()
+                if r is None or left < r_left:
+                    r, r_left = b, left
+            elif b.dimension is Dimension.TOKENS:
+                left = b.remaining()
+                if t is None or left < t_left:
+                    t, t_left = b, left
+        if r is None and t is None:
             return None
-        r = min(req, key=Budget.remaining, default=None)
-        t = min(tok, key=Budget.remaining, default=None)
         return RateHeaders(
             limit_requests=r.limit if r else None,
-            remaining_requests=r.remaining() if r else None,
+            remaining_requests=r_left if r else None,
             reset_requests=r.reset_in(now) if r else None,
             limit_tokens=t.limit if t else None,
-            remaining_tokens=t.remaining() if t else None,
+            remaining_tokens=t_left if t else None,
             reset_tokens=t.reset_in(now) if t else None,
         )
 

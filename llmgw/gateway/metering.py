@@ -83,6 +83,9 @@ class Meter:
         self._ids = itertools.count()
         self._pending: dict[str, int] = {}
         self._sending: dict[str, tuple[int, str]] = {}  # subject -> (delta, message id)
+        # the four subjects of (hour, team, key, model), built once each
+        self._subjects: dict[tuple[str, str | None, str | None, str], tuple[str, ...]] = {}
+        self._hour_at, self._hour_token = -1, ""
 
     def record(
         self,
@@ -95,11 +98,23 @@ class Meter:
         cached: int = 0,
         now: float | None = None,
     ) -> None:
-        hour = hour_token(time.time() if now is None else now)
-        for kind, n in zip(KINDS, (1, prompt, completion, cached), strict=True):
+        hour = self._hour(time.time() if now is None else now)
+        subjects = self._subjects.get((hour, team, key, model))
+        if subjects is None:
+            if len(self._subjects) >= 10_000:
+                self._subjects.clear()
+            subjects = tuple(usage_subject(hour, team, key, model, kind) for kind in KINDS)
+            self._subjects[hour, team, key, model] = subjects
+        pending = self._pending
+        for subject, n in zip(subjects, (1, prompt, completion, cached), strict=True):
             if n:
-                subject = usage_subject(hour, team, key, model, kind)
-                self._pending[subject] = self._pending.get(subject, 0) + n
+                pending[subject] = pending.get(subject, 0) + n
+
+    def _hour(self, now: float) -> str:
+        hour = int(now // 3600)
+        if hour != self._hour_at:
+            self._hour_at, self._hour_token = hour, hour_token(now)
+        return self._hour_token
 
     def pending(self) -> int:
         return sum(self._pending.values()) + sum(d for d, _ in self._sending.values())

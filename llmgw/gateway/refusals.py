@@ -18,6 +18,8 @@ def duration(seconds: float) -> str:
     if seconds < 1:
         return f"{max(0, math.ceil(seconds * 1000))}ms"
     s = math.ceil(seconds)
+    if s < 60:
+        return f"{s}s"
     h, rest = divmod(s, 3600)
     m, sec = divmod(rest, 60)
     if h:
@@ -40,14 +42,15 @@ class RateHeaders:
     reset_tokens: float | None = None
 
     def headers(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for what in ("requests", "tokens"):
-            limit = getattr(self, f"limit_{what}")
-            if limit is None:
-                continue
-            out[f"x-ratelimit-limit-{what}"] = str(limit)
-            out[f"x-ratelimit-remaining-{what}"] = str(max(0, getattr(self, f"remaining_{what}")))
-            out[f"x-ratelimit-reset-{what}"] = duration(getattr(self, f"reset_{what}") or 0.0)
+        out: dict[str, str] = {}  # on every answer to a limited key: written out, no loop
+        if self.limit_requests is not None:
+            out["x-ratelimit-limit-requests"] = str(self.limit_requests)
+            out["x-ratelimit-remaining-requests"] = str(max(0, self.remaining_requests or 0))
+            out["x-ratelimit-reset-requests"] = duration(self.reset_requests or 0.0)
+        if self.limit_tokens is not None:
+            out["x-ratelimit-limit-tokens"] = str(self.limit_tokens)
+            out["x-ratelimit-remaining-tokens"] = str(max(0, self.remaining_tokens or 0))
+            out["x-ratelimit-reset-tokens"] = duration(self.reset_tokens or 0.0)
         return out
 
 

@@ -14,13 +14,16 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from llmgw.bus import keys
+from llmgw.bus import keys, records
 from llmgw.bus.records import ApiKey, Team
 
 from . import credentials, refusals
 from .refusals import Refusal
 
 SERVE_KNOWN_FOR = 300.0
+# secrets already checked against the record they matched: a request with one costs a dict
+# lookup, not a SHA-256; dropped whole when full (a flood of wrong secrets is never added)
+MAX_CHECKED = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,7 @@ class KeyTable:
         self._keys: dict[str, ApiKey] = {}
         self._teams: dict[str, Team] = {}
         self._cut_off_since: float | None = None
+        self._checked: dict[str, tuple[ApiKey, records.SecretHash]] = {}
 
     # --- fed by the watch --------------------------------------------------------------
 
@@ -139,9 +143,8 @@ class KeyTable:
         secret = bearer(authorization)
         if secret is None:
             return refusals.unauthenticated("no API key given")
-        name = credentials.name_of(secret)
-        record = self._keys.get(name) if name is not None else None
-        if record is None or not any(credentials.matches(s, secret, now) for s in record.secrets):
+        record = self._match(secret, now)
+        if record is None:
             return refusals.unauthenticated("incorrect API key provided")
         if record.revoked_at is not None and now >= record.revoked_at:
             return refusals.unauthenticated(f"API key {record.name} was revoked")
@@ -149,6 +152,28 @@ class KeyTable:
             return refusals.unauthenticated(f"API key {record.name} has expired")
         team = self._teams.get(record.team) if record.team else None
         return Identity(record, team)
+
+    def _match(self, secret: str, now: float) -> ApiKey | None:
+        """The record `secret` is a secret of, now (a rotated one only within its grace)."""
+        checked = self._checked.get(secret)
+        if checked is not None:
+            record, stored = checked
+            name = record.name
+            if self._keys.get(name) is record:  # the record it matched is still the one held
+                if stored.valid_until is None or now < stored.valid_until:
+                    return record
+                return None
+        name = credentials.name_of(secret)
+        record = self._keys.get(name) if name is not None else None
+        if record is None:
+            return None
+        stored = next((s for s in record.secrets if credentials.matches(s, secret, now)), None)
+        if stored is None:
+            return None
+        if len(self._checked) >= MAX_CHECKED:
+            self._checked.clear()
+        self._checked[secret] = (record, stored)
+        return record
 
     def authorize(self, identity: Identity, model: str) -> Refusal | None:
         if identity.may_use(model):
