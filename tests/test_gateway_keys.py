@@ -303,3 +303,30 @@ async def _ok(g: Gateway, secret: str) -> bool:
 
 async def _refused(g: Gateway, secret: str) -> bool:
     return await _answers(g, secret) == 401
+
+
+async def test_key_and_team_set_change_only_what_they_are_given(
+    nats_server: EmbeddedNats, bus: Bus
+) -> None:
+    url = nats_server.url
+    assert llmgw("team", "create", "ml", "--rpm", "100", "--tpm", "5000", url=url).returncode == 0
+    made = llmgw("key", "create", "k", "--team", "ml", "--rpm", "10", "--tpm", "99", url=url)
+    assert made.returncode == 0, made.stderr
+    changed = llmgw(
+        "key", "set", "k", "--rpm", "none", "--models", "a,b", "--model-rpm", "3", url=url
+    )
+    assert changed.returncode == 0, changed.stderr
+    team = llmgw("team", "set", "ml", "--tpm", "none", "--max-parallel", "4", url=url)
+    assert team.returncode == 0, team.stderr
+    k = await bus.get(keys.apikey("k"), lambda b: records.decode(b, records.ApiKey))
+    t = await bus.get(keys.team("ml"), lambda b: records.decode(b, records.Team))
+    assert k is not None and t is not None
+    assert k.value.limits == records.Limits(tpm=99)
+    assert k.value.model_limits == records.Limits(rpm=3) and k.value.models == ["a", "b"]
+    assert t.value.limits == records.Limits(rpm=100, max_parallel=4)
+    bad = llmgw("key", "set", "k", "--rpm", "0", url=url)
+    assert bad.returncode == 2 and "'none' removes the limit" in bad.stderr
+    missing = llmgw("key", "revoke", "nobody", url=url)
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    listed = json.loads(llmgw("key", "ls", "--team", "ml", "--json", url=url).stdout)
+    assert [x["name"] for x in listed] == ["k"]

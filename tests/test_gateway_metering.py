@@ -146,6 +146,7 @@ async def test_the_audit_trail_holds_one_record_per_request_and_no_text_or_secre
     assert isinstance(anonymous, Refusal) and anonymous.status == 401
     await g.flush()
     assert g.audit_waiting() == 0
+    assert g.tokens == {("ml", "tiny"): [12, 34, 5]}  # for /metrics: only what ran
 
     found = [r async for r in AuditTrail(bus).read(since=time.time() - 60)]
     assert [(r.key, r.model, r.status) for r in found] == [

@@ -27,6 +27,7 @@ async def follow(bus: Any, gateway: Gateway) -> None:
     (cut off: the table's copy may miss a revocation from then on). The watches are started
     afresh as soon as the connection is back, so a revocation made meanwhile is heard
     within a second of it (a watch left to restart itself can wait out a request timeout)."""
+    said = False
     while True:
         synced: set[str] = set()
         async with anyio.create_task_group() as tg:
@@ -40,6 +41,16 @@ async def follow(bus: Any, gateway: Gateway) -> None:
                     if len(synced) == 2:
                         gateway.table.caught_up()
                         gateway.limiter.reconnected()
+                        nonlocal said
+                        if not said:
+                            said = True
+                            log.warning(
+                                "%s",
+                                "API keys required: the bucket holds keys"
+                                if gateway.enabled
+                                else "no API keys in the bucket: serving every client "
+                                "(`llmgw key create NAME` to require keys)",
+                            )
 
             tg.start_soon(watch, keys.APIKEYS, records.ApiKey)
             tg.start_soon(watch, keys.TEAMS, records.Team)

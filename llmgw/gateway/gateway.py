@@ -113,6 +113,12 @@ class Admission:
         key = self.identity.name if self.identity else None
         team = self.identity.team_name if self.identity else None
         u = usage or Usage()
+        tally = g.tokens.get((team or "", self.model))
+        if tally is None:
+            tally = g.tokens[team or "", self.model] = [0, 0, 0]
+        tally[0] += u.prompt
+        tally[1] += u.completion
+        tally[2] += u.cached
         g.meter.record(
             team=team,
             key=key,
@@ -160,6 +166,9 @@ class Gateway:
         self.table = KeyTable(clock=clock, serve_known_for=self.settings.serve_known_for)
         self.limiter = Limiter(counter, self.settings.limits, clock=clock)
         self.meter = Meter(router)
+        # tokens per (team, model) since start, for /metrics and the fleet page: team names
+        # come from the bucket, models from the router's table, never from a client
+        self.tokens: dict[tuple[str, str], list[int]] = {}
         self._audit: deque[tuple[str, AuditRecord]] = deque()
         self._audit_prefix = f"{router}.{os.getpid()}.{os.urandom(4).hex()}"
         self._audit_ids = itertools.count()
