@@ -6,7 +6,7 @@ router has claimed in it. A router claims a share (`Nats-Incr: +n`), and the ans
 new total: what it got is what fits under the limit, and anything past the limit it gives
 back at once. It then spends from what it got without asking anyone. So the routers
 together never admit more than the limit in a window; what they leave unused is at most the
-unspent shares (each router's `granted - spent`), which is why shares are small (1% of the
+unspent shares (each router's `granted - spent`), which is why shares are small (0.5% of the
 limit by default). All of this is arithmetic on numbers given to it: the Limiter does the
 claiming (llmgw/gateway/limiter.py).
 

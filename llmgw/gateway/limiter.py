@@ -48,7 +48,7 @@ class Counter(Protocol):
 
 @dataclass(frozen=True)
 class LimitSettings:
-    share: float = 0.01  # of a limit, claimed at a time
+    share: float = 0.005  # of a limit, claimed at a time: routers x share may go unused
     offline: Offline = "serve"
     serve_offline_for: float = 300.0
     claim_timeout: float = 0.5  # a claim not answered by then: the counters are away
@@ -113,7 +113,7 @@ class Held:
                 window = next((w for b, w, _ in self.taken if b is budget), budget.window)
                 budget.give_back(-diff, window)
             elif diff > 0:
-                budget.roll(time.time())
+                budget.roll(self.limiter.clock())
                 beyond = budget.force(diff)
                 if beyond:
                     self.limiter.owe(budget.window_subject(), beyond)
