@@ -195,3 +195,33 @@ def test_a_stream_asks_for_usage_and_the_usage_chunk_is_told_apart() -> None:
     assert usage.of_json(chunk) == usage.Usage(3, 4, 2)
     assert not usage.is_usage_only_chunk(b'{"choices":[{"delta":{"content":"hi"}}]}')
     assert usage.of_json(b"not json") is None
+
+
+async def test_audit_follow_prints_records_as_they_come(
+    bus: Bus, nats_server: EmbeddedNats
+) -> None:
+    await ensure_streams(bus)
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "llmgw.cli", "audit", "--follow", "--since", "1m"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"LLMGW_NATS": nats_server.url, "PATH": "/usr/bin:/bin"},
+    )
+    try:
+        await anyio.sleep(2)  # most likely following by now (were it not, --since finds it)
+        record = records.AuditRecord(time=time.time(), key="k", model="m", status=429)
+        await AuditTrail(bus).append([("one", record)])
+        with anyio.fail_after(20):
+            line = await anyio.to_thread.run_sync(follow.stdout.readline)  # type: ignore[union-attr]
+        assert json.loads(line)["status"] == 429
+    finally:
+        follow.terminate()
+        follow.wait(5)
+
+
+async def test_a_stream_of_that_name_that_is_no_counter_is_refused_naming_the_fix(bus: Bus) -> None:
+    from nats.js.api import StreamConfig
+
+    await bus.js.add_stream(StreamConfig(name=keys.LIMITS_STREAM, subjects=["llmgw.limits.>"]))
+    with pytest.raises(BusError, match="not a counter stream.*nats stream rm LLMGW_LIMITS"):
+        await ensure_streams(bus)

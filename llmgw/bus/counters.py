@@ -89,11 +89,13 @@ async def ensure_streams(bus: Bus, plan: StreamPlan | None = None) -> list[str]:
     made = []
     for config in stream_configs(plan or StreamPlan()):
         try:
-            await classify.answer(bus.js.stream_info(config.name), f"stream {config.name}")
-            continue
+            info = await classify.answer(bus.js.stream_info(config.name), f"stream {config.name}")
         except BusError as e:
             if not _not_found(e):
                 raise
+        else:
+            _check_existing(config, info.config)
+            continue
         version = bus.nc.connected_server_version
         if config.allow_msg_counter and (version.major, version.minor) < (2, 12):
             raise BusError(
@@ -103,6 +105,21 @@ async def ensure_streams(bus: Bus, plan: StreamPlan | None = None) -> list[str]:
         await classify.answer(bus.js.add_stream(config), f"create stream {config.name}")
         made.append(config.name)
     return made
+
+
+def _check_existing(wanted: StreamConfig, found: StreamConfig) -> None:
+    """A stream of that name made otherwise (by hand, by another tool) must still be one
+    llmgw can use: counters where counters are wanted, the same subjects."""
+    problems = []
+    if wanted.allow_msg_counter and not found.allow_msg_counter:
+        problems.append("it is not a counter stream (allow_msg_counter)")
+    if sorted(found.subjects or []) != sorted(wanted.subjects or []):
+        problems.append(f"its subjects are {found.subjects}, not {wanted.subjects}")
+    if problems:
+        raise BusError(
+            f"stream {wanted.name} exists but {'; '.join(problems)}: remove it with "
+            f"`nats stream rm {wanted.name}` (what it counted is lost) and run the command again"
+        )
 
 
 def _not_found(e: BusError) -> bool:
