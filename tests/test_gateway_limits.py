@@ -341,3 +341,39 @@ async def test_model_names_a_client_makes_up_cannot_grow_a_router_s_budgets_with
             assert isinstance(admitted, Admission)
             admitted.finish(status=404, usage=None)
         assert len(a.limiter._budgets) <= 50
+
+
+async def test_shares_topped_up_ahead_let_a_router_admit_without_waiting_on_nats(
+    streams: Bus, nats_settings: NatsSettings
+) -> None:
+    secret = credentials.new_secret("k1")
+    clock = Clock()
+    async with router(nats_settings, clock, _key(secret, rpm=10_000), share=0.002) as (_, a):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a.run)
+            waited = 0
+            for _ in range(300):  # shares of 20: 15 claims
+                now = a.admit_now(authorization=f"Bearer {secret}", model="m")
+                if now is None:
+                    waited += 1
+                    now = await a.admit(authorization=f"Bearer {secret}", model="m")
+                assert isinstance(now, Admission)
+                await anyio.sleep(0.005)  # clients' requests come apart: the top-up runs
+            tg.cancel_scope.cancel()
+        assert waited <= 3  # the first, and the odd top-up the machine was too slow for
+        assert a.limiter._budgets[f"{keys.LIMITS_ROOT}.key.k1.rpm"].claims >= 10
+
+
+async def test_a_relay_that_cannot_await_charges_a_stream_and_learns_when_it_passes_a_limit(
+    streams: Bus, nats_settings: NatsSettings
+) -> None:
+    secret = credentials.new_secret("k1")
+    async with router(nats_settings, Clock(), _key(secret, tpm=1000), share=0.1) as (_, a):
+        s = await a.admit(authorization=f"Bearer {secret}", model="m", max_tokens=100)
+        assert isinstance(s, Admission)
+        assert s.progress_now(100) and s.progress_now(150)  # from the share held
+        assert not s.progress_now(1200)  # past the 1,000 tokens: end the stream
+        s.finish(status=200, usage=Usage(0, 1200))
+        await a.flush()  # what it used past its shares reaches the counter
+        total = await Counters(streams).total(f"{keys.LIMITS_ROOT}.key.k1.tpm.{int(T0 // 60)}")
+        assert total >= 1200

@@ -87,6 +87,13 @@ class Admission:
         rate = self.held.rate() if self.held is not None else None
         return rate.headers() if rate is not None else {}
 
+    def progress_now(self, completion_tokens: int) -> bool:
+        """`progress` for a relay that cannot await: charged from the shares held, or all
+        the same (added to the counters in the background); False once a limit is passed."""
+        if self.held is None:
+            return True
+        return self.held.progress_now(completion_tokens)
+
     async def progress(self, completion_tokens: int) -> bool:
         """A stream's tokens so far: charged as they come past what was reserved. False
         when the limits refuse more: end the stream."""
@@ -183,6 +190,24 @@ class Gateway:
         """An update of the router's watch of `apikeys.*` / `teams.*`."""
         self.table.apply(key, value)
 
+    def admit_now(
+        self,
+        *,
+        authorization: str | None,
+        model: str,
+        prompt_chars: int = 0,
+        prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
+        client: str = "",
+        stream: bool = False,
+    ) -> Admission | Refusal | None:
+        """`admit` without waiting, for a handler that cannot await here: an Admission or a
+        Refusal, or None when a claim on the counters is due first: then `await admit(...)`
+        with the same arguments (the shares are topped up ahead, so that is rare)."""
+        return self._admit(
+            authorization, model, prompt_chars, prompt_tokens, max_tokens, client, stream
+        )
+
     async def admit(
         self,
         *,
@@ -194,6 +219,30 @@ class Gateway:
         client: str = "",
         stream: bool = False,
     ) -> Admission | Refusal:
+        """Authenticate, authorize and charge a request's limits: an Admission to carry
+        through the request, or the Refusal to answer."""
+        args = (authorization, model, prompt_chars, prompt_tokens, max_tokens, client, stream)
+        now = self._admit(*args)
+        if now is not None:
+            return now
+        identity = self.table.authenticate(authorization)
+        assert not isinstance(identity, Refusal)  # _admit returned it otherwise
+        tokens = reserve_tokens(
+            prompt_chars=prompt_chars, prompt_tokens=prompt_tokens, max_tokens=max_tokens
+        )
+        held = await self.limiter.admit(identity, model, tokens)
+        return self._outcome(held, identity, model, client, stream, self.clock())
+
+    def _admit(
+        self,
+        authorization: str | None,
+        model: str,
+        prompt_chars: int,
+        prompt_tokens: int | None,
+        max_tokens: int | None,
+        client: str,
+        stream: bool,
+    ) -> Admission | Refusal | None:
         now = self.clock()
         if not self.table.enabled:
             return Admission(self, None, None, model, client, stream, now)
@@ -208,7 +257,20 @@ class Gateway:
         tokens = reserve_tokens(
             prompt_chars=prompt_chars, prompt_tokens=prompt_tokens, max_tokens=max_tokens
         )
-        held = await self.limiter.admit(identity, model, tokens)
+        held = self.limiter.admit_now(identity, model, tokens)
+        if held is None:
+            return None
+        return self._outcome(held, identity, model, client, stream, now)
+
+    def _outcome(
+        self,
+        held: Held | Refusal,
+        identity: Identity,
+        model: str,
+        client: str,
+        stream: bool,
+        now: float,
+    ) -> Admission | Refusal:
         if isinstance(held, Refusal):
             self._refused(held, identity, model, client, stream, now)
             return held
@@ -274,11 +336,14 @@ class Gateway:
                 self._audit.popleft()
 
     async def run(self) -> None:
-        """Flush every `flush_every` seconds until cancelled (the router's task group owns
-        it); one last flush on the way out is the caller's `flush()`."""
-        while True:
-            await anyio.sleep(self.settings.flush_every)
-            try:
-                await self.flush()
-            except Exception:  # noqa: BLE001 - a bug here must not stop metering
-                log.exception("gateway flush failed")
+        """Flush every `flush_every` seconds and top up low shares as they run low, until
+        cancelled (the router's task group owns it); one last flush on the way out is the
+        caller's `flush()`."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.limiter.prefetch)
+            while True:
+                await anyio.sleep(self.settings.flush_every)
+                try:
+                    await self.flush()
+                except Exception:  # noqa: BLE001 - a bug here must not stop metering
+                    log.exception("gateway flush failed")

@@ -79,6 +79,28 @@ class Held:
         """The x-ratelimit-* figures of this request's tightest limits, as of now."""
         return self.limiter._rate(self.needs, self.at) if self.needs else None
 
+    def progress_now(self, used: int) -> bool:
+        """`progress` without waiting (a relay that cannot await): what passes the
+        reservation is spent from the shares held, or charged all the same (added to the
+        counter in the background). False once a limit is known to be passed: end the
+        stream."""
+        extra = used - self.tokens - self.charged
+        if extra <= 0 or not self._token_budgets:
+            return True
+        self.charged += extra
+        within = True
+        for b, _ in self._token_budgets:
+            b.roll(self.limiter.clock())
+            self.taken.append((b, b.window, extra))
+            if b.try_spend(extra):
+                continue
+            beyond = b.force(extra)
+            if beyond:
+                self.limiter.owe(b.window_subject(), beyond)
+                b.total += beyond
+                within = within and b.total <= b.limit
+        return within
+
     async def progress(self, used: int) -> bool:
         """A stream has used `used` tokens so far: charge what passes the reservation as it
         comes. False when the limits refuse more (the router ends the stream)."""
@@ -134,6 +156,8 @@ class Limiter:
         self._plans: dict[tuple[str, str], tuple[object, object, list[tuple[Budget, str]]]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._owed: dict[str, int] = {}  # counter subject -> units to add when it answers
+        self._low: set[str] = set()  # budgets whose share runs low: topped up by prefetch
+        self._wake = asyncio.Event()
         self.offline_since: float | None = None
         self._last_attempt = 0.0
 
@@ -199,9 +223,11 @@ class Limiter:
 
     # --- admitting ---------------------------------------------------------------------
 
-    async def admit(self, identity: Identity, model: str, tokens: int) -> Held | Refusal:
-        """Spend one request and `tokens` (the prompt and the most it may generate) from
-        every limit of `identity` on `model`, or say which limit refuses it."""
+    def admit_now(self, identity: Identity, model: str, tokens: int) -> Held | Refusal | None:
+        """`admit` without waiting: from the shares held, or refused by what this router
+        knows (the fleet has claimed a limit whole, the counters away too long); None when a
+        claim is due first (then `await admit(...)`). A share running low is topped up in
+        the background (`prefetch`), so the request path rarely waits."""
         now = self.clock()
         plan = self._plan(identity, model)
         if not plan:
@@ -210,12 +236,61 @@ class Limiter:
         for n in needs:
             if not n.budget.fits(n.units):
                 return self._refusal(n, now, never_fits=True)
+            n.budget.roll(now)
+        if self._offline_too_long(now):
+            return refusals.limits_unavailable(
+                f"not answering for {now - (self.offline_since or now):.0f} s"
+            )
+        if self.offline_since is not None and self.settings.offline == "refuse":
+            return None  # the async path asks the counters, once a second
+        spent = []
+        for n in needs:
+            if not n.budget.try_spend(n.units):
+                self._undo(spent)
+                b = n.budget
+                if not b.carries and b.total >= b.limit:
+                    return self._refusal(n, now)  # the fleet has claimed it all
+                return None
+            spent.append(n)
+        return self._held(needs, plan, tokens, now)
+
+    async def admit(self, identity: Identity, model: str, tokens: int) -> Held | Refusal:
+        """Spend one request and `tokens` (the prompt and the most it may generate) from
+        every limit of `identity` on `model`, or say which limit refuses it."""
+        now_held = self.admit_now(identity, model, tokens)
+        if now_held is not None:
+            return now_held
+        now = self.clock()
+        plan = self._plan(identity, model)
+        needs = [_Need(b, tokens if b.tokens else 1, scope) for b, scope in plan]
         refused = await self._take(needs, now)
         if refused is not None:
             return refused
+        return self._held(needs, plan, tokens, now)
+
+    def _held(
+        self, needs: list[_Need], plan: list[tuple[Budget, str]], tokens: int, now: float
+    ) -> Held:
         held = Held(self, [(n.budget, n.budget.window, n.units) for n in needs], tokens, needs, now)
         held._token_budgets = [(b, scope) for b, scope in plan if b.tokens]
+        for b, _ in plan:
+            if not b.carries and b.granted - b.spent < b.share / 2 and b.total < b.limit:
+                self._low.add(b.subject)
+        if self._low:
+            self._wake.set()
         return held
+
+    async def prefetch(self) -> None:
+        """Top up the shares running low, as `_held` finds them, until cancelled (the
+        gateway's `run` owns it)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            low, self._low = self._low, set()
+            for subject in low:
+                b = self._budgets.get(subject)
+                if b is not None and self.offline_since is None:
+                    await self._claim(_Need(b, b.granted - b.spent + 1, ""), spend=False)
 
     async def _take(self, needs: list[_Need], now: float) -> Refusal | None:
         """Spend every need, claiming shares for those this router holds too little of; all
@@ -248,14 +323,15 @@ class Limiter:
         for n in spent:
             n.budget.give_back(n.units, n.budget.window)
 
-    async def _claim(self, n: _Need) -> bool | None:
+    async def _claim(self, n: _Need, *, spend: bool = True) -> bool | None:
         """Claim a share of `n`'s budget and spend `n` from it: True when spent, False when
         the limit refuses, None when the counters cannot be reached. One claim at a time per
-        budget: the requests waiting behind it spend from what it brought."""
+        budget: the requests waiting behind it spend from what it brought. Without `spend`,
+        only make sure `n` could be spent (a top-up ahead of need)."""
         b = n.budget
         async with self._locks[b.subject]:
-            if b.try_spend(n.units):
-                return True  # another request's claim brought enough meanwhile
+            if b.spent + n.units <= b.granted:
+                return b.try_spend(n.units) if spend else True
             now = self.clock()
             if self.offline_since is not None and now - self._last_attempt < (
                 self.settings.retry_claims_after
@@ -285,7 +361,7 @@ class Limiter:
                     )
                 except (LlmgwError, TimeoutError, OSError):
                     self.owe(subject, -back)
-            return b.try_spend(n.units)
+            return b.try_spend(n.units) if spend else b.spent + n.units <= b.granted
 
     async def _answering(self, b: Budget, now: float) -> bool:
         """While away, in "refuse": ask the counter (adding 0) once per retry interval."""
