@@ -377,3 +377,22 @@ async def test_a_relay_that_cannot_await_charges_a_stream_and_learns_when_it_pas
         await a.flush()  # what it used past its shares reaches the counter
         total = await Counters(streams).total(f"{keys.LIMITS_ROOT}.key.k1.tpm.{int(T0 // 60)}")
         assert total >= 1200
+
+
+async def test_an_error_answer_without_usage_hands_its_whole_reservation_back(
+    streams: Bus, nats_settings: NatsSettings
+) -> None:
+    secret = credentials.new_secret("k1")
+    async with router(nats_settings, Clock(), _key(secret, tpm=1000), share=0.1) as (_, a):
+        failed = await a.admit(authorization=f"Bearer {secret}", model="m", max_tokens=500)
+        assert isinstance(failed, Admission)
+        failed.finish(status=502, usage=None)  # the engine failed: it generated nothing
+        kept = await a.admit(authorization=f"Bearer {secret}", model="m", max_tokens=500)
+        assert isinstance(kept, Admission)
+        kept.finish(status=200, usage=None)  # an answer without usage: its 500 stay charged
+        assert isinstance(
+            await a.admit(authorization=f"Bearer {secret}", model="m", max_tokens=450), Admission
+        )
+        assert isinstance(
+            await a.admit(authorization=f"Bearer {secret}", model="m", max_tokens=100), Refusal
+        )

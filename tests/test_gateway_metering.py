@@ -165,6 +165,11 @@ async def test_the_audit_trail_holds_one_record_per_request_and_no_text_or_secre
     assert first.ttft_s == 0.05 and first.stream and first.duration_s >= 0
     assert found[1].refused == "model_not_allowed"
 
+    kept = llmgw("audit", "--retention", "30d", url=nats_server.url)
+    assert kept.returncode == 0, kept.stderr
+    info = await bus.js.stream_info(keys.AUDIT_STREAM)
+    assert info.config.max_age == 30 * 86400
+
     out = llmgw("audit", "--key", "alice", "--since", "1h", url=nats_server.url)
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
@@ -225,3 +230,12 @@ async def test_a_stream_of_that_name_that_is_no_counter_is_refused_naming_the_fi
     await bus.js.add_stream(StreamConfig(name=keys.LIMITS_STREAM, subjects=["llmgw.limits.>"]))
     with pytest.raises(BusError, match="not a counter stream.*nats stream rm LLMGW_LIMITS"):
         await ensure_streams(bus)
+
+
+async def test_a_fleet_without_keys_meters_and_audits_nothing(bus: Bus) -> None:
+    g = _gateway(bus, "r")
+    admitted = await g.admit(authorization=None, model="tiny")
+    assert isinstance(admitted, Admission) and admitted.headers() == {}
+    admitted.finish(status=200, usage=usage.Usage(3, 4))
+    assert g.meter.pending() == 0 and g.audit_waiting() == 0
+    assert g.tokens == {("", "tiny"): [3, 4, 0]}  # /metrics still counts them

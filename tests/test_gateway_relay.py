@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from real_llama import RunningLlamaServer, serving_tiny_model, tiny_gguf
 
-from llmgw.gateway import usage
+from llmgw.bus import keys, records
+from llmgw.gateway import credentials, usage
 from llmgw.gateway.gateway import Admission, Gateway
 from llmgw.gateway.relay import MAX_LINE, GatewayTicket, UsageReader
 
@@ -96,6 +97,10 @@ async def test_the_meter_counts_what_a_real_llama_server_says_it_used(
     llama_server: RunningLlamaServer, stream: bool
 ) -> None:
     gateway = Gateway("r", _NoCounter())
+    secret = credentials.new_secret("k")  # a key without limits: metered, nothing claimed
+    gateway.apply(
+        keys.apikey("k"), records.ApiKey(name="k", secrets=[credentials.hash_secret(secret)])
+    )
     body: dict[str, object] = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "count to ten"}],
@@ -104,7 +109,7 @@ async def test_the_meter_counts_what_a_real_llama_server_says_it_used(
     }
     client_asked = usage.ask_for_usage(body)
     assert client_asked is False
-    admitted = await gateway.admit(authorization=None, model="tiny", stream=stream)
+    admitted = await gateway.admit(authorization=f"Bearer {secret}", model="tiny", stream=stream)
     assert isinstance(admitted, Admission)
     ticket = GatewayTicket(admitted, stream=stream)
     conn = http.client.HTTPConnection("127.0.0.1", llama_server.port, timeout=60)

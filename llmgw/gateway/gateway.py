@@ -109,14 +109,17 @@ class Admission:
         replica: str | None = None,
         ttft: float | None = None,
     ) -> None:
-        """Once per admitted request, however it ended (`usage` None: the engine said none,
-        and the reservation stands as charged)."""
+        """Once per admitted request, however it ended. `usage` None: the engine said none;
+        then an error answer (4xx, 5xx) generated nothing and its reservation is handed back,
+        and any other keeps its reservation as charged. A fleet without keys meters and
+        audits nothing (as before keys), and counts tokens for /metrics only."""
         if self.finished:
             return
         self.finished = True
         g = self.gateway
         if self.held is not None:
-            self.held.settle(usage.total if usage is not None else None)
+            used = usage.total if usage is not None else (0 if status >= 400 else None)
+            self.held.settle(used)
         key = self.identity.name if self.identity else None
         team = self.identity.team_name if self.identity else None
         u = usage or Usage()
@@ -126,6 +129,8 @@ class Admission:
         tally[0] += u.prompt
         tally[1] += u.completion
         tally[2] += u.cached
+        if self.identity is None:
+            return
         g.meter.record(
             team=team,
             key=key,
@@ -180,6 +185,7 @@ class Gateway:
         self._audit_prefix = f"{router}.{os.getpid()}.{os.urandom(4).hex()}"
         self._audit_ids = itertools.count()
         self.audit_dropped = 0
+        self._failed = False
 
     @property
     def enabled(self) -> bool:
@@ -322,7 +328,8 @@ class Gateway:
     async def flush(self) -> None:
         """Send what waits: the limiter's debts, the meter's counts, the audit records."""
         await self.limiter.flush()
-        await self.meter.flush(self.counter)
+        if not await self.meter.flush(self.counter):
+            self._failing("usage counts not stored")
         if self.audit_sink is None:
             self._audit.clear()
             return
@@ -330,10 +337,22 @@ class Gateway:
             batch = list(itertools.islice(self._audit, AUDIT_BATCH))
             try:
                 await self.audit_sink.append(batch)
-            except (LlmgwError, TimeoutError, OSError):
+            except (LlmgwError, TimeoutError, OSError) as e:
+                self._failing(f"audit records not stored ({e})")
                 return
             for _ in batch:
                 self._audit.popleft()
+        self._failed = False
+
+    def _failing(self, what: str) -> None:
+        if not self._failed:  # said once per outage, not every 0.2 s
+            self._failed = True
+            log.warning(
+                "%s; %d waiting, kept until NATS takes them (the streams are made by "
+                "`llmgw key|team|audit`)",
+                what,
+                len(self._audit),
+            )
 
     async def run(self) -> None:
         """Flush every `flush_every` seconds and top up low shares as they run low, until
