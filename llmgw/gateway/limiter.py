@@ -55,7 +55,7 @@ class LimitSettings:
     retry_claims_after: float = 1.0  # while away, claim again this often, not per request
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a microsecond
 class _Need:
     budget: Budget
     units: int

@@ -81,6 +81,7 @@ class KeyTable:
         self._teams: dict[str, Team] = {}
         self._cut_off_since: float | None = None
         self._checked: dict[str, tuple[ApiKey, records.SecretHash]] = {}
+        self._identities: dict[str, Identity] = {}  # one per key, while its records hold
 
     # --- fed by the watch --------------------------------------------------------------
 
@@ -95,6 +96,7 @@ class KeyTable:
                 self._keys[name] = value
             else:
                 self._keys.pop(name, None)
+                self._identities.pop(name, None)
         elif parsed.prefix == keys.TEAMS:
             if isinstance(value, Team):
                 self._teams[name] = value
@@ -151,7 +153,11 @@ class KeyTable:
         if record.expires_at is not None and now >= record.expires_at:
             return refusals.unauthenticated(f"API key {record.name} has expired")
         team = self._teams.get(record.team) if record.team else None
-        return Identity(record, team)
+        known = self._identities.get(record.name)
+        if known is not None and known.key is record and known.team is team:
+            return known
+        identity = self._identities[record.name] = Identity(record, team)
+        return identity
 
     def _match(self, secret: str, now: float) -> ApiKey | None:
         """The record `secret` is a secret of, now (a rotated one only within its grace)."""
