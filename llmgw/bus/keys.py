@@ -230,6 +230,7 @@ def token_name(token: str) -> str:
             return token
     return token
 
+
 EVENTS_ROOT = "llmgw.events"
 
 
