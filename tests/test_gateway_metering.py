@@ -239,3 +239,8 @@ async def test_a_fleet_without_keys_meters_and_audits_nothing(bus: Bus) -> None:
     admitted.finish(status=200, usage=usage.Usage(3, 4))
     assert g.meter.pending() == 0 and g.audit_waiting() == 0
     assert g.tokens == {("", "tiny"): [3, 4, 0]}  # /metrics still counts them
+
+
+async def test_counting_with_no_counter_stream_says_which_stream_and_who_makes_it(bus: Bus) -> None:
+    with pytest.raises(BusError, match="is LLMGW_USAGE missing.*llmgw key create"):
+        await Counters(bus).add(f"{keys.USAGE_ROOT}.2026010100._.k.m.prompt", 1)

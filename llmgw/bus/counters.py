@@ -27,7 +27,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 
 from . import classify, keys, records
 from .client import Bus
-from .errors import BusError
+from .errors import BusError, BusUnavailable, Unanswered
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,17 @@ class Counters:
         headers = {"Nats-Incr": f"{delta:+d}"}
         if msg_id is not None:
             headers["Nats-Msg-Id"] = msg_id
-        answer = await classify.answer(self._request(subject, headers), f"add to {subject}")
+        try:
+            answer = await classify.answer(self._request(subject, headers), f"add to {subject}")
+        except BusUnavailable as e:
+            if e.why is Unanswered.NO_RESPONDERS:  # connected, and no stream takes the subject
+                raise BusUnavailable(
+                    f"add to {subject}",
+                    Unanswered.NO_RESPONDERS,
+                    f"no stream takes it: is {_stream_of(subject)} missing? the operator makes "
+                    "the streams with `llmgw key create`, `llmgw team create` or `llmgw audit`",
+                ) from None
+            raise
         if answer.get("duplicate"):
             return await self.total(subject)
         return int(answer["val"])
