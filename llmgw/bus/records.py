@@ -730,7 +730,7 @@ class Team(msgspec.Struct, kw_only=True, gc=False):
 # --- the audit stream (llmgw.audit.<key>): one record per request, no prompt or completion
 
 
-class AuditRecord(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
+class AuditRecord(msgspec.Struct, kw_only=True, gc=False):
     time: float  # when the request arrived (unix seconds)
     key: str | None = None  # the key's name; None on a fleet without keys
     team: str | None = None
