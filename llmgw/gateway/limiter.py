@@ -69,7 +69,7 @@ class Held:
     limiter: Limiter
     taken: list[tuple[Budget, int, int]]  # budget, window, units
     tokens: int  # tokens reserved
-    needs: list[_Need]
+    plan: list[tuple[Budget, str]]  # its limits, and the scope each names
     at: float  # when admitted
     charged: int = 0  # tokens charged past the reservation (a stream running long)
     settled: bool = False
@@ -77,7 +77,7 @@ class Held:
 
     def rate(self) -> RateHeaders | None:
         """The x-ratelimit-* figures of this request's tightest limits, as of now."""
-        return self.limiter._rate(self.needs, self.at) if self.needs else None
+        return self.limiter._rate([b for b, _ in self.plan], self.at) if self.plan else None
 
     def progress_now(self, used: int) -> bool:
         """`progress` without waiting (a relay that cannot await): what passes the
@@ -231,28 +231,29 @@ class Limiter:
         now = self.clock()
         plan = self._plan(identity, model)
         if not plan:
-            return Held(self, [], tokens, [], now)
-        needs = [_Need(b, tokens if b.tokens else 1, scope) for b, scope in plan]
-        for n in needs:
-            if not n.budget.fits(n.units):
-                return self._refusal(n, now, never_fits=True)
-            n.budget.roll(now)
+            return Held(self, [], tokens, [], now)  # nothing limits it
+        for b, scope in plan:
+            units = tokens if b.tokens else 1
+            if units > b.limit:
+                return self._refusal(_Need(b, units, scope), now, never_fits=True)
+            b.roll(now)
         if self._offline_too_long(now):
             return refusals.limits_unavailable(
                 f"not answering for {now - (self.offline_since or now):.0f} s"
             )
         if self.offline_since is not None and self.settings.offline == "refuse":
             return None  # the async path asks the counters, once a second
-        spent = []
-        for n in needs:
-            if not n.budget.try_spend(n.units):
-                self._undo(spent)
-                b = n.budget
+        taken = []
+        for b, scope in plan:  # the request path: plain tuples, no objects made per limit
+            units = tokens if b.tokens else 1
+            if not b.try_spend(units):
+                for spent, window, n in taken:
+                    spent.give_back(n, window)
                 if not b.carries and b.total >= b.limit:
-                    return self._refusal(n, now)  # the fleet has claimed it all
+                    return self._refusal(_Need(b, units, scope), now)  # all claimed
                 return None
-            spent.append(n)
-        return self._held(needs, plan, tokens, now)
+            taken.append((b, b.window, units))
+        return self._held(taken, plan, tokens, now)
 
     async def admit(self, identity: Identity, model: str, tokens: int) -> Held | Refusal:
         """Spend one request and `tokens` (the prompt and the most it may generate) from
@@ -266,12 +267,16 @@ class Limiter:
         refused = await self._take(needs, now)
         if refused is not None:
             return refused
-        return self._held(needs, plan, tokens, now)
+        return self._held([(n.budget, n.budget.window, n.units) for n in needs], plan, tokens, now)
 
     def _held(
-        self, needs: list[_Need], plan: list[tuple[Budget, str]], tokens: int, now: float
+        self,
+        taken: list[tuple[Budget, int, int]],
+        plan: list[tuple[Budget, str]],
+        tokens: int,
+        now: float,
     ) -> Held:
-        held = Held(self, [(n.budget, n.budget.window, n.units) for n in needs], tokens, needs, now)
+        held = Held(self, taken, tokens, plan, now)
         held._token_budgets = [(b, scope) for b, scope in plan if b.tokens]
         for b, _ in plan:
             if not b.carries and b.granted - b.spent < b.share / 2 and b.total < b.limit:
@@ -413,7 +418,7 @@ class Limiter:
 
     def _refusal(self, n: _Need, now: float, never_fits: bool = False) -> Refusal:
         b = n.budget
-        rate = self._rate([n], now)
+        rate = self._rate([b], now)
         retry = max(0.001, b.reset_in(now)) if b.window >= 0 else float(b.dimension.window_s)
         if never_fits:
             return Refusal(
@@ -433,12 +438,11 @@ class Limiter:
         what = "requests" if b.dimension is Dimension.REQUESTS else "tokens"
         return refusals.rate_limited(n.scope, what, b.limit, retry, rate)
 
-    def _rate(self, needs: list[_Need], now: float) -> RateHeaders | None:
-        """The tightest request limit and token limit among `needs`."""
+    def _rate(self, budgets: list[Budget], now: float) -> RateHeaders | None:
+        """The tightest request limit and token limit among `budgets`."""
         r = t = None
         r_left = t_left = 0
-        for n in needs:  # one pass: on every answer to a limited key
-            b = n.budget
+        for b in budgets:  # one pass: on every answer to a limited key
             if b.dimension is Dimension.REQUESTS:
                 left = b.remaining()
                 if r is None or left < r_left:
