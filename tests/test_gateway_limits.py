@@ -59,7 +59,7 @@ def test_a_new_window_starts_empty_but_places_in_flight_carry_into_it() -> None:
         b.roll(T0 + 60)
         assert b.granted == 0
     assert rpm.spent == 0 and par.spent == 3  # the three requests are still running
-    assert par.to_claim(1) == 4  # claimed again in the new window, with the new one
+    assert par.to_claim(1) == 3 + 1 + par.share  # claimed again, with the new one, a share ahead
 
 
 # --- two routers, one nats-server -------------------------------------------------------------

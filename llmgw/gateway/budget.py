@@ -145,8 +145,6 @@ class Budget:
 
 
 def _share(dimension: Dimension, limit: int, fraction: float) -> int:
-    # places in flight are claimed one by one and handed back when idle (Limiter.flush): a
-    # share held ahead would keep them from another router for the rest of the window
-    if dimension.carries:
-        return 0
+    # places in flight too are claimed a share ahead (one claim for a burst, not one per
+    # request waiting in turn); what is idle goes back at the next flush (Limiter.flush)
     return max(1, math.ceil(limit * fraction))
