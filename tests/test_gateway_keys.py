@@ -332,3 +332,37 @@ async def test_key_and_team_set_change_only_what_they_are_given(
     assert missing.returncode == 1 and "does not exist" in missing.stderr
     listed = json.loads(llmgw("key", "ls", "--team", "ml", "--json", url=url).stdout)
     assert [x["name"] for x in listed] == ["k"]
+
+
+def test_readers_of_the_whole_bucket_see_keys_and_teams_as_not_theirs() -> None:
+    from llmgw.controller.view import View
+
+    secret = credentials.new_secret("alice")
+    view = View()
+    for key, value in (
+        (keys.apikey("alice"), _key("alice", secret)),
+        (keys.team("ml"), records.Team(team="ml")),
+    ):
+        assert view.apply(key, records.encode(value), 1) is None  # ignored, not a failure
+        assert keys.parse(key) is None and keys.parse_gateway(key) is not None
+
+
+async def test_a_controller_leads_beside_keys_and_teams_in_the_bucket(
+    bus: Bus, nats_settings: NatsSettings
+) -> None:
+    from llmgw.controller.loop import Controller, ControllerSettings
+
+    await bus.put(keys.apikey("alice"), _key("alice", credentials.new_secret("alice")))
+    await bus.put(keys.team("ml"), records.Team(team="ml"))
+    settings = ControllerSettings(unreachable_after=2, lost_after=30, leader_ttl=1, tick=0.05)
+    controller_bus = await Bus.connect(nats_settings, give_up_after=5)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(Controller(controller_bus, settings).run)
+            await until(lambda: bus.get_raw(keys.leader()), timeout=10)
+            await bus.put(keys.apikey("bob"), _key("bob", credentials.new_secret("bob")))
+            await anyio.sleep(0.5)  # it sees the new key while it leads, and goes on
+            assert await bus.get_raw(keys.leader()) is not None
+            tg.cancel_scope.cancel()
+    finally:
+        await controller_bus.close()

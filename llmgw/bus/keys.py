@@ -52,6 +52,11 @@ _ARITY = {
     ROLLOUT: 1,
     SCALE: 1,
     LOAD: 1,
+}
+# The gateway's families (client keys and teams, the operator's, read by routers alone) are
+# parsed apart: readers that watch the whole bucket (the controller's view) hold a table for
+# every family of _ARITY, and must see these as keys that are not theirs, never fail on them.
+_GATEWAY_ARITY = {
     APIKEYS: 1,
     TEAMS: 1,
 }
@@ -165,7 +170,7 @@ def team(name: str) -> str:
 
 def pattern(prefix: str, *ids: str) -> str:
     """Watch pattern for a key family: pattern('assign', 'node05') -> 'assign.node05.*'."""
-    arity = _ARITY[prefix]
+    arity = _ARITY[prefix] if prefix in _ARITY else _GATEWAY_ARITY[prefix]
     if arity == 0:
         return prefix
     for i in ids:
@@ -195,6 +200,15 @@ def parse(key: str) -> Key | None:
     if arity is None or len(ids) != arity or not all(_TOKEN.match(i) for i in ids):
         return None
     return Key(prefix, ids)
+
+
+def parse_gateway(key: str) -> Key | None:
+    """Parse a key of the gateway's families (`apikeys.<name>`, `teams.<team>`); None for
+    any other key. `parse` answers None for these (see _GATEWAY_ARITY)."""
+    prefix, _, rest = key.partition(".")
+    if prefix not in _GATEWAY_ARITY or not rest or "." in rest or not _TOKEN.match(rest):
+        return None
+    return Key(prefix, (rest,))
 
 
 # --- subjects (core NATS) ---------------------------------------------------

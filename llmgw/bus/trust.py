@@ -355,7 +355,10 @@ FAMILIES: dict[str, tuple[type[msgspec.Struct] | None, _Check]] = {
 
 
 def _parsed(key: str | keys.Key) -> keys.Key | None:
-    return key if isinstance(key, keys.Key) else keys.parse(key)
+    if isinstance(key, keys.Key):
+        return key
+    # the gateway's families are parsed apart (bus/keys.py), and checked here all the same
+    return keys.parse(key) or keys.parse_gateway(key)
 
 
 def _name(key: str | keys.Key) -> str:

@@ -87,7 +87,7 @@ class KeyTable:
 
     def apply(self, key: str, value: object) -> None:
         """One update of the watch: a record, or None when the key was deleted."""
-        parsed = keys.parse(key)
+        parsed = keys.parse_gateway(key)
         if parsed is None:
             return
         name = parsed.ids[0]
