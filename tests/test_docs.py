@@ -52,6 +52,11 @@ STORED = [
     records.Scale,
     records.RouterLoad,
     records.ModelLoad,
+    records.ApiKey,
+    records.SecretHash,
+    records.Limits,
+    records.Team,
+    records.AuditRecord,
 ]
 
 

@@ -33,6 +33,8 @@ OPS = "ops"
 ROLLOUT = "rollout"
 SCALE = "scale"
 LOAD = "load"
+APIKEYS = "apikeys"
+TEAMS = "teams"
 
 _ARITY = {
     CATALOG: 1,
@@ -50,6 +52,13 @@ _ARITY = {
     ROLLOUT: 1,
     SCALE: 1,
     LOAD: 1,
+}
+# The gateway's families (client keys and teams, the operator's, read by routers alone) are
+# parsed apart: readers that watch the whole bucket (the controller's view) hold a table for
+# every family of _ARITY, and must see these as keys that are not theirs, never fail on them.
+_GATEWAY_ARITY = {
+    APIKEYS: 1,
+    TEAMS: 1,
 }
 
 
@@ -147,9 +156,21 @@ def load(router_id: str) -> str:
     return _key(LOAD, router_id)
 
 
+def apikey(name: str) -> str:
+    """A client API key: its salted secret hashes, team, models and limits (the operator's).
+    The key's name is also the id its secret carries (`llmgw-<name>-<hex>`), so a router
+    finds the record from the secret without scanning."""
+    return _key(APIKEYS, name)
+
+
+def team(name: str) -> str:
+    """A team: the limits and models its keys share (the operator's)."""
+    return _key(TEAMS, name)
+
+
 def pattern(prefix: str, *ids: str) -> str:
     """Watch pattern for a key family: pattern('assign', 'node05') -> 'assign.node05.*'."""
-    arity = _ARITY[prefix]
+    arity = _ARITY[prefix] if prefix in _ARITY else _GATEWAY_ARITY[prefix]
     if arity == 0:
         return prefix
     for i in ids:
@@ -181,7 +202,48 @@ def parse(key: str) -> Key | None:
     return Key(prefix, ids)
 
 
+def parse_gateway(key: str) -> Key | None:
+    """Parse a key of the gateway's families (`apikeys.<name>`, `teams.<team>`); None for
+    any other key. `parse` answers None for these (see _GATEWAY_ARITY)."""
+    prefix, _, rest = key.partition(".")
+    if prefix not in _GATEWAY_ARITY or not rest or "." in rest or not _TOKEN.match(rest):
+        return None
+    return Key(prefix, (rest,))
+
+
 # --- subjects (core NATS) ---------------------------------------------------
+
+# JetStream streams beside the bucket, for sharing the fleet between teams
+# (docs/security.md): limit windows and usage are atomic counters (allow_msg_counter,
+# nats-server >= 2.12) that routers alone add to; the audit trail is a stream routers alone
+# append to. The operator creates them (`llmgw key`, `llmgw team`, `llmgw audit`).
+LIMITS_STREAM = "LLMGW_LIMITS"
+LIMITS_ROOT = "llmgw.limits"  # llmgw.limits.<scope...>.<dimension>.<window>
+USAGE_STREAM = "LLMGW_USAGE"
+USAGE_ROOT = "llmgw.usage"  # llmgw.usage.<hour>.<team>.<key>.<model>.<kind>
+AUDIT_STREAM = "LLMGW_AUDIT"
+AUDIT_ROOT = "llmgw.audit"  # llmgw.audit.<key>: one record per request
+NO_NAME = "_"  # a subject token for "none" (no team, no key): not a valid key or team name
+
+
+def name_token(value: str) -> str:
+    """A free-text name (a model's served name) as one subject token: itself when it is a
+    token, else `x` and its UTF-8 in hex (bounded: names over 100 bytes are cut), so two
+    names never share a counter."""
+    if _TOKEN.match(value) and not value.startswith("x") and value != NO_NAME:
+        return value
+    return "x" + value.encode()[:100].hex()
+
+
+def token_name(token: str) -> str:
+    """The name `name_token` made `token` from."""
+    if token.startswith("x"):
+        try:
+            return bytes.fromhex(token[1:]).decode("utf-8", "replace")
+        except ValueError:
+            return token
+    return token
+
 
 EVENTS_ROOT = "llmgw.events"
 

@@ -128,9 +128,25 @@ def router_permissions(name: str, bucket: str = keys.DEFAULT_BUCKET) -> dict[str
     keys.check_token(name, "router id")
     keys.check_token(bucket, "bucket")
     return {
-        "publish": {"allow": [*_kv_write(bucket, keys.load(name)), *_kv_read(bucket)]},
+        "publish": {
+            "allow": [*_kv_write(bucket, keys.load(name)), *_kv_read(bucket), *_gateway_writes()]
+        },
         "subscribe": {"allow": ["_INBOX.>"]},
     }
+
+
+def _gateway_writes() -> list[str]:
+    """What a router adds to the streams beside the bucket (docs/security.md): claims on the
+    limit counters, usage, and audit records. No purge, delete, edit or consumer on any of
+    them (the trail and the counters are not its to erase), and nothing for a node."""
+    return [
+        f"{keys.LIMITS_ROOT}.>",  # Nats-Incr claims (and give-backs) on limit windows
+        f"{keys.USAGE_ROOT}.>",  # Nats-Incr usage counts
+        f"{keys.AUDIT_ROOT}.>",  # one record per request
+        # a usage count sent again reads the total back (a duplicate's ack carries none)
+        f"$JS.API.DIRECT.GET.{keys.USAGE_STREAM}.>",
+        f"$JS.API.DIRECT.GET.{keys.LIMITS_STREAM}.>",
+    ]
 
 
 def _render_value(value: object, indent: str) -> str:

@@ -704,6 +704,74 @@ class Leader(msgspec.Struct, kw_only=True, gc=False):
     epoch: int = 0
 
 
+# --- apikeys.<name> and teams.<team>: clients and the limits they share, the operator's
+
+MAX_KEY_MODELS = 1000  # models one key or team may list
+MAX_KEY_SECRETS = 8  # secrets one key holds at once (the current one and those in grace)
+
+
+class Limits(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
+    """What a key, a team, or a key on one model may spend; None: no limit."""
+
+    rpm: int | None = None  # requests per minute
+    tpm: int | None = None  # tokens (prompt + completion) per minute
+    tokens_per_day: int | None = None  # tokens per UTC day
+    max_parallel: int | None = None  # requests in flight
+
+
+class SecretHash(msgspec.Struct, kw_only=True, gc=False, frozen=True):
+    """One secret of a key, as SHA-256(salt + secret): the secret itself is never stored.
+    Secrets are 32 random bytes, so a hash cannot be turned back by guessing
+    (llmgw/gateway/secrets.py, docs/security.md)."""
+
+    salt: str  # 16 random bytes, hex
+    sha256: str  # hex
+    created_at: float
+    valid_until: float | None = None  # set when rotated away: it works until then
+
+
+class ApiKey(msgspec.Struct, kw_only=True, gc=False):
+    name: str  # the key's id, also inside its secret: must match the key
+    team: str | None = None
+    models: list[str] = []  # the models it may use (served names); empty: every model
+    limits: Limits = msgspec.field(default_factory=Limits)
+    model_limits: Limits = msgspec.field(default_factory=Limits)  # on each model separately
+    secrets: list[SecretHash] = []
+    created_at: float = 0.0
+    expires_at: float | None = None
+    revoked_at: float | None = None
+    description: str = ""
+
+
+class Team(msgspec.Struct, kw_only=True, gc=False):
+    team: str  # must match the key
+    models: list[str] = []  # the models its keys may use; empty: every model
+    limits: Limits = msgspec.field(default_factory=Limits)  # shared by all its keys
+    created_at: float = 0.0
+    description: str = ""
+
+
+# --- the audit stream (llmgw.audit.<key>): one record per request, no prompt or completion
+
+
+class AuditRecord(msgspec.Struct, kw_only=True, gc=False):
+    time: float  # when the request arrived (unix seconds)
+    key: str | None = None  # the key's name; None on a fleet without keys
+    team: str | None = None
+    model: str = ""
+    replica: str | None = None  # the replica that served it (rid), if any
+    router: str = ""
+    status: int = 0  # HTTP status answered
+    stream: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_s: float | None = None  # time to first token
+    duration_s: float = 0.0
+    client: str = ""  # the client's address
+    refused: str | None = None  # why the gateway refused it (an error code), if it did
+
+
 # --- events on llmgw.events.<kind>.<id>
 
 

@@ -316,6 +316,26 @@ def _catalog(p: _Problems, model: Any) -> None:
     p.owner("id", getattr(model, "id", None), p.ids[0])
 
 
+def _limits(p: _Problems, where: str, limits: records.Limits) -> None:
+    for name in ("rpm", "tpm", "tokens_per_day", "max_parallel"):
+        p.at_least(f"{where}.{name}", getattr(limits, name), 0)
+
+
+def _apikey(p: _Problems, k: records.ApiKey) -> None:
+    p.owner("name", k.name, p.ids[0])
+    p.token("team", k.team)
+    p.at_most("models", len(k.models), records.MAX_KEY_MODELS)
+    p.at_most("secrets", len(k.secrets), records.MAX_KEY_SECRETS)
+    _limits(p, "limits", k.limits)
+    _limits(p, "model_limits", k.model_limits)
+
+
+def _team(p: _Problems, t: records.Team) -> None:
+    p.owner("team", t.team, p.ids[0])
+    p.at_most("models", len(t.models), records.MAX_KEY_MODELS)
+    _limits(p, "limits", t.limits)
+
+
 _Check = Callable[[_Problems, Any], None]
 
 # key family -> (the Struct its values decode to, its check); catalog's type lives in catalog
@@ -335,11 +355,16 @@ FAMILIES: dict[str, tuple[type[msgspec.Struct] | None, _Check]] = {
     keys.ROLLOUT: (records.Rollout, _rollout),
     keys.SCALE: (records.Scale, _scale),
     keys.LOAD: (records.RouterLoad, _load),
+    keys.APIKEYS: (records.ApiKey, _apikey),
+    keys.TEAMS: (records.Team, _team),
 }
 
 
 def _parsed(key: str | keys.Key) -> keys.Key | None:
-    return key if isinstance(key, keys.Key) else keys.parse(key)
+    if isinstance(key, keys.Key):
+        return key
+    # the gateway's families are parsed apart (bus/keys.py), and checked here all the same
+    return keys.parse(key) or keys.parse_gateway(key)
 
 
 def _name(key: str | keys.Key) -> str:

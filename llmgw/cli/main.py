@@ -26,6 +26,10 @@ COMMANDS = {
     "agent": "llmgw.cli.agent",
     "sim": "llmgw.cli.sim",
     "pki": "llmgw.cli.pki",
+    "key": "llmgw.cli.key",
+    "team": "llmgw.cli.team",
+    "usage": "llmgw.cli.usage",
+    "audit": "llmgw.cli.audit",
 }
 
 

@@ -1,0 +1,208 @@
+"""What keys and limits cost a router, and how close to a limit several routers hold it.
+
+cost: one Gateway (a real nats-server, the counter stream) admitting and finishing requests
+with a key limited in requests, tokens, tokens a day and in flight (shares of 1%), against
+the same Gateway with no keys in the bucket (the baseline: what a router does today), at
+c=1 (microseconds per request, p50) and c=256 (requests a second, and the ratio). The
+router's own HTTP cost comes on top of both alike: bench/router.py measures the router with
+the gateway plugged in.
+
+accuracy: R routers (Gateways on R connections to one nats-server) share two keys, one
+limited to --rpm requests a minute and one to --tpm tokens a minute; C clients spread over
+the routers send requests for --seconds (each holds its request 5-20 ms, then finishes with
+a usage of 50 prompt tokens and 10-200 completion tokens, max_tokens 200; a refused client
+waits min(retry-after, 0.5 s)). Prints, for every whole minute, requests and tokens admitted
+against the limit, and the worst overshoot against the stated bound (docs/security.md:
+admitted never passes the limit; tokens pass it only by usage beyond a reservation, which
+max_tokens rules out here).
+
+    .venv/bin/python bench/gateway.py cost [--requests 20000]
+    .venv/bin/python bench/gateway.py accuracy [--routers 3] [--clients 200] [--seconds 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+from llmgw.bus import keys, records
+from llmgw.bus.client import BucketSettings, Bus, NatsSettings
+from llmgw.bus.counters import AuditTrail, Counters, ensure_streams
+from llmgw.bus.server import EmbeddedNats, free_port
+from llmgw.gateway import credentials
+from llmgw.gateway.gateway import Admission, Gateway
+from llmgw.gateway.usage import Usage
+
+
+async def _bus(url: str, name: str) -> Bus:
+    return await Bus.connect(
+        NatsSettings(urls=(url,), name=name), BucketSettings(), give_up_after=10
+    )
+
+
+def _key(name: str, secret: str, limits: records.Limits) -> records.ApiKey:
+    return records.ApiKey(name=name, secrets=[credentials.hash_secret(secret, 0)], limits=limits)
+
+
+async def cost(url: str, n: int) -> None:
+    bus = await _bus(url, "bench-cost")
+    await ensure_streams(bus)
+    secret = credentials.new_secret("k")
+    big = 10**9
+    limited = Gateway("bench", Counters(bus), AuditTrail(bus))
+    limited.apply(
+        keys.apikey("k"),
+        _key("k", secret, records.Limits(rpm=big, tpm=big, tokens_per_day=big, max_parallel=big)),
+    )
+    open_ = Gateway("bench", Counters(bus), AuditTrail(bus))
+    header = f"Bearer {secret}"
+
+    async def one(g: Gateway) -> None:
+        a = await g.admit(authorization=header, model="m", prompt_chars=400, max_tokens=100)
+        assert isinstance(a, Admission), a
+        a.headers()
+        a.finish(status=200, usage=Usage(100, 50))
+
+    results: dict[str, tuple[float, float]] = {}
+    for name, g in (("no keys", open_), ("keys and limits", limited)):
+        for _ in range(200):  # warm: the first claims
+            await one(g)
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            await one(g)
+            times.append(time.perf_counter() - t)
+        await g.flush()
+        p50 = statistics.median(times) * 1e6
+
+        done = 0
+        start = time.perf_counter()
+
+        async def worker(g: Gateway = g) -> None:
+            nonlocal done
+            for _ in range(n // 256 + 1):
+                await one(g)
+                done += 1
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(256):
+                tg.start_soon(worker)
+        rate = done / (time.perf_counter() - start)
+        await g.flush()
+        results[name] = (p50, rate)
+        print(f"{name:16} c=1 p50 {p50:7.1f} us/request   c=256 {rate:9,.0f} requests/s")
+    (b50, brate), (k50, krate) = results["no keys"], results["keys and limits"]
+    print(f"keys and limits add {k50 - b50:.1f} us at c=1 (p50); c=256 keeps {krate / brate:.3f}x")
+    await bus.close()
+
+
+async def accuracy(
+    url: str, routers: int, clients: int, seconds: float, rpm: int, tpm: int
+) -> None:
+    buses = [await _bus(url, f"bench-router-{i}") for i in range(routers)]
+    await ensure_streams(buses[0])
+    secrets = {"req": credentials.new_secret("req"), "tok": credentials.new_secret("tok")}
+    gateways = []
+    for i, bus in enumerate(buses):
+        g = Gateway(f"r{i}", Counters(bus), AuditTrail(bus))
+        g.apply(keys.apikey("req"), _key("req", secrets["req"], records.Limits(rpm=rpm)))
+        g.apply(keys.apikey("tok"), _key("tok", secrets["tok"], records.Limits(tpm=tpm)))
+        gateways.append(g)
+    admitted: dict[tuple[str, int], list[int]] = {}  # (key, minute) -> [requests, tokens]
+    refused = 0
+    rng = random.Random(1)
+    stop = time.time() + seconds
+
+    async def client(i: int) -> None:
+        nonlocal refused
+        name = "req" if i % 2 == 0 else "tok"
+        g = gateways[i % routers]
+        while time.time() < stop:
+            a = await g.admit(
+                authorization=f"Bearer {secrets[name]}", model="m", prompt_tokens=50, max_tokens=200
+            )
+            if not isinstance(a, Admission):
+                refused += 1
+                await anyio.sleep(min(a.retry_after or 0.5, 0.5))
+                continue
+            await anyio.sleep(rng.uniform(0.005, 0.02))
+            u = Usage(50, rng.randint(10, 200))
+            a.finish(status=200, usage=u)
+            counts = admitted.setdefault((name, int(a.started // 60)), [0, 0])
+            counts[0] += 1
+            counts[1] += u.total
+
+    async def flusher() -> None:
+        while time.time() < stop + 1:
+            for g in gateways:
+                await g.flush()
+            await anyio.sleep(0.2)
+
+    started = time.time()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(flusher)
+        for i in range(clients):
+            tg.start_soon(client, i)
+    first, last = int(started // 60) + 1, int(stop // 60) - 1  # whole minutes only
+    print(f"{routers} routers, {clients} clients, {seconds:.0f} s; {refused:,} refusals")
+    worst_req = worst_tok = None
+    for minute in range(first, last + 1):
+        r = admitted.get(("req", minute), [0, 0])[0]
+        t = admitted.get(("tok", minute), [0, 0])[1]
+        print(
+            f"minute {minute}: key limited to {rpm} rpm admitted {r} ({r / rpm:.3f}x); "
+            f"key limited to {tpm} tpm used {t} tokens ({t / tpm:.3f}x)"
+        )
+        worst_req = max(worst_req or 0, r - rpm)
+        worst_tok = max(worst_tok or 0, t - tpm)
+    if worst_req is None:
+        print("no whole minute in the run: give --seconds of at least 120")
+    else:
+        print(
+            f"worst overshoot: {worst_req} requests, {worst_tok} tokens, against a stated "
+            "bound of 0 for both (docs/security.md)"
+        )
+    for bus in buses:
+        await bus.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    c = sub.add_parser("cost")
+    c.add_argument("--requests", type=int, default=20_000)
+    a = sub.add_parser("accuracy")
+    a.add_argument("--routers", type=int, default=3)
+    a.add_argument("--clients", type=int, default=200)
+    a.add_argument("--seconds", type=float, default=120.0)
+    a.add_argument("--rpm", type=int, default=600)
+    a.add_argument("--tpm", type=int, default=20_000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-gateway-") as tmp:
+        server = EmbeddedNats(data_dir=Path(tmp) / "nats", port=free_port())
+        server.start()
+        try:
+            if args.what == "cost":
+                anyio.run(cost, server.url, args.requests)
+            else:
+                anyio.run(
+                    accuracy,
+                    server.url,
+                    args.routers,
+                    args.clients,
+                    args.seconds,
+                    args.rpm,
+                    args.tpm,
+                )
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""The streams beside the bucket that sharing the fleet between teams needs: two counter
+streams (limit windows, usage) and the audit trail. Typed access over a Bus's connection.
+
+Counter streams (nats-server >= 2.12, ADR-49, `allow_msg_counter`): a publish with header
+`Nats-Incr: +N` adds N to its subject's running total, atomically on the stream (on a
+cluster, its leader), and the publish's answer carries the new total
+(`{"stream":..., "seq":..., "val":"12"}`); the subject's last message holds it too
+(`{"val":"12"}`). nats-py 2.16 has no helper for it: a request with the header is one.
+
+The operator creates the streams (`ensure_streams`, from `llmgw key|team|audit`); routers
+only add and append (llmgw/bus/permissions.py), and nobody but the operator may purge or
+delete: the audit stream denies both even to it, until it edits the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import nats.errors
+import nats.js.errors
+from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
+
+from . import classify, keys, records
+from .client import Bus
+from .errors import BusError, BusUnavailable, Unanswered
+
+log = logging.getLogger(__name__)
+
+LIMITS_MAX_AGE = 2 * 86_400.0  # a window is a minute or a day: two days keep every live one
+USAGE_RETENTION = 400 * 86_400.0
+AUDIT_RETENTION = 90 * 86_400.0
+_TIMEOUT = 2.0
+MAX_RECORD = 64 * 1024  # an audit record is a few hundred bytes: bigger is not one
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """What `ensure_streams` makes."""
+
+    replicas: int = 1
+    usage_retention: float = USAGE_RETENTION
+    audit_retention: float = AUDIT_RETENTION
+
+
+def stream_configs(plan: StreamPlan) -> list[StreamConfig]:
+    return [
+        StreamConfig(
+            name=keys.LIMITS_STREAM,
+            description="llmgw: what routers claimed of each limit, per window (counters)",
+            subjects=[f"{keys.LIMITS_ROOT}.>"],
+            allow_msg_counter=True,
+            allow_direct=True,
+            max_msgs_per_subject=1,  # a counter's total is in its last message
+            max_age=LIMITS_MAX_AGE,
+            num_replicas=plan.replicas,
+        ),
+        StreamConfig(
+            name=keys.USAGE_STREAM,
+            description="llmgw: tokens and requests per hour, team, key and model (counters)",
+            subjects=[f"{keys.USAGE_ROOT}.>"],
+            allow_msg_counter=True,
+            allow_direct=True,
+            max_msgs_per_subject=1,
+            max_age=plan.usage_retention,
+            duplicate_window=120.0,  # a batch sent again within it is counted once
+            num_replicas=plan.replicas,
+        ),
+        StreamConfig(
+            name=keys.AUDIT_STREAM,
+            description="llmgw: one record per request (no prompt or completion text)",
+            subjects=[f"{keys.AUDIT_ROOT}.>"],
+            max_age=plan.audit_retention,
+            deny_delete=True,
+            deny_purge=True,
+            duplicate_window=120.0,
+            num_replicas=plan.replicas,
+        ),
+    ]
+
+
+async def ensure_streams(bus: Bus, plan: StreamPlan | None = None) -> list[str]:
+    """Create the streams that are missing (the operator's); the names made. One that exists
+    is left as it is: its retention is changed with `llmgw audit --retention`."""
+    made = []
+    for config in stream_configs(plan or StreamPlan()):
+        try:
+            info = await classify.answer(bus.js.stream_info(config.name), f"stream {config.name}")
+        except BusError as e:
+            if not _not_found(e):
+                raise
+        else:
+            _check_existing(config, info.config)
+            continue
+        version = bus.nc.connected_server_version
+        if config.allow_msg_counter and (version.major, version.minor) < (2, 12):
+            raise BusError(
+                f"nats-server {version} has no counter streams (allow_msg_counter, 2.12 and "
+                "later): upgrade it to use limits and usage metering"
+            )
+        await classify.answer(bus.js.add_stream(config), f"create stream {config.name}")
+        made.append(config.name)
+    return made
+
+
+def _check_existing(wanted: StreamConfig, found: StreamConfig) -> None:
+    """A stream of that name made otherwise (by hand, by another tool) must still be one
+    llmgw can use: counters where counters are wanted, the same subjects."""
+    problems = []
+    if wanted.allow_msg_counter and not found.allow_msg_counter:
+        problems.append("it is not a counter stream (allow_msg_counter)")
+    if sorted(found.subjects or []) != sorted(wanted.subjects or []):
+        problems.append(f"its subjects are {found.subjects}, not {wanted.subjects}")
+    if problems:
+        raise BusError(
+            f"stream {wanted.name} exists but {'; '.join(problems)}: remove it with "
+            f"`nats stream rm {wanted.name}` (what it counted is lost) and run the command again"
+        )
+
+
+def _not_found(e: BusError) -> bool:
+    cause = e.__cause__ or e.__context__
+    return isinstance(cause, nats.js.errors.NotFoundError) or "not found" in str(e).lower()
+
+
+async def set_audit_retention(bus: Bus, seconds: float) -> None:
+    info = await classify.answer(bus.js.stream_info(keys.AUDIT_STREAM), "audit stream")
+    config = info.config
+    config.max_age = seconds
+    await classify.answer(bus.js.update_stream(config), "set the audit stream's retention")
+
+
+def _stream_of(subject: str) -> str:
+    if subject.startswith(keys.USAGE_ROOT + "."):
+        return keys.USAGE_STREAM
+    if subject.startswith(keys.LIMITS_ROOT + "."):
+        return keys.LIMITS_STREAM
+    raise ValueError(f"{subject} is on none of llmgw's counter streams")
+
+
+class Counters:
+    """The counter streams' subjects (limits and usage): add to one (`add`), read one
+    (`total`) or many (`totals`)."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
+        """Add `delta` to `subject`'s total and return the new total. With `msg_id`, a second
+        add with the same id (a retry) within the duplicate window is not counted again."""
+        headers = {"Nats-Incr": f"{delta:+d}"}
+        if msg_id is not None:
+            headers["Nats-Msg-Id"] = msg_id
+        try:
+            answer = await classify.answer(self._request(subject, headers), f"add to {subject}")
+        except BusUnavailable as e:
+            if e.why is Unanswered.NO_RESPONDERS:  # connected, and no stream takes the subject
+                raise BusUnavailable(
+                    f"add to {subject}",
+                    Unanswered.NO_RESPONDERS,
+                    f"no stream takes it: is {_stream_of(subject)} missing? the operator makes "
+                    "the streams with `llmgw key create`, `llmgw team create` or `llmgw audit`",
+                ) from None
+            raise
+        if answer.get("duplicate"):
+            return await self.total(subject)
+        return int(answer["val"])
+
+    async def _request(self, subject: str, headers: dict[str, str]) -> dict:
+        msg = await self.bus.nc.request(subject, b"", timeout=_TIMEOUT, headers=headers)
+        answer = json.loads(msg.data)
+        if isinstance(answer, dict) and answer.get("error"):
+            raise nats.js.errors.APIError.from_error(answer["error"])
+        if not isinstance(answer, dict):
+            raise BusError(f"add to {subject}: the answer {msg.data[:80]!r} is not a counter's")
+        return answer
+
+    async def total(self, subject: str) -> int:
+        """`subject`'s total now (0 if it has none)."""
+        try:
+            msg = await classify.answer(
+                self.bus.nc.request(
+                    f"$JS.API.DIRECT.GET.{_stream_of(subject)}.{subject}", b"", timeout=_TIMEOUT
+                ),
+                f"read {subject}",
+            )
+        except nats.errors.NoRespondersError:
+            return 0
+        if msg.headers and msg.headers.get("Status") == "404":
+            return 0
+        return _value(msg.data)
+
+    async def totals(self, filter_subject: str) -> dict[str, int]:
+        """Every subject matching `filter_subject` and its total (its last message's)."""
+        out: dict[str, int] = {}
+        stream = _stream_of(filter_subject)
+        async for subject, data in _last_per_subject(self.bus, stream, filter_subject):
+            out[subject] = _value(data)
+        return out
+
+
+def _value(data: bytes) -> int:
+    try:
+        return int(json.loads(data)["val"])
+    except (ValueError, KeyError, TypeError):
+        return 0
+
+
+async def _last_per_subject(
+    bus: Bus, stream: str, filter_subject: str
+) -> AsyncIterator[tuple[str, bytes]]:
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+    async for msg in _replay(bus, stream, filter_subject, config, follow=False):
+        yield msg.subject, msg.data
+
+
+async def _replay(
+    bus: Bus, stream: str, filter_subject: str, config: ConsumerConfig, *, follow: bool
+) -> AsyncIterator[object]:
+    """Messages of `stream` on `filter_subject` from where `config` says, until caught up
+    (or forever, with `follow`), through an ordered consumer that is gone when done."""
+    sub = await classify.answer(
+        bus.js.subscribe(filter_subject, stream=stream, ordered_consumer=True, config=config),
+        f"read stream {stream}",
+    )
+    try:
+        info = await classify.answer(sub.consumer_info(), f"read stream {stream}")
+        # a push consumer may have delivered some already: those are not pending any more
+        left = info.num_pending + info.delivered.consumer_seq
+        while follow or left > 0:
+            try:
+                msg = await sub.next_msg(timeout=_TIMEOUT if not follow else 3600)
+            except nats.errors.TimeoutError:
+                if follow:
+                    continue
+                break
+            left = msg.metadata.num_pending
+            yield msg
+    finally:
+        try:
+            await asyncio.wait_for(sub.unsubscribe(), 1.0)
+        except Exception:  # noqa: BLE001 - the consumer goes away with its subscription
+            pass
+
+
+class AuditTrail:
+    """The audit stream: routers append (`append`), the operator reads (`read`)."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    async def append(self, batch: Sequence[tuple[str, records.AuditRecord]]) -> None:
+        """Store each (message id, record), all acknowledged, or raise (a retry with the same
+        ids stores none twice)."""
+        acks = [
+            self.bus.js.publish(
+                f"{keys.AUDIT_ROOT}.{r.key or keys.NO_NAME}",
+                records.encode(r),
+                headers={"Nats-Msg-Id": msg_id},
+                timeout=_TIMEOUT,
+            )
+            for msg_id, r in batch
+        ]
+        await classify.answer(asyncio.gather(*acks), "append to the audit trail")
+
+    async def read(
+        self, *, since: float, key: str | None = None, follow: bool = False
+    ) -> AsyncIterator[records.AuditRecord]:
+        start = dt.datetime.fromtimestamp(since, dt.UTC).isoformat()
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start)
+        subject = f"{keys.AUDIT_ROOT}.{keys.check_token(key, 'key name') if key else '>'}"
+        async for msg in _replay(self.bus, keys.AUDIT_STREAM, subject, config, follow=follow):
+            data = msg.data  # type: ignore[attr-defined]
+            if len(data) > MAX_RECORD:
+                continue
+            try:
+                yield records.decode(data, records.AuditRecord)
+            except (ValueError, TypeError) as e:
+                log.warning("skipping an audit record that does not decode: %s", e)

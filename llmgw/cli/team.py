@@ -1,0 +1,157 @@
+"""`llmgw team`: teams in `teams.<team>` (the operator their one writer): the limits and
+models that every key of the team shares, on top of each key's own."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import anyio
+import click
+import msgspec
+
+from llmgw.bus import keys, records
+from llmgw.bus.client import BucketSettings, NatsSettings, decoder
+from llmgw.cli.common import json_option, nats_options, open_bus
+from llmgw.cli.key import (
+    LIMIT_FIELDS,
+    KeyCommandError,
+    apply_limits,
+    change_record,
+    check_name,
+    describe_limits,
+    ensure_streams,
+    limit_options,
+    split_models,
+)
+
+
+def _summary(t: records.Team, members: list[str]) -> dict[str, object]:
+    return {
+        "team": t.team,
+        "models": t.models,
+        "limits": msgspec.to_builtins(t.limits),
+        "keys": members,
+        "created_at": t.created_at,
+        "description": t.description,
+    }
+
+
+@click.group()
+def team() -> None:
+    """Teams (teams.<team>): limits and models their keys share."""
+
+
+@team.command("create")
+@click.argument("name")
+@click.option("--models", default=None, help="the models its keys may use, comma-separated [all]")
+@click.option("--description", default="")
+@limit_options(what=" (all its keys together)")
+@nats_options
+def create(name, models, description, nats: NatsSettings, bucket: BucketSettings, **lim) -> None:
+    """Create team NAME with limits its keys share."""
+    check_name(name, "team")
+    record = records.Team(
+        team=name,
+        models=split_models(models) or [],
+        limits=apply_limits(records.Limits(), {f: lim[f] for f in LIMIT_FIELDS}),
+        created_at=time.time(),
+        description=description,
+    )
+
+    async def run() -> None:
+        async with open_bus(nats, bucket) as bus:
+            await ensure_streams(bus)
+            if await bus.create(keys.team(name), record) is None:
+                raise KeyCommandError(
+                    f"team {name!r} exists: change it with `llmgw team set {name} ...`"
+                )
+
+    anyio.run(run)
+    click.echo(f"team {name} created (limits: {describe_limits(record.limits)})")
+
+
+async def _teams_and_keys(bus) -> tuple[list[records.Team], dict[str, list[str]]]:
+    teams = await bus.list(keys.pattern(keys.TEAMS), decoder(records.Team))
+    found = await bus.list(keys.pattern(keys.APIKEYS), decoder(records.ApiKey))
+    members: dict[str, list[str]] = {}
+    for e in found.values():
+        if e.value.team:
+            members.setdefault(e.value.team, []).append(e.value.name)
+    return sorted((e.value for e in teams.values()), key=lambda t: t.team), members
+
+
+@team.command("ls")
+@json_option
+@nats_options
+def ls(as_json: bool, nats: NatsSettings, bucket: BucketSettings) -> None:
+    """List teams, their limits and how many keys each has."""
+
+    async def run():
+        async with open_bus(nats, bucket) as bus:
+            return await _teams_and_keys(bus)
+
+    teams, members = anyio.run(run)
+    if as_json:
+        click.echo(
+            json.dumps([_summary(t, sorted(members.get(t.team, []))) for t in teams], indent=2)
+        )
+        return
+    if not teams:
+        click.echo("no teams (`llmgw team create NAME`)")
+        return
+    click.echo(f"{'TEAM':20} {'KEYS':5} {'MODELS':20} LIMITS")
+    for t in teams:
+        click.echo(
+            f"{t.team:20} {len(members.get(t.team, [])):<5} {','.join(t.models) or 'all':20} "
+            f"{describe_limits(t.limits)}"
+        )
+
+
+@team.command("show")
+@click.argument("name")
+@json_option
+@nats_options
+def show(name, as_json: bool, nats: NatsSettings, bucket: BucketSettings) -> None:
+    """One team: its limits, models and keys."""
+    check_name(name, "team")
+
+    async def run():
+        async with open_bus(nats, bucket) as bus:
+            return await _teams_and_keys(bus)
+
+    teams, members = anyio.run(run)
+    found = next((t for t in teams if t.team == name), None)
+    if found is None:
+        raise KeyCommandError(f"team {name!r} does not exist (`llmgw team ls`)")
+    summary = _summary(found, sorted(members.get(name, [])))
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    click.echo(f"team {name}")
+    click.echo(f"  limits (all its keys together): {describe_limits(found.limits)}")
+    click.echo(f"  models: {', '.join(found.models) or 'all'}")
+    click.echo(f"  keys: {', '.join(summary['keys']) or 'none'}")  # type: ignore[arg-type]
+
+
+@team.command("set")
+@click.argument("name")
+@click.option("--models", default=None, help="the models its keys may use ('' all)")
+@limit_options(what=" (all its keys together; 'none' removes it)")
+@nats_options
+def set_(name, models, nats: NatsSettings, bucket: BucketSettings, **lim) -> None:
+    """Change a team's limits or models; every router applies them from the next request."""
+    check_name(name, "team")
+
+    def change(t: records.Team) -> records.Team:
+        if models is not None:
+            t.models = split_models(models) or []
+        t.limits = apply_limits(t.limits, {f: lim[f] for f in LIMIT_FIELDS})
+        return t
+
+    async def run() -> records.Team:
+        async with open_bus(nats, bucket) as bus:
+            return await change_record(bus, keys.team(name), records.Team, change, f"team {name!r}")
+
+    t = anyio.run(run)
+    click.echo(f"team {name}: limits {describe_limits(t.limits)}")

@@ -1,0 +1,368 @@
+"""Gateway: the one object a router's request handler calls.
+
+    admitted = await gateway.admit(authorization=..., model=..., max_tokens=..., client=...)
+    if isinstance(admitted, Refusal):
+        answer(admitted.status, admitted.headers(), admitted.body())
+    ...send upstream, with admitted.headers() on the answer...
+    for each stream chunk: if not await admitted.progress(completion_tokens_so_far): end it
+    admitted.finish(status=..., usage=Usage(...), replica=..., ttft=...)   # once, always
+
+`finish` hands back what was reserved and not used, meters the engine's usage, and queues
+the audit record; `Gateway.flush` (run by the router's loop, `Gateway.run`) sends the
+meter's counts, the audit records and what the limiter owes. Nothing on the request path
+waits for NATS except a claim, once per share.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import anyio
+
+from llmgw.bus.records import AuditRecord
+from llmgw.errors import LlmgwError
+
+from .limiter import Counter, Held, Limiter, LimitSettings
+from .metering import Meter
+from .refusals import Refusal
+from .table import SERVE_KNOWN_FOR, Identity, KeyTable
+from .usage import Usage
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 1024  # reserved for a request that does not say max_tokens
+CHARS_PER_TOKEN = 4
+AUDIT_BATCH = 256  # records sent at once, their acknowledgements awaited together  # a prompt's tokens estimated from its characters, when not counted
+
+
+class AuditSink(Protocol):
+    async def append(self, batch: Sequence[tuple[str, AuditRecord]]) -> None:
+        """Store each (message id, record), or raise; a retry with the same ids stores
+        none twice (llmgw/bus/counters.py, AuditTrail)."""
+        ...
+
+
+def reserve_tokens(
+    *, prompt_chars: int = 0, prompt_tokens: int | None = None, max_tokens: int | None = None
+) -> int:
+    """What a request reserves: its prompt's tokens (counted, or estimated from its
+    characters) and the most it may generate."""
+    prompt = (
+        prompt_tokens if prompt_tokens is not None else math.ceil(prompt_chars / CHARS_PER_TOKEN)
+    )
+    return prompt + (
+        max_tokens if max_tokens is not None and max_tokens >= 0 else DEFAULT_MAX_TOKENS
+    )
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    limits: LimitSettings = field(default_factory=LimitSettings)
+    serve_known_for: float = SERVE_KNOWN_FOR
+    audit_queue: int = 100_000  # records waiting for NATS; past it the oldest are counted, dropped
+    flush_every: float = 0.2
+
+
+@dataclass
+class Admission:
+    gateway: Gateway
+    identity: Identity | None
+    held: Held | None
+    model: str
+    client: str
+    stream: bool
+    started: float
+    finished: bool = False
+
+    def headers(self) -> dict[str, str]:
+        """x-ratelimit-* for a limited key, on every answer."""
+        rate = self.held.rate() if self.held is not None else None
+        return rate.headers() if rate is not None else {}
+
+    def progress_now(self, completion_tokens: int) -> bool:
+        """`progress` for a relay that cannot await: charged from the shares held, or all
+        the same (added to the counters in the background); False once a limit is passed."""
+        if self.held is None:
+            return True
+        return self.held.progress_now(completion_tokens)
+
+    async def progress(self, completion_tokens: int) -> bool:
+        """A stream's tokens so far: charged as they come past what was reserved. False
+        when the limits refuse more: end the stream."""
+        if self.held is None:
+            return True
+        return await self.held.progress(completion_tokens)
+
+    def finish(
+        self,
+        *,
+        status: int,
+        usage: Usage | None,
+        replica: str | None = None,
+        ttft: float | None = None,
+    ) -> None:
+        """Once per admitted request, however it ended. `usage` None: the engine said none;
+        then an error answer (4xx, 5xx) generated nothing and its reservation is handed back,
+        and any other keeps its reservation as charged. A fleet without keys meters and
+        audits nothing (as before keys), and counts tokens for /metrics only."""
+        if self.finished:
+            return
+        self.finished = True
+        g = self.gateway
+        if self.held is not None:
+            used = usage.total if usage is not None else (0 if status >= 400 else None)
+            self.held.settle(used)
+        key = self.identity.name if self.identity else None
+        team = self.identity.team_name if self.identity else None
+        u = usage or Usage()
+        tally = g.tokens.get((team or "", self.model))
+        if tally is None:
+            tally = g.tokens[team or "", self.model] = [0, 0, 0]
+        tally[0] += u.prompt
+        tally[1] += u.completion
+        tally[2] += u.cached
+        if self.identity is None:
+            return
+        g.meter.record(
+            team=team,
+            key=key,
+            model=self.model,
+            prompt=u.prompt,
+            completion=u.completion,
+            cached=u.cached,
+            now=self.started,
+        )
+        g.audit(
+            AuditRecord(
+                time=self.started,
+                key=key,
+                team=team,
+                model=self.model,
+                replica=replica,
+                router=g.router,
+                status=status,
+                stream=self.stream,
+                prompt_tokens=u.prompt,
+                completion_tokens=u.completion,
+                cached_tokens=u.cached,
+                ttft_s=ttft,
+                duration_s=max(0.0, g.clock() - self.started),
+                client=self.client,
+            )
+        )
+
+
+class Gateway:
+    def __init__(
+        self,
+        router: str,
+        counter: Counter,
+        audit_sink: AuditSink | None = None,
+        settings: GatewaySettings | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.router = router
+        self.settings = settings or GatewaySettings()
+        self.clock = clock
+        self.counter = counter
+        self.audit_sink = audit_sink
+        self.table = KeyTable(clock=clock, serve_known_for=self.settings.serve_known_for)
+        self.limiter = Limiter(counter, self.settings.limits, clock=clock)
+        self.meter = Meter(router)
+        # tokens per (team, model) since start, for /metrics and the fleet page: team names
+        # come from the bucket, models from the router's table, never from a client
+        self.tokens: dict[tuple[str, str], list[int]] = {}
+        self._audit: deque[tuple[str, AuditRecord]] = deque()
+        self._audit_prefix = f"{router}.{os.getpid()}.{os.urandom(4).hex()}"
+        self._audit_ids = itertools.count()
+        self.audit_dropped = 0
+        self._failed = False
+
+    @property
+    def enabled(self) -> bool:
+        """Keys are required: the bucket holds at least one."""
+        return self.table.enabled
+
+    def apply(self, key: str, value: object) -> None:
+        """An update of the router's watch of `apikeys.*` / `teams.*`."""
+        self.table.apply(key, value)
+
+    def admit_now(
+        self,
+        *,
+        authorization: str | None,
+        model: str,
+        prompt_chars: int = 0,
+        prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
+        client: str = "",
+        stream: bool = False,
+    ) -> Admission | Refusal | None:
+        """`admit` without waiting, for a handler that cannot await here: an Admission or a
+        Refusal, or None when a claim on the counters is due first: then `await admit(...)`
+        with the same arguments (the shares are topped up ahead, so that is rare)."""
+        return self._admit(
+            authorization, model, prompt_chars, prompt_tokens, max_tokens, client, stream
+        )
+
+    async def admit(
+        self,
+        *,
+        authorization: str | None,
+        model: str,
+        prompt_chars: int = 0,
+        prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
+        client: str = "",
+        stream: bool = False,
+    ) -> Admission | Refusal:
+        """Authenticate, authorize and charge a request's limits: an Admission to carry
+        through the request, or the Refusal to answer."""
+        args = (authorization, model, prompt_chars, prompt_tokens, max_tokens, client, stream)
+        now = self._admit(*args)
+        if now is not None:
+            return now
+        identity = self.table.authenticate(authorization)
+        assert not isinstance(identity, Refusal)  # _admit returned it otherwise
+        tokens = reserve_tokens(
+            prompt_chars=prompt_chars, prompt_tokens=prompt_tokens, max_tokens=max_tokens
+        )
+        held = await self.limiter.admit(identity, model, tokens)
+        return self._outcome(held, identity, model, client, stream, self.clock())
+
+    def _admit(
+        self,
+        authorization: str | None,
+        model: str,
+        prompt_chars: int,
+        prompt_tokens: int | None,
+        max_tokens: int | None,
+        client: str,
+        stream: bool,
+    ) -> Admission | Refusal | None:
+        now = self.clock()
+        if not self.table.enabled:
+            return Admission(self, None, None, model, client, stream, now)
+        identity = self.table.authenticate(authorization, now)
+        if isinstance(identity, Refusal):
+            self._refused(identity, None, model, client, stream, now)
+            return identity
+        refusal = self.table.authorize(identity, model)
+        if refusal is not None:
+            self._refused(refusal, identity, model, client, stream, now)
+            return refusal
+        tokens = reserve_tokens(
+            prompt_chars=prompt_chars, prompt_tokens=prompt_tokens, max_tokens=max_tokens
+        )
+        held = self.limiter.admit_now(identity, model, tokens)
+        if held is None:
+            return None
+        return self._outcome(held, identity, model, client, stream, now)
+
+    def _outcome(
+        self,
+        held: Held | Refusal,
+        identity: Identity,
+        model: str,
+        client: str,
+        stream: bool,
+        now: float,
+    ) -> Admission | Refusal:
+        if isinstance(held, Refusal):
+            self._refused(held, identity, model, client, stream, now)
+            return held
+        return Admission(self, identity, held, model, client, stream, now)
+
+    def models(self, authorization: str | None, names: Iterable[str]) -> list[str] | Refusal:
+        """`GET /v1/models`: the models the caller's key may use."""
+        if not self.table.enabled:
+            return list(names)
+        identity = self.table.authenticate(authorization)
+        if isinstance(identity, Refusal):
+            return identity
+        return self.table.visible(identity, names)
+
+    def _refused(
+        self,
+        refusal: Refusal,
+        identity: Identity | None,
+        model: str,
+        client: str,
+        stream: bool,
+        now: float,
+    ) -> None:
+        self.audit(
+            AuditRecord(
+                time=now,
+                key=identity.name if identity else None,
+                team=identity.team_name if identity else None,
+                model=model,
+                router=self.router,
+                status=refusal.status,
+                stream=stream,
+                client=client,
+                refused=refusal.code,
+            )
+        )
+
+    # --- what is sent in the background ------------------------------------------------
+
+    def audit(self, record: AuditRecord) -> None:
+        if len(self._audit) >= self.settings.audit_queue:
+            self._audit.popleft()
+            self.audit_dropped += 1
+        self._audit.append((f"{self._audit_prefix}.{next(self._audit_ids)}", record))
+
+    def audit_waiting(self) -> int:
+        return len(self._audit)
+
+    async def flush(self) -> None:
+        """Send what waits: the limiter's debts, the meter's counts, the audit records."""
+        await self.limiter.flush()
+        if not await self.meter.flush(self.counter):
+            self._failing("usage counts not stored")
+        if self.audit_sink is None:
+            self._audit.clear()
+            return
+        while self._audit:
+            batch = list(itertools.islice(self._audit, AUDIT_BATCH))
+            try:
+                await self.audit_sink.append(batch)
+            except (LlmgwError, TimeoutError, OSError) as e:
+                self._failing(f"audit records not stored ({e})")
+                return
+            for _ in batch:
+                self._audit.popleft()
+        self._failed = False
+
+    def _failing(self, what: str) -> None:
+        if not self._failed:  # said once per outage, not every 0.2 s
+            self._failed = True
+            log.warning(
+                "%s; %d waiting, kept until NATS takes them (the streams are made by "
+                "`llmgw key|team|audit`)",
+                what,
+                len(self._audit),
+            )
+
+    async def run(self) -> None:
+        """Flush every `flush_every` seconds and top up low shares as they run low, until
+        cancelled (the router's task group owns it); one last flush on the way out is the
+        caller's `flush()`."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.limiter.prefetch)
+            while True:
+                await anyio.sleep(self.settings.flush_every)
+                try:
+                    await self.flush()
+                except Exception:  # noqa: BLE001 - a bug here must not stop metering
+                    log.exception("gateway flush failed")

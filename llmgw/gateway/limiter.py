@@ -1,0 +1,492 @@
+"""Limiter: every limit that applies to a request, spent from shares this router claims on
+the counter stream that all routers add to (budget.py says how a share works).
+
+Admitting a request spends from the shares this router holds: no NATS round trip, except
+the one claim in every `share` units. A claim is one atomic increment on the counter
+(`Counter.add`: a JetStream publish with `Nats-Incr`, llmgw/bus/counters.py).
+
+When the counters cannot be reached, the operator chooses (`offline`):
+- "serve" (the default): keep admitting from the shares already held, for at most
+  `serve_offline_for` seconds; past them, or once the shares are spent, answer 503.
+  Nothing admitted is ever beyond what the counter granted, so a cut-off router cannot
+  make the fleet pass a limit: it only stops sooner.
+- "refuse": answer 503 to every limited request until the counters answer again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from llmgw.bus import keys
+from llmgw.errors import LlmgwError
+
+from . import refusals
+from .budget import Budget, Dimension
+from .refusals import RateHeaders, Refusal
+from .table import Identity
+
+log = logging.getLogger(__name__)
+
+Offline = Literal["serve", "refuse"]
+# budgets one router keeps (a key on each model is one each): past it, all but those holding
+# places in flight are forgotten, so model names a client makes up cannot grow it
+MAX_BUDGETS = 100_000
+
+
+class Counter(Protocol):
+    """The counter stream, as the limiter needs it (llmgw/bus/counters.py)."""
+
+    async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
+        """Add `delta` to `subject`'s total; the new total. Raises on failure."""
+        ...
+
+
+@dataclass(frozen=True)
+class LimitSettings:
+    share: float = 0.005  # of a limit, claimed at a time: routers x share may go unused
+    offline: Offline = "serve"
+    serve_offline_for: float = 300.0
+    claim_timeout: float = 0.5  # a claim not answered by then: the counters are away
+    retry_claims_after: float = 1.0  # while away, claim again this often, not per request
+
+
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a microsecond
+class _Need:
+    budget: Budget
+    units: int
+    scope: str  # "key k1", "team t", "key k1 on model m": for messages
+
+
+@dataclass
+class Held:
+    """What one admitted request holds: hand it back with `settle` (once)."""
+
+    limiter: Limiter
+    taken: list[tuple[Budget, int, int]]  # budget, window, units
+    tokens: int  # tokens reserved
+    plan: list[tuple[Budget, str]]  # its limits, and the scope each names
+    at: float  # when admitted
+    charged: int = 0  # tokens charged past the reservation (a stream running long)
+    settled: bool = False
+    _token_budgets: list[tuple[Budget, str]] = field(default_factory=list)
+
+    def rate(self) -> RateHeaders | None:
+        """The x-ratelimit-* figures of this request's tightest limits, as of now."""
+        return self.limiter._rate([b for b, _ in self.plan], self.at) if self.plan else None
+
+    def progress_now(self, used: int) -> bool:
+        """`progress` without waiting (a relay that cannot await): what passes the
+        reservation is spent from the shares held, or charged all the same (added to the
+        counter in the background). False once a limit is known to be passed: end the
+        stream."""
+        extra = used - self.tokens - self.charged
+        if extra <= 0 or not self._token_budgets:
+            return True
+        self.charged += extra
+        within = True
+        for b, _ in self._token_budgets:
+            b.roll(self.limiter.clock())
+            self.taken.append((b, b.window, extra))
+            if b.try_spend(extra):
+                continue
+            beyond = b.force(extra)
+            if beyond:
+                self.limiter.owe(b.window_subject(), beyond)
+                b.total += beyond
+                within = within and b.total <= b.limit
+        return within
+
+    async def progress(self, used: int) -> bool:
+        """A stream has used `used` tokens so far: charge what passes the reservation as it
+        comes. False when the limits refuse more (the router ends the stream)."""
+        extra = used - self.tokens - self.charged
+        if extra <= 0 or not self._token_budgets:
+            return True
+        needs = [_Need(b, extra, scope) for b, scope in self._token_budgets]
+        refused = await self.limiter._take(needs, self.limiter.clock())
+        if refused is not None:
+            return False
+        self.charged += extra
+        for b, _ in self._token_budgets:
+            self.taken.append((b, b.window, extra))
+        return True
+
+    def settle(self, used_tokens: int | None) -> None:
+        """The request is over: give back what it reserved and did not use (its usage in
+        `used_tokens`; None: unknown, the reservation stands), charge what it used past it,
+        and free its place in flight."""
+        if self.settled:
+            return
+        self.settled = True
+        reserved_tokens = self.tokens + self.charged
+        for budget, window, units in self.taken:
+            if budget.carries:
+                budget.give_back(units, window)
+        if used_tokens is None:
+            return
+        diff = used_tokens - reserved_tokens
+        for budget, _scope in self._token_budgets:
+            if diff < 0:
+                window = next((w for b, w, _ in self.taken if b is budget), budget.window)
+                budget.give_back(-diff, window)
+            elif diff > 0:
+                budget.roll(self.limiter.clock())
+                beyond = budget.force(diff)
+                if beyond:
+                    self.limiter.owe(budget.window_subject(), beyond)
+
+
+class Limiter:
+    def __init__(
+        self,
+        counter: Counter,
+        settings: LimitSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.counter = counter
+        self.settings = settings or LimitSettings()
+        self.clock = clock
+        self._budgets: dict[str, Budget] = {}
+        self._plans: dict[tuple[str, str], tuple[object, object, list[tuple[Budget, str]]]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._owed: dict[str, int] = {}  # counter subject -> units to add when it answers
+        self._low: set[str] = set()  # budgets whose share runs low: topped up by prefetch
+        self._wake = asyncio.Event()
+        self.offline_since: float | None = None
+        self._last_attempt = 0.0
+
+    # --- which limits apply ------------------------------------------------------------
+
+    def _budget(self, subject: str, dimension: Dimension, limit: int) -> Budget:
+        b = self._budgets.get(subject)
+        if b is None:
+            if len(self._budgets) >= MAX_BUDGETS:
+                self._forget_idle()
+            b = self._budgets[subject] = Budget.new(subject, dimension, limit, self.settings.share)
+            self._locks[subject] = asyncio.Lock()
+        else:
+            b.relimit(limit, self.settings.share)
+        return b
+
+    def _forget_idle(self) -> None:
+        """Drop every budget but the places in flight still held: the counters keep what was
+        claimed, so a forgotten budget only loses its unspent share (safe: less is
+        admitted, never more), and a new one claims again."""
+        now = self.clock()
+        self._plans.clear()
+        for subject, b in list(self._budgets.items()):
+            b.roll(now)
+            if (not b.dimension.carries or b.spent == 0) and not self._locks[subject].locked():
+                if b.granted and b.dimension.carries:
+                    self.owe(b.window_subject(), -b.granted)
+                del self._budgets[subject]
+                del self._locks[subject]
+
+    def _plan(self, identity: Identity, model: str) -> list[tuple[Budget, str]]:
+        """The budgets of `identity` on `model` and the scope each says in a refusal;
+        remembered until its key's or team's record changes."""
+        cached = self._plans.get((identity.name, model))
+        if cached is not None and cached[0] is identity.key and cached[1] is identity.team:
+            return cached[2]
+        scopes = [(f"key {identity.name}", f"key.{identity.name}", identity.key.limits)]
+        if identity.team is not None:
+            t = identity.team
+            scopes.append((f"team {t.team}", f"team.{t.team}", t.limits))
+        scopes.append(
+            (
+                f"key {identity.name} on model {model}",
+                f"keymodel.{identity.name}.{keys.name_token(model)}",
+                identity.key.model_limits,
+            )
+        )
+        plan = []
+        for scope, path, limits in scopes:
+            for dimension, limit in (
+                (Dimension.REQUESTS, limits.rpm),
+                (Dimension.TOKENS, limits.tpm),
+                (Dimension.DAY, limits.tokens_per_day),
+                (Dimension.PARALLEL, limits.max_parallel),
+            ):
+                if limit is not None:
+                    subject = f"{keys.LIMITS_ROOT}.{path}.{dimension.value}"
+                    plan.append((self._budget(subject, dimension, limit), scope))
+        if len(self._plans) >= MAX_BUDGETS:
+            self._plans.clear()
+        self._plans[identity.name, model] = (identity.key, identity.team, plan)
+        return plan
+
+    # --- admitting ---------------------------------------------------------------------
+
+    def admit_now(self, identity: Identity, model: str, tokens: int) -> Held | Refusal | None:
+        """`admit` without waiting: from the shares held, or refused by what this router
+        knows (the fleet has claimed a limit whole, the counters away too long); None when a
+        claim is due first (then `await admit(...)`). A share running low is topped up in
+        the background (`prefetch`), so the request path rarely waits."""
+        now = self.clock()
+        plan = self._plan(identity, model)
+        if not plan:
+            return Held(self, [], tokens, [], now)  # nothing limits it
+        for b, scope in plan:
+            units = tokens if b.tokens else 1
+            if units > b.limit:
+                return self._refusal(_Need(b, units, scope), now, never_fits=True)
+            b.roll(now)
+        if self._offline_too_long(now):
+            return refusals.limits_unavailable(
+                f"not answering for {now - (self.offline_since or now):.0f} s"
+            )
+        if self.offline_since is not None and self.settings.offline == "refuse":
+            return None  # the async path asks the counters, once a second
+        taken = []
+        for b, scope in plan:  # the request path: plain tuples, no objects made per limit
+            units = tokens if b.tokens else 1
+            if not b.try_spend(units):
+                for spent, window, n in taken:
+                    spent.give_back(n, window)
+                if not b.carries and b.total >= b.limit:
+                    return self._refusal(_Need(b, units, scope), now)  # all claimed
+                return None
+            taken.append((b, b.window, units))
+        return self._held(taken, plan, tokens, now)
+
+    async def admit(self, identity: Identity, model: str, tokens: int) -> Held | Refusal:
+        """Spend one request and `tokens` (the prompt and the most it may generate) from
+        every limit of `identity` on `model`, or say which limit refuses it."""
+        now_held = self.admit_now(identity, model, tokens)
+        if now_held is not None:
+            return now_held
+        now = self.clock()
+        plan = self._plan(identity, model)
+        needs = [_Need(b, tokens if b.tokens else 1, scope) for b, scope in plan]
+        refused = await self._take(needs, now)
+        if refused is not None:
+            return refused
+        return self._held([(n.budget, n.budget.window, n.units) for n in needs], plan, tokens, now)
+
+    def _held(
+        self,
+        taken: list[tuple[Budget, int, int]],
+        plan: list[tuple[Budget, str]],
+        tokens: int,
+        now: float,
+    ) -> Held:
+        held = Held(self, taken, tokens, plan, now)
+        held._token_budgets = [(b, scope) for b, scope in plan if b.tokens]
+        for b, _ in plan:
+            if not b.carries and b.granted - b.spent < b.share / 2 and b.total < b.limit:
+                self._low.add(b.subject)
+        if self._low:
+            self._wake.set()
+        return held
+
+    async def prefetch(self) -> None:
+        """Top up the shares running low, as `_held` finds them, until cancelled (the
+        gateway's `run` owns it)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            low, self._low = self._low, set()
+            for subject in low:
+                b = self._budgets.get(subject)
+                if b is not None and self.offline_since is None:
+                    await self._claim(_Need(b, b.granted - b.spent + 1, ""), spend=False)
+
+    async def _take(self, needs: list[_Need], now: float) -> Refusal | None:
+        """Spend every need, claiming shares for those this router holds too little of; all
+        or nothing."""
+        for n in needs:
+            n.budget.roll(now)
+        if self._offline_too_long(now):
+            return refusals.limits_unavailable(
+                f"not answering for {now - (self.offline_since or now):.0f} s"
+            )
+        if self.offline_since is not None and self.settings.offline == "refuse":
+            if not await self._answering(needs[0].budget, now):
+                return refusals.limits_unavailable("they did not answer")
+        spent: list[_Need] = []
+        short = []
+        for n in needs:
+            (spent if n.budget.try_spend(n.units) else short).append(n)
+        if short:
+            results = await asyncio.gather(*(self._claim(n) for n in short))
+            spent += [n for n, ok in zip(short, results, strict=True) if ok]
+            if None in results:  # the counters are away
+                self._undo(spent)
+                return refusals.limits_unavailable("they did not answer")
+            if False in results:
+                self._undo(spent)
+                return self._refusal(short[results.index(False)], now)
+        return None
+
+    def _undo(self, spent: list[_Need]) -> None:
+        for n in spent:
+            n.budget.give_back(n.units, n.budget.window)
+
+    async def _claim(self, n: _Need, *, spend: bool = True) -> bool | None:
+        """Claim a share of `n`'s budget and spend `n` from it: True when spent, False when
+        the limit refuses, None when the counters cannot be reached. One claim at a time per
+        budget: the requests waiting behind it spend from what it brought. Without `spend`,
+        only make sure `n` could be spent (a top-up ahead of need)."""
+        b = n.budget
+        async with self._locks[b.subject]:
+            if b.spent + n.units <= b.granted:
+                return b.try_spend(n.units) if spend else True
+            now = self.clock()
+            if self.offline_since is not None and now - self._last_attempt < (
+                self.settings.retry_claims_after
+            ):
+                return None
+            if (
+                not b.dimension.carries  # places in flight come back; minutes never do
+                and b.total >= b.limit
+                and b.window == int(now // b.dimension.window_s)
+            ):
+                return False  # the fleet has claimed it all: no need to ask again
+            self._last_attempt = now
+            subject, asked = b.window_subject(), b.to_claim(n.units)
+            try:
+                total = await asyncio.wait_for(
+                    self.counter.add(subject, asked), self.settings.claim_timeout
+                )
+            except (LlmgwError, TimeoutError, OSError) as e:
+                self._went_offline(now, e)
+                return None
+            self._back_online()
+            back = b.claimed(asked, total)
+            if back:
+                try:
+                    await asyncio.wait_for(
+                        self.counter.add(subject, -back), self.settings.claim_timeout
+                    )
+                except (LlmgwError, TimeoutError, OSError):
+                    self.owe(subject, -back)
+            return b.try_spend(n.units) if spend else b.spent + n.units <= b.granted
+
+    async def _answering(self, b: Budget, now: float) -> bool:
+        """While away, in "refuse": ask the counter (adding 0) once per retry interval."""
+        if now - self._last_attempt < self.settings.retry_claims_after:
+            return False
+        self._last_attempt = now
+        try:
+            await asyncio.wait_for(
+                self.counter.add(b.window_subject(), 0), self.settings.claim_timeout
+            )
+        except (LlmgwError, TimeoutError, OSError):
+            return False
+        self._back_online()
+        return True
+
+    def _went_offline(self, now: float, e: BaseException) -> None:
+        if self.offline_since is None:
+            self.offline_since = now
+            log.warning(
+                "rate-limit counters not answering (%s): %s",
+                e or type(e).__name__,
+                "serving on the shares held"
+                if self.settings.offline == "serve"
+                else "refusing limited requests (503)",
+            )
+
+    def _back_online(self) -> None:
+        if self.offline_since is not None:
+            log.warning("rate-limit counters answer again")
+            self.offline_since = None
+
+    def _offline_too_long(self, now: float) -> bool:
+        return (
+            self.offline_since is not None
+            and now - self.offline_since > self.settings.serve_offline_for
+        )
+
+    def cut_off(self, now: float | None = None) -> None:
+        """The shell lost NATS: act as if a claim had failed now."""
+        if self.offline_since is None:
+            self._went_offline(self.clock() if now is None else now, ConnectionError("cut off"))
+
+    def reconnected(self) -> None:
+        """The shell has NATS again: claim at the next need."""
+        self._back_online()
+        self._last_attempt = 0.0
+
+    # --- what it says ------------------------------------------------------------------
+
+    def _refusal(self, n: _Need, now: float, never_fits: bool = False) -> Refusal:
+        b = n.budget
+        rate = self._rate([b], now)
+        retry = max(0.001, b.reset_in(now)) if b.window >= 0 else float(b.dimension.window_s)
+        if never_fits:
+            return Refusal(
+                429,
+                "tokens",
+                "rate_limit_exceeded",
+                f"this request needs {n.units} tokens (its prompt and max_tokens) but {n.scope} "
+                f"may use {b.limit} per {'day' if b.dimension is Dimension.DAY else 'minute'}; "
+                "lower max_tokens",
+                retry_after=None,
+                rate=rate,
+            )
+        if b.dimension is Dimension.DAY:
+            return refusals.out_of_quota(n.scope, b.limit, retry, rate)
+        if b.dimension is Dimension.PARALLEL:
+            return refusals.rate_limited(n.scope, "requests_in_flight", b.limit, 1.0, rate)
+        what = "requests" if b.dimension is Dimension.REQUESTS else "tokens"
+        return refusals.rate_limited(n.scope, what, b.limit, retry, rate)
+
+    def _rate(self, budgets: list[Budget], now: float) -> RateHeaders | None:
+        """The tightest request limit and token limit among `budgets`."""
+        r = t = None
+        r_left = t_left = 0
+        for b in budgets:  # one pass: on every answer to a limited key
+            if b.dimension is Dimension.REQUESTS:
+                left = b.remaining()
+                if r is None or left < r_left:
+                    r, r_left = b, left
+            elif b.dimension is Dimension.TOKENS:
+                left = b.remaining()
+                if t is None or left < t_left:
+                    t, t_left = b, left
+        if r is None and t is None:
+            return None
+        return RateHeaders(
+            limit_requests=r.limit if r else None,
+            remaining_requests=r_left if r else None,
+            reset_requests=r.reset_in(now) if r else None,
+            limit_tokens=t.limit if t else None,
+            remaining_tokens=t_left if t else None,
+            reset_tokens=t.reset_in(now) if t else None,
+        )
+
+    # --- units owed to the counter -----------------------------------------------------
+
+    def owe(self, subject: str, units: int) -> None:
+        self._owed[subject] = self._owed.get(subject, 0) + units
+
+    async def flush(self) -> None:
+        """Hand back places in flight no longer held, and add what is owed (tokens used past
+        reservations, give-backs that failed). The gateway's loop runs it often."""
+        now = self.clock()
+        for b in self._budgets.values():
+            if b.dimension.carries:
+                b.roll(now)
+                surplus = b.surplus()
+                if surplus:
+                    self.owe(b.window_subject(), -surplus)
+        for subject, units in list(self._owed.items()):
+            if not units:
+                self._owed.pop(subject, None)
+                continue
+            try:
+                await asyncio.wait_for(
+                    self.counter.add(subject, units), self.settings.claim_timeout
+                )
+            except (LlmgwError, TimeoutError, OSError):
+                return  # next time
+            self._owed[subject] -= units
+            if not self._owed[subject]:
+                del self._owed[subject]

@@ -1,0 +1,137 @@
+"""Meter: tokens (prompt, completion, cached) and requests per hour, team, key and model,
+from the engines' own `usage`, added to counters in batches.
+
+Counters, not a stream of usage records: `llmgw usage` then reads one number per subject
+(hour x team x key x model x kind) however many requests there were, and a router adds a
+second's worth of requests in one increment per subject. The audit stream keeps the
+per-request detail, for as long as its retention says.
+
+Exactness: a batch is sent with a message id (`Nats-Msg-Id`), and a batch whose answer was
+lost is sent again with the same id, which the stream drops as a duplicate if it had
+stored it (within the stream's duplicate window, 2 minutes): an increment is counted once.
+Nothing is dropped while NATS is away; what waits is one number per subject.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from llmgw.bus import keys
+from llmgw.errors import LlmgwError
+
+from .limiter import Counter
+
+KINDS = ("requests", "prompt", "completion", "cached")
+
+
+def hour_token(now: float) -> str:
+    return time.strftime("%Y%m%d%H", time.gmtime(now))
+
+
+def usage_subject(hour: str, team: str | None, key: str | None, model: str, kind: str) -> str:
+    return ".".join(
+        (
+            keys.USAGE_ROOT,
+            hour,
+            team or keys.NO_NAME,
+            key or keys.NO_NAME,
+            keys.name_token(model),
+            kind,
+        )
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    """One counter of the usage stream, as `llmgw usage` reads it."""
+
+    hour: str  # YYYYMMDDHH, UTC
+    team: str | None
+    key: str | None
+    model: str
+    kind: str
+    value: int
+
+
+def parse_usage_subject(subject: str, value: int) -> UsageRow | None:
+    parts = subject.split(".")
+    root = keys.USAGE_ROOT.split(".")
+    if parts[: len(root)] != root or len(parts) != len(root) + 5:
+        return None
+    hour, team, key, model, kind = parts[len(root) :]
+    if kind not in KINDS:
+        return None
+    return UsageRow(
+        hour,
+        None if team == keys.NO_NAME else team,
+        None if key == keys.NO_NAME else key,
+        keys.token_name(model),
+        kind,
+        value,
+    )
+
+
+class Meter:
+    def __init__(self, router: str) -> None:
+        # message ids unique to this process: a restarted router must not look like a
+        # duplicate of its previous life
+        self._prefix = f"{router}.{os.getpid()}.{os.urandom(4).hex()}"
+        self._ids = itertools.count()
+        self._pending: dict[str, int] = {}
+        self._sending: dict[str, tuple[int, str]] = {}  # subject -> (delta, message id)
+        # the four subjects of (hour, team, key, model), built once each
+        self._subjects: dict[tuple[str, str | None, str | None, str], tuple[str, ...]] = {}
+        self._hour_at, self._hour_token = -1, ""
+
+    def record(
+        self,
+        *,
+        team: str | None,
+        key: str | None,
+        model: str,
+        prompt: int,
+        completion: int,
+        cached: int = 0,
+        now: float | None = None,
+    ) -> None:
+        hour = self._hour(time.time() if now is None else now)
+        subjects = self._subjects.get((hour, team, key, model))
+        if subjects is None:
+            if len(self._subjects) >= 10_000:
+                self._subjects.clear()
+            subjects = tuple(usage_subject(hour, team, key, model, kind) for kind in KINDS)
+            self._subjects[hour, team, key, model] = subjects
+        pending = self._pending
+        for subject, n in zip(subjects, (1, prompt, completion, cached), strict=True):
+            if n:
+                pending[subject] = pending.get(subject, 0) + n
+
+    def _hour(self, now: float) -> str:
+        hour = int(now // 3600)
+        if hour != self._hour_at:
+            self._hour_at, self._hour_token = hour, hour_token(now)
+        return self._hour_token
+
+    def pending(self) -> int:
+        return sum(self._pending.values()) + sum(d for d, _ in self._sending.values())
+
+    async def flush(self, counter: Counter) -> bool:
+        """Send what was recorded; True when nothing is left waiting."""
+        for subject in list(self._pending):
+            if subject not in self._sending:  # else its earlier batch must be stored first
+                delta = self._pending.pop(subject)
+                self._sending[subject] = (delta, f"{self._prefix}.{next(self._ids)}")
+        for subject, (delta, msg_id) in list(self._sending.items()):
+            try:
+                await counter.add(subject, delta, msg_id)
+            except (LlmgwError, TimeoutError, OSError):
+                return False
+            del self._sending[subject]
+        return not self._pending and not self._sending
+
+    def subjects(self) -> Iterable[str]:
+        return [*self._pending, *self._sending]

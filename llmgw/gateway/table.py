@@ -1,0 +1,193 @@
+"""KeyTable: the keys and teams a router knows, from its watch of `apikeys.*` and `teams.*`.
+
+Every check is a dict lookup and one SHA-256 against what the table holds: no NATS round
+trip on the request path. Expiry and revocation times are compared with the clock at each
+request, so an expired key fails on a router cut off from NATS too. A revocation reaches a
+router through its watch (milliseconds); a router cut off from NATS cannot hear of one, so
+it serves the keys it knows for `serve_known_for` seconds after it was cut off (default
+300) and then refuses every key with 503 until its watch is back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from llmgw.bus import keys, records
+from llmgw.bus.records import ApiKey, Team
+
+from . import credentials, refusals
+from .refusals import Refusal
+
+SERVE_KNOWN_FOR = 300.0
+# secrets already checked against the record they matched: a request with one costs a dict
+# lookup, not a SHA-256; dropped whole when full (a flood of wrong secrets is never added)
+MAX_CHECKED = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who sent a request: its key's record and its team's (None: no team, or a team the
+    bucket does not hold, which then limits nothing)."""
+
+    key: ApiKey
+    team: Team | None
+
+    @property
+    def name(self) -> str:
+        return self.key.name
+
+    @property
+    def team_name(self) -> str | None:
+        return self.key.team
+
+    def allowed(self) -> list[str] | None:
+        """The models this identity may use; None: every model. A key's list and its team's
+        both apply."""
+        mine = self.key.models or None
+        theirs = self.team.models if self.team is not None and self.team.models else None
+        if mine is None:
+            return theirs
+        if theirs is None:
+            return mine
+        return [m for m in mine if m in theirs]
+
+    def may_use(self, model: str) -> bool:
+        allowed = self.allowed()
+        return allowed is None or model in allowed
+
+
+def bearer(authorization: str | None) -> str | None:
+    """The secret of an `Authorization: Bearer <secret>` header."""
+    if not authorization:
+        return None
+    scheme, _, value = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return value.strip() or None
+
+
+class KeyTable:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.time,
+        serve_known_for: float = SERVE_KNOWN_FOR,
+    ) -> None:
+        self.clock = clock
+        self.serve_known_for = serve_known_for
+        self._keys: dict[str, ApiKey] = {}
+        self._teams: dict[str, Team] = {}
+        self._cut_off_since: float | None = None
+        self._checked: dict[str, tuple[ApiKey, records.SecretHash]] = {}
+        self._identities: dict[str, Identity] = {}  # one per key, while its records hold
+
+    # --- fed by the watch --------------------------------------------------------------
+
+    def apply(self, key: str, value: object) -> None:
+        """One update of the watch: a record, or None when the key was deleted."""
+        parsed = keys.parse_gateway(key)
+        if parsed is None:
+            return
+        name = parsed.ids[0]
+        if parsed.prefix == keys.APIKEYS:
+            if isinstance(value, ApiKey):
+                self._keys[name] = value
+            else:
+                self._keys.pop(name, None)
+                self._identities.pop(name, None)
+        elif parsed.prefix == keys.TEAMS:
+            if isinstance(value, Team):
+                self._teams[name] = value
+            else:
+                self._teams.pop(name, None)
+
+    def cut_off(self, now: float | None = None) -> None:
+        """The watch lost NATS: from now the table may miss revocations."""
+        if self._cut_off_since is None:
+            self._cut_off_since = self.clock() if now is None else now
+
+    def caught_up(self) -> None:
+        """The watch has replayed the bucket again: the table is current."""
+        self._cut_off_since = None
+
+    # --- asked per request ---------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        """Keys are required once the bucket holds any."""
+        return bool(self._keys)
+
+    def key(self, name: str) -> ApiKey | None:
+        return self._keys.get(name)
+
+    def team(self, name: str) -> Team | None:
+        return self._teams.get(name)
+
+    def teams(self) -> list[str]:
+        return sorted(self._teams)
+
+    def authenticate(
+        self, authorization: str | None, now: float | None = None
+    ) -> Identity | Refusal:
+        now = self.clock() if now is None else now
+        if self._cut_off_since is not None and now - self._cut_off_since > self.serve_known_for:
+            return Refusal(
+                503,
+                "server_error",
+                "keys_unavailable",
+                f"this router has not heard from NATS for {now - self._cut_off_since:.0f} s "
+                f"and no longer trusts its copy of the keys (after {self.serve_known_for:.0f} "
+                "s); try another router",
+                retry_after=1.0,
+            )
+        secret = bearer(authorization)
+        if secret is None:
+            return refusals.unauthenticated("no API key given")
+        record = self._match(secret, now)
+        if record is None:
+            return refusals.unauthenticated("incorrect API key provided")
+        if record.revoked_at is not None and now >= record.revoked_at:
+            return refusals.unauthenticated(f"API key {record.name} was revoked")
+        if record.expires_at is not None and now >= record.expires_at:
+            return refusals.unauthenticated(f"API key {record.name} has expired")
+        team = self._teams.get(record.team) if record.team else None
+        known = self._identities.get(record.name)
+        if known is not None and known.key is record and known.team is team:
+            return known
+        identity = self._identities[record.name] = Identity(record, team)
+        return identity
+
+    def _match(self, secret: str, now: float) -> ApiKey | None:
+        """The record `secret` is a secret of, now (a rotated one only within its grace)."""
+        checked = self._checked.get(secret)
+        if checked is not None:
+            record, stored = checked
+            name = record.name
+            if self._keys.get(name) is record:  # the record it matched is still the one held
+                if stored.valid_until is None or now < stored.valid_until:
+                    return record
+                return None
+        name = credentials.name_of(secret)
+        record = self._keys.get(name) if name is not None else None
+        if record is None:
+            return None
+        stored = next((s for s in record.secrets if credentials.matches(s, secret, now)), None)
+        if stored is None:
+            return None
+        if len(self._checked) >= MAX_CHECKED:
+            self._checked.clear()
+        self._checked[secret] = (record, stored)
+        return record
+
+    def authorize(self, identity: Identity, model: str) -> Refusal | None:
+        if identity.may_use(model):
+            return None
+        return refusals.not_allowed(model, identity.allowed() or [])
+
+    def visible(self, identity: Identity | None, models: Iterable[str]) -> list[str]:
+        """`GET /v1/models` for this identity: only the models it may use."""
+        if identity is None:
+            return list(models)
+        return [m for m in models if identity.may_use(m)]

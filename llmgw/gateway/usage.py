@@ -1,0 +1,71 @@
+"""The engines' own `usage`, read from what they answer: a whole response's JSON, or the
+last chunk of a stream asked for with `stream_options.include_usage`.
+
+A stream's usage comes in a chunk of its own (empty `choices`) just before `[DONE]`; a
+client that did not ask for it must not receive it (`strip`), but the router asks for it
+on every stream so that none goes unmetered.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+MAX_USAGE_JSON = 1 << 20  # a whole answer read for its usage: bigger is not parsed
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.completion
+
+
+def ask_for_usage(body: dict[str, Any]) -> bool:
+    """Make a streaming request ask for usage; True when the client asked for it itself
+    (then its usage chunk is passed on, else stripped)."""
+    options = body.get("stream_options")
+    asked = isinstance(options, dict) and options.get("include_usage") is True
+    if body.get("stream") and not asked:
+        body["stream_options"] = {
+            **(options if isinstance(options, dict) else {}),
+            "include_usage": True,
+        }
+    return asked
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and value >= 0 else 0
+
+
+def from_dict(usage: object) -> Usage | None:
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
+    return Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), cached)
+
+
+def of_json(data: bytes) -> Usage | None:
+    """The usage of a whole (non-streamed) answer, or of one SSE chunk's JSON."""
+    if len(data) > MAX_USAGE_JSON:
+        return None
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None
+    return from_dict(doc.get("usage")) if isinstance(doc, dict) else None
+
+
+def is_usage_only_chunk(data: bytes) -> bool:
+    """A stream chunk that carries usage and no choices: the one to strip."""
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and not doc.get("choices") and isinstance(doc.get("usage"), dict)
