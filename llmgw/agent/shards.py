@@ -30,6 +30,7 @@ from llmgw.agent.engines.base import LaunchSpec
 from llmgw.agent.engines.launcher import EngineLauncher, ProcessLauncher
 from llmgw.agent.engines.pidfile import (
     EngineProcess,
+    Refusal,
     leader_alive,
     leftover_engines,
     stop_engine,
@@ -117,6 +118,21 @@ class ThisNode:
 
         return prefix
 
+    async def refused(self, refusal: Refusal) -> None:
+        """Say what the agent would not act on: in its log, and as an event
+        (`llmgw.events.agent-left-alone.<node>` for processes it left running,
+        `agent-pidfile-refused.<node>` for a pidfile it would not read)."""
+        log.warning("%s", refusal.line)
+        kind = "agent-left-alone" if refusal.what == "processes" else "agent-pidfile-refused"
+        await self.bus.publish_event(kind, self.name, refusal.line)
+
+    async def stop_leftover(self, record: EngineProcess, why: str, grace: float) -> None:
+        """Stop an engine an earlier agent left (only what is proven to be it), saying so."""
+        stopped = await anyio.to_thread.run_sync(stop_engine, self.state_dir, record, why, grace)
+        log.warning("%s", stopped.line)
+        if stopped.left_alone is not None:
+            await self.refused(stopped.left_alone)
+
     async def put(self, shard: records.Shard) -> None:
         try:
             await self.bus.put(keys.shard(shard.node, shard.rid), shard)
@@ -161,8 +177,8 @@ class NodeShards:
         # is adopted by its replica if it still matches the assignment, and stopped
         # otherwise, before anything is launched on its GPUs or port.
         found, notes = await anyio.to_thread.run_sync(leftover_engines, self.node.state_dir)
-        for line in notes:
-            log.warning("%s", line)
+        for refusal in notes:
+            await self.node.refused(refusal)
         self._leftovers = {r.rid: r for r in found}
         if found:
             log.info(
@@ -242,10 +258,9 @@ class NodeShards:
     async def _stop_unclaimed_leftovers(self) -> None:
         for rid in [r for r in self._leftovers if r not in self._shards]:
             record = self._leftovers.pop(rid)
-            line = await anyio.to_thread.run_sync(
-                stop_engine, self.node.state_dir, record, "no assignment names it any more"
+            await self.node.stop_leftover(
+                record, "no assignment names it any more", self.node.cfg.engines.stop_grace
             )
-            log.warning("%s", line)
 
     async def _remove_stale_shards(self) -> None:
         bus, node = self.node.bus, self.node.name
@@ -505,14 +520,9 @@ class LocalShard:
             leftover, self._leftover = self._leftover, None
         if leftover is None:
             return
-        line = await anyio.to_thread.run_sync(
-            stop_engine,
-            self.node.state_dir,
-            leftover,
-            f"not adopted: {why}",
-            self.node.cfg.engines.stop_grace,
+        await self.node.stop_leftover(
+            leftover, f"not adopted: {why}", self.node.cfg.engines.stop_grace
         )
-        log.warning("%s", line)
 
     def _start(
         self, want: records.Assignment, spec: LaunchSpec, *, adopt: EngineProcess | None = None

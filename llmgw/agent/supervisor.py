@@ -40,8 +40,10 @@ from llmgw.agent.engines.base import EngineGauges
 from llmgw.agent.engines.launcher import EngineLauncher, EngineRun, ProcessGroup, ProcessLauncher
 from llmgw.agent.engines.output import EngineLog
 from llmgw.agent.engines.pidfile import (
+    ENGINE_MARKER,
     EngineProcess,
     leader_alive,
+    new_marker,
     new_record,
     remove_pidfile,
     write_pidfile,
@@ -325,15 +327,18 @@ class EngineSupervisor:
             out = self._log.open_for_engine()
         except OSError as e:
             return f"cannot open engine log {self._log.path}: {e.strerror}; check the agent's state dir"
+        # every process of the engine inherits it: what proves to a later agent that a
+        # worker outliving its leader is this engine's, and not a reused group number's
+        marker = new_marker(self.shard)
         try:
-            run = await self._launcher.start(argv, self.command.env, out)
+            run = await self._launcher.start(argv, {**self.command.env, ENGINE_MARKER: marker}, out)
         except OSError as e:
             return f"cannot start {argv[0]}: {e.strerror or e}"
         finally:
             os.close(out)  # the engine has its own copy
         self._run, self.pid = run, run.pid
         self._engine_up.set()
-        self._remember_pidfile()
+        self._remember_pidfile(marker=marker)
         failure: list[str] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_readiness, failure)
@@ -569,7 +574,7 @@ class EngineSupervisor:
         except Exception:  # a reporting failure must not take the engine down
             log.exception("%s: reporting phase %s failed", self.shard, phase)
 
-    def _remember_pidfile(self, adopted: EngineProcess | None = None) -> None:
+    def _remember_pidfile(self, adopted: EngineProcess | None = None, marker: str = "") -> None:
         if self.state_dir is None or self.pid is None:
             return
         if adopted is not None:
@@ -587,6 +592,7 @@ class EngineSupervisor:
                 rank=self.spec.rank,
                 nodes=self.spec.nodes,
                 master_addr=self.spec.master_addr or "",
+                marker=marker,
             )
         self._pidfile = record
         write_pidfile(self.state_dir, record)
