@@ -88,6 +88,31 @@ def open_regular(
         raise
 
 
+def open_regular_for_append(path: str | Path, mode: int = 0o640) -> int:
+    """A descriptor appending to `path` (created when missing), for a file only the agent
+    and its engines write (an engine's log): NotRegularFile when it is a link, a FIFO or a
+    device. Never blocks: a FIFO is refused, not waited on for a reader. The caller closes
+    it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotRegularFile(path, "a symbolic link") from None
+        if e.errno == errno.ENXIO:  # a FIFO nobody reads
+            raise NotRegularFile(path, "a FIFO") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(path, st.st_mode)
+        os.set_blocking(fd, True)  # regular files ignore O_NONBLOCK; say what is meant
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class TooLarge(ValueError):
     pass
 
