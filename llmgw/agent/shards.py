@@ -305,6 +305,34 @@ class ShardState(Enum):
     GONE = "gone"  # no assignment, no engine, no record: its owner drops it
 
 
+_SS = ShardState
+
+# Every move a LocalShard makes (`LocalShard._to`; anything else is a bug, ShardStateError).
+# An engine is started only from LAUNCHING, or from IDLE or RETRYING to adopt one an
+# earlier agent left so as to drain it; it is replaced only after STOPPING; an error or a
+# transient refusal is RETRYING from wherever the look was.
+SHARD_MOVES: dict[ShardState, frozenset[ShardState]] = {
+    _SS.IDLE: frozenset({_SS.LAUNCHING, _SS.RUNNING, _SS.STOPPING, _SS.RETRYING, _SS.GONE}),
+    _SS.LAUNCHING: frozenset({_SS.RUNNING, _SS.IDLE, _SS.RETRYING, _SS.GONE}),
+    _SS.RUNNING: frozenset({_SS.STOPPING, _SS.IDLE, _SS.RETRYING}),
+    _SS.STOPPING: frozenset({_SS.IDLE, _SS.LAUNCHING, _SS.RETRYING, _SS.GONE}),
+    _SS.RETRYING: frozenset({_SS.IDLE, _SS.LAUNCHING, _SS.RUNNING, _SS.STOPPING, _SS.GONE}),
+    _SS.GONE: frozenset(),
+}
+
+
+class ShardStateError(RuntimeError):
+    """A move a LocalShard never makes: a bug in this module."""
+
+
+def check_shard_move(old: ShardState, new: ShardState) -> ShardState:
+    """`new`, when a LocalShard may move from `old` to it (staying put is no move);
+    ShardStateError otherwise."""
+    if new is not old and new not in SHARD_MOVES[old]:
+        raise ShardStateError(f"shard state {old.value} -> {new.value} is not a move it makes")
+    return new
+
+
 @dataclass
 class _Engine:
     assignment: records.Assignment
@@ -651,6 +679,9 @@ class LocalShard:
             )
 
     def _to(self, state: ShardState) -> None:
+        """The one way the state changes: the move must be in SHARD_MOVES (a bug otherwise).
+        The phase the replica's engine is in is its record's, reported by `_report`."""
+        check_shard_move(self.state, state)
         if state is not self.state:
             log.debug("%s: %s -> %s", self.rid, self.state.value, state.value)
         self.state = state
