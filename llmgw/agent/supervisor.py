@@ -10,11 +10,13 @@ What it does follows from one named state (`EngineState`, supervisord's names), 
 only through `_change_state`, which checks the move against one table (`MOVES`: a move not
 in it is a bug, `StateError`), sets the state and reports the phase it implies; no flag
 steers beside it. The restart decisions come from one small pure policy (`RestartPolicy`)
-tested with time passed in. Every wait that decides something (the backoff, the readiness deadline, the drain) is
-taken on the supervisor's clock (`llmgw.clock.Timer`, injected), so a test walks through
-minutes of them at once. An engine outlives its supervisor only when told to (`leave_running()`: the agent is
-being restarted, and its successor adopts the engine instead of loading the model again);
-otherwise stop, drain and cancellation all end with the group gone.
+tested with time passed in. Every wait that decides something (the backoff, the readiness
+deadline, the drain) is taken on the supervisor's clock (`llmgw.clock.Timer`, injected), so
+a test walks through minutes of them at once. An engine outlives its supervisor only when
+told to (`leave_running()`: the agent is being restarted, and its successor adopts the
+engine instead of loading the model again); otherwise stop, drain and cancellation all end
+with the group gone. Every process of an engine carries its marker (`pidfile.ENGINE_MARKER`)
+in its environment: what lets a later agent prove a worker is the engine's.
 
 Validation is the caller's step before this one (`engines.validate.validate_launch`).
 """
