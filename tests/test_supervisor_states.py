@@ -8,14 +8,16 @@ from __future__ import annotations
 import itertools
 
 import anyio
+import psutil
 import pytest
-from test_supervisor import Recorder, llama, supervisor
+from test_supervisor import FAST, Recorder, llama, supervisor
 
 from llmgw.agent.shards import SHARD_MOVES, ShardState, ShardStateError, check_shard_move
 from llmgw.agent.supervisor import (
     MOVES,
     PHASE_OF,
     EngineState,
+    EngineSupervisor,
     StateError,
     check_move,
 )
@@ -99,3 +101,44 @@ def test_what_a_shard_never_does():
     assert SS.GONE not in SHARD_MOVES[SS.RUNNING]
     # a stopping engine is never taken for a running one
     assert SS.RUNNING not in SHARD_MOVES[SS.STOPPING]
+
+
+@pytest.mark.anyio
+async def test_an_engine_adopted_to_be_drained_stays_draining_until_it_stopped(
+    bins, tmp_path, monkeypatch
+):
+    """An agent restarted while its replica drained adopts the engine to drain it: the record
+    goes draining, then stopped; the adopted engine answering ready never flips it back to
+    ready (a router would send it requests again)."""
+    from llmgw.agent.engines.pidfile import read_pidfiles
+
+    spec = llama(bins, tmp_path, monkeypatch)
+    first_rec = Recorder()
+    first = supervisor(spec, tmp_path, first_rec)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(first.run)
+        ready = await first_rec.reached("ready")
+        first.leave_running()
+        tg.cancel_scope.cancel()
+    (record,) = read_pidfiles(tmp_path / "state")
+    rec = Recorder()
+    second = EngineSupervisor(
+        spec,
+        shard="r1",
+        on_phase=rec,
+        log_path=tmp_path / "logs" / "r1.log",
+        state_dir=tmp_path / "state",
+        timing=FAST,
+        adopt=record,
+    )
+    async with anyio.create_task_group() as tg:
+        # the engine is this test's child (not the agent's, as after a real restart):
+        # reaped here once it exits, or its zombie would read as a group still alive
+        tg.start_soon(anyio.to_thread.run_sync, psutil.Process(ready.pid).wait)
+        tg.start_soon(second.drain)  # as a LocalShard does: before run() has adopted it
+        await anyio.sleep(0)
+        assert second.state is S.DRAINING
+        tg.start_soon(second.run)
+    assert rec.phases == ["draining", "stopped"]
+    assert second.state is S.EXITED and second.pid == ready.pid
+    assert read_pidfiles(tmp_path / "state") == []
