@@ -236,3 +236,16 @@ async def test_a_restarted_agent_registers_past_hostile_pidfiles_and_spares_a_st
     finally:
         assert stop(proc) == 0
         _kill(sleeper)
+
+
+def test_a_pidfile_is_never_written_through_a_link_left_at_its_name(tmp_path):
+    state = tmp_path / "state"
+    (state / "engines").mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep\n")
+    record = new_record("r1", os.getpid(), ["x"], 1, [], "")
+    os.symlink(victim, pidfile_path(state, "r1").with_suffix(".tmp"))
+    os.symlink(victim, pidfile_path(state, "r1"))
+    write_pidfile(state, record)
+    assert victim.read_bytes() == b"keep\n"
+    assert read_pidfiles(state) == [record]

@@ -86,7 +86,11 @@ def write_pidfile(state_dir: Path, record: EngineProcess) -> Path:
     path = pidfile_path(state_dir, record.shard)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(msgspec.json.encode(record))
+    # written new, never through whatever was left at that name (a link would be followed)
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(msgspec.json.encode(record))
     tmp.replace(path)  # never a half-written file for the next agent to misread
     return path
 
