@@ -249,3 +249,17 @@ def test_a_pidfile_is_never_written_through_a_link_left_at_its_name(tmp_path):
     write_pidfile(state, record)
     assert victim.read_bytes() == b"keep\n"
     assert read_pidfiles(state) == [record]
+
+
+def test_a_command_line_is_the_engines_by_its_executable_and_arguments():
+    from llmgw.agent.engines.pidfile import same_command
+
+    argv = ["/usr/local/bin/vllm", "serve", "/models/x", "--port", "18000"]
+    assert same_command(argv, argv)
+    assert same_command(["/usr/bin/python3", *argv], argv)  # its #! interpreter
+    shim = ["/opt/conda/bin/llama-server", "-m", "x.gguf", "--port", "1"]
+    assert same_command(["/opt/conda/pkgs/llama/bin/llama-server", *shim[1:]], shim)
+    # the same arguments to another program, or a name alone, prove nothing
+    assert not same_command(["/usr/bin/sleep", *argv[1:]], argv)
+    assert not same_command(["sleep", "120"], ["vllm"])
+    assert not same_command([], argv)

@@ -231,16 +231,19 @@ def leader_alive(record: EngineProcess) -> bool:
 
 
 def same_command(cmdline: list[str], argv: list[str]) -> bool:
-    """Whether /proc's command line is `argv` run: itself, or its arguments after another
-    program's name (a script run by the interpreter its #! line names, as vLLM's `vllm`
-    is, or a wrapper that execs the real binary, as a conda shim does). The process's
-    start time, checked beside this, is what says it is the one this agent started."""
+    """Whether /proc's command line is `argv` run: itself, or its executable (by name) and
+    arguments after another program's name (a script run by the interpreter its #! line
+    names, as vLLM's `vllm` is, or a wrapper that execs the real binary, as a conda shim
+    does). An argv of a name alone proves nothing beyond itself. The process's start time,
+    checked beside this, is what says it is the one this agent started."""
     if not argv:
         return False
     if cmdline == argv:
         return True
     args = argv[1:]
-    return len(cmdline) > len(args) and (not args or cmdline[-len(args) :] == args)
+    if not args or len(cmdline) <= len(args) or cmdline[-len(args) :] != args:
+        return False
+    return os.path.basename(cmdline[-len(args) - 1]) == os.path.basename(argv[0])
 
 
 def leftover_engines(state_dir: Path) -> tuple[list[EngineProcess], list[Refusal]]:
