@@ -263,3 +263,20 @@ def test_a_command_line_is_the_engines_by_its_executable_and_arguments():
     assert not same_command(["/usr/bin/sleep", *argv[1:]], argv)
     assert not same_command(["sleep", "120"], ["vllm"])
     assert not same_command([], argv)
+
+
+def test_a_live_engine_does_not_vouch_for_a_group_that_is_not_its_own(tmp_path):
+    """A pidfile that names a live first process (pid, start time and command line all
+    match) beside the group number of another: that group's processes are not proven."""
+    leader = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    pgid, sleeper = _orphan_group()
+    try:
+        record = new_record("r1", leader.pid, ["sleep", "120"], 1, [], "")
+        record.pgid = pgid
+        write_pidfile(tmp_path / "state", record)
+        reap_leftover_engines(tmp_path / "state", grace=0.5)
+        assert _alive(sleeper)
+    finally:
+        _kill(sleeper)
+        leader.kill()
+        leader.wait()

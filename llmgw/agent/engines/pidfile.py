@@ -170,26 +170,37 @@ def find_engine(record: EngineProcess) -> EngineFound:
     if leader_started is not None and abs(leader_started - record.create_time) > _SAME_START:
         # pid reused; the kernel reuses no pid while its group lives, so ours is gone
         return EngineFound()
-    # its group is its own while its first process, proven, leads it
-    leader_proven = leader_started is not None and leader_alive(record)
+    # its group is its own while its first process, proven, leads it (the agent starts
+    # every engine in a session of its own: group id = session id = the leader's pid)
+    leader_proven = (
+        leader_started is not None
+        and record.pgid == record.pid
+        and _group_of(record.pid) == record.pgid
+        and leader_alive(record)
+    )
     found = EngineFound()
     for proc in psutil.process_iter(["pid", "create_time", "status"]):
-        try:
-            if os.getpgid(proc.pid) != record.pgid:
-                continue
-        except (ProcessLookupError, PermissionError):
+        if _group_of(proc.pid) != record.pgid:
             continue
         # workers start after their leader; anything older is not from this engine. A
         # zombie has ended already: nothing to stop, nothing to prove
-        if proc.info["create_time"] + _SAME_START < record.create_time:
+        started = proc.info["create_time"]
+        if started is not None and started + _SAME_START < record.create_time:
             continue
         if proc.info["status"] == psutil.STATUS_ZOMBIE:
             continue
-        if leader_proven or carries_marker(proc.pid, record.marker):
+        if started is not None and (leader_proven or carries_marker(proc.pid, record.marker)):
             found.proven.append(proc)
         else:
             found.unproven.append(_describe(proc))
     return found
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
 
 
 def _left_alone(record: EngineProcess, unproven: list[str]) -> str:
@@ -223,7 +234,7 @@ def leader_alive(record: EngineProcess) -> bool:
     command line (what /proc says, not what the file says)."""
     try:
         proc = psutil.Process(record.pid)
-        if abs(proc.create_time() - record.create_time) > 0.05:
+        if abs(proc.create_time() - record.create_time) > _SAME_START:
             return False
         return same_command(proc.cmdline(), record.argv) and proc.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied):
