@@ -236,3 +236,37 @@ def _gone(p: psutil.Process) -> bool:
         return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+async def test_workers_left_when_an_engines_first_process_died_are_stopped_by_the_next_agent(
+    bus, node, controller
+):
+    """The agent is restarted, and while none runs its engine's first process dies; the
+    engine's worker lives on, an orphan holding its memory. The next agent proves the worker
+    is the engine's by the marker it inherited, stops it, and launches the replica anew."""
+    record = node["tmp"] / "engine.json"
+    gguf = str(write_fake_gguf(node["tmp"] / "weights" / "tiny.gguf"))
+    env = {**STREAM_ENV, "FAKE_ENGINE_WORKERS": "1", "FAKE_ENGINE_RECORD": str(record)}
+    await serve(bus, cpu_model(gguf, served_name=SERVED, env=env, host_ram_gb=1), 1)
+    (first,) = await until(lambda: _all_ready(bus, 1), timeout=30)
+    leader = psutil.Process(first.pid)
+    (worker_pid,) = msgspec.json.decode(record.read_bytes())["workers"]
+    worker = psutil.Process(worker_pid)
+    node["engines"] = [leader, worker]
+    await _away(node)
+    leader.kill()
+    with anyio.fail_after(10):
+        while not _gone(leader):
+            await anyio.sleep(0.05)
+    assert not _gone(worker)  # orphaned
+    _back(node)
+
+    async def replaced():
+        shards = await _all_ready(bus, 1)
+        return shards[0] if shards and shards[0].pid != first.pid else None
+
+    second = await until(replaced, timeout=30)
+    node["engines"].append(psutil.Process(second.pid))
+    with anyio.fail_after(10):
+        while not _gone(worker):
+            await anyio.sleep(0.05)

@@ -17,6 +17,7 @@ from serving import stream_chat
 
 from llmgw.agent.engines import LaunchSpec
 from llmgw.agent.engines.pidfile import (
+    ENGINE_MARKER,
     new_record,
     pidfile_path,
     reap_leftover_engines,
@@ -348,13 +349,16 @@ def test_workers_of_an_engine_whose_leader_died_are_reaped(bins, tmp_path):
     model = write_fake_gguf(tmp_path / "m.gguf")
     argv = [str(bins["llama-server"]), "-m", str(model), "--port", str(port)]
     env = {**os.environ, "FAKE_ENGINE_WORKERS": "1", "FAKE_ENGINE_RECORD": str(record)}
+    env[ENGINE_MARKER] = "r1/one-start"  # what proves the orphaned worker is the engine's
     leader = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.DEVNULL)
     try:
         with anyio.from_thread.start_blocking_portal() as portal:
             portal.call(wait_healthy, port)
         worker = json.loads(record.read_text())["workers"][0]
         state = tmp_path / "state"
-        write_pidfile(state, new_record("r1", leader.pid, argv, port, [], ""))
+        write_pidfile(
+            state, new_record("r1", leader.pid, argv, port, [], "", marker=env[ENGINE_MARKER])
+        )
         leader.kill()
         leader.wait()
         assert psutil.pid_exists(worker)  # orphaned, still holding its GPU memory

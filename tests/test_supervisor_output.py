@@ -61,3 +61,31 @@ def test_exit_descriptions_name_the_signal_and_the_oom_suspect():
     assert describe_exit(1) == "exited with code 1"
     assert describe_exit(-15) == "killed by SIGTERM"
     assert describe_exit(-9).startswith("killed by SIGKILL (the kernel's OOM killer")
+
+
+def test_a_fifo_or_a_link_planted_as_a_shard_log_is_refused_not_waited_on(tmp_path: Path):
+    """The log is a state file the agent writes and reads back: a FIFO there would block
+    the open (no reader, no writer), a link would be written through (as root)."""
+    import pytest
+
+    from llmgw.agent.files import NotRegularFile
+
+    os.mkfifo(tmp_path / "fifo.log")
+    target = tmp_path / "not-a-log"
+    target.write_bytes(b"keep\n")
+    os.symlink(target, tmp_path / "link.log")
+    for name, kind in (("fifo.log", "a FIFO"), ("link.log", "a symbolic link")):
+        log = EngineLog(tmp_path / name)
+        with pytest.raises(NotRegularFile) as refused:
+            log.write(b"=== llmgw starting\n")
+        assert refused.value.kind == kind
+        with pytest.raises(NotRegularFile):
+            os.close(log.open_for_engine())
+        assert log.tail() == []
+    assert target.read_bytes() == b"keep\n"
+    # a link where the rotated copy goes is replaced, not written through
+    os.symlink(target, tmp_path / "r1.log.1")
+    log = EngineLog(tmp_path / "r1.log", max_bytes=4)
+    log.write(b"0123456789\n")
+    assert target.read_bytes() == b"keep\n"
+    assert (tmp_path / "r1.log.1").read_bytes() == b"0123456789\n"

@@ -25,6 +25,8 @@ class NotRegularFile(OSError):
 
 
 def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
     if stat.S_ISDIR(mode):
         return "a directory"
     if stat.S_ISFIFO(mode):
@@ -41,7 +43,7 @@ def _refuse(path: str | Path, mode: int) -> NotRegularFile:
 
 
 def open_regular_fd(
-    path: str | Path, st: os.stat_result | None = None
+    path: str | Path, st: os.stat_result | None = None, *, follow: bool = True
 ) -> tuple[int, os.stat_result]:
     """A raw descriptor on `path` and its fstat, when it is a regular file (links to one are
     fine); NotRegularFile (an OSError) otherwise. Never blocks on a FIFO or a device: the
@@ -50,12 +52,19 @@ def open_regular_fd(
     caller closes it. For readers that need no file object (a header check per shard): an
     open, an fstat, the reads and a close, without the fcntl and fstat calls a file adds.
     `st`, a stat of `path` the caller has just taken (a cache keyed by it), saves the one
-    before opening."""
+    before opening. `follow=False`: a symbolic link is refused too (O_NOFOLLOW), for files
+    only the agent writes, such as its pidfiles, where a link is never its own."""
     if st is None:
-        st = os.stat(path)
+        st = os.stat(path) if follow else os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
         raise _refuse(path, st.st_mode)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags if follow else flags | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow:  # became a link after the lstat
+            raise NotRegularFile(path, "a symbolic link") from None
+        raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -67,16 +76,41 @@ def open_regular_fd(
 
 
 def open_regular(
-    path: str | Path, *, buffering: int = -1, st: os.stat_result | None = None
+    path: str | Path, *, buffering: int = -1, st: os.stat_result | None = None, follow: bool = True
 ) -> BinaryIO:
     """`path` opened for binary reading when it is a regular file, as `open_regular_fd`."""
-    fd, _ = open_regular_fd(path, st)
+    fd, _ = open_regular_fd(path, st, follow=follow)
     try:
         os.set_blocking(fd, True)  # regular files ignore O_NONBLOCK; say what is meant
         return os.fdopen(fd, "rb", buffering=buffering)
     except BaseException:
         os.close(fd)
         raise
+
+
+def open_regular_for_append(path: str | Path, mode: int = 0o640) -> int:
+    """A descriptor appending to `path` (created when missing), for a file only the agent
+    and its engines write (an engine's log): NotRegularFile when it is a link, a FIFO or a
+    device. Never blocks: a FIFO is refused, not waited on for a reader. The caller closes
+    it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotRegularFile(path, "a symbolic link") from None
+        if e.errno == errno.ENXIO:  # a FIFO nobody reads
+            raise NotRegularFile(path, "a FIFO") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(path, st.st_mode)
+        os.set_blocking(fd, True)  # regular files ignore O_NONBLOCK; say what is meant
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class TooLarge(ValueError):
@@ -86,10 +120,11 @@ class TooLarge(ValueError):
 _CHUNK = 1 << 20
 
 
-def read_bounded(path: str | Path, limit: int) -> bytes:
+def read_bounded(path: str | Path, limit: int, *, follow: bool = True) -> bytes:
     """The whole of a regular file of at most `limit` bytes. TooLarge (a ValueError naming
-    the file and the limit) when it is longer; OSError when it cannot be read."""
-    with open_regular(path) as f:
+    the file and the limit) when it is longer; OSError when it cannot be read (NotRegularFile
+    when it is no regular file, or with `follow=False` a symbolic link)."""
+    with open_regular(path, follow=follow) as f:
         # files in /proc say size 0: read in chunks to the end or just past the bound
         chunks, total = [], 0
         while total <= limit:

@@ -21,7 +21,11 @@ import subprocess
 from collections.abc import Mapping
 from typing import Literal
 
+from llmgw.agent.files import read_text_bounded
+
 log = logging.getLogger(__name__)
+
+_MAX_CGROUP = 64 * 1024  # /proc/self/cgroup: a line per hierarchy, a few hundred bytes
 
 OwnScope = Literal["auto", "always", "never"]
 OnAgentExit = Literal["keep-on-restart", "keep", "stop"]
@@ -83,9 +87,8 @@ def leave_engines_now(policy: OnAgentExit, sig: int) -> tuple[bool, str]:
     unit = list_jobs = None
     if policy == "keep-on-restart" and sig != signal.SIGINT and os.environ.get("INVOCATION_ID"):
         try:
-            with open("/proc/self/cgroup") as f:
-                unit = unit_of(f.read())
-        except OSError:
+            unit = unit_of(read_text_bounded("/proc/self/cgroup", _MAX_CGROUP))
+        except (OSError, ValueError):
             unit = None
         if unit is not None:
             try:

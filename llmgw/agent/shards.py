@@ -30,6 +30,7 @@ from llmgw.agent.engines.base import LaunchSpec
 from llmgw.agent.engines.launcher import EngineLauncher, ProcessLauncher
 from llmgw.agent.engines.pidfile import (
     EngineProcess,
+    Refusal,
     leader_alive,
     leftover_engines,
     stop_engine,
@@ -118,6 +119,21 @@ class ThisNode:
 
         return prefix
 
+    async def refused(self, refusal: Refusal) -> None:
+        """Say what the agent would not act on: in its log, and as an event
+        (`llmgw.events.agent-left-alone.<node>` for processes it left running,
+        `agent-pidfile-refused.<node>` for a pidfile it would not read)."""
+        log.warning("%s", refusal.line)
+        kind = "agent-left-alone" if refusal.what == "processes" else "agent-pidfile-refused"
+        await self.bus.publish_event(kind, self.name, refusal.line)
+
+    async def stop_leftover(self, record: EngineProcess, why: str, grace: float) -> None:
+        """Stop an engine an earlier agent left (only what is proven to be it), saying so."""
+        stopped = await anyio.to_thread.run_sync(stop_engine, self.state_dir, record, why, grace)
+        log.warning("%s", stopped.line)
+        if stopped.left_alone is not None:
+            await self.refused(stopped.left_alone)
+
     async def put(self, shard: records.Shard) -> None:
         try:
             await self.bus.put(keys.shard(shard.node, shard.rid), shard)
@@ -162,8 +178,8 @@ class NodeShards:
         # is adopted by its replica if it still matches the assignment, and stopped
         # otherwise, before anything is launched on its GPUs or port.
         found, notes = await anyio.to_thread.run_sync(leftover_engines, self.node.state_dir)
-        for line in notes:
-            log.warning("%s", line)
+        for refusal in notes:
+            await self.node.refused(refusal)
         self._leftovers = {r.rid: r for r in found}
         if found:
             log.info(
@@ -270,10 +286,9 @@ class NodeShards:
     async def _stop_unclaimed_leftovers(self) -> None:
         for rid in [r for r in self._leftovers if r not in self._shards]:
             record = self._leftovers.pop(rid)
-            line = await anyio.to_thread.run_sync(
-                stop_engine, self.node.state_dir, record, "no assignment names it any more"
+            await self.node.stop_leftover(
+                record, "no assignment names it any more", self.node.cfg.engines.stop_grace
             )
-            log.warning("%s", line)
 
     async def _remove_stale_shards(self) -> None:
         bus, node = self.node.bus, self.node.name
@@ -316,6 +331,34 @@ class ShardState(Enum):
     STOPPING = "stopping"  # its engine drains or stops
     RETRYING = "retrying"  # a refusal that clears by itself, or an error: looks again soon
     GONE = "gone"  # no assignment, no engine, no record: its owner drops it
+
+
+_SS = ShardState
+
+# Every move a LocalShard makes (`LocalShard._to`; anything else is a bug, ShardStateError).
+# An engine is started only from LAUNCHING, or from IDLE or RETRYING to adopt one an
+# earlier agent left so as to drain it; it is replaced only after STOPPING; an error or a
+# transient refusal is RETRYING from wherever the look was.
+SHARD_MOVES: dict[ShardState, frozenset[ShardState]] = {
+    _SS.IDLE: frozenset({_SS.LAUNCHING, _SS.RUNNING, _SS.STOPPING, _SS.RETRYING, _SS.GONE}),
+    _SS.LAUNCHING: frozenset({_SS.RUNNING, _SS.IDLE, _SS.RETRYING, _SS.GONE}),
+    _SS.RUNNING: frozenset({_SS.STOPPING, _SS.IDLE, _SS.RETRYING}),
+    _SS.STOPPING: frozenset({_SS.IDLE, _SS.LAUNCHING, _SS.RETRYING, _SS.GONE}),
+    _SS.RETRYING: frozenset({_SS.IDLE, _SS.LAUNCHING, _SS.RUNNING, _SS.STOPPING, _SS.GONE}),
+    _SS.GONE: frozenset(),
+}
+
+
+class ShardStateError(RuntimeError):
+    """A move a LocalShard never makes: a bug in this module."""
+
+
+def check_shard_move(old: ShardState, new: ShardState) -> ShardState:
+    """`new`, when a LocalShard may move from `old` to it (staying put is no move);
+    ShardStateError otherwise."""
+    if new is not old and new not in SHARD_MOVES[old]:
+        raise ShardStateError(f"shard state {old.value} -> {new.value} is not a move it makes")
+    return new
 
 
 @dataclass
@@ -533,14 +576,9 @@ class LocalShard:
             leftover, self._leftover = self._leftover, None
         if leftover is None:
             return
-        line = await anyio.to_thread.run_sync(
-            stop_engine,
-            self.node.state_dir,
-            leftover,
-            f"not adopted: {why}",
-            self.node.cfg.engines.stop_grace,
+        await self.node.stop_leftover(
+            leftover, f"not adopted: {why}", self.node.cfg.engines.stop_grace
         )
-        log.warning("%s", line)
 
     def _start(
         self, want: records.Assignment, spec: LaunchSpec, *, adopt: EngineProcess | None = None
@@ -669,6 +707,9 @@ class LocalShard:
             )
 
     def _to(self, state: ShardState) -> None:
+        """The one way the state changes: the move must be in SHARD_MOVES (a bug otherwise).
+        The phase the replica's engine is in is its record's, reported by `_report`."""
+        check_shard_move(self.state, state)
         if state is not self.state:
             log.debug("%s: %s -> %s", self.rid, self.state.value, state.value)
         self.state = state

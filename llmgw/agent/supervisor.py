@@ -6,13 +6,17 @@ into the shard's log file, reports every phase through `on_phase`, restarts an e
 exits with capped exponential backoff, gives up on one that keeps failing to start
 (FATAL: the controller then moves the replica), and drains before stopping.
 
-What it does follows from one named state (`EngineState`, supervisord's names), and the
-restart decisions from one small pure policy (`RestartPolicy`) tested with time passed
-in. Every wait that decides something (the backoff, the readiness deadline, the drain) is
-taken on the supervisor's clock (`llmgw.clock.Timer`, injected), so a test walks through
-minutes of them at once. An engine outlives its supervisor only when told to (`leave_running()`: the agent is
-being restarted, and its successor adopts the engine instead of loading the model again);
-otherwise stop, drain and cancellation all end with the group gone.
+What it does follows from one named state (`EngineState`, supervisord's names), changed
+only through `_change_state`, which checks the move against one table (`MOVES`: a move not
+in it is a bug, `StateError`), sets the state and reports the phase it implies; no flag
+steers beside it. The restart decisions come from one small pure policy (`RestartPolicy`)
+tested with time passed in. Every wait that decides something (the backoff, the readiness
+deadline, the drain) is taken on the supervisor's clock (`llmgw.clock.Timer`, injected), so
+a test walks through minutes of them at once. An engine outlives its supervisor only when
+told to (`leave_running()`: the agent is being restarted, and its successor adopts the
+engine instead of loading the model again); otherwise stop, drain and cancellation all end
+with the group gone. Every process of an engine carries its marker (`pidfile.ENGINE_MARKER`)
+in its environment: what lets a later agent prove a worker is the engine's.
 
 Validation is the caller's step before this one (`engines.validate.validate_launch`).
 """
@@ -25,7 +29,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -40,8 +44,10 @@ from llmgw.agent.engines.base import EngineGauges
 from llmgw.agent.engines.launcher import EngineLauncher, EngineRun, ProcessGroup, ProcessLauncher
 from llmgw.agent.engines.output import EngineLog
 from llmgw.agent.engines.pidfile import (
+    ENGINE_MARKER,
     EngineProcess,
     leader_alive,
+    new_marker,
     new_record,
     remove_pidfile,
     write_pidfile,
@@ -61,17 +67,72 @@ SupervisorPhase = Literal["starting", "loading", "ready", "draining", "stopped",
 class EngineState(Enum):
     """What the supervisor is doing with its engine; every decision reads this."""
 
-    IDLE = "idle"  # not started yet
+    IDLE = "idle"  # run() has not begun
     STARTING = "starting"  # launched (or adopted), not ready yet
     RUNNING = "running"  # ready: it serves
     BACKOFF = "backoff"  # it exited; starts again after a delay
-    STOPPING = "stopping"  # draining or stopping on request
-    EXITED = "exited"  # stopped on request: done
+    DRAINING = "draining"  # asked to drain: in-flight requests finish, then it stops
+    STOPPING = "stopping"  # asked to stop: SIGTERM, SIGKILL after the grace
+    EXITED = "exited"  # stopped (asked, or the supervisor cancelled): done
     FATAL = "fatal"  # failed to start too often in a row: done, the controller moves it
     LEFT = "left"  # left running for the next agent to adopt: done, the engine is not
 
 
-_DONE = frozenset({EngineState.EXITED, EngineState.FATAL, EngineState.LEFT})
+_S = EngineState
+_DONE = frozenset({_S.EXITED, _S.FATAL, _S.LEFT})
+# a drain or a stop was asked for: nothing starts again, and the router keeps seeing it
+_ASKED = frozenset({_S.DRAINING, _S.STOPPING})
+
+# Every move the supervisor makes (supervisord's process.py keeps the same table). Before
+# run(), only a drain or a stop (it then runs just to stop what it was given to adopt).
+# EXITED is also where a cancelled supervisor ends; LEFT, where one told to leave its
+# engine running ends while that engine lives (an agent restarted in the middle of a drain
+# or a stop leaves it too: the next agent adopts it to drain or stop it).
+MOVES: dict[EngineState, frozenset[EngineState]] = {
+    _S.IDLE: frozenset({_S.STARTING, _S.DRAINING, _S.STOPPING, _S.EXITED}),
+    _S.STARTING: frozenset(
+        {_S.RUNNING, _S.BACKOFF, _S.FATAL, _S.DRAINING, _S.STOPPING, _S.EXITED, _S.LEFT}
+    ),
+    _S.RUNNING: frozenset({_S.BACKOFF, _S.FATAL, _S.DRAINING, _S.STOPPING, _S.EXITED, _S.LEFT}),
+    _S.BACKOFF: frozenset({_S.STARTING, _S.DRAINING, _S.STOPPING, _S.EXITED}),
+    _S.DRAINING: frozenset({_S.STOPPING, _S.EXITED, _S.LEFT}),
+    _S.STOPPING: frozenset({_S.EXITED, _S.LEFT}),
+    _S.EXITED: frozenset(),
+    _S.FATAL: frozenset(),
+    _S.LEFT: frozenset(),
+}
+
+
+class StateError(RuntimeError):
+    """A move the supervisor never makes: a bug in the supervisor, not in its engine."""
+
+
+def check_move(old: EngineState, new: EngineState) -> EngineState:
+    """`new`, when the supervisor may move from `old` to it; StateError otherwise."""
+    if new not in MOVES[old]:
+        raise StateError(
+            f"engine state {old.value} -> {new.value} is not a move the supervisor makes"
+        )
+    return new
+
+
+# the phase the shard record says on entering a state (None: the record keeps its phase;
+# STARTING's "loading" and an adopted engine's "ready" are reported within the state)
+PHASE_OF: dict[EngineState, SupervisorPhase | None] = {
+    _S.IDLE: None,
+    _S.STARTING: "starting",
+    _S.RUNNING: "ready",
+    _S.BACKOFF: "failed",
+    _S.DRAINING: "draining",
+    _S.STOPPING: None,
+    _S.EXITED: "stopped",
+    _S.FATAL: "failed",
+    _S.LEFT: None,
+}
+
+# what cancelling the supervisor does to its engine: stop it, or leave it serving for the
+# next agent to adopt (`leave_running`); data the last move reads, not a state of its own
+OnCancel = Literal["stop", "leave"]
 
 
 @dataclass(frozen=True)
@@ -176,10 +237,8 @@ class EngineSupervisor:
             self.timing.stable_after,
             self.timing.max_failed_starts,
         )
-        self._adopt = adopt
-        self._adopted = adopt is not None
-        self._adopted_ready = adopt is not None and adopt.ready
-        self._engine_up = anyio.Event()  # an engine was started or adopted, or run() ended
+        self._adopt = adopt  # the engine an earlier agent left, until run() adopts it
+        self._adopted_from = adopt  # what was given to adopt (`adopted`), kept
         self._pidfile: EngineProcess | None = None  # what the next agent will read
         self.state = EngineState.IDLE
         self.phase: SupervisorPhase | None = None
@@ -188,10 +247,8 @@ class EngineSupervisor:
         self.pid: int | None = None
         self._run: EngineRun | None = None  # the engine started or adopted last
         self._ready_at: float | None = None
-        self._stop_requested = anyio.Event()
-        self._leave = False
-        self._running = False
-        self._done = anyio.Event()
+        self._on_cancel: OnCancel = "stop"
+        self._changed = anyio.Event()  # set (and replaced) at every move, and when _run is set
         self._http: aiohttp.ClientSession | None = None
 
     # --- public --------------------------------------------------------------------
@@ -202,7 +259,7 @@ class EngineSupervisor:
     @property
     def adopted(self) -> bool:
         """Whether its engine was started by an earlier agent."""
-        return self._adopted
+        return self._adopted_from is not None
 
     def keep_for(self, generation: int) -> None:
         """The engine stays for a new generation of its assignment (only the catalog changed):
@@ -213,12 +270,13 @@ class EngineSupervisor:
     def leave_running(self) -> None:
         """The agent is being restarted: when this supervisor is cancelled, its engine
         keeps serving, its pidfile stays, and the next agent adopts it."""
-        self._leave = True
+        self._on_cancel = "leave"
 
     async def run(self) -> None:
         """Start (or adopt) the engine and keep it running until it is stopped, drained,
         given up on, or the supervisor is cancelled."""
-        self._running = True
+        if self.state is not EngineState.IDLE and self.state not in _ASKED:
+            raise StateError(f"{self.shard}: run() again in state {self.state.value}")
         timeout = aiohttp.ClientTimeout(total=self.timing.probe_timeout)
         try:
             async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -228,61 +286,56 @@ class EngineSupervisor:
                         # even when a stop came first: an adopted engine is ours to stop
                         record, self._adopt = self._adopt, None
                         failure = await self._watch_adopted(record)
-                    elif self._stop_requested.is_set():
+                    elif self.state in _ASKED:
                         break
                     else:
                         failure = await self._run_once()
-                    if failure is None or self._stop_requested.is_set():
+                    if failure is None or self.state in _ASKED:
                         break
                     served = (
                         None if self._ready_at is None else self._clock.monotonic() - self._ready_at
                     )
                     delay = self._policy.after_exit(served)
                     if delay is None:
-                        self.state = EngineState.FATAL
                         n = self._policy.failed_in_a_row
-                        await self._report(
-                            "failed",
+                        await self._change_state(
+                            EngineState.FATAL,
                             f"{failure}; gave up after {n} failed starts in a row",
-                            gave_up=True,
                         )
                         return
                     self.restarts += 1
                     self.restart_delays.append(delay)
-                    self.state = EngineState.BACKOFF
-                    await self._report(
-                        "failed", f"{failure}; restart {self.restarts} in {delay:g} s"
+                    await self._change_state(
+                        EngineState.BACKOFF, f"{failure}; restart {self.restarts} in {delay:g} s"
                     )
-                    await self._within(delay, self._stop_requested.wait)
-            self.state = EngineState.EXITED
-            await self._report("stopped", "stopped on request")
+                    await self._within(delay, functools.partial(self._until, _ASKED))
+            await self._change_state(EngineState.EXITED, "stopped on request")
         finally:
             with anyio.CancelScope(shield=True):
-                if self._leave and self._group_alive:
+                if self.state not in _DONE and self._on_cancel == "leave" and self._group_alive:
                     # the engine serves on; its pidfile says where to find it
-                    self.state = EngineState.LEFT
+                    await self._change_state(EngineState.LEFT)
                     log.info("%s: left running (pid %s) for the next agent", self.shard, self.pid)
                 else:
                     # cancelled (agent exiting) or done: the process group must not outlive us
-                    if self.state not in _DONE:
-                        self.state = EngineState.EXITED
                     await self._terminate(self.timing.cancel_grace)
                     self._forget_pidfile()
+                    if self.state not in _DONE:
+                        await self._change_state(EngineState.EXITED)
                 if self._run is not None and self.state is not EngineState.LEFT:
                     self._run.signal(0)  # collected if it exited
-            self._engine_up.set()
-            self._done.set()
 
     async def drain(self, timeout: float | None = None) -> None:
         """Report draining at once, let in-flight requests finish (bounded), then stop."""
-        if self._done.is_set() or self._stop_requested.is_set():
+        if self.state in _DONE or self.state in _ASKED:
             return await self.stop()
-        self.state = EngineState.STOPPING
-        await self._report("draining", "waiting for in-flight requests")
-        if (self.phase_was_ready or self._adopted_ready) and self.command.base_url:
+        await self._change_state(EngineState.DRAINING, "waiting for in-flight requests")
+        adopted_ready = self._adopted_from is not None and self._adopted_from.ready
+        if (self.phase_was_ready or adopted_ready) and self.command.base_url:
 
             async def idle() -> None:
-                await self._engine_up.wait()  # an engine adopted to be drained, say
+                # an engine adopted to be drained, say, once run() has adopted it
+                await self._until(_DONE, lambda: self._run is not None)
                 await self._wait_idle()
 
             limit = self.timing.drain_timeout if timeout is None else timeout
@@ -291,13 +344,16 @@ class EngineSupervisor:
         await self.stop()
 
     async def stop(self) -> None:
-        """SIGTERM the engine's group, SIGKILL after the grace period; returns when gone."""
-        self._leave = False  # a stop asked for is a stop, whatever was said before
-        if self.state not in _DONE:
-            self.state = EngineState.STOPPING
-        self._stop_requested.set()
-        if self._running:
-            await self._done.wait()
+        """SIGTERM the engine's group, SIGKILL after the grace period; returns when gone.
+        Before run(): returns at once, and run() then stops whatever it was given to adopt."""
+        self._on_cancel = "stop"  # a stop asked for is a stop, whatever was said before
+        before = self.state
+        if before in _DONE:
+            return
+        if before is not EngineState.STOPPING:
+            await self._change_state(EngineState.STOPPING)
+        if before is not EngineState.IDLE:
+            await self._until(_DONE)
 
     @property
     def phase_was_ready(self) -> bool:
@@ -305,15 +361,14 @@ class EngineSupervisor:
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self.state in _DONE
 
     # --- one engine process --------------------------------------------------------
 
     async def _run_once(self) -> str | None:
         """Run the engine until it exits; the failure reason, or None when stopped."""
         self._ready_at = None
-        self.state = EngineState.STARTING
-        await self._report("starting", " ".join(self.command.argv))
+        await self._change_state(EngineState.STARTING, " ".join(self.command.argv))
         prefix = self._prefix() if callable(self._prefix) else self._prefix
         argv = [*prefix, *self.command.argv]
         try:
@@ -325,15 +380,17 @@ class EngineSupervisor:
             out = self._log.open_for_engine()
         except OSError as e:
             return f"cannot open engine log {self._log.path}: {e.strerror}; check the agent's state dir"
+        # every process of the engine inherits it: what proves to a later agent that a
+        # worker outliving its leader is this engine's, and not a reused group number's
+        marker = new_marker(self.shard)
         try:
-            run = await self._launcher.start(argv, self.command.env, out)
+            run = await self._launcher.start(argv, {**self.command.env, ENGINE_MARKER: marker}, out)
         except OSError as e:
             return f"cannot start {argv[0]}: {e.strerror or e}"
         finally:
             os.close(out)  # the engine has its own copy
-        self._run, self.pid = run, run.pid
-        self._engine_up.set()
-        self._remember_pidfile()
+        self._engine_is(run)
+        self._remember_pidfile(marker=marker)
         failure: list[str] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_readiness, failure)
@@ -345,7 +402,7 @@ class EngineSupervisor:
             tg.cancel_scope.cancel()
         self._forget_pidfile()
         self._log.write(f"=== llmgw: engine exited: {describe_exit(code)}\n".encode())
-        if self._stop_requested.is_set():
+        if self.state in _ASKED:
             return None
         if failure:
             return failure[0]
@@ -356,7 +413,8 @@ class EngineSupervisor:
         """An engine an earlier agent started: not this process's child, so its exit is
         learnt from a pidfd (its code is lost; its log's last lines are not)."""
         self._log_from = max(0, self._log.size() - 64 * 1024)
-        self.state = EngineState.STARTING
+        if self.state not in _ASKED:  # adopted to be drained or stopped: it stays so
+            await self._change_state(EngineState.STARTING)
         adopted = await anyio.to_thread.run_sync(
             ProcessGroup.adopt, record.pid, functools.partial(leader_alive, record)
         )
@@ -365,8 +423,7 @@ class EngineSupervisor:
                 remove_pidfile(self.state_dir, self.shard)
             return "the engine left by an earlier agent exited before it was adopted"
         group = adopted
-        self._run, self.pid = group, record.pid
-        self._engine_up.set()
+        self._engine_is(group)
         self._remember_pidfile(record)
         self._log.write(
             f"=== llmgw {time.strftime('%Y-%m-%dT%H:%M:%S')} adopted by a new agent "
@@ -383,7 +440,7 @@ class EngineSupervisor:
         group.alive = False
         self._forget_pidfile()
         self._log.write(b"=== llmgw: adopted engine exited (its exit status is not known)\n")
-        if self._stop_requested.is_set():
+        if self.state in _ASKED:
             return None
         if failure:
             return failure[0]
@@ -412,9 +469,9 @@ class EngineSupervisor:
                 await self._report("loading", f"{how}: {probe.detail}")
             if probe.ready:
                 self._ready_at = self._clock.monotonic()
-                self.state = EngineState.RUNNING
                 self._rewrite_pidfile(ready=True)
-                await self._report("ready", probe.detail)
+                if self.state is EngineState.STARTING:  # not when asked to drain or stop
+                    await self._change_state(EngineState.RUNNING, probe.detail)
                 return
             await self._clock.sleep(self.timing.poll_interval)
         if hung:
@@ -446,7 +503,7 @@ class EngineSupervisor:
         return done
 
     async def _watch_stop(self) -> None:
-        await self._stop_requested.wait()
+        await self._until((EngineState.STOPPING,))
         await self._terminate(self.timing.stop_grace)
 
     async def _watch_log(self) -> None:
@@ -549,10 +606,41 @@ class EngineSupervisor:
         self._signal_group(signal.SIGKILL)
         await self._group_gone(10.0)
 
+    # --- the state, and what waits for it -------------------------------------------
+
+    async def _change_state(self, new: EngineState, reason: str | None = None) -> None:
+        """The one way the state changes: the move must be in MOVES (StateError: a bug),
+        then the state is set, whatever waits for it is woken, and with a `reason` the phase
+        the new state implies (`PHASE_OF`) is reported."""
+        check_move(self.state, new)
+        log.debug("%s: engine %s -> %s", self.shard, self.state.value, new.value)
+        self.state = new
+        self._wake()
+        phase = PHASE_OF[new]
+        if reason is not None and phase is not None:
+            await self._report(phase, reason, gave_up=new is EngineState.FATAL)
+
+    def _engine_is(self, run: EngineRun) -> None:
+        """The engine started or adopted now (what a drain waits for)."""
+        self._run, self.pid = run, run.pid
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _until(
+        self, states: Iterable[EngineState], holds: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Returns once the state is one of `states`, or `holds()`."""
+        wanted = frozenset(states)
+        while self.state not in wanted and not holds():
+            await self._changed.wait()
+
     # --- reports and bookkeeping -----------------------------------------------------
 
     async def _report(self, phase: SupervisorPhase, reason: str, *, gave_up: bool = False) -> None:
-        if self.state is EngineState.STOPPING and phase in ("starting", "loading", "ready"):
+        if self.state in _ASKED and phase in ("starting", "loading", "ready"):
             return  # a drain or stop in progress is what the router must keep seeing
         self.phase = phase
         change = PhaseChange(
@@ -569,7 +657,7 @@ class EngineSupervisor:
         except Exception:  # a reporting failure must not take the engine down
             log.exception("%s: reporting phase %s failed", self.shard, phase)
 
-    def _remember_pidfile(self, adopted: EngineProcess | None = None) -> None:
+    def _remember_pidfile(self, adopted: EngineProcess | None = None, marker: str = "") -> None:
         if self.state_dir is None or self.pid is None:
             return
         if adopted is not None:
@@ -587,6 +675,7 @@ class EngineSupervisor:
                 rank=self.spec.rank,
                 nodes=self.spec.nodes,
                 master_addr=self.spec.master_addr or "",
+                marker=marker,
             )
         self._pidfile = record
         write_pidfile(self.state_dir, record)

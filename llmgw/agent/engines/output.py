@@ -7,6 +7,8 @@ import shutil
 from collections import deque
 from pathlib import Path
 
+from llmgw.agent.files import open_regular, open_regular_for_append
+
 
 class OutputTail:
     """The last `max_lines` lines, at most `max_bytes` in all: what a failure report carries.
@@ -70,7 +72,7 @@ class EngineLog:
         """A descriptor for the engine's stdout and stderr (the caller closes its copy)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rotate_if_large()
-        return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+        return open_regular_for_append(self.path)
 
     def size(self) -> int:
         try:
@@ -81,8 +83,11 @@ class EngineLog:
     def write(self, text: bytes) -> None:
         """One line of the agent's own (`=== llmgw ...`), between the engine's."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "ab") as f:
-            f.write(text)
+        fd = open_regular_for_append(self.path)  # a FIFO or a link planted here: refused
+        try:
+            os.write(fd, text)
+        finally:
+            os.close(fd)
         self.rotate_if_large()
 
     def rotate_if_large(self) -> bool:
@@ -90,7 +95,8 @@ class EngineLog:
             return False
         old = self.path.with_name(self.path.name + ".1")
         try:
-            shutil.copyfile(self.path, old)
+            old.unlink(missing_ok=True)  # a link there would be written through
+            shutil.copyfile(self.path, old, follow_symlinks=False)
             os.truncate(self.path, 0)
         except OSError:
             return False
@@ -101,7 +107,7 @@ class EngineLog:
         a truncation since then reads from the start), bounded like OutputTail."""
         tail = OutputTail()
         try:
-            with open(self.path, "rb") as f:
+            with open_regular(self.path, follow=False) as f:
                 end = f.seek(0, os.SEEK_END)
                 start = since if since <= end else 0
                 start = max(start, end - max_bytes)

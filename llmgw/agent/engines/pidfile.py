@@ -4,22 +4,44 @@ An agent that is restarted (an upgrade, a config change) leaves its engines serv
 one that dies (SIGKILL, the OOM killer, a crash) cannot stop them: either way the next
 agent reads these files, adopts each engine that still matches its assignment, and stops
 the rest before it starts anything on their GPUs and ports, so that nothing runs twice.
-Identity is the process start time as well as the pid (a pid reused by an unrelated
-process is never signalled nor adopted), and the command line read back from /proc.
+
+The agent runs as root, so it acts only on a process it can prove is an engine it started;
+what it cannot prove it leaves alone and reports. The engine's first process is proven by
+its pid, start time and command line read back from /proc against the pidfile (a pid
+reused by an unrelated process is never signalled nor adopted). While it lives, every
+process of its group is its (a session leader's group holds only its descendants). Once
+it is gone, its group number proves nothing (after a reboot or a double-forking daemon it
+is anyone's): a process is the engine's only when its environment carries the engine's
+marker (`ENGINE_MARKER`, a nonce per start that every process of the engine inherits, vLLM's
+workers included) and it started after the engine did.
+
+Every pidfile is read as a state file: bounded, no link followed, nothing that is not a
+regular file (a FIFO would hang the agent before it registers, a link to /dev/zero grow it).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import psutil
 
+from llmgw.agent.files import read_bounded
+
 # a pidfile is a few hundred bytes; one past this is not one of ours
 _MAX_PIDFILE = 64 * 1024
+# /proc/<pid>/environ: the kernel caps argv and environment together at a quarter of the
+# stack limit (2 MiB by default); an environment larger than this proves nothing
+_MAX_ENVIRON = 4 * 1024 * 1024
+# the environment variable that marks every process of an engine: "<shard>/<nonce>"
+ENGINE_MARKER = "LLMGW_ENGINE"
+_SAME_START = 0.05  # seconds: psutil's start times are in clock ticks
 
 
 class EngineProcess(msgspec.Struct, kw_only=True):
@@ -41,6 +63,9 @@ class EngineProcess(msgspec.Struct, kw_only=True):
     nodes: int = 1
     master_addr: str = ""
     ready: bool = False  # it has answered ready: an adopting agent expects it to go on
+    # ENGINE_MARKER's value in the environment of every process of this engine; "" in a
+    # pidfile of an agent before markers (its workers are then proven by a live leader only)
+    marker: str = ""
 
     @property
     def rid(self) -> str:
@@ -61,7 +86,11 @@ def write_pidfile(state_dir: Path, record: EngineProcess) -> Path:
     path = pidfile_path(state_dir, record.shard)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(msgspec.json.encode(record))
+    # written new, never through whatever was left at that name (a link would be followed)
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(msgspec.json.encode(record))
     tmp.replace(path)  # never a half-written file for the next agent to misread
     return path
 
@@ -70,14 +99,30 @@ def remove_pidfile(state_dir: Path, shard: str) -> None:
     pidfile_path(state_dir, shard).unlink(missing_ok=True)
 
 
+def new_marker(shard: str) -> str:
+    """A value of ENGINE_MARKER for one start of `shard`'s engine: new at every start, so
+    that nothing but that engine's processes carries it."""
+    return f"{shard}/{secrets.token_hex(12)}"
+
+
+def read_pidfile(path: Path) -> EngineProcess:
+    """One pidfile: OSError when it is no regular file or cannot be read (NotRegularFile
+    for a FIFO, a device or a link), ValueError when it is too large or does not decode."""
+    data = read_bounded(path, _MAX_PIDFILE, follow=False)
+    try:
+        return msgspec.json.decode(data, type=EngineProcess)
+    except msgspec.DecodeError as e:
+        raise ValueError(str(e)) from None
+
+
 def read_pidfiles(state_dir: Path) -> list[EngineProcess]:
-    """The engines the pidfiles under `state_dir` name, those that decode (an unreadable
+    """The engines the pidfiles under `state_dir` name, those that read (an unreadable
     one is the reaper's to remove): what tells this agent's processes from others'."""
     found = []
     for path in sorted((state_dir / "engines").glob("*.json")):
         try:
-            found.append(msgspec.json.decode(path.read_bytes(), type=EngineProcess))
-        except (OSError, msgspec.DecodeError):
+            found.append(read_pidfile(path))
+        except (OSError, ValueError):
             continue
     return found
 
@@ -86,26 +131,102 @@ def process_create_time(pid: int) -> float:
     return psutil.Process(pid).create_time()
 
 
-def _members(record: EngineProcess) -> list[psutil.Process]:
-    """The live processes of the engine's group, or [] when the group is not ours any more."""
+def carries_marker(pid: int, marker: str, procfs: Path = Path("/proc")) -> bool:
+    """Whether process `pid`'s environment (as it was started) holds ENGINE_MARKER=`marker`:
+    False when it does not, or when it cannot be read (gone, not ours to read, too large)."""
+    if not marker:
+        return False
+    try:
+        environ = read_bounded(procfs / str(pid) / "environ", _MAX_ENVIRON)
+    except (OSError, ValueError):
+        return False
+    return f"{ENGINE_MARKER}={marker}".encode() in environ.split(b"\0")
+
+
+@dataclass(frozen=True)
+class EngineFound:
+    """The live processes of an engine an earlier agent left: those proven to be it, and a
+    line for each process of its recorded group that nothing proves is it (left alone)."""
+
+    proven: list[psutil.Process] = field(default_factory=list)
+    unproven: list[str] = field(default_factory=list)
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"pid {proc.pid} ({proc.name()})"
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return f"pid {proc.pid}"
+
+
+def find_engine(record: EngineProcess) -> EngineFound:
+    """The processes of `record`'s engine that still run, each proven to be it (the
+    module's docstring says how), and those of its recorded group that are not proven.
+    Blocking (psutil, /proc): run it in a worker thread."""
     try:
         leader_started = psutil.Process(record.pid).create_time()
     except psutil.NoSuchProcess:
         leader_started = None
-    if leader_started is not None and abs(leader_started - record.create_time) > 0.05:
+    if leader_started is not None and abs(leader_started - record.create_time) > _SAME_START:
         # pid reused; the kernel reuses no pid while its group lives, so ours is gone
-        return []
-    found = []
-    for proc in psutil.process_iter(["pid", "create_time"]):
-        try:
-            if os.getpgid(proc.pid) != record.pgid:
-                continue
-        except (ProcessLookupError, PermissionError):
+        return EngineFound()
+    # its group is its own while its first process, proven, leads it (the agent starts
+    # every engine in a session of its own: group id = session id = the leader's pid)
+    leader_proven = (
+        leader_started is not None
+        and record.pgid == record.pid
+        and _group_of(record.pid) == record.pgid
+        and leader_alive(record)
+    )
+    found = EngineFound()
+    for proc in psutil.process_iter(["pid", "create_time", "status"]):
+        if _group_of(proc.pid) != record.pgid:
             continue
-        # workers start after their leader; anything older is not from this engine
-        if proc.info["create_time"] + 0.05 >= record.create_time:
-            found.append(proc)
+        # workers start after their leader; anything older is not from this engine. A
+        # zombie has ended already: nothing to stop, nothing to prove
+        started = proc.info["create_time"]
+        if started is not None and started + _SAME_START < record.create_time:
+            continue
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if started is not None and (leader_proven or carries_marker(proc.pid, record.marker)):
+            found.proven.append(proc)
+        else:
+            found.unproven.append(_describe(proc))
     return found
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def _left_alone(record: EngineProcess, unproven: list[str]) -> str:
+    why = (
+        "its environment lacks the engine's marker"
+        if record.marker
+        else "its pidfile predates markers and the engine's first process is gone"
+    )
+    return (
+        f"left alone {len(unproven)} process(es) in process group {record.pgid} of the engine "
+        f"for shard {record.shard} (pid {record.pid}): nothing proves they are that engine "
+        f"({why}): {', '.join(unproven)}"
+    )
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What the agent would not act on, for the log and an event: a pidfile it did not read
+    (`pidfile`), or processes of an engine's recorded group not proven to be it
+    (`processes`: left running)."""
+
+    what: Literal["pidfile", "processes"]
+    line: str
+
+    def __str__(self) -> str:
+        return self.line
 
 
 def leader_alive(record: EngineProcess) -> bool:
@@ -113,7 +234,7 @@ def leader_alive(record: EngineProcess) -> bool:
     command line (what /proc says, not what the file says)."""
     try:
         proc = psutil.Process(record.pid)
-        if abs(proc.create_time() - record.create_time) > 0.05:
+        if abs(proc.create_time() - record.create_time) > _SAME_START:
             return False
         return same_command(proc.cmdline(), record.argv) and proc.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -121,47 +242,63 @@ def leader_alive(record: EngineProcess) -> bool:
 
 
 def same_command(cmdline: list[str], argv: list[str]) -> bool:
-    """Whether /proc's command line is `argv` run: itself, or its arguments after another
-    program's name (a script run by the interpreter its #! line names, as vLLM's `vllm`
-    is, or a wrapper that execs the real binary, as a conda shim does). The process's
-    start time, checked beside this, is what says it is the one this agent started."""
+    """Whether /proc's command line is `argv` run: itself, or its executable (by name) and
+    arguments after another program's name (a script run by the interpreter its #! line
+    names, as vLLM's `vllm` is, or a wrapper that execs the real binary, as a conda shim
+    does). An argv of a name alone proves nothing beyond itself. The process's start time,
+    checked beside this, is what says it is the one this agent started."""
     if not argv:
         return False
     if cmdline == argv:
         return True
     args = argv[1:]
-    return len(cmdline) > len(args) and (not args or cmdline[-len(args) :] == args)
+    if not args or len(cmdline) <= len(args) or cmdline[-len(args) :] != args:
+        return False
+    return os.path.basename(cmdline[-len(args) - 1]) == os.path.basename(argv[0])
 
 
-def leftover_engines(state_dir: Path) -> tuple[list[EngineProcess], list[str]]:
-    """The engines an earlier agent left with a pidfile: those whose group still lives,
-    and one line per file that was dropped (unreadable, or its engine gone). Blocking
-    (psutil): run it in a worker thread."""
+def leftover_engines(state_dir: Path) -> tuple[list[EngineProcess], list[Refusal]]:
+    """The engines an earlier agent left with a pidfile: those with a process proven to be
+    theirs, and what was refused: a file not read (removed: a FIFO, a link, too large,
+    garbled), processes of a recorded group that nothing proves are the engine (left
+    running). A file of an engine that is gone is removed. Blocking (psutil): run it in a
+    worker thread."""
     directory = state_dir / "engines"
     if not directory.is_dir():
         return [], []
     found, notes = [], []
     for path in sorted(directory.glob("*.json")):
         try:
-            data = path.read_bytes()
-            if len(data) > _MAX_PIDFILE:
-                raise ValueError(f"{len(data)} bytes")
-            record = msgspec.json.decode(data, type=EngineProcess)
-        except (OSError, ValueError, msgspec.DecodeError) as e:
-            notes.append(f"ignored unreadable engine pidfile {path}: {e}")
-            path.unlink(missing_ok=True)
+            record = read_pidfile(path)
+        except (OSError, ValueError) as e:
+            why = (e.strerror if isinstance(e, OSError) else None) or str(e)
+            notes.append(Refusal("pidfile", f"removed engine pidfile {path} unread: {why}"))
+            path.unlink(missing_ok=True)  # a link or a FIFO goes, never what it names
             continue
-        if path.stem != record.shard or not _members(record):
+        members = find_engine(record) if path.stem == record.shard else EngineFound()
+        if members.unproven:
+            notes.append(Refusal("processes", _left_alone(record, members.unproven)))
+        if not members.proven:
             path.unlink(missing_ok=True)  # gone (or a file that lies about whose it is)
             continue
         found.append(record)
     return found, notes
 
 
-def stop_engine(state_dir: Path, record: EngineProcess, why: str, grace: float = 10.0) -> str:
-    """SIGTERM the group of an engine an earlier agent left, SIGKILL after `grace`; the
-    line for the log. Blocking: run it in a worker thread."""
-    members = _members(record)
+@dataclass(frozen=True)
+class Stopped:
+    """What `stop_engine` did: the line for the log, and the processes of the engine's
+    recorded group it left running as nothing proves they are the engine."""
+
+    line: str
+    left_alone: Refusal | None = None
+
+
+def stop_engine(state_dir: Path, record: EngineProcess, why: str, grace: float = 10.0) -> Stopped:
+    """SIGTERM the processes proven to be an engine an earlier agent left, SIGKILL after
+    `grace`. Blocking: run it in a worker thread."""
+    found = find_engine(record)
+    members = found.proven
     what = (
         f"engine for shard {record.shard} (pid {record.pid}, port {record.port}, "
         f"GPUs {','.join(record.gpus) or 'none'}) left by an earlier agent"
@@ -180,14 +317,23 @@ def stop_engine(state_dir: Path, record: EngineProcess, why: str, grace: float =
     psutil.wait_procs(alive, timeout=5)
     remove_pidfile(state_dir, record.shard)
     verb = "killed (it ignored SIGTERM)" if alive else "stopped"
-    return f"{verb} {what}: {why}"
+    if not members:
+        verb = "found nothing left of"
+    left = Refusal("processes", _left_alone(record, found.unproven)) if found.unproven else None
+    return Stopped(f"{verb} {what}: {why}", left)
 
 
 def reap_leftover_engines(state_dir: Path, grace: float = 10.0) -> list[str]:
-    """Stop every engine an earlier agent left running; one line per engine, for the log.
-    Blocking (psutil, sleeps): run it in a worker thread."""
+    """Stop every engine an earlier agent left running; one line per engine and per refusal,
+    for the log. Blocking (psutil, sleeps): run it in a worker thread."""
     found, notes = leftover_engines(state_dir)
-    return notes + [stop_engine(state_dir, r, "not adopted", grace) for r in found]
+    lines = [n.line for n in notes]
+    for record in found:
+        stopped = stop_engine(state_dir, record, "not adopted", grace)
+        lines.append(stopped.line)
+        if stopped.left_alone is not None:
+            lines.append(stopped.left_alone.line)
+    return lines
 
 
 def new_record(
@@ -202,6 +348,7 @@ def new_record(
     rank: int = 0,
     nodes: int = 1,
     master_addr: str = "",
+    marker: str = "",
 ) -> EngineProcess:
     try:
         created = process_create_time(pid)
@@ -221,4 +368,5 @@ def new_record(
         rank=rank,
         nodes=nodes,
         master_addr=master_addr,
+        marker=marker,
     )
