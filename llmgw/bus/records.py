@@ -233,6 +233,7 @@ class NodeInventory(msgspec.Struct, kw_only=True, gc=False):
     # may ask for (beside those discovered, llmgw.labels), taints a profile must tolerate
     labels: dict[str, str] = {}
     taints: list[str] = []
+    metrics_error: str | None = None
 
     def fabrics(self) -> set[str]:
         return {a.fabric for a in self.ib if a.fabric and a.active}
