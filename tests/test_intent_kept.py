@@ -1,0 +1,188 @@
+"""A value of an intent key that does not read never fails open (issue 27): every family an
+operator or a controller writes keeps its last good value, the controller acts on it, and
+`llmgw status` and the controller's metrics say so. Real nats-server, real controller."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+from prometheus_client import generate_latest
+from waiting import until
+
+from llmgw import catalog
+from llmgw.bus import keys, records
+from llmgw.bus.client import Bus
+from llmgw.cli.status import gather, render
+from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.sim.bare import SimNode, inventory
+
+pytestmark = pytest.mark.anyio
+
+FAST = dict(unreachable_after=0.6, lost_after=1.5, leader_ttl=1.0, tick=0.05, resync=0.5)
+GARBAGE = b'{"node": "a", "cordoned": "yes"'  # cut short by hand: not JSON
+
+
+def _model(mid: str = "m", autoscale: dict | None = None) -> catalog.Model:
+    profile = {
+        "name": "p",
+        "engine": "vllm",
+        "weights": {"source": "hf://org/m"},
+        "gpus_per_node": 1,
+    }
+    entry: dict = {"id": mid, "profiles": [profile]}
+    if autoscale:
+        entry["autoscale"] = autoscale
+    return catalog.validate_models({"models": [entry]})[0]
+
+
+async def _start(bus: Bus, tg, *nodes: records.NodeInventory) -> None:
+    for inv in nodes:
+        sim = SimNode(bus, inv)
+        await sim.register()
+        tg.start_soon(sim.run)
+
+
+async def _replicas(bus: Bus) -> list[records.Replica]:
+    got = await bus.list("replicas.m.*", lambda b: records.decode(b, records.Replica))
+    return [e.value for e in got.values()]
+
+
+async def _answered(bus: Bus, desired_at: float) -> records.PlacementRecord | None:
+    raw = await bus.get_raw(keys.placement("m"))
+    rec = None if raw is None else records.decode(raw[0], records.PlacementRecord)
+    return rec if rec is not None and rec.desired_at == desired_at else None
+
+
+@pytest.fixture
+async def controller_bus(nats_settings):
+    b = await Bus.connect(nats_settings, give_up_after=5)
+    yield b
+    await b.close()
+
+
+async def test_a_garbled_ops_keeps_a_drained_node_out_of_placement_and_status_says_so(
+    bus, controller_bus
+):
+    """A garbled ops.<node> was read as absent: the drained and cordoned node took new
+    replicas again while `llmgw status` printed "cordoned"."""
+    async with anyio.create_task_group() as tg:
+        await _start(bus, tg, inventory("a", gpus=2), inventory("b", gpus=2))
+        await bus.put(keys.ops("a"), records.NodeOps(node="a", cordoned=True, drain=True))
+        await bus.put(keys.catalog("m"), catalog.encode_model(_model()))
+        await bus.put(keys.desired("m"), records.Desired(model="m", replicas=1, updated_at=1.0))
+        controller = Controller(controller_bus, ControllerSettings(**FAST))
+        tg.start_soon(controller.run)
+        await until(lambda: _answered(bus, 1.0))
+        await bus.put(keys.ops("a"), GARBAGE)
+        await until(lambda: _true(keys.ops("a") in controller.view.unreadable))
+        # more replicas than b alone holds: one may land on a only if its drain is forgotten
+        await bus.put(keys.desired("m"), records.Desired(model="m", replicas=3, updated_at=2.0))
+        rec = await until(lambda: _answered(bus, 2.0))
+        assert rec.placed == 2
+        assert {m.node for r in await _replicas(bus) for m in r.members} == {"b"}
+        assert controller.view.ops["a"].drain  # the last good value, acted on
+
+        fleet = await gather(bus)
+        (u,) = fleet.unreadable
+        assert (u.key, u.reading) == ("ops.a", "cordoned")  # a new reader read nothing good
+        assert fleet.nodes["a"].ops is not None and fleet.nodes["a"].ops.cordoned
+        text = render(fleet, now=fleet.now)
+        assert "ops.a (revision " in text and "does not read: " in text
+        assert "the node is taken as cordoned" in text
+        scraped = generate_latest(controller.metrics.registry).decode()
+        assert 'llmgw_controller_unreadable_keys{family="ops",reading="kept"} 1.0' in scraped
+        tg.cancel_scope.cancel()
+
+
+async def test_a_controller_started_after_ops_stopped_reading_places_nothing_there(
+    bus, controller_bus
+):
+    async with anyio.create_task_group() as tg:
+        await _start(bus, tg, inventory("a", gpus=2), inventory("b", gpus=1))
+        await bus.put(keys.ops("a"), GARBAGE)  # never read good by this controller
+        await bus.put(keys.catalog("m"), catalog.encode_model(_model()))
+        await bus.put(keys.desired("m"), records.Desired(model="m", replicas=2, updated_at=1.0))
+        tg.start_soon(Controller(controller_bus, ControllerSettings(**FAST)).run)
+        rec = await until(lambda: _answered(bus, 1.0))
+        assert rec.placed == 1 and "cordoned" in rec.explanation
+        assert {m.node for r in await _replicas(bus) for m in r.members} == {"b"}
+        tg.cancel_scope.cancel()
+
+
+async def _true(value) -> bool:
+    return bool(value)
+
+
+# family -> (the key, what the test writes so that the controller has a good value)
+FAMILIES = ["desired", "catalog", "ops", "rollout", "scale", "placement", "health"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_every_intent_family_keeps_its_last_good_value_in_the_controller(
+    bus, controller_bus, family
+):
+    autoscale = {"min_replicas": 1, "max_replicas": 2} if family == "scale" else None
+    key = {
+        "desired": keys.desired("m"),
+        "catalog": keys.catalog("m"),
+        "ops": keys.ops("b"),
+        "rollout": keys.rollout("m"),
+        "scale": keys.scale("m"),
+        "placement": keys.placement("m"),
+        "health": keys.health("a"),
+    }[family]
+    async with anyio.create_task_group() as tg:
+        await _start(bus, tg, inventory("a", gpus=2), inventory("b", gpus=2))
+        await bus.put(keys.ops("b"), records.NodeOps(node="b", cordoned=True, reason="fans"))
+        await bus.put(keys.catalog("m"), catalog.encode_model(_model(autoscale=autoscale)))
+        desired = records.Desired(model="m", replicas=1, updated_at=1.0, auto=family == "scale")
+        await bus.put(keys.desired("m"), desired)
+        controller = Controller(controller_bus, ControllerSettings(**FAST))
+        tg.start_soon(controller.run)
+        view = controller.view
+        table = {
+            "desired": view.desired,
+            "catalog": view.catalog,
+            "ops": view.ops,
+            "rollout": view.rollouts,
+            "scale": view.scales,
+            "placement": view.placements,
+            "health": view.health,
+        }[family]
+        id_ = key.split(".")[1]
+        good = await until(lambda: _true(table.get(id_)))
+        good = table[id_]
+        (placed,) = await until(lambda: _replicas(bus))
+        await bus.put(key, b'{"garbled": ')
+        await until(lambda: _true(key in view.unreadable))
+        await anyio.sleep(0.5)  # passes go on
+        assert table[id_] == good, f"{key} read as something else than its last good value"
+        assert view.unreadable[key].reading == "kept"
+        # the replica stays where it is, and nothing more is placed
+        assert [(r.rid, r.phase) for r in await _replicas(bus)] == [(placed.rid, placed.phase)]
+        assert {m.node for m in placed.members} == {"a"}
+
+        fleet = await gather(bus)
+        (u,) = [u for u in fleet.unreadable if u.key == key]
+        assert u.why and u.revision > 0
+        assert f"{key} (revision {u.revision}) does not read: " in render(fleet, now=fleet.now)
+        if family in ("desired", "catalog", "rollout", "scale", "placement"):
+            assert key in fleet.models["m"].unreadable
+        scraped = generate_latest(controller.metrics.registry).decode()
+        assert (
+            f'llmgw_controller_unreadable_keys{{family="{family}",reading="kept"}} 1.0' in scraped
+        )
+        tg.cancel_scope.cancel()
+
+
+def test_the_cordon_of_an_ops_that_never_read_reads_as_the_wire_format_says():
+    """The safe reading is built from the wire format NodeOps always reads."""
+    from llmgw.fleetstate.decode import FleetRecords
+
+    r = FleetRecords()
+    r.apply("ops.n1", b"[1, 2]", 5)
+    assert r.ops["n1"].unschedulable and not r.ops["n1"].drain
+    assert r.unreadable["ops.n1"].reading == "cordoned"
+    r.apply("ops.n1", msgspec.json.encode(records.NodeOps(node="n1")), 6)
+    assert not r.ops["n1"].unschedulable and not r.unreadable
