@@ -119,13 +119,17 @@ def _ops(o: Ops, n: NodeState) -> str:
         gpus = ", ".join(f"{u} (index {index[u]})" if u in index else u for u in o.gpus_out)
         parts.append(f"GPUs out of service: {gpus}")
     text = "; ".join(parts) or "in service"
-    return text + (f" ({o.reason})" if o.reason and not o.unreadable else "")
+    if o.unreadable:
+        return text + f" (read so: ops.{n.id} does not read, see above)"
+    return text + (f" ({o.reason})" if o.reason else "")
 
 
 def _model_lines(m: ModelState, now: float) -> list[str]:
     lines = [f"  {m.id}: {_replica_counts(m)}  ({m.mode})"]
     if m.serving:
         lines.append(f"    serving on {', '.join(m.serving)}")
+    if m.why_not:
+        lines.append(f"    why not: {m.why_not}")
     if m.autoscale is not None:
         lines.append(f"    autoscale: {_scale_line(m.autoscale)}")
     for key in m.unreadable:
