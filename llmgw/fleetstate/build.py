@@ -45,9 +45,11 @@ def fleet(
     *,
     bucket: str = "",
     fabrics: Mapping[str, records.FabricHoldings] | None = None,
+    labels: bool = True,
 ) -> Fleet:
     """The read model. `fabrics`: the weights per fabric when the caller computed them from
-    the inventories (`llmgw status`), else the controller's `fabrics.*`."""
+    the inventories (`llmgw status`), else the controller's `fabrics.*`. `labels` False
+    leaves each node's labels out (the page shows none; they are a fifth of its build)."""
     fabrics = dict(r.fabrics if fabrics is None else fabrics)
     held = gpus_held(r)
     fabric_of = _fabric_groups(r)
@@ -59,7 +61,9 @@ def fleet(
             f"{rep.model if rep else shard.model} {rid} {shard.phase}"
         )
     nodes = {
-        node: node_state(node, r, now, held, fabric_of.get(node, ""), running.get(node, []))
+        node: node_state(
+            node, r, now, held, fabric_of.get(node, ""), running.get(node, []), labels=labels
+        )
         for node in sorted(set(r.nodes) | set(r.ops))
     }
     by_model: dict[str, list[records.Replica]] = {}
@@ -169,6 +173,8 @@ def node_state(
     held: Mapping[tuple[str, str], Allocation],
     fabric: str,
     running: list[str],
+    *,
+    labels: bool = True,
 ) -> NodeState:
     o = r.ops.get(node)
     bad_ops = r.unreadable.get(keys.ops(node))
@@ -204,7 +210,7 @@ def node_state(
         ib=[_ib(a) for a in inv.ib],
         weights=_weights(inv.weights),
         from_config=list(inv.from_config),
-        labels={k: sorted(v) for k, v in sorted(node_labels(inv).items())},
+        labels={k: sorted(v) for k, v in sorted(node_labels(inv).items())} if labels else {},
         taints=taints,
         running=running,
         ops=ops,

@@ -240,7 +240,7 @@ def fleet_state(
     `llmgw status --json` encodes) with its nodes grouped by fabric, and this router's and
     every router's load beside each model. Every string in it is from the bucket: the page
     sets it as text, never as markup."""
-    view = build.fleet(r, now)
+    view = build.fleet(r, now, labels=False)
     fleet, routers = fleet_load(r.loads, now)
     groups: dict[str, list[NodeState]] = {}
     for n in view.nodes.values():
