@@ -198,3 +198,32 @@ def test_the_cordon_of_an_ops_that_never_read_reads_as_the_wire_format_says():
     assert r.unreadable["ops.n1"].reading == "cordoned"
     r.apply("ops.n1", msgspec.json.encode(records.NodeOps(node="n1")), 6)
     assert not r.ops["n1"].unschedulable and not r.unreadable
+
+
+def test_the_router_keeps_an_autoscaled_models_intent_and_a_lost_node_when_they_garble():
+    """The router's table reads through the same decoder: a garbled desired.<model> kept the
+    model autoscaled (its requests held while it is cold, not refused), and a garbled
+    health.<node> does not make a lost node's engine routable again."""
+    from llmgw.router.table import EndpointTable
+
+    table = EndpointTable()
+    model = _model(autoscale={"max_replicas": 2, "idle_unload_after": 60})
+    table.apply(keys.catalog("m"), catalog.encode_model(model), 1)
+    auto = records.Desired(model="m", replicas=0, auto=True)
+    table.apply(keys.desired("m"), msgspec.json.encode(auto), 2)
+    member = records.ReplicaMember(node="a", rank=0, gpus=["GPU-a-00"], port=18000)
+    replica = records.Replica(model="m", rid="r1", profile="p", members=[member], phase="ready")
+    table.apply(keys.replica("m", "r1"), msgspec.json.encode(replica), 3)
+    shard = records.Shard(
+        node="a", rid="r1", model="m", generation=1, phase="ready", since=1.0, endpoint="h:1"
+    )
+    table.apply(keys.shard("a", "r1"), msgspec.json.encode(shard), 4)
+    lost = records.Health(node="a", phase="lost", since=1.0)
+    table.apply(keys.health("a"), msgspec.json.encode(lost), 5)
+    assert table.autoscaled("m") and table.route("m").backends == []
+
+    table.apply(keys.desired("m"), b'{"model": "m", "auto": "yes"', 6)
+    table.apply(keys.health("a"), b"{}", 7)
+    assert table.autoscaled("m")
+    assert table.route("m").backends == []  # still on a lost node
+    assert set(table.records.unreadable) == {"desired.m", "health.a"}
