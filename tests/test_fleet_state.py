@@ -333,3 +333,19 @@ def test_no_chromium_skips_except_where_it_is_required(tmp_path, monkeypatch):
     monkeypatch.setenv(REQUIRE, "1")
     with pytest.raises(pytest.fail.Exception, match=REQUIRE):
         find_chromium()
+
+
+def test_the_read_model_imports_no_nats_and_no_component():
+    """The controller, the router and the CLI all import it: it must import none of them,
+    nor NATS (only llmgw/bus's client does)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, llmgw.fleetstate.build, llmgw.fleetstate.decode; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nats', 'anyio') "
+        "or m.startswith(('llmgw.controller', 'llmgw.router', 'llmgw.agent', 'llmgw.cli')) "
+        "or m == 'llmgw.bus.client'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
