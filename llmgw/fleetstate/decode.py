@@ -66,14 +66,25 @@ class Unreadable(msgspec.Struct, kw_only=True, frozen=True):
 
     def says(self) -> str:
         """ "ops.n1 (revision 7) does not read: ...; its last good value is kept" """
-        return f"{self.key} (revision {self.revision}) does not read: {self.why}; {_SAYS[self.reading]}"
+        return f"{self.key} (revision {self.revision}) does not read: {self.why}; {self.instead()}"
+
+    def instead(self) -> str:
+        """What is read instead, in words."""
+        if self.reading == "absent" and self.family in KEEPS_LAST_GOOD:
+            # a reader started since the bad write (`llmgw status`): the controller that
+            # read the good one still has it
+            return (
+                "no good value was read here; a controller that read one keeps it, and the "
+                "leader writes the record again when it changes"
+            )
+        return _SAYS[self.reading]
 
 
 _SAYS: dict[str, str] = {
     "kept": "its last good value is kept until a good one is written",
     "cordoned": "no good value was read, so the node is taken as cordoned (nothing new placed)",
     "frozen": "no good value was read, so the model is frozen (nothing placed or removed)",
-    "absent": "read as absent",
+    "absent": "read as absent until its writer writes it again",
 }
 
 
@@ -180,7 +191,7 @@ class FleetRecords:
         value, problem = settle(parsed, key, data, revision, table.get(k))
         if problem is not None:
             self.unreadable[key] = problem
-            self.skipped.skipped(log, key, revision, f"{problem.why}; {_SAYS[problem.reading]}")
+            self.skipped.skipped(log, key, revision, f"{problem.why}; {problem.instead()}")
         if value is None:
             table.pop(k, None)
         else:
