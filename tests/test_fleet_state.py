@@ -15,7 +15,7 @@ from waiting import until
 from llmgw.agent.config import ConfigError, parse_config
 from llmgw.bus import records
 from llmgw.bus.client import Bus
-from llmgw.cli.status import gpu_line, render
+from llmgw.cli.status import gpu_line, gpu_lines, render
 from llmgw.controller.metrics import main_reason, unplaced_count
 from llmgw.fleetstate.decode import FleetRecords
 from llmgw.router.fleet import NO_FABRIC, TtfbWindow, encode_state
@@ -182,6 +182,10 @@ def test_gpu_memory_parts_add_up_to_what_is_in_use_on_recorded_nvml_answers():
     assert gpu_line(view.nodes["a"].gpus[0]) == (
         "GPU 0: in use 0.6 of 85.5 GB (llmgw 0.0, others 0.0, unaccounted 0.6)"
     )
+    idle = msgspec.structs.replace(inv, gpus=discover_gpus(from_spec("count=4,node=a")))
+    assert gpu_lines(build_fleet(FleetRecords(nodes={"a": idle}), 1.0).nodes["a"].gpus) == [
+        "GPU 0-3: in use 0.6 of 85.5 GB (llmgw 0.0, others 0.0, unaccounted 0.6) each"
+    ]
 
 
 def test_every_current_routers_load_is_summed_per_model_and_a_stale_one_left_out():

@@ -60,8 +60,27 @@ def _gpus(n: NodeState) -> str:
 
 
 def gpu_line(g: GpuState) -> str:
-    """ "GPU 0: in use 0.6 GB of 80.0 GB (llmgw 0.0, others 0.0, unaccounted 0.6)": the
-    parts add up to the whole."""
+    """ "GPU 0: in use 0.6 of 80.0 GB (llmgw 0.0, others 0.0, unaccounted 0.6)": the parts
+    add up to the whole."""
+    return f"GPU {g.index}: {_gpu_use(g)}"
+
+
+def gpu_lines(gpus: list[GpuState]) -> list[str]:
+    """One line per run of GPUs that read alike ("GPU 0-7: ..."): eight idle GPUs are one
+    line, not eight."""
+    runs: list[tuple[int, int, str]] = []
+    for g in gpus:
+        use = _gpu_use(g)
+        if runs and runs[-1][2] == use and runs[-1][1] == g.index - 1:
+            runs[-1] = (runs[-1][0], g.index, use)
+        else:
+            runs.append((g.index, g.index, use))
+    return [
+        f"GPU {lo}: {use}" if lo == hi else f"GPU {lo}-{hi}: {use} each" for lo, hi, use in runs
+    ]
+
+
+def _gpu_use(g: GpuState) -> str:
     if g.used_bytes is None:
         use = f"in use: not reported, {_gb(g.total_bytes)} GB total"
     else:
@@ -73,7 +92,7 @@ def gpu_line(g: GpuState) -> str:
         use += "; out of service"
     elif g.allocated is not None:
         use += f"; allocated to {g.allocated.model} {g.allocated.replica}"
-    return f"GPU {g.index}: {use}"
+    return use
 
 
 def _age(seconds: float) -> str:
@@ -125,6 +144,8 @@ def _ops(o: Ops, n: NodeState) -> str:
 
 
 def _model_lines(m: ModelState, now: float) -> list[str]:
+    if not m.desired and not m.replicas and m.placement is None and not m.unreadable:
+        return [f"  {m.id}: none asked for (`llmgw place {m.id} --replicas N`)"]
     lines = [f"  {m.id}: {_replica_counts(m)}  ({m.mode})"]
     if m.serving:
         lines.append(f"    serving on {', '.join(m.serving)}")
@@ -173,7 +194,7 @@ def _node_lines(n: NodeState, now: float) -> list[str]:
         f"  CPU     {n.cpu_count}x {n.cpu_model}",
         f"  GPUs    {_gpus(n)}",
     ]
-    lines.extend(f"          {gpu_line(g)}" for g in n.gpus)
+    lines.extend(f"          {line}" for line in gpu_lines(n.gpus))
     lines.append(
         "  engines " + (", ".join(f"{e.name} {e.version or '?'}" for e in n.engines) or "none")
     )
