@@ -227,3 +227,32 @@ def test_the_router_keeps_an_autoscaled_models_intent_and_a_lost_node_when_they_
     assert table.autoscaled("m")
     assert table.route("m").backends == []  # still on a lost node
     assert set(table.records.unreadable) == {"desired.m", "health.a"}
+
+
+async def test_a_watch_of_assignments_keeps_the_last_good_one_when_it_garbles(bus):
+    """The agent follows assign.<node>.* with Bus.watch: a garbled assignment was given to it
+    as a deletion, and it stopped the engine. A deletion is still one."""
+    from llmgw.bus.client import Synced, decoder
+
+    run = records.Assignment(model="m", rid="r1", profile="p", action="run", generation=1)
+    await bus.put(keys.assign("a", "r1"), run)
+    seen: list[records.Assignment | None] = []
+    async with anyio.create_task_group() as tg:
+
+        async def follow() -> None:
+            async for item in bus.watch(
+                keys.pattern(keys.ASSIGN, "a"), decoder(records.Assignment)
+            ):
+                if not isinstance(item, Synced):
+                    seen.append(item.value)
+
+        tg.start_soon(follow)
+        await until(lambda: _true(seen))
+        await bus.put(keys.assign("a", "r1"), b'{"model": "m", "generation": "two"}')
+        second = msgspec.structs.replace(run, generation=2)
+        await bus.put(keys.assign("a", "r1"), second)
+        await until(lambda: _true(len(seen) >= 2))
+        await bus.delete(keys.assign("a", "r1"))
+        await until(lambda: _true(len(seen) >= 3))
+        tg.cancel_scope.cancel()
+    assert seen == [run, second, None]

@@ -28,23 +28,9 @@ from llmgw.bus import keys, records, trust
 
 log = logging.getLogger(__name__)
 
-# Written by an operator (catalog, desired, ops) or by the leading controller. The leader
-# key is not among them: it is a lease to take over, and one that does not read is taken
-# over at its revision (controller/leadership.py).
-KEEPS_LAST_GOOD: frozenset[str] = frozenset(
-    {
-        keys.CATALOG,
-        keys.DESIRED,
-        keys.OPS,
-        keys.ROLLOUT,
-        keys.SCALE,
-        keys.PLACEMENT,
-        keys.HEALTH,
-        keys.FABRICS,
-        keys.REPLICAS,
-        keys.ASSIGN,
-    }
-)
+# Written by an operator (catalog, desired, ops) or by the leading controller; defined
+# beside the bus's other reading rules, which Bus.watch applies too
+KEEPS_LAST_GOOD = trust.KEEPS_LAST_GOOD
 # the model of a catalog entry or count that does not read is frozen (View.frozen), kept or not
 FREEZES_MODEL: frozenset[str] = frozenset({keys.CATALOG, keys.DESIRED})
 
