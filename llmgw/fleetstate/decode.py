@@ -166,6 +166,8 @@ class FleetRecords:
         prefix = parsed.prefix
         if self.families is not None and prefix not in self.families:
             return None
+        if prefix not in self._tables and prefix != keys.LEADER:
+            return None  # a family the fleet's records do not hold (the gateway's keys)
         if self.unreadable:
             self.unreadable.pop(key, None)
         if prefix == keys.LEADER:
