@@ -121,70 +121,103 @@ async def _true(value) -> bool:
 
 
 # family -> (the key, what the test writes so that the controller has a good value)
-FAMILIES = [
-    "desired",
-    "catalog",
-    "ops",
-    "rollout",
-    "scale",
-    "placement",
-    "health",
-    "fabrics",
-    "replicas",
-    "assign",
-]
+OPERATOR_FAMILIES = ["desired", "catalog", "ops"]
+CONTROLLER_FAMILIES = ["rollout", "scale", "placement", "health", "fabrics", "replicas", "assign"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-async def test_every_intent_family_keeps_its_last_good_value_in_the_controller(
+async def _garbled(bus, controller_bus, tg, family: str):
+    """A fleet of two nodes (b cordoned), model m placed once on a, a controller leading;
+    then `family`'s key garbled after the controller read a good value of it. Returns the
+    controller, the key, its table in the view, the id there, the good value, the replica."""
+    autoscale = {"min_replicas": 1, "max_replicas": 2} if family == "scale" else None
+    await _start(bus, tg, inventory("a", gpus=2), inventory("b", gpus=2))
+    await bus.put(keys.ops("b"), records.NodeOps(node="b", cordoned=True, reason="fans"))
+    await bus.put(keys.catalog("m"), catalog.encode_model(_model(autoscale=autoscale)))
+    desired = records.Desired(model="m", replicas=1, updated_at=1.0, auto=family == "scale")
+    await bus.put(keys.desired("m"), desired)
+    controller = Controller(controller_bus, ControllerSettings(**FAST))
+    tg.start_soon(controller.run)
+    view = controller.view
+    (placed,) = await until(lambda: _replicas(bus))
+    rid = placed.rid
+    key, table, id_ = {
+        "desired": (keys.desired("m"), view.desired, "m"),
+        "catalog": (keys.catalog("m"), view.catalog, "m"),
+        "ops": (keys.ops("b"), view.ops, "b"),
+        "rollout": (keys.rollout("m"), view.rollouts, "m"),
+        "scale": (keys.scale("m"), view.scales, "m"),
+        "placement": (keys.placement("m"), view.placements, "m"),
+        "health": (keys.health("a"), view.health, "a"),
+        "fabrics": (keys.fabric("node-a"), view.fabrics, "node-a"),
+        "replicas": (keys.replica("m", rid), view.replicas, rid),
+        "assign": (keys.assign("a", rid), view.assigns, ("a", rid)),
+    }[family]
+    await until(lambda: _true(table.get(id_)))
+    good = table[id_]
+    revision = await bus.put(key, b'{"garbled": ')
+    return controller, key, table, id_, good, placed, revision
+
+
+def _acting_as_before(controller: Controller, placed: records.Replica) -> None:
+    """The replica stays where it is, serving, and nothing more is placed or drained."""
+    view = controller.view
+    assert [(r.rid, r.phase) for r in view.replicas.values()] == [(placed.rid, placed.phase)]
+    assert {m.node for m in placed.members} == {"a"}
+    assert [a.action for a in view.assigns.values()] == ["run"]
+
+
+@pytest.mark.parametrize("family", OPERATOR_FAMILIES)
+async def test_an_operators_key_that_stops_reading_keeps_its_last_good_value_and_is_said(
     bus, controller_bus, family
 ):
-    autoscale = {"min_replicas": 1, "max_replicas": 2} if family == "scale" else None
     async with anyio.create_task_group() as tg:
-        await _start(bus, tg, inventory("a", gpus=2), inventory("b", gpus=2))
-        await bus.put(keys.ops("b"), records.NodeOps(node="b", cordoned=True, reason="fans"))
-        await bus.put(keys.catalog("m"), catalog.encode_model(_model(autoscale=autoscale)))
-        desired = records.Desired(model="m", replicas=1, updated_at=1.0, auto=family == "scale")
-        await bus.put(keys.desired("m"), desired)
-        controller = Controller(controller_bus, ControllerSettings(**FAST))
-        tg.start_soon(controller.run)
+        controller, key, table, id_, good, placed, _ = await _garbled(
+            bus, controller_bus, tg, family
+        )
         view = controller.view
-        (placed,) = await until(lambda: _replicas(bus))
-        rid = placed.rid
-        key, table, id_ = {
-            "desired": (keys.desired("m"), view.desired, "m"),
-            "catalog": (keys.catalog("m"), view.catalog, "m"),
-            "ops": (keys.ops("b"), view.ops, "b"),
-            "rollout": (keys.rollout("m"), view.rollouts, "m"),
-            "scale": (keys.scale("m"), view.scales, "m"),
-            "placement": (keys.placement("m"), view.placements, "m"),
-            "health": (keys.health("a"), view.health, "a"),
-            "fabrics": (keys.fabric("node-a"), view.fabrics, "node-a"),
-            "replicas": (keys.replica("m", rid), view.replicas, rid),
-            "assign": (keys.assign("a", rid), view.assigns, ("a", rid)),
-        }[family]
-        await until(lambda: _true(table.get(id_)))
-        good = table[id_]
-        await bus.put(key, b'{"garbled": ')
         await until(lambda: _true(key in view.unreadable))
         await anyio.sleep(0.5)  # passes go on
         assert table[id_] == good, f"{key} read as something else than its last good value"
         assert view.unreadable[key].reading == "kept"
-        # the replica stays where it is, and nothing more is placed
-        assert [(r.rid, r.phase) for r in view.replicas.values()] == [(rid, placed.phase)]
-        assert {m.node for m in placed.members} == {"a"}
-        assert [a.action for a in view.assigns.values()] == ["run"]
+        _acting_as_before(controller, placed)
 
         fleet = await gather(bus)
         (u,) = [u for u in fleet.unreadable if u.key == key]
         assert u.why and u.revision > 0
         assert f"{key} (revision {u.revision}) does not read: " in render(fleet, now=fleet.now)
-        if family in ("desired", "catalog", "rollout", "scale", "placement"):
+        if family != "ops":
             assert key in fleet.models["m"].unreadable
         scraped = generate_latest(controller.metrics.registry).decode()
         assert (
             f'llmgw_controller_unreadable_keys{{family="{family}",reading="kept"}} 1.0' in scraped
         )
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("family", CONTROLLER_FAMILIES)
+async def test_a_controllers_record_that_stops_reading_is_kept_and_written_back(
+    bus, controller_bus, family
+):
+    """Kept and compared as kept, a garbled record of the controller's own was never written
+    again: a reader started since (a restarted router, `llmgw status`) could not read it."""
+    async with anyio.create_task_group() as tg:
+        controller, key, _, _, good, placed, revision = await _garbled(
+            bus, controller_bus, tg, family
+        )
+
+        async def written_back():
+            raw = await bus.get_raw(key)
+            if raw is None or raw[1] <= revision:
+                return None
+            return records.decode(raw[0], type(good)) if family != "catalog" else raw
+
+        back = await until(written_back)
+        if "epoch" in good.__struct_fields__:
+            back = msgspec.structs.replace(back, epoch=good.epoch)
+        assert back == good  # the last good value, not one decided again
+        await anyio.sleep(0.3)
+        _acting_as_before(controller, placed)
+        assert not [u for u in (await gather(bus)).unreadable if u.key == key]
         tg.cancel_scope.cancel()
 
 

@@ -31,6 +31,18 @@ log = logging.getLogger(__name__)
 # Written by an operator (catalog, desired, ops) or by the leading controller; defined
 # beside the bus's other reading rules, which Bus.watch applies too
 KEEPS_LAST_GOOD = trust.KEEPS_LAST_GOOD
+# the leading controller's own records: one it kept is written again as it kept it
+CONTROLLER_WRITES: frozenset[str] = frozenset(
+    {
+        keys.ROLLOUT,
+        keys.SCALE,
+        keys.PLACEMENT,
+        keys.HEALTH,
+        keys.FABRICS,
+        keys.REPLICAS,
+        keys.ASSIGN,
+    }
+)
 # the model of a catalog entry or count that does not read is frozen (View.frozen), kept or not
 FREEZES_MODEL: frozenset[str] = frozenset({keys.CATALOG, keys.DESIRED})
 
@@ -198,6 +210,14 @@ class FleetRecords:
     def _slot(self, prefix: str, ids: tuple[str, ...]):
         table, by_ids = self._tables[prefix]
         return table, ids if by_ids is None else ids[by_ids]
+
+    def value_of(self, key: str) -> Any:
+        """The value held for `key` (the last good one of a key that does not read)."""
+        parsed = keys.parse(key)
+        if parsed is None or parsed.prefix not in self._tables:
+            return None
+        table, k = self._slot(parsed.prefix, parsed.ids)
+        return table.get(k)
 
     def unreadable_of(self, family: str) -> dict[str, Unreadable]:
         """Unreadable keys of one family, by their first id."""
