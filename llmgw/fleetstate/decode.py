@@ -7,7 +7,7 @@ KEEPS_LAST_GOOD) keep their last good value: a typo in `ops.<node>` read as abse
 put replicas back on a drained node while `llmgw status` still printed "cordoned". A reader
 that never read a good value (started since the bad write) takes the family's safe
 reading instead: a node is cordoned, a model frozen (controller/view.py); a controller's
-own records are absent, and the controller writes them again. Observations (what an agent
+own records are absent, and the leader writes back the one it kept (or decides it again). Observations (what an agent
 or a router writes: nodes, leases, shards, load) are absent when they do not read; their
 writer rewrites them at its next heartbeat or change.
 
@@ -71,10 +71,7 @@ class Unreadable(msgspec.Struct, kw_only=True, frozen=True):
         if self.reading == "absent" and self.family in KEEPS_LAST_GOOD:
             # a reader started since the bad write (`llmgw status`): the controller that
             # read the good one still has it
-            return (
-                "no good value was read here; a controller that read one keeps it, and the "
-                "leader writes the record again when it changes"
-            )
+            return "no good value was read here; a leader that read one keeps it and writes it back"
         return _SAYS[self.reading]
 
 
