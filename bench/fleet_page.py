@@ -18,7 +18,8 @@ import msgspec
 
 from llmgw import catalog
 from llmgw.bus import records
-from llmgw.router.fleet import FleetRecords, encode_state, fleet_state
+from llmgw.fleetstate.decode import FleetRecords
+from llmgw.router.fleet import encode_state, fleet_state
 from llmgw.sim.bare import inventory
 
 
@@ -48,7 +49,7 @@ def _fleet(nodes: int, models: int) -> FleetRecords:
         r.health[node] = records.Health(node=node, phase="ready", since=0.0)
     for m in range(models):
         mid = f"model{m:03d}"
-        r.models[mid] = catalog.validate_models(
+        r.catalog[mid] = catalog.validate_models(
             {
                 "models": [
                     {
@@ -71,7 +72,7 @@ def _fleet(nodes: int, models: int) -> FleetRecords:
             rid = f"r{m:03d}{k}"
             first = (m * 8 + k) % 2 * 4
             gpus = [f"GPU-{node}-{g:02d}" for g in range(first, first + 4)]
-            r.replicas[(mid, rid)] = records.Replica(
+            r.replicas[rid] = records.Replica(
                 model=mid,
                 rid=rid,
                 profile="p",

@@ -681,9 +681,12 @@ async def test_a_node_lying_about_another_node_is_rejected_as_a_spoof_attempt(
     await bus.put("nodes.node07", inventory("node07"))
 
     view = await gather(bus)
-    assert set(view["nodes"]) == {"node07"}
-    assert view["desired"] == {}
-    assert view["fabrics"] == {"node-node07": view["fabrics"]["node-node07"]}
+    assert set(view.nodes) == {"node07"}
+    assert "tiny" not in view.models and [u.key for u in view.unreadable] == [
+        "desired.tiny",
+        "nodes.node05",
+    ]
+    assert list(view.fabrics) == ["node-node07"]
 
     controller_view = View()
     for key, entry in (await bus.list(">", lambda b: b)).items():

@@ -135,10 +135,14 @@ def test_up_then_catalog_place_status_serve_and_ctrl_c_stops_everything(up):
     assert " ready on " in again.stdout
 
     status = json.loads(llmgw("status", "--json", env=up["env"]).stdout)
-    (replica,) = status["replicas"]
+    tiny = status["models"]["tiny"]  # what a script asks: is it ready, where, and if not why
+    assert (tiny["desired"], tiny["ready"], tiny["why_not"]) == (1, 1, "")
+    (replica,) = tiny["replicas"]
     assert replica["phase"] == "ready" and replica["endpoint"]
+    assert tiny["serving"] == replica["nodes"]
     text = llmgw("status", env=up["env"]).stdout
     assert f"{replica['rid']}  ready" in text and "tiny: 1/1 ready" in text
+    assert text.index("\nmodels\n") < text.index("\nnodes\n")  # models first
 
     import urllib.request
 
@@ -160,7 +164,10 @@ def test_up_then_catalog_place_status_serve_and_ctrl_c_stops_everything(up):
 
     removed = llmgw("place", "tiny", "--replicas", "0", "--wait", "--timeout", "60", env=up["env"])
     assert removed.returncode == 0 and "all replicas removed" in removed.stdout  # drained first
-    assert json.loads(llmgw("status", "--json", env=up["env"]).stdout)["replicas"] == []
+    assert (
+        json.loads(llmgw("status", "--json", env=up["env"]).stdout)["models"]["tiny"]["replicas"]
+        == []
+    )
     assert (
         llmgw(
             "place", "tiny", "--replicas", "1", "--wait", "--timeout", "60", env=up["env"]
@@ -193,7 +200,8 @@ gpus_per_node = 8
     assert dry.returncode == 0
     assert "dry run: big x2 (nothing written)" in dry.stdout
     assert "0/2 placed; 0/1 nodes fit: 1 " in dry.stdout
-    assert "big" not in json.loads(llmgw("status", "--json", env=up["env"]).stdout)["desired"]
+    big = json.loads(llmgw("status", "--json", env=up["env"]).stdout)["models"]["big"]
+    assert (big["desired"], big["placement"]) == (0, None)  # in the catalog, asked for nothing
     waited = llmgw("place", "big", "--replicas", "2", "--wait", "--timeout", "20", env=up["env"])
     assert waited.returncode == 1  # explained, not placed
     assert "0/2 placed: 0/1 nodes fit: 1 " in waited.stdout

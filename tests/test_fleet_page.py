@@ -9,6 +9,7 @@ fabrics, one of them with names written to break a page that takes them as marku
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -225,6 +226,8 @@ async def test_the_page_shows_every_node_and_model_and_a_killed_node_turns_unrea
             'document.querySelector(\'[data-node="gpu-a"] [data-gpu="1"]\').textContent'
         )
         assert "others 3.0 GB" in gpu
+        # the parts add up to what is in use: what no listed process holds is named
+        assert re.search(r"in use ([\d.]+) GB \(llmgw [\d.]+ GB, others 3.0 GB, unaccounted", gpu)
         assert "allocated" in await tab.evaluate(
             "document.querySelector('[data-node=\"gpu-a\"]').textContent"
         )

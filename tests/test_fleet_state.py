@@ -15,13 +15,21 @@ from waiting import until
 from llmgw.agent.config import ConfigError, parse_config
 from llmgw.bus import records
 from llmgw.bus.client import Bus
+from llmgw.cli.status import gpu_line, gpu_lines, render
 from llmgw.controller.metrics import main_reason, unplaced_count
-from llmgw.router.fleet import NO_FABRIC, FleetRecords, TtfbWindow, fleet_state
+from llmgw.fleetstate.decode import FleetRecords
+from llmgw.router.fleet import NO_FABRIC, TtfbWindow, encode_state
+from llmgw.router.fleet import fleet_state as _fleet_state
 from llmgw.router.proxy import ProxySettings
 from llmgw.router.service import Router
 from llmgw.sim.bare import SimNode, inventory
 
 GB = 10**9
+
+
+def fleet_state(r: FleetRecords, load: dict, now: float, router: dict) -> dict:
+    """The page's document as the page reads it: encoded, then parsed."""
+    return msgspec.json.decode(encode_state(_fleet_state(r, load, now, router)))
 
 
 def _replica(model: str, rid: str, node: str, gpus: list[str], phase="ready") -> records.Replica:
@@ -43,9 +51,9 @@ def test_nodes_are_grouped_by_fabric_with_free_gpus_and_what_llmgw_allocated():
         nodes={"a": a, "b": msgspec.structs.replace(b, node="evil")},
         ops={"a": records.NodeOps(node="a", gpus_out=["GPU-a-03"])},
         replicas={
-            ("m", "r1"): _replica("m", "r1", "a", ["GPU-a-00", "GPU-a-01"]),
+            "r1": _replica("m", "r1", "a", ["GPU-a-00", "GPU-a-01"]),
             # a stopped replica's engines are gone: its GPUs are free
-            ("m", "r0"): _replica("m", "r0", "a", ["GPU-a-02"], phase="stopped"),
+            "r0": _replica("m", "r0", "a", ["GPU-a-02"], phase="stopped"),
         },
     )
     state = fleet_state(r, {}, now=100.0, router={})
@@ -85,6 +93,99 @@ def test_a_model_waiting_says_how_many_replicas_and_why():
     assert model["placement"]["explanation"] == rec.explanation
     assert [x["nodes"] for x in model["placement"]["refused"]] == [4, 2]
     assert unplaced_count(rec) == 2 and main_reason(rec) == "gpus"
+
+
+def _health(node: str, phase: str, since: float) -> records.Health:
+    return records.Health(node=node, phase=phase, since=since, reason="lease seq 4 still")
+
+
+def test_a_replica_on_a_node_that_stopped_beating_says_so_beside_its_phase():
+    """For 45 s after a node stopped its heartbeats `llmgw status` said its replica was
+    ready while the router answered 502: the node's phase is shown beside the replica's,
+    and it does not count as serving."""
+    r = FleetRecords(
+        nodes={"a": inventory("a", gpus=1), "b": inventory("b", gpus=1)},
+        health={"a": _health("a", "unreachable", 80.0), "b": _health("b", "ready", 10.0)},
+        desired={"m": records.Desired(model="m", replicas=2)},
+        replicas={
+            "r1": _replica("m", "r1", "a", ["GPU-a-00"]),
+            "r2": _replica("m", "r2", "b", ["GPU-b-00"]),
+        },
+    )
+    state = fleet_state(r, {}, now=100.0, router={})
+    (m,) = state["models"]
+    assert (m["desired"], m["ready"], m["serving"]) == (2, 1, ["b"])
+    r1 = next(x for x in m["replicas"] if x["rid"] == "r1")
+    assert r1["state"] == "ready, node a unreachable for 20 s" and not r1["serving"]
+    assert r1["members"][0]["node_phase"] == "unreachable"
+    assert "r1 ready, node a unreachable for 20 s" in m["why_not"]
+    text = render(build_fleet(r, 100.0), now=100.0)
+    assert "  m: 1/2 ready, 1 ready on a node that is not  (fixed)" in text
+    assert "    r1  ready, node a unreachable for 20 s  on a" in text
+    assert text.index("\nmodels\n") < text.index("\nnodes\n")
+
+
+def build_fleet(r: FleetRecords, now: float):
+    from llmgw.fleetstate.build import fleet
+
+    return fleet(r, now, bucket="llmgw")
+
+
+def test_the_page_says_why_a_replica_failed_and_what_the_agent_cannot_serve():
+    inv = msgspec.structs.replace(
+        inventory("a", gpus=1), metrics_error="port 9464 taken: set metrics.listen"
+    )
+    shard = records.Shard(
+        node="a",
+        rid="r1",
+        model="m",
+        generation=1,
+        phase="failed",
+        since=1.0,
+        reason="exited with code 1 while loading",
+        output_tail=["llama_model_load: error loading model"],
+        restarts=3,
+    )
+    r = FleetRecords(
+        nodes={"a": inv},
+        desired={"m": records.Desired(model="m", replicas=1)},
+        replicas={"r1": _replica("m", "r1", "a", ["GPU-a-00"], phase="failed")},
+        shards={("a", "r1"): shard},
+    )
+    state = fleet_state(r, {}, now=100.0, router={})
+    (m,) = state["models"]
+    (rep,) = m["replicas"]
+    assert rep["failure"] == "a: exited with code 1 while loading (restarts 3)"
+    assert rep["shards"][0]["output_tail"] == ["llama_model_load: error loading model"]
+    assert "exited with code 1 while loading" in m["why_not"]
+    node = state["fabrics"][0]["nodes"][0]
+    assert node["metrics_error"] == "port 9464 taken: set metrics.listen"
+    text = render(build_fleet(r, 100.0), now=100.0)
+    assert "  metrics port 9464 taken: set metrics.listen" in text
+
+
+def test_gpu_memory_parts_add_up_to_what_is_in_use_on_recorded_nvml_answers():
+    """The simulated fleet's every GPU read "in use 0.6 GB (llmgw 0.0 GB, others 0.0 GB)":
+    memory no listed process holds is shown as unaccounted."""
+    from llmgw.agent.discovery.gpus import discover_gpus
+    from llmgw.sim.nvml import from_spec
+
+    gpus = discover_gpus(from_spec("count=2,node=a,held=1:5"))
+    inv = msgspec.structs.replace(inventory("a", gpus=0), gpus=gpus)
+    state = fleet_state(FleetRecords(nodes={"a": inv}), {}, now=1.0, router={})
+    shown = state["fabrics"][0]["nodes"][0]["gpus"]
+    for g in shown:
+        assert g["own_bytes"] + g["foreign_bytes"] + g["unaccounted_bytes"] == g["used_bytes"]
+    assert shown[0]["unaccounted_bytes"] == shown[0]["used_bytes"] > 0  # nothing listed
+    assert shown[1]["foreign_bytes"] == 5 * GB
+    view = build_fleet(FleetRecords(nodes={"a": inv}), 1.0)
+    assert gpu_line(view.nodes["a"].gpus[0]) == (
+        "GPU 0: in use 0.6 of 85.5 GB (llmgw 0.0, others 0.0, unaccounted 0.6)"
+    )
+    idle = msgspec.structs.replace(inv, gpus=discover_gpus(from_spec("count=4,node=a")))
+    assert gpu_lines(build_fleet(FleetRecords(nodes={"a": idle}), 1.0).nodes["a"].gpus) == [
+        "GPU 0-3: in use 0.6 of 85.5 GB (llmgw 0.0, others 0.0, unaccounted 0.6) each"
+    ]
 
 
 def test_every_current_routers_load_is_summed_per_model_and_a_stale_one_left_out():
@@ -236,3 +337,19 @@ def test_no_chromium_skips_except_where_it_is_required(tmp_path, monkeypatch):
     monkeypatch.setenv(REQUIRE, "1")
     with pytest.raises(pytest.fail.Exception, match=REQUIRE):
         find_chromium()
+
+
+def test_the_read_model_imports_no_nats_and_no_component():
+    """The controller, the router and the CLI all import it: it must import none of them,
+    nor NATS (only llmgw/bus's client does)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, llmgw.fleetstate.build, llmgw.fleetstate.decode; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nats', 'anyio') "
+        "or m.startswith(('llmgw.controller', 'llmgw.router', 'llmgw.agent', 'llmgw.cli')) "
+        "or m == 'llmgw.bus.client'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

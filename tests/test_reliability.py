@@ -20,6 +20,7 @@ FAULT_SUITES = (
     "tests/test_tls.py",
     "tests/test_agent.py",
     "tests/test_controller.py",
+    "tests/test_intent_kept.py",
     "tests/test_operations_e2e.py",
     "tests/test_partition.py",
     "tests/test_weights_*.py",

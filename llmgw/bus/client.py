@@ -556,6 +556,12 @@ class Bus:
                             self.skipped, item.key, item.data, item.revision, decode
                         )
                     if value is None:
+                        if (
+                            not item.deleted
+                            and item.key in known
+                            and trust.keeps_last_good(item.key)
+                        ):
+                            continue  # intent that does not read: the last good value stands
                         if known.pop(item.key, None) is not None:
                             yield Update(item.key, None, item.revision)
                         continue

@@ -336,6 +336,31 @@ def _team(p: _Problems, t: records.Team) -> None:
     _limits(p, "limits", t.limits)
 
 
+# Written by an operator (catalog, desired, ops) or by the leading controller: intent and
+# decisions. A newer value of one that does not read keeps the last good one wherever it is
+# read (Bus.watch, and llmgw/fleetstate/decode.py, which says what a reader with none takes).
+# Not the leader key: a lease, taken over at its revision when it does not read.
+KEEPS_LAST_GOOD: frozenset[str] = frozenset(
+    {
+        keys.CATALOG,
+        keys.DESIRED,
+        keys.OPS,
+        keys.ROLLOUT,
+        keys.SCALE,
+        keys.PLACEMENT,
+        keys.HEALTH,
+        keys.FABRICS,
+        keys.REPLICAS,
+        keys.ASSIGN,
+    }
+)
+
+
+def keeps_last_good(key: str) -> bool:
+    parsed = keys.parse(key)
+    return parsed is not None and parsed.prefix in KEEPS_LAST_GOOD
+
+
 _Check = Callable[[_Problems, Any], None]
 
 # key family -> (the Struct its values decode to, its check); catalog's type lives in catalog

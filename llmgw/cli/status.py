@@ -1,116 +1,98 @@
-"""`llmgw status`: the fleet as the bucket holds it, as text or JSON.
+"""`llmgw status`: the fleet's read model (llmgw/fleetstate), as text or JSON.
 
-Gathered from the bucket in one pass; the per-fabric weights view is computed from the
-node inventories with the controller's pure function, so it is current even when no
-controller has published `fabrics.<fabric>` yet.
+Read from the bucket in one pass through the one decoder layer, so a value that does not
+read is taken as every reader takes it (its last good value, a cordon, a frozen model) and
+said. `--json` is the read model encoded (`llmgw.fleetstate.model.Fleet`): a script asks
+`.models["m"].ready` and `.models["m"].why_not`. The text renders it, models first. The
+per-fabric weights view is computed from the node inventories with the controller's pure
+function, so it is current even when no controller has published `fabrics.<fabric>` yet.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
-from typing import Any
 
 import anyio
 import click
 import msgspec
 
-from llmgw.bus import keys, records
-from llmgw.bus.client import BucketSettings, Bus, NatsSettings, decoder
+from llmgw.bus import records
+from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 from llmgw.cli.common import json_option, nats_options, open_bus
 from llmgw.cli.place import rollout_line
 from llmgw.controller.fabrics import fabric_view, render_fabrics
-from llmgw.labels import node_labels
+from llmgw.fleetstate import build
+from llmgw.fleetstate.decode import FleetRecords
+from llmgw.fleetstate.model import Fleet, GpuState, ModelState, NodeState, Ops
 
-GIB = 1 << 30
-_SKIPPED_LISTED = 50
-# blocked reasons that leave a model exactly as it is (controller/view.py Freeze)
-_FROZEN = ("invalid-catalog", "invalid-desired", "catalog-deleted")
-
-
-async def gather(bus: Bus) -> dict[str, Any]:
-    nodes = await bus.list(keys.pattern(keys.NODES), decoder(records.NodeInventory))
-    leases = await bus.list(keys.pattern(keys.LEASES), decoder(records.Lease))
-    health = await bus.list(keys.pattern(keys.HEALTH), decoder(records.Health))
-    replicas = await bus.list(keys.pattern(keys.REPLICAS), decoder(records.Replica))
-    shards = await bus.list(keys.pattern(keys.SHARDS), decoder(records.Shard))
-    placements = await bus.list(keys.pattern(keys.PLACEMENT), decoder(records.PlacementRecord))
-    desired = await bus.list(keys.pattern(keys.DESIRED), decoder(records.Desired))
-    ops = await bus.list(keys.pattern(keys.OPS), decoder(records.NodeOps))
-    rollouts = await bus.list(keys.pattern(keys.ROLLOUT), decoder(records.Rollout))
-    scales = await bus.list(keys.pattern(keys.SCALE), decoder(records.Scale))
-    inventories = [e.value for e in nodes.values()]
-    by_node = {
-        inv.node: {
-            "inventory": msgspec.to_builtins(inv),
-            "lease": msgspec.to_builtins(leases[keys.lease(inv.node)].value)
-            if keys.lease(inv.node) in leases
-            else None,
-            "health": msgspec.to_builtins(health[keys.health(inv.node)].value)
-            if keys.health(inv.node) in health
-            else None,
-            "ops": msgspec.to_builtins(ops[keys.ops(inv.node)].value)
-            if keys.ops(inv.node) in ops
-            else None,
-            "labels": {k: sorted(v) for k, v in sorted(node_labels(inv).items())},
-        }
-        for inv in inventories
-    }
-    return {
-        "bucket": bus.bucket.name,
-        "nodes": by_node,
-        "fabrics": {k: msgspec.to_builtins(v) for k, v in fabric_view(inventories).items()},
-        "desired": {e.value.model: msgspec.to_builtins(e.value) for e in desired.values()},
-        "replicas": [msgspec.to_builtins(e.value) for e in replicas.values()],
-        "shards": [msgspec.to_builtins(e.value) for e in shards.values()],
-        "placement": {e.value.model: msgspec.to_builtins(e.value) for e in placements.values()},
-        "rollouts": {e.value.model: msgspec.to_builtins(e.value) for e in rollouts.values()},
-        "scales": {e.value.model: msgspec.to_builtins(e.value) for e in scales.values()},
-        # the operator's intent about nodes that report no inventory (yet, or any more)
-        "ops": {
-            e.value.node: msgspec.to_builtins(e.value)
-            for e in ops.values()
-            if e.value.node not in by_node
-        },
-        # values every list above left out, not decoding or not believed (said in the log)
-        "skipped": {
-            "values": bus.skipped.count,
-            "keys": sorted(bus.skipped.keys)[:_SKIPPED_LISTED],
-        },
-    }
+GB = 1_000_000_000  # one unit for sizes everywhere a person reads them (docs/bucket.md)
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.0f}"
+async def gather(bus: Bus, now: float | None = None) -> Fleet:
+    """The read model of the bucket as it is now."""
+    r = FleetRecords(skipped=bus.skipped)  # said once per Bus, however often it reads
+    for key, entry in (await bus.list(">", lambda data: data)).items():
+        r.apply(key, entry.value, entry.revision)
+    return build.fleet(
+        r,
+        time.time() if now is None else now,
+        bucket=bus.bucket.name,
+        fabrics=fabric_view(r.nodes.values()),
+    )
 
 
-def _gpus(g: dict[str, Any]) -> str:
-    devices = g["devices"]
-    if not devices:
+def _gb(n: int | None) -> str:
+    return "?" if n is None else f"{n / GB:.1f}"
+
+
+def _gpus(n: NodeState) -> str:
+    if not n.gpus:
         return {
             "no_library": "none (no NVML)",
             "no_driver": "none (no driver)",
             "disabled": "off (config)",
-        }.get(g["status"], f"none ({g['status']}: {g['detail']})")
-    names: dict[str, int] = {}
-    for d in devices:
-        names[d["name"]] = names.get(d["name"], 0) + 1
-    text = ", ".join(f"{n}x {name}" for name, n in names.items())
-    return text + ("" if g["status"] == "ok" else f" ({g['status']}: {g['detail']})")
+        }.get(n.gpu_status, f"none ({n.gpu_status}: {n.gpu_detail})")
+    names = Counter(g.name for g in n.gpus)
+    text = ", ".join(f"{k}x {name}" for name, k in names.items())
+    text += f", {n.gpus_free} free"
+    return text + ("" if n.gpu_status == "ok" else f" ({n.gpu_status}: {n.gpu_detail})")
 
 
-def _engines(engines: list[dict[str, Any]]) -> str:
-    return ", ".join(f"{e['name']} {e['version'] or '?'}" for e in engines) or "none"
+def gpu_line(g: GpuState) -> str:
+    """ "GPU 0: in use 0.6 of 80.0 GB (llmgw 0.0, others 0.0, unaccounted 0.6)": the parts
+    add up to the whole."""
+    return f"GPU {g.index}: {_gpu_use(g)}"
 
 
-def _ib(ib: list[dict[str, Any]]) -> str:
-    parts = []
-    for a in ib:
-        state = "up" if any(p["state"].upper() == "ACTIVE" for p in a["ports"]) else "down"
-        layer = " RoCE" if any(p["link_layer"] == "Ethernet" for p in a["ports"]) else ""
-        parts.append(f"{a['name']}:{a['fabric'] or '(no fabric)'} {state}{layer}")
-    return ", ".join(parts) or "none"
+def gpu_lines(gpus: list[GpuState]) -> list[str]:
+    """One line per run of GPUs that read alike ("GPU 0-7: ..."): eight idle GPUs are one
+    line, not eight."""
+    runs: list[tuple[int, int, str]] = []
+    for g in gpus:
+        use = _gpu_use(g)
+        if runs and runs[-1][2] == use and runs[-1][1] == g.index - 1:
+            runs[-1] = (runs[-1][0], g.index, use)
+        else:
+            runs.append((g.index, g.index, use))
+    return [
+        f"GPU {lo}: {use}" if lo == hi else f"GPU {lo}-{hi}: {use} each" for lo, hi, use in runs
+    ]
+
+
+def _gpu_use(g: GpuState) -> str:
+    if g.used_bytes is None:
+        use = f"in use: not reported, {_gb(g.total_bytes)} GB total"
+    else:
+        use = (
+            f"in use {_gb(g.used_bytes)} of {_gb(g.total_bytes)} GB (llmgw {_gb(g.own_bytes)}, "
+            f"others {_gb(g.foreign_bytes)}, unaccounted {_gb(g.unaccounted_bytes)})"
+        )
+    if g.out_of_service:
+        use += "; out of service"
+    elif g.allocated is not None:
+        use += f"; allocated to {g.allocated.model} {g.allocated.replica}"
+    return use
 
 
 def _age(seconds: float) -> str:
@@ -125,157 +107,163 @@ def _age(seconds: float) -> str:
 _PHASES = tuple(p for p in records.REPLICA_PHASES if p != "ready")
 
 
-def _replica_counts(replicas: list[dict[str, Any]], want: int) -> str:
-    """ "1/1 ready, 1 draining": a draining replica is going away, not one too many."""
-    phases = Counter(r["phase"] for r in replicas)
-    return f"{phases['ready']}/{want} ready" + "".join(
-        f", {phases[p]} {p}" for p in _PHASES if phases[p]
+def _replica_counts(m: ModelState) -> str:
+    """ "1/1 ready, 1 draining": a draining replica is going away, not one too many; a
+    ready replica on a node that is not is counted apart."""
+    phases = Counter(r.phase for r in m.replicas)
+    cut_off = phases["ready"] - m.ready
+    return (
+        f"{m.ready}/{m.desired} ready"
+        + (f", {cut_off} ready on a node that is not" if cut_off else "")
+        + "".join(f", {phases[p]} {p}" for p in _PHASES if phases[p])
     )
 
 
+UNREADABLE_SHOWN = 20  # keys that do not read, said one a line; --json lists them all
 TAIL_SHOWN = 3  # engine output lines shown per failed shard; --json has them all
-
-
-def _failed_shards(shards: list[dict[str, Any]]) -> list[str]:
-    """A failed shard's reason and its engine's last lines: what a person needs first."""
-    out = []
-    for s in sorted(shards, key=lambda s: s["node"]):
-        if s["phase"] != "failed":
-            continue
-        given_up = ", given up" if s.get("gave_up") else ""
-        out.append(
-            f"      {s['node']}: {s.get('reason') or 'no reason reported'} "
-            f"(restarts {s.get('restarts', 0)}{given_up})"
-        )
-        tail = [line for line in s.get("output_tail") or [] if line.strip()]
-        out.extend(f"        | {line}" for line in tail[-TAIL_SHOWN:])
-    return out
 
 
 def _labels(labels: dict[str, list[str]]) -> str:
     return ", ".join(f"{k}={'|'.join(v)}" for k, v in labels.items()) or "none"
 
 
-def _ops(o: dict[str, Any], inv: dict[str, Any] | None) -> str:
+def _ops(o: Ops, n: NodeState) -> str:
     parts = []
-    if o.get("drain"):
-        parts.append("draining" + (" (--force)" if o.get("force") else ""))
-    elif o.get("cordoned"):
-        parts.append("cordoned")
-    if o.get("gpus_out"):
-        index = {g["uuid"]: g["index"] for g in (inv or {}).get("gpus", {}).get("devices", [])}
-        gpus = ", ".join(f"{u} (index {index[u]})" if u in index else u for u in o["gpus_out"])
+    if o.state == "draining-force":
+        parts.append("draining (--force)")
+    elif o.state in ("draining", "cordoned"):
+        parts.append(o.state)
+    if o.gpus_out:
+        index = {g.uuid: g.index for g in n.gpus}
+        gpus = ", ".join(f"{u} (index {index[u]})" if u in index else u for u in o.gpus_out)
         parts.append(f"GPUs out of service: {gpus}")
     text = "; ".join(parts) or "in service"
-    return text + (f" ({o['reason']})" if o.get("reason") else "")
+    if o.unreadable:
+        return text + f" (read so: ops.{n.id} does not read, see above)"
+    return text + (f" ({o.reason})" if o.reason else "")
 
 
-def render(view: dict[str, Any], now: float) -> str:
-    lines = [f"bucket {view['bucket']}: {len(view['nodes'])} node(s)"]
-    for node_id, n in sorted(view["nodes"].items()):
-        inv, lease, health = n["inventory"], n["lease"], n["health"]
-        mem = lease["memory"] if lease else inv["memory"]
-        beat = _age(now - lease["time"]) if lease else "never"
-        phase = health["phase"] if health else "(no controller)"
-        lines.append(f"\n{node_id}  {phase}  {inv['address']}  heartbeat {beat}")
-        lines.append(
-            f"  RAM     {_gib(mem['available_bytes'])}/{_gib(mem['total_bytes'])} GiB available"
-        )
-        lines.append(f"  CPU     {inv['cpu']['count']}x {inv['cpu']['model']}")
-        lines.append(f"  GPUs    {_gpus(inv['gpus'])}")
-        lines.append(f"  engines {_engines(inv['engines'])}")
-        lines.append(f"  IB      {_ib(inv['ib'])}")
-        w = inv["weights"]
-        if w["looked"]:
+def _model_lines(m: ModelState, now: float) -> list[str]:
+    if not m.desired and not m.replicas and m.placement is None and not m.unreadable:
+        return [f"  {m.id}: none asked for (`llmgw place {m.id} --replicas N`)"]
+    lines = [f"  {m.id}: {_replica_counts(m)}  ({m.mode})"]
+    if m.serving:
+        lines.append(f"    serving on {', '.join(m.serving)}")
+    if m.why_not:
+        lines.append(f"    why not: {m.why_not}")
+    if m.autoscale is not None:
+        lines.append(f"    autoscale: {_scale_line(m.autoscale)}")
+    for key in m.unreadable:
+        lines.append(f"    unreadable: {key} (see below)")
+    ro = m.rollout
+    if ro is not None and ro.phase != "complete":
+        lines.append("  " + rollout_line(ro).strip().replace("\n", "\n  "))
+    for r in m.replicas:
+        shards = "/".join(s.phase for s in r.shards) or "-"
+        ep = f"  {r.endpoint}" if r.endpoint else ""
+        lines.append(f"    {r.rid}  {r.state}  on {', '.join(r.nodes)}  shards {shards}{ep}")
+        if r.why:
+            lines.append(f"      why: {r.why}")
+        for s in r.shards:
+            if s.phase != "failed":
+                continue
+            given_up = ", given up" if s.gave_up else ""
             lines.append(
-                f"  weights {len(w['models'])} model(s) in {', '.join(d['path'] for d in w['dirs'])}"
+                f"      {s.node}: {s.reason or 'no reason reported'} (restarts {s.restarts}{given_up})"
             )
-        else:
-            lines.append("  weights not configured to look (fetch dir only)")
-        if health and health.get("reason"):
-            # written when the phase last changed: its age says how old the reason is
-            lines.append(f"  health  recorded {_age(now - health['since'])}: {health['reason']}")
-        if inv["from_config"]:
-            lines.append(f"  config  {', '.join(inv['from_config'])}")
-        lines.append(f"  labels  {_labels(n.get('labels') or {})}")
-        taints = [f"{t} (agent)" for t in inv.get("taints", [])]
-        if n.get("ops"):
-            lines.append(f"  ops     {_ops(n['ops'], inv)}")
-            taints += [f"{t} (operator)" for t in n["ops"]["taints"]]
-        if taints:
-            lines.append(f"  taints  {', '.join(taints)}")
-    for node_id, o in sorted((view.get("ops") or {}).items()):
-        lines.append(f"\n{node_id}  (no inventory)\n  ops     {_ops(o, None)}")
-    fabrics = render_fabrics(
-        {k: msgspec.convert(v, records.FabricHoldings) for k, v in view["fabrics"].items()}
+            tail = [line for line in s.output_tail if line.strip()]
+            lines.extend(f"        | {line}" for line in tail[-TAIL_SHOWN:])
+    p = m.placement
+    if p is not None and p.explanation:
+        label = "frozen" if p.frozen else "unplaced" if p.placed < p.desired else "note"
+        lines.append(f"    {label}: {p.explanation}")
+    return lines
+
+
+def _node_lines(n: NodeState, now: float) -> list[str]:
+    if not n.inventory:
+        lines = [f"\n{n.id}  (no inventory)"]
+        if n.ops is not None:
+            lines.append(f"  ops     {_ops(n.ops, n)}")
+        return lines
+    beat = _age(now - n.heartbeat_at) if n.heartbeat_at is not None else "never"
+    phase = n.phase if n.phase != "unjudged" else "(no controller)"
+    lines = [
+        f"\n{n.id}  {phase}  {n.address}  heartbeat {beat}",
+        f"  RAM     {_gb(n.ram_available_bytes)}/{_gb(n.ram_total_bytes)} GB available",
+        f"  CPU     {n.cpu_count}x {n.cpu_model}",
+        f"  GPUs    {_gpus(n)}",
+    ]
+    lines.extend(f"          {line}" for line in gpu_lines(n.gpus))
+    lines.append(
+        "  engines " + (", ".join(f"{e.name} {e.version or '?'}" for e in n.engines) or "none")
     )
+    lines.append(f"  IB      {', '.join(n.ib) or 'none'}")
+    lines.append(f"  weights {n.weights}")
+    if n.phase_reason and n.phase_since is not None:
+        # written when the phase last changed: its age says how old the reason is
+        lines.append(f"  health  recorded {_age(now - n.phase_since)}: {n.phase_reason}")
+    if n.metrics_error:
+        lines.append(f"  metrics {n.metrics_error}")
+    if n.from_config:
+        lines.append(f"  config  {', '.join(n.from_config)}")
+    lines.append(f"  labels  {_labels(n.labels)}")
+    if n.ops is not None:
+        lines.append(f"  ops     {_ops(n.ops, n)}")
+    if n.taints:
+        lines.append(f"  taints  {', '.join(n.taints)}")
+    return lines
+
+
+def render(view: Fleet, now: float) -> str:
+    lines = [
+        f"bucket {view.bucket}: {len(view.models)} model(s), "
+        f"{sum(n.inventory for n in view.nodes.values())} node(s)"
+    ]
+    if view.models:
+        lines.append("\nmodels")
+    for m in view.models.values():
+        lines.extend(_model_lines(m, now))
+    if view.unreadable:
+        lines.append("\nvalues that do not read (every reader takes them the same way)")
+        lines.extend(
+            f"  {u.says()}; fix it with the command that writes it, or "
+            f"`nats kv del {view.bucket} {u.key}`"
+            for u in view.unreadable[:UNREADABLE_SHOWN]
+        )
+        if len(view.unreadable) > UNREADABLE_SHOWN:
+            more = len(view.unreadable) - UNREADABLE_SHOWN
+            lines.append(f"  and {more} more (--json lists them all)")
+    lines.append("\nnodes")
+    for n in view.nodes.values():
+        lines.extend(_node_lines(n, now))
+    fabrics = render_fabrics(view.fabrics)
     if fabrics:
         lines.append("\nweights per fabric")
         lines.extend("  " + line for line in fabrics)
-    models = sorted(
-        set(view["desired"]) | set(view["placement"]) | {r["model"] for r in view["replicas"]}
-    )
-    if models:
-        lines.append("\nmodels")
-    for model in models:
-        p = view["placement"].get(model)
-        # desired.<model> may not read (the model is then frozen): the controller's count
-        want = view["desired"].get(model, {}).get("replicas", p["desired"] if p else 0)
-        mine = [r for r in view["replicas"] if r["model"] == model]
-        auto = view["desired"].get(model, {}).get("auto", False)
-        scale = (view.get("scales") or {}).get(model)
-        if auto:
-            want = scale["replicas"] if scale else (p["desired"] if p else want)
-        mode = "autoscaled" if auto else "fixed"
-        lines.append(f"  {model}: {_replica_counts(mine, want)}  ({mode})")
-        if auto and scale:
-            lines.append(f"    autoscale: {_scale_line(scale)}")
-        ro = (view.get("rollouts") or {}).get(model)
-        if ro and ro["phase"] != "complete":
-            ro_struct = msgspec.convert(ro, records.Rollout)
-            lines.append("  " + rollout_line(ro_struct).strip().replace("\n", "\n  "))
-        for r in sorted(mine, key=lambda r: r["rid"]):
-            where = ", ".join(m["node"] for m in r["members"])
-            shards = [s for s in view["shards"] if s["rid"] == r["rid"]]
-            shard_phases = [s["phase"] for s in shards]
-            ep = f"  {r['endpoint']}" if r.get("endpoint") else ""
-            lines.append(
-                f"    {r['rid']}  {r['phase']}  on {where}  shards {'/'.join(shard_phases) or '-'}{ep}"
-            )
-            if r["phase"] in records.REPLICA_GOING and r.get("reason"):
-                lines.append(f"      why: {r['reason']}")
-            lines.extend(_failed_shards(shards))
-        if p and p.get("explanation"):
-            if p.get("blocked") in _FROZEN:
-                label = "frozen"
-            elif p["placed"] < p["desired"]:
-                label = "unplaced"
-            else:
-                label = "note"
-            lines.append(f"    {label}: {p['explanation']}")
-    skipped = view.get("skipped") or {}
-    if skipped.get("values"):
-        keys_ = skipped["keys"]
+    skipped = view.skipped
+    if skipped.values:
+        listed = skipped.keys
         lines.append(
-            f"\nskipped {skipped['values']} value(s) that do not decode or are not believed, "
-            f"in {len(keys_)}{'+' if len(keys_) >= _SKIPPED_LISTED else ''} key(s): "
-            + ", ".join(keys_[:5])
-            + (", ..." if len(keys_) > 5 else "")
+            f"\nskipped {skipped.values} value(s) that do not decode or are not believed, "
+            f"in {len(listed)}{'+' if len(listed) >= build.SKIPPED_LISTED else ''} key(s): "
+            + ", ".join(listed[:5])
+            + (", ..." if len(listed) > 5 else "")
             + " (`nats kv get` one to see it; --json lists more)"
         )
     return "\n".join(lines)
 
 
-def _scale_line(scale: dict[str, Any]) -> str:
+def _scale_line(scale: records.Scale) -> str:
     """ "3 -> 5: 14 in flight over 3 replicas, target 2, for 30 s; now 14 in flight, 0 waiting" """
     line = (
-        f"{scale['reason']}; now {scale.get('in_flight', 0)} in flight, "
-        f"{scale.get('waiting', 0)} waiting over {scale.get('routers', 0)} router(s)"
+        f"{scale.reason}; now {scale.in_flight} in flight, "
+        f"{scale.waiting} waiting over {scale.routers} router(s)"
     )
-    if scale.get("load_s"):
-        line += f"; last load {scale['load_s']:.1f} s"
-    if scale.get("limited"):
-        line += f"; held back by {scale['limited']}"
+    if scale.load_s:
+        line += f"; last load {scale.load_s:.1f} s"
+    if scale.limited:
+        line += f"; held back by {scale.limited}"
     return line
 
 
@@ -283,14 +271,15 @@ def _scale_line(scale: dict[str, Any]) -> str:
 @nats_options
 @json_option
 def status(nats: NatsSettings, bucket: BucketSettings, as_json: bool) -> None:
-    """What the fleet has: nodes, their hardware, engines, weights and heartbeats."""
+    """What the fleet runs and has: models first (desired, ready, where, why not), then
+    nodes, their hardware, engines, weights and heartbeats."""
 
-    async def run() -> dict[str, Any]:
+    async def run() -> Fleet:
         async with open_bus(nats, bucket) as bus:
             return await gather(bus)
 
     view = anyio.run(run)
     if as_json:
-        click.echo(json.dumps(view, indent=2, sort_keys=True))
+        click.echo(msgspec.json.format(msgspec.json.encode(view), indent=2))
     else:
         click.echo(render(view, now=time.time()))

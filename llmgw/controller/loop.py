@@ -64,6 +64,7 @@ from llmgw.controller.liveness import (
 )
 from llmgw.controller.metrics import ControllerMetrics
 from llmgw.controller.view import Freeze, View
+from llmgw.fleetstate.decode import CONTROLLER_WRITES
 from llmgw.metrics_http import serve_metrics
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class Controller:
         self.clock = clock or SystemClock()
         self.instance = secrets.token_hex(8)  # tells this process's lease from a namesake's
         self.view = View()
+        self._rewritten: dict[str, int] = {}  # key -> the bad revision written over
         self.tracker = LivenessTracker(self.settings.unreachable_after, self.settings.lost_after)
         self.link = Link()
         self.leadership = Leadership(self.id, self.instance, self.settings.leader_ttl)
@@ -431,6 +433,7 @@ class Controller:
         try:
             changed = await self._judge_nodes(now)
             changed = await self._autoscale(now) or changed
+            await self._rewrite_kept()
             due = self._pass_due or changed
             if anyio.current_time() - self._last_pass >= self.settings.resync:
                 due = True
@@ -450,6 +453,29 @@ class Controller:
         except Exception:  # noqa: BLE001 - a bug, not the link: nodes are still judged
             log.exception("bug in the reconcile pass; it runs again, still judging nodes")
             self._pass_due = True
+
+    async def _rewrite_kept(self) -> None:
+        """A record of the leader's own whose value does not read (garbled by hand) is kept
+        by the view (llmgw/fleetstate/decode.py) and compared as kept, so no change would
+        ever write it again: write it back as kept, once per bad revision, so that a reader
+        started since reads it too."""
+        for key in [k for k in self._rewritten if k not in self.view.unreadable]:
+            del self._rewritten[key]  # read again
+        for key, bad in list(self.view.unreadable.items()):
+            if bad.reading != "kept" or bad.family not in CONTROLLER_WRITES:
+                continue
+            if self._rewritten.get(key) == bad.revision:
+                continue
+            value = self.view.value_of(key)
+            if value is None:
+                continue
+            if "epoch" in value.__struct_fields__:
+                value = msgspec.structs.replace(value, epoch=self.epoch)
+            self._rewritten[key] = bad.revision
+            log.warning(
+                "%s (revision %d) does not read: wrote its last good value back", key, bad.revision
+            )
+            await self._put(key, value)
 
     async def _check_link(self) -> bool:
         """Before declaring nodes silent, check this controller is not the silent one (a

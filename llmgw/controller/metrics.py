@@ -87,6 +87,21 @@ class FleetCollector(Collector):
             replicas.add_metric([phase], by_phase[phase])
         yield replicas
         yield from _unplaced(view.placements.values())
+        yield _unreadable(view.unreadable.values())
+
+
+def _unreadable(values) -> GaugeMetricFamily:
+    """Keys whose newest value does not read, by family and what is read instead (kept: the
+    last good value; llmgw/fleetstate/decode.py)."""
+    gauge = GaugeMetricFamily(
+        "llmgw_controller_unreadable_keys",
+        "Keys whose newest value does not read, by family and what the controller reads "
+        "instead (kept: its last good value; cordoned, frozen, absent: none was read)",
+        labels=["family", "reading"],
+    )
+    for (family, reading), n in sorted(Counter((u.family, u.reading) for u in values).items()):
+        gauge.add_metric([family, reading], n)
+    return gauge
 
 
 def unplaced_count(rec: records.PlacementRecord) -> int:

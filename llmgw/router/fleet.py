@@ -1,13 +1,14 @@
 """What the fleet page shows: the bucket's records read into one JSON document.
 
 Two halves. `FleetWatch` keeps the records the router does not need for routing
-(`nodes.*`, `leases.*`, `health.*`, `ops.*`, `fabrics.*`, `desired.*`), and keeps them only
+(`nodes.*`, `leases.*`, `ops.*`, `fabrics.*`, `load.*`), and keeps them only
 while a page is open: its watches start at the first request for the page's state and stop
 `idle_after` seconds after the last one, so a router nobody looks at reads and decodes
 nothing more than it routes with (heartbeats are the bucket's busiest keys). The catalog,
 replicas, shards and placement decisions come from the router's own endpoint table, which
-holds them anyway. `fleet_state()` is the pure half: records in, the page's document out,
-tested without a bus.
+holds them anyway (with health, desired and scale). Both read through the one decoder layer
+(llmgw/fleetstate/decode.py). `fleet_state()` is the pure half: records in, the fleet's read
+model (llmgw/fleetstate) grouped for the page out, tested without a bus.
 
 Nothing here is on the request path: the document is built when the page asks (every
 couple of seconds while it is open), from shallow copies taken on the event loop, in a
@@ -21,45 +22,28 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import msgspec
 
-from llmgw import catalog
 from llmgw.bus import keys, records
+from llmgw.fleetstate import build
+from llmgw.fleetstate.decode import FleetRecords
+from llmgw.fleetstate.model import NodeState
 
 log = logging.getLogger(__name__)
 
 # families read only while a page is open (the table has the rest)
-WATCHED_WHILE_OPEN: dict[str, type[msgspec.Struct]] = {
-    keys.NODES: records.NodeInventory,
-    keys.LEASES: records.Lease,
-    keys.HEALTH: records.Health,
-    keys.OPS: records.NodeOps,
-    keys.FABRICS: records.FabricHoldings,
-    keys.DESIRED: records.Desired,
-    keys.LOAD: records.RouterLoad,
-}
+WATCHED_WHILE_OPEN: frozenset[str] = frozenset(
+    {keys.NODES, keys.LEASES, keys.OPS, keys.FABRICS, keys.LOAD}
+)
 NO_FABRIC = ""  # the group of nodes on no fabric (each its own island for placement)
 
 
-@dataclass
-class FleetRecords:
-    """Every record the page reads, by the id its key names (a reader trusts the key)."""
-
-    nodes: dict[str, records.NodeInventory] = field(default_factory=dict)
-    leases: dict[str, records.Lease] = field(default_factory=dict)
-    health: dict[str, records.Health] = field(default_factory=dict)
-    ops: dict[str, records.NodeOps] = field(default_factory=dict)
-    fabrics: dict[str, records.FabricHoldings] = field(default_factory=dict)
-    desired: dict[str, records.Desired] = field(default_factory=dict)
-    models: dict[str, catalog.Model] = field(default_factory=dict)
-    replicas: dict[tuple[str, str], records.Replica] = field(default_factory=dict)
-    shards: dict[tuple[str, str], records.Shard] = field(default_factory=dict)
-    placements: dict[str, records.PlacementRecord] = field(default_factory=dict)
-    loads: dict[str, records.RouterLoad] = field(default_factory=dict)  # by router id
+def _watched() -> FleetRecords:
+    return FleetRecords(families=WATCHED_WHILE_OPEN)
 
 
 class FleetWatch:
@@ -67,7 +51,7 @@ class FleetWatch:
 
     def __init__(self, idle_after: float = 30.0) -> None:
         self.idle_after = idle_after
-        self.records = FleetRecords()
+        self.records = _watched()
         self.watching = False  # what tests and /health-minded people may look at
         self.synced = False
         self._asked = anyio.Event()
@@ -99,8 +83,8 @@ class FleetWatch:
             try:
                 async with anyio.create_task_group() as tg:
                     synced: set[str] = set()
-                    for prefix, type_ in WATCHED_WHILE_OPEN.items():
-                        tg.start_soon(self._follow, bus, prefix, type_, synced)
+                    for prefix in sorted(WATCHED_WHILE_OPEN):
+                        tg.start_soon(self._follow, bus, prefix, synced)
                     while anyio.current_time() - self._last_asked < self.idle_after:
                         await anyio.sleep(self.idle_after / 4)
                     tg.cancel_scope.cancel()
@@ -109,39 +93,21 @@ class FleetWatch:
                 self.synced = False
                 self._synced = anyio.Event()
                 self._asked = anyio.Event()
-                self.records = FleetRecords()
+                self.records = _watched()
             log.info("router: no fleet page asked for %g s; stopped following", self.idle_after)
 
-    async def _follow(self, bus, prefix: str, type_: type, synced: set[str]) -> None:
-        from llmgw.bus.client import Synced, decoder
+    async def _follow(self, bus, prefix: str, synced: set[str]) -> None:
+        from llmgw.bus.client import Synced
 
-        table = _table_of(self.records, prefix)
-        async for item in bus.watch(keys.pattern(prefix), decoder(type_)):
+        # raw bytes: the one decoder layer (llmgw/fleetstate/decode.py) reads them
+        async for item in bus.watch(keys.pattern(prefix), lambda data: data):
             if isinstance(item, Synced):
                 synced.add(prefix)
                 if len(synced) == len(WATCHED_WHILE_OPEN):
                     self.synced = True
                     self._synced.set()
                 continue
-            parsed = keys.parse(item.key)
-            if parsed is None:
-                continue  # not a key llmgw writes (an id that is not a token): not shown
-            if item.value is None:
-                table.pop(parsed.ids[0], None)
-            else:
-                table[parsed.ids[0]] = item.value
-
-
-def _table_of(r: FleetRecords, prefix: str) -> dict:
-    return {
-        keys.NODES: r.nodes,
-        keys.LEASES: r.leases,
-        keys.HEALTH: r.health,
-        keys.OPS: r.ops,
-        keys.FABRICS: r.fabrics,
-        keys.DESIRED: r.desired,
-        keys.LOAD: r.loads,
-    }[prefix]
+            self.records.apply(item.key, item.value, item.revision)
 
 
 # --- this router's load per model ------------------------------------------------------------
@@ -270,29 +236,39 @@ def local_load(
 def fleet_state(
     r: FleetRecords, load: dict[str, dict[str, Any]], now: float, router: dict[str, Any]
 ) -> dict[str, Any]:
-    """The page's document. Every string in it is from the bucket: the page sets it as
-    text, never as markup."""
-    held = _gpus_held(r)
-    ix = _Index.of(r)
+    """The page's document: the fleet's read model (llmgw/fleetstate/model.py, what
+    `llmgw status --json` encodes) with its nodes grouped by fabric, and this router's and
+    every router's load beside each model. Every string in it is from the bucket: the page
+    sets it as text, never as markup."""
+    view = build.fleet(r, now, labels=False)
     fleet, routers = fleet_load(r.loads, now)
-    groups: dict[str, list[str]] = {}
-    for node in sorted(r.nodes):
-        groups.setdefault(ix.fabric_of(node, r), []).append(node)
-    fabrics = []
-    for name in sorted(groups, key=lambda g: (g == NO_FABRIC, g)):
-        fabrics.append(
-            {
-                "name": name,
-                "nodes": [_node(n, r, held, ix) for n in groups[name]],
-                "holds": _holdings(name, groups[name], r),
-            }
-        )
-    names = sorted(set(r.desired) | set(r.placements) | {m for m, _ in r.replicas} | set(r.models))
+    groups: dict[str, list[NodeState]] = {}
+    for n in view.nodes.values():
+        if n.inventory:
+            groups.setdefault(n.fabric, []).append(n)
+    fabrics = [
+        {
+            "name": name,
+            "nodes": groups[name],
+            "holds": _holdings(name, [n.id for n in groups[name]], r),
+        }
+        for name in sorted(groups, key=lambda g: (g == NO_FABRIC, g))
+    ]
+    models = [
+        {
+            **msgspec.to_builtins(m),
+            "load": load.get(m.id) or {"in_flight": 0, "queued": None, "ttfb": None},
+            # every router's, summed from their load.<router> keys (None: none published one)
+            "fleet_load": fleet.get(m.id),
+        }
+        for m in view.models.values()
+    ]
     return {
         "now": now,
         "router": router,
         "fabrics": fabrics,
-        "models": [_model(m, r, load.get(m), ix, fleet.get(m)) for m in names],
+        "models": models,
+        "unreadable": view.unreadable,
         "load": {"scope": "this router", "routers": routers},
     }
 
@@ -323,40 +299,6 @@ def fleet_load(
     return out, current
 
 
-@dataclass
-class _Index:
-    """The records by what the document looks them up by, built once per document (a fleet
-    of 200 nodes and 300 replicas is looked through once, not once per node and model)."""
-
-    fabric: dict[str, str]  # node -> the controller's (non-island) fabric that lists it
-    shards_by_node: dict[str, list[tuple[str, records.Shard]]]  # (rid, its shard) in rid order
-    shards_by_rid: dict[str, list[records.Shard]]  # in node order
-    replicas_by_model: dict[str, list[records.Replica]]  # in rid order
-    replica: dict[str, records.Replica]  # by rid
-
-    @classmethod
-    def of(cls, r: FleetRecords) -> _Index:
-        fabric: dict[str, str] = {}
-        for name, f in sorted(r.fabrics.items(), reverse=True):  # the first name wins
-            if not f.island:
-                fabric.update(dict.fromkeys(f.nodes, name))
-        by_node: dict[str, list[tuple[str, records.Shard]]] = {}
-        by_rid: dict[str, list[records.Shard]] = {}
-        for (node, rid), shard in sorted(r.shards.items()):
-            by_node.setdefault(node, []).append((rid, shard))
-            by_rid.setdefault(rid, []).append(shard)
-        by_model: dict[str, list[records.Replica]] = {}
-        for (model, _), rep in sorted(r.replicas.items()):
-            by_model.setdefault(model, []).append(rep)
-        replica = {rid: rep for (_, rid), rep in r.replicas.items()}
-        return cls(fabric, by_node, by_rid, by_model, replica)
-
-    def fabric_of(self, node: str, r: FleetRecords) -> str:
-        """The fabric group a node is shown in: the controller's fabrics.<fabric> that lists
-        it (not an island), else the first active fabric its inventory names, else none."""
-        return self.fabric.get(node) or min(r.nodes[node].fabrics(), default=NO_FABRIC)
-
-
 def _holdings(fabric: str, nodes: list[str], r: FleetRecords) -> list[dict[str, Any]]:
     """What a fabric holds (the controller's fabrics.<fabric>); for the nodes on no fabric,
     what each node's island holds."""
@@ -377,140 +319,6 @@ def _holdings(fabric: str, nodes: list[str], r: FleetRecords) -> list[dict[str, 
                 }
             )
     return sorted(holdings, key=lambda h: h["key"])
-
-
-def _gpus_held(r: FleetRecords) -> dict[tuple[str, str], tuple[records.Replica, int]]:
-    """(node, GPU uuid) -> the replica holding it and the bytes its profile asked per GPU
-    (0: none said; llmgw gives engines whole GPUs)."""
-    out = {}
-    for rep in r.replicas.values():
-        if rep.phase not in records.REPLICA_HOLDS_GPUS_AND_PORTS:
-            continue
-        model = r.models.get(rep.model)
-        profile = (
-            next((p for p in model.profiles if p.name == rep.profile), None) if model else None
-        )
-        asked = int(profile.gpu_memory_gb * 1e9) if profile else 0
-        for m in rep.members:
-            for uuid in m.gpus:
-                out[(m.node, uuid)] = (rep, asked)
-    return out
-
-
-def _node(
-    node: str,
-    r: FleetRecords,
-    held: dict[tuple[str, str], tuple[records.Replica, int]],
-    ix: _Index,
-) -> dict[str, Any]:
-    inv = r.nodes[node]
-    replica_of = ix.replica
-    lease = r.leases.get(node)
-    health = r.health.get(node)
-    ops = r.ops.get(node)
-    memory = lease.memory if lease else inv.memory
-    out_of_service = set(ops.gpus_out) if ops else set()
-    gpus = []
-    for g in inv.gpus.devices:
-        holder = held.get((node, g.uuid))
-        gpus.append(
-            {
-                "index": g.index,
-                "name": g.name,
-                "total_bytes": g.memory_total_bytes,
-                "used_bytes": g.memory_used_bytes,
-                "own_bytes": sum(p.used_bytes or 0 for p in g.processes if p.own),
-                "foreign_bytes": g.foreign_bytes(),
-                "processes": [
-                    {"pid": p.pid, "name": p.name, "used_bytes": p.used_bytes, "own": p.own}
-                    for p in g.processes
-                ],
-                "allocated": None
-                if holder is None
-                else {
-                    "model": holder[0].model,
-                    "replica": holder[0].rid,
-                    "bytes": holder[1] or g.memory_total_bytes,
-                    "whole": not holder[1],
-                },
-                "out_of_service": g.uuid in out_of_service,
-            }
-        )
-    free = sum(1 for g in gpus if g["allocated"] is None and not g["out_of_service"])
-    return {
-        "id": node,
-        "hostname": inv.hostname,
-        "address": inv.address,
-        "phase": health.phase if health else "unjudged",
-        "phase_since": health.since if health else None,
-        "phase_reason": health.reason if health else "",
-        "heartbeat_at": lease.time if lease else None,
-        "ram_total_bytes": memory.total_bytes,
-        "ram_available_bytes": memory.available_bytes,
-        "gpu_status": inv.gpus.status,
-        "gpus": gpus,
-        "gpus_free": free,
-        "engines": [{"name": e.name, "version": e.version} for e in inv.engines],
-        # the rid its key names (a reader trusts the key), the model its replica names
-        "running": [
-            f"{rep.model if (rep := replica_of.get(rid)) else s.model} {rid} {s.phase}"
-            for rid, s in ix.shards_by_node.get(node, [])
-        ],
-        "ops": None
-        if ops is None
-        else {"cordoned": ops.cordoned, "drain": ops.drain, "reason": ops.reason},
-    }
-
-
-def _model(
-    model: str,
-    r: FleetRecords,
-    load: dict[str, Any] | None,
-    ix: _Index,
-    fleet: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    cat = r.models.get(model)
-    desired = r.desired.get(model)
-    p = r.placements.get(model)
-    replicas = []
-    for rep in ix.replicas_by_model.get(model, []):
-        replicas.append(
-            {
-                "rid": rep.rid,
-                "profile": rep.profile,
-                "phase": rep.phase,
-                "endpoint": rep.endpoint,
-                "nodes": [mem.node for mem in rep.members],
-                "shards": [s.phase for s in ix.shards_by_rid.get(rep.rid, [])],
-            }
-        )
-    placement = None
-    if p is not None:
-        unplaced = max(p.desired - p.placed, p.waiting, 0)
-        placement = {
-            "desired": p.desired,
-            "placed": p.placed,
-            "unplaced": unplaced,
-            "waiting": p.waiting,
-            "judged": p.judged,
-            "blocked": p.blocked,
-            "explanation": p.explanation,
-            "refused": [
-                {"profile": x.profile, "reason": x.reason, "nodes": x.nodes, "detail": x.detail}
-                for x in p.refused
-            ],
-            "decided_at": p.decided_at,
-        }
-    return {
-        "id": model,
-        "served_name": cat.served_name if cat else "",
-        "desired": desired.replicas if desired else (p.desired if p else 0),
-        "replicas": replicas,
-        "placement": placement,
-        "load": load or {"in_flight": 0, "queued": None, "ttfb": None},
-        # every router's, summed from their load.<router> keys (None: none published one)
-        "fleet_load": fleet,
-    }
 
 
 def encode_state(state: dict[str, Any]) -> bytes:

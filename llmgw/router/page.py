@@ -21,7 +21,8 @@ from typing import Any
 
 import anyio
 
-from llmgw.router.fleet import FleetRecords, FleetWatch, TtfbWindow, encode_state, fleet_state
+from llmgw.fleetstate.decode import FleetRecords
+from llmgw.router.fleet import FleetWatch, TtfbWindow, encode_state, fleet_state
 from llmgw.router.fleet import local_load as router_load
 from llmgw.router.server import Request, Response
 from llmgw.router.table import EndpointTable
@@ -103,16 +104,19 @@ class FleetPage:
     def _records(self) -> FleetRecords:
         """Shallow copies, taken on the event loop: the watches and the table change the
         dicts, never the records in them, so a worker thread can read the copies."""
-        w, t = self.watch.records, self.table
+        w, t = self.watch.records, self.table.records
         return FleetRecords(
             nodes=dict(w.nodes),
             leases=dict(w.leases),
-            health=dict(w.health),
             ops=dict(w.ops),
             fabrics=dict(w.fabrics),
-            desired=dict(w.desired),
-            models=dict(t.models),
+            loads=dict(w.loads),
+            catalog=dict(t.catalog),
+            desired=dict(t.desired),
+            health=dict(t.health),
             replicas=dict(t.replicas),
             shards=dict(t.shards),
             placements=dict(t.placements),
+            scales=dict(t.scales),
+            unreadable={**t.unreadable, **w.unreadable},
         )

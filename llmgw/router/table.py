@@ -18,9 +18,10 @@ The controller's own `phase` of the replica is not waited for: engines keep serv
 the control plane is away, and so does the router.
 
 Owners come from keys, never from values: `shards.node05.r1` is node05's shard of r1
-whatever its body says. A value that does not decode is logged; the last good catalog
-entry and replica are kept (their engines still run), a garbled shard or health record
-counts as absent.
+whatever its body says. Values are decoded by the one decoder layer
+(llmgw/fleetstate/decode.py): one that does not read is logged; the last good value of a
+family an operator or the controller writes (catalog, replicas, health, desired, ...) is
+kept (their engines still run), a garbled shard counts as absent.
 """
 
 from __future__ import annotations
@@ -33,10 +34,24 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from llmgw import catalog
-from llmgw.bus import keys, records, trust
+from llmgw.bus import keys, records
+from llmgw.fleetstate.decode import FleetRecords
 from llmgw.router.upstream import authority
 
 log = logging.getLogger(__name__)
+
+# the families the table keeps (what `route` reads)
+ROUTED_FAMILIES = frozenset(
+    {
+        keys.CATALOG,
+        keys.REPLICAS,
+        keys.SHARDS,
+        keys.HEALTH,
+        keys.PLACEMENT,
+        keys.DESIRED,
+        keys.SCALE,
+    }
+)
 
 
 def stable_hash(data: bytes) -> int:
@@ -102,17 +117,20 @@ class EndpointTable:
         static_key: Callable[[catalog.Model], str | None] = lambda model: None,
     ) -> None:
         self._fleet_auth = bearer(engine_key)  # for the fleet's own engines only
-        self.skipped = trust.SkippedValues()
         self._static_key = static_key
-        self.models: dict[str, catalog.Model] = {}
+        # the one decoder layer (llmgw/fleetstate/decode.py): the families routing reads,
+        # typed, with the last good catalog entry, replica, placement... kept
+        self.records = FleetRecords(families=ROUTED_FAMILIES)
+        self.skipped = self.records.skipped
+        self.models: dict[str, catalog.Model] = self.records.catalog
         self.replicas: dict[tuple[str, str], records.Replica] = {}  # (model, rid)
-        self.shards: dict[tuple[str, str], records.Shard] = {}  # (node, rid)
+        self.shards: dict[tuple[str, str], records.Shard] = self.records.shards  # (node, rid)
         self.health: dict[str, str] = {}  # node -> phase
-        self.placements: dict[str, records.PlacementRecord] = {}
+        self.placements: dict[str, records.PlacementRecord] = self.records.placements
         # autoscaled models (router/hold.py): `desired.<model>` says auto, `scale.<model>`
         # how long its last replica took to load
-        self.desired: dict[str, records.Desired] = {}
-        self.scales: dict[str, records.Scale] = {}
+        self.desired: dict[str, records.Desired] = self.records.desired
+        self.scales: dict[str, records.Scale] = self.records.scales
         self.synced = True  # False until a bucket follower has read the bucket once
         self._backends: dict[str, Backend] = {}
         self._routes: dict[str, Route] = {}
@@ -123,50 +141,21 @@ class EndpointTable:
 
     def apply(self, key: str, data: bytes | None, revision: int = 0) -> None:
         """One bucket change: `data` None means the key is gone."""
-        parsed = keys.parse(key)
-        if parsed is None:
-            return
-        prefix, ids = parsed.prefix, parsed.ids
-        try:
-            self._apply(prefix, ids, data)
-        except catalog.UNREADABLE as e:
-            kept = prefix in (keys.CATALOG, keys.REPLICAS)
-            self.skipped.skipped(
-                log,
-                key,
-                revision,
-                str(e).replace("\n", " ")
-                + ("; the router keeps its last good value" if kept else ""),
-            )
-            if not kept:
-                self._apply(prefix, ids, None)
-        self._dirty = True
-
-    def _apply(self, prefix: str, ids: tuple[str, ...], data: bytes | None) -> None:
-        if prefix == keys.CATALOG:
-            _put(self.models, ids[0], None if data is None else catalog.decode_model(data, ids[0]))
-        elif prefix == keys.REPLICAS:
-            value = None if data is None else records.decode(data, records.Replica)
-            if value is not None and (value.model, value.rid) != ids:
-                raise ValueError(f"its body names {value.model}/{value.rid}")
-            if value is not None and not value.members:
-                raise ValueError("a replica has at least one member")
-            _put(self.replicas, (ids[0], ids[1]), value)
-        elif prefix == keys.SHARDS:
-            _put(self.shards, (ids[0], ids[1]), _decode(data, records.Shard))
-        elif prefix == keys.HEALTH:
-            h = _decode(data, records.Health)
-            _put(self.health, ids[0], None if h is None else h.phase)
-        elif prefix == keys.PLACEMENT:
-            _put(self.placements, ids[0], _decode(data, records.PlacementRecord))
-        elif prefix == keys.DESIRED:
-            _put(self.desired, ids[0], _decode(data, records.Desired))
-        elif prefix == keys.SCALE:
-            _put(self.scales, ids[0], _decode(data, records.Scale))
+        family = self.records.apply(key, data, revision)
+        if family == keys.REPLICAS:
+            model, rid = key.split(".")[1:]
+            _put(self.replicas, (model, rid), self.records.replicas.get(rid))
+        elif family == keys.HEALTH:
+            node = key.split(".")[1]
+            h = self.records.health.get(node)
+            _put(self.health, node, None if h is None else h.phase)
+        if family is not None:
+            self._dirty = True
 
     def set_static(self, models: list[catalog.Model]) -> None:
         """A router-only run: models with `endpoints` from a catalog file, no bucket."""
-        self.models = {m.id: m for m in models}
+        self.models.clear()
+        self.models.update((m.id, m) for m in models)
         self._dirty = True
 
     # --- asking it ----------------------------------------------------------------------
@@ -346,10 +335,6 @@ def _put(table: dict, k, value) -> None:
         table.pop(k, None)
     else:
         table[k] = value
-
-
-def _decode(data: bytes | None, type_):
-    return None if data is None else records.decode(data, type_)
 
 
 def _host_port(endpoint: str) -> tuple[str, int] | None:

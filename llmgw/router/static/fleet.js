@@ -63,16 +63,31 @@ function replicaList(m) {
   if (!m.replicas.length) return el("td", { class: "muted" }, "none");
   const ul = el("ul", { class: "refused" });
   for (const r of m.replicas) {
-    ul.append(el("li", { "data-replica": r.rid },
+    // the node's phase beside the replica's: "ready, node a unreachable for 20 s"
+    const nodeNote = r.state !== r.phase ? r.state.slice(r.phase.length + 2) : "";
+    const li = el("li", { "data-replica": r.rid, "data-serving": String(r.serving) },
       phase(r.phase), " ", r.rid, " on ", r.nodes.join(", "),
+      nodeNote ? el("span", { class: "why", "data-role": "node-phase" }, " (" + nodeNote + ")") : null,
       r.endpoint ? el("span", { class: "muted" }, " → " + r.endpoint) : null,
-      r.shards.length ? el("span", { class: "muted" }, " shards " + r.shards.join("/")) : null));
+      r.shards.length ? el("span", { class: "muted" }, " shards " + r.shards.map((s) => s.phase).join("/")) : null);
+    if (r.failure) {
+      li.append(el("div", { class: "why", "data-role": "failure" }, "failed: " + r.failure));
+      for (const s of r.shards) {
+        const tail = s.output_tail.filter((line) => line.trim());
+        if (s.phase === "failed" && tail.length) {
+          li.append(el("pre", { class: "tail" }, tail.slice(-3).join("\n")));
+        }
+      }
+    }
+    if (r.why) li.append(el("div", { class: "muted" }, "why: " + r.why));
+    ul.append(li);
   }
   return el("td", {}, ul);
 }
 
 function whyCell(m) {
   const p = m.placement;
+  if (m.why_not && (!p || !p.unplaced)) return el("td", { "data-role": "why" }, el("div", { class: "why" }, m.why_not));
   if (!p || (!p.unplaced && !p.explanation)) return el("td", { class: "muted" }, "");
   const td = el("td", { "data-role": "why" });
   if (p.unplaced) td.append(el("div", { class: "why" }, `${p.unplaced} unplaced: `, p.explanation || p.blocked || "waiting for a pass"));
@@ -95,9 +110,9 @@ function models(state) {
     return;
   }
   const table = el("table", {},
-    el("tr", {}, ...["model", "replicas", "requests (this router)", "where", "why not placed"].map((h) => el("th", {}, h))));
+    el("tr", {}, ...["model", "replicas", "requests (this router)", "where", "why not ready"].map((h) => el("th", {}, h))));
   for (const m of state.models) {
-    const ready = m.replicas.filter((r) => r.phase === "ready").length;
+    const ready = m.ready;
     table.append(el("tr", { "data-model": m.id },
       el("td", {}, el("div", { class: "node-id" }, m.id),
         m.served_name && m.served_name !== m.id ? el("div", { class: "muted" }, "served as " + m.served_name) : null),
@@ -106,7 +121,16 @@ function models(state) {
       replicaList(m),
       whyCell(m)));
   }
-  box.replaceChildren(table);
+  const parts = [table];
+  if (state.unreadable.length) {
+    const ul = el("ul", { class: "refused" });
+    for (const u of state.unreadable) {
+      ul.append(el("li", { "data-unreadable": u.key }, `${u.key} (revision ${u.revision}): ${u.why}`,
+        el("span", { class: "muted" }, " · read as " + u.reading)));
+    }
+    parts.push(el("div", { class: "why" }, "values that do not read (every reader takes them the same way):", ul));
+  }
+  box.replaceChildren(...parts);
   document.getElementById("load-scope").textContent =
     "Requests in flight, queued and time to first token are " + state.load.scope +
     "'s; the line under them sums every router's published load (load.<router> keys).";
@@ -121,7 +145,10 @@ function gpuRow(g) {
   own.style.left = "0"; own.style.width = (100 * g.own_bytes / total) + "%";
   const foreign = el("span", { class: "foreign" });
   foreign.style.left = own.style.width; foreign.style.width = (100 * g.foreign_bytes / total) + "%";
-  bar.append(own, foreign);
+  const unaccounted = el("span", { class: "unaccounted" });
+  unaccounted.style.left = (100 * (g.own_bytes + g.foreign_bytes) / total) + "%";
+  unaccounted.style.width = (100 * g.unaccounted_bytes / total) + "%";
+  bar.append(own, foreign, unaccounted);
   let alloc = "free";
   if (g.allocated) {
     const a = el("span", { class: "allocated" });
@@ -131,7 +158,7 @@ function gpuRow(g) {
   }
   if (g.out_of_service) alloc = "out of service";
   const used = g.used_bytes === null ? "in use: not reported"
-    : `in use ${gb(g.used_bytes)} (llmgw ${gb(g.own_bytes)}, others ${gb(g.foreign_bytes)})`;
+    : `in use ${gb(g.used_bytes)} (llmgw ${gb(g.own_bytes)}, others ${gb(g.foreign_bytes)}, unaccounted ${gb(g.unaccounted_bytes)})`;
   const others = g.processes.filter((p) => !p.own).map((p) => `${p.name || "pid " + p.pid} ${gb(p.used_bytes)}`);
   return el("div", { class: "gpu", "data-gpu": g.index },
     el("div", {}, el("b", {}, `GPU ${g.index} `), alloc, " · ", used,
@@ -156,9 +183,11 @@ function nodeCard(n) {
     el("dt", {}, "GPUs"), el("dd", {}, gpuSummary(n)),
     el("dt", {}, "engines"), el("dd", {}, n.engines.map((e) => `${e.name} ${e.version || "?"}`).join(", ") || "none"),
     el("dt", {}, "running"), el("dd", {}, n.running.join("; ") || "nothing"));
-  if (n.ops && (n.ops.cordoned || n.ops.drain)) {
-    kv.append(el("dt", {}, "operator"), el("dd", {}, (n.ops.drain ? "draining" : "cordoned") + (n.ops.reason ? ": " + n.ops.reason : "")));
+  if (n.ops && n.ops.state !== "in-service") {
+    const what = { cordoned: "cordoned", draining: "draining", "draining-force": "draining (--force)" }[n.ops.state];
+    kv.append(el("dt", {}, "operator"), el("dd", { "data-role": "ops" }, what + (n.ops.reason ? ": " + n.ops.reason : "")));
   }
+  if (n.metrics_error) kv.append(el("dt", {}, "metrics"), el("dd", { class: "why", "data-role": "metrics-error" }, n.metrics_error));
   if (n.phase !== "ready" && n.phase_reason) kv.append(el("dt", {}, "why"), el("dd", {}, n.phase_reason));
   return el("div", { class: "node", "data-node": n.id, "data-phase": n.phase },
     el("div", { class: "node-head" },
@@ -191,6 +220,7 @@ function fabrics(state) {
   parts.push(el("p", { class: "legend muted" },
     el("span", {}, el("i", { class: "swatch own" }), "memory llmgw's engines use"),
     el("span", {}, el("i", { class: "swatch foreign" }), "memory other processes use"),
+    el("span", {}, el("i", { class: "swatch unaccounted" }), "memory in use no listed process accounts for"),
     el("span", {}, el("i", { class: "swatch allocated" }), "memory llmgw allocated")));
   box.replaceChildren(...parts);
 }
