@@ -21,6 +21,7 @@ from llmgw.bus import classify, keys, records
 from llmgw.bus.client import Bus, BusError, FencedOff, NatsSettings, Update, decoder
 from llmgw.bus.errors import BusUnavailable
 from llmgw.controller import placement
+from llmgw.controller.clock import ManualClock
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.sim.bare import SimNode, inventory
 
@@ -29,22 +30,6 @@ pytestmark = pytest.mark.anyio
 FAST = dict(unreachable_after=0.6, lost_after=1.5, leader_ttl=1.0, tick=0.05, resync=0.5)
 # for a ManualClock: real liveness settings, since time passes only when the test says so
 MANUAL = dict(unreachable_after=15, lost_after=60, leader_ttl=10, tick=0.05, resync=0.5)
-
-
-class ManualClock:
-    """Time that moves only when the test moves it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return 1.7e9 + self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class TickingClock:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from llmgw.clock import Clock, SystemClock
 
-__all__ = ["Clock", "Instant", "SystemClock", "instant"]
+__all__ = ["Clock", "Instant", "ManualClock", "SystemClock", "instant"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,3 +25,19 @@ class Instant:
 
 def instant(clock: Clock) -> Instant:
     return Instant(clock.monotonic(), clock.wall())
+
+
+class ManualClock:
+    """Time that moves only when a test moves it."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return 1.7e9 + self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
