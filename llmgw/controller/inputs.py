@@ -29,8 +29,9 @@ def placement_snapshot(
     failures: placement.FailurePolicy | None = None,
     memo: placement.InventoryMemo | None = None,
 ) -> placement.Snapshot:
-    """The plan's input. A frozen model is left out of what is asked for, so nothing is
-    placed for it; its replicas stay in (they hold GPUs and ports). `now` is wall time:
+    """The plan's input. A frozen model is left out of what is asked for and named in
+    `frozen`, so the plan places and removes nothing of it; its replicas stay in (they hold
+    GPUs and ports). `now` is wall time:
     what the plan stamps on what it decides. Replicas carry the phase their shards say now
     (the stored one is the previous pass's summary), so that a replica that failed reads
     failed in this decision's lines, not ready. `memo` (the controller's) keeps the fabric
@@ -53,6 +54,14 @@ def placement_snapshot(
         rollouts=view.rollouts,
         placements=view.placements,
         failures=failures or placement.FailurePolicy(),
+        frozen={
+            m: placement.Frozen(
+                f.blocked,
+                f.detail,
+                view.desired[m].replicas if m in view.desired else None,
+            )
+            for m, f in frozen.items()
+        },
     )
 
 

@@ -180,9 +180,6 @@ class Reconciler:
         self._report_qualifying(pending, snap, nodes)
         plan = placement.plan(snap, nodes, self.inventories)
         creates, again = self._still_placeable(pending, plan.create, now, judge_again)
-        # A frozen model keeps its replicas: a garbled or deleted catalog entry is not a
-        # request to remove the model.
-        removals = [r for r in plan.remove if r.model not in frozen]
         for move in plan.port_moves:
             pending.put(
                 keys.replica(move.replica.model, move.replica.rid),
@@ -195,7 +192,7 @@ class Reconciler:
         # ready is written ready before the replica it replaces is written draining (the
         # stored ready count never dips in between)
         self._replica_phases(pending, snap.health)
-        for removal in removals:
+        for removal in plan.remove:
             replica = pending.replicas.get(removal.rid)
             if replica is not None and replica.phase not in records.REPLICA_GOING:
                 drained = msgspec.structs.replace(replica, phase="draining", reason=removal.reason)
@@ -208,7 +205,7 @@ class Reconciler:
         # before the placement records: `llmgw place --wait` reads both once it sees its
         # decision in placement.<model>
         self._rollouts(pending, plan, frozen)
-        self._placements(pending, plan, frozen, now)
+        self._placements(pending, plan)
         new_waiting = [  # a baseline for models now waiting
             model
             for model, rec in pending.placements.items()
@@ -309,33 +306,11 @@ class Reconciler:
             # the model is gone, and so its history
             pending.delete(keys.rollout(model), Derived("rollout"))
 
-    def _placements(
-        self,
-        pending: _Pending,
-        plan: placement.Plan,
-        frozen: Mapping[str, Freeze],
-        now: Instant,
-    ) -> None:
+    def _placements(self, pending: _Pending, plan: placement.Plan) -> None:
         view = pending.view
-        records_by_model = dict(plan.placements)
-        for model, freeze in frozen.items():
-            current = pending.placements.get(model)
-            placed = sum(
-                1
-                for r in pending.replicas.values()
-                if r.model == model and r.phase in records.REPLICA_COUNTED
-            )
-            records_by_model[model] = placement.frozen_record(
-                model,
-                freeze.blocked,
-                freeze.detail,
-                # the last count read (a count that no longer reads leaves it); with none
-                # ever read, what runs
-                desired=(view.desired[model].replicas if model in view.desired else placed),
-                placed=placed,
-                now=now.wall,
-                decisions=current.decisions if current else [],
-            )
+        # a frozen model's record is the plan's too (placement.Frozen): the plan keeps
+        # its replicas, as a garbled or deleted catalog entry is no request to remove it
+        records_by_model = plan.placements
         for model, rec in records_by_model.items():
             if model in view.desired:
                 rec = msgspec.structs.replace(

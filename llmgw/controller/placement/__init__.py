@@ -54,6 +54,7 @@ from llmgw.controller.placement.snapshot import (
     FAILURE_COOLDOWN_S,
     FAILURE_NODES,
     FailurePolicy,
+    Frozen,
     Snapshot,
 )
 from llmgw.controller.placement.steps import (
@@ -74,6 +75,7 @@ __all__ = [
     "FAILURE_NODES",
     "FILTERS",
     "FailurePolicy",
+    "Frozen",
     "GB",
     "Blocked",
     "Filter",
