@@ -1019,7 +1019,7 @@ async def _report(bus: Bus, replica: records.Replica, phase: str, **fields) -> N
 
 
 async def test_a_cordon_is_kept_across_controller_restarts_and_explained(bus, nats_settings):
-    await bus.put(keys.ops("n1"), records.NodeOps(node="n1", cordoned=True))
+    await bus.put(keys.ops("n1"), records.NodeOps(node="n1", state="cordoned"))
     async with anyio.create_task_group() as tg:
         await _sim(bus, tg, inventory("n1", gpus=1), inventory("n2", gpus=1))
         await _apply(bus, _model(), 2)

@@ -35,7 +35,7 @@ def test_split_outdated_tells_current_from_a_changed_launch_and_a_draining_node(
     m = model()
     launch = launch_hash(m, m.profiles[0])
     snap = snapshot(
-        [node("n1"), node("n2")], [m], {"m": 3}, ops={"n2": NodeOps(node="n2", drain=True)}
+        [node("n1"), node("n2")], [m], {"m": 3}, ops={"n2": NodeOps(node="n2", state="draining")}
     )
     same = msgspec.structs.replace(replica("ra", [("n1", [0])]), launch=launch)
     changed = msgspec.structs.replace(replica("rb", [("n1", [1])]), launch="other")

@@ -120,7 +120,8 @@ def cordon(node_id, gpus, reason, nats: NatsSettings, bucket: BucketSettings) ->
             out = [resolve_gpu(inv, node_id, g) for g in gpus]
             ops.gpus_out = sorted(set(ops.gpus_out) | set(out))
         else:
-            ops.cordoned = True
+            if ops.state == "in-service":  # a draining node stays draining
+                ops.state = "cordoned"
         ops.reason = reason if reason is not None else ops.reason
 
     _change(nats, bucket, node_id, change)
@@ -138,7 +139,7 @@ def uncordon(node_id, gpus, nats: NatsSettings, bucket: BucketSettings) -> None:
             back = {resolve_gpu(inv, node_id, g) for g in gpus}
             ops.gpus_out = [g for g in ops.gpus_out if g not in back]
         else:
-            ops.cordoned = ops.drain = ops.force = False
+            ops.state = "in-service"
             ops.reason = ""
 
     _change(nats, bucket, node_id, change)
@@ -194,8 +195,7 @@ def drain(
     async def run() -> int:
         async with open_bus(nats, bucket) as bus:
             ops, inv = await read_ops(bus, node_id), await _inventory(bus, node_id)
-            ops.cordoned = ops.drain = True
-            ops.force = force
+            ops.state = "draining-by-force" if force else "draining"
             ops.reason = reason if reason is not None else ops.reason
             await write_ops(bus, ops)
             click.echo(_say(ops, inv))

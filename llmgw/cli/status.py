@@ -158,9 +158,10 @@ def _labels(labels: dict[str, list[str]]) -> str:
 
 def _ops(o: dict[str, Any], inv: dict[str, Any] | None) -> str:
     parts = []
-    if o.get("drain"):
-        parts.append("draining" + (" (--force)" if o.get("force") else ""))
-    elif o.get("cordoned"):
+    state = o.get("state", "in-service")  # records.NodeOps: the old booleans read into it
+    if state in ("draining", "draining-by-force"):
+        parts.append("draining" + (" (--force)" if state == "draining-by-force" else ""))
+    elif state == "cordoned":
         parts.append("cordoned")
     if o.get("gpus_out"):
         index = {g["uuid"]: g["index"] for g in (inv or {}).get("gpus", {}).get("devices", [])}
