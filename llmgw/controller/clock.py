@@ -1,8 +1,10 @@
 """The one clock the controller judges by, passed in so tests can move time themselves.
 
-Judgement and records read it: how long a lease or the leader key stood still, and the
-timestamps written into the bucket. The loop's rhythm (tick, resync, renewals) and how
-long a write took are real time on the event loop: a hung write is hung in real time.
+Judgement, records and the loop's cadence read it: how long a lease or the leader key
+stood still, the timestamps written into the bucket, and when a full pass (`resync`) and
+a whole-fleet judgement are due, so a test moves time and waits for nothing. Real time on
+the event loop is only how often the loop looks (`tick`, and the leader key's renewals) and
+how long a write took: a hung write is hung in real time.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class Controller:
         self.passes = 0
         self._synced = anyio.Event()
         self._pass_due = True  # something a pass reads changed since the last one
-        self._last_pass = float("-inf")  # event-loop time of the last full pass
+        self._last_pass = float("-inf")  # the clock's time of the last full pass
         self.writer = FencedWriter(bus, self.view, self.leadership, self.link)
         self.reconciler = Reconciler(
             PassSettings(
@@ -116,7 +116,7 @@ class Controller:
         # nodes whose lease, inventory or health changed since the last judgement that was
         # written; None: judge every node next (liveness.judge)
         self._touched: set[str] | None = None
-        self._judged_all_at = float("-inf")  # event-loop time of the last whole-fleet one
+        self._judged_all_at = float("-inf")  # the clock's time of the last whole-fleet one
 
     @property
     def id(self) -> str:
@@ -385,15 +385,17 @@ class Controller:
             changed = await self._judge_nodes(now)
             changed = await self._autoscale(now) or changed
             due = self._pass_due or changed
-            if anyio.current_time() - self._last_pass >= self.settings.resync:
+            # the resync is on the clock: a test moves it, and waits for nothing
+            if now.monotonic - self._last_pass >= self.settings.resync:
                 due = True
             if due and self.link.may_judge:  # (a health write that hung made it suspect)
                 self._pass_due = False
-                self._last_pass = anyio.current_time()
+                self._last_pass = now.monotonic
+                started = anyio.current_time()  # how long it took is real time
                 try:
                     await self.reconcile(now)
                 finally:
-                    self.metrics.passed(anyio.current_time() - self._last_pass)
+                    self.metrics.passed(anyio.current_time() - started)
         except NotLeading:
             self._pass_due = True
         except BusError as e:  # the link failed: the next pass starts from the bucket again
@@ -441,10 +443,10 @@ class Controller:
         nodes touched since the last judgement (liveness.judge), the whole fleet when that
         was asked for and every `resync` seconds besides."""
         touched, self._touched = self._touched, set()
-        if anyio.current_time() - self._judged_all_at >= self.settings.resync:
+        if now.monotonic - self._judged_all_at >= self.settings.resync:
             touched = None
         if touched is None:
-            self._judged_all_at = anyio.current_time()
+            self._judged_all_at = now.monotonic
         changes = judge(
             self.view.nodes,
             self.view.health,
