@@ -3,6 +3,8 @@ changes as data (controller/reconciler.py); these tests assert on what it return
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import typing
 
 import msgspec
@@ -177,3 +179,13 @@ def test_a_judged_node_is_said_with_its_previous_phase():
     s = said(NodeJudged(h, "ready"))
     assert s.text == "node a: ready -> unreachable (no heartbeat for 20 s)"
     assert s.event.kind == "node-unreachable" and s.event.data == {"previous": "ready"}
+
+
+def test_the_reconciler_imports_nothing_that_talks_to_nats():
+    code = (
+        "import sys, llmgw.controller.reconciler; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'nats' or m in "
+        "('llmgw.bus.client', 'llmgw.controller.loop', 'llmgw.controller.writer')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
