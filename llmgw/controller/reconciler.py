@@ -13,7 +13,7 @@ its restart instead of duplicating or orphaning anything.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -109,9 +109,7 @@ class _Pending:
     step reads what the steps before it decided, as the bucket holds it once written."""
 
     def __init__(self, view: View) -> None:
-        self.view = view
-        self.health = view.health  # read only by this pass
-        self.scales = view.scales
+        self.view = view  # read only: its tables change as the writer stores each change
         self.fabrics = dict(view.fabrics)
         self.replicas = dict(view.replicas)
         self.assigns = dict(view.assigns)
@@ -165,7 +163,7 @@ class Reconciler:
         view: View,
         phases: Mapping[str, NodePhase],
         now: Instant,
-        judge_again=None,
+        judge_again: Callable[[float], Mapping[str, NodePhase]] | None = None,
     ) -> Pass:
         """One pass over the whole view at `now`. `judge_again(monotonic)`: every node's
         phase at a later moment, for a plan that took long (default: as `phases`)."""
@@ -222,7 +220,11 @@ class Reconciler:
             pending.delete(keys.fabric(name), Derived("fabric"))
 
     def _still_placeable(
-        self, pending: _Pending, creates: list[records.Replica], now: Instant, judge_again
+        self,
+        pending: _Pending,
+        creates: list[records.Replica],
+        now: Instant,
+        judge_again: Callable[[float], Mapping[str, NodePhase]] | None,
     ) -> tuple[list[records.Replica], bool]:
         """A plan made from the pass's instant holds only while that instant is recent: a
         pass that took long (60 s once gave 660 replicas to a node dead for 61 s) judges
