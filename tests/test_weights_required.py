@@ -11,13 +11,15 @@ from test_controller import MANUAL, _apply, _model, _placement, _replicas, _seen
 from test_placement import model, node, snapshot
 from waiting import until
 
-from llmgw.bus import records
-from llmgw.bus.client import Bus
+from llmgw.bus import keys, records
+from llmgw.bus.client import BucketSettings, Bus, decoder
+from llmgw.catalog import encode_model, validate_models
 from llmgw.controller.clock import ManualClock
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.controller.placement import plan
 from llmgw.controller.placement.weights import must_hold
 from llmgw.sim.bare import SimNode, inventory
+from llmgw.sim.simulator import Simulator
 
 PHI = "phi-3-mini-4k-instruct-q4"
 
@@ -122,4 +124,99 @@ async def _live_on(bus, node: str) -> list[records.Replica]:
         r
         for r in await _replicas(bus)
         if r.phase != "draining" and [m.node for m in r.members] == [node]
+    ]
+
+
+PHI_FLEET = """
+[sim]
+heartbeat = 0.2
+load_seconds = 0.1
+
+[[nodes]]
+name = "cpu-01"
+ram_gb = 64
+engines = ["llama-server"]
+models = ["phi-3-mini-4k-instruct-q4.gguf"]
+
+[[nodes]]
+name = "cpu-02"
+ram_gb = 64
+engines = ["llama-server"]
+"""
+
+
+@pytest.mark.anyio
+async def test_with_real_agents_a_key_alone_is_never_placed_where_its_agent_refuses_it(
+    tmp_path, nats_settings
+):
+    """The phi3-mini scenario of issue 30 with real agents on a simulated fleet: cpu-01,
+    the only node holding the weights, dies. Before, the replica went to cpu-02, whose
+    agent refused it before launch ("download source ... is neither hf://org/name[:QUANT]
+    nor an http(s) URL"), and it stayed failed for good. Now it waits, explained, and
+    serves again on cpu-01 once cpu-01 is back."""
+    path = tmp_path / "fleet.toml"
+    path.write_text(PHI_FLEET)
+    (phi,) = validate_models(
+        {
+            "models": [
+                {
+                    "id": "phi3-mini",
+                    "profiles": [
+                        {
+                            "name": "cpu",
+                            "engine": "llama-server",
+                            "weights": {"key": PHI},
+                            "gpus_per_node": 0,
+                            "host_ram_gb": 24,
+                        }
+                    ],
+                }
+            ]
+        }
+    )
+    settings = ControllerSettings(
+        unreachable_after=1, lost_after=2.5, leader_ttl=1, tick=0.05, resync=0.5
+    )
+    sim = Simulator(
+        path, nats_settings, BucketSettings(), tmp_path / "sim", connections=1, poll=0.1
+    )
+    async with await Bus.connect(nats_settings, give_up_after=5) as bus:
+        await bus.put(keys.catalog(phi.id), encode_model(phi))
+        async with anyio.create_task_group() as tg:
+            await tg.start(Controller(bus, settings).run)
+            await tg.start(sim.run)
+            await bus.put(keys.desired(phi.id), records.Desired(model=phi.id, replicas=1))
+            (first,) = await until(lambda: _ready_on(bus, "cpu-01"), timeout=30)
+
+            def edit(old: str, new: str) -> None:
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(path.read_text().replace(old, new, 1))
+                tmp.replace(path)
+
+            edit('name = "cpu-01"', 'name = "cpu-01"\nstate = "dead"')
+
+            async def waiting() -> records.PlacementRecord | None:
+                got = await bus.get(keys.placement(phi.id), decoder(records.PlacementRecord))
+                rec = got.value if got else None
+                return rec if rec and rec.placed == 0 and "not holding" in rec.explanation else None
+
+            rec = await until(waiting, timeout=30)
+            assert "1 lost, 1 not holding phi-3-mini-4k-instruct-q4" in rec.explanation
+            assert "a key alone cannot be fetched" in rec.explanation
+            on_02 = [r for r in await _all(bus) if any(m.node == "cpu-02" for m in r.members)]
+            assert on_02 == []
+            edit('state = "dead"', 'state = "up"')
+            (again,) = await until(lambda: _ready_on(bus, "cpu-01"), timeout=30)
+            assert again.rid != first.rid
+            tg.cancel_scope.cancel()
+
+
+async def _all(bus: Bus) -> list[records.Replica]:
+    found = await bus.list(keys.pattern(keys.REPLICAS, "phi3-mini"), decoder(records.Replica))
+    return [e.value for e in found.values()]
+
+
+async def _ready_on(bus: Bus, node: str) -> list[records.Replica]:
+    return [
+        r for r in await _all(bus) if r.phase == "ready" and [m.node for m in r.members] == [node]
     ]
