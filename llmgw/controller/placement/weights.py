@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import lru_cache
 
 from llmgw.bus.records import Weights
 from llmgw.catalog import WeightsRef
@@ -111,12 +112,17 @@ def must_hold(ref: WeightsRef) -> tuple[str, str] | None:
     ("org/name"), which an agent that does not hold it gives its engine to fetch (the
     agent's rule: agent/engines/base.py `hf_repo`). A key of another form (a directory name,
     a GGUF file stem) and a path are never fetched."""
-    if ref.source is not None:
+    return _must_hold(ref.key, ref.path, ref.source)
+
+
+@lru_cache(maxsize=4096)  # asked for every node a profile is tried on: decided once
+def _must_hold(key: str | None, path: str | None, source: str | None) -> tuple[str, str] | None:
+    if source is not None:
         return None
-    if ref.key is not None:
-        return None if _hf_repo_id(ref.key) else ("key", ref.key)
-    assert ref.path is not None
-    return ("path", ref.path)
+    if key is not None:
+        return None if _hf_repo_id(key) else ("key", key)
+    assert path is not None
+    return ("path", path)
 
 
 def _hf_repo_id(key: str) -> bool:
