@@ -10,7 +10,15 @@ import typing
 import msgspec
 
 from llmgw.bus import keys
-from llmgw.bus.records import Desired, FabricHoldings, Health, Lease, Replica, ReplicaMember
+from llmgw.bus.records import (
+    Desired,
+    FabricHoldings,
+    Health,
+    Lease,
+    Replica,
+    ReplicaMember,
+    Shard,
+)
 from llmgw.catalog import validate_models
 from llmgw.controller.changes import (
     SAID,
@@ -189,3 +197,54 @@ def test_the_reconciler_imports_nothing_that_talks_to_nats():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_launch_refused_before_launch_is_a_failed_start_once_its_agent_stops_trying():
+    """The agent refuses a launch it cannot run and waits for a new assignment: before, the
+    replica stayed failed for good. Once that stands still for refused_after, it is given up
+    and moves, its node avoided for that launch."""
+    view = _view(["gpu-a", "gpu-b"])
+    reconciler = Reconciler(PassSettings(refused_after=30.0), ManualClock())
+    phases = {"gpu-a": "ready", "gpu-b": "ready"}
+    changes = _writes(reconciler.run(view, {"gpu-a": "ready"}, NOW).changes)
+    for c in changes:
+        mirror(view, c.key, c.record)
+    (replica,) = view.replicas.values()
+    (member,) = replica.members
+    view.shards[(member.node, replica.rid)] = Shard(
+        node=member.node,
+        rid=replica.rid,
+        model="m",
+        generation=1,
+        phase="failed",
+        since=5.0,
+        reason="refused before launch: fetch dir /var/lib/llmgw/fetch is not writable",
+    )
+
+    def at(seconds: float) -> list[Change]:
+        now = Instant(monotonic=NOW.monotonic + seconds, wall=NOW.wall + seconds)
+        return _writes(reconciler.run(view, phases, now).changes)
+
+    assert not any(isinstance(c.why, Draining) for c in at(1.0))  # it may still try
+    later = at(31.0)
+    (drained,) = [c for c in later if isinstance(c.why, Draining)]
+    assert drained.key == keys.replica("m", replica.rid)
+    assert "failed 1 times on gpu-a (refused before launch: fetch dir" in drained.why.reason
+    (placed,) = [c for c in later if isinstance(c.why, Placed)]
+    assert [m.node for m in placed.record.members] == ["gpu-b"]
+
+
+def test_an_agent_that_reports_again_is_still_trying():
+    view = _view(["gpu-a"])
+    reconciler = Reconciler(PassSettings(refused_after=30.0), ManualClock())
+    for c in _writes(reconciler.run(view, {"gpu-a": "ready"}, NOW).changes):
+        mirror(view, c.key, c.record)
+    (replica,) = view.replicas.values()
+    key = ("gpu-a", replica.rid)
+    for i in range(5):  # an error it retries: a new report (since) every 10 s
+        view.shards[key] = Shard(
+            node="gpu-a", rid=replica.rid, model="m", generation=1, phase="failed", since=i * 10.0
+        )
+        now = Instant(monotonic=NOW.monotonic + i * 10.0, wall=NOW.wall + i * 10.0)
+        changes = _writes(reconciler.run(view, {"gpu-a": "ready"}, now).changes)
+        assert not any(isinstance(c.why, Draining) for c in changes)

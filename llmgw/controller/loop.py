@@ -41,6 +41,7 @@ from llmgw.controller.liveness import (
 )
 from llmgw.controller.metrics import ControllerMetrics
 from llmgw.controller.reconciler import (
+    REFUSED_AFTER_S,
     PassSettings,
     Reconciler,
     health_changes,
@@ -75,6 +76,9 @@ class ControllerSettings:
     # launch given up on by this many distinct nodes meanwhile is not placed again
     failure_cooldown: float = placement.FAILURE_COOLDOWN_S
     failure_nodes: int = placement.FAILURE_NODES
+    # a launch its agent refused before launch, and does not try again, standing still
+    # this long is a failed start like any other (controller/inputs.py StoppedTrying)
+    refused_after: float = REFUSED_AFTER_S
     # (host, port) of GET /metrics (llmgw/metrics_http.py); None: not served
     metrics_listen: tuple[str, int] | None = None
     # a router whose load.<router> has not moved for this long counts no more
@@ -106,6 +110,7 @@ class Controller:
                 failures=placement.FailurePolicy(
                     self.settings.failure_cooldown, self.settings.failure_nodes
                 ),
+                refused_after=self.settings.refused_after,
             ),
             self.clock,
         )

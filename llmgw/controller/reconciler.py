@@ -42,10 +42,11 @@ from llmgw.controller.changes import (
     mirror,
 )
 from llmgw.controller.clock import Clock, Instant
-from llmgw.controller.inputs import placement_snapshot
+from llmgw.controller.inputs import StoppedTrying, placement_snapshot
 from llmgw.controller.liveness import HealthChanges
 from llmgw.controller.view import Freeze, View
 
+REFUSED_AFTER_S = 30.0
 MANY_JUDGED = 20  # more phase changes at once than this are a fleet's worth: said in one line
 
 
@@ -96,6 +97,9 @@ class PassSettings:
     # a pass that planned for longer than this judges its chosen nodes again
     recheck_after: float = 2.0
     failures: placement.FailurePolicy = field(default_factory=placement.FailurePolicy)
+    # a launch its agent stopped trying (refused before launch) standing still this long
+    # is read as given up: moved, or waits, explained
+    refused_after: float = REFUSED_AFTER_S
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,7 @@ class Reconciler:
         self.clock = clock  # read again after planning: how long the plan took
         self.inventories = placement.InventoryMemo()
         self.qualifying: dict[str, set[str]] = {}
+        self.stopped = StoppedTrying(settings.refused_after)
 
     def snapshot(
         self,
@@ -146,6 +151,7 @@ class Reconciler:
         phases: Mapping[str, NodePhase],
         frozen: Mapping[str, Freeze],
         now: Instant,
+        shards: Mapping[tuple[str, str], records.Shard] | None = None,
     ) -> placement.Snapshot:
         """The plan's input (controller/inputs.py, as `llmgw place --dry-run` builds it)."""
         return placement_snapshot(
@@ -156,6 +162,7 @@ class Reconciler:
             now=now.wall,
             failures=self.settings.failures,
             memo=self.inventories,
+            shards=shards,
         )
 
     def run(
@@ -169,7 +176,9 @@ class Reconciler:
         phase at a later moment, for a plan that took long (default: as `phases`)."""
         pending = _Pending(view)
         frozen = view.frozen()
-        snap = self.snapshot(view, phases, frozen, now)
+        # the shards as this pass reads them: a launch its agent stopped trying, given up
+        shards = self.stopped.shards(view.shards, now.monotonic)
+        snap = self.snapshot(view, phases, frozen, now, shards)
         self._fabrics(pending, snap.fabrics or {})
         # the fleet is built once a pass, for both (and with the cycle collector paused)
         with placement.collector_paused():
@@ -189,7 +198,7 @@ class Reconciler:
         # the phases first: the plan read them from the shards, so a replacement it counted
         # ready is written ready before the replica it replaces is written draining (the
         # stored ready count never dips in between)
-        self._replica_phases(pending, snap.health)
+        self._replica_phases(pending, snap.health, shards)
         for removal in plan.remove:
             replica = pending.replicas.get(removal.rid)
             if replica is not None and replica.phase not in records.REPLICA_GOING:
@@ -244,10 +253,15 @@ class Reconciler:
                 kept.append(r)
         return kept, len(kept) < len(creates)
 
-    def _replica_phases(self, pending: _Pending, phases: Mapping[str, str]) -> None:
+    def _replica_phases(
+        self,
+        pending: _Pending,
+        phases: Mapping[str, str],
+        read: Mapping[tuple[str, str], records.Shard],
+    ) -> None:
         view = pending.view
         for rid, replica in list(pending.replicas.items()):
-            shards = [view.shards.get((m.node, rid)) for m in replica.members]
+            shards = [read.get((m.node, rid)) for m in replica.members]
             if replica.phase == "draining":
                 if all(
                     _member_done(m.node, s, phases)
