@@ -220,3 +220,62 @@ async def _ready_on(bus: Bus, node: str) -> list[records.Replica]:
     return [
         r for r in await _all(bus) if r.phase == "ready" and [m.node for m in r.members] == [node]
     ]
+
+
+@pytest.mark.anyio
+async def test_with_real_agents_a_launch_refused_before_launch_moves_then_is_explained(
+    tmp_path, nats_settings
+):
+    """A replica its agent refuses before launch (a weights path no node has) is a failed
+    start like any other: moved to the other node, refused there too, and then kept and
+    explained as failing everywhere, instead of failed for good on the first node."""
+    path = tmp_path / "fleet.toml"
+    path.write_text(PHI_FLEET)
+    (bad,) = validate_models(
+        {
+            "models": [
+                {
+                    "id": "m",
+                    "profiles": [
+                        {
+                            "name": "cpu",
+                            "engine": "llama-server",
+                            "weights": {"path": "/nowhere/x.gguf"},
+                            "gpus_per_node": 0,
+                            "host_ram_gb": 1,
+                        }
+                    ],
+                }
+            ]
+        }
+    )
+    settings = ControllerSettings(
+        unreachable_after=1,
+        lost_after=2.5,
+        leader_ttl=1,
+        tick=0.05,
+        resync=0.5,
+        refused_after=1.0,
+        failure_nodes=2,
+    )
+    sim = Simulator(
+        path, nats_settings, BucketSettings(), tmp_path / "sim", connections=1, poll=0.1
+    )
+    async with await Bus.connect(nats_settings, give_up_after=5) as bus:
+        await bus.put(keys.catalog(bad.id), encode_model(bad))
+        async with anyio.create_task_group() as tg:
+            await tg.start(Controller(bus, settings).run)
+            await tg.start(sim.run)
+            await bus.put(keys.desired(bad.id), records.Desired(model=bad.id, replicas=1))
+
+            async def blamed() -> records.PlacementRecord | None:
+                got = await bus.get(keys.placement(bad.id), decoder(records.PlacementRecord))
+                rec = got.value if got else None
+                return rec if rec and rec.broken == ["cpu"] else None
+
+            rec = await until(blamed, timeout=60)
+            tried = sorted(f.node for f in rec.failures)
+            assert tried == ["cpu-01", "cpu-02"], rec.failures
+            assert all(f.reason.startswith("refused before launch") for f in rec.failures)
+            assert "the profile, not the nodes, is the problem" in rec.explanation
+            tg.cancel_scope.cancel()
