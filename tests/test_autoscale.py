@@ -11,6 +11,8 @@ from llmgw.bus import records
 from llmgw.controller.autoscale import (
     Autoscaler,
     EngineSaturation,
+    FleetShort,
+    Limit,
     LoadSum,
     ModelLoad,
     Scaler,
@@ -82,7 +84,8 @@ def test_a_steady_load_changes_the_count_at_most_once_per_window() -> None:
 def test_max_replicas_bounds_the_count_and_says_so() -> None:
     s = Scaler(2, started=0.0)
     d = s.step(POLICY, _load(100), 10)
-    assert d.replicas == 8 and d.limited == "max_replicas 8"
+    assert d.replicas == 8 and d.limit == Limit(max_replicas=8)
+    assert d.limited == "max_replicas 8"
 
 
 def test_an_idle_model_goes_to_zero_and_a_waiting_request_brings_it_back_at_once() -> None:
@@ -99,9 +102,10 @@ def test_an_idle_model_goes_to_zero_and_a_waiting_request_brings_it_back_at_once
 
 def test_a_fleet_that_places_fewer_than_asked_stops_the_count_growing() -> None:
     s = Scaler(4, started=0.0)
-    short = "the fleet, which places 3 of 4: 0/3 nodes fit"
+    short = FleetShort(3, 4, (("p", "gpus"),), "0/3 nodes fit")
     d = s.step(POLICY, _load(100), 10, fleet_short=short)
-    assert d.replicas == 4 and d.limited == short
+    assert d.replicas == 4 and d.limit == Limit(fleet=short)
+    assert d.limited == "the fleet, which places 3 of 4: 0/3 nodes fit"
 
 
 def _router(name: str, seq: int, **models: ModelLoad) -> records.RouterLoad:
@@ -286,3 +290,45 @@ def test_an_autoscale_policy_survives_the_bucket_round_trip() -> None:
     back = catalog.decode_model(catalog.encode_model(model), "tiny")
     assert back.autoscale == model.autoscale
     assert back.autoscale.idle_unload_after == 300 and back.autoscale.min_replicas == 1
+
+
+def test_a_fleet_limit_whose_text_moves_by_itself_is_not_written_again() -> None:
+    """The fleet's explanation embeds what the nodes have (free RAM moves at every
+    heartbeat): the limit is compared as data, so only a new decision is a new write."""
+    model = _model(max_replicas=6, scale_up_after=30)
+    desired = {"tiny": records.Desired(model="tiny", replicas=1, auto=True)}
+    loads = {"r1": _router("r1", 1, tiny=_load(100))}
+    a = Autoscaler()
+    a.loads.saw("r1", loads["r1"], 0.0)
+
+    def short(free_gb: float, reason: str = "ram") -> records.PlacementRecord:
+        return records.PlacementRecord(
+            model="tiny",
+            desired=2,
+            placed=1,
+            refused=[records.RefusedNodes(profile="p", reason=reason, nodes=1, least=int(free_gb))],
+            explanation=f"0/1 nodes fit: 1 short of RAM ({free_gb} GB free)",
+        )
+
+    scales: dict[str, records.Scale] = {
+        "tiny": records.Scale(model="tiny", replicas=2, reason="1 -> 2: ...")
+    }
+
+    def decide(rec: records.PlacementRecord, now: float) -> dict[str, records.Scale]:
+        out = a.decide(
+            catalog={"tiny": model},
+            desired=desired,
+            scales=scales,
+            loads=loads,
+            placed={"tiny": 1},
+            placements={"tiny": rec},
+            now=now,
+            wall=now,
+        )
+        scales.update(out)
+        return out
+
+    first = decide(short(7.1), 1.0)
+    assert first["tiny"].limited.startswith("the fleet, which places 1 of 2")
+    assert decide(short(6.9), 2.0) == {}  # the same decision, other numbers
+    assert decide(short(6.9, reason="gpus"), 3.0) != {}  # another reason: said

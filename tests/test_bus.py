@@ -732,7 +732,7 @@ SPOOFS = [
     ("placement.m1", records.PlacementRecord(model="m2", desired=1, placed=0)),
     ("fabrics.ib-a", records.FabricHoldings(fabric="ib-b", nodes=["n1"])),
     ("catalog.m1", _Catalog(id="m2")),
-    ("ops.node05", records.NodeOps(node="node06", cordoned=True)),
+    ("ops.node05", records.NodeOps(node="node06", state="cordoned")),
     ("rollout.m1", records.Rollout(model="m2", phase="complete", current=records.Revision())),
     (
         "nodes.node05",

@@ -21,6 +21,7 @@ from llmgw.bus import classify, keys, records
 from llmgw.bus.client import Bus, BusError, FencedOff, NatsSettings, Update, decoder
 from llmgw.bus.errors import BusUnavailable
 from llmgw.controller import placement
+from llmgw.controller.clock import ManualClock
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.sim.bare import SimNode, inventory
 
@@ -29,22 +30,6 @@ pytestmark = pytest.mark.anyio
 FAST = dict(unreachable_after=0.6, lost_after=1.5, leader_ttl=1.0, tick=0.05, resync=0.5)
 # for a ManualClock: real liveness settings, since time passes only when the test says so
 MANUAL = dict(unreachable_after=15, lost_after=60, leader_ttl=10, tick=0.05, resync=0.5)
-
-
-class ManualClock:
-    """Time that moves only when the test moves it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall(self) -> float:
-        return 1.7e9 + self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class TickingClock:
@@ -399,8 +384,31 @@ async def test_node_whose_ram_grows_becomes_a_candidate_and_the_event_is_publish
     assert ev.subject == "vm1" and ev.data["model"] == "m"
 
 
+async def test_the_resync_is_on_the_controllers_clock_not_the_event_loops(bus, second_bus) -> None:
+    """A full pass is due every `resync` seconds of the clock the controller is given: an
+    hour of a clock the test moves passes at once (and no test waits out a resync)."""
+    clock = ManualClock()
+    node = SimNode(bus, inventory("gpu-a", gpus=1))
+    await node.register()
+    controller = Controller(second_bus, ControllerSettings(**{**MANUAL, "resync": 3600.0}), clock)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(controller.run)
+        await until(lambda: _phase_is(bus, "gpu-a", "ready"))
+        await _resynced(controller, clock, times=2)
+        tg.cancel_scope.cancel()
+
+
 async def _passes_beyond(controller: Controller, n: int) -> bool:
     return controller.passes > n
+
+
+async def _resynced(controller: Controller, clock: ManualClock, times: int = 2) -> None:
+    """`times` full passes, each due because the test moved the clock past a resync: no
+    real time is waited for."""
+    for _ in range(times):
+        seen = controller.passes
+        clock.advance(controller.settings.resync)
+        await until(lambda seen=seen: _passes_beyond(controller, seen))
 
 
 async def _has_event(events, kind):
@@ -480,7 +488,9 @@ async def test_a_desired_count_that_does_not_read_freezes_the_model_and_never_dr
     async with anyio.create_task_group() as tg:
         await _sim(bus, tg, inventory("gpu-a", gpus=2))
         await _apply(bus, _model(), 1)
-        tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
+        clock = ManualClock()
+        controller = Controller(second_bus, ControllerSettings(**MANUAL), clock)
+        tg.start_soon(controller.run)
         (placed,) = await until(lambda: _replicas(bus))
         await bus.put(keys.desired("m"), garbled)
 
@@ -492,7 +502,7 @@ async def test_a_desired_count_that_does_not_read_freezes_the_model_and_never_dr
         assert rec.explanation.startswith("desired.m cannot be read (")
         assert "`llmgw place m --replicas N`" in rec.explanation
         assert rec.desired == 1 and rec.placed == 1  # the last count read, and what runs
-        await anyio.sleep(0.5)  # passes go on: the replica stays, serving
+        await _resynced(controller, clock)  # passes go on: the replica stays, serving
         assert [(r.rid, r.phase) for r in await _replicas(bus)] == [(placed.rid, placed.phase)]
         assert [a.action for a in (await _assigns(bus)).values()] == ["run"]
         await bus.delete(keys.desired("m"))  # on purpose: the model goes away
@@ -728,8 +738,7 @@ async def test_a_bus_failure_in_the_reconcile_pass_makes_the_controller_doubt_it
         # the link was suspect until a round trip came back, and nodes got a fresh grace
         # period then: 6 s of it have passed, not the 16 s since the lease last moved
         clock.advance(6)
-        seen = controller.passes
-        await until(lambda: _passes_beyond(controller, seen + 2))
+        await _resynced(controller, clock)  # (1 s more)
         assert await _phase(bus, "gpu-a") == "ready"
         clock.advance(10)
         await until(lambda: _phase_is(bus, "gpu-a", "unreachable"))
@@ -765,8 +774,7 @@ async def test_a_pass_that_planned_for_long_judges_its_nodes_again_before_placin
         await _apply(bus, _model(), 1)
         with anyio.fail_after(10):
             await planned.wait()
-        seen = controller.passes
-        await until(lambda: _passes_beyond(controller, seen + 2))
+        await _resynced(controller, clock)
         assert await _replicas(bus) == []  # nothing placed on a node no longer ready
         assert await _phase(bus, "gpu-a") == "unreachable"
         tg.cancel_scope.cancel()
@@ -1034,7 +1042,7 @@ async def _report(bus: Bus, replica: records.Replica, phase: str, **fields) -> N
 
 
 async def test_a_cordon_is_kept_across_controller_restarts_and_explained(bus, nats_settings):
-    await bus.put(keys.ops("n1"), records.NodeOps(node="n1", cordoned=True))
+    await bus.put(keys.ops("n1"), records.NodeOps(node="n1", state="cordoned"))
     async with anyio.create_task_group() as tg:
         await _sim(bus, tg, inventory("n1", gpus=1), inventory("n2", gpus=1))
         await _apply(bus, _model(), 2)
@@ -1070,8 +1078,9 @@ async def test_a_replica_given_up_on_moves_and_a_launch_failing_everywhere_stays
     async with anyio.create_task_group() as tg:
         await _sim(bus, tg, *(inventory(n, gpus=1) for n in ("n1", "n2", "n3")))
         await _apply(bus, _model(), 1)
-        settings = ControllerSettings(**FAST, failure_nodes=3)
-        tg.start_soon(Controller(second_bus, settings).run)
+        # (the system clock: a clock that stands still names each new replica alike)
+        controller = Controller(second_bus, ControllerSettings(**FAST, failure_nodes=3))
+        tg.start_soon(controller.run)
         tried: list[str] = []
         for attempt in range(3):
 
@@ -1117,7 +1126,8 @@ async def test_a_replica_given_up_on_moves_and_a_launch_failing_everywhere_stays
         assert "the profile, not the nodes, is the problem" in rec.explanation
         (left,) = [r for r in await _replicas(bus) if r.phase != "draining"]
         assert left.phase == "gave-up" and left.members[0].node == tried[-1]
-        await anyio.sleep(1.0)  # several passes: nothing more is placed
+        seen = controller.passes
+        await until(lambda: _passes_beyond(controller, seen + 2))  # nothing more is placed
         assert [r.rid for r in await _replicas(bus)] == [left.rid]
         tg.cancel_scope.cancel()
 

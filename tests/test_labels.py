@@ -63,4 +63,4 @@ def test_the_agent_config_labels_and_taints_reach_the_inventory_and_are_checked(
 
 def test_a_node_ops_record_names_its_node_and_asks_for_nothing_by_default():
     assert not records.NodeOps(node="n1").unschedulable
-    assert records.NodeOps(node="n1", drain=True).unschedulable
+    assert records.NodeOps(node="n1", state="draining").unschedulable

@@ -258,7 +258,7 @@ async def test_a_node_drained_under_load_loses_no_request_and_gets_nothing_new(
         shards = await bus.list("shards.node1.*", decoder(records.Shard))
         engines = [psutil.Process(e.value.pid) for e in shards.values() if e.value.pid]
         assert engines, "node1's engine runs before the drain"
-        await bus.put(keys.ops("node1"), records.NodeOps(node="node1", drain=True, cordoned=True))
+        await bus.put(keys.ops("node1"), records.NodeOps(node="node1", state="draining"))
 
         async def moved():
             reps = await _replicas(bus)

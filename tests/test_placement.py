@@ -770,10 +770,10 @@ def _with(snap: Snapshot, **fields) -> Snapshot:
 
 def test_cordoned_and_draining_nodes_take_nothing_new_and_are_counted_by_name():
     nodes = [node("n1"), node("n2"), node("n3"), node("n4")]
-    ops = _ops(n1={"cordoned": True}, n2={"cordoned": True}, n3={"drain": True})
+    ops = _ops(n1={"state": "cordoned"}, n2={"state": "cordoned"}, n3={"state": "draining"})
     result = plan(_with(snapshot(nodes, [model()], {"m": 1}), ops=ops))
     assert placed_on(result) == [["n4"]]
-    ops["n4"] = NodeOps(node="n4", cordoned=True)
+    ops["n4"] = NodeOps(node="n4", state="cordoned")
     result = plan(_with(snapshot(nodes, [model()], {"m": 1}), ops=ops))
     assert result.create == []
     assert result.placements["m"].explanation == "0/4 nodes fit: 3 cordoned, 1 draining"
@@ -783,7 +783,7 @@ def test_a_cordoned_node_keeps_its_replicas():
     running = replica("r1", [("n1", [0])])
     snap = _with(
         snapshot([node("n1"), node("n2")], [model()], {"m": 1}, replicas=[running]),
-        ops=_ops(n1={"cordoned": True}),
+        ops=_ops(n1={"state": "cordoned"}),
     )
     result = plan(snap)
     assert result.create == [] and result.remove == []
@@ -1048,7 +1048,7 @@ def test_history_keeps_revisions_that_ran_everywhere_for_undo():
 def test_a_drained_nodes_replica_moves_its_replacement_ready_first():
     m = _rolling()
     [old] = _running(m, "r1", nodes_=("n1",))
-    ops = _ops(n1={"drain": True})
+    ops = _ops(n1={"state": "draining"})
     result = plan(_with(snapshot(_fleet(), [m], {"m": 1}, replicas=[old]), ops=ops))
     assert result.remove == [] and placed_on(result)[0] != ["n1"]
     new = msgspec.structs.replace(result.create[0], phase="ready")
@@ -1061,7 +1061,7 @@ def test_a_drain_without_a_place_to_go_waits_and_says_why_unless_forced():
     m = _rolling()
     [old] = _running(m, "r1", nodes_=("n1",))
     nodes = [node("n1"), node("n2")]
-    ops = _ops(n1={"drain": True}, n2={"cordoned": True})
+    ops = _ops(n1={"state": "draining"}, n2={"state": "cordoned"})
     result = plan(_with(snapshot(nodes, [m], {"m": 1}, replicas=[old]), ops=ops))
     assert result.create == [] and result.remove == []
     expl = result.placements["m"].explanation
@@ -1069,7 +1069,7 @@ def test_a_drain_without_a_place_to_go_waits_and_says_why_unless_forced():
         expl
         == "1 replacement (rollout or drain) waits for a node: 0/2 nodes fit: 1 cordoned, 1 draining"
     )
-    ops["n1"] = NodeOps(node="n1", drain=True, force=True)
+    ops["n1"] = NodeOps(node="n1", state="draining-by-force")
     result = plan(_with(snapshot(nodes, [m], {"m": 1}, replicas=[old]), ops=ops))
     [gone] = result.remove
     assert gone.reason.startswith("drained by force: nowhere else to place it (0/2 nodes fit: ")

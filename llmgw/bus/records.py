@@ -508,22 +508,52 @@ def phase_from_shards(
 # --- ops.<node>: the operator's intent about a node, written by the operator (llmgw node)
 
 
-class NodeOps(msgspec.Struct, kw_only=True, gc=False):
+NodeOpsState = Literal["in-service", "cordoned", "draining", "draining-by-force"]
+
+
+class NodeOps(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
     """What the operator wants of a node; the node's own records (nodes.<node>) are its
-    agent's, so this is a family of its own, with the operator its one writer."""
+    agent's, so this is a family of its own, with the operator its one writer. `state` is
+    one of: in service; cordoned (nothing new is placed there); draining (cordoned, and its
+    replicas move elsewhere, new ready, then old drains); draining by force (also what
+    cannot be placed elsewhere)."""
 
     node: str
-    cordoned: bool = False  # nothing new is placed there
-    drain: bool = False  # cordoned, and its replicas move elsewhere (new ready, then old drains)
-    force: bool = False  # drain also what cannot be placed elsewhere
+    state: NodeOpsState = "in-service"
     gpus_out: list[str] = []  # GPU UUIDs out of service: never given to a new replica
     taints: list[str] = []  # beside the agent config's: only tolerating profiles land there
     reason: str = ""  # the operator's words, shown by llmgw status
     updated_at: float = 0.0
+    # The old wire format ({cordoned, drain, force}): read into `state`, never written.
+    old_cordoned: bool = msgspec.field(default=False, name="cordoned")
+    old_drain: bool = msgspec.field(default=False, name="drain")
+    old_force: bool = msgspec.field(default=False, name="force")
+
+    def __post_init__(self) -> None:
+        if self.state == "in-service":
+            if self.old_drain:
+                self.state = "draining-by-force" if self.old_force else "draining"
+            elif self.old_cordoned:
+                self.state = "cordoned"
+        self.old_cordoned = self.old_drain = self.old_force = False
+
+    # read-only answers for readers of the old three booleans
+    @property
+    def cordoned(self) -> bool:
+        """Nothing new is placed there (draining included)."""
+        return self.state != "in-service"
+
+    @property
+    def drain(self) -> bool:
+        return self.state in ("draining", "draining-by-force")
+
+    @property
+    def force(self) -> bool:
+        return self.state == "draining-by-force"
 
     @property
     def unschedulable(self) -> bool:
-        return self.cordoned or self.drain
+        return self.state != "in-service"
 
 
 # --- rollout.<model>: a model's rollout, written by the controller

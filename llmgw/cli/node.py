@@ -163,7 +163,8 @@ def cordon(node_id, gpus, reason, yet_to_join, nats: NatsSettings, bucket: Bucke
             out = [resolve_gpu(inv, node_id, g) for g in gpus]
             ops.gpus_out = sorted(set(ops.gpus_out) | set(out))
         else:
-            ops.cordoned = True
+            if ops.state == "in-service":  # a draining node stays draining
+                ops.state = "cordoned"
         ops.reason = reason if reason is not None else ops.reason
 
     _change(nats, bucket, node_id, change, yet_to_join=yet_to_join, verb="cordon")
@@ -182,7 +183,7 @@ def uncordon(node_id, gpus, yet_to_join, nats: NatsSettings, bucket: BucketSetti
             back = {resolve_gpu(inv, node_id, g) for g in gpus}
             ops.gpus_out = [g for g in ops.gpus_out if g not in back]
         else:
-            ops.cordoned = ops.drain = ops.force = False
+            ops.state = "in-service"
             ops.reason = ""
 
     _change(nats, bucket, node_id, change, yet_to_join=yet_to_join, verb="uncordon")
@@ -240,8 +241,7 @@ def drain(
     async def run() -> int:
         async with open_bus(nats, bucket) as bus:
             ops, inv = await known_node(bus, node_id, yet_to_join=False, verb="drain")
-            ops.cordoned = ops.drain = True
-            ops.force = force
+            ops.state = "draining-by-force" if force else "draining"
             ops.reason = reason if reason is not None else ops.reason
             await write_ops(bus, ops)
             click.echo(_say(ops, inv))

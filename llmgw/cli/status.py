@@ -129,7 +129,7 @@ def _labels(labels: dict[str, list[str]]) -> str:
 
 def _ops(o: Ops, n: NodeState) -> str:
     parts = []
-    if o.state == "draining-force":
+    if o.state == "draining-by-force":
         parts.append("draining (--force)")
     elif o.state in ("draining", "cordoned"):
         parts.append(o.state)

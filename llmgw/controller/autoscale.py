@@ -138,11 +138,44 @@ class LoadSum:
 
 
 @dataclass(frozen=True, slots=True)
+class FleetShort:
+    """The fleet places fewer than the count already asks: the count goes no higher. Its
+    data is the placement record's decision (counts, and the refusals' profile and reason,
+    not their observed numbers); the explanation is only what is shown."""
+
+    placed: int
+    desired: int
+    refused: tuple[tuple[str, str], ...]  # (profile, reason) of each group of refused nodes
+    explanation: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """What held the count back, as data: the policy's bound, or the fleet. Compared as
+    data; `text` renders it for `scale.<model>.limited`."""
+
+    max_replicas: int | None = None
+    fleet: FleetShort | None = None
+
+    @property
+    def text(self) -> str:
+        if self.fleet is not None:
+            f = self.fleet
+            return f"the fleet, which places {f.placed} of {f.desired}: {f.explanation}"
+        return f"max_replicas {self.max_replicas}" if self.max_replicas is not None else ""
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     replicas: int
     wanted: int  # what the load alone asks for, within the policy's bounds
     reason: str = ""  # set when the count changed
-    limited: str = ""  # what held the count back
+    limit: Limit | None = None  # what held the count back
+
+    @property
+    def limited(self) -> str:
+        """What held the count back, as `scale.<model>.limited` says it."""
+        return self.limit.text if self.limit is not None else ""
 
 
 @dataclass
@@ -155,12 +188,14 @@ class Scaler:
     last_active: float = field(default=0.0)
     changed_at: float = field(default=float("-inf"))
     samples: deque[tuple[float, int]] = field(default_factory=deque)  # (when, wanted)
+    # the limit this controller last wrote (data); UNSAID: none yet since it took over
+    written: Limit | None | object = field(default=None)
 
     def __post_init__(self) -> None:
         self.last_active = self.started  # a fresh leader gives every model its full idle time
 
     def step(
-        self, policy: Autoscale, load: ModelLoad, now: float, fleet_short: str = ""
+        self, policy: Autoscale, load: ModelLoad, now: float, fleet_short: FleetShort | None = None
     ) -> Decision:
         """`fleet_short`: why the fleet places fewer than the count already asked; the count
         then goes no higher (it says so in `limited`)."""
@@ -173,7 +208,7 @@ class Scaler:
             self.samples.popleft()
         decision = self._decide(policy, load, wanted, now)
         if fleet_short and decision.replicas > self.replicas > 0:
-            decision = Decision(self.replicas, wanted, "", fleet_short)
+            decision = Decision(self.replicas, wanted, "", Limit(fleet=fleet_short))
         if decision.replicas != self.replicas:
             self.replicas = decision.replicas
             self.changed_at = now
@@ -183,9 +218,9 @@ class Scaler:
         have = self.replicas
         figures = _figures(load, have, policy)
         limited = (
-            f"max_replicas {policy.max_replicas}"
+            Limit(max_replicas=policy.max_replicas)
             if _raw(policy, load, have) > policy.max_replicas
-            else ""
+            else None
         )
         if have == 0:
             if load.waiting > 0 or load.in_flight > 0:
@@ -224,10 +259,27 @@ class Scaler:
         return pick(inside) if inside else None
 
 
-def _fleet_short(rec: records.PlacementRecord | None) -> str:
+def _fleet_short(rec: records.PlacementRecord | None) -> FleetShort | None:
     if rec is None or rec.placed >= rec.desired or not rec.refused:
-        return ""
-    return f"the fleet, which places {rec.placed} of {rec.desired}: {rec.explanation}"
+        return None
+    return FleetShort(
+        rec.placed,
+        rec.desired,
+        tuple((g.profile, g.reason) for g in rec.refused),
+        rec.explanation,
+    )
+
+
+_UNSAID = object()  # a Scaler's `written` before this controller wrote any limit
+
+
+def _same_limit(scaler: Scaler, old: records.Scale, limit: Limit | None) -> bool:
+    """Whether the stored record already says `limit`: compared as data with what this
+    controller last wrote (a limit's text embeds the fleet's observed numbers, which move by
+    themselves); before it wrote any, only an absent limit is known to be the same."""
+    if limit is None or not old.limited:
+        return limit is None and not old.limited
+    return scaler.written is not _UNSAID and scaler.written == limit
 
 
 def _raw(policy: Autoscale, load: ModelLoad, have: int) -> int:
@@ -345,7 +397,7 @@ class Autoscaler:
                 start = min(policy.max_replicas, start)
                 if start > 0:
                     start = max(policy.min_replicas, start)
-                scaler = self.scalers[model] = Scaler(start, now)
+                scaler = self.scalers[model] = Scaler(start, now, written=_UNSAID)
             load = summed.get(model, ModelLoad())
             if model in engines:
                 load = dataclasses.replace(load, engines=engines[model])
@@ -356,7 +408,7 @@ class Autoscaler:
                 old is not None
                 and old.replicas == d.replicas
                 and old.load_s == load_s
-                and old.limited == d.limited
+                and _same_limit(scaler, old, d.limit)
             ):
                 continue
             out[model] = records.Scale(
@@ -368,10 +420,11 @@ class Autoscaler:
                 routers=load.routers,
                 ttft_ms=load.ttft_ms,
                 reason=d.reason or (old.reason if old else f"starts at {d.replicas}"),
-                limited=d.limited,
+                limited=d.limited,  # rendered here, at the edge
                 changed_at=wall if (old is None or d.replicas != before) else old.changed_at,
                 load_s=load_s,
             )
+            scaler.written = d.limit
         return out
 
     def cold_waiting(self, loads: Mapping[str, records.RouterLoad], now: float) -> bool:

@@ -22,7 +22,6 @@ from llmgw.fleetstate.model import (
     ModelState,
     NodeState,
     Ops,
-    OpsState,
     Placement,
     Process,
     ReplicaState,
@@ -150,13 +149,8 @@ def gpu_state(g: records.Gpu, allocated: Allocation | None, out_of_service: bool
 
 
 def ops_state(o: records.NodeOps, unreadable: str = "") -> Ops:
-    state: OpsState = "in-service"
-    if o.drain:
-        state = "draining-force" if o.force else "draining"
-    elif o.cordoned:
-        state = "cordoned"
     return Ops(
-        state=state,
+        state=o.state,
         cordoned=o.unschedulable,
         drain=o.drain,
         reason=o.reason,

@@ -20,8 +20,8 @@ from llmgw.fleetstate.decode import Unreadable
 # controller has run since
 UNJUDGED = "unjudged"
 NodePhase = Literal["ready", "unreachable", "lost", "unjudged"]
-# the operator's intent about a node, as one state (records.NodeOps' flags read together)
-OpsState = Literal["in-service", "cordoned", "draining", "draining-force"]
+# the operator's intent about a node, as one state (records.NodeOps.state)
+OpsState = records.NodeOpsState
 
 
 class Process(msgspec.Struct, kw_only=True):

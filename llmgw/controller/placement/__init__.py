@@ -14,16 +14,19 @@ Shaped like the Kubernetes scheduler, one idea per module:
 - `weights`, `scores`: the scores in `Rank` order the nodes that can;
 - `pickers`: the best node, or nodes in one fabric, for the next replica of a profile;
 - `ports`: a replica whose port another program took after placement gets another one;
-- `steps`: each model's plan, a list of steps: replace replicas on lost nodes, move those
-  an agent gave up on (`failures`), replace outdated ones a batch at a time (`rollout`) or
-  remove surplus, fill, drain by force, explain;
+- `steps`: each model's plan, its replicas as named sets through named stages: a frozen
+  model kept as it is, lost and kept, current and outdated, live and given up (moved:
+  `failures`), outdated replaced a batch at a time (`rollout`) or surplus removed, fill,
+  drain by force, explain;
 - `record`, `explain`: the PlacementRecord, its refusals as data and its text rendered
   from them: "0/6 nodes fit: 3 lost, 2 no vllm, 1 short of free GPUs (2 free, needs 4)";
 - `qualifying`: which nodes fit a waiting model now.
 
 Rules kept here (docs/placement.md says why for each):
-- weights nearby is a preference, never a filter; a node that never looked for weights
-  ranks exactly like one that looked and found nothing;
+- weights nearby is a preference, never a filter, for weights an engine fetches; a node
+  that never looked for weights ranks exactly like one that looked and found nothing;
+  weights no engine can fetch (a key that is no repo id, a path) are a requirement
+  (`filters.weights_held`);
 - a placed replica on a ready or unreachable node is never moved to chase a better
   score; replicas on lost nodes are replaced; surplus replicas go newest first; replicas
   the catalog no longer asks for as they run, or on a draining node, are replaced one
@@ -54,6 +57,7 @@ from llmgw.controller.placement.snapshot import (
     FAILURE_COOLDOWN_S,
     FAILURE_NODES,
     FailurePolicy,
+    Frozen,
     Snapshot,
 )
 from llmgw.controller.placement.steps import (
@@ -74,6 +78,7 @@ __all__ = [
     "FAILURE_NODES",
     "FILTERS",
     "FailurePolicy",
+    "Frozen",
     "GB",
     "Blocked",
     "Filter",

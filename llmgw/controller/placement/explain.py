@@ -36,6 +36,7 @@ Reason = Literal[
     "excluded",  # detail: the label it excludes ("node=node07" from "node = '!node07'")
     "taint",  # detail: the taint the profile does not tolerate
     "no-engine",  # detail: the engine
+    "no-weights",  # detail: "key K" or "path P": weights no engine fetches, not held there
     "no-fabric",  # a multi-node profile on a node on no active IB fabric
     "no-gpus",  # a GPU profile on a node without NVIDIA GPUs
     "no-gpu-driver",
@@ -281,7 +282,18 @@ _GROUP_TEXT: dict[str, Callable[[RefusedNodes], str]] = {
         f"(needs {g.needs})"
     ),
     "failed-here": lambda g: "where this launch failed lately",
+    "no-weights": lambda g: _no_weights(g.detail),
 }
+
+
+def _no_weights(detail: str) -> str:
+    kind, _, value = detail.partition(" ")
+    if kind == "key":
+        return (
+            f"not holding {value} (a key alone cannot be fetched: place the weights on a "
+            "node, or give the profile a `source`)"
+        )
+    return f"not holding {value} (a path is read where it is, never fetched)"
 
 
 def render_group(g: RefusedNodes) -> str:

@@ -19,6 +19,7 @@ from llmgw.controller.placement.nodes import (
     held_by_others,
     shared_named,
 )
+from llmgw.controller.placement.weights import holds, must_hold
 
 
 def node_ready(node: NodeState, need: Need) -> Refusal | None:
@@ -55,6 +56,16 @@ def engine_installed(node: NodeState, need: Need) -> Refusal | None:
     if need.profile.engine not in node.engines:
         return Refusal("no-engine", detail=need.profile.engine)
     return None
+
+
+def weights_held(node: NodeState, need: Need) -> Refusal | None:
+    # weights no engine can fetch (a key that is no repo id, a path) are a requirement: a
+    # replica placed where they are not is refused by its agent before launch
+    required = must_hold(need.profile.weights)
+    if required is None or holds(node.inventory.weights, *required) is not False:
+        return None
+    kind, value = required
+    return Refusal("no-weights", detail=f"{kind} {value}")
 
 
 def on_active_fabric(node: NodeState, need: Need) -> Refusal | None:
@@ -178,6 +189,7 @@ _WHAT_IT_IS: tuple[Filter, ...] = (
     matches_selector,
     tolerates_taints,
     engine_installed,
+    weights_held,
     on_active_fabric,
 )
 

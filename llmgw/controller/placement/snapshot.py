@@ -43,6 +43,18 @@ class FailurePolicy:
     nodes: int = FAILURE_NODES  # distinct nodes failing one launch: the profile is broken
 
 
+@dataclass(frozen=True, slots=True)
+class Frozen:
+    """A model whose replicas stay exactly as they are, nothing placed and nothing removed,
+    because its intent cannot be trusted to say what is wanted: `blocked` is the record's
+    reason ("invalid-catalog", "invalid-desired", "catalog-deleted"), `detail` what is
+    wrong, `desired` the last count read (None: none ever read)."""
+
+    blocked: str
+    detail: str = ""
+    desired: int | None = None
+
+
 @dataclass(frozen=True)
 class Snapshot:
     catalog: Mapping[str, Model]
@@ -66,6 +78,8 @@ class Snapshot:
     rollouts: Mapping[str, Rollout] = field(default_factory=dict)
     placements: Mapping[str, PlacementRecord] = field(default_factory=dict)
     failures: FailurePolicy = field(default_factory=FailurePolicy)
+    # models left as they are (left out of `catalog` and `desired`): the plan says why
+    frozen: Mapping[str, Frozen] = field(default_factory=dict)
 
     def phase(self, node: str) -> NodePhase | None:
         """The node's phase; None when it has none (no lease judged, or not in the fleet)."""

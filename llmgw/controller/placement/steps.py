@@ -1,9 +1,12 @@
 """The plan: per model, a list of steps, each a small function with a small result.
 
-Replace replicas on lost nodes; move those an agent gave up on; stop a rollout whose new
-replicas fail; replace, one batch at a time, those the catalog no longer asks for as they
-run (rollout.py) or else remove surplus; fill; drain by force what has nowhere to go;
-explain. Models are handled oldest `desired.updated_at` first.
+A frozen model keeps what it has, said why. Otherwise its replicas are split into named
+sets and passed through stages, each a small function: lost and kept (replace_lost);
+current and outdated (split_outdated); a rollout whose new replicas fail stops
+(stop_failing); live and given up (split_given_up, judge_given_up: moved, or kept to show
+a launch that fails everywhere); outdated replaced one batch at a time (rollout.py) or
+else surplus removed (roll_or_trim); filled (fill); drained by force what has nowhere to
+go (drain_by_force); explained. Models are handled oldest `desired.updated_at` first.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from llmgw.controller.placement.filters import could_run
 from llmgw.controller.placement.nodes import InventoryMemo, Need, NodeState, fleet_nodes
 from llmgw.controller.placement.pickers import Picker, picker
 from llmgw.controller.placement.ports import PortMove, move_taken_ports
-from llmgw.controller.placement.record import ModelRecord
+from llmgw.controller.placement.record import ModelRecord, frozen_record
 from llmgw.controller.placement.snapshot import Snapshot
 from llmgw.controller.placement.weights import WeightsNearby
 
@@ -134,7 +137,7 @@ def _plan(snapshot: Snapshot, nodes: dict[str, NodeState], weights: WeightsNearb
     rollouts: dict[str, Rollout] = {}
     # earliest request first: when GPUs are short, the model asked for first gets them
     models = sorted(
-        set(snapshot.desired) | set(by_model) | set(snapshot.catalog),
+        set(snapshot.desired) | set(by_model) | set(snapshot.catalog) | set(snapshot.frozen),
         key=lambda m: (snapshot.desired[m].updated_at if m in snapshot.desired else 0.0, m),
     )
     for model_id in models:
@@ -150,88 +153,79 @@ def _plan(snapshot: Snapshot, nodes: dict[str, NodeState], weights: WeightsNearb
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """What the catalog, the count and the operator ask of one model in this plan."""
+
+    model: Model
+    want: int
+    profiles: list[Profile]  # those it may be placed with, in catalog order
+    launches: dict[str, str]  # profile -> launch hash
+    draining: set[str]  # nodes the operator drains
+    forced: set[str]  # of those, drained by force
+
+    @property
+    def allowed(self) -> set[str]:
+        return {p.name for p in self.profiles}
+
+
+@dataclass(frozen=True, slots=True)
+class Current:
+    """A model's kept replicas split by what the catalog asks: `current` runs what it asks
+    for, `outdated` must be replaced one batch at a time (rollout.py), `given_up` an agent
+    gave up on (failures.py)."""
+
+    current: list[Replica]
+    outdated: list[rollout.Outdated]
+    given_up: list[Replica] = field(default_factory=list)
+
+
 def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan | None:
-    """One model's steps. None when there is nothing to say: not asked for, nothing running."""
+    """One model's stages, each taking and giving named sets of replicas (as Nomad's
+    reconciler): lost and kept; current and outdated; failing (a rollout stops); live and
+    given up; started, kept and drained (the rollout or the surplus); filled; drained by
+    force; explained. None when there is nothing to say: not asked for, nothing running."""
     snapshot = fleet.snapshot
+    live = live_replicas(current)
+    if model_id in snapshot.frozen:
+        return frozen_plan(snapshot, model_id, live)
     model = snapshot.catalog.get(model_id)
     desired = snapshot.desired.get(model_id)
-    want = desired.replicas if desired is not None else 0
-    live = sorted(
-        (r for r in current if r.phase in REPLICA_COUNTED | REPLICA_TERMINAL),
-        key=lambda r: (r.created_at, r.rid),
-    )
     if not live and desired is None:
         return None
+    want = desired.replicas if desired is not None else 0
     record = ModelRecord(model_id, want, snapshot.now)
     lines = _Lines()
-
     blocked = blocked_model(model, desired)
     if blocked is not None:
-        reason, detail = blocked
-        if reason == "unknown-profile":  # keep what runs, place nothing, say why
-            counted = [r for r in live if r.phase in REPLICA_COUNTED]
-            return ModelPlan([], [], record.blocked(reason, detail, len(counted), lines.text))
-        text = explain.render(record.blocked(reason, detail, 0, []))
-        removals = lines.removed((r, text) for r in _newest_first(live))
-        return ModelPlan([], removals, record.blocked(reason, detail, 0, lines.text))
-
+        return blocked_plan(record, lines, blocked, live)
     assert model is not None
-    profiles = _profiles(model, desired)
-    allowed = {p.name for p in profiles}
-    launches = {p.name: launch_hash(model, p) for p in model.profiles}
-    draining = {n for n, o in snapshot.ops.items() if o.drain}
-    forced = {n for n, o in snapshot.ops.items() if o.drain and o.force}
+    asked = asked_of(snapshot, model, desired, want)
 
     lost = replace_lost(snapshot, live)
-    new: list[Replica] = []
-    old: list[rollout.Outdated] = []
-    for r in lost.kept:
-        why = rollout.outdated(r, model, allowed, launches, draining)
-        (new.append(r) if why is None else old.append(why))
-    revising = any(o.kind == "revision" for o in old)
-
+    split = split_outdated(lost.kept, asked)
     stored = snapshot.rollouts.get(model_id)
-    target = rollout.revision(model, desired, profiles, launches, snapshot.now)
+    target = rollout.revision(model, desired, asked.profiles, asked.launches, snapshot.now)
+    revising = any(o.kind == "revision" for o in split.outdated)
     stuck = revising and rollout.stopped(stored, target)
-    new, stopped, failed = stop_failing(snapshot, model_id, new, revising=revising, stuck=stuck)
-    halted = stuck or failed is not None
-
-    # replicas an agent gave up on: moved, unless their launch fails everywhere it was tried
-    given_up = [r for r in new + [o.replica for o in old] if r.phase in REPLICA_TERMINAL]
-    crashes = failures.crashes(
-        ((r, r.launch or launches.get(r.profile, "")) for r in given_up),
-        snapshot.shards,
-        snapshot.placements.get(model_id),
-        now=snapshot.now,
-        cooldown=snapshot.failures.cooldown,
-        nodes=snapshot.failures.nodes,
-        # judged only when there is a failure to weigh: it reads every node
-        eligible={
-            launches[p.name]: _could_run_on(fleet, model_id, p, snapshot.port_range)
-            for p in profiles
-        }
-        if given_up or _failed_lately(snapshot.placements.get(model_id))
-        else None,
+    new, stopped, failed = stop_failing(
+        snapshot, model_id, split.current, revising=revising, stuck=stuck
     )
-    new = [r for r in new if r.phase not in REPLICA_TERMINAL]
-    old = [o for o in old if o.replica.phase not in REPLICA_TERMINAL]
-    usable = [p for p in profiles if launches[p.name] not in crashes.broken]
-
-    if old:
-        step = rollout.roll(old, new, want, model.surge, model.max_unavailable, stopped=halted)
-    else:
-        surplus = remove_surplus(new, want)
-        step = rollout.Roll(surplus.kept, [], surplus.removed, want - len(surplus.kept))
+    halted = stuck or failed is not None
+    split = split_given_up(Current(new, split.outdated))
+    crashes = judge_given_up(fleet, model_id, asked, split.given_up)
+    usable = [p for p in asked.profiles if asked.launches[p.name] not in crashes.broken]
+    step = roll_or_trim(split, want, model, halted=halted)
     filled = fill(
         fleet,
         model_id,
         usable,
         step.start,
-        launches=launches,
-        avoid={p.name: crashes.avoid(launches[p.name]) for p in usable},
+        launches=asked.launches,
+        avoid={p.name: crashes.avoid(asked.launches[p.name]) for p in usable},
     )
     short = step.start - len(filled.created)
-    kept_old, by_force = drain_by_force(fleet, step.old, filled, short, forced)
+    kept_old, by_force = drain_by_force(fleet, step.old, filled, short, asked.forced)
     moves = moved_elsewhere(crashes, filled.created)
 
     removals = lines.removed(moves) + lines.removed(lost.removed) + lines.removed(stopped)
@@ -253,7 +247,7 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
         target,
         want=want,
         updated=updated,
-        old=sum(1 for o in old if o.kind == "revision" and o.replica.rid in kept_ids),
+        old=sum(1 for o in split.outdated if o.kind == "revision" and o.replica.rid in kept_ids),
         failed=failed,
         now=snapshot.now,
     )
@@ -265,7 +259,7 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
         lines.text,
         waiting=short,
         failures=crashes.failures,
-        broken=[p.name for p in profiles if launches[p.name] in crashes.broken],
+        broken=[p.name for p in asked.profiles if asked.launches[p.name] in crashes.broken],
         rollout="" if ro.phase == "complete" else ro.phase,
         rollout_detail=ro.reason if ro.phase == "stopped" else "",
         rollout_tail=ro.output_tail[-ROLLOUT_TAIL_SAID:] if ro.phase == "stopped" else [],
@@ -274,6 +268,118 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
         n = want - placed
         lines.add([f"{n} replica{'s' if n != 1 else ''} not placed: {rec.explanation}"])
     return ModelPlan(filled.created, removals, rec, ro)
+
+
+def live_replicas(current: list[Replica]) -> list[Replica]:
+    """Those counted or given up on, oldest first: the others are going already."""
+    return sorted(
+        (r for r in current if r.phase in REPLICA_COUNTED | REPLICA_TERMINAL),
+        key=lambda r: (r.created_at, r.rid),
+    )
+
+
+def frozen_plan(snapshot: Snapshot, model_id: str, live: list[Replica]) -> ModelPlan:
+    """A frozen model (Snapshot.frozen): nothing placed, nothing removed, and a record
+    saying why, with the last count read (with none ever read, what runs)."""
+    frozen = snapshot.frozen[model_id]
+    placed = sum(1 for r in live if r.phase in REPLICA_COUNTED)
+    stored = snapshot.placements.get(model_id)
+    rec = frozen_record(
+        model_id,
+        frozen.blocked,  # type: ignore[arg-type]
+        frozen.detail,
+        desired=frozen.desired if frozen.desired is not None else placed,
+        placed=placed,
+        now=snapshot.now,
+        decisions=stored.decisions if stored else [],
+    )
+    return ModelPlan([], [], rec)
+
+
+def blocked_plan(
+    record: ModelRecord, lines: _Lines, blocked: tuple[Blocked, str], live: list[Replica]
+) -> ModelPlan:
+    """Nothing of the model can be placed: an unknown profile keeps what runs, anything
+    else removes it."""
+    reason, detail = blocked
+    if reason == "unknown-profile":  # keep what runs, place nothing, say why
+        counted = [r for r in live if r.phase in REPLICA_COUNTED]
+        return ModelPlan([], [], record.blocked(reason, detail, len(counted), lines.text))
+    text = explain.render(record.blocked(reason, detail, 0, []))
+    removals = lines.removed((r, text) for r in _newest_first(live))
+    return ModelPlan([], removals, record.blocked(reason, detail, 0, lines.text))
+
+
+def asked_of(snapshot: Snapshot, model: Model, desired: Desired | None, want: int) -> Asked:
+    profiles = _profiles(model, desired)
+    return Asked(
+        model=model,
+        want=want,
+        profiles=profiles,
+        launches={p.name: launch_hash(model, p) for p in model.profiles},
+        draining={n for n, o in snapshot.ops.items() if o.drain},
+        forced={n for n, o in snapshot.ops.items() if o.drain and o.force},
+    )
+
+
+def split_outdated(kept: list[Replica], asked: Asked) -> Current:
+    """Current (what the catalog asks for as it runs) and outdated (another profile, a
+    changed launch, a draining node)."""
+    allowed = asked.allowed
+    current: list[Replica] = []
+    outdated: list[rollout.Outdated] = []
+    for r in kept:
+        why = rollout.outdated(r, asked.model, allowed, asked.launches, asked.draining)
+        (current.append(r) if why is None else outdated.append(why))
+    return Current(current, outdated)
+
+
+def split_given_up(split: Current) -> Current:
+    """Those an agent gave up on, current or outdated, taken out into `given_up`."""
+    given_up = [
+        r
+        for r in split.current + [o.replica for o in split.outdated]
+        if r.phase in REPLICA_TERMINAL
+    ]
+    return Current(
+        [r for r in split.current if r.phase not in REPLICA_TERMINAL],
+        [o for o in split.outdated if o.replica.phase not in REPLICA_TERMINAL],
+        given_up,
+    )
+
+
+def judge_given_up(
+    fleet: Fleet, model_id: str, asked: Asked, given_up: list[Replica]
+) -> failures.Crashes:
+    """Replicas given up on: moved, unless their launch fails everywhere it was tried."""
+    snapshot = fleet.snapshot
+    stored = snapshot.placements.get(model_id)
+    return failures.crashes(
+        ((r, r.launch or asked.launches.get(r.profile, "")) for r in given_up),
+        snapshot.shards,
+        stored,
+        now=snapshot.now,
+        cooldown=snapshot.failures.cooldown,
+        nodes=snapshot.failures.nodes,
+        # judged only when there is a failure to weigh: it reads every node
+        eligible={
+            asked.launches[p.name]: _could_run_on(fleet, model_id, p, snapshot.port_range)
+            for p in asked.profiles
+        }
+        if given_up or _failed_lately(stored)
+        else None,
+    )
+
+
+def roll_or_trim(split: Current, want: int, model: Model, *, halted: bool) -> rollout.Roll:
+    """Outdated replicas are replaced a batch at a time (rollout.roll); with none, surplus
+    replicas go (newest first) and what is missing is started."""
+    if split.outdated:
+        return rollout.roll(
+            split.outdated, split.current, want, model.surge, model.max_unavailable, stopped=halted
+        )
+    surplus = remove_surplus(split.current, want)
+    return rollout.Roll(surplus.kept, [], surplus.removed, want - len(surplus.kept))
 
 
 def stop_failing(

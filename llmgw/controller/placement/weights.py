@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import lru_cache
 
+from llmgw.bus.records import Weights
+from llmgw.catalog import WeightsRef
 from llmgw.controller.fabrics import fabric_view
 from llmgw.controller.placement.nodes import Need
 from llmgw.controller.placement.snapshot import Snapshot
@@ -100,3 +103,45 @@ class WeightsNearby:
         if fabric is not None:
             return f"weights elsewhere in fabric {fabric}, not on this node ({fetched})"
         return f"no copy of the weights nearby ({fetched})"
+
+
+def must_hold(ref: WeightsRef) -> tuple[str, str] | None:
+    """("key" or "path", its value) when no engine can fetch these weights, so a node must
+    hold them to run the replica: a requirement, not a preference. None when an engine
+    fetches what the node lacks: a `source`, or a key that is a Hugging Face repo id
+    ("org/name"), which an agent that does not hold it gives its engine to fetch (the
+    agent's rule: agent/engines/base.py `hf_repo`). A key of another form (a directory name,
+    a GGUF file stem) and a path are never fetched."""
+    return _must_hold(ref.key, ref.path, ref.source)
+
+
+@lru_cache(maxsize=4096)  # asked for every node a profile is tried on: decided once
+def _must_hold(key: str | None, path: str | None, source: str | None) -> tuple[str, str] | None:
+    if source is not None:
+        return None
+    if key is not None:
+        return None if _hf_repo_id(key) else ("key", key)
+    assert path is not None
+    return ("path", path)
+
+
+def _hf_repo_id(key: str) -> bool:
+    parts = key.split(":", 1)[0].split("/")
+    return (
+        len(parts) == 2 and all(parts) and not key.startswith((".", "/", "~")) and "://" not in key
+    )
+
+
+def holds(weights: Weights, kind: str, value: str) -> bool | None:
+    """Whether a node's own inventory holds the weights (`must_hold`'s answer): what its
+    agent launches from. None for a path the node never scanned (its agent looked
+    elsewhere, or not at all): the engine reads it there, and only a launch can tell."""
+    if kind == "key":
+        return any(m.key == value for m in weights.models)
+    path = value.rstrip("/")
+    if any(m.path.rstrip("/") == path for m in weights.models):
+        return True
+    scanned = [d.path.rstrip("/") for d in weights.dirs if d.status == "ok"]
+    if any(path == d or path.startswith(d + "/") for d in scanned):
+        return False
+    return None

@@ -184,7 +184,7 @@ function nodeCard(n) {
     el("dt", {}, "engines"), el("dd", {}, n.engines.map((e) => `${e.name} ${e.version || "?"}`).join(", ") || "none"),
     el("dt", {}, "running"), el("dd", {}, n.running.join("; ") || "nothing"));
   if (n.ops && n.ops.state !== "in-service") {
-    const what = { cordoned: "cordoned", draining: "draining", "draining-force": "draining (--force)" }[n.ops.state];
+    const what = { cordoned: "cordoned", draining: "draining", "draining-by-force": "draining (--force)" }[n.ops.state];
     kv.append(el("dt", {}, "operator"), el("dd", { "data-role": "ops" }, what + (n.ops.reason ? ": " + n.ops.reason : "")));
   }
   if (n.metrics_error) kv.append(el("dt", {}, "metrics"), el("dd", { class: "why", "data-role": "metrics-error" }, n.metrics_error));
