@@ -74,7 +74,7 @@ async def test_a_garbled_ops_keeps_a_drained_node_out_of_placement_and_status_sa
     replicas again while `llmgw status` printed "cordoned"."""
     async with anyio.create_task_group() as tg:
         await _start(bus, tg, inventory("a", gpus=2), inventory("b", gpus=2))
-        await bus.put(keys.ops("a"), records.NodeOps(node="a", cordoned=True, drain=True))
+        await bus.put(keys.ops("a"), records.NodeOps(node="a", state="draining"))
         await bus.put(keys.catalog("m"), catalog.encode_model(_model()))
         await bus.put(keys.desired("m"), records.Desired(model="m", replicas=1, updated_at=1.0))
         controller = Controller(controller_bus, ControllerSettings(**FAST))
@@ -131,7 +131,7 @@ async def _garbled(bus, controller_bus, tg, family: str):
     controller, the key, its table in the view, the id there, the good value, the replica."""
     autoscale = {"min_replicas": 1, "max_replicas": 2} if family == "scale" else None
     await _start(bus, tg, inventory("a", gpus=2), inventory("b", gpus=2))
-    await bus.put(keys.ops("b"), records.NodeOps(node="b", cordoned=True, reason="fans"))
+    await bus.put(keys.ops("b"), records.NodeOps(node="b", state="cordoned", reason="fans"))
     await bus.put(keys.catalog("m"), catalog.encode_model(_model(autoscale=autoscale)))
     desired = records.Desired(model="m", replicas=1, updated_at=1.0, auto=family == "scale")
     await bus.put(keys.desired("m"), desired)
