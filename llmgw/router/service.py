@@ -23,11 +23,13 @@ from llmgw.errors import LlmgwError
 from llmgw.keyfiles import read_key
 from llmgw.router.balancer import Balancer, BalancerSettings
 from llmgw.router.hold import Holds, HoldSettings
+from llmgw.router.inflight import InFlight
 from llmgw.router.load import LOAD_INTERVAL_S, LoadCounter, LoadPublisher
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.page import FleetPage
 from llmgw.router.probe import HealthProber
-from llmgw.router.proxy import Proxy, ProxySettings, error_body
+from llmgw.router.proxy import Proxy, ProxySettings
+from llmgw.router.refusal import error_body
 from llmgw.router.server import HttpLimits, HttpServer, serve
 from llmgw.router.table import EndpointTable
 from llmgw.router.upstream import UpstreamPool, UpstreamSettings
@@ -91,8 +93,10 @@ class Router:
     def __init__(self, settings: RouterSettings | None = None) -> None:
         self.settings = settings or RouterSettings()
         self.table = EndpointTable(self.settings.proxy.engine_api_key, StaticKeys())
-        self.metrics = RouterMetrics()
-        self.load = LoadCounter()
+        # the one in-flight account the balancer, /metrics and the load records read
+        self.flights = InFlight()
+        self.metrics = RouterMetrics(self.flights)
+        self.load = LoadCounter(self.flights)
         self.holds = Holds(self.table, self.load, self.settings.hold)
         self.metrics.held_from(lambda: self.holds.held)
         self.source = "none"
