@@ -188,6 +188,7 @@ class Router:
             s.port,
             limits=s.limits,
             error_body=lambda status, message: error_body(status, message),
+            on_overrun=self.metrics.overruns.inc,
         )
         log.info("router listening on %s", self.url)
         try:
