@@ -173,9 +173,10 @@ async def running_router(
     *,
     connect=None,
     settings: RouterSettings | None = None,
+    gate=None,
 ) -> AsyncIterator[Router]:
     """A router in this event loop: static `models`, or the bucket through `connect()`."""
-    r = Router(settings or router_settings())
+    r = Router(settings or router_settings(), gate=gate)
     async with anyio.create_task_group() as tg:
         if connect is not None:
             await tg.start(r.serve_bucket, connect)

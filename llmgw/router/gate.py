@@ -30,8 +30,9 @@ class Ticket(Protocol):
         """A piece of the answer, as it is relayed to the client."""
 
     def settle(self, status: int, outcome: str) -> None:
-        """The request is over: `status` as the client got it (0: none was sent), and
-        `outcome` "ok", or the error kind that ended it (llmgw_router_errors' kinds)."""
+        """The request is over, called once however it ended: `status` the answer's
+        (0 when it ended before its answer was complete: the client left), and `outcome`
+        "ok", or the error kind that ended it (llmgw_router_errors' kinds)."""
 
 
 class Gate(Protocol):

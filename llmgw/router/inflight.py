@@ -28,6 +28,23 @@ class _ModelFlights:
     since: float = 0.0  # when count last changed, or the interval began
 
 
+class Flight:
+    """One request's place in the account: the engine it is on."""
+
+    __slots__ = ("_account", "backend")
+
+    def __init__(self, account: InFlight, backend: Backend) -> None:
+        self._account = account
+        self.backend = backend
+
+    def move(self, backend: Backend) -> None:
+        """To another engine of the same model: the first could not be reached, and
+        nothing of the request was sent to it."""
+        self._account._move(self.backend, -1)
+        self._account._move(backend, 1)
+        self.backend = backend
+
+
 class InFlight:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -38,13 +55,16 @@ class InFlight:
         self._interval_start = clock()
 
     @contextmanager
-    def taken(self, backend: Backend) -> Iterator[None]:
-        """Hold one request on `backend` while the block runs."""
+    def taken(self, backend: Backend) -> Iterator[Flight]:
+        """Hold one request on `backend` while the block runs (counted once as a request
+        sent, wherever it moves)."""
+        flight = Flight(self, backend)
         self._move(backend, 1)
+        self._models[backend.model].sent += 1
         try:
-            yield
+            yield flight
         finally:
-            self._move(backend, -1)
+            self._move(flight.backend, -1)
 
     def _move(self, backend: Backend, by: int) -> None:
         backend.in_flight += by
@@ -56,8 +76,6 @@ class InFlight:
         m.integral += m.count * (now - max(m.since, self._interval_start))
         m.since = now
         m.count += by
-        if by > 0:
-            m.sent += by
 
     # --- what the readers ask --------------------------------------------------------------
 

@@ -86,8 +86,9 @@ class ProxySettings:
 
 class Proxy:
     """The request handler. A proxied request goes through small steps, each returning a
-    value or a Refusal: parse, route, admit (the gate), pick (holding for a cold model),
-    send, relay. `_exchange` runs them; `_refuse` is the one place a Refusal is answered."""
+    value or a Refusal: authenticate and admit (the gate), parse, route, pick (holding for
+    a cold model), send, relay. `_admit` runs those before an engine, `_forward` those with
+    one; `_refuse` is the one place a Refusal is answered."""
 
     def __init__(
         self,
@@ -182,13 +183,14 @@ class Proxy:
     # --- proxying: the steps ------------------------------------------------------------------
 
     async def _proxy(self, req: Request, resp: Response, spec: RouteSpec) -> None:
-        ticket: Ticket | None = None
+        admitted = self._admit(req, spec)
+        if isinstance(admitted, Refusal):
+            await self._refuse(resp, admitted)
+            return
+        parsed, route, ticket = admitted
         outcome: Refusal | Relayed = Relayed(0, "client_disconnect")
         try:
-            if req.method != b"POST":
-                outcome = Refusal(405, "use POST")
-            else:
-                outcome, ticket = await self._exchange(req, resp, spec)
+            outcome = await self._forward(req, resp, parsed, route, ticket)
             if isinstance(outcome, Refusal):
                 await self._refuse(resp, outcome)
         finally:
@@ -198,26 +200,35 @@ class Proxy:
                 else:
                     ticket.settle(outcome.status, outcome.outcome)
 
-    async def _exchange(
-        self, req: Request, resp: Response, spec: RouteSpec
-    ) -> tuple[Refusal | Relayed, Ticket | None]:
+    def _admit(
+        self, req: Request, spec: RouteSpec
+    ) -> tuple[Parsed, Route, Ticket | None] | Refusal:
+        """The steps before an engine: who sends it, what it asks for, whether it may."""
+        if req.method != b"POST":
+            return Refusal(405, "use POST")
         who = self.gate.authenticate(req)
         if isinstance(who, Refusal):
-            return who, None
+            return who
         parsed = self._parse(req, spec)
         if isinstance(parsed, Refusal):
-            return parsed, None
+            return parsed
         route = self._route(parsed)
         if isinstance(route, Refusal):
-            return route, None
+            return route
         ticket = self.gate.admit(who, parsed, route.model)
         if isinstance(ticket, Refusal):
-            return ticket, None
+            return ticket
+        return parsed, route, ticket
+
+    async def _forward(
+        self, req: Request, resp: Response, parsed: Parsed, route: Route, ticket: Ticket | None
+    ) -> Refusal | Relayed:
+        """The steps with an engine: pick it (holding for a cold model), send, relay."""
         picked = await self._pick(req, parsed, route)
         if isinstance(picked, Refusal):
-            return picked, ticket
+            return picked
         route, backend = picked
-        return await self._send_and_relay(req, resp, parsed, route, backend, ticket), ticket
+        return await self._send_and_relay(req, resp, parsed, route, backend, ticket)
 
     def _parse(self, req: Request, spec: RouteSpec) -> Parsed | Refusal:
         try:
@@ -290,8 +301,8 @@ class Proxy:
         in-flight account from the send to the end of its answer."""
         head = self._forwarded_head(req)
         started = time.monotonic()
-        for attempt in (0, 1):
-            with self.flights.taken(backend):
+        with self.flights.taken(backend) as flight:
+            for attempt in (0, 1):
                 try:
                     conn = await self.pool.send(
                         backend.host,
@@ -308,6 +319,7 @@ class Proxy:
                     if attempt == 0 and other is not None:
                         log.info("router: %s; sending the request to %s instead", e, other.id)
                         self.metrics.retries.labels(route.model).inc()
+                        flight.move(other)
                         backend = other
                         continue
                     return Refusal(

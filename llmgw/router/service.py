@@ -22,6 +22,7 @@ from llmgw.bus import keys
 from llmgw.errors import LlmgwError
 from llmgw.keyfiles import read_key
 from llmgw.router.balancer import Balancer, BalancerSettings
+from llmgw.router.gate import Gate
 from llmgw.router.hold import Holds, HoldSettings
 from llmgw.router.inflight import InFlight
 from llmgw.router.load import LOAD_INTERVAL_S, LoadCounter, LoadPublisher
@@ -90,8 +91,11 @@ class RouterSettings:
 
 
 class Router:
-    def __init__(self, settings: RouterSettings | None = None) -> None:
+    def __init__(self, settings: RouterSettings | None = None, gate: Gate | None = None) -> None:
         self.settings = settings or RouterSettings()
+        # who may send requests and what they are charged (router/gate.py); None: the
+        # settings' client keys, nothing metered
+        self.gate = gate
         self.table = EndpointTable(self.settings.proxy.engine_api_key, StaticKeys())
         # the one in-flight account the balancer, /metrics and the load records read
         self.flights = InFlight()
@@ -175,6 +179,7 @@ class Router:
             page=self.page,
             load=self.load,
             holds=self.holds,
+            gate=self.gate,
         )
         prober = HealthProber(
             self.table,
