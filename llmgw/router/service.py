@@ -221,6 +221,9 @@ class Router:
         grace = self.settings.shutdown_grace if grace is None else grace
         assert self.server is not None
         self.draining = True
+        # a request held for a cold model never reached an engine: answered now (503,
+        # retry), not after the grace with a bare EOF
+        self.holds.stop()
         busy = sum(1 for c in self.server.connections if not c.idle)
         log.info(
             "router stops accepting; %d connection(s) busy, given up to %g s to finish",
