@@ -27,7 +27,7 @@ from llmgw.router.metrics import CONTENT_TYPE as METRICS_TYPE
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.page import FleetPage
 from llmgw.router.refusal import Refusal, retry_after
-from llmgw.router.request import BadRequest, Parsed, parse
+from llmgw.router.request import Affinity, BadRequest, Parsed, parse
 from llmgw.router.server import Request, Response
 from llmgw.router.table import Backend, EndpointTable, Route
 from llmgw.router.upstream import ConnectFailed, UpstreamConnection, UpstreamFailed, UpstreamPool
@@ -39,14 +39,37 @@ log = logging.getLogger(__name__)
 class RouteSpec:
     """What a proxied route's body is, for reading its model and affinity key."""
 
-    chat: bool = False  # affinity from the opening messages
-    embeddings: bool = False  # no affinity
+    affinity: Affinity = Affinity.NONE
 
 
+# Every OpenAI-style route llama-server or vLLM serves for a model. Each is proxied the same
+# way (routing, affinity, holding for a cold model, the gate); an engine that does not serve
+# one answers for itself (its 404 reaches the client).
 _PROXIED = {
-    b"/v1/chat/completions": RouteSpec(chat=True),
-    b"/v1/completions": RouteSpec(),
-    b"/v1/embeddings": RouteSpec(embeddings=True),
+    b"/v1/chat/completions": RouteSpec(Affinity.CHAT),
+    b"/v1/completions": RouteSpec(Affinity.PROMPT),
+    b"/v1/embeddings": RouteSpec(),
+    # vLLM's Responses API
+    b"/v1/responses": RouteSpec(Affinity.RESPONSES),
+    # rerank: llama-server (/v1/rerank, /rerank, /v1/reranking, /reranking), vLLM (/v1/rerank,
+    # /rerank, /v2/rerank)
+    b"/v1/rerank": RouteSpec(),
+    b"/rerank": RouteSpec(),
+    b"/v2/rerank": RouteSpec(),
+    b"/v1/reranking": RouteSpec(),
+    b"/reranking": RouteSpec(),
+    # vLLM's score, pooling and classification
+    b"/v1/score": RouteSpec(),
+    b"/score": RouteSpec(),
+    b"/pooling": RouteSpec(),
+    b"/classify": RouteSpec(),
+    # vLLM's audio: multipart/form-data bodies, the model in a form field
+    b"/v1/audio/transcriptions": RouteSpec(),
+    b"/v1/audio/translations": RouteSpec(),
+    # both engines' tokenizer, and llama-server's fill-in-the-middle
+    b"/tokenize": RouteSpec(),
+    b"/detokenize": RouteSpec(),
+    b"/infill": RouteSpec(Affinity.INFILL),
 }
 # client headers worth passing on; Authorization never is (the client's key is not the
 # engine's), nor anything about this hop
@@ -234,9 +257,9 @@ class Proxy:
         try:
             return parse(
                 req.body,
-                chat=spec.chat,
-                embeddings=spec.embeddings,
+                affinity=spec.affinity,
                 session=req.header(self._session),
+                content_type=req.header(b"content-type"),
             )
         except BadRequest as e:
             return Refusal(400, str(e), kind="bad_request")
