@@ -10,6 +10,7 @@ import hashlib
 import json
 
 import aiohttp
+import anyio
 import openai
 import pytest
 from router_helpers import SERVED, fake_engines, running_router, static_model
@@ -185,3 +186,34 @@ async def test_a_route_the_engine_does_not_serve_gets_the_engines_own_404(engine
             http, f"{r.url}/v1/rerank", {"model": "nope", "query": "q", "documents": []}
         )
         assert status == 404 and answer["error"]["code"] == "model_not_found"
+
+
+async def test_the_new_routes_hold_for_a_cold_model_as_chat_does(tmp_path, bus, nats_settings):
+    """An autoscaled model with no replica: a rerank or an audio form that does not wait
+    gets chat's 503 model_cold (and asks for a replica); one that waits is held."""
+    from autoscale_fleet import autoscaled_model, serve_auto
+
+    from llmgw.bus.client import Bus
+
+    await serve_auto(bus, autoscaled_model(tmp_path / "weights"))
+    connect = lambda: Bus.connect(nats_settings, give_up_after=None)  # noqa: E731
+    async with running_router(connect=connect) as r, aiohttp.ClientSession() as http:
+        while not r.table.synced or r.table.cold_names() != [SERVED]:
+            await anyio.sleep(0.05)
+        no_wait = {"x-llmgw-max-wait": "0"}
+        async with http.post(
+            f"{r.url}/v1/rerank",
+            json={"model": SERVED, "query": "q", "documents": ["d"]},
+            headers=no_wait,
+        ) as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "model_cold"
+        form = {"content-type": "multipart/form-data; boundary=llmgw-test-boundary"}
+        async with http.post(
+            f"{r.url}/v1/audio/transcriptions",
+            data=_form({"model": SERVED}, AUDIO),
+            headers={**form, "x-llmgw-max-wait": "0.3"},
+        ) as resp:
+            assert resp.status == 503
+            error = (await resp.json())["error"]
+            assert error["code"] == "model_cold" and "held 0.3 s" in error["message"]
