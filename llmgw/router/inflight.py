@@ -13,8 +13,7 @@ nothing here.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmgw.router.table import Backend
@@ -29,13 +28,24 @@ class _ModelFlights:
 
 
 class Flight:
-    """One request's place in the account: the engine it is on."""
+    """One request's place in the account, the engine it is on: taken when the `with`
+    block is entered, given back when it is left, however that happens. (A class, not a
+    generator-based context manager: this is on every request's path.)"""
 
     __slots__ = ("_account", "backend")
 
     def __init__(self, account: InFlight, backend: Backend) -> None:
         self._account = account
         self.backend = backend
+
+    def __enter__(self) -> Flight:
+        account = self._account
+        account._move(self.backend, 1)
+        account._models[self.backend.model].sent += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._account._move(self.backend, -1)
 
     def move(self, backend: Backend) -> None:
         """To another engine of the same model: the first could not be reached, and
@@ -54,26 +64,21 @@ class InFlight:
         self._engines: dict[Backend, None] = {}
         self._interval_start = clock()
 
-    @contextmanager
-    def taken(self, backend: Backend) -> Iterator[Flight]:
-        """Hold one request on `backend` while the block runs (counted once as a request
-        sent, wherever it moves)."""
-        flight = Flight(self, backend)
-        self._move(backend, 1)
-        self._models[backend.model].sent += 1
-        try:
-            yield flight
-        finally:
-            self._move(flight.backend, -1)
+    def taken(self, backend: Backend) -> Flight:
+        """`with account.taken(backend) as flight:` holds one request on `backend` while
+        the block runs (counted once as a request sent, wherever it moves)."""
+        return Flight(self, backend)
 
     def _move(self, backend: Backend, by: int) -> None:
         backend.in_flight += by
-        self._engines[backend] = None
+        if by > 0:
+            self._engines[backend] = None
         m = self._models.get(backend.model)
         now = self.clock()
         if m is None:
             m = self._models[backend.model] = _ModelFlights(since=now)
-        m.integral += m.count * (now - max(m.since, self._interval_start))
+        since = m.since if m.since > self._interval_start else self._interval_start
+        m.integral += m.count * (now - since)
         m.since = now
         m.count += by
 

@@ -450,12 +450,14 @@ class Proxy:
             self.metrics.ejections.labels(b.model, b.id).inc()  # rare: no cached series
 
 
-@dataclass(frozen=True, slots=True)
 class Relayed:
     """An engine's answer went to the client (whole, or cut by the engine: `outcome`)."""
 
-    status: int
-    outcome: str  # "ok", or the error kind that cut it
+    __slots__ = ("status", "outcome")
+
+    def __init__(self, status: int, outcome: str) -> None:
+        self.status = status
+        self.outcome = outcome  # "ok", or the error kind that cut it
 
 
 def _relayed_headers(
