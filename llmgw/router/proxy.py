@@ -110,7 +110,7 @@ class ProxySettings:
 class Proxy:
     """The request handler. A proxied request goes through small steps, each returning a
     value or a Refusal: authenticate and admit (the gate), parse, route, pick (holding for
-    a cold model), send, relay. `_admit` runs those before an engine, `_forward` those with
+    a cold model), send, relay. `_admit` runs those before an engine, `_proxy` those with
     one; `_refuse` is the one place a Refusal is answered."""
 
     def __init__(
@@ -211,9 +211,17 @@ class Proxy:
             await self._refuse(resp, admitted)
             return
         parsed, route, ticket = admitted
-        outcome: Refusal | Relayed = Relayed(0, "client_disconnect")
+        outcome: Refusal | Relayed = _LEFT
         try:
-            outcome = await self._forward(req, resp, parsed, route, ticket)
+            # the steps with an engine: pick it (holding for a cold model), send, relay
+            backend = self.balancer.pick(route.backends, parsed.affinity, time.monotonic())
+            picked = (
+                (route, backend) if backend is not None else await self._hold(req, parsed, route)
+            )
+            if isinstance(picked, Refusal):
+                outcome = picked
+            else:
+                outcome = await self._send_and_relay(req, resp, parsed, *picked, ticket)
             if isinstance(outcome, Refusal):
                 await self._refuse(resp, outcome)
         finally:
@@ -243,23 +251,15 @@ class Proxy:
             return ticket
         return parsed, route, ticket
 
-    async def _forward(
-        self, req: Request, resp: Response, parsed: Parsed, route: Route, ticket: Ticket | None
-    ) -> Refusal | Relayed:
-        """The steps with an engine: pick it (holding for a cold model), send, relay."""
-        picked = await self._pick(req, parsed, route)
-        if isinstance(picked, Refusal):
-            return picked
-        route, backend = picked
-        return await self._send_and_relay(req, resp, parsed, route, backend, ticket)
-
     def _parse(self, req: Request, spec: RouteSpec) -> Parsed | Refusal:
+        body = req.body
         try:
             return parse(
-                req.body,
+                body,
                 affinity=spec.affinity,
                 session=req.header(self._session),
-                content_type=req.header(b"content-type"),
+                # a JSON object needs no look at its headers (a form never starts with "{")
+                content_type=None if body[:1] == b"{" else req.header(b"content-type"),
             )
         except BadRequest as e:
             return Refusal(400, str(e), kind="bad_request")
@@ -285,13 +285,10 @@ class Proxy:
             param="model",
         )
 
-    async def _pick(
+    async def _hold(
         self, req: Request, parsed: Parsed, route: Route
     ) -> tuple[Route, Backend] | Refusal:
-        """The engine for the request; for a cold model, held until one is ready."""
-        backend = self.balancer.pick(route.backends, parsed.affinity, time.monotonic())
-        if backend is not None:
-            return route, backend
+        """No engine takes the request now: for a cold model, held until one is ready."""
         if self.holds is not None:
             held = await self.holds.hold(
                 parsed.model,
@@ -458,6 +455,10 @@ class Relayed:
     def __init__(self, status: int, outcome: str) -> None:
         self.status = status
         self.outcome = outcome  # "ok", or the error kind that cut it
+
+
+# what a request that ended before its answer was complete settles as: its client left
+_LEFT = Relayed(0, "client_disconnect")
 
 
 def _relayed_headers(
