@@ -9,7 +9,7 @@ import json
 
 import aiohttp
 import pytest
-from router_helpers import chat_body, fake_engines, running_router, static_model
+from router_helpers import SERVED, chat_body, fake_engines, running_router, static_model
 from waiting import until
 
 from llmgw.bus.server import free_port
@@ -98,6 +98,9 @@ class RecordingGate:
         self.tickets.append(ticket)
         return ticket
 
+    def visible(self, identity, served_names):
+        return [] if identity == b"Bearer broke" else served_names
+
 
 class Ticket:
     def __init__(self, model: str) -> None:
@@ -132,6 +135,10 @@ async def test_the_gate_refuses_before_an_engine_is_picked_and_settles_each_tick
                 assert b.headers["x-ratelimit-remaining-tokens"] == "0"
                 assert (await b.json())["error"]["code"] == "insufficient_quota"
             assert gate.tickets == []  # neither was admitted
+            async with http.get(f"{r.url}/v1/models", headers=broke) as listed:
+                assert (await listed.json())["data"] == []  # what the gate lets it see
+            async with http.get(f"{r.url}/v1/models") as listed:
+                assert [m["id"] for m in (await listed.json())["data"]] == [SERVED]
             ok = {"authorization": "Bearer ok"}
             async with http.post(url, json=chat_body(stream=True), headers=ok) as c:
                 body = await c.read()

@@ -1,14 +1,15 @@
 """Who may send a request, and what it is charged: the handler's one slot for keys, limits
 and metering (router/proxy.py calls it; nothing else on the request path knows of keys).
 
-Three moments of a request, each a call:
+The moments of a request, each a call:
 1. `authenticate(req)`: before the body is read for routing. An identity, or a Refusal
    (401) that is answered at once.
 2. `admit(identity, parsed, model)`: once the model is known and before an engine is
    picked (so a refused request never takes an engine's slot, nor waits for a cold model).
    A `Ticket` (what the request reserved: the metering of one request), None when there is
    nothing to meter, or a Refusal (403, 429 with its headers).
-3. The ticket is told each chunk of the answer as it is relayed (`chunk`), and `settle`d
+3. `visible(identity, names)`: what `GET /v1/models` lists to it.
+4. The ticket is told each chunk of the answer as it is relayed (`chunk`), and `settle`d
    once when the request is over, however it ended (an answer, an engine's failure, the
    client leaving, a refusal after admission).
 
@@ -40,6 +41,10 @@ class Gate(Protocol):
 
     def admit(self, identity: object, parsed: Parsed, model: str) -> Ticket | Refusal | None: ...
 
+    def visible(self, identity: object, served_names: list[str]) -> list[str]:
+        """What `GET /v1/models` lists to this identity (the names it may call)."""
+        ...
+
 
 class KeyListGate:
     """Clients need one of a fixed set of keys, as `Authorization: Bearer KEY`; with no
@@ -59,3 +64,6 @@ class KeyListGate:
 
     def admit(self, identity: object, parsed: Parsed, model: str) -> Ticket | Refusal | None:
         return None
+
+    def visible(self, identity: object, served_names: list[str]) -> list[str]:
+        return served_names

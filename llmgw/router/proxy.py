@@ -148,7 +148,7 @@ class Proxy:
             if isinstance(who, Refusal):
                 await self._refuse(resp, who)
             else:
-                await resp.send(200, self._models())
+                await resp.send(200, self._models(who))
         elif req.path == b"/health" and req.method in (b"GET", b"HEAD"):
             state = self._health()
             # a router shutting down says so, for a load balancer in front still asking
@@ -183,15 +183,16 @@ class Proxy:
                 ),
             )
 
-    def _models(self) -> bytes:
+    def _models(self, who: object) -> bytes:
         # a cold model (autoscaled to zero, or its first replica loading) is listed too: a
-        # request for it waits for a replica
+        # request for it waits for a replica; the gate says which names this client sees
+        visible = self.gate.visible
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
-            for name in self.table.served_names()
+            for name in visible(who, self.table.served_names())
         ] + [
             {"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "cold": True}
-            for name in self.table.cold_names()
+            for name in visible(who, self.table.cold_names())
         ]
         return json.dumps({"object": "list", "data": data}).encode()
 
