@@ -84,7 +84,8 @@ class RecordingGate:
             return Refusal(401, "unknown key", kind="unauthorized")
         return key
 
-    def admit(self, identity, parsed, model):
+    def admit(self, identity, req, parsed, model):
+        assert json.loads(req.body)["model"] == parsed.model  # the body, to estimate from
         if identity == b"Bearer broke":
             return Refusal(
                 429,
@@ -103,6 +104,8 @@ class RecordingGate:
 
 
 class Ticket:
+    headers = ((b"x-ratelimit-remaining-requests", b"99"),)
+
     def __init__(self, model: str) -> None:
         self.model = model
         self.relayed = b""
@@ -143,6 +146,7 @@ async def test_the_gate_refuses_before_an_engine_is_picked_and_settles_each_tick
             async with http.post(url, json=chat_body(stream=True), headers=ok) as c:
                 body = await c.read()
                 assert c.status == 200
+                assert c.headers["x-ratelimit-remaining-requests"] == "99"
         ticket = gate.tickets[0]
         assert ticket.relayed == body  # every chunk, as the client got it
         assert ticket.settled == [(200, "ok")]

@@ -4,7 +4,7 @@ and metering (router/proxy.py calls it; nothing else on the request path knows o
 The moments of a request, each a call:
 1. `authenticate(req)`: before the body is read for routing. An identity, or a Refusal
    (401) that is answered at once.
-2. `admit(identity, parsed, model)`: once the model is known and before an engine is
+2. `admit(identity, req, parsed, model)`: once the model is known and before an engine is
    picked (so a refused request never takes an engine's slot, nor waits for a cold model).
    A `Ticket` (what the request reserved: the metering of one request), None when there is
    nothing to meter, or a Refusal (403, 429 with its headers).
@@ -27,6 +27,9 @@ from llmgw.router.server import Request
 
 
 class Ticket(Protocol):
+    # added to the answer's headers when it starts (x-ratelimit-*, as OpenAI sends them)
+    headers: tuple[tuple[bytes, bytes], ...]
+
     def chunk(self, data: bytes) -> None:
         """A piece of the answer, as it is relayed to the client."""
 
@@ -39,7 +42,11 @@ class Ticket(Protocol):
 class Gate(Protocol):
     def authenticate(self, req: Request) -> object | Refusal: ...
 
-    def admit(self, identity: object, parsed: Parsed, model: str) -> Ticket | Refusal | None: ...
+    def admit(
+        self, identity: object, req: Request, parsed: Parsed, model: str
+    ) -> Ticket | Refusal | None:
+        """`req.body` is there to estimate what to reserve (prompt, max_tokens)."""
+        ...
 
     def visible(self, identity: object, served_names: list[str]) -> list[str]:
         """What `GET /v1/models` lists to this identity (the names it may call)."""
@@ -62,7 +69,9 @@ class KeyListGate:
             return Refusal(401, "missing or unknown API key", kind="unauthorized")
         return None
 
-    def admit(self, identity: object, parsed: Parsed, model: str) -> Ticket | Refusal | None:
+    def admit(
+        self, identity: object, req: Request, parsed: Parsed, model: str
+    ) -> Ticket | Refusal | None:
         return None
 
     def visible(self, identity: object, served_names: list[str]) -> list[str]:

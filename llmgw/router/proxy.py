@@ -247,7 +247,7 @@ class Proxy:
         route = self._route(parsed)
         if isinstance(route, Refusal):
             return route
-        ticket = self.gate.admit(who, parsed, route.model)
+        ticket = self.gate.admit(who, req, parsed, route.model)
         if isinstance(ticket, Refusal):
             return ticket
         return parsed, route, ticket
@@ -408,6 +408,8 @@ class Proxy:
             else:
                 self.balancer.succeeded(b, time.monotonic())
             out, length = _relayed_headers(headers, b.id if self.settings.replica_header else None)
+            if ticket is not None and ticket.headers:
+                out.extend(ticket.headers)
             await resp.start(status, out, length)
             if not conn.has_body_ready:
                 resp.flush()  # the body may take a while (a stream before its first token)
