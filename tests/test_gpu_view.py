@@ -5,12 +5,19 @@ status` (text and --json) and the fleet page's document. GPUs are recorded NVML 
 
 from __future__ import annotations
 
+import time
+from importlib import resources
+
 import msgspec
+import pytest
+from aiohttp import web
+from chromium import artifacts_dir, browser
 from samples.nvml import H100_UUIDS, RecordedNvml
 from test_discovery_gpus import Lookup
 
 from llmgw.agent.discovery.gpus import discover_gpus
 from llmgw.bus import records
+from llmgw.bus.server import free_port
 from llmgw.cli.status import render
 from llmgw.controller.placement.nodes import SHARE_HEADROOM
 from llmgw.fleetstate import build
@@ -169,3 +176,64 @@ def test_a_gpu_given_whole_has_nothing_left_to_share():
     gpu = build.fleet(r, now=100.0).nodes[NODE].gpus[0]
     assert gpu.allocated is not None and gpu.allocated.whole and gpu.shared == []
     assert gpu.left_bytes is None
+
+
+async def _page_server(state: bytes, port: int) -> web.AppRunner:
+    """The page's own files, and a document to poll: the page as a router serves it, for a
+    fleet written here rather than read from a bucket."""
+    static = resources.files("llmgw.router") / "static"
+    files = {
+        "/": ("fleet.html", "text/html"),
+        "/fleet/fleet.js": ("fleet.js", "text/javascript"),
+        "/fleet/fleet.css": ("fleet.css", "text/css"),
+    }
+
+    async def handle(request: web.Request) -> web.Response:
+        if request.path == "/fleet/state":
+            return web.Response(body=state, content_type="application/json")
+        name, kind = files[request.path]
+        return web.Response(body=(static / name).read_bytes(), content_type=kind)
+
+    app = web.Application()
+    app.router.add_route("GET", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+@pytest.mark.anyio
+async def test_the_page_shows_the_replicas_on_a_shared_gpu_and_a_mig_devices_parent(tmp_path):
+    router = {"source": "nats", "nats": "", "models": 2, "models_ready": 2, "poll_s": 60}
+    state = encode_state(fleet_state(_records(), {}, time.time(), router))
+    port = free_port()
+    runner = await _page_server(state, port)
+    try:
+        async with browser(tmp_path) as open_tab, open_tab(f"http://127.0.0.1:{port}/") as tab:
+            gpu = f"document.querySelector('[data-uuid=\"{SHARED_GPU}\"]')"
+            text = await tab.until(f"{gpu} && {gpu}.textContent")
+            left = (H200_MEMORY_TOTAL - 130 * GB - SHARE_HEADROOM) / GB
+            assert f"shared by 3 replicas, 65.0 GB allotted, left {left:.1f} GB" in text
+            assert "others 65.0 GB" in text and "python3 65.0 GB" in text
+            shown = await tab.evaluate(
+                f"[...{gpu}.querySelectorAll('[data-replica]')].map(e => e.textContent)"
+            )
+            assert shown[0] == "small r1: 20.0 GB allotted, holds 3.0 GB"
+            assert len(shown) == 3 and "outgrew its allotment" in shown[2]
+            assert await tab.evaluate(
+                f"[...{gpu}.querySelectorAll('[data-outgrown]')].map(e => e.dataset.replica)"
+            ) == ["r3"]
+            # and under its model
+            assert await tab.evaluate(
+                "[...document.querySelectorAll('[data-role=outgrown]')].map(e => e.textContent)"
+            ) == [
+                f"{NODE}: engine outgrew its GPU allotment: holds 25.0 GB, given 20.0 GB; "
+                "not stopped"
+            ]
+            migs = await tab.evaluate(
+                "[...document.querySelectorAll('[data-role=mig]')].map(e => e.textContent)"
+            )
+            assert migs == [f"MIG 1g.18gb of GPU 1 (parent {H100_UUIDS[1]}, 1 slice) "] * 2
+            await tab.screenshot(artifacts_dir() / "fleet-page-shared-gpu.png")
+    finally:
+        await runner.cleanup()
