@@ -19,6 +19,7 @@ from llmgw.agent.discovery.gpus import discover_gpus
 from llmgw.bus import records
 from llmgw.bus.server import free_port
 from llmgw.cli.status import render
+from llmgw.controller.metrics import shared_gpus
 from llmgw.controller.placement.nodes import SHARE_HEADROOM
 from llmgw.fleetstate import build
 from llmgw.fleetstate.decode import FleetRecords
@@ -176,6 +177,31 @@ def test_a_gpu_given_whole_has_nothing_left_to_share():
     gpu = build.fleet(r, now=100.0).nodes[NODE].gpus[0]
     assert gpu.allocated is not None and gpu.allocated.whole and gpu.shared == []
     assert gpu.left_bytes is None
+
+
+def test_the_controllers_metrics_carry_each_shared_gpus_parts_and_the_engines_outgrown():
+    families = {f.name: f for f in shared_gpus(_records())}
+    memory = {
+        (s.labels["gpu"], s.labels["part"]): s.value
+        for s in families["llmgw_controller_shared_gpu_bytes"].samples
+        if s.labels["node"] == NODE
+    }
+    assert memory[(SHARED_GPU, "allotted")] == 65 * GB
+    assert memory[(SHARED_GPU, "others")] == 65 * GB
+    assert memory[(SHARED_GPU, "left")] == H200_MEMORY_TOTAL - 130 * GB - SHARE_HEADROOM
+    assert memory[(SHARED_GPU, "total")] == H200_MEMORY_TOTAL
+    replicas = {
+        (s.labels["gpu"], s.labels["mig_profile"]): s.value
+        for s in families["llmgw_controller_shared_gpu_replicas"].samples
+    }
+    # the idle MIG device and GPUs no shared replica is on are no series
+    assert sorted(replicas.values()) == [1, 3] and replicas[(SHARED_GPU, "")] == 3
+    assert [
+        (s.labels["model"], s.value) for s in families["llmgw_controller_engines_outgrown"].samples
+    ] == [
+        ("small", 1),
+        ("tiny", 0),
+    ]
 
 
 async def _page_server(state: bytes, port: int) -> web.AppRunner:
