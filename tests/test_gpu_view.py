@@ -34,10 +34,10 @@ FOREIGN_PID = 4949
 ENGINES = {7001: 3 * GB, 7002: 18 * GB, 7003: 25 * GB}  # the third outgrew its 20 GB
 
 
-def _records(*, outgrown: bool = True) -> FleetRecords:
+def _records(*, outgrown: bool = True, foreign_gb: float = 65) -> FleetRecords:
     """An H200 shared by three 20 GB replicas beside a 65 GB PyTorch process, and a card
     in MIG mode with two 1g.18gb devices, one running a fourth engine."""
-    held = [(FOREIGN_PID, 65 * GB), *ENGINES.items()]
+    held = [(FOREIGN_PID, int(foreign_gb * GB)), *ENGINES.items()]
     nvml = RecordedNvml(
         count=2,
         name=H200_NAME,
@@ -165,6 +165,32 @@ def test_the_pages_document_shows_every_replica_on_a_shared_gpu():
     assert gpu["left_bytes"] == H200_MEMORY_TOTAL - 130 * GB - SHARE_HEADROOM
     assert [a["replica"] for a in gpu["shared"] if a["outgrown"]] == ["r3"]
     assert node["gpus"][1]["parent_uuid"] == H100_UUIDS[1]
+
+
+def test_a_shared_gpu_whose_other_program_grew_says_how_far_over_it_is():
+    # the PyTorch process grew from 65 to 95 GB under the three replicas: nothing is left,
+    # and the line says by how much the GPU is over (placement then puts no more there)
+    view = build.fleet(_records(foreign_gb=95), now=100.0)
+    over = 65 * GB + 95 * GB + SHARE_HEADROOM - H200_MEMORY_TOTAL
+    assert view.nodes[NODE].gpus[0].left_bytes == -over
+    line = render(view, now=100.0).splitlines()
+    assert any(
+        x.strip().startswith("GPU 0: ")
+        and x.endswith(
+            f"shared by 3 replicas, 65.0 GB allotted, left none ({over / GB:.1f} GB over: "
+            "others grew, or an engine outgrew its allotment)"
+        )
+        for x in line
+    )
+
+
+def test_a_shared_gpu_out_of_service_has_nothing_left_and_says_why():
+    r = _records()
+    r.ops[NODE] = records.NodeOps(node=NODE, gpus_out=[SHARED_GPU])
+    gpu = build.fleet(r, now=100.0).nodes[NODE].gpus[0]
+    assert gpu.left_bytes is None and len(gpu.shared) == 3
+    text = render(build.fleet(r, now=100.0), now=100.0)
+    assert "shared by 3 replicas, 65.0 GB allotted, left none; out of service" in text
 
 
 def test_a_gpu_given_whole_has_nothing_left_to_share():

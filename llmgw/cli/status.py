@@ -136,8 +136,8 @@ def _gpu_use(g: GpuState) -> str:
 
 def _left(left: int | None) -> str:
     """What one more shared replica could be given (llmgw.allotment.room)."""
-    if left is None:
-        return "none (out of service)"
+    if left is None:  # out of service: said after it
+        return "none"
     if left < 0:
         return f"none ({_gb(-left)} GB over: others grew, or an engine outgrew its allotment)"
     return f"{_gb(left)} GB"
