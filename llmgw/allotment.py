@@ -28,6 +28,10 @@ GB = 1_000_000_000
 # least 1 GB (the CUDA context and allocator rounding move by hundreds of MB)
 MARGIN_FRACTION = 0.10
 MARGIN_MIN_BYTES = GB
+# What a shared GPU keeps free beside the allotments: the driver's own reservation (0.55 GB
+# on an idle H100) and room for the allocator's rounding. Each engine's CUDA context is
+# inside its allotment (the adapters size the engine to fit: docs/engines.md).
+SHARE_HEADROOM = GB
 
 
 def margin(allotted: int) -> int:
@@ -37,6 +41,20 @@ def margin(allotted: int) -> int:
 def is_over(used: int, allotted: int) -> bool:
     """Whether an engine holding `used` bytes has outgrown an allotment of `allotted`."""
     return used > allotted + margin(allotted)
+
+
+def taken(allotted: int, used: int | None) -> int:
+    """What a shared replica takes of its GPU: its allotment, or what its engine holds when
+    it outgrew that (its shard record's `gpu_used_bytes`): its neighbours lose that much."""
+    return max(allotted, used or 0)
+
+
+def room(total: int, allotted: int, held: int) -> int:
+    """Bytes one more shared replica could be given on a GPU of `total` bytes: less what
+    llmgw allotted there (`taken`, summed), what other programs hold (NVML) and
+    SHARE_HEADROOM. Placement's rule (controller/placement/nodes.py) and what `llmgw
+    status`, the page and the metrics call "left"; below 0 when others grew under them."""
+    return total - allotted - held - SHARE_HEADROOM
 
 
 def engine_bytes(gpu: Gpu, engine_pid: int) -> int:

@@ -68,6 +68,9 @@ def test_nodes_are_grouped_by_fabric_with_free_gpus_and_what_llmgw_allocated():
         "replica": "r1",
         "bytes": 80 * GB,
         "whole": True,
+        "shared": False,
+        "used_bytes": None,
+        "outgrown": False,
     }
     assert node_a["gpus"][2]["allocated"] is None
     assert node_a["gpus"][3]["out_of_service"] is True

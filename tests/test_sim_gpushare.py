@@ -183,7 +183,18 @@ async def test_shared_replicas_run_on_one_gpu_and_their_engines_memory_reaches_t
                 return procs if len(procs) == 3 else None
 
             procs = await until(listed, timeout=30)
+
+            # `llmgw status` of the simulated fleet shows the GPU shared by the three
+            from llmgw.cli.status import gather, gpu_lines
+
+            async def shown() -> list[str] | None:
+                lines = gpu_lines((await gather(bus)).nodes["h200"].gpus)
+                return lines if "(llmgw 59.7," in lines[0] else None  # the engines listed
+
+            lines = await until(shown, timeout=30)
             tg.cancel_scope.cancel()
+    assert lines[0].endswith("; shared by 3 replicas, 60.0 GB allotted, left 89.8 GB")
+    assert sorted(line.split(":", 1)[1] for line in lines[1:]) == [" 20.0 GB allotted"] * 3
     # each engine was launched with its allotment's share of the card, and holds that much
     share = int(int(150.75e9) * 0.132)
     assert [(p.name, p.own, p.used_bytes) for p in procs] == [("vllm", True, share)] * 3

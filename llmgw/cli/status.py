@@ -17,6 +17,7 @@ import anyio
 import click
 import msgspec
 
+from llmgw.allotment import margin
 from llmgw.bus import records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
 from llmgw.cli.common import json_option, nats_options, open_bus
@@ -24,7 +25,15 @@ from llmgw.cli.place import rollout_line
 from llmgw.controller.fabrics import fabric_view, render_fabrics
 from llmgw.fleetstate import build
 from llmgw.fleetstate.decode import FleetRecords
-from llmgw.fleetstate.model import Fleet, GpuState, ModelState, NodeState, Ops
+from llmgw.fleetstate.model import (
+    Allocation,
+    Fleet,
+    GpuState,
+    ModelState,
+    NodeState,
+    Ops,
+    ShardState,
+)
 
 GB = 1_000_000_000  # one unit for sizes everywhere a person reads them (docs/bucket.md)
 
@@ -56,28 +65,52 @@ def _gpus(n: NodeState) -> str:
     names = Counter(g.name for g in n.gpus)
     text = ", ".join(f"{k}x {name}" for name, k in names.items())
     text += f", {n.gpus_free} free"
+    shared = sum(1 for g in n.gpus if g.shared)
+    if shared:
+        text += f", {shared} shared"
     return text + ("" if n.gpu_status == "ok" else f" ({n.gpu_status}: {n.gpu_detail})")
 
 
 def gpu_line(g: GpuState) -> str:
     """ "GPU 0: in use 0.6 of 80.0 GB (llmgw 0.0, others 0.0, unaccounted 0.6)": the parts
     add up to the whole."""
-    return f"GPU {g.index}: {_gpu_use(g)}"
+    return f"{_gpu_name(g)}: {_gpu_use(g)}"
 
 
 def gpu_lines(gpus: list[GpuState]) -> list[str]:
     """One line per run of GPUs that read alike ("GPU 0-7: ..."): eight idle GPUs are one
-    line, not eight."""
+    line, not eight. A shared GPU or a MIG device is a line of its own, and a shared one is
+    followed by a line per replica on it ("  m r1: 20.0 GB allotted, holds 18.2")."""
     runs: list[tuple[int, int, str]] = []
+    lines: list[str] = []
+
+    def flush() -> None:
+        lines.extend(
+            f"GPU {lo}: {use}" if lo == hi else f"GPU {lo}-{hi}: {use} each" for lo, hi, use in runs
+        )
+        runs.clear()
+
     for g in gpus:
+        if g.shared or g.mig_profile:
+            flush()
+            lines.append(gpu_line(g))
+            lines.extend(f"  {_share_line(a)}" for a in g.shared)
+            continue
         use = _gpu_use(g)
         if runs and runs[-1][2] == use and runs[-1][1] == g.index - 1:
             runs[-1] = (runs[-1][0], g.index, use)
         else:
             runs.append((g.index, g.index, use))
-    return [
-        f"GPU {lo}: {use}" if lo == hi else f"GPU {lo}-{hi}: {use} each" for lo, hi, use in runs
-    ]
+    flush()
+    return lines
+
+
+def _gpu_name(g: GpuState) -> str:
+    """ "GPU 0", or a MIG device: "MIG 1g.18gb of GPU 0 (parent GPU-..., 1 slice)" """
+    if not g.mig_profile:
+        return f"GPU {g.index}"
+    slices = f", {g.mig_slices} slice{'s' if g.mig_slices != 1 else ''}" if g.mig_slices else ""
+    return f"MIG {g.mig_profile} of GPU {g.index} (parent {g.parent_uuid or '?'}{slices})"
 
 
 def _gpu_use(g: GpuState) -> str:
@@ -88,11 +121,47 @@ def _gpu_use(g: GpuState) -> str:
             f"in use {_gb(g.used_bytes)} of {_gb(g.total_bytes)} GB (llmgw {_gb(g.own_bytes)}, "
             f"others {_gb(g.foreign_bytes)}, unaccounted {_gb(g.unaccounted_bytes)})"
         )
+    if g.shared:
+        use += (
+            f"; shared by {len(g.shared)} replica{'s' if len(g.shared) != 1 else ''}, "
+            f"{_gb(g.allotted_bytes)} GB allotted, "
+        )
+        use += "left " + _left(g.left_bytes)
     if g.out_of_service:
         use += "; out of service"
     elif g.allocated is not None:
         use += f"; allocated to {g.allocated.model} {g.allocated.replica}"
     return use
+
+
+def _left(left: int | None) -> str:
+    """What one more shared replica could be given (llmgw.allotment.room)."""
+    if left is None:  # out of service: said after it
+        return "none"
+    if left < 0:
+        return f"none ({_gb(-left)} GB over: others grew, or an engine outgrew its allotment)"
+    return f"{_gb(left)} GB"
+
+
+def _share_line(a: Allocation) -> str:
+    """ "m r1: 20.0 GB allotted, holds 18.2" and, over it by more than the margin, so named"""
+    line = f"{a.model} {a.replica}: {_gb(a.bytes)} GB allotted"
+    if a.used_bytes is not None:
+        line += f", holds {_gb(a.used_bytes)}"
+    if a.outgrown:
+        line += (
+            f"; OUTGROWN its allotment by more than the margin ({_gb(margin(a.bytes))} GB); "
+            "not stopped"
+        )
+    return line
+
+
+def _outgrown(s: ShardState) -> str:
+    return (
+        f"engine outgrew its GPU allotment: holds {_gb(s.gpu_used_bytes)} GB, given "
+        f"{_gb(s.gpu_allotted_bytes)} GB (margin {_gb(margin(s.gpu_allotted_bytes))} GB); "
+        "not stopped"
+    )
 
 
 def _age(seconds: float) -> str:
@@ -173,6 +242,9 @@ def _model_lines(m: ModelState, now: float) -> list[str]:
             )
             tail = [line for line in s.output_tail if line.strip()]
             lines.extend(f"        | {line}" for line in tail[-TAIL_SHOWN:])
+        for s in r.shards:
+            if s.gpu_outgrown:
+                lines.append(f"      {s.node}: {_outgrown(s)}")
     p = m.placement
     if p is not None and p.explanation:
         label = "frozen" if p.frozen else "unplaced" if p.placed < p.desired else "note"

@@ -20,6 +20,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from llmgw.bus import records
+from llmgw.fleetstate import build
+from llmgw.fleetstate.decode import FleetRecords
 
 if TYPE_CHECKING:
     from llmgw.controller.view import View
@@ -88,6 +90,7 @@ class FleetCollector(Collector):
         yield replicas
         yield from _unplaced(view.placements.values())
         yield _unreadable(view.unreadable.values())
+        yield from shared_gpus(view)
 
 
 def _unreadable(values) -> GaugeMetricFamily:
@@ -148,3 +151,57 @@ def _unplaced(placements) -> Iterator[GaugeMetricFamily]:
             refused.add_metric([rec.model, reason], n)
     yield unplaced
     yield refused
+
+
+# the parts of a shared GPU's memory, as `llmgw status` and the page show them
+SHARED_GPU_PARTS = ("total", "allotted", "others", "left")
+
+
+def shared_gpus(r: FleetRecords) -> Iterator[GaugeMetricFamily]:
+    """Per GPU that shared replicas are on (share_gpus; a MIG device is one), its memory
+    in parts and the replicas on it, from the fleet's read model (llmgw/fleetstate: the
+    same figures as `llmgw status`); and the shared engines over their allotment. Only
+    shared GPUs are series: bounded by the shared replicas, not by the fleet's GPUs."""
+    memory = GaugeMetricFamily(
+        "llmgw_controller_shared_gpu_bytes",
+        "Memory of a GPU shared replicas are on, by part: total, allotted (their "
+        "allotments, or what an engine that outgrew its holds), others (programs not "
+        "llmgw's), left (what one more could be given: total - allotted - others - headroom)",
+        labels=["node", "gpu", "mig_profile", "part"],
+    )
+    sharing = GaugeMetricFamily(
+        "llmgw_controller_shared_gpu_replicas",
+        "Shared replicas on a GPU (share_gpus)",
+        labels=["node", "gpu", "mig_profile"],
+    )
+    outgrown = GaugeMetricFamily(
+        "llmgw_controller_engines_outgrown",
+        "Shared engines holding more of their GPU than their allotment plus the margin "
+        "(their shard records say so; they are not stopped), by node and model",
+        labels=["node", "model"],
+    )
+    held = build.gpus_held(r)
+    over: Counter[tuple[str, str]] = Counter()
+    for (node, uuid), allocations in sorted(held.items()):
+        inv = r.nodes.get(node)
+        if inv is None or not any(a.shared for a in allocations):
+            continue
+        device = next((g for g in inv.gpus.devices if g.uuid == uuid), None)
+        if device is None:
+            continue
+        ops = r.ops.get(node)
+        g = build.gpu_state(device, allocations, bool(ops and uuid in ops.gpus_out))
+        labels = [node, uuid, g.mig_profile]
+        left = g.left_bytes if g.left_bytes is not None else 0
+        for part, value in zip(
+            SHARED_GPU_PARTS, (g.total_bytes, g.allotted_bytes, g.foreign_bytes, left), strict=True
+        ):
+            memory.add_metric([*labels, part], value)
+        sharing.add_metric(labels, len(g.shared))
+        for a in g.shared:
+            over[(node, a.model)] += a.outgrown
+    for (node, model), n in sorted(over.items()):
+        outgrown.add_metric([node, model], n)
+    yield memory
+    yield sharing
+    yield outgrown

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import msgspec
+
+from llmgw import allotment
 from llmgw.bus import keys, records
 from llmgw.fleetstate.decode import FleetRecords
 from llmgw.fleetstate.model import (
@@ -90,20 +93,33 @@ _MODEL_FAMILIES = frozenset(
 # --- nodes -----------------------------------------------------------------------------------
 
 
-def gpus_held(r: FleetRecords) -> dict[tuple[str, str], Allocation]:
+def gpus_held(r: FleetRecords) -> dict[tuple[str, str], list[Allocation]]:
     """(node, GPU uuid) -> what llmgw gave it to: the replica holding it, and the bytes its
-    profile asked per GPU (the whole GPU when it asked none; llmgw gives engines whole GPUs)."""
-    out: dict[tuple[str, str], Allocation] = {}
-    for rep in r.replicas.values():
+    profile asked per GPU (the whole GPU when it asked none; llmgw gives engines whole GPUs),
+    or the shared replicas on it (share_gpus), each with its allotment and what its engine
+    holds there (its shard record)."""
+    out: dict[tuple[str, str], list[Allocation]] = {}
+    for rep in sorted(r.replicas.values(), key=lambda rep: rep.rid):
         if rep.phase not in records.REPLICA_HOLDS_GPUS_AND_PORTS:
             continue
         model = r.catalog.get(rep.model)
         profile = model.profile(rep.profile) if model else None
         asked = int(profile.gpu_memory_gb * 1e9) if profile and profile.gpu_memory_gb else 0
         for m in rep.members:
+            shard = r.shards.get((m.node, rep.rid)) if m.gpu_bytes else None
             for uuid in m.gpus:
-                out[(m.node, uuid)] = Allocation(
-                    model=rep.model, replica=rep.rid, bytes=asked, whole=not asked
+                out.setdefault((m.node, uuid), []).append(
+                    Allocation(
+                        model=rep.model,
+                        replica=rep.rid,
+                        bytes=m.gpu_bytes,
+                        whole=False,
+                        shared=True,
+                        used_bytes=shard.gpu_used_bytes if shard else None,
+                        outgrown=bool(shard and shard.gpu_outgrown),
+                    )
+                    if m.gpu_bytes
+                    else Allocation(model=rep.model, replica=rep.rid, bytes=asked, whole=not asked)
                 )
     return out
 
@@ -121,16 +137,20 @@ def _fabric_groups(r: FleetRecords) -> dict[str, str]:
     return out
 
 
-def gpu_state(g: records.Gpu, allocated: Allocation | None, out_of_service: bool) -> GpuState:
+def gpu_state(g: records.Gpu, allocations: list[Allocation], out_of_service: bool) -> GpuState:
     own = sum(p.used_bytes or 0 for p in g.processes if p.own)
     foreign = g.foreign_bytes()
     used = g.memory_used_bytes
     # the parts add up to the whole: what no listed process holds is shown as such
     unaccounted = max(used - own - foreign, 0) if used is not None else 0
+    shared = [a for a in allocations if a.shared]
+    allocated = next((a for a in allocations if not a.shared), None)
     if allocated is not None and allocated.whole:
-        allocated = Allocation(
-            model=allocated.model, replica=allocated.replica, bytes=g.memory_total_bytes, whole=True
-        )
+        allocated = msgspec.structs.replace(allocated, bytes=g.memory_total_bytes)
+    allotted = sum(allotment.taken(a.bytes, a.used_bytes) for a in shared)
+    left = None
+    if allocated is None and not out_of_service:
+        left = allotment.room(g.memory_total_bytes, allotted, foreign)
     return GpuState(
         index=g.index,
         name=g.name,
@@ -145,6 +165,12 @@ def gpu_state(g: records.Gpu, allocated: Allocation | None, out_of_service: bool
         ],
         allocated=allocated,
         out_of_service=out_of_service,
+        shared=shared,
+        allotted_bytes=allotted,
+        left_bytes=left,
+        mig_profile=g.mig_profile,
+        parent_uuid=g.parent_uuid,
+        mig_slices=g.mig_slices,
     )
 
 
@@ -164,7 +190,7 @@ def node_state(
     node: str,
     r: FleetRecords,
     now: float,
-    held: Mapping[tuple[str, str], Allocation],
+    held: Mapping[tuple[str, str], list[Allocation]],
     fabric: str,
     running: list[str],
     *,
@@ -179,7 +205,7 @@ def node_state(
     lease, health = r.leases.get(node), r.health.get(node)
     memory = lease.memory if lease else inv.memory
     out = set(o.gpus_out) if o else set()
-    gpus = [gpu_state(g, held.get((node, g.uuid)), g.uuid in out) for g in inv.gpus.devices]
+    gpus = [gpu_state(g, held.get((node, g.uuid), []), g.uuid in out) for g in inv.gpus.devices]
     taints = [f"{t} (agent)" for t in inv.taints] + [
         f"{t} (operator)" for t in (o.taints if o else [])
     ]
@@ -199,7 +225,9 @@ def node_state(
         gpu_status=inv.gpus.status,
         gpu_detail=inv.gpus.detail,
         gpus=gpus,
-        gpus_free=sum(1 for g in gpus if g.allocated is None and not g.out_of_service),
+        gpus_free=sum(
+            1 for g in gpus if g.allocated is None and not g.shared and not g.out_of_service
+        ),
         engines=[Engine(name=e.name, version=e.version) for e in inv.engines],
         ib=[_ib(a) for a in inv.ib],
         weights=_weights(inv.weights),
@@ -258,6 +286,9 @@ def replica_state(
             restarts=s.restarts,
             gave_up=s.gave_up,
             output_tail=list(s.output_tail),
+            gpu_used_bytes=s.gpu_used_bytes,
+            gpu_allotted_bytes=s.gpu_allotted_bytes,
+            gpu_outgrown=s.gpu_outgrown,
         )
         for m in sorted(rep.members, key=lambda m: m.node)
         if (s := r.shards.get((m.node, rep.rid))) is not None

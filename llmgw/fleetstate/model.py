@@ -36,8 +36,16 @@ class Allocation(msgspec.Struct, kw_only=True):
 
     model: str
     replica: str
-    bytes: int  # the profile's gpu_memory_gb, or the whole GPU when it asked none
+    # the profile's gpu_memory_gb, or the whole GPU when it asked none; a shared replica's:
+    # its allotment (ReplicaMember.gpu_bytes)
+    bytes: int
     whole: bool
+    # a shared replica (share_gpus), one of several on the GPU; what its engine holds there
+    # and whether that outgrew its allotment by more than the margin, as its shard record
+    # says (llmgw/allotment.py; None: not said yet). An engine outgrown is not stopped.
+    shared: bool = False
+    used_bytes: int | None = None
+    outgrown: bool = False
 
 
 class GpuState(msgspec.Struct, kw_only=True):
@@ -54,8 +62,21 @@ class GpuState(msgspec.Struct, kw_only=True):
     foreign_bytes: int
     unaccounted_bytes: int
     processes: list[Process]
-    allocated: Allocation | None
+    allocated: Allocation | None  # the replica given it whole (not shared)
     out_of_service: bool
+    # the shared replicas on it and their allotments; what they take (an allotment, or
+    # what an engine that outgrew it holds), and what one more could still be given:
+    # total - allotted - others' memory - headroom (llmgw.allotment.room, placement's rule;
+    # below 0 when others grew under them). None: no shared replica may go here (it is
+    # given whole, or out of service).
+    shared: list[Allocation] = []
+    allotted_bytes: int = 0
+    left_bytes: int | None = None
+    # a MIG device (a GPU of its own): its profile, its parent's UUID (`index` is the
+    # parent's) and its slices of the parent
+    mig_profile: str = ""
+    parent_uuid: str = ""
+    mig_slices: int = 0
 
 
 class Ops(msgspec.Struct, kw_only=True):
@@ -92,7 +113,7 @@ class NodeState(msgspec.Struct, kw_only=True):
     gpu_status: str = ""
     gpu_detail: str = ""
     gpus: list[GpuState] = []
-    gpus_free: int = 0  # neither allocated nor out of service
+    gpus_free: int = 0  # neither allocated, nor shared, nor out of service
     engines: list[Engine] = []
     ib: list[str] = []  # "mlx5_0:ib-a up"
     weights: str = ""  # "2 model(s) in /models", or why none are looked for
@@ -120,6 +141,11 @@ class ShardState(msgspec.Struct, kw_only=True):
     restarts: int = 0
     gave_up: bool = False
     output_tail: list[str] = []
+    # a shared engine: what it holds on its GPU, what it was given, and whether it outgrew
+    # that by more than the margin (records.Shard; it is not stopped for it)
+    gpu_used_bytes: int | None = None
+    gpu_allotted_bytes: int = 0
+    gpu_outgrown: bool = False
 
 
 class ReplicaState(msgspec.Struct, kw_only=True):

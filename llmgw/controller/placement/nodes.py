@@ -27,6 +27,9 @@ from typing import TypeVar
 
 import msgspec
 
+# SHARE_HEADROOM: the rule is allotment.room, named here too for the filters and pickers
+from llmgw.allotment import SHARE_HEADROOM as SHARE_HEADROOM
+from llmgw.allotment import room, taken
 from llmgw.bus.records import (
     PORT_IN_USE,
     REPLICA_HOLDS_GPUS_AND_PORTS,
@@ -44,11 +47,6 @@ from llmgw.controller.placement.snapshot import Snapshot
 from llmgw.labels import node_labels, sanitize_value
 
 T = TypeVar("T")
-
-# What a shared GPU keeps free beside the allotments: the driver's own reservation (0.55 GB
-# on an idle H100) and room for the allocator's rounding. Each engine's CUDA context is
-# inside its allotment (the adapters size the engine to fit: docs/engines.md).
-SHARE_HEADROOM = GB
 
 
 def gpu_is(gpu: Gpu, model: str | None) -> bool:
@@ -165,8 +163,9 @@ class NodeState:
     def room(self, gpu: Gpu) -> int:
         """Bytes a shared replica could still be given on `gpu`: its memory less llmgw's
         allotments there, other programs' memory and SHARE_HEADROOM."""
-        taken = self.allotted.get(gpu.uuid, 0) + self.held.get(gpu.uuid, 0)
-        return gpu.memory_total_bytes - taken - SHARE_HEADROOM
+        return room(
+            gpu.memory_total_bytes, self.allotted.get(gpu.uuid, 0), self.held.get(gpu.uuid, 0)
+        )
 
     def shareable_gpus(self, model: str | None = None) -> list[Gpu]:
         """GPUs a shared replica may go to, room or not: healthy, of `model`, and either
@@ -424,9 +423,9 @@ def fleet_nodes(snapshot: Snapshot, memo: InventoryMemo | None = None) -> dict[s
                 # or what its engine holds when it outgrew that (its agent says, shard record)
                 shard = snapshot.shards.get((member.node, replica.rid))
                 grown = shard.gpu_used_bytes if shard is not None else None
-                taken = max(member.gpu_bytes, grown or 0)
+                share = taken(member.gpu_bytes, grown)
                 for uuid in member.gpus:
-                    node.allotted[uuid] = node.allotted.get(uuid, 0) + taken
+                    node.allotted[uuid] = node.allotted.get(uuid, 0) + share
                     node.sharing[uuid] = node.sharing.get(uuid, 0) + 1
             node.used_ports.add(member.port)
             node.models[replica.model] = node.models.get(replica.model, 0) + 1

@@ -80,6 +80,10 @@ function replicaList(m) {
       }
     }
     if (r.why) li.append(el("div", { class: "muted" }, "why: " + r.why));
+    for (const s of r.shards.filter((s) => s.gpu_outgrown)) {
+      li.append(el("div", { class: "why", "data-role": "outgrown" },
+        `${s.node}: engine outgrew its GPU allotment: holds ${gb(s.gpu_used_bytes)}, given ${gb(s.gpu_allotted_bytes)}; not stopped`));
+    }
     ul.append(li);
   }
   return el("td", {}, ul);
@@ -138,6 +142,31 @@ function models(state) {
 
 // --- nodes -------------------------------------------------------------------------------
 
+function gpuName(g) {
+  // a MIG device is a GPU of its own: its profile, its card's index and the card named
+  if (!g.mig_profile) return el("b", {}, `GPU ${g.index} `);
+  const slices = g.mig_slices ? `, ${g.mig_slices} slice${g.mig_slices === 1 ? "" : "s"}` : "";
+  return el("span", { "data-role": "mig" }, el("b", {}, `MIG ${g.mig_profile} of GPU ${g.index} `),
+    el("span", { class: "muted" }, `(parent ${g.parent_uuid || "?"}${slices}) `));
+}
+
+function left(b) {
+  // what one more shared replica could be given (llmgw.allotment.room, placement's rule)
+  if (b === null || b === undefined) return "none (out of service)";
+  return b < 0 ? `none (${gb(-b)} over)` : gb(b);
+}
+
+function sharedList(g) {
+  const ul = el("ul", { class: "shared" });
+  for (const a of g.shared) {
+    const held = a.used_bytes === null ? "" : `, holds ${gb(a.used_bytes)}`;
+    ul.append(el("li", { "data-replica": a.replica, "data-outgrown": a.outgrown ? "1" : null },
+      `${a.model} ${a.replica}: ${gb(a.bytes)} allotted${held}`,
+      a.outgrown ? el("span", { class: "why" }, " · outgrew its allotment by more than the margin; not stopped") : null));
+  }
+  return ul;
+}
+
 function gpuRow(g) {
   const total = g.total_bytes || 1;
   const bar = el("div", { class: "bar" });
@@ -155,15 +184,29 @@ function gpuRow(g) {
     a.style.left = "0"; a.style.width = Math.min(100, 100 * g.allocated.bytes / total) + "%";
     bar.append(a);
     alloc = `allocated ${gb(g.allocated.bytes)}${g.allocated.whole ? " (whole GPU)" : ""} to ${g.allocated.model} ${g.allocated.replica}`;
+  } else if (g.shared.length) {
+    // one outline per allotment, side by side
+    let at = 0;
+    for (const s of g.shared) {
+      const a = el("span", { class: "allocated" });
+      a.style.left = Math.min(100, 100 * at / total) + "%";
+      a.style.width = Math.min(100, 100 * s.bytes / total) + "%";
+      bar.append(a);
+      at += s.bytes;
+    }
+    const n = g.shared.length;
+    alloc = el("span", { "data-role": "shared" },
+      `shared by ${n} replica${n === 1 ? "" : "s"}, ${gb(g.allotted_bytes)} allotted, left ${left(g.left_bytes)}`);
   }
   if (g.out_of_service) alloc = "out of service";
   const used = g.used_bytes === null ? "in use: not reported"
     : `in use ${gb(g.used_bytes)} (llmgw ${gb(g.own_bytes)}, others ${gb(g.foreign_bytes)}, unaccounted ${gb(g.unaccounted_bytes)})`;
   const others = g.processes.filter((p) => !p.own).map((p) => `${p.name || "pid " + p.pid} ${gb(p.used_bytes)}`);
-  return el("div", { class: "gpu", "data-gpu": g.index },
-    el("div", {}, el("b", {}, `GPU ${g.index} `), alloc, " · ", used,
+  return el("div", { class: "gpu", "data-gpu": g.index, "data-uuid": g.uuid },
+    el("div", {}, gpuName(g), alloc, " · ", used,
       others.length ? el("span", { class: "muted" }, " · others: " + others.join(", ")) : null),
-    bar);
+    bar,
+    g.shared.length ? sharedList(g) : null);
 }
 
 function gpuSummary(n) {
@@ -171,7 +214,8 @@ function gpuSummary(n) {
   const names = {};
   for (const g of n.gpus) names[`${g.name}, ${gb(g.total_bytes)}`] = (names[`${g.name}, ${gb(g.total_bytes)}`] || 0) + 1;
   const kinds = Object.entries(names).map(([name, count]) => `${count}× ${name}`).join("; ");
-  return `${n.gpus_free} of ${n.gpus.length} free · ${kinds}`;
+  const shared = n.gpus.filter((g) => g.shared.length).length;
+  return `${n.gpus_free} of ${n.gpus.length} free${shared ? `, ${shared} shared` : ""} · ${kinds}`;
 }
 
 function nodeCard(n) {
