@@ -120,6 +120,7 @@ Why = (
     | ReplicaIs
     | Draining
     | Removed
+    | Restored
     | RolloutIs
     | Unplaced
     | Scaled
