@@ -43,13 +43,30 @@ async def bus(nats_settings: NatsSettings) -> AsyncIterator[Bus]:
 
 
 @pytest.fixture
-async def controller(nats_settings: NatsSettings) -> AsyncIterator[None]:
+def engine_ports() -> Iterator[tuple[int, int]]:
+    """(low, high): the ports this test's engines are given, found free and reserved
+    against other test runs on this machine (port_helpers), never llmgw's default range."""
+    from port_helpers import free_port_run
+
+    with free_port_run() as ports:
+        yield ports
+
+
+@pytest.fixture
+async def controller(
+    nats_settings: NatsSettings, engine_ports: tuple[int, int]
+) -> AsyncIterator[None]:
     """A leading controller in this process, quick to react, slow to declare nodes lost
-    (end-to-end tests are about engines, not liveness)."""
+    (end-to-end tests are about engines, not liveness), placing engines on `engine_ports`."""
     from llmgw.controller.loop import Controller, ControllerSettings
 
     settings = ControllerSettings(
-        unreachable_after=2, lost_after=30, leader_ttl=1, tick=0.05, resync=0.5
+        unreachable_after=2,
+        lost_after=30,
+        leader_ttl=1,
+        tick=0.05,
+        resync=0.5,
+        port_range=engine_ports,
     )
     b = await Bus.connect(nats_settings, give_up_after=5)
     async with anyio.create_task_group() as tg:

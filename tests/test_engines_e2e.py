@@ -290,16 +290,17 @@ async def test_fixing_a_refused_profile_in_the_catalog_launches_it(bus, node, co
 
 
 async def test_new_replica_on_the_port_of_one_being_drained_waits_for_it_instead_of_failing(
-    bus, node
+    bus, node, engine_ports
 ):
     # A node back after being declared lost: its old replica is drained while the new one
     # is placed on the same port. No controller here: the assignments are written as it would.
     model = _catalog(node["tmp"])
     await bus.put(keys.catalog(model.id), catalog.encode_model(model))
+    port = engine_ports[0]
 
     def assignment(rid: str, action: str, generation: int) -> records.Assignment:
         return records.Assignment(
-            model="tiny", rid=rid, profile="cpu", action=action, generation=generation, port=18000
+            model="tiny", rid=rid, profile="cpu", action=action, generation=generation, port=port
         )
 
     await bus.put(keys.assign("node1", "rold"), assignment("rold", "run", 1))
@@ -312,7 +313,7 @@ async def test_new_replica_on_the_port_of_one_being_drained_waits_for_it_instead
         return got.value if got and got.value.phase == "ready" else None
 
     shard = await until(new_ready)
-    assert shard.endpoint.endswith(":18000")
+    assert shard.endpoint.endswith(f":{port}")
     text = node["log"].read_text()
     assert "rnew waits for rold to stop (same port or GPUs)" in text
 
@@ -341,14 +342,15 @@ async def test_shard_record_of_an_assignment_removed_while_the_agent_was_down_is
 
 
 async def test_a_replica_that_cannot_start_for_a_local_error_fails_alone_and_the_agent_keeps_serving(
-    bus, node
+    bus, node, engine_ports
 ):
     model = _catalog(node["tmp"])
     await bus.put(keys.catalog(model.id), catalog.encode_model(model))
+    low = engine_ports[0]
     await bus.put(
         keys.assign("node1", "rok"),
         records.Assignment(
-            model="tiny", rid="rok", profile="cpu", action="run", generation=1, port=18000
+            model="tiny", rid="rok", profile="cpu", action="run", generation=1, port=low
         ),
     )
     ok = await until(lambda: _shard(bus, "ready"))
@@ -360,7 +362,7 @@ async def test_a_replica_that_cannot_start_for_a_local_error_fails_alone_and_the
         await bus.put(
             keys.assign("node1", "rbad"),
             records.Assignment(
-                model="tiny", rid="rbad", profile="cpu", action="run", generation=1, port=18001
+                model="tiny", rid="rbad", profile="cpu", action="run", generation=1, port=low + 1
             ),
         )
 
