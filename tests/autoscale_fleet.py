@@ -60,8 +60,8 @@ def stop_agents(procs: list[subprocess.Popen]) -> None:
         stop(p)
 
 
-def controller_settings(name: str) -> ControllerSettings:
-    # ports of their own: other suites' engines may hold 18000 on this machine
+def controller_settings(name: str, ports: tuple[int, int]) -> ControllerSettings:
+    """A quick controller placing engines on `ports` (the test's engine_ports)."""
     return ControllerSettings(
         controller_id=name,
         unreachable_after=2,
@@ -69,7 +69,7 @@ def controller_settings(name: str) -> ControllerSettings:
         leader_ttl=1,
         tick=0.05,
         resync=0.5,
-        port_range=(24000, 24999),
+        port_range=ports,
         load_stale_after=2,
     )
 

@@ -22,7 +22,6 @@ from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
 from llmgw.cli.status import gather, render
-from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -59,25 +58,6 @@ def fleet(tmp_path, nats_server):
     yield tmp_path
     for p in procs:
         stop(p)
-
-
-@pytest.fixture
-async def controller(nats_settings):
-    # ports of their own: other suites' engines may hold 18000 on this machine
-    settings = ControllerSettings(
-        unreachable_after=2,
-        lost_after=30,
-        leader_ttl=1,
-        tick=0.05,
-        resync=0.5,
-        port_range=(23000, 23999),
-    )
-    b = await Bus.connect(nats_settings, give_up_after=5)
-    async with anyio.create_task_group() as tg:
-        await tg.start(Controller(b, settings).run)
-        yield
-        tg.cancel_scope.cancel()
-    await b.close()
 
 
 def _model(tmp_path, **env: str) -> catalog.Model:
