@@ -138,25 +138,33 @@ class Fleet:
 @contextlib.asynccontextmanager
 async def running_fleet(tmp_path: Path, nats: NatsSettings) -> AsyncIterator[Fleet]:
     """The fleet above with a controller quick to judge liveness (unreachable after 1 s
-    without a lease, lost after 2.5 s), its catalog applied."""
+    without a lease, lost after 2.5 s), its catalog applied, engines on ports found free."""
+    from port_helpers import free_port_run
+
     path = tmp_path / "fleet.toml"
     path.write_text(FLEET)
-    settings = ControllerSettings(
-        unreachable_after=1, lost_after=2.5, leader_ttl=1, tick=0.05, resync=0.5
-    )
     sim = Simulator(path, nats, BucketSettings(), tmp_path / "sim", connections=2, poll=0.1)
-    async with await Bus.connect(nats, give_up_after=5) as bus:
-        for m in MODELS:
-            await bus.put(keys.catalog(m.id), encode_model(m))
-        async with anyio.create_task_group() as tg:
-            await tg.start(Controller(bus, settings).run)
-            await tg.start(sim.run)
-            fleet = Fleet(path, sim, bus)
-            await until(lambda: _all_ready(fleet), timeout=30)
-            try:
-                yield fleet
-            finally:
-                tg.cancel_scope.cancel()
+    with free_port_run() as ports:
+        settings = ControllerSettings(
+            unreachable_after=1,
+            lost_after=2.5,
+            leader_ttl=1,
+            tick=0.05,
+            resync=0.5,
+            port_range=ports,
+        )
+        async with await Bus.connect(nats, give_up_after=5) as bus:
+            for m in MODELS:
+                await bus.put(keys.catalog(m.id), encode_model(m))
+            async with anyio.create_task_group() as tg:
+                await tg.start(Controller(bus, settings).run)
+                await tg.start(sim.run)
+                fleet = Fleet(path, sim, bus)
+                await until(lambda: _all_ready(fleet), timeout=30)
+                try:
+                    yield fleet
+                finally:
+                    tg.cancel_scope.cancel()
 
 
 async def _all_ready(fleet: Fleet) -> bool:
