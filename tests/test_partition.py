@@ -27,7 +27,7 @@ async def _shards(bus: Bus) -> list[records.Shard]:
 
 
 async def test_node_cut_off_past_lost_after_serves_throughout_and_ends_ready_again(
-    bus, nats_server, tmp_path
+    bus, nats_server, tmp_path, engine_ports
 ):
     link = ProxyLink(nats_server.port)
     await link.start()
@@ -49,7 +49,12 @@ async def test_node_cut_off_past_lost_after_serves_throughout_and_ends_ready_aga
         cfg, tmp_path / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], tmp_path / "agent.log"
     )
     settings = ControllerSettings(
-        unreachable_after=1.0, lost_after=3.0, leader_ttl=1.0, tick=0.05, resync=0.5
+        unreachable_after=1.0,
+        lost_after=3.0,
+        leader_ttl=1.0,
+        tick=0.05,
+        resync=0.5,
+        port_range=engine_ports,
     )
     try:
         async with anyio.create_task_group() as tg:
