@@ -55,6 +55,7 @@ from autoscale_fleet import (  # noqa: E402
     start_agents,
     stop_agents,
 )
+from port_helpers import free_port_run  # noqa: E402
 from router_helpers import router_settings, running_router  # noqa: E402
 
 from llmgw.bus import keys, records  # noqa: E402
@@ -339,7 +340,10 @@ async def _true(value: bool) -> bool:
 
 
 async def main(sections: list[str]) -> None:
-    with tempfile.TemporaryDirectory(prefix="llmgw-bench-autoscale-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="llmgw-bench-autoscale-") as tmp,
+        free_port_run() as engine_ports,
+    ):
         work = Path(tmp)
         server = EmbeddedNats(data_dir=work / "nats", port=free_port())
         server.start()
@@ -351,7 +355,7 @@ async def main(sections: list[str]) -> None:
             bus = await Bus.connect(settings, give_up_after=10)
             cbus = await Bus.connect(settings, give_up_after=10)
             async with anyio.create_task_group() as tg:
-                await tg.start(Controller(cbus, controller_settings("bench")).run)
+                await tg.start(Controller(cbus, controller_settings("bench", engine_ports)).run)
 
                 async def nodes_ready():
                     got = await bus.list(keys.pattern(keys.HEALTH), decoder(records.Health))
