@@ -44,16 +44,14 @@ sys.path.insert(0, str(ROOT / "tests"))  # the fleet the end-to-end tests run
 
 import aiohttp  # noqa: E402
 import anyio  # noqa: E402
+from agent_helpers import NODES, start_agents, stop_agents  # noqa: E402
 from autoscale_fleet import (  # noqa: E402
-    NODES,
     Phases,
     Streams,
     autoscaled_model,
     controller_settings,
     replicas_of,
     serve_auto,
-    start_agents,
-    stop_agents,
 )
 from port_helpers import free_port_run  # noqa: E402
 from router_helpers import router_settings, running_router  # noqa: E402

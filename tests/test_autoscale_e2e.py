@@ -13,16 +13,14 @@ import re
 import aiohttp
 import anyio
 import pytest
+from agent_helpers import NODES, start_agents, stop_agents
 from autoscale_fleet import (
-    NODES,
     Phases,
     Streams,
     autoscaled_model,
     controller_settings,
     replicas_of,
     serve_auto,
-    start_agents,
-    stop_agents,
 )
 from prometheus_client.parser import text_string_to_metric_families
 from router_helpers import SERVED, chat_body, router_settings, running_router
