@@ -22,7 +22,6 @@ from llmgw import catalog
 from llmgw.agent.config import Engines, Intervals
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
-from llmgw.bus.server import free_port
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
 
@@ -391,25 +390,11 @@ async def test_a_replica_that_cannot_start_for_a_local_error_fails_alone_and_the
 # --- ports as they really are: another program on a port of the engine range -------------
 
 
-def _free_range(width: int = 20) -> int:
-    """The first port of `width` consecutive ports nothing listens on now."""
-    for _ in range(50):
-        low = free_port()
-        if low + width > 65535:
-            continue
-        try:
-            for port in range(low, low + width + 1):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return low
-    raise AssertionError("no free run of ports on this machine")
-
-
 @contextlib.asynccontextmanager
-async def _ranged_node(nats_server, nats_settings, tmp_path, low: int, *, sees_listeners: bool):
-    """The agent (ports low..low+20, probed every 0.2 s) and a leading controller on the same
+async def _ranged_node(
+    nats_server, nats_settings, tmp_path, ports: tuple[int, int], *, sees_listeners: bool
+):
+    """The agent (engines on `ports`, probed every 0.2 s) and a leading controller on the same
     range. With `sees_listeners` its /proc/net is this machine's, so it sees the sockets
     the test opens; without, a recorded tree with none, as if they opened after its probe."""
     dirs = host_dirs(tmp_path)
@@ -420,7 +405,7 @@ async def _ranged_node(nats_server, nats_settings, tmp_path, low: int, *, sees_l
     cfg = msgspec.structs.replace(
         cfg,
         intervals=Intervals(heartbeat=0.2, engine_probe=0.3, port_probe=0.2),
-        engines=_quick_engines(port_low=low, port_high=low + 20),
+        engines=_quick_engines(port_low=ports[0], port_high=ports[1]),
     )
     proc = start_agent(
         cfg, tmp_path / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], tmp_path / "agent.log"
@@ -431,7 +416,7 @@ async def _ranged_node(nats_server, nats_settings, tmp_path, low: int, *, sees_l
         leader_ttl=1,
         tick=0.05,
         resync=0.5,
-        port_range=(low, low + 20),
+        port_range=ports,
     )
     b = await Bus.connect(nats_settings, give_up_after=5)
     try:
@@ -450,13 +435,15 @@ async def _assignment(bus: Bus, rid: str) -> records.Assignment:
 
 
 async def test_a_port_another_program_listens_on_is_never_assigned(
-    bus, nats_server, nats_settings, tmp_path
+    bus, nats_server, nats_settings, tmp_path, engine_ports
 ):
-    low = _free_range()
+    low = engine_ports[0]
     with socket.socket() as other:  # a service of the node, on the first engine port
         other.bind(("0.0.0.0", low))
         other.listen()
-        async with _ranged_node(nats_server, nats_settings, tmp_path, low, sees_listeners=True):
+        async with _ranged_node(
+            nats_server, nats_settings, tmp_path, engine_ports, sees_listeners=True
+        ):
 
             async def reported():
                 inv = await bus.get(keys.node("node1"), decoder(records.NodeInventory))
@@ -471,15 +458,17 @@ async def test_a_port_another_program_listens_on_is_never_assigned(
 
 
 async def test_a_port_taken_between_placement_and_launch_ends_with_the_replica_on_another(
-    bus, nats_server, nats_settings, tmp_path
+    bus, nats_server, nats_settings, tmp_path, engine_ports
 ):
     events = Events()
     await bus.subscribe("llmgw.events.>", events.on_message)
-    low = _free_range()
+    low = engine_ports[0]
     with socket.socket() as other:
         other.bind(("127.0.0.1", low))
         other.listen()
-        async with _ranged_node(nats_server, nats_settings, tmp_path, low, sees_listeners=False):
+        async with _ranged_node(
+            nats_server, nats_settings, tmp_path, engine_ports, sees_listeners=False
+        ):
             await serve(bus, _catalog(tmp_path), 1)
             rep = await until(lambda: _replica(bus, "ready"), timeout=30)
             assert rep.members[0].port == low + 1 and rep.endpoint == f"127.0.0.1:{low + 1}"
