@@ -3,7 +3,6 @@ default range and the kernel's ephemeral ports, and never handed to two holders 
 
 from __future__ import annotations
 
-import contextlib
 import socket
 
 import port_helpers
@@ -25,8 +24,7 @@ def test_two_runs_held_at_once_never_share_a_port(monkeypatch):
 
 def test_a_run_is_never_one_something_listens_in(monkeypatch):
     monkeypatch.setattr(port_helpers.random, "randrange", lambda n: 0)  # the first block first
-    with contextlib.ExitStack() as stack:
-        other = stack.enter_context(socket.socket())
+    with socket.socket() as other:
         taken = next(p for p in range(LOWEST, LOWEST + WIDTH) if _bound(other, p))
         other.listen()
         with free_port_run() as (low, high):
