@@ -10,6 +10,7 @@ from pathlib import Path
 
 import aiohttp
 import anyio
+from controller_helpers import quick_controller
 from router_helpers import SERVED, chat_body
 
 from llmgw import catalog
@@ -21,16 +22,7 @@ from llmgw.sim.fake_engine import write_fake_gguf
 
 def controller_settings(name: str, ports: tuple[int, int]) -> ControllerSettings:
     """A quick controller placing engines on `ports` (the test's engine_ports)."""
-    return ControllerSettings(
-        controller_id=name,
-        unreachable_after=2,
-        lost_after=30,
-        leader_ttl=1,
-        tick=0.05,
-        resync=0.5,
-        port_range=ports,
-        load_stale_after=2,
-    )
+    return quick_controller(ports, controller_id=name, load_stale_after=2)
 
 
 def autoscaled_model(

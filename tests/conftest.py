@@ -58,16 +58,11 @@ async def controller(
 ) -> AsyncIterator[None]:
     """A leading controller in this process, quick to react, slow to declare nodes lost
     (end-to-end tests are about engines, not liveness), placing engines on `engine_ports`."""
-    from llmgw.controller.loop import Controller, ControllerSettings
+    from controller_helpers import quick_controller
 
-    settings = ControllerSettings(
-        unreachable_after=2,
-        lost_after=30,
-        leader_ttl=1,
-        tick=0.05,
-        resync=0.5,
-        port_range=engine_ports,
-    )
+    from llmgw.controller.loop import Controller
+
+    settings = quick_controller(engine_ports)
     b = await Bus.connect(nats_settings, give_up_after=5)
     async with anyio.create_task_group() as tg:
         await tg.start(Controller(b, settings).run)

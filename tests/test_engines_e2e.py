@@ -15,6 +15,7 @@ import msgspec
 import psutil
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
+from controller_helpers import quick_controller
 from serving import cpu_model, serve, stream_chat, want
 from waiting import until
 
@@ -22,7 +23,7 @@ from llmgw import catalog
 from llmgw.agent.config import Engines, Intervals
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
-from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.controller.loop import Controller
 from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -410,14 +411,7 @@ async def _ranged_node(
     proc = start_agent(
         cfg, tmp_path / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], tmp_path / "agent.log"
     )
-    settings = ControllerSettings(
-        unreachable_after=2,
-        lost_after=30,
-        leader_ttl=1,
-        tick=0.05,
-        resync=0.5,
-        port_range=ports,
-    )
+    settings = quick_controller(ports)
     b = await Bus.connect(nats_settings, give_up_after=5)
     try:
         async with anyio.create_task_group() as tg:

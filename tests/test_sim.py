@@ -21,7 +21,7 @@ from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings, decoder
 from llmgw.catalog import encode_model
 from llmgw.cli.main import main
-from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.controller.loop import Controller
 from llmgw.sim.fleet import FleetError, parse_fleet
 from llmgw.sim.simulator import Simulator
 
@@ -139,20 +139,14 @@ class Fleet:
 async def running_fleet(tmp_path: Path, nats: NatsSettings) -> AsyncIterator[Fleet]:
     """The fleet above with a controller quick to judge liveness (unreachable after 1 s
     without a lease, lost after 2.5 s), its catalog applied, engines on ports found free."""
+    from controller_helpers import quick_controller
     from port_helpers import free_port_run
 
     path = tmp_path / "fleet.toml"
     path.write_text(FLEET)
     sim = Simulator(path, nats, BucketSettings(), tmp_path / "sim", connections=2, poll=0.1)
     with free_port_run() as ports:
-        settings = ControllerSettings(
-            unreachable_after=1,
-            lost_after=2.5,
-            leader_ttl=1,
-            tick=0.05,
-            resync=0.5,
-            port_range=ports,
-        )
+        settings = quick_controller(ports, unreachable_after=1, lost_after=2.5)
         async with await Bus.connect(nats, give_up_after=5) as bus:
             for m in MODELS:
                 await bus.put(keys.catalog(m.id), encode_model(m))
