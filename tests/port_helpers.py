@@ -54,11 +54,15 @@ def free_port_run(width: int = WIDTH) -> Iterator[tuple[int, int]]:
     top = ephemeral_low() - 1
     assert LOWEST > ENGINE_PORTS[1] and top - LOWEST + 1 >= width, "no room below ephemeral ports"
     blocks = (top - LOWEST + 1) // width
-    LOCKS.mkdir(mode=0o777, exist_ok=True)
+    try:
+        LOCKS.mkdir()
+        LOCKS.chmod(0o1777)  # every user's test runs share it, as they share the ports
+    except FileExistsError:
+        pass
     start = random.randrange(blocks)
     for i in range(blocks):
         low = LOWEST + ((start + i) % blocks) * width
-        fd = os.open(LOCKS / f"{low}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(LOCKS / f"{low}.lock", os.O_RDONLY | os.O_CREAT, 0o644)  # flock needs no write
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
