@@ -44,17 +44,16 @@ sys.path.insert(0, str(ROOT / "tests"))  # the fleet the end-to-end tests run
 
 import aiohttp  # noqa: E402
 import anyio  # noqa: E402
+from agent_helpers import NODES, start_agents, stop_agents  # noqa: E402
 from autoscale_fleet import (  # noqa: E402
-    NODES,
     Phases,
     Streams,
     autoscaled_model,
     controller_settings,
     replicas_of,
     serve_auto,
-    start_agents,
-    stop_agents,
 )
+from port_helpers import free_port_run  # noqa: E402
 from router_helpers import router_settings, running_router  # noqa: E402
 
 from llmgw.bus import keys, records  # noqa: E402
@@ -339,7 +338,10 @@ async def _true(value: bool) -> bool:
 
 
 async def main(sections: list[str]) -> None:
-    with tempfile.TemporaryDirectory(prefix="llmgw-bench-autoscale-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="llmgw-bench-autoscale-") as tmp,
+        free_port_run() as engine_ports,
+    ):
         work = Path(tmp)
         server = EmbeddedNats(data_dir=work / "nats", port=free_port())
         server.start()
@@ -351,7 +353,7 @@ async def main(sections: list[str]) -> None:
             bus = await Bus.connect(settings, give_up_after=10)
             cbus = await Bus.connect(settings, give_up_after=10)
             async with anyio.create_task_group() as tg:
-                await tg.start(Controller(cbus, controller_settings("bench")).run)
+                await tg.start(Controller(cbus, controller_settings("bench", engine_ports)).run)
 
                 async def nodes_ready():
                     got = await bus.list(keys.pattern(keys.HEALTH), decoder(records.Health))

@@ -8,7 +8,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmgw.agent.config import AgentConfig, Intervals, Nats, Node, Paths, Weights, write_config
+import msgspec
+
+from llmgw.agent.config import (
+    AgentConfig,
+    Engines,
+    Intervals,
+    Nats,
+    Node,
+    Paths,
+    Weights,
+    write_config,
+)
+from llmgw.sim.fake_engine import install_fake_engines
 
 MEMINFO = """MemTotal:       {total_kb} kB
 MemFree:         1000000 kB
@@ -98,6 +110,45 @@ def start_agent(
         )
     finally:
         log.close()
+
+
+NODES = {"node1": "127.0.0.2", "node2": "127.0.0.3", "node3": "127.0.0.4"}
+
+
+def start_agents(url: str, root: Path, nodes: dict[str, str] = NODES) -> list[subprocess.Popen]:
+    """One agent process per node (id -> its loopback address), each with the fake engine
+    as llama-server on its PATH and quick engine supervision: the fleet of the end-to-end
+    operations and autoscaling tests."""
+    procs = []
+    for node, address in nodes.items():
+        dirs = host_dirs(root / node)
+        install_fake_engines(dirs["bin"])
+        cfg = agent_config(url, dirs, id=node, address=address)
+        cfg = msgspec.structs.replace(
+            cfg,
+            engines=Engines(
+                listen_host=address,
+                poll_interval=0.1,
+                backoff_base=0.2,
+                backoff_cap=2,
+                stop_grace=3,
+                drain_timeout=30,
+            ),
+        )
+        procs.append(
+            start_agent(
+                cfg,
+                root / node / "agent.toml",
+                [dirs["bin"], "/usr/bin", "/bin"],
+                root / node / "agent.log",
+            )
+        )
+    return procs
+
+
+def stop_agents(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        stop(p)
 
 
 def stop(proc: subprocess.Popen, timeout: float = 5.0) -> int:

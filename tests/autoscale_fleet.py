@@ -5,73 +5,24 @@ replicas' phases."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
 import aiohttp
 import anyio
-import msgspec
-from agent_helpers import agent_config, host_dirs, start_agent, stop
+from controller_helpers import quick_controller
 from router_helpers import SERVED, chat_body
 
 from llmgw import catalog
-from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
 from llmgw.controller.loop import ControllerSettings
-from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
-
-NODES = {"node1": "127.0.0.2", "node2": "127.0.0.3", "node3": "127.0.0.4"}
+from llmgw.sim.fake_engine import write_fake_gguf
 
 
-def start_agents(url: str, root: Path, nodes: dict[str, str] = NODES) -> list[subprocess.Popen]:
-    """One agent process per node (id -> its loopback address), each with the fake engine
-    as llama-server on its PATH and quick engine supervision."""
-    procs = []
-    for node, address in nodes.items():
-        dirs = host_dirs(root / node)
-        install_fake_engines(dirs["bin"])
-        cfg = agent_config(url, dirs, id=node, address=address)
-        cfg = msgspec.structs.replace(
-            cfg,
-            engines=Engines(
-                listen_host=address,
-                poll_interval=0.1,
-                backoff_base=0.2,
-                backoff_cap=2,
-                stop_grace=3,
-                drain_timeout=30,
-            ),
-        )
-        procs.append(
-            start_agent(
-                cfg,
-                root / node / "agent.toml",
-                [dirs["bin"], "/usr/bin", "/bin"],
-                root / node / "agent.log",
-            )
-        )
-    return procs
-
-
-def stop_agents(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        stop(p)
-
-
-def controller_settings(name: str) -> ControllerSettings:
-    # ports of their own: other suites' engines may hold 18000 on this machine
-    return ControllerSettings(
-        controller_id=name,
-        unreachable_after=2,
-        lost_after=30,
-        leader_ttl=1,
-        tick=0.05,
-        resync=0.5,
-        port_range=(24000, 24999),
-        load_stale_after=2,
-    )
+def controller_settings(name: str, ports: tuple[int, int]) -> ControllerSettings:
+    """A quick controller placing engines on `ports` (the test's engine_ports)."""
+    return quick_controller(ports, controller_id=name, load_stale_after=2)
 
 
 def autoscaled_model(

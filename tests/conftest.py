@@ -43,14 +43,26 @@ async def bus(nats_settings: NatsSettings) -> AsyncIterator[Bus]:
 
 
 @pytest.fixture
-async def controller(nats_settings: NatsSettings) -> AsyncIterator[None]:
-    """A leading controller in this process, quick to react, slow to declare nodes lost
-    (end-to-end tests are about engines, not liveness)."""
-    from llmgw.controller.loop import Controller, ControllerSettings
+def engine_ports() -> Iterator[tuple[int, int]]:
+    """(low, high): the ports this test's engines are given, found free and reserved
+    against other test runs on this machine (port_helpers), never llmgw's default range."""
+    from port_helpers import free_port_run
 
-    settings = ControllerSettings(
-        unreachable_after=2, lost_after=30, leader_ttl=1, tick=0.05, resync=0.5
-    )
+    with free_port_run() as ports:
+        yield ports
+
+
+@pytest.fixture
+async def controller(
+    nats_settings: NatsSettings, engine_ports: tuple[int, int]
+) -> AsyncIterator[None]:
+    """A leading controller in this process, quick to react, slow to declare nodes lost
+    (end-to-end tests are about engines, not liveness), placing engines on `engine_ports`."""
+    from controller_helpers import quick_controller
+
+    from llmgw.controller.loop import Controller
+
+    settings = quick_controller(engine_ports)
     b = await Bus.connect(nats_settings, give_up_after=5)
     async with anyio.create_task_group() as tg:
         await tg.start(Controller(b, settings).run)

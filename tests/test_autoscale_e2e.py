@@ -13,16 +13,14 @@ import re
 import aiohttp
 import anyio
 import pytest
+from agent_helpers import NODES, start_agents, stop_agents
 from autoscale_fleet import (
-    NODES,
     Phases,
     Streams,
     autoscaled_model,
     controller_settings,
     replicas_of,
     serve_auto,
-    start_agents,
-    stop_agents,
 )
 from prometheus_client.parser import text_string_to_metric_families
 from router_helpers import SERVED, chat_body, router_settings, running_router
@@ -45,10 +43,10 @@ def fleet(tmp_path, nats_server):
 
 
 @pytest.fixture
-async def controller(nats_settings):
+async def controller(nats_settings, engine_ports):
     b = await Bus.connect(nats_settings, give_up_after=5)
     async with anyio.create_task_group() as tg:
-        await tg.start(Controller(b, controller_settings("c1")).run)
+        await tg.start(Controller(b, controller_settings("c1", engine_ports)).run)
         yield
         tg.cancel_scope.cancel()
     await b.close()
@@ -310,7 +308,7 @@ async def test_two_routers_load_is_summed_once(bus, nats_settings, fleet, contro
 
 @pytest.mark.parametrize("how", ["stops", "dies"])
 async def test_a_controller_taking_over_during_a_scale_up_places_no_surplus(
-    bus, nats_settings, fleet, how
+    bus, nats_settings, fleet, how, engine_ports
 ):
     """The leader stops (and resigns), or dies without a word as SIGKILL leaves it (its
     lease expires), while the replicas it scaled up are still loading."""
@@ -325,7 +323,7 @@ async def test_a_controller_taking_over_during_a_scale_up_places_no_surplus(
             a_scope = anyio.CancelScope()
 
             async def run_a():
-                a = Controller(a_bus, controller_settings("a"))
+                a = Controller(a_bus, controller_settings("a", engine_ports))
                 if how == "dies":
 
                     async def says_nothing() -> None:
@@ -338,7 +336,7 @@ async def test_a_controller_taking_over_during_a_scale_up_places_no_surplus(
             tg.start_soon(run_a)
             await until(lambda: _leader_is(bus, "a"), timeout=20)
             await _nodes_ready(bus)  # health is the leader's to write
-            b = Controller(b_bus, controller_settings("b"))
+            b = Controller(b_bus, controller_settings("b", engine_ports))
             await tg.start(b.run)
             tg.start_soon(phases.run, stop_all)
             async with running_router(

@@ -543,7 +543,10 @@ def test_router_refuses_what_it_cannot_serve_and_says_why(tmp_path):
 
 def test_up_on_a_port_nats_already_holds_says_so_without_a_traceback(up, tmp_path):
     taken = up["env"]["LLMGW_NATS"].rsplit(":", 1)[1]
-    out = llmgw("up", "--port", taken, "--data-dir", str(tmp_path / "second"), timeout=30)
+    # its own router port: only NATS's may be the one taken (8080 may be another program's)
+    router = f"127.0.0.1:{free_port()}"
+    second = str(tmp_path / "second")
+    out = llmgw("up", "--port", taken, "--data-dir", second, "--router-listen", router, timeout=30)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"NATS 127.0.0.1:{taken} is in use by another program: move it with --port" in (
         out.stderr

@@ -15,6 +15,7 @@ import msgspec
 import psutil
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
+from controller_helpers import quick_controller
 from serving import cpu_model, serve, stream_chat, want
 from waiting import until
 
@@ -22,8 +23,7 @@ from llmgw import catalog
 from llmgw.agent.config import Engines, Intervals
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
-from llmgw.bus.server import free_port
-from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.controller.loop import Controller
 from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -290,16 +290,17 @@ async def test_fixing_a_refused_profile_in_the_catalog_launches_it(bus, node, co
 
 
 async def test_new_replica_on_the_port_of_one_being_drained_waits_for_it_instead_of_failing(
-    bus, node
+    bus, node, engine_ports
 ):
     # A node back after being declared lost: its old replica is drained while the new one
     # is placed on the same port. No controller here: the assignments are written as it would.
     model = _catalog(node["tmp"])
     await bus.put(keys.catalog(model.id), catalog.encode_model(model))
+    port = engine_ports[0]
 
     def assignment(rid: str, action: str, generation: int) -> records.Assignment:
         return records.Assignment(
-            model="tiny", rid=rid, profile="cpu", action=action, generation=generation, port=18000
+            model="tiny", rid=rid, profile="cpu", action=action, generation=generation, port=port
         )
 
     await bus.put(keys.assign("node1", "rold"), assignment("rold", "run", 1))
@@ -312,7 +313,7 @@ async def test_new_replica_on_the_port_of_one_being_drained_waits_for_it_instead
         return got.value if got and got.value.phase == "ready" else None
 
     shard = await until(new_ready)
-    assert shard.endpoint.endswith(":18000")
+    assert shard.endpoint.endswith(f":{port}")
     text = node["log"].read_text()
     assert "rnew waits for rold to stop (same port or GPUs)" in text
 
@@ -341,14 +342,15 @@ async def test_shard_record_of_an_assignment_removed_while_the_agent_was_down_is
 
 
 async def test_a_replica_that_cannot_start_for_a_local_error_fails_alone_and_the_agent_keeps_serving(
-    bus, node
+    bus, node, engine_ports
 ):
     model = _catalog(node["tmp"])
     await bus.put(keys.catalog(model.id), catalog.encode_model(model))
+    low = engine_ports[0]
     await bus.put(
         keys.assign("node1", "rok"),
         records.Assignment(
-            model="tiny", rid="rok", profile="cpu", action="run", generation=1, port=18000
+            model="tiny", rid="rok", profile="cpu", action="run", generation=1, port=low
         ),
     )
     ok = await until(lambda: _shard(bus, "ready"))
@@ -360,7 +362,7 @@ async def test_a_replica_that_cannot_start_for_a_local_error_fails_alone_and_the
         await bus.put(
             keys.assign("node1", "rbad"),
             records.Assignment(
-                model="tiny", rid="rbad", profile="cpu", action="run", generation=1, port=18001
+                model="tiny", rid="rbad", profile="cpu", action="run", generation=1, port=low + 1
             ),
         )
 
@@ -389,25 +391,11 @@ async def test_a_replica_that_cannot_start_for_a_local_error_fails_alone_and_the
 # --- ports as they really are: another program on a port of the engine range -------------
 
 
-def _free_range(width: int = 20) -> int:
-    """The first port of `width` consecutive ports nothing listens on now."""
-    for _ in range(50):
-        low = free_port()
-        if low + width > 65535:
-            continue
-        try:
-            for port in range(low, low + width + 1):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return low
-    raise AssertionError("no free run of ports on this machine")
-
-
 @contextlib.asynccontextmanager
-async def _ranged_node(nats_server, nats_settings, tmp_path, low: int, *, sees_listeners: bool):
-    """The agent (ports low..low+20, probed every 0.2 s) and a leading controller on the same
+async def _ranged_node(
+    nats_server, nats_settings, tmp_path, ports: tuple[int, int], *, sees_listeners: bool
+):
+    """The agent (engines on `ports`, probed every 0.2 s) and a leading controller on the same
     range. With `sees_listeners` its /proc/net is this machine's, so it sees the sockets
     the test opens; without, a recorded tree with none, as if they opened after its probe."""
     dirs = host_dirs(tmp_path)
@@ -418,19 +406,12 @@ async def _ranged_node(nats_server, nats_settings, tmp_path, low: int, *, sees_l
     cfg = msgspec.structs.replace(
         cfg,
         intervals=Intervals(heartbeat=0.2, engine_probe=0.3, port_probe=0.2),
-        engines=_quick_engines(port_low=low, port_high=low + 20),
+        engines=_quick_engines(port_low=ports[0], port_high=ports[1]),
     )
     proc = start_agent(
         cfg, tmp_path / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], tmp_path / "agent.log"
     )
-    settings = ControllerSettings(
-        unreachable_after=2,
-        lost_after=30,
-        leader_ttl=1,
-        tick=0.05,
-        resync=0.5,
-        port_range=(low, low + 20),
-    )
+    settings = quick_controller(ports)
     b = await Bus.connect(nats_settings, give_up_after=5)
     try:
         async with anyio.create_task_group() as tg:
@@ -448,13 +429,15 @@ async def _assignment(bus: Bus, rid: str) -> records.Assignment:
 
 
 async def test_a_port_another_program_listens_on_is_never_assigned(
-    bus, nats_server, nats_settings, tmp_path
+    bus, nats_server, nats_settings, tmp_path, engine_ports
 ):
-    low = _free_range()
+    low = engine_ports[0]
     with socket.socket() as other:  # a service of the node, on the first engine port
         other.bind(("0.0.0.0", low))
         other.listen()
-        async with _ranged_node(nats_server, nats_settings, tmp_path, low, sees_listeners=True):
+        async with _ranged_node(
+            nats_server, nats_settings, tmp_path, engine_ports, sees_listeners=True
+        ):
 
             async def reported():
                 inv = await bus.get(keys.node("node1"), decoder(records.NodeInventory))
@@ -469,15 +452,17 @@ async def test_a_port_another_program_listens_on_is_never_assigned(
 
 
 async def test_a_port_taken_between_placement_and_launch_ends_with_the_replica_on_another(
-    bus, nats_server, nats_settings, tmp_path
+    bus, nats_server, nats_settings, tmp_path, engine_ports
 ):
     events = Events()
     await bus.subscribe("llmgw.events.>", events.on_message)
-    low = _free_range()
+    low = engine_ports[0]
     with socket.socket() as other:
         other.bind(("127.0.0.1", low))
         other.listen()
-        async with _ranged_node(nats_server, nats_settings, tmp_path, low, sees_listeners=False):
+        async with _ranged_node(
+            nats_server, nats_settings, tmp_path, engine_ports, sees_listeners=False
+        ):
             await serve(bus, _catalog(tmp_path), 1)
             rep = await until(lambda: _replica(bus, "ready"), timeout=30)
             assert rep.members[0].port == low + 1 and rep.endpoint == f"127.0.0.1:{low + 1}"

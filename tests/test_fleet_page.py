@@ -333,10 +333,10 @@ async def test_the_page_of_an_up_sim_fleet_follows_a_node_killed_in_the_fleet_fi
     import json
     import tomllib
 
-    from up_sim import ROOT, up_sim
+    from up_sim import FLEET, ROOT, up_sim
 
     fleet_file = tmp_path / "fleet.toml"
-    fleet_file.write_text((ROOT / "examples" / "fleet.toml").read_text())
+    fleet_file.write_text(FLEET.read_text())
     # every model of the catalog the bucket holds, placed or not
     catalog_file = tomllib.loads((ROOT / "examples" / "sim-catalog.toml").read_text())
     models = sorted(m["id"] for m in catalog_file["models"])

@@ -12,7 +12,15 @@ import anyio
 import msgspec
 import psutil
 import pytest
-from agent_helpers import agent_config, host_dirs, start_agent, stop
+from agent_helpers import (
+    NODES,
+    agent_config,
+    host_dirs,
+    start_agent,
+    start_agents,
+    stop,
+    stop_agents,
+)
 from router_helpers import SERVED, RetryingClient, router_settings, running_router
 from serving import cpu_model, serve, want
 from waiting import until
@@ -22,62 +30,19 @@ from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
 from llmgw.cli.status import gather, render
-from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
-NODES = {"node1": "127.0.0.2", "node2": "127.0.0.3", "node3": "127.0.0.4"}
 # 20 tokens at 100 a second: a stream lasts 0.2 s, so several are in flight at every step
 STREAM = {"FAKE_ENGINE_TOKENS": "20", "FAKE_ENGINE_TOKEN_RATE": "100"}
 
 
 @pytest.fixture
 def fleet(tmp_path, nats_server):
-    procs = []
-    for node, address in NODES.items():
-        root = tmp_path / node
-        dirs = host_dirs(root)
-        install_fake_engines(dirs["bin"])
-        cfg = agent_config(nats_server.url, dirs, id=node, address=address)
-        cfg = msgspec.structs.replace(
-            cfg,
-            engines=Engines(
-                listen_host=address,
-                poll_interval=0.1,
-                backoff_base=0.2,
-                backoff_cap=2,
-                stop_grace=3,
-                drain_timeout=30,
-            ),
-        )
-        procs.append(
-            start_agent(
-                cfg, root / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], root / "agent.log"
-            )
-        )
+    procs = start_agents(nats_server.url, tmp_path)
     yield tmp_path
-    for p in procs:
-        stop(p)
-
-
-@pytest.fixture
-async def controller(nats_settings):
-    # ports of their own: other suites' engines may hold 18000 on this machine
-    settings = ControllerSettings(
-        unreachable_after=2,
-        lost_after=30,
-        leader_ttl=1,
-        tick=0.05,
-        resync=0.5,
-        port_range=(23000, 23999),
-    )
-    b = await Bus.connect(nats_settings, give_up_after=5)
-    async with anyio.create_task_group() as tg:
-        await tg.start(Controller(b, settings).run)
-        yield
-        tg.cancel_scope.cancel()
-    await b.close()
+    stop_agents(procs)
 
 
 def _model(tmp_path, **env: str) -> catalog.Model:

@@ -8,6 +8,7 @@ import anyio
 import msgspec
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
+from controller_helpers import quick_controller
 from links import ProxyLink
 from serving import cpu_model, serve, stream_chat
 from waiting import until
@@ -15,7 +16,7 @@ from waiting import until
 from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
-from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.controller.loop import Controller
 from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -27,7 +28,7 @@ async def _shards(bus: Bus) -> list[records.Shard]:
 
 
 async def test_node_cut_off_past_lost_after_serves_throughout_and_ends_ready_again(
-    bus, nats_server, tmp_path
+    bus, nats_server, tmp_path, engine_ports
 ):
     link = ProxyLink(nats_server.port)
     await link.start()
@@ -48,9 +49,7 @@ async def test_node_cut_off_past_lost_after_serves_throughout_and_ends_ready_aga
     agent = start_agent(
         cfg, tmp_path / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], tmp_path / "agent.log"
     )
-    settings = ControllerSettings(
-        unreachable_after=1.0, lost_after=3.0, leader_ttl=1.0, tick=0.05, resync=0.5
-    )
+    settings = quick_controller(engine_ports, unreachable_after=1.0, lost_after=3.0)
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(Controller(bus, settings).run)

@@ -16,6 +16,8 @@ from pathlib import Path
 from llmgw.bus.server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+# the example fleet as committed; examples/fleet.toml is the reader's to edit
+FLEET = ROOT / "tests" / "samples" / "fleet.toml"
 LLMGW = [sys.executable, "-m", "llmgw.cli"]
 
 

@@ -24,6 +24,7 @@ from typing import Literal
 import msgspec
 
 from llmgw.bus.records import (
+    PORT_IN_USE,
     Desired,
     ProfileRevision,
     Replica,
@@ -86,10 +87,13 @@ def outdated(
 
 def failing(replica: Replica, shards: Mapping[tuple[str, str], Shard]) -> Shard | None:
     """A member shard that failed, or was restarted before it was ready: a new revision that
-    does not run."""
+    does not run. Refused a port another program holds is no failure of the revision: the
+    controller moves the replica to another port (ports.py)."""
     for m in replica.members:
         s = shards.get((m.node, replica.rid))
-        if s is not None and (s.phase == "failed" or (s.restarts > 0 and s.phase != "ready")):
+        if s is None or s.refused == PORT_IN_USE:
+            continue
+        if s.phase == "failed" or (s.restarts > 0 and s.phase != "ready"):
             return s
     return None
 
