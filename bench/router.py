@@ -14,6 +14,10 @@ Sections:
             process sustains, the latency it adds at concurrency 1, its CPU per 1,000 requests;
 - stream:   streamed completions at concurrency 64 (realistic engine): time to first token
             and tokens/s relayed, direct and through the router;
+- tokens:   one stream at a time against llmgw's fake engine, direct, through nginx
+            (proxy_buffering off) and through the router, interleaved: time to first token
+            and between tokens at 2,000 tokens/s, and one stream's token rate at 500, 2,000
+            and 8,000 tokens/s (BENCH_STREAMS, BENCH_ROUNDS: how many);
 - balance:  a simulation of exact least-in-flight against power-of-two choices and random
             (the same arrivals and service times for each);
 - affinity: a multi-turn chat workload over 4 real llama-servers (the tiny model, built by
@@ -362,6 +366,131 @@ def section_stream(tmp: Path) -> None:
     )
 
 
+# --- tokens: one stream's time to first token, time between tokens, token rate --------------
+
+
+def fake_engine(tmp: Path, rate: float, tokens: int):
+    """llmgw's fake engine as llama-server, streaming `tokens` tokens at `rate` a second."""
+    from llmgw.sim.fake_engine import write_fake_gguf
+
+    port = free_port()
+    model = write_fake_gguf(tmp / "fake.gguf")
+    argv = [PY, "-m", "llmgw.sim.fake_engine", "llama-server", "-m", str(model)]
+    argv += ["--port", str(port), "--alias", "bench", "-np", "4"]
+    env = {"FAKE_ENGINE_TOKEN_RATE": str(rate), "FAKE_ENGINE_TOKENS": str(tokens)}
+    return port, process(argv, port, env)
+
+
+async def _timed_stream(port: int, body: bytes) -> tuple[float, list[float], int, float]:
+    """One streamed chat completion on a new connection: (time to first token, the gaps
+    between reads that brought tokens, tokens, seconds from the first token to the last)."""
+    started = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    marker = b'"content": "tok'
+    first = last = None
+    gaps: list[float] = []
+    tokens = 0
+    tail = b""
+    while True:
+        data = await reader.read(65536)
+        if not data:
+            break
+        now = time.perf_counter()
+        seen = (tail + data).count(marker) - tail.count(marker)
+        if seen:
+            if first is None:
+                first = now
+            else:
+                gaps.append(now - last)
+            last = now
+            tokens += seen
+        tail = (tail + data)[-32:]
+        if tail.endswith(b"\r\n0\r\n\r\n"):
+            break
+    writer.close()
+    if first is None:
+        raise SystemExit(f"no token came back from port {port}")
+    return first - started, gaps, tokens, last - first
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * q))]
+
+
+def section_tokens(tmp: Path) -> None:
+    """Streams one at a time, direct, through nginx (proxy_buffering off) and through the
+    router, interleaved (direct, nginx, router, again...) so the VM's drift hits each alike:
+    time to first token and between tokens at 2,000 tokens/s (short streams), then one
+    stream's token rate at 500, 2,000 and 8,000 tokens/s (the engine's own pace)."""
+    streams = int(os.environ.get("BENCH_STREAMS", "30"))
+    rounds = int(os.environ.get("BENCH_ROUNDS", "5"))
+    chat = json.dumps({**CHAT, "stream": True}).encode()
+    print("\n## One stream at a time: fake engine, direct vs nginx vs router, interleaved")
+    with contextlib.ExitStack() as stack:
+        eport, engine = fake_engine(tmp, 2000, 32)
+        stack.enter_context(engine)
+        targets = [("direct", eport)]
+        if shutil.which("nginx"):
+            nport, ngx = nginx(tmp, eport)
+            stack.enter_context(ngx)
+            targets.append(("nginx", nport))
+        rport, rt = router(tmp, [eport])
+        stack.enter_context(rt)
+        targets.append(("router", rport))
+        for _, port in targets:
+            asyncio.run(_timed_stream(port, chat))  # warm every path
+        ttft: dict[str, list[float]] = {name: [] for name, _ in targets}
+        gaps: dict[str, list[float]] = {name: [] for name, _ in targets}
+        for _ in range(streams):
+            for name, port in targets:
+                first, between, _, _ = asyncio.run(_timed_stream(port, chat))
+                ttft[name].append(first)
+                gaps[name] += between
+        print(f"  2,000 tokens/s, {streams} streams of 32 tokens each way")
+        print(
+            f"  {'':>7} | {'TTFT p50':>9} {'p90':>8} {'+p50':>8} | {'between tokens p50':>18} {'p99':>8}"
+        )
+        base = _pct(ttft["direct"], 0.5)
+        for name, _ in targets:
+            print(
+                f"  {name:>7} | {_pct(ttft[name], 0.5) * 1e3:>7.2f}ms {_pct(ttft[name], 0.9) * 1e3:>6.2f}ms "
+                f"{(_pct(ttft[name], 0.5) - base) * 1e3:>6.2f}ms | "
+                f"{_pct(gaps[name], 0.5) * 1e3:>16.3f}ms {_pct(gaps[name], 0.99) * 1e3:>6.3f}ms"
+            )
+    print(f"\n  single-stream token rate, median of {rounds} streams each way (ratio to direct)")
+    for rate in (500, 2000, 8000):
+        tokens = rate // 2 if rate > 2000 else rate  # half a second to a second a stream
+        with contextlib.ExitStack() as stack:
+            eport, engine = fake_engine(tmp, rate, tokens)
+            stack.enter_context(engine)
+            targets = [("direct", eport)]
+            if shutil.which("nginx"):
+                nport, ngx = nginx(tmp, eport)
+                stack.enter_context(ngx)
+                targets.append(("nginx", nport))
+            rport, rt = router(tmp, [eport])
+            stack.enter_context(rt)
+            targets.append(("router", rport))
+            for _, port in targets:
+                asyncio.run(_timed_stream(port, chat))
+            rates: dict[str, list[float]] = {name: [] for name, _ in targets}
+            for _ in range(rounds):
+                for name, port in targets:
+                    _, _, n, took = asyncio.run(_timed_stream(port, chat))
+                    rates[name].append((n - 1) / took if took > 0 else float("nan"))
+            direct = statistics.median(rates["direct"])
+            cells = " | ".join(
+                f"{name} {statistics.median(r):>7.0f}/s ({statistics.median(r) / direct:.3f}x)"
+                for name, r in rates.items()
+            )
+            print(f"  engine at {rate:>5} tokens/s ({tokens} tokens): {cells}")
+
+
 def section_balance(_tmp: Path) -> None:
     """Replicas with 4 slots each (FIFO queue behind), Poisson arrivals at 90% of capacity,
     exponential service times; the same random streams for every policy."""
@@ -575,6 +704,7 @@ SECTIONS = {
     "idle": section_idle,
     "ceiling": section_ceiling,
     "stream": section_stream,
+    "tokens": section_tokens,
     "balance": section_balance,
     "affinity": section_affinity,
 }

@@ -89,28 +89,22 @@ class FakeEngines:
         *args: str,
         served: str = SERVED,
         wait: bool = True,
+        kind: str = "llama-server",
     ) -> FakeEngine:
+        """A fake engine as llama-server (by default) or as vLLM (`kind="vllm"`)."""
         model = self.directory / "model.gguf"
         if not model.exists():
             write_fake_gguf(model)
         port = free_port()
         log_path = self.directory / f"engine-{port}.log"
-        argv = [
-            sys.executable,
-            "-m",
-            "llmgw.sim.fake_engine",
-            "llama-server",
-            "-m",
-            str(model),
-            "--port",
-            str(port),
-            "--alias",
-            served,
-            "--metrics",
-            "-np",
-            "8",
-            *args,
-        ]
+        engine_args = (
+            ["llama-server", "-m", str(model), "--port", str(port), "--alias", served]
+            + ["--metrics", "-np", "8"]
+            if kind == "llama-server"
+            else ["vllm", "serve", str(model), "--host", "127.0.0.1", "--port", str(port)]
+            + ["--served-model-name", served]
+        )
+        argv = [sys.executable, "-m", "llmgw.sim.fake_engine", *engine_args, *args]
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
                 argv,
@@ -173,9 +167,10 @@ async def running_router(
     *,
     connect=None,
     settings: RouterSettings | None = None,
+    gate=None,
 ) -> AsyncIterator[Router]:
     """A router in this event loop: static `models`, or the bucket through `connect()`."""
-    r = Router(settings or router_settings())
+    r = Router(settings or router_settings(), gate=gate)
     async with anyio.create_task_group() as tg:
         if connect is not None:
             await tg.start(r.serve_bucket, connect)

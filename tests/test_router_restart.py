@@ -17,7 +17,9 @@ from pathlib import Path
 import aiohttp
 import anyio
 import pytest
+from autoscale_fleet import autoscaled_model, serve_auto
 from router_helpers import SERVED, FakeEngine, RetryingClient, chat_body, fake_engines
+from waiting import until
 
 from llmgw.bus.server import free_port
 
@@ -31,7 +33,9 @@ STREAM = {"FAKE_ENGINE_TOKENS": "30", "FAKE_ENGINE_TOKEN_RATE": "20"}
 class RouterProcess:
     """`llmgw router --catalog FILE` as a user runs it, on a port of its own."""
 
-    def __init__(self, catalog: Path, logs: Path, port: int | None = None, *args: str) -> None:
+    def __init__(
+        self, catalog: Path | None, logs: Path, port: int | None = None, *args: str
+    ) -> None:
         self.catalog, self.logs, self.args = catalog, logs, args
         self.port = port or free_port()
         self.starts = 0
@@ -55,8 +59,7 @@ class RouterProcess:
                     "--log-level",
                     "INFO",
                     "router",
-                    "--catalog",
-                    str(self.catalog),
+                    *(("--catalog", str(self.catalog)) if self.catalog else ()),
                     "--listen",
                     f"127.0.0.1:{self.port}",
                     *self.args,
@@ -179,6 +182,50 @@ async def test_past_the_grace_a_stream_is_cut_and_the_router_says_so(engines, tm
         assert engine.in_flight() == 0  # the engine saw its client go, and stopped
     finally:
         router.stop()
+
+
+async def test_a_request_held_for_a_cold_model_gets_503_at_once_on_sigterm(
+    tmp_path, bus, nats_server
+):
+    """It never reached an engine: waiting out the grace for a replica, then a bare EOF on
+    its POST, told the client nothing. It is answered at once, to be sent again."""
+    await serve_auto(bus, autoscaled_model(tmp_path / "weights"))  # no agent: stays cold
+    router = RouterProcess(None, tmp_path, None, "--nats", nats_server.url)
+    router.start()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+            answer: dict[str, object] = {}
+            await until(lambda: _listed_cold(http, router.url), timeout=20)  # bucket read
+
+            async def held() -> None:
+                async with http.post(f"{router.url}/v1/chat/completions", json=chat_body()) as resp:
+                    answer["status"] = resp.status
+                    answer["retry_after"] = resp.headers.get("retry-after")
+                    answer["error"] = (await resp.json())["error"]
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(held)
+                await until(lambda: _held(http, router.url), timeout=20)
+                router.terminate()
+        assert answer["status"] == 503, answer
+        assert answer["retry_after"] == "1"
+        error = answer["error"]
+        assert isinstance(error, dict) and error["code"] == "router_shutting_down"
+        assert "never reached an engine" in error["message"]
+        assert router.wait(10) == 0
+        assert "every request in flight finished" in router.log.read_text()
+    finally:
+        router.stop()
+
+
+async def _held(http: aiohttp.ClientSession, url: str) -> bool:
+    async with http.get(f"{url}/metrics") as resp:
+        return 'llmgw_router_held{model="tiny"} 1.0' in await resp.text()
+
+
+async def _listed_cold(http: aiohttp.ClientSession, url: str) -> bool:
+    async with http.get(f"{url}/v1/models") as resp:
+        return [(m["id"], m.get("cold")) for m in (await resp.json())["data"]] == [(SERVED, True)]
 
 
 @pytest.mark.slow

@@ -231,11 +231,25 @@ async def test_an_answer_shorter_than_its_length_closes_the_connection():
         server.close()
 
 
-async def test_an_answer_longer_than_its_length_is_cut_to_it():
-    server, port = await _server()
+async def test_an_answer_longer_than_its_length_is_counted_and_never_passes_for_complete():
+    """A handler's bug: cut to its length, the answer would look whole to the client. It
+    ends short instead, with the connection (the next request is not answered on it), and
+    the server counts it for the router's metric."""
+    told = []
+    server = await serve(
+        App(),
+        "127.0.0.1",
+        0,
+        limits=HttpLimits(),
+        error_body=_error,
+        on_overrun=lambda: told.append(1),
+    )
+    port = server.sockets[0].getsockname()[1]
     try:
-        answers = await _answers(port, _get(b"/long") + _get(b"/next", b"connection: close"))
-        assert [(a.status, a.body) for a in answers] == [(200, b"abc"), (200, b"GET /next ")]
+        answers = await _answers(port, _get(b"/long") + _get(b"/next"))
+        assert [(a.status, a.complete) for a in answers] == [(200, False)]
+        assert answers[0].headers[b"content-length"] == b"3"
+        assert (server.overruns, told) == (1, [1])
     finally:
         server.close()
 

@@ -24,11 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmgw.router.load import LoadCounter
+from llmgw.router.refusal import Refusal, retry_after
 from llmgw.router.table import Backend, EndpointTable, Route
 
 MAX_WAIT_HEADER = b"x-llmgw-max-wait"
 # Retry-After for a model whose load time was never measured
 UNMEASURED_LOAD_S = 30.0
+# Retry-After for a request held when the router shuts down: another router takes it now
+SHUTDOWN_RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True)
@@ -37,22 +40,16 @@ class HoldSettings:
     max_wait: float = 300.0  # seconds a request is held at most; then 503
 
 
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """Why a held (or holdable) request is answered without an engine."""
-
-    status: int  # 503: cannot wait; 429: the router holds as many as it may
-    message: str
-    code: str
-    retry_after: int
-
-
 class Holds:
+    """The one place that decides whether a request that found no engine may wait for a
+    cold model, and for how long (`patience`), and that holds it (`hold`)."""
+
     def __init__(self, table: EndpointTable, load: LoadCounter, settings: HoldSettings) -> None:
         self.table = table
         self.load = load
         self.settings = settings
         self.held: dict[str, int] = {}  # model -> requests held now
+        self.stopping = False  # the router shuts down: nothing waits any more
         self._changed = asyncio.Event()
 
     def changed(self) -> None:
@@ -60,18 +57,28 @@ class Holds:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def stop(self) -> None:
+        """The router is shutting down: every held request is answered now (503, retry)
+        instead of waiting out the grace for a replica and getting a bare EOF. None of
+        them reached an engine, so none is lost by it."""
+        self.stopping = True
+        self.changed()
+
     def retry_after(self, model: str) -> int:
         load_s = self.table.load_seconds(model) or UNMEASURED_LOAD_S
         return max(1, math.ceil(load_s))
 
-    async def wait(
-        self,
-        served_name: str,
-        model: str,
-        max_wait_header: bytes | None,
-        pick: Callable[[Route], Backend | None],
-    ) -> tuple[Route, Backend] | Refused:
-        """Hold until `pick` finds a backend for `served_name`, or say why not."""
+    def patience(
+        self, served_name: str, model: str, max_wait_header: bytes | None
+    ) -> float | Refusal | None:
+        """How long a request for `model` that found no engine may wait for one (seconds);
+        a Refusal when it may not; None when the model is not autoscaled (no replica comes
+        by itself: the caller refuses at once). A request refused here still asks the
+        leader for a replica (its load says one waits)."""
+        if not self.table.autoscaled(model):
+            return None
+        if self.stopping:
+            return self._shutting_down(served_name, model)
         own_max, own_wait = self.table.hold_bounds(model)
         max_held = own_max or self.settings.max_held
         wait = own_wait or self.settings.max_wait
@@ -85,20 +92,38 @@ class Holds:
             )
         if self.held.get(model, 0) >= max_held:
             self.load.asked(model)
-            return Refused(
+            after = self.retry_after(model)
+            return Refusal(
                 429,
                 f"model {served_name!r} is cold and the router already holds "
-                f"{max_held} requests for it (its hold queue is full); "
-                f"retry after {self.retry_after(model)} s",
-                "hold_queue_full",
-                self.retry_after(model),
+                f"{max_held} requests for it (its hold queue is full); retry after {after} s",
+                code="hold_queue_full",
+                kind="no_replica",
+                model=model,
+                headers=retry_after(after),
             )
+        return wait
+
+    async def hold(
+        self,
+        served_name: str,
+        model: str,
+        max_wait_header: bytes | None,
+        pick: Callable[[Route], Backend | None],
+    ) -> tuple[Route, Backend] | Refusal | None:
+        """Hold until `pick` finds a backend for `served_name`; a Refusal when the request
+        may not wait, or waited its time; None when the model is not one to wait for."""
+        wait = self.patience(served_name, model, max_wait_header)
+        if wait is None or isinstance(wait, Refusal):
+            return wait
         self.held[model] = self.held.get(model, 0) + 1
         self.load.held(model)
         deadline = time.monotonic() + wait
         try:
             while True:
                 changed = self._changed
+                if self.stopping:
+                    return self._shutting_down(served_name, model)
                 route = self.table.route(served_name)
                 backend = pick(route) if route is not None else None
                 if route is not None and backend is not None:
@@ -118,7 +143,19 @@ class Holds:
                 del self.held[model]
             self.load.released(model)
 
-    def _cannot_wait(self, model: str, served_name: str, why: str) -> Refused:
+    def _shutting_down(self, served_name: str, model: str) -> Refusal:
+        return Refusal(
+            503,
+            f"this router is shutting down and model {served_name!r} has no replica ready; "
+            "the request never reached an engine: send it again (another router, or this "
+            "one once restarted, takes it)",
+            code="router_shutting_down",
+            kind="no_replica",
+            model=model,
+            headers=retry_after(SHUTDOWN_RETRY_AFTER_S),
+        )
+
+    def _cannot_wait(self, model: str, served_name: str, why: str) -> Refusal:
         after = self.retry_after(model)
         measured = self.table.load_seconds(model)
         load = (
@@ -126,12 +163,14 @@ class Holds:
             if measured
             else "its load time is not measured yet"
         )
-        return Refused(
+        return Refusal(
             503,
             f"model {served_name!r} is cold (no replica ready): a replica is being started and "
             f"{load}; {why}; retry after {after} s",
-            "model_cold",
-            after,
+            code="model_cold",
+            kind="no_replica",
+            model=model,
+            headers=retry_after(after),
         )
 
 

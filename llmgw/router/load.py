@@ -18,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
 
 from llmgw.bus import keys, records
+from llmgw.router.inflight import InFlight
 
 log = logging.getLogger(__name__)
 
@@ -32,43 +32,26 @@ LOAD_INTERVAL_S = 1.0
 
 @dataclass
 class _Model:
-    in_flight: int = 0
     waiting: int = 0
-    requests: int = 0
-    integral: float = 0.0  # in_flight x seconds since the interval began
-    since: float = 0.0  # when in_flight last changed
+    requests: int = 0  # held or refused for want of a replica (sent ones: the account's)
     ttft: float = 0.0  # the slowest of the interval, seconds
     asked: bool = False  # a request found no replica since the last write
 
 
 @dataclass
 class LoadCounter:
-    """Counted by the proxy as requests start, get their first byte, finish, wait."""
+    """Requests held, asked for and their first tokens, counted by the proxy; requests in
+    flight are read from the one in-flight account (router/inflight.py)."""
 
-    clock: Callable[[], float] = time.monotonic
+    in_flight: InFlight = field(default_factory=InFlight)
     models: dict[str, _Model] = field(default_factory=dict)
-    interval_start: float = field(default_factory=time.monotonic)
     urgent: asyncio.Event = field(default_factory=asyncio.Event)
 
     def _model(self, model: str) -> _Model:
         m = self.models.get(model)
         if m is None:
-            m = self.models[model] = _Model(since=self.clock())
+            m = self.models[model] = _Model()
         return m
-
-    def _move(self, m: _Model, by: int) -> None:
-        now = self.clock()
-        m.integral += m.in_flight * (now - max(m.since, self.interval_start))
-        m.since = now
-        m.in_flight += by
-
-    def started(self, model: str) -> None:
-        m = self._model(model)
-        m.requests += 1
-        self._move(m, 1)
-
-    def finished(self, model: str) -> None:
-        self._move(self._model(model), -1)
 
     def first_token(self, model: str, seconds: float) -> None:
         m = self._model(model)
@@ -97,20 +80,17 @@ class LoadCounter:
 
     def snapshot(self) -> dict[str, records.ModelLoad]:
         """Each model's load over the interval since the last snapshot, which starts anew."""
-        now = self.clock()
-        span = max(now - self.interval_start, 1e-6)
+        means = self.in_flight.take_means()
         out: dict[str, records.ModelLoad] = {}
-        for model, m in list(self.models.items()):
-            m.integral += m.in_flight * (now - max(m.since, self.interval_start))
-            mean = m.integral / span
+        for model in sorted(set(means) | set(self.models)):
+            m = self._model(model)
             out[model] = records.ModelLoad(
-                in_flight=round(max(mean, 0.0), 3),
+                in_flight=round(means.get(model, 0.0), 3),
                 waiting=max(m.waiting, 1 if m.asked else 0),
-                requests=m.requests,
+                requests=m.requests + self.in_flight.sent(model),
                 ttft_ms=round(m.ttft * 1000, 1),
             )
-            m.integral, m.ttft, m.asked, m.since = 0.0, 0.0, False, now
-        self.interval_start = now
+            m.ttft, m.asked = 0.0, False
         return out
 
 

@@ -21,6 +21,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from llmgw.router.inflight import InFlight
+
 disable_created_metrics()  # `_created` series double the output and nobody graphs them
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST.encode()
@@ -30,9 +32,12 @@ _TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, in_flight: InFlight | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # llmgw_router_in_flight is read from the one in-flight account at each scrape
+        self.flights = in_flight or InFlight()
+        r.register(_InFlightCollector(self.flights))
         self.requests = Counter(
             "llmgw_router_requests",
             "Requests answered, by model, replica and HTTP status",
@@ -46,10 +51,10 @@ class RouterMetrics:
             ["model", "replica", "kind"],
             registry=r,
         )
-        self.in_flight = Gauge(
-            "llmgw_router_in_flight",
-            "Requests being proxied now",
-            ["model", "replica"],
+        self.overruns = Counter(
+            "llmgw_router_body_overruns",
+            "Answers a handler wrote past their declared Content-Length: a bug, refused "
+            "(the connection is closed, never the body cut quietly to fit)",
             registry=r,
         )
         self.ttfb = Histogram(
@@ -103,34 +108,21 @@ class RouterMetrics:
     def forget_except(self, alive: set[tuple[str, str]]) -> None:
         """Drop the series of replicas that are gone and idle: replica ids are new at every
         placement, and a router that runs for months must not keep them all."""
-        for key in [k for k, s in self._replicas.items() if k not in alive and not s.busy]:
+        for key in [k for k in self._replicas if k not in alive and not self.flights.busy(*k)]:
             self._replicas.pop(key).remove()
+        self.flights.forget_except(alive)
 
 
 class ReplicaSeries:
-    __slots__ = ("_m", "model", "replica", "in_flight", "ttfb", "_codes", "_errors", "_busy")
+    __slots__ = ("_m", "model", "replica", "ttfb", "_codes", "_errors")
 
     def __init__(self, metrics: RouterMetrics, model: str, replica: str) -> None:
         self._m = metrics
         self.model = model
         self.replica = replica
-        self.in_flight = metrics.in_flight.labels(model, replica)
         self.ttfb = metrics.ttfb.labels(model, replica)
         self._codes: dict[int, object] = {}
         self._errors: dict[str, object] = {}
-        self._busy = 0
-
-    @property
-    def busy(self) -> bool:
-        return self._busy > 0
-
-    def started(self) -> None:
-        self._busy += 1
-        self.in_flight.inc()
-
-    def finished(self) -> None:
-        self._busy -= 1
-        self.in_flight.dec()
 
     def answered(self, status: int) -> None:
         child = self._codes.get(status)
@@ -148,13 +140,28 @@ class ReplicaSeries:
 
     def remove(self) -> None:
         m, labels = self._m, (self.model, self.replica)
-        for metric in (m.in_flight, m.ttfb, m.ejections):
+        for metric in (m.ttfb, m.ejections):
             with contextlib.suppress(KeyError):
                 metric.remove(*labels)
         for code in self._codes:
             m.requests.remove(*labels, str(code))
         for kind in self._errors:
             m.errors.remove(*labels, kind)
+
+
+class _InFlightCollector:
+    """Requests in flight per replica, as the account has them at the scrape."""
+
+    def __init__(self, flights: InFlight) -> None:
+        self._flights = flights
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            "llmgw_router_in_flight", "Requests being proxied now", labels=["model", "replica"]
+        )
+        for (model, replica), count in sorted(self._flights.by_replica().items()):
+            g.add_metric([model, replica], count)
+        yield g
 
 
 class _HeldCollector:

@@ -20,23 +20,56 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmgw.router.balancer import Balancer
-from llmgw.router.hold import MAX_WAIT_HEADER, Holds, Refused
+from llmgw.router.gate import Gate, KeyListGate, Ticket
+from llmgw.router.hold import MAX_WAIT_HEADER, Holds
 from llmgw.router.load import LoadCounter
 from llmgw.router.metrics import CONTENT_TYPE as METRICS_TYPE
-from llmgw.router.metrics import ReplicaSeries, RouterMetrics
+from llmgw.router.metrics import RouterMetrics
 from llmgw.router.page import FleetPage
-from llmgw.router.request import BadRequest, parse
+from llmgw.router.refusal import Refusal, retry_after
+from llmgw.router.request import Affinity, BadRequest, Parsed, parse
 from llmgw.router.server import Request, Response
-from llmgw.router.table import Backend, EndpointTable
+from llmgw.router.table import Backend, EndpointTable, Route
 from llmgw.router.upstream import ConnectFailed, UpstreamConnection, UpstreamFailed, UpstreamPool
 
 log = logging.getLogger(__name__)
 
-# path -> (chat, embeddings)
+
+@dataclass(frozen=True, slots=True)
+class RouteSpec:
+    """What a proxied route's body is, for reading its model and affinity key."""
+
+    affinity: Affinity = Affinity.NONE
+
+
+# Every OpenAI-style route llama-server or vLLM serves for a model. Each is proxied the same
+# way (routing, affinity, holding for a cold model, the gate); an engine that does not serve
+# one answers for itself (its 404 reaches the client).
 _PROXIED = {
-    b"/v1/chat/completions": (True, False),
-    b"/v1/completions": (False, False),
-    b"/v1/embeddings": (False, True),
+    b"/v1/chat/completions": RouteSpec(Affinity.CHAT),
+    b"/v1/completions": RouteSpec(Affinity.PROMPT),
+    b"/v1/embeddings": RouteSpec(),
+    # vLLM's Responses API
+    b"/v1/responses": RouteSpec(Affinity.RESPONSES),
+    # rerank: llama-server (/v1/rerank, /rerank, /v1/reranking, /reranking), vLLM (/v1/rerank,
+    # /rerank, /v2/rerank)
+    b"/v1/rerank": RouteSpec(),
+    b"/rerank": RouteSpec(),
+    b"/v2/rerank": RouteSpec(),
+    b"/v1/reranking": RouteSpec(),
+    b"/reranking": RouteSpec(),
+    # vLLM's score, pooling and classification
+    b"/v1/score": RouteSpec(),
+    b"/score": RouteSpec(),
+    b"/pooling": RouteSpec(),
+    b"/classify": RouteSpec(),
+    # vLLM's audio: multipart/form-data bodies, the model in a form field
+    b"/v1/audio/transcriptions": RouteSpec(),
+    b"/v1/audio/translations": RouteSpec(),
+    # both engines' tokenizer, and llama-server's fill-in-the-middle
+    b"/tokenize": RouteSpec(),
+    b"/detokenize": RouteSpec(),
+    b"/infill": RouteSpec(Affinity.INFILL),
 }
 # client headers worth passing on; Authorization never is (the client's key is not the
 # engine's), nor anything about this hop
@@ -74,19 +107,12 @@ class ProxySettings:
     page: bool = True
 
 
-def error_body(
-    status: int, message: str, *, code: str | None = None, param: str | None = None
-) -> bytes:
-    """OpenAI's error shape, which its client libraries read."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    if status == 401:
-        kind = "authentication_error"
-    return json.dumps(
-        {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    ).encode()
-
-
 class Proxy:
+    """The request handler. A proxied request goes through small steps, each returning a
+    value or a Refusal: authenticate and admit (the gate), parse, route, pick (holding for
+    a cold model), send, relay. `_admit` runs those before an engine, `_forward` those with
+    one; `_refuse` is the one place a Refusal is answered."""
+
     def __init__(
         self,
         table: EndpointTable,
@@ -98,31 +124,29 @@ class Proxy:
         page: FleetPage | None = None,
         load: LoadCounter | None = None,
         holds: Holds | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self.table = table
-        self.load = load or LoadCounter()
+        self.load = load or LoadCounter(metrics.flights)
+        self.flights = self.load.in_flight
         self.holds = holds
         self.balancer = balancer
         self.pool = pool
         self.metrics = metrics
         self.settings = settings or ProxySettings()
+        self.gate: Gate = gate or KeyListGate(self.settings.client_api_keys)
         self._health = health
         self._page = page
-        self._client_keys = {b"Bearer " + k.encode() for k in self.settings.client_api_keys}
         self._session = self.settings.session_header.lower().encode()
 
     async def handle(self, req: Request, resp: Response) -> None:
-        route = _PROXIED.get(req.path)
-        if route is not None:
-            if req.method != b"POST":
-                await self._fail(resp, 405, "use POST", "", kind=None)
-            elif self._client_keys and req.header(b"authorization") not in self._client_keys:
-                await self._fail(resp, 401, "missing or unknown API key", "", kind="unauthorized")
-            else:
-                await self._proxy(req, resp, *route)
+        spec = _PROXIED.get(req.path)
+        if spec is not None:
+            await self._proxy(req, resp, spec)
         elif req.path == b"/v1/models" and req.method in (b"GET", b"HEAD"):
-            if self._client_keys and req.header(b"authorization") not in self._client_keys:
-                await self._fail(resp, 401, "missing or unknown API key", "", kind="unauthorized")
+            who = self.gate.authenticate(req)
+            if isinstance(who, Refusal):
+                await self._refuse(resp, who)
             else:
                 await resp.send(200, self._models())
         elif req.path == b"/health" and req.method in (b"GET", b"HEAD"):
@@ -136,12 +160,9 @@ class Proxy:
             and req.method in (b"GET", b"HEAD")
             and self.settings.metrics != "off"
         ):
-            if (
-                self.settings.metrics == "keyed"
-                and self._client_keys
-                and req.header(b"authorization") not in self._client_keys
-            ):
-                await self._fail(resp, 401, "missing or unknown API key", "", kind="unauthorized")
+            who = self.gate.authenticate(req) if self.settings.metrics == "keyed" else None
+            if isinstance(who, Refusal):
+                await self._refuse(resp, who)
             else:
                 await resp.send(200, self.metrics.render(), content_type=METRICS_TYPE)
         elif (
@@ -151,14 +172,15 @@ class Proxy:
         ):
             await self._page.handle(req, resp)
         else:
-            await self._fail(
+            await self._refuse(
                 resp,
-                404,
-                f"no route {req.method.decode(errors='replace')} {req.path.decode(errors='replace')}: "
-                "this router serves POST /v1/chat/completions, /v1/completions, /v1/embeddings "
-                "and GET /v1/models, /health, /metrics and the fleet page at /",
-                "",
-                kind=None,
+                Refusal(
+                    404,
+                    f"no route {req.method.decode(errors='replace')} "
+                    f"{req.path.decode(errors='replace')}: this router serves POST "
+                    f"{', '.join(p.decode() for p in _PROXIED)} and GET /v1/models, /health, "
+                    "/metrics and the fleet page at /",
+                ),
             )
 
     def _models(self) -> bytes:
@@ -173,126 +195,165 @@ class Proxy:
         ]
         return json.dumps({"object": "list", "data": data}).encode()
 
-    async def _fail(
-        self,
-        resp: Response,
-        status: int,
-        message: str,
-        model: str,
-        *,
-        kind: str | None,
-        code: str | None = None,
-        param: str | None = None,
-        backend: Backend | None = None,
-        headers: tuple[tuple[bytes, bytes], ...] = (),
-    ) -> None:
-        series = self.metrics.replica(model, backend.id if backend else "")
-        if kind:
-            series.failed(kind)
-        series.answered(status)
-        await resp.send(
-            status, error_body(status, message, code=code, param=param), headers=headers
-        )
+    async def _refuse(self, resp: Response, refusal: Refusal) -> None:
+        """The one place a request is answered without an engine."""
+        series = self.metrics.replica(refusal.model, refusal.replica)
+        if refusal.kind:
+            series.failed(refusal.kind)
+        series.answered(refusal.status)
+        await resp.send(refusal.status, refusal.body(), headers=refusal.headers)
 
-    # --- proxying ---------------------------------------------------------------------------
+    # --- proxying: the steps ------------------------------------------------------------------
 
-    async def _proxy(self, req: Request, resp: Response, chat: bool, embeddings: bool) -> None:
+    async def _proxy(self, req: Request, resp: Response, spec: RouteSpec) -> None:
+        admitted = self._admit(req, spec)
+        if isinstance(admitted, Refusal):
+            await self._refuse(resp, admitted)
+            return
+        parsed, route, ticket = admitted
+        outcome: Refusal | Relayed = Relayed(0, "client_disconnect")
         try:
-            parsed = parse(
-                req.body, chat=chat, embeddings=embeddings, session=req.header(self._session)
+            outcome = await self._forward(req, resp, parsed, route, ticket)
+            if isinstance(outcome, Refusal):
+                await self._refuse(resp, outcome)
+        finally:
+            if ticket is not None:
+                if isinstance(outcome, Refusal):
+                    ticket.settle(outcome.status, outcome.kind or "refused")
+                else:
+                    ticket.settle(outcome.status, outcome.outcome)
+
+    def _admit(
+        self, req: Request, spec: RouteSpec
+    ) -> tuple[Parsed, Route, Ticket | None] | Refusal:
+        """The steps before an engine: who sends it, what it asks for, whether it may."""
+        if req.method != b"POST":
+            return Refusal(405, "use POST")
+        who = self.gate.authenticate(req)
+        if isinstance(who, Refusal):
+            return who
+        parsed = self._parse(req, spec)
+        if isinstance(parsed, Refusal):
+            return parsed
+        route = self._route(parsed)
+        if isinstance(route, Refusal):
+            return route
+        ticket = self.gate.admit(who, parsed, route.model)
+        if isinstance(ticket, Refusal):
+            return ticket
+        return parsed, route, ticket
+
+    async def _forward(
+        self, req: Request, resp: Response, parsed: Parsed, route: Route, ticket: Ticket | None
+    ) -> Refusal | Relayed:
+        """The steps with an engine: pick it (holding for a cold model), send, relay."""
+        picked = await self._pick(req, parsed, route)
+        if isinstance(picked, Refusal):
+            return picked
+        route, backend = picked
+        return await self._send_and_relay(req, resp, parsed, route, backend, ticket)
+
+    def _parse(self, req: Request, spec: RouteSpec) -> Parsed | Refusal:
+        try:
+            return parse(
+                req.body,
+                affinity=spec.affinity,
+                session=req.header(self._session),
+                content_type=req.header(b"content-type"),
             )
         except BadRequest as e:
-            await self._fail(resp, 400, str(e), "", kind="bad_request")
-            return
+            return Refusal(400, str(e), kind="bad_request")
+
+    def _route(self, parsed: Parsed) -> Route | Refusal:
         route = self.table.route(parsed.model)
-        if route is None and not self.table.synced:
-            await self._fail(
-                resp,
+        if route is not None:
+            return route
+        if not self.table.synced:
+            return Refusal(
                 503,
                 "the router has not read the fleet's state from NATS yet; try again shortly",
-                "",
-                kind="no_replica",
                 code="not_ready",
-                headers=((b"retry-after", b"2"),),
+                kind="no_replica",
+                headers=retry_after(2),
             )
-            return
-        if route is None:
-            names = ", ".join(self.table.known_names()) or "none yet"
-            await self._fail(
-                resp,
-                404,
-                f"model {parsed.model!r} does not exist; models: {names}",
-                "",
-                kind="unknown_model",
-                code="model_not_found",
-                param="model",
-            )
-            return
-        now = time.monotonic()
-        backend = self.balancer.pick(route.backends, parsed.affinity, now)
-        if backend is None and self.holds is not None and self.table.autoscaled(route.model):
-            held = await self.holds.wait(
+        names = ", ".join(self.table.known_names()) or "none yet"
+        return Refusal(
+            404,
+            f"model {parsed.model!r} does not exist; models: {names}",
+            code="model_not_found",
+            kind="unknown_model",
+            param="model",
+        )
+
+    async def _pick(
+        self, req: Request, parsed: Parsed, route: Route
+    ) -> tuple[Route, Backend] | Refusal:
+        """The engine for the request; for a cold model, held until one is ready."""
+        backend = self.balancer.pick(route.backends, parsed.affinity, time.monotonic())
+        if backend is not None:
+            return route, backend
+        if self.holds is not None:
+            held = await self.holds.hold(
                 parsed.model,
                 route.model,
                 req.header(MAX_WAIT_HEADER),
                 lambda r: self.balancer.pick(r.backends, parsed.affinity, time.monotonic()),
             )
-            if isinstance(held, Refused):
-                await self._fail(
-                    resp,
-                    held.status,
-                    held.message,
-                    route.model,
-                    kind="no_replica",
-                    code=held.code,
-                    headers=((b"retry-after", str(held.retry_after).encode()),),
-                )
-                return
-            route, backend = held
-            now = time.monotonic()
-        if backend is None:
-            await self._fail(
-                resp,
-                503,
-                f"model {parsed.model!r} has no ready replica: {route.why_none}",
-                route.model,
-                kind="no_replica",
-                code="no_ready_replica",
-                headers=((b"retry-after", b"5"),),
-            )
-            return
+            if held is not None:
+                return held
+        return Refusal(
+            503,
+            f"model {parsed.model!r} has no ready replica: {route.why_none}",
+            code="no_ready_replica",
+            kind="no_replica",
+            model=route.model,
+            headers=retry_after(5),
+        )
+
+    async def _send_and_relay(
+        self,
+        req: Request,
+        resp: Response,
+        parsed: Parsed,
+        route: Route,
+        backend: Backend,
+        ticket: Ticket | None,
+    ) -> Refusal | Relayed:
+        """Send to `backend` (to a second engine only when the first could not be reached:
+        nothing of the request was sent) and relay its answer. The request holds its one
+        in-flight account from the send to the end of its answer."""
         head = self._forwarded_head(req)
-        for attempt in (0, 1):
-            try:
-                conn = await self._send(backend, req, head)
-            except ConnectFailed as e:
-                self._count_failure(backend, str(e))
-                self.metrics.replica(route.model, backend.id).failed("connect")
-                other = self.balancer.pick(route.backends, parsed.affinity, now, exclude=backend)
-                if attempt == 0 and other is not None:
-                    log.info("router: %s; sending the request to %s instead", e, other.id)
-                    self.metrics.retries.labels(route.model).inc()
-                    backend = other
-                    continue
-                await self._fail(
-                    resp,
-                    502,
-                    f"no engine of model {parsed.model!r} could be reached: {e}",
-                    route.model,
-                    kind=None,
-                    code="engine_unreachable",
-                    backend=backend,
-                )
-                return
-            break
-        series = self.metrics.replica(route.model, backend.id)
-        self.load.started(route.model)
-        try:
-            await self._relay(backend, conn, resp, series, now)
-        finally:
-            backend.in_flight -= 1
-            series.finished()
-            self.load.finished(route.model)
+        started = time.monotonic()
+        with self.flights.taken(backend) as flight:
+            for attempt in (0, 1):
+                try:
+                    conn = await self.pool.send(
+                        backend.host,
+                        backend.port,
+                        self._request(backend, req, head),
+                        tls=backend.tls,
+                    )
+                except ConnectFailed as e:
+                    self._count_failure(backend, str(e))
+                    self.metrics.replica(route.model, backend.id).failed("connect")
+                    other = self.balancer.pick(
+                        route.backends, parsed.affinity, time.monotonic(), exclude=backend
+                    )
+                    if attempt == 0 and other is not None:
+                        log.info("router: %s; sending the request to %s instead", e, other.id)
+                        self.metrics.retries.labels(route.model).inc()
+                        flight.move(other)
+                        backend = other
+                        continue
+                    return Refusal(
+                        502,
+                        f"no engine of model {parsed.model!r} could be reached: {e}",
+                        code="engine_unreachable",
+                        model=route.model,
+                        replica=backend.id,
+                    )
+                return await self._relay(backend, conn, resp, started, ticket)
+        raise AssertionError("unreachable")  # the second attempt returns
 
     def _forwarded_head(self, req: Request) -> bytes:
         lines = []
@@ -305,8 +366,9 @@ class Proxy:
             lines.append(b"content-type: application/json\r\n")
         return b"".join(lines)
 
-    async def _send(self, b: Backend, req: Request, head: bytes) -> UpstreamConnection:
-        data = b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s%s\r\n%s" % (
+    @staticmethod
+    def _request(b: Backend, req: Request, head: bytes) -> bytes:
+        return b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s%s\r\n%s" % (
             b.path_prefix.encode(),
             req.target,
             b.host_header,
@@ -315,26 +377,18 @@ class Proxy:
             head,
             req.body,
         )
-        series = self.metrics.replica(b.model, b.id)
-        b.in_flight += 1
-        series.started()
-        try:
-            return await self.pool.send(b.host, b.port, data, tls=b.tls)
-        except BaseException:
-            b.in_flight -= 1
-            series.finished()
-            raise
 
     async def _relay(
         self,
         b: Backend,
         conn: UpstreamConnection,
         resp: Response,
-        series: ReplicaSeries,
         started: float,
-    ) -> None:
+        ticket: Ticket | None,
+    ) -> Refusal | Relayed:
+        series = self.metrics.replica(b.model, b.id)
+        model = b.model
         relayed = False
-        model = series.model
         try:
             try:
                 status, headers = await conn.response_head()
@@ -343,16 +397,14 @@ class Proxy:
                 self._count_failure(b, str(e))
                 if e.before_answer:
                     series.failed("closed_before_answer")
-                await self._fail(
-                    resp,
+                return Refusal(
                     502,
                     f"engine {b.id} of model {model!r} at {b.address} failed before answering: {e}",
-                    model,
-                    kind="upstream",
                     code="engine_failed",
-                    backend=b,
+                    kind="upstream",
+                    model=model,
+                    replica=b.id,
                 )
-                return
             if status in _GATEWAY_FAILURES:
                 self._count_failure(b, f"answered {status}")
             else:
@@ -366,8 +418,11 @@ class Proxy:
                 async for chunk in conn.body():
                     if first:
                         first = False
-                        series.ttfb.observe(time.monotonic() - started)
-                        self.load.first_token(model, time.monotonic() - started)
+                        took = time.monotonic() - started
+                        series.ttfb.observe(took)
+                        self.load.first_token(model, took)
+                    if ticket is not None:
+                        ticket.chunk(chunk)
                     await resp.write(chunk)
             except UpstreamFailed as e:
                 # The client already has part of the answer: the only honest signal left is to
@@ -375,13 +430,14 @@ class Proxy:
                 self._count_failure(b, str(e))
                 series.failed("upstream")
                 log.warning("router: engine %s (%s) failed mid-answer: %s", b.id, b.address, e)
-                return
+                return Relayed(status, "upstream")
             if first:
                 series.ttfb.observe(time.monotonic() - started)
             relayed = True
             self.pool.release(conn)
             await resp.end()
             series.answered(status)
+            return Relayed(status, "ok")
         except (asyncio.CancelledError, ConnectionError):
             series.failed("client_disconnect")
             raise
@@ -392,6 +448,16 @@ class Proxy:
     def _count_failure(self, b: Backend, why: str) -> None:
         if self.balancer.failed(b, time.monotonic(), why):
             self.metrics.ejections.labels(b.model, b.id).inc()  # rare: no cached series
+
+
+class Relayed:
+    """An engine's answer went to the client (whole, or cut by the engine: `outcome`)."""
+
+    __slots__ = ("status", "outcome")
+
+    def __init__(self, status: int, outcome: str) -> None:
+        self.status = status
+        self.outcome = outcome  # "ok", or the error kind that cut it
 
 
 def _relayed_headers(

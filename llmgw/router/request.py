@@ -7,15 +7,24 @@ with no state shared between them:
 - chat: the messages up to and including the first user message (the system prompt and
   the opening question stay the same while the conversation grows behind them);
 - completions: the first `PROMPT_PREFIX` bytes of the prompt (a growing prompt keeps them);
-- embeddings: none (an embedding keeps no cache worth returning to).
+- responses: the instructions and the opening of `input`, read as chat's messages (or as
+  a prompt when it is a string);
+- infill: the first `PROMPT_PREFIX` bytes of `input_prefix`;
+- embeddings, rerank, score, pooling, classify, tokenize, audio: none (they keep no cache
+  worth returning to).
+A multipart/form-data body (the audio routes) names its model in its `model` field; it is
+read without copying the body (router/multipart.py).
 Conversations that open identically share a key; bounded load spreads them when that
 makes one replica too busy (llmgw/router/balancer.py).
 """
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
+from llmgw.router import multipart
 from llmgw.router.table import stable_hash
 
 PROMPT_PREFIX = 1024  # bytes of a completions prompt that decide its replica
@@ -26,6 +35,16 @@ class BadRequest(Exception):
     """The body cannot be routed: the client gets a 400 with this message."""
 
 
+class Affinity(enum.Enum):
+    """What in a route's body keeps a conversation on one replica."""
+
+    NONE = "none"
+    CHAT = "chat"  # the opening messages
+    PROMPT = "prompt"  # the prompt's first bytes
+    RESPONSES = "responses"  # the instructions and the opening of `input`
+    INFILL = "infill"  # the first bytes of `input_prefix`
+
+
 class _Body(msgspec.Struct):
     model: object = None
     stream: object = None
@@ -33,6 +52,9 @@ class _Body(msgspec.Struct):
     # kept as raw JSON, read only as far as the affinity key needs; empty when absent
     messages: msgspec.Raw = msgspec.Raw(b"")
     prompt: msgspec.Raw = msgspec.Raw(b"")
+    input: msgspec.Raw = msgspec.Raw(b"")
+    instructions: object = None
+    input_prefix: object = None
 
 
 class _Role(msgspec.Struct):
@@ -50,7 +72,26 @@ class Parsed(msgspec.Struct, frozen=True):
     affinity: int | None
 
 
-def parse(body: bytes, *, chat: bool, embeddings: bool, session: bytes | None) -> Parsed:
+_FORM_FIELDS = frozenset((b"model", b"stream", b"user"))
+
+
+def parse(
+    body: bytes,
+    *,
+    chat: bool = False,
+    embeddings: bool = False,
+    session: bytes | None,
+    affinity: Affinity | None = None,
+    content_type: bytes | None = None,
+) -> Parsed:
+    """The model a body asks for, whether it streams, and its affinity key. `affinity`
+    says what keeps its conversation together (by default from `chat` and `embeddings`,
+    the three first routes' flags); a multipart/form-data `content_type` reads a form."""
+    if affinity is None:
+        affinity = Affinity.CHAT if chat else Affinity.NONE if embeddings else Affinity.PROMPT
+    if multipart.is_multipart(content_type):
+        assert content_type is not None
+        return _parse_form(body, content_type, session)
     if not body:
         raise BadRequest("the request has no body: send a JSON object with a `model`")
     try:
@@ -67,20 +108,55 @@ def parse(body: bytes, *, chat: bool, embeddings: bool, session: bytes | None) -
     return Parsed(
         model=parsed.model,
         stream=parsed.stream is True,
-        affinity=None if embeddings else _affinity(parsed, chat, session),
+        affinity=None if affinity is Affinity.NONE else _affinity(parsed, affinity, session),
     )
 
 
-def _affinity(parsed: _Body, chat: bool, session: bytes | None) -> int | None:
+def _parse_form(body: bytes, content_type: bytes, session: bytes | None) -> Parsed:
+    try:
+        fields = multipart.form_fields(body, content_type, _FORM_FIELDS)
+    except multipart.FormError as e:
+        raise BadRequest(f"the body is not a valid multipart/form-data form: {e}") from None
+    try:
+        model = fields.get(b"model", b"").decode().strip()
+    except UnicodeDecodeError:
+        raise BadRequest("the form's `model` field is not UTF-8 text") from None
+    if not model:
+        raise BadRequest("the form has no `model` field: add one naming a model /v1/models lists")
+    user = fields.get(b"user", b"").strip()
+    key = b"user:" + user if user else b"session:" + session if session else None
+    return Parsed(
+        model=model,
+        stream=fields.get(b"stream", b"").strip().lower() == b"true",
+        affinity=stable_hash(key) if key else None,
+    )
+
+
+def _affinity(parsed: _Body, affinity: Affinity, session: bytes | None) -> int | None:
     if isinstance(parsed.user, str) and parsed.user:
         return stable_hash(b"user:" + parsed.user.encode())
     if session:
         return stable_hash(b"session:" + session)
-    if chat and len(parsed.messages):
+    if affinity is Affinity.CHAT and len(parsed.messages):
         return _opening_hash(parsed.messages)
-    if not chat and len(parsed.prompt):
+    if affinity is Affinity.PROMPT and len(parsed.prompt):
         return stable_hash(b"prompt:" + bytes(parsed.prompt)[:PROMPT_PREFIX])
+    if affinity is Affinity.RESPONSES and len(parsed.input):
+        return _responses_hash(parsed)
+    if affinity is Affinity.INFILL and isinstance(parsed.input_prefix, str):
+        return stable_hash(b"infill:" + parsed.input_prefix.encode()[:PROMPT_PREFIX])
     return None
+
+
+def _responses_hash(parsed: _Body) -> int | None:
+    instructions = parsed.instructions if isinstance(parsed.instructions, str) else ""
+    raw = bytes(parsed.input)
+    if raw[:1] == b"[":
+        opening = _opening_hash(parsed.input)
+        if opening is None:
+            return None
+        return stable_hash(b"responses:%s\n%d" % (instructions.encode()[:ANCHOR_LIMIT], opening))
+    return stable_hash(b"responses:" + (instructions.encode() + b"\n" + raw)[:ANCHOR_LIMIT])
 
 
 def _opening_hash(raw: msgspec.Raw) -> int | None:

@@ -23,8 +23,11 @@ What it does, and no more:
   the next request within `idle_timeout` of the connection going idle, and a client that takes nothing of its answer for `send_timeout` is closed;
 - responses whole (`Response.send`) or streamed (`start`/`write`/`end`), framed as RFC 9112
   says: no body and no chunking for HEAD, 1xx, 204 and 304; Content-Length held to what
-  was declared; chunked when the length is unknown; each `write` waits while the client's
+  was declared (a handler writing past it is a bug: logged, counted, and the connection
+  closed, never the body cut quietly to fit); chunked when the length is unknown; each `write` waits while the client's
   socket is full, so a slow reader holds back its upstream instead of filling memory;
+- one `RequestCycle` per request (its head, body and answer), apart from the connection
+  that owns the socket, the parser and the order of answers (uvicorn's shape);
 - a client that goes away cancels its handler at once: the proxy's `finally` then closes
   the upstream connection, which is how an engine learns to stop generating;
 - `HttpServer.shutdown(grace)`: stop accepting, close idle connections, let the requests
@@ -100,6 +103,68 @@ class _Refusal:
     def __init__(self, status: int, body: bytes) -> None:
         self.status = status
         self.body = body
+
+
+class BodyOverrun(Exception):
+    """A handler wrote more than the Content-Length it declared: a bug. Its answer is not
+    cut to fit (that would pass for complete): the connection closes instead, and the
+    overrun is logged and counted."""
+
+
+class RequestCycle:
+    """One request on a connection (uvicorn's RequestResponseCycle): its head and body as
+    they are read, whether a `100 Continue` is owed to it, and then its answer. The
+    connection (HttpConnection) owns the socket, the parser and the order of answers;
+    nothing of one request lives on it."""
+
+    __slots__ = ("request", "_parts", "body_size", "head_size", "continue_owed")
+
+    def __init__(self) -> None:
+        self.request = Request()
+        self._parts: list[bytes] = []
+        self.body_size = 0
+        self.head_size = 0  # request line and headers, as the parser hands them over
+        self.continue_owed = False  # expects 100-continue, not yet sent
+
+    def add_body(self, data: bytes) -> int:
+        """A piece of the body; returns the size so far."""
+        self._parts.append(data)
+        self.body_size += len(data)
+        return self.body_size
+
+    def read(self) -> Request:
+        """The request is read whole."""
+        parts, self._parts = self._parts, []
+        self.request.body = b"".join(parts) if len(parts) != 1 else parts[0]
+        self.continue_owed = False  # the body came anyway
+        return self.request
+
+    async def answer(self, conn: HttpConnection, handler: Handler, error_body: ErrorBody) -> bool:
+        """Run the handler for this request; True when the connection can carry another."""
+        req = self.request
+        resp = Response(conn, req)
+        try:
+            await handler(req, resp)
+        except asyncio.CancelledError:
+            if conn.lost:
+                return False  # the client went away; nothing to answer
+            raise
+        except BodyOverrun:
+            return False  # said and counted where it happened; closing tells the client
+        except Exception as e:  # noqa: BLE001 - a bug in a handler must not take the server down
+            if conn.lost and isinstance(e, ConnectionError):
+                return False  # the client went away while it was being answered
+            # A ConnectionError while the client is still here is a bug like any other
+            # (an upstream error that escaped): it must not leave the connection mute.
+            log.exception("handler failed for %s %r", req.method.decode(), req.target)
+            if resp.started:
+                return False  # half an answer: closing tells the client it is incomplete
+            await resp.send(500, error_body(500, "internal error in the router"))
+            return resp.keeps_connection
+        if not resp.started:
+            log.error("handler gave no answer to %s %r", req.method.decode(), req.target)
+            await resp.send(500, error_body(500, "internal error in the router"))
+        return resp.keeps_connection
 
 
 Handler = Callable[[Request, "Response"], Awaitable[None]]
@@ -201,12 +266,7 @@ class Response:
         framing = self._framing
         if framing == _LENGTH:
             if len(data) > self._remaining:
-                log.error(
-                    "a handler wrote %d bytes more than the %d it declared; dropped",
-                    len(data) - self._remaining,
-                    self._remaining,
-                )
-                data = data[: self._remaining]
+                self._overrun(len(data))
             self._remaining -= len(data)
         elif framing == _CHUNKED:
             if not data:
@@ -235,6 +295,21 @@ class Response:
         elif self._head:
             self._conn.write(self._head)
             self._head = b""
+
+    def _overrun(self, size: int) -> None:
+        request = self._request
+        log.error(
+            "the answer to %s %r is longer than its Content-Length: %d bytes written where "
+            "%d remained; its connection is closed rather than the answer cut to fit",
+            request.method.decode(errors="replace"),
+            request.target,
+            size,
+            self._remaining,
+        )
+        self._conn.overrun()
+        self._keep_alive = False
+        self.flush()  # what was declared is incomplete: the client sees it end early
+        raise BodyOverrun(f"{size} bytes written where {self._remaining} remained")
 
     def flush(self) -> None:
         """Send the head now (a stream whose first bytes may take a while)."""
@@ -269,13 +344,9 @@ class HttpConnection(asyncio.Protocol):
         self._reading = _Reading.BETWEEN
         self._messages = 0  # requests read completely so far
         self._raw_head = 0  # raw bytes of the head being read, counted while it arrives
-        self._queue: collections.deque[Request | _Refusal] = collections.deque()
-        self._req: Request | None = None
+        self._queue: collections.deque[RequestCycle | _Refusal] = collections.deque()
+        self._cycle: RequestCycle | None = None  # the request being read
         self._last: Request | None = None  # the request read last (an Upgrade names it)
-        self._body: list[bytes] = []
-        self._body_size = 0
-        self._head_size = 0
-        self._continue_pending = False  # a 100 Continue owed once the answers before it end
         self.task: asyncio.Task[None] | None = None
         self._next: asyncio.Future[None] | None = None  # set when a request is queued
         self._busy = False  # a request is being answered
@@ -380,6 +451,11 @@ class HttpConnection(asyncio.Protocol):
         if self._transport is not None and not self.lost:
             self._transport.write(data)
 
+    def overrun(self) -> None:
+        """A handler wrote past its answer's declared length (Response.write says so)."""
+        self._server.overruns += 1
+        self._server.on_overrun()
+
     @property
     def idle(self) -> bool:
         """Between requests: nothing being answered, queued or read."""
@@ -390,26 +466,25 @@ class HttpConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._server.busy(self)
         self._reading = _HEAD
-        self._req = Request()
-        self._body = []
-        self._body_size = 0
-        self._head_size = 0
+        self._cycle = RequestCycle()
 
     def on_url(self, url: bytes) -> None:
-        assert self._req is not None
-        self._req.target += url
+        assert self._cycle is not None
+        self._cycle.request.target += url
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self._req is not None
+        assert self._cycle is not None
         self._count_head(len(name) + len(value))
-        if len(self._req.headers) >= self._limits.max_headers:
+        headers = self._cycle.request.headers
+        if len(headers) >= self._limits.max_headers:
             self._stop(431, f"more than {self._limits.max_headers} headers")
-        self._req.headers.append((name.lower(), value))
+        headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        req = self._req
-        assert req is not None
+        cycle = self._cycle
+        assert cycle is not None
+        req = cycle.request
         self._reading = _BODY
         req.method = self._parser.get_method()
         req.path = req.target.split(b"?", 1)[0]
@@ -428,25 +503,21 @@ class HttpConnection(asyncio.Protocol):
             if not self._busy and not self._queue:
                 self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             else:
-                self._continue_pending = True  # after the answers before it, not inside them
+                cycle.continue_owed = True  # after the answers before it, not inside them
 
     def on_body(self, body: bytes) -> None:
-        self._body_size += len(body)
-        if self._body_size > self._limits.max_body:
+        assert self._cycle is not None
+        if self._cycle.add_body(body) > self._limits.max_body:
             self._stop(413, f"request body is over the limit of {self._limits.max_body} bytes")
-        self._body.append(body)
 
     def on_message_complete(self) -> None:
-        req = self._req
-        assert req is not None
-        self._req = None
-        self._last = req
+        cycle = self._cycle
+        assert cycle is not None
+        self._cycle = None
+        self._last = cycle.read()
         self._reading = _BETWEEN
         self._messages += 1
-        self._continue_pending = False  # the body came anyway
-        req.body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
-        self._body = []
-        self._enqueue(req)
+        self._enqueue(cycle)
 
     # --- requests in order -----------------------------------------------------------------
 
@@ -466,10 +537,12 @@ class HttpConnection(asyncio.Protocol):
             self.data_received(data[offset:])
 
     def _count_head(self, n: int) -> None:
-        self._head_size += n
-        if self._head_size > self._limits.max_head:
+        cycle = self._cycle
+        assert cycle is not None
+        cycle.head_size += n
+        if cycle.head_size > self._limits.max_head:
             limit = self._limits.max_head
-            if self._req is not None and not self._req.headers:
+            if not cycle.request.headers:
                 self._stop(414, f"request target is over the limit of {limit} bytes")
             self._stop(431, f"request head is over the limit of {limit} bytes")
 
@@ -481,11 +554,11 @@ class HttpConnection(asyncio.Protocol):
         """Answer `status` after the requests before it, then close: what follows on this
         connection cannot be trusted to be framed right."""
         self._discarding = True
-        self._req = None
+        self._cycle = None
         self._reading = _Reading.BETWEEN
         self._enqueue(_Refusal(status, self._error_body(status, message)))
 
-    def _enqueue(self, item: Request | _Refusal) -> None:
+    def _enqueue(self, item: RequestCycle | _Refusal) -> None:
         self._cancel_idle()
         queue = self._queue
         queue.append(item)
@@ -505,7 +578,7 @@ class HttpConnection(asyncio.Protocol):
         limits, queue = self._limits, self._queue
         if len(queue) > limits.max_pipelined // fraction:
             return True
-        queued = sum(len(r.body) for r in queue if isinstance(r, Request))
+        queued = sum(c.body_size for c in queue if isinstance(c, RequestCycle))
         return queued > limits.max_pipelined_bytes // fraction
 
     async def _answer_queue(self) -> None:
@@ -518,8 +591,9 @@ class HttpConnection(asyncio.Protocol):
                     if self.closing and between:
                         self._linger_close()
                         return
-                    if self._continue_pending:
-                        self._continue_pending = False
+                    cycle = self._cycle
+                    if cycle is not None and cycle.continue_owed:
+                        cycle.continue_owed = False
                         self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                     if between:
                         self._went_idle()
@@ -543,7 +617,8 @@ class HttpConnection(asyncio.Protocol):
                     )
                     self._linger_close()
                     return
-                if not await self._answer(item) or self.closing:
+                keep = await item.answer(self, self._handler, self._error_body)
+                if not keep or self.closing:
                     self._linger_close()
                     return
         except asyncio.CancelledError:
@@ -551,30 +626,6 @@ class HttpConnection(asyncio.Protocol):
                 raise  # the server is stopping; a lost client is simply done
         finally:
             self._busy = False
-
-    async def _answer(self, req: Request) -> bool:
-        """Run the handler for one request; True when the connection can carry another."""
-        resp = Response(self, req)
-        try:
-            await self._handler(req, resp)
-        except asyncio.CancelledError:
-            if self.lost:
-                return False  # the client went away; nothing to answer
-            raise
-        except Exception as e:  # noqa: BLE001 - a bug in a handler must not take the server down
-            if self.lost and isinstance(e, ConnectionError):
-                return False  # the client went away while it was being answered
-            # A ConnectionError while the client is still here is a bug like any other
-            # (an upstream error that escaped): it must not leave the connection mute.
-            log.exception("handler failed for %s %r", req.method.decode(), req.target)
-            if resp.started:
-                return False  # half an answer: closing tells the client it is incomplete
-            await resp.send(500, self._error_body(500, "internal error in the router"))
-            return resp.keeps_connection
-        if not resp.started:
-            log.error("handler gave no answer to %s %r", req.method.decode(), req.target)
-            await resp.send(500, self._error_body(500, "internal error in the router"))
-        return resp.keeps_connection
 
     # --- closing ---------------------------------------------------------------------------
 
@@ -664,10 +715,20 @@ class _Stop(Exception):
 class HttpServer:
     """The listening socket and every connection it accepted: what `shutdown` drains."""
 
-    def __init__(self, handler: Handler, limits: HttpLimits, error_body: ErrorBody) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        limits: HttpLimits,
+        error_body: ErrorBody,
+        on_overrun: Callable[[], None] = lambda: None,
+    ) -> None:
         self.handler = handler
         self.limits = limits
         self.error_body = error_body
+        # an answer written past its declared length (a handler's bug): counted here, and
+        # told to the caller (the router's metric)
+        self.overruns = 0
+        self.on_overrun = on_overrun
         self.connections: set[HttpConnection] = set()
         self._idle: dict[HttpConnection, None] = {}  # in the order they went idle
         self._server: asyncio.AbstractServer | None = None
@@ -781,8 +842,9 @@ async def serve(
     limits: HttpLimits | None = None,
     error_body: ErrorBody,
     backlog: int = 4096,
+    on_overrun: Callable[[], None] = lambda: None,
 ) -> HttpServer:
     """Start listening; the caller shuts the returned server down (or closes it)."""
-    server = HttpServer(handler, limits or HttpLimits(), error_body)
+    server = HttpServer(handler, limits or HttpLimits(), error_body, on_overrun)
     await server.listen(host, port, backlog)
     return server

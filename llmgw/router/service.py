@@ -22,12 +22,15 @@ from llmgw.bus import keys
 from llmgw.errors import LlmgwError
 from llmgw.keyfiles import read_key
 from llmgw.router.balancer import Balancer, BalancerSettings
+from llmgw.router.gate import Gate
 from llmgw.router.hold import Holds, HoldSettings
+from llmgw.router.inflight import InFlight
 from llmgw.router.load import LOAD_INTERVAL_S, LoadCounter, LoadPublisher
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.page import FleetPage
 from llmgw.router.probe import HealthProber
-from llmgw.router.proxy import Proxy, ProxySettings, error_body
+from llmgw.router.proxy import Proxy, ProxySettings
+from llmgw.router.refusal import error_body
 from llmgw.router.server import HttpLimits, HttpServer, serve
 from llmgw.router.table import EndpointTable
 from llmgw.router.upstream import UpstreamPool, UpstreamSettings
@@ -88,11 +91,16 @@ class RouterSettings:
 
 
 class Router:
-    def __init__(self, settings: RouterSettings | None = None) -> None:
+    def __init__(self, settings: RouterSettings | None = None, gate: Gate | None = None) -> None:
         self.settings = settings or RouterSettings()
+        # who may send requests and what they are charged (router/gate.py); None: the
+        # settings' client keys, nothing metered
+        self.gate = gate
         self.table = EndpointTable(self.settings.proxy.engine_api_key, StaticKeys())
-        self.metrics = RouterMetrics()
-        self.load = LoadCounter()
+        # the one in-flight account the balancer, /metrics and the load records read
+        self.flights = InFlight()
+        self.metrics = RouterMetrics(self.flights)
+        self.load = LoadCounter(self.flights)
         self.holds = Holds(self.table, self.load, self.settings.hold)
         self.metrics.held_from(lambda: self.holds.held)
         self.source = "none"
@@ -171,6 +179,7 @@ class Router:
             page=self.page,
             load=self.load,
             holds=self.holds,
+            gate=self.gate,
         )
         prober = HealthProber(
             self.table,
@@ -184,6 +193,7 @@ class Router:
             s.port,
             limits=s.limits,
             error_body=lambda status, message: error_body(status, message),
+            on_overrun=self.metrics.overruns.inc,
         )
         log.info("router listening on %s", self.url)
         try:
@@ -211,6 +221,9 @@ class Router:
         grace = self.settings.shutdown_grace if grace is None else grace
         assert self.server is not None
         self.draining = True
+        # a request held for a cold model never reached an engine: answered now (503,
+        # retry), not after the grace with a bare EOF
+        self.holds.stop()
         busy = sum(1 for c in self.server.connections if not c.idle)
         log.info(
             "router stops accepting; %d connection(s) busy, given up to %g s to finish",

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -245,6 +246,10 @@ def tokenize(text: str) -> list[str]:
 
 def _llama_error(status: int, message: str, kind: str) -> dict:
     return {"error": {"code": status, "message": message, "type": kind}}
+
+
+def _vllm_error(status: int, message: str, kind: str) -> dict:
+    return {"object": "error", "message": message, "type": kind, "param": None, "code": status}
 
 
 def build_app(engine: Engine):
@@ -488,7 +493,309 @@ def build_app(engine: Engine):
             }
         )
 
-    app = web.Application(middlewares=[gate])
+    async def json_body(request):
+        """The body as a dict, or the engine's own 400 (as a web.Response)."""
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            if engine.kind == "vllm":
+                return web.json_response(
+                    _vllm_error(400, "the body must be a JSON object", "BadRequestError"),
+                    status=400,
+                )
+            return web.json_response(
+                _llama_error(400, "invalid JSON body", "invalid_request_error"), status=400
+            )
+        return body
+
+    def wrong_model(model) -> web.Response | None:
+        """vLLM refuses a model it does not serve; llama-server serves whatever is asked."""
+        if engine.kind == "vllm" and model != engine.served_name:
+            return web.json_response(
+                _vllm_error(404, f"The model `{model}` does not exist.", "NotFoundError"),
+                status=404,
+            )
+        return None
+
+    def scores(query: str, documents: list) -> list[float]:
+        # a made-up relevance: shared words, so a test can tell the order is the engine's
+        words = set(query.lower().split())
+        return [len(words & set(str(d).lower().split())) / (1 + len(words)) for d in documents]
+
+    async def rerank(request):
+        body = await json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        if (refused := wrong_model(body.get("model"))) is not None:
+            return refused
+        query = str(body.get("query", ""))
+        documents = body.get("documents") if isinstance(body.get("documents"), list) else []
+        results = [
+            {"index": i, "relevance_score": score}
+            for i, score in enumerate(scores(query, documents))
+        ]
+        results.sort(key=lambda r: -r["relevance_score"])
+        top_n = body.get("top_n")
+        if isinstance(top_n, int):
+            results = results[:top_n]
+        n = len(tokenize(query)) + sum(len(tokenize(str(d))) for d in documents)
+        if engine.kind == "vllm":
+            for r in results:
+                r["document"] = {"text": str(documents[r["index"]])}
+            return web.json_response(
+                {
+                    "id": f"rerank-{uuid.uuid4().hex[:24]}",
+                    "model": body.get("model"),
+                    "usage": {"total_tokens": n},
+                    "results": results,
+                }
+            )
+        return web.json_response(
+            {
+                "model": body.get("model") or engine.served_name,
+                "object": "list",
+                "usage": {"prompt_tokens": n, "total_tokens": n},
+                "results": results,
+            }
+        )
+
+    async def score(request):
+        body = await json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        if (refused := wrong_model(body.get("model"))) is not None:
+            return refused
+        first = str(body.get("text_1", ""))
+        second = body.get("text_2", "")
+        second = second if isinstance(second, list) else [second]
+        return web.json_response(
+            {
+                "id": f"score-{uuid.uuid4().hex[:24]}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": body.get("model"),
+                "data": [
+                    {"index": i, "object": "score", "score": s}
+                    for i, s in enumerate(scores(first, second))
+                ],
+                "usage": {"prompt_tokens": len(tokenize(first)), "total_tokens": 0},
+            }
+        )
+
+    async def pooling(request):
+        body = await json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        if (refused := wrong_model(body.get("model"))) is not None:
+            return refused
+        inputs = body.get("input", "")
+        inputs = inputs if isinstance(inputs, list) else [inputs]
+        classify = request.path.endswith("/classify")
+        data = []
+        for i, x in enumerate(inputs):
+            if classify:
+                p = (len(str(x)) % 10) / 10
+                data.append(
+                    {
+                        "index": i,
+                        "label": "positive" if p >= 0.5 else "negative",
+                        "probs": [1 - p, p],
+                        "num_classes": 2,
+                    }
+                )
+            else:
+                data.append({"index": i, "object": "pooling", "data": [float(len(str(x)))]})
+        n = sum(len(tokenize(str(x))) for x in inputs)
+        return web.json_response(
+            {
+                "id": f"{'classify' if classify else 'pool'}-{uuid.uuid4().hex[:24]}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": body.get("model"),
+                "data": data,
+                "usage": {"prompt_tokens": n, "total_tokens": n},
+            }
+        )
+
+    async def tokenize_route(request):
+        body = await json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        if (refused := wrong_model(body.get("model"))) is not None:
+            return refused
+        text = body.get("content") if engine.kind == "llama-server" else body.get("prompt")
+        tokens = [sum(map(ord, t)) for t in tokenize(str(text or ""))]
+        if engine.kind == "vllm":
+            return web.json_response(
+                {"count": len(tokens), "max_model_len": engine.ctx, "tokens": tokens}
+            )
+        return web.json_response({"tokens": tokens})
+
+    async def detokenize(request):
+        body = await json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        if (refused := wrong_model(body.get("model"))) is not None:
+            return refused
+        tokens = body.get("tokens") if isinstance(body.get("tokens"), list) else []
+        text = "".join(f"t{t}" for t in tokens)
+        key = "prompt" if engine.kind == "vllm" else "content"
+        return web.json_response({key: text})
+
+    async def infill(request):
+        """llama-server's fill-in-the-middle: its own (non-OpenAI) completion shape."""
+        body = await json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        n = min(engine.tokens, int(body.get("n_predict") or engine.tokens))
+        engine.in_flight += 1
+        try:
+            await asyncio.sleep(engine.first_token_seconds)
+            if body.get("stream"):
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                for i in range(n):
+                    await asyncio.sleep(1.0 / engine.token_rate)
+                    data = {"content": f"tok{i} ", "stop": False, "index": 0}
+                    await resp.write(f"data: {json.dumps(data)}\n\n".encode())
+                last = {"content": "", "stop": True, "index": 0, "model": engine.served_name}
+                await resp.write(f"data: {json.dumps(last)}\n\n".encode())
+                await resp.write_eof()
+                return resp
+            await asyncio.sleep(n / engine.token_rate)
+            return web.json_response(
+                {
+                    "content": "".join(f"tok{i} " for i in range(n)),
+                    "stop": True,
+                    "model": engine.served_name,
+                    "tokens_predicted": n,
+                }
+            )
+        finally:
+            engine.in_flight -= 1
+
+    async def responses(request):
+        """vLLM's Responses API: a response object, or its events when streamed."""
+        body = await json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        model = body.get("model")
+        if (refused := wrong_model(model)) is not None:
+            return refused
+        n = min(engine.tokens, int(body.get("max_output_tokens") or engine.tokens))
+        source = body.get("input", "")
+        prompt = tokenize(source if isinstance(source, str) else json.dumps(source))
+        rid, mid = f"resp_{uuid.uuid4().hex[:24]}", f"msg_{uuid.uuid4().hex[:24]}"
+        text = "".join(f"tok{i} " for i in range(n))
+
+        def response(status: str, out: str) -> dict:
+            content = [{"type": "output_text", "text": out, "annotations": [], "logprobs": []}]
+            return {
+                "id": rid,
+                "object": "response",
+                "created_at": int(time.time()),
+                "model": model,
+                "status": status,
+                "output": [
+                    {
+                        "type": "message",
+                        "id": mid,
+                        "status": status,
+                        "role": "assistant",
+                        "content": content,
+                    }
+                ]
+                if out
+                else [],
+                "parallel_tool_calls": True,
+                "tool_choice": "auto",
+                "tools": [],
+                "usage": {
+                    "input_tokens": len(prompt),
+                    "input_tokens_details": {"cached_tokens": 0},
+                    "output_tokens": n,
+                    "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": len(prompt) + n,
+                }
+                if status == "completed"
+                else None,
+            }
+
+        engine.in_flight += 1
+        try:
+            await asyncio.sleep(engine.first_token_seconds)
+            if not body.get("stream"):
+                await asyncio.sleep(n / engine.token_rate)
+                return web.json_response(response("completed", text))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            seq = 0
+
+            async def event(kind: str, **data) -> None:
+                nonlocal seq
+                payload = {"type": kind, "sequence_number": seq, **data}
+                seq += 1
+                await resp.write(f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode())
+
+            await event("response.created", response=response("in_progress", ""))
+            for i in range(n):
+                await asyncio.sleep(1.0 / engine.token_rate)
+                await event(
+                    "response.output_text.delta",
+                    item_id=mid,
+                    output_index=0,
+                    content_index=0,
+                    delta=f"tok{i} ",
+                    logprobs=[],
+                )
+            await event("response.completed", response=response("completed", text))
+            await resp.write_eof()
+            return resp
+        finally:
+            engine.in_flight -= 1
+
+    async def audio(request):
+        """vLLM's transcription and translation: a multipart form with `file` and `model`.
+        The file's SHA-256 comes back in a header, for a test to see the bytes arrived
+        unchanged."""
+        if not (request.content_type or "").startswith("multipart/form-data"):
+            return web.json_response(
+                _vllm_error(400, "expected multipart/form-data", "BadRequestError"), status=400
+            )
+        form = await request.post()
+        if (refused := wrong_model(form.get("model"))) is not None:
+            return refused
+        upload = form.get("file")
+        if upload is None or not hasattr(upload, "file"):
+            return web.json_response(
+                _vllm_error(400, "the form has no `file`", "BadRequestError"), status=400
+            )
+        data = upload.file.read()
+        text = "".join(f"tok{i} " for i in range(engine.tokens))
+        headers = {"x-fake-file-sha256": hashlib.sha256(data).hexdigest()}
+        fmt = form.get("response_format", "json")
+        if fmt == "text":
+            return web.Response(text=text, headers=headers)
+        return web.json_response(
+            {"text": text, "usage": {"type": "duration", "seconds": max(1, len(data) // 32000)}},
+            headers=headers,
+        )
+
+    @web.middleware
+    async def not_found(request, handler):
+        """Routes an engine does not serve: llama-server's 404 body, vLLM's (FastAPI's)."""
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:
+            if engine.kind == "llama-server":
+                return web.json_response(
+                    _llama_error(404, "File Not Found", "not_found_error"), status=404
+                )
+            return web.json_response({"detail": "Not Found"}, status=404)
+
+    app = web.Application(middlewares=[not_found, gate])
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
@@ -497,6 +804,22 @@ def build_app(engine: Engine):
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/tokenize", tokenize_route)
+    app.router.add_post("/detokenize", detokenize)
+    if engine.kind == "llama-server":
+        for path in ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking"):
+            app.router.add_post(path, rerank)
+        app.router.add_post("/infill", infill)
+    else:
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            app.router.add_post(path, rerank)
+        for path in ("/v1/score", "/score"):
+            app.router.add_post(path, score)
+        app.router.add_post("/pooling", pooling)
+        app.router.add_post("/classify", pooling)
+        app.router.add_post("/v1/responses", responses)
+        app.router.add_post("/v1/audio/transcriptions", audio)
+        app.router.add_post("/v1/audio/translations", audio)
     return app
 
 

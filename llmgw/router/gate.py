@@ -1,0 +1,61 @@
+"""Who may send a request, and what it is charged: the handler's one slot for keys, limits
+and metering (router/proxy.py calls it; nothing else on the request path knows of keys).
+
+Three moments of a request, each a call:
+1. `authenticate(req)`: before the body is read for routing. An identity, or a Refusal
+   (401) that is answered at once.
+2. `admit(identity, parsed, model)`: once the model is known and before an engine is
+   picked (so a refused request never takes an engine's slot, nor waits for a cold model).
+   A `Ticket` (what the request reserved: the metering of one request), None when there is
+   nothing to meter, or a Refusal (403, 429 with its headers).
+3. The ticket is told each chunk of the answer as it is relayed (`chunk`), and `settle`d
+   once when the request is over, however it ended (an answer, an engine's failure, the
+   client leaving, a refusal after admission).
+
+The gate here is the router's own: a fixed list of client keys (`--api-keys-file`), no
+limits. A gateway with keys records, limits and metering implements the same three calls.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from llmgw.router.refusal import Refusal
+from llmgw.router.request import Parsed
+from llmgw.router.server import Request
+
+
+class Ticket(Protocol):
+    def chunk(self, data: bytes) -> None:
+        """A piece of the answer, as it is relayed to the client."""
+
+    def settle(self, status: int, outcome: str) -> None:
+        """The request is over, called once however it ended: `status` the answer's
+        (0 when it ended before its answer was complete: the client left), and `outcome`
+        "ok", or the error kind that ended it (llmgw_router_errors' kinds)."""
+
+
+class Gate(Protocol):
+    def authenticate(self, req: Request) -> object | Refusal: ...
+
+    def admit(self, identity: object, parsed: Parsed, model: str) -> Ticket | Refusal | None: ...
+
+
+class KeyListGate:
+    """Clients need one of a fixed set of keys, as `Authorization: Bearer KEY`; with no
+    keys configured, every client may. Nothing is metered."""
+
+    def __init__(self, keys: frozenset[str] = frozenset()) -> None:
+        self._accepted = {b"Bearer " + k.encode() for k in keys}
+
+    @property
+    def keyed(self) -> bool:
+        return bool(self._accepted)
+
+    def authenticate(self, req: Request) -> object | Refusal:
+        if self._accepted and req.header(b"authorization") not in self._accepted:
+            return Refusal(401, "missing or unknown API key", kind="unauthorized")
+        return None
+
+    def admit(self, identity: object, parsed: Parsed, model: str) -> Ticket | Refusal | None:
+        return None
