@@ -98,16 +98,25 @@ class RecordingGate:
         self.tickets.append(ticket)
         return ticket
 
+    def models(self, identity, names):
+        return names
+
 
 class Ticket:
+    rewrites = False
+
     def __init__(self, model: str) -> None:
         self.model = model
         self.relayed = b""
         self.settled: list[tuple[int, str]] = []
 
-    def chunk(self, data: bytes) -> None:
+    def answering(self, replica: str) -> tuple[tuple[bytes, bytes], ...]:
+        return ()
+
+    def chunk(self, data: bytes) -> bytes:
         assert not self.settled
         self.relayed += data
+        return data
 
     def settle(self, status: int, outcome: str) -> None:
         self.settled.append((status, outcome))

@@ -13,6 +13,7 @@ twice is not harmless.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmgw.router.balancer import Balancer
-from llmgw.router.gate import Gate, KeyListGate, Ticket
+from llmgw.router.gate import Gate, KeyListGate, Later, Ticket
 from llmgw.router.hold import MAX_WAIT_HEADER, Holds
 from llmgw.router.load import LoadCounter
 from llmgw.router.metrics import CONTENT_TYPE as METRICS_TYPE
@@ -148,7 +149,7 @@ class Proxy:
             if isinstance(who, Refusal):
                 await self._refuse(resp, who)
             else:
-                await resp.send(200, self._models())
+                await resp.send(200, self._models(who))
         elif req.path == b"/health" and req.method in (b"GET", b"HEAD"):
             state = self._health()
             # a router shutting down says so, for a load balancer in front still asking
@@ -183,15 +184,15 @@ class Proxy:
                 ),
             )
 
-    def _models(self) -> bytes:
+    def _models(self, who: object) -> bytes:
         # a cold model (autoscaled to zero, or its first replica loading) is listed too: a
-        # request for it waits for a replica
+        # request for it waits for a replica; a key sees only the models it may use
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
-            for name in self.table.served_names()
+            for name in self.gate.models(who, self.table.served_names())
         ] + [
             {"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "cold": True}
-            for name in self.table.cold_names()
+            for name in self.gate.models(who, self.table.cold_names())
         ]
         return json.dumps({"object": "list", "data": data}).encode()
 
@@ -211,11 +212,20 @@ class Proxy:
             await self._refuse(resp, admitted)
             return
         parsed, route, ticket = admitted
+        if type(ticket) is Later:
+            ticket = await ticket.wait
+            if isinstance(ticket, Refusal):
+                await self._refuse(resp, ticket)
+                return
         outcome: Refusal | Relayed = Relayed(0, "client_disconnect")
         try:
             outcome = await self._forward(req, resp, parsed, route, ticket)
             if isinstance(outcome, Refusal):
-                await self._refuse(resp, outcome)
+                if ticket is not None:
+                    headers = outcome.headers + ticket.answering(outcome.replica)
+                    await self._refuse(resp, dataclasses.replace(outcome, headers=headers))
+                else:
+                    await self._refuse(resp, outcome)
         finally:
             if ticket is not None:
                 if isinstance(outcome, Refusal):
@@ -225,7 +235,7 @@ class Proxy:
 
     def _admit(
         self, req: Request, spec: RouteSpec
-    ) -> tuple[Parsed, Route, Ticket | None] | Refusal:
+    ) -> tuple[Parsed, Route, Ticket | Later | None] | Refusal:
         """The steps before an engine: who sends it, what it asks for, whether it may."""
         if req.method != b"POST":
             return Refusal(405, "use POST")
@@ -410,6 +420,10 @@ class Proxy:
             else:
                 self.balancer.succeeded(b, time.monotonic())
             out, length = _relayed_headers(headers, b.id if self.settings.replica_header else None)
+            if ticket is not None:
+                out += ticket.answering(b.id)
+                if ticket.rewrites:
+                    length = None
             await resp.start(status, out, length)
             if not conn.has_body_ready:
                 resp.flush()  # the body may take a while (a stream before its first token)
@@ -422,7 +436,7 @@ class Proxy:
                         series.ttfb.observe(took)
                         self.load.first_token(model, took)
                     if ticket is not None:
-                        ticket.chunk(chunk)
+                        chunk = ticket.chunk(chunk)
                     await resp.write(chunk)
             except UpstreamFailed as e:
                 # The client already has part of the answer: the only honest signal left is to
