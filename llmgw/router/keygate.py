@@ -6,7 +6,8 @@ the audit trail (llmgw/gateway), in the handler's one slot for them (router/gate
 - Once it holds one, a request needs `Authorization: Bearer <secret>` (or `x-api-key`):
   401 without a valid one, 403 naming the models allowed for a model outside its list,
   429 with `retry-after` past a limit; every answer to a limited key carries the
-  `x-ratelimit-*` headers. Model lists name catalog ids (what limits and usage count by).
+  `x-ratelimit-*` headers. Keys name models by their served names (what clients send,
+  what /v1/models lists), and limits and usage count by those.
 - A stream is charged as its tokens arrive. The engine is asked for its usage
   (`stream_options.include_usage`) when the client did not ask, and that usage chunk is
   taken back out of what this client receives; a stream cut short is charged what it
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 
 from llmgw.gateway import refusals, usage
 from llmgw.gateway.gateway import Admission, Gateway
@@ -71,12 +71,10 @@ def refusal(r: refusals.Refusal, model: str = "") -> Refusal:
 
 
 class GatewayGate:
-    """router/gate.py's Gate over a Gateway. `model_of(name)` is the catalog id a name
-    routes to (None: unknown), for the names `GET /v1/models` lists."""
+    """router/gate.py's Gate over a Gateway."""
 
-    def __init__(self, gateway: Gateway, model_of: Callable[[str], str | None]) -> None:
+    def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-        self._model_of = model_of
 
     def authenticate(self, req: Request) -> Caller | Refusal:
         g = self.gateway
@@ -97,9 +95,11 @@ class GatewayGate:
         g = self.gateway
         if caller.identity is None and not g.enabled:
             return None  # no keys: nothing to check or meter
+        # the served name the request routed by: one the table knows, never a client's
+        # invention (an unknown model is answered 404 before the gate is asked)
         args = {
             "authorization": caller.authorization,
-            "model": model,
+            "model": parsed.model,
             "prompt_chars": parsed.prompt_bytes,
             "max_tokens": parsed.max_tokens,
             "client": caller.request.client,
@@ -141,7 +141,7 @@ class GatewayGate:
         if not isinstance(caller, Caller) or caller.identity is None:
             return names
         who = caller.identity
-        return [n for n in names if who.may_use(self._model_of(n) or n)]
+        return [n for n in names if who.may_use(n)]
 
 
 def _asking_for_usage(body: bytes) -> bytes | None:

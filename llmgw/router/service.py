@@ -169,7 +169,7 @@ class Router:
         s = self.settings
         if connect is not None and self.gate is None:
             self.gateway = Gateway(self.router_id, _BusCounter(self), _BusAudit(self), s.gateway)
-            self.gate = GatewayGate(self.gateway, self._model_of)
+            self.gate = GatewayGate(self.gateway)
             self.metrics.tokens_from(lambda: self.gateway.tokens if self.gateway else {})
         pool = UpstreamPool(s.upstream)
         probe_pool = UpstreamPool(
@@ -309,10 +309,6 @@ class Router:
                     with anyio.move_on_after(2):
                         await self.gateway.flush()
                 await bus.close()
-
-    def _model_of(self, name: str) -> str | None:
-        route = self.table.route(name)
-        return route.model if route is not None else None
 
     async def _follow(self, bus, pattern: str, synced: set[str], synced_type) -> None:
         async for item in bus.watch(pattern, lambda data: data):
