@@ -167,7 +167,13 @@ class Router:
 
     async def _serve(self, connect, task_status) -> None:
         s = self.settings
-        if connect is not None and self.gate is None:
+        if connect is not None and s.proxy.client_api_keys and self.gate is None:
+            log.warning(
+                "router: --api-keys-file given: its keys are the only ones taken, and the "
+                "bucket's (`llmgw key`) with their limits and metering are not used; drop "
+                "--api-keys-file to use them"
+            )
+        elif connect is not None and self.gate is None:
             self.gateway = Gateway(self.router_id, _BusCounter(self), _BusAudit(self), s.gateway)
             self.gate = GatewayGate(self.gateway)
             self.metrics.tokens_from(lambda: self.gateway.tokens if self.gateway else {})
