@@ -191,6 +191,7 @@ async def test_over_its_rpm_a_key_gets_429_with_retry_after_and_every_answer_has
         limited = await _key(bus, "alice", limits=records.Limits(rpm=3))
         free = await _key(bus, "bob")
         await until(lambda: _is(_status(r, free), 200), timeout=2)
+        await _clear_of_a_minute_s_end()
         remaining = []
         for _ in range(3):
             status, headers, _ = await _post(r, chat_body(), limited)
@@ -222,6 +223,7 @@ async def test_metering_equals_the_engine_s_usage_streamed_or_not_and_a_cut_stre
         await bus.put(keys.team("ml"), records.Team(team="ml"))
         await until(lambda: _is(_status(r, secret), 200), timeout=2)
         await until(lambda: _usage(bus), timeout=5)  # that first request, metered
+        await until(lambda: _async(not r.gateway.meter.pending()), timeout=5)
         before = await _usage(bus)
 
         whole = await _post(r, chat_body("one two three"), secret)
@@ -245,6 +247,10 @@ async def test_metering_equals_the_engine_s_usage_streamed_or_not_and_a_cut_stre
         prompt = engine_said["prompt_tokens"]
 
         async def metered(requests: int) -> dict | None:
+            # read once this router has sent all it counted (each kind is its own counter)
+            assert r.gateway is not None
+            if r.gateway.meter.pending():
+                return None
             now = await _usage(bus)
             got = {
                 kind: now.get(("alice", SERVED, kind), 0) - before.get(("alice", SERVED, kind), 0)
@@ -307,20 +313,24 @@ async def test_the_openai_client_gets_its_usual_exceptions_with_their_messages(
         other = await _key(bus, "bob", models=["code"])
         await until(lambda: _is(_status(r, other), 403), timeout=2)
 
-        def client(secret: str) -> openai.AsyncOpenAI:
-            return openai.AsyncOpenAI(base_url=f"{r.url}/v1", api_key=secret, max_retries=0)
-
+        await _clear_of_a_minute_s_end()
         messages = [{"role": "user", "content": "hi"}]
-        with pytest.raises(openai.AuthenticationError, match="incorrect API key"):
-            await client("llmgw-alice-" + "0" * 64).chat.completions.create(
-                model=SERVED, messages=messages
-            )
-        with pytest.raises(openai.PermissionDeniedError, match="may use: code"):
-            await client(other).chat.completions.create(model=SERVED, messages=messages)
-        answer = await client(ok).chat.completions.create(model=SERVED, messages=messages)
-        assert answer.usage is not None and answer.usage.completion_tokens > 0
-        with pytest.raises(openai.RateLimitError, match="rate limit reached for key alice"):
-            await client(ok).chat.completions.create(model=SERVED, messages=messages)
+        wrong = "llmgw-alice-" + "0" * 64
+        async with contextlib.AsyncExitStack() as stack:
+            clients = {
+                name: await stack.enter_async_context(
+                    openai.AsyncOpenAI(base_url=f"{r.url}/v1", api_key=secret, max_retries=0)
+                )
+                for name, secret in (("wrong", wrong), ("other", other), ("ok", ok))
+            }
+            with pytest.raises(openai.AuthenticationError, match="incorrect API key"):
+                await clients["wrong"].chat.completions.create(model=SERVED, messages=messages)
+            with pytest.raises(openai.PermissionDeniedError, match="may use: code"):
+                await clients["other"].chat.completions.create(model=SERVED, messages=messages)
+            answer = await clients["ok"].chat.completions.create(model=SERVED, messages=messages)
+            assert answer.usage is not None and answer.usage.completion_tokens > 0
+            with pytest.raises(openai.RateLimitError, match="rate limit reached for key alice"):
+                await clients["ok"].chat.completions.create(model=SERVED, messages=messages)
 
 
 async def test_a_revoked_key_fails_within_a_second_on_two_routers_and_no_secret_is_stored_or_logged(
@@ -361,9 +371,41 @@ async def test_a_revoked_key_fails_within_a_second_on_two_routers_and_no_secret_
     assert caplog.records and not logged
 
 
+async def _clear_of_a_minute_s_end() -> None:
+    """Limits count per minute of the clock: a test that fills one must not straddle two."""
+    if time.time() % 60 > 50:
+        await anyio.sleep(60 - time.time() % 60 + 0.1)
+
+
 async def _async(value: object) -> object:
     return value
 
 
 async def _is(status, want: int) -> bool:
     return await status == want
+
+
+async def test_a_stream_running_past_its_token_limit_is_charged_as_it_goes_and_ended(
+    bus: Bus, nats_settings: NatsSettings, engines
+) -> None:
+    await ensure_streams(bus)
+    # no max_tokens: 1,024 reserved, and the engine generates 3,000
+    engine = engines.start({"FAKE_ENGINE_TOKENS": "3000", "FAKE_ENGINE_TOKEN_RATE": "5000"})
+    async with _router(nats_settings, engine, bus) as r:
+        secret = await _key(bus, "alice", limits=records.Limits(tpm=1500))
+        await until(lambda: _is(_status(r, None), 401), timeout=2)
+        tokens = 0
+        async with aiohttp.ClientSession() as http:
+            async with http.post(
+                f"{r.url}/v1/chat/completions",
+                json=chat_body(stream=True),
+                headers=_auth(secret),
+            ) as resp:
+                assert resp.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    async for line in resp.content:
+                        tokens += b'"content": "tok' in line
+        # ended once past the limit, not after the 3,000 tokens the engine would have sent
+        assert 1000 < tokens < 1600
+        status, headers, body = await _post(r, chat_body(), secret)
+        assert status == 429 and headers["x-ratelimit-remaining-tokens"] == "0"

@@ -40,8 +40,9 @@ class Ticket(Protocol):
         add to the answer's head."""
         ...
 
-    def chunk(self, data: bytes) -> bytes:
-        """A piece of the answer, as it comes from the engine; what to relay of it."""
+    def chunk(self, data: bytes) -> bytes | None:
+        """A piece of the answer, as it comes from the engine; what to relay of it, or None
+        to end the answer here (a limit refuses a stream more tokens)."""
         ...
 
     def settle(self, status: int, outcome: str) -> None:

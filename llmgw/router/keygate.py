@@ -104,6 +104,7 @@ class GatewayGate:
             "max_tokens": parsed.max_tokens,
             "client": caller.request.client,
             "stream": parsed.stream,
+            "identity": caller.identity,
         }
         admitted = g.admit_now(**args)
         if admitted is None:
@@ -180,8 +181,11 @@ class MeteredTicket:
         self.meter.replica = replica or None
         return tuple((k.encode(), v.encode()) for k, v in self.meter.admission.headers().items())
 
-    def chunk(self, data: bytes) -> bytes:
-        self.meter.chunk(data)
+    def chunk(self, data: bytes) -> bytes | None:
+        meter = self.meter
+        meter.chunk(data)
+        if meter.over:
+            return None  # past a token limit: the stream ends here
         return self._strip(data) if self.rewrites else data
 
     def settle(self, status: int, outcome: str) -> None:

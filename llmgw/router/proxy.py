@@ -436,7 +436,13 @@ class Proxy:
                         series.ttfb.observe(took)
                         self.load.first_token(model, took)
                     if ticket is not None:
-                        chunk = ticket.chunk(chunk)
+                        relayed_chunk = ticket.chunk(chunk)
+                        if relayed_chunk is None:
+                            # a limit refuses the stream more tokens: as an engine's failure
+                            # mid-answer, the client's connection closes before the end
+                            series.failed("over_limit")
+                            return Relayed(status, "over_limit")
+                        chunk = relayed_chunk
                     await resp.write(chunk)
             except UpstreamFailed as e:
                 # The client already has part of the answer: the only honest signal left is to
