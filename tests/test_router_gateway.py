@@ -14,6 +14,7 @@ import anyio
 import openai
 import pytest
 from multidict import CIMultiDict
+from real_llama import llama_server_binary, start_llama_server, tiny_gguf, tiny_server_argv
 from router_helpers import SERVED, chat_body, fake_engines, router_settings, running_router
 from waiting import until
 
@@ -21,7 +22,7 @@ from llmgw import catalog
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, NatsSettings
 from llmgw.bus.counters import AuditTrail, Counters, ensure_streams
-from llmgw.bus.server import EmbeddedNats
+from llmgw.bus.server import EmbeddedNats, free_port
 from llmgw.gateway import credentials
 from llmgw.gateway.metering import parse_usage_subject
 
@@ -409,3 +410,68 @@ async def test_a_stream_running_past_its_token_limit_is_charged_as_it_goes_and_e
         assert 1000 < tokens < 1600
         status, headers, body = await _post(r, chat_body(), secret)
         assert status == 429 and headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def _predicted(server) -> int:
+    """llama-server's own count of the tokens it generated (its /metrics)."""
+    status, body = server.get("/metrics")
+    assert status == 200, body
+    for line in body.decode().splitlines():
+        if line.startswith("llamacpp:tokens_predicted_total"):
+            return int(float(line.split()[-1]))
+    raise AssertionError(f"no tokens_predicted_total in {body[:300]!r}")
+
+
+async def test_metering_through_the_router_equals_a_real_llama_server_s_own_count(
+    bus: Bus, nats_settings: NatsSettings, tmp_path
+) -> None:
+    binary = llama_server_binary()
+    port = free_port()
+    argv = tiny_server_argv(binary, tiny_gguf(tmp_path), port, "--alias", "tiny", "--metrics")
+    server = start_llama_server(argv, tmp_path / "llama-server.log", port)
+    try:
+        server.wait_ready()
+        await ensure_streams(bus)
+        model = catalog.Model(id="tiny", served_name="tiny", endpoints=[server.base_url])
+        await bus.put(keys.catalog("tiny"), catalog.encode_model(model))
+        async with running_router(connect=_connect(nats_settings), settings=router_settings()) as r:
+            secret = await _key(bus, "alice")
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "count to ten"}],
+                "max_tokens": 12,
+                "ignore_eos": True,
+            }
+
+            async def answered() -> bool:
+                return (await _post(r, body, secret))[0] == 200
+
+            await until(answered, timeout=10)
+            await until(lambda: _async(not r.gateway.meter.pending()), timeout=5)
+            before, predicted = await _usage(bus), _predicted(server)
+            plain = await _stream(r, {**body, "stream": True}, secret)
+            events = [line for line in plain.split(b"\n") if line.startswith(b"data: {")]
+            assert events and not any(b'"choices":[]' in e for e in events)
+            assert b'"usage"' not in plain.split(b"\n")[-1]
+            status, _, whole = await _post(r, body, secret)
+            assert status == 200
+
+            async def metered() -> int | None:
+                if r.gateway.meter.pending():
+                    return None
+                now = await _usage(bus)
+                n = now.get(("alice", "tiny", "requests"), 0)
+                if n - before.get(("alice", "tiny", "requests"), 0) != 2:
+                    return None
+                return (
+                    now[("alice", "tiny", "completion")] - before[("alice", "tiny", "completion")]
+                )
+
+            completion = await until(metered, timeout=5)
+            assert (
+                completion
+                == _predicted(server) - predicted
+                == 12 + whole["usage"]["completion_tokens"]
+            )
+    finally:
+        server.stop()
