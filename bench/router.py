@@ -307,9 +307,10 @@ def section_ceiling(tmp: Path) -> None:
                 )
 
 
-def _bucket_router(tmp: Path, name: str, engine_port: int, key: bool):
+def _bucket_router(tmp: Path, name: str, engine_port: int, key: str):
     """A nats-server whose bucket serves `bench` at the engine (catalog endpoints), with a
-    limited key in it when `key`; the secret, the nats-server, and a router on it."""
+    key in it unless `key` is "": "limited" (all four limits) or "unlimited" (metered and
+    audited only); the secret, the nats-server, and a router on it."""
     import anyio
 
     from llmgw import catalog
@@ -335,7 +336,11 @@ def _bucket_router(tmp: Path, name: str, engine_port: int, key: bool):
             await bus.put(keys.catalog("m"), catalog.encode_model(model))
             if key:
                 big = 10**9  # limits that never refuse: what is measured is their bookkeeping
-                limits = records.Limits(rpm=big, tpm=big, tokens_per_day=big, max_parallel=big)
+                limits = (
+                    records.Limits(rpm=big, tpm=big, tokens_per_day=big, max_parallel=big)
+                    if key == "limited"
+                    else records.Limits()
+                )
                 record = records.ApiKey(
                     name="bench", secrets=[credentials.hash_secret(secret)], limits=limits
                 )
@@ -373,7 +378,7 @@ def section_keys(tmp: Path) -> None:
     eport, engine = bench_engine()
     with engine, contextlib.ExitStack() as stack:
         routers = {}
-        for name, key in (("off", False), ("on", True)):
+        for name, key in (("off", ""), ("on", "limited"), ("key", "unlimited")):
             secret, server, port, rt = _bucket_router(tmp, name, eport, key)
             stack.callback(server.stop)
             stack.enter_context(rt)
@@ -387,27 +392,26 @@ def section_keys(tmp: Path) -> None:
             for _ in range(rounds):
                 for name, (port, auth) in routers.items():
                     results.setdefault((name, c), []).append(wrk(port, c, seconds, CHAT, auth))
-        p50 = {n: statistics.median(r["p50_ms"] for r in results[n, 1]) for n in routers}
-        added = [
-            on["p50_ms"] - off["p50_ms"]
-            for off, on in zip(results["off", 1], results["on", 1], strict=True)
-        ]
-        print(
-            f"  {rounds} rounds of {seconds:g} s each way; concurrency 1: p50 off "
-            f"{p50['off']:.3f} ms, on {p50['on']:.3f} ms, added p50 median "
-            f"{statistics.median(added) * 1000:.0f} us (rounds: "
-            f"{', '.join(f'{a * 1000:.0f}' for a in added)} us; goal <= 50 us)"
-        )
-        rps = {n: statistics.median(r["rps"] for r in results[n, 256]) for n in routers}
-        ratios = [
-            on["rps"] / off["rps"]
-            for off, on in zip(results["off", 256], results["on", 256], strict=True)
-        ]
-        print(
-            f"  concurrency 256: off {rps['off']:.0f} req/s, on {rps['on']:.0f} req/s, ratio "
-            f"median {statistics.median(ratios):.3f}x (rounds: "
-            f"{', '.join(f'{x:.3f}' for x in ratios)}; goal >= 0.98x)"
-        )
+        print(f"  {rounds} rounds of {seconds:g} s each way")
+        for name, what in (("on", "a key with all four limits"), ("key", "a key, no limits")):
+            p50 = {n: statistics.median(r["p50_ms"] for r in results[n, 1]) for n in ("off", name)}
+            added = [
+                on["p50_ms"] - off["p50_ms"]
+                for off, on in zip(results["off", 1], results[name, 1], strict=True)
+            ]
+            rps = {n: statistics.median(r["rps"] for r in results[n, 256]) for n in ("off", name)}
+            ratios = [
+                on["rps"] / off["rps"]
+                for off, on in zip(results["off", 256], results[name, 256], strict=True)
+            ]
+            print(
+                f"  {what}: c=1 p50 {p50['off']:.3f} -> {p50[name]:.3f} ms, added median "
+                f"{statistics.median(added) * 1000:.0f} us (rounds "
+                f"{', '.join(f'{a * 1000:.0f}' for a in added)}; goal <= 50 us); c=256 "
+                f"{rps['off']:.0f} -> {rps[name]:.0f} req/s, ratio median "
+                f"{statistics.median(ratios):.3f}x (rounds "
+                f"{', '.join(f'{x:.3f}' for x in ratios)}; goal >= 0.98x)"
+            )
 
 
 async def _stream_one(port: int, body: bytes) -> tuple[float, int, float]:
