@@ -142,6 +142,7 @@ async def _usage(bus: Bus) -> dict[tuple[str | None, str, str], int]:
 async def test_without_keys_every_client_is_served_and_once_one_exists_a_valid_key_is_needed(
     bus: Bus, nats_settings: NatsSettings, engines, caplog: pytest.LogCaptureFixture
 ) -> None:
+    await ensure_streams(bus)
     async with _router(nats_settings, engines.start(), bus) as r:
         assert await _status(r, None) == 200
         assert r.gateway is not None and not r.gateway.enabled
@@ -162,6 +163,15 @@ async def test_without_keys_every_client_is_served_and_once_one_exists_a_valid_k
                 assert resp.status == 200
             async with http.get(f"{r.url}/v1/models") as resp:
                 assert resp.status == 401
+
+        async def refused_audited() -> bool:
+            async with contextlib.aclosing(AuditTrail(bus).read(since=time.time() - 60)) as it:
+                async for rec in it:
+                    if [rec.status, rec.refused, rec.key] == [401, "invalid_api_key", None]:
+                        return rec.client.startswith("127.0.0.1:")
+            return False
+
+        await until(refused_audited, timeout=5)
 
 
 async def test_a_model_outside_the_key_s_list_is_403_with_the_list_and_models_shows_only_its_own(

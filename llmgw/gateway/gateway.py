@@ -297,6 +297,11 @@ class Gateway:
             return identity
         return self.table.visible(identity, names)
 
+    def refused(self, refusal: Refusal, *, client: str = "", model: str = "") -> None:
+        """A request its handler refused before `admit` (a 401 when it authenticated the
+        caller itself): audited like the refusals `admit` makes."""
+        self._refused(refusal, None, model, client, False, self.clock())
+
     def _refused(
         self,
         refusal: Refusal,

@@ -83,7 +83,7 @@ class GatewayGate:
         authorization = _authorization(req)
         identity = g.table.authenticate(authorization)
         if isinstance(identity, refusals.Refusal):
-            g._refused(identity, None, "", req.client, False, g.clock())
+            g.refused(identity, client=req.client)
             return refusal(identity)
         return Caller(identity, authorization, req)
 
