@@ -18,6 +18,11 @@ Sections:
             (proxy_buffering off) and through the router, interleaved: time to first token
             and between tokens at 2,000 tokens/s, and one stream's token rate at 500, 2,000
             and 8,000 tokens/s (BENCH_STREAMS, BENCH_ROUNDS: how many);
+- keys:     the router with keys and limits on (a bucket holding a key limited in requests,
+            tokens, tokens a day and in flight; every request authenticated, charged,
+            metered and audited) against the same router with none (a bucket without keys),
+            against an engine that answers at once, in alternating rounds: added p50 at
+            concurrency 1 and the throughput ratio at 256 (BENCH_KEYS_ROUNDS, _SECONDS);
 - balance:  a simulation of exact least-in-flight against power-of-two choices and random
             (the same arrivals and service times for each);
 - affinity: a multi-turn chat workload over 4 real llama-servers (the tiny model, built by
@@ -151,12 +156,17 @@ http {{
 # --- wrk ---------------------------------------------------------------------------------
 
 
-def wrk(port: int, connections: int, seconds: float, body: dict) -> dict[str, float]:
+def wrk(
+    port: int, connections: int, seconds: float, body: dict, headers: dict[str, str] | None = None
+) -> dict[str, float]:
     script = Path(tempfile.mkstemp(suffix=".lua")[1])
     script.write_text(
         'wrk.method = "POST"\n'
         f"wrk.body = {json.dumps(json.dumps(body))}\n"
         'wrk.headers["Content-Type"] = "application/json"\n'
+        + "".join(
+            f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}\n" for k, v in (headers or {}).items()
+        )
     )
     out = subprocess.run(
         [
@@ -295,6 +305,113 @@ def section_ceiling(tmp: Path) -> None:
                     f"added p50 {r['p50_ms'] - d['p50_ms']:.3f} ms | "
                     f"router CPU {cpu / r['requests'] * 1000:.3f} s per 1,000 requests"
                 )
+
+
+def _bucket_router(tmp: Path, name: str, engine_port: int, key: str):
+    """A nats-server whose bucket serves `bench` at the engine (catalog endpoints), with a
+    key in it unless `key` is "": "limited" (all four limits) or "unlimited" (metered and
+    audited only); the secret, the nats-server, and a router on it."""
+    import anyio
+
+    from llmgw import catalog
+    from llmgw.bus import keys, records
+    from llmgw.bus.client import BucketSettings, Bus, NatsSettings
+    from llmgw.bus.counters import ensure_streams
+    from llmgw.bus.server import EmbeddedNats
+    from llmgw.gateway import credentials
+
+    server = EmbeddedNats(data_dir=tmp / f"nats-{name}", port=free_port())
+    server.start()
+    secret = credentials.new_secret("bench")
+
+    async def fill() -> None:
+        bus = await Bus.connect(
+            NatsSettings(urls=(server.url,), name="bench"), BucketSettings(), give_up_after=10
+        )
+        try:
+            await ensure_streams(bus)
+            model = catalog.Model(
+                id="m", served_name="bench", endpoints=[f"http://127.0.0.1:{engine_port}"]
+            )
+            await bus.put(keys.catalog("m"), catalog.encode_model(model))
+            if key:
+                big = 10**9  # limits that never refuse: what is measured is their bookkeeping
+                limits = (
+                    records.Limits(rpm=big, tpm=big, tokens_per_day=big, max_parallel=big)
+                    if key == "limited"
+                    else records.Limits()
+                )
+                record = records.ApiKey(
+                    name="bench", secrets=[credentials.hash_secret(secret)], limits=limits
+                )
+                await bus.put(keys.apikey("bench"), record)
+        finally:
+            await bus.close()
+
+    anyio.run(fill)
+    port = free_port()
+    argv = [PY, "-m", "llmgw.cli", "--log-level", "ERROR", "router", "--nats", server.url]
+    argv += ["--listen", f"127.0.0.1:{port}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    return secret, server, port, process(argv, port, env)
+
+
+def _until_routed(port: int, headers: dict[str, str]) -> None:
+    import http.client
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        c.request("POST", "/v1/chat/completions", json.dumps(CHAT), headers)
+        if c.getresponse().status == 200:
+            return
+        time.sleep(0.1)
+    raise SystemExit(f"the router on {port} does not route bench")
+
+
+def section_keys(tmp: Path) -> None:
+    print("\n## Keys and limits on, against the same router with none (engine answers at once)")
+    if not need_wrk():
+        return
+    rounds = int(os.environ.get("BENCH_KEYS_ROUNDS", "5"))
+    seconds = int(os.environ.get("BENCH_KEYS_SECONDS", "4"))
+    eport, engine = bench_engine()
+    with engine, contextlib.ExitStack() as stack:
+        routers = {}
+        for name, key in (("off", ""), ("on", "limited"), ("key", "unlimited")):
+            secret, server, port, rt = _bucket_router(tmp, name, eport, key)
+            stack.callback(server.stop)
+            stack.enter_context(rt)
+            auth = {"Authorization": f"Bearer {secret}"} if key else {}
+            _until_routed(port, {"Content-Type": "application/json", **auth})
+            routers[name] = (port, auth)
+        results: dict[tuple[str, int], list[dict[str, float]]] = {}
+        for c in (1, 256):
+            for port, auth in routers.values():
+                wrk(port, c, 2, CHAT, auth)  # warm: connections, the first claims
+            for _ in range(rounds):
+                for name, (port, auth) in routers.items():
+                    results.setdefault((name, c), []).append(wrk(port, c, seconds, CHAT, auth))
+        print(f"  {rounds} rounds of {seconds:g} s each way")
+        for name, what in (("on", "a key with all four limits"), ("key", "a key, no limits")):
+            p50 = {n: statistics.median(r["p50_ms"] for r in results[n, 1]) for n in ("off", name)}
+            added = [
+                on["p50_ms"] - off["p50_ms"]
+                for off, on in zip(results["off", 1], results[name, 1], strict=True)
+            ]
+            rps = {n: statistics.median(r["rps"] for r in results[n, 256]) for n in ("off", name)}
+            ratios = [
+                on["rps"] / off["rps"]
+                for off, on in zip(results["off", 256], results[name, 256], strict=True)
+            ]
+            print(
+                f"  {what}: c=1 p50 {p50['off']:.3f} -> {p50[name]:.3f} ms, added median "
+                f"{statistics.median(added) * 1000:.0f} us (rounds "
+                f"{', '.join(f'{a * 1000:.0f}' for a in added)}; goal <= 50 us); c=256 "
+                f"{rps['off']:.0f} -> {rps[name]:.0f} req/s, ratio median "
+                f"{statistics.median(ratios):.3f}x (rounds "
+                f"{', '.join(f'{x:.3f}' for x in ratios)}; goal >= 0.98x)"
+            )
 
 
 async def _stream_one(port: int, body: bytes) -> tuple[float, int, float]:
@@ -705,6 +822,7 @@ SECTIONS = {
     "ceiling": section_ceiling,
     "stream": section_stream,
     "tokens": section_tokens,
+    "keys": section_keys,
     "balance": section_balance,
     "affinity": section_affinity,
 }

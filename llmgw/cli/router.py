@@ -155,6 +155,42 @@ def router_options(fn):
             "Retry-After (a client may ask for less with x-llmgw-max-wait)",
         ),
         click.option(
+            "--keys-offline-for",
+            type=click.FloatRange(min=0.0),
+            cls=FromSettings,
+            default=lambda: _defaults().gateway.serve_known_for,
+            show_default=True,
+            help="seconds a router cut off from NATS keeps serving the API keys it knows (it "
+            "cannot hear of a revocation meanwhile); past them every keyed request gets 503",
+        ),
+        click.option(
+            "--limits-offline",
+            type=click.Choice(["serve", "refuse"]),
+            cls=FromSettings,
+            default=lambda: _defaults().gateway.limits.offline,
+            show_default=True,
+            help="when the shared limit counters cannot be reached: keep admitting limited "
+            "keys from the shares this router holds (never past them), or answer them 503",
+        ),
+        click.option(
+            "--limits-offline-for",
+            type=click.FloatRange(min=0.0),
+            cls=FromSettings,
+            default=lambda: _defaults().gateway.limits.serve_offline_for,
+            show_default=True,
+            help="with --limits-offline serve: seconds without the counters before limited "
+            "keys get 503",
+        ),
+        click.option(
+            "--limit-share",
+            type=click.FloatRange(min=0.0001, max=1.0),
+            cls=FromSettings,
+            default=lambda: _defaults().gateway.limits.share,
+            show_default=True,
+            help="fraction of a limit a router claims at a time from the shared counters: "
+            "what one router may hold unspent (docs/router.md states the bound)",
+        ),
+        click.option(
             "--router-id",
             envvar="LLMGW_ROUTER_ID",
             default="",
@@ -194,8 +230,14 @@ def router_settings(
     hold_max: int,
     hold_timeout: float,
     router_id: str,
+    keys_offline_for: float,
+    limits_offline: str,
+    limits_offline_for: float,
+    limit_share: float,
 ):
     from llmgw.bus.keys import check_token
+    from llmgw.gateway.gateway import GatewaySettings
+    from llmgw.gateway.limiter import LimitSettings
     from llmgw.keyfiles import read_key, read_keys
     from llmgw.router.balancer import BalancerSettings
     from llmgw.router.hold import HoldSettings
@@ -227,6 +269,14 @@ def router_settings(
             replica_header=replica_header,
             metrics=metrics_access,
             page=fleet_page,
+        ),
+        gateway=GatewaySettings(
+            serve_known_for=keys_offline_for,
+            limits=LimitSettings(
+                share=limit_share,
+                offline=limits_offline,  # type: ignore[arg-type] (click's Choice)
+                serve_offline_for=limits_offline_for,
+            ),
         ),
     )
 

@@ -206,12 +206,14 @@ class Gateway:
         max_tokens: int | None = None,
         client: str = "",
         stream: bool = False,
+        identity: Identity | None = None,
     ) -> Admission | Refusal | None:
         """`admit` without waiting, for a handler that cannot await here: an Admission or a
         Refusal, or None when a claim on the counters is due first: then `await admit(...)`
-        with the same arguments (the shares are topped up ahead, so that is rare)."""
+        with the same arguments (the shares are topped up ahead, so that is rare).
+        `identity`: the caller, when the handler authenticated `authorization` already."""
         return self._admit(
-            authorization, model, prompt_chars, prompt_tokens, max_tokens, client, stream
+            authorization, model, prompt_chars, prompt_tokens, max_tokens, client, stream, identity
         )
 
     async def admit(
@@ -224,15 +226,18 @@ class Gateway:
         max_tokens: int | None = None,
         client: str = "",
         stream: bool = False,
+        identity: Identity | None = None,
     ) -> Admission | Refusal:
         """Authenticate, authorize and charge a request's limits: an Admission to carry
         through the request, or the Refusal to answer."""
         args = (authorization, model, prompt_chars, prompt_tokens, max_tokens, client, stream)
-        now = self._admit(*args)
+        now = self._admit(*args, identity)
         if now is not None:
             return now
-        identity = self.table.authenticate(authorization)
-        assert not isinstance(identity, Refusal)  # _admit returned it otherwise
+        if identity is None:
+            found = self.table.authenticate(authorization)
+            assert not isinstance(found, Refusal)  # _admit returned it otherwise
+            identity = found
         tokens = reserve_tokens(
             prompt_chars=prompt_chars, prompt_tokens=prompt_tokens, max_tokens=max_tokens
         )
@@ -248,11 +253,12 @@ class Gateway:
         max_tokens: int | None,
         client: str,
         stream: bool,
+        known: Identity | None = None,
     ) -> Admission | Refusal | None:
         now = self.clock()
         if not self.table.enabled:
             return Admission(self, None, None, model, client, stream, now)
-        identity = self.table.authenticate(authorization, now)
+        identity = known or self.table.authenticate(authorization, now)
         if isinstance(identity, Refusal):
             self._refused(identity, None, model, client, stream, now)
             return identity
@@ -290,6 +296,11 @@ class Gateway:
         if isinstance(identity, Refusal):
             return identity
         return self.table.visible(identity, names)
+
+    def refused(self, refusal: Refusal, *, client: str = "", model: str = "") -> None:
+        """A request its handler refused before `admit` (a 401 when it authenticated the
+        caller itself): audited like the refusals `admit` makes."""
+        self._refused(refusal, None, model, client, False, self.clock())
 
     def _refused(
         self,

@@ -1,24 +1,29 @@
 """Who may send a request, and what it is charged: the handler's one slot for keys, limits
 and metering (router/proxy.py calls it; nothing else on the request path knows of keys).
 
-The moments of a request, each a call:
+Three moments of a request, each a call:
 1. `authenticate(req)`: before the body is read for routing. An identity, or a Refusal
    (401) that is answered at once.
-2. `admit(identity, req, parsed, model)`: once the model is known and before an engine is
+2. `admit(identity, parsed, model)`: once the model is known and before an engine is
    picked (so a refused request never takes an engine's slot, nor waits for a cold model).
    A `Ticket` (what the request reserved: the metering of one request), None when there is
    nothing to meter, or a Refusal (403, 429 with its headers).
-3. `visible(identity, names)`: what `GET /v1/models` lists to it.
-4. The ticket is told each chunk of the answer as it is relayed (`chunk`), and `settle`d
-   once when the request is over, however it ended (an answer, an engine's failure, the
-   client leaving, a refusal after admission).
+   `admit` may return `Later` instead: a wait (a claim on counters shared between
+   routers), which the handler awaits for the same three outcomes.
+3. The ticket is told the replica answering (`answering`, which gives the headers to add
+   to the answer: x-ratelimit-*), each chunk of the answer as it is relayed (`chunk`,
+   which gives the bytes to relay: the same, or less when the gate asked the engine for
+   more than the client did), and is `settle`d once when the request is over, however it
+   ended (an answer, an engine's failure, the client leaving, a refusal after admission).
 
 The gate here is the router's own: a fixed list of client keys (`--api-keys-file`), no
-limits. A gateway with keys records, limits and metering implements the same three calls.
+limits. The gateway's (router/keygate.py: keys from the bucket, limits, metering, audit)
+implements the same calls.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Protocol
 
 from llmgw.router.refusal import Refusal
@@ -27,11 +32,18 @@ from llmgw.router.server import Request
 
 
 class Ticket(Protocol):
-    # added to the answer's headers when it starts (x-ratelimit-*, as OpenAI sends them)
-    headers: tuple[tuple[bytes, bytes], ...]
+    # chunk() may give back other bytes than it was given: the answer is then sent chunked
+    rewrites: bool
 
-    def chunk(self, data: bytes) -> None:
-        """A piece of the answer, as it is relayed to the client."""
+    def answering(self, replica: str) -> tuple[tuple[bytes, bytes], ...]:
+        """The replica that answers (or "" for a refusal after admission); the headers to
+        add to the answer's head."""
+        ...
+
+    def chunk(self, data: bytes) -> bytes | None:
+        """A piece of the answer, as it comes from the engine; what to relay of it, or None
+        to end the answer here (a limit refuses a stream more tokens)."""
+        ...
 
     def settle(self, status: int, outcome: str) -> None:
         """The request is over, called once however it ended: `status` the answer's
@@ -39,17 +51,24 @@ class Ticket(Protocol):
         "ok", or the error kind that ended it (llmgw_router_errors' kinds)."""
 
 
+class Later:
+    """An admission that must wait (router/keygate.py: a claim on shared counters)."""
+
+    __slots__ = ("wait",)
+
+    def __init__(self, wait: Awaitable[Ticket | Refusal | None]) -> None:
+        self.wait = wait
+
+
 class Gate(Protocol):
     def authenticate(self, req: Request) -> object | Refusal: ...
 
     def admit(
-        self, identity: object, req: Request, parsed: Parsed, model: str
-    ) -> Ticket | Refusal | None:
-        """`req.body` is there to estimate what to reserve (prompt, max_tokens)."""
-        ...
+        self, identity: object, parsed: Parsed, model: str
+    ) -> Ticket | Refusal | Later | None: ...
 
-    def visible(self, identity: object, served_names: list[str]) -> list[str]:
-        """What `GET /v1/models` lists to this identity (the names it may call)."""
+    def models(self, identity: object, names: list[str]) -> list[str]:
+        """Of the names `GET /v1/models` lists, those this identity may use."""
         ...
 
 
@@ -69,10 +88,8 @@ class KeyListGate:
             return Refusal(401, "missing or unknown API key", kind="unauthorized")
         return None
 
-    def admit(
-        self, identity: object, req: Request, parsed: Parsed, model: str
-    ) -> Ticket | Refusal | None:
+    def admit(self, identity: object, parsed: Parsed, model: str) -> Ticket | Refusal | None:
         return None
 
-    def visible(self, identity: object, served_names: list[str]) -> list[str]:
-        return served_names
+    def models(self, identity: object, names: list[str]) -> list[str]:
+        return names

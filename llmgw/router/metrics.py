@@ -18,7 +18,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from llmgw.router.inflight import InFlight
@@ -92,6 +92,12 @@ class RouterMetrics:
         router the key metric of a fleet."""
         self._held = held
         self.registry.register(_HeldCollector(lambda: self._held()))
+
+    def tokens_from(self, tokens: Callable[[], Mapping[tuple[str, str], list[int]]]) -> None:
+        """`llmgw_router_tokens_total{model,team,kind}`: tokens the engines' usage counted
+        for keyed requests, read from the gateway's tally at every scrape. Team names come
+        from the bucket (a key's record), models from the catalog: never from a client."""
+        self.registry.register(_TokensCollector(tokens))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -180,3 +186,20 @@ class _HeldCollector:
         for model, count in sorted(self._held().items()):
             g.add_metric([model], count)
         yield g
+
+
+class _TokensCollector:
+    def __init__(self, tokens: Callable[[], Mapping[tuple[str, str], list[int]]]) -> None:
+        self._tokens = tokens
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        c = CounterMetricFamily(
+            "llmgw_router_tokens",
+            'Tokens of keyed requests, from the engines\' own usage, by model, team ("": '
+            "a key with no team) and kind (prompt, completion, cached)",
+            labels=["model", "team", "kind"],
+        )
+        for (team, model), counts in sorted(self._tokens().items()):
+            for kind, n in zip(("prompt", "completion", "cached"), counts, strict=True):
+                c.add_metric([model, team, kind], n)
+        yield c

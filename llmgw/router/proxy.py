@@ -13,6 +13,7 @@ twice is not harmless.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmgw.router.balancer import Balancer
-from llmgw.router.gate import Gate, KeyListGate, Ticket
+from llmgw.router.gate import Gate, KeyListGate, Later, Ticket
 from llmgw.router.hold import MAX_WAIT_HEADER, Holds
 from llmgw.router.load import LoadCounter
 from llmgw.router.metrics import CONTENT_TYPE as METRICS_TYPE
@@ -110,7 +111,7 @@ class ProxySettings:
 class Proxy:
     """The request handler. A proxied request goes through small steps, each returning a
     value or a Refusal: authenticate and admit (the gate), parse, route, pick (holding for
-    a cold model), send, relay. `_admit` runs those before an engine, `_proxy` those with
+    a cold model), send, relay. `_admit` runs those before an engine, `_forward` those with
     one; `_refuse` is the one place a Refusal is answered."""
 
     def __init__(
@@ -185,14 +186,13 @@ class Proxy:
 
     def _models(self, who: object) -> bytes:
         # a cold model (autoscaled to zero, or its first replica loading) is listed too: a
-        # request for it waits for a replica; the gate says which names this client sees
-        visible = self.gate.visible
+        # request for it waits for a replica; a key sees only the models it may use
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
-            for name in visible(who, self.table.served_names())
+            for name in self.gate.models(who, self.table.served_names())
         ] + [
             {"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "cold": True}
-            for name in visible(who, self.table.cold_names())
+            for name in self.gate.models(who, self.table.cold_names())
         ]
         return json.dumps({"object": "list", "data": data}).encode()
 
@@ -212,19 +212,20 @@ class Proxy:
             await self._refuse(resp, admitted)
             return
         parsed, route, ticket = admitted
-        outcome: Refusal | Relayed = _LEFT
+        if type(ticket) is Later:
+            ticket = await ticket.wait
+            if isinstance(ticket, Refusal):
+                await self._refuse(resp, ticket)
+                return
+        outcome: Refusal | Relayed = Relayed(0, "client_disconnect")
         try:
-            # the steps with an engine: pick it (holding for a cold model), send, relay
-            backend = self.balancer.pick(route.backends, parsed.affinity, time.monotonic())
-            picked = (
-                (route, backend) if backend is not None else await self._hold(req, parsed, route)
-            )
-            if isinstance(picked, Refusal):
-                outcome = picked
-            else:
-                outcome = await self._send_and_relay(req, resp, parsed, *picked, ticket)
+            outcome = await self._forward(req, resp, parsed, route, ticket)
             if isinstance(outcome, Refusal):
-                await self._refuse(resp, outcome)
+                if ticket is not None:
+                    headers = outcome.headers + ticket.answering(outcome.replica)
+                    await self._refuse(resp, dataclasses.replace(outcome, headers=headers))
+                else:
+                    await self._refuse(resp, outcome)
         finally:
             if ticket is not None:
                 if isinstance(outcome, Refusal):
@@ -234,7 +235,7 @@ class Proxy:
 
     def _admit(
         self, req: Request, spec: RouteSpec
-    ) -> tuple[Parsed, Route, Ticket | None] | Refusal:
+    ) -> tuple[Parsed, Route, Ticket | Later | None] | Refusal:
         """The steps before an engine: who sends it, what it asks for, whether it may."""
         if req.method != b"POST":
             return Refusal(405, "use POST")
@@ -247,20 +248,28 @@ class Proxy:
         route = self._route(parsed)
         if isinstance(route, Refusal):
             return route
-        ticket = self.gate.admit(who, req, parsed, route.model)
+        ticket = self.gate.admit(who, parsed, route.model)
         if isinstance(ticket, Refusal):
             return ticket
         return parsed, route, ticket
 
+    async def _forward(
+        self, req: Request, resp: Response, parsed: Parsed, route: Route, ticket: Ticket | None
+    ) -> Refusal | Relayed:
+        """The steps with an engine: pick it (holding for a cold model), send, relay."""
+        picked = await self._pick(req, parsed, route)
+        if isinstance(picked, Refusal):
+            return picked
+        route, backend = picked
+        return await self._send_and_relay(req, resp, parsed, route, backend, ticket)
+
     def _parse(self, req: Request, spec: RouteSpec) -> Parsed | Refusal:
-        body = req.body
         try:
             return parse(
-                body,
+                req.body,
                 affinity=spec.affinity,
                 session=req.header(self._session),
-                # a JSON object needs no look at its headers (a form never starts with "{")
-                content_type=None if body[:1] == b"{" else req.header(b"content-type"),
+                content_type=req.header(b"content-type"),
             )
         except BadRequest as e:
             return Refusal(400, str(e), kind="bad_request")
@@ -286,10 +295,13 @@ class Proxy:
             param="model",
         )
 
-    async def _hold(
+    async def _pick(
         self, req: Request, parsed: Parsed, route: Route
     ) -> tuple[Route, Backend] | Refusal:
-        """No engine takes the request now: for a cold model, held until one is ready."""
+        """The engine for the request; for a cold model, held until one is ready."""
+        backend = self.balancer.pick(route.backends, parsed.affinity, time.monotonic())
+        if backend is not None:
+            return route, backend
         if self.holds is not None:
             held = await self.holds.hold(
                 parsed.model,
@@ -408,8 +420,10 @@ class Proxy:
             else:
                 self.balancer.succeeded(b, time.monotonic())
             out, length = _relayed_headers(headers, b.id if self.settings.replica_header else None)
-            if ticket is not None and ticket.headers:
-                out.extend(ticket.headers)
+            if ticket is not None:
+                out += ticket.answering(b.id)
+                if ticket.rewrites:
+                    length = None
             await resp.start(status, out, length)
             if not conn.has_body_ready:
                 resp.flush()  # the body may take a while (a stream before its first token)
@@ -422,7 +436,13 @@ class Proxy:
                         series.ttfb.observe(took)
                         self.load.first_token(model, took)
                     if ticket is not None:
-                        ticket.chunk(chunk)
+                        relayed_chunk = ticket.chunk(chunk)
+                        if relayed_chunk is None:
+                            # a limit refuses the stream more tokens: as an engine's failure
+                            # mid-answer, the client's connection closes before the end
+                            series.failed("over_limit")
+                            return Relayed(status, "over_limit")
+                        chunk = relayed_chunk
                     await resp.write(chunk)
             except UpstreamFailed as e:
                 # The client already has part of the answer: the only honest signal left is to
@@ -458,10 +478,6 @@ class Relayed:
     def __init__(self, status: int, outcome: str) -> None:
         self.status = status
         self.outcome = outcome  # "ok", or the error kind that cut it
-
-
-# what a request that ended before its answer was complete settles as: its client left
-_LEFT = Relayed(0, "client_disconnect")
 
 
 def _relayed_headers(

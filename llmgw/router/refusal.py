@@ -13,15 +13,21 @@ from dataclasses import dataclass
 
 
 def error_body(
-    status: int, message: str, *, code: str | None = None, param: str | None = None
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    type: str | None = None,
+    extra: tuple[tuple[str, object], ...] = (),
 ) -> bytes:
-    """OpenAI's error shape, which its client libraries read."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    if status == 401:
+    """OpenAI's error shape, which its client libraries read; `type` by the status unless
+    given, `extra` more fields of the error (a gateway's allowed models)."""
+    kind = type or ("invalid_request_error" if status < 500 else "server_error")
+    if type is None and status == 401:
         kind = "authentication_error"
-    return json.dumps(
-        {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    ).encode()
+    error = {"message": message, "type": kind, "param": param, "code": code, **dict(extra)}
+    return json.dumps({"error": error}).encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +41,8 @@ class Refusal:
     model: str = ""  # the catalog id, for the metric's labels ("" before one is known)
     replica: str = ""
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    type: str | None = None  # OpenAI's error type; None: by the status
+    extra: tuple[tuple[str, object], ...] = ()  # more fields of the error object
 
     @property
     def retry_after(self) -> int | None:
@@ -44,7 +52,14 @@ class Refusal:
         return None
 
     def body(self) -> bytes:
-        return error_body(self.status, self.message, code=self.code, param=self.param)
+        return error_body(
+            self.status,
+            self.message,
+            code=self.code,
+            param=self.param,
+            type=self.type,
+            extra=self.extra,
+        )
 
 
 def retry_after(seconds: int) -> tuple[tuple[bytes, bytes], ...]:

@@ -55,6 +55,11 @@ class _Body(msgspec.Struct):
     input: msgspec.Raw = msgspec.Raw(b"")
     instructions: object = None
     input_prefix: object = None
+    # what a gateway reserves before the request runs (router/keygate.py)
+    max_tokens: object = None
+    max_completion_tokens: object = None
+    max_output_tokens: object = None
+    stream_options: object = None
 
 
 class _Role(msgspec.Struct):
@@ -70,6 +75,12 @@ class Parsed(msgspec.Struct, frozen=True):
     model: str
     stream: bool
     affinity: int | None
+    # the most it may generate, as the client said (None: not said), and the size in bytes
+    # of its prompt's JSON (messages, prompt, input, instructions): what a gateway reserves
+    max_tokens: int | None = None
+    prompt_bytes: int = 0
+    # a stream whose client asked for `stream_options.include_usage` itself
+    usage_asked: bool = False
 
 
 _FORM_FIELDS = frozenset((b"model", b"stream", b"user"))
@@ -105,11 +116,24 @@ def parse(
         raise BadRequest("the body nests JSON too deeply to be a request") from None
     if not isinstance(parsed.model, str) or not parsed.model:
         raise BadRequest("`model` is missing or not a string: set it to a name /v1/models lists")
+    options = parsed.stream_options
+    instructions = parsed.instructions if isinstance(parsed.instructions, str) else ""
+    prompt_bytes = len(parsed.messages) + len(parsed.prompt) + len(parsed.input)
     return Parsed(
         model=parsed.model,
         stream=parsed.stream is True,
         affinity=None if affinity is Affinity.NONE else _affinity(parsed, affinity, session),
+        max_tokens=_max_tokens(parsed),
+        prompt_bytes=prompt_bytes + len(instructions),
+        usage_asked=isinstance(options, dict) and options.get("include_usage") is True,
     )
+
+
+def _max_tokens(parsed: _Body) -> int | None:
+    for value in (parsed.max_completion_tokens, parsed.max_tokens, parsed.max_output_tokens):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
 
 
 def _parse_form(body: bytes, content_type: bytes, session: bytes | None) -> Parsed:

@@ -75,9 +75,10 @@ class HttpLimits:
 
 
 class Request:
-    __slots__ = ("method", "target", "path", "headers", "body", "keep_alive", "http_11")
+    __slots__ = ("method", "target", "path", "headers", "body", "keep_alive", "http_11", "client")
 
-    def __init__(self) -> None:
+    def __init__(self, client: str = "") -> None:
+        self.client = client  # the peer's address, host:port (the audit record's)
         self.method = b""
         self.target = b""
         self.path = b""
@@ -119,8 +120,8 @@ class RequestCycle:
 
     __slots__ = ("request", "_parts", "body_size", "head_size", "continue_owed")
 
-    def __init__(self) -> None:
-        self.request = Request()
+    def __init__(self, client: str = "") -> None:
+        self.request = Request(client)
         self._parts: list[bytes] = []
         self.body_size = 0
         self.head_size = 0  # request line and headers, as the parser hands them over
@@ -359,11 +360,15 @@ class HttpConnection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self.lost = False
         self.closing = False  # the server is shutting down: answer what is begun, then close
+        self.peer = ""  # host:port of the client
 
     # --- the transport ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment] (uvloop's is not a subclass)
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            self.peer = f"{peer[0]}:{peer[1]}"
         if not self._server.admit(self):
             return
         self._went_idle()
@@ -466,7 +471,7 @@ class HttpConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._server.busy(self)
         self._reading = _HEAD
-        self._cycle = RequestCycle()
+        self._cycle = RequestCycle(self.peer)
 
     def on_url(self, url: bytes) -> None:
         assert self._cycle is not None

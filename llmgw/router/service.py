@@ -7,6 +7,10 @@ Two ways to fill the table:
   serving from its last table while the bus reconnects and re-reads the bucket;
 - from a catalog file (`llmgw router --catalog FILE`): models with `endpoints = [...]`,
   no NATS at all.
+
+A router fed from the bucket is also the gateway (router/keygate.py): it watches
+`apikeys.*` and `teams.*`, and adds to the counter streams and the audit trail in the
+background (`Gateway.run`); a static router takes the fixed keys of `--api-keys-file`.
 """
 
 from __future__ import annotations
@@ -19,12 +23,16 @@ import anyio
 
 from llmgw import catalog
 from llmgw.bus import keys
+from llmgw.bus.errors import BusError
 from llmgw.errors import LlmgwError
+from llmgw.gateway.follow import follow
+from llmgw.gateway.gateway import Gateway, GatewaySettings
 from llmgw.keyfiles import read_key
 from llmgw.router.balancer import Balancer, BalancerSettings
 from llmgw.router.gate import Gate
 from llmgw.router.hold import Holds, HoldSettings
 from llmgw.router.inflight import InFlight
+from llmgw.router.keygate import GatewayGate
 from llmgw.router.load import LOAD_INTERVAL_S, LoadCounter, LoadPublisher
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.page import FleetPage
@@ -88,6 +96,8 @@ class RouterSettings:
     # the key this router writes its load in, load.<router_id>; "" = <hostname>-<port>
     router_id: str = ""
     load_interval: float = LOAD_INTERVAL_S
+    # keys, limits, metering and audit (a bucket-fed router only)
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
 
 
 class Router:
@@ -109,6 +119,7 @@ class Router:
         self.page: FleetPage | None = None
         self.server: HttpServer | None = None
         self.draining = False
+        self.gateway: Gateway | None = None  # a bucket-fed router's, made when it serves
 
     @property
     def router_id(self) -> str:
@@ -156,6 +167,16 @@ class Router:
 
     async def _serve(self, connect, task_status) -> None:
         s = self.settings
+        if connect is not None and s.proxy.client_api_keys and self.gate is None:
+            log.warning(
+                "router: --api-keys-file given: its keys are the only ones taken, and the "
+                "bucket's (`llmgw key`) with their limits and metering are not used; drop "
+                "--api-keys-file to use them"
+            )
+        elif connect is not None and self.gate is None:
+            self.gateway = Gateway(self.router_id, _BusCounter(self), _BusAudit(self), s.gateway)
+            self.gate = GatewayGate(self.gateway)
+            self.metrics.tokens_from(lambda: self.gateway.tokens if self.gateway else {})
         pool = UpstreamPool(s.upstream)
         probe_pool = UpstreamPool(
             UpstreamSettings(
@@ -196,6 +217,8 @@ class Router:
             on_overrun=self.metrics.overruns.inc,
         )
         log.info("router listening on %s", self.url)
+        if self.gateway is not None:
+            self.gateway.router = self.router_id  # its port is known now
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(pool.sweep_forever)
@@ -282,8 +305,15 @@ class Router:
                 tg.start_soon(publisher.run, bus)
                 for pattern in WATCHED:
                     tg.start_soon(self._follow, bus, pattern, synced, Synced)
+                if self.gateway is not None:
+                    tg.start_soon(follow, bus, self.gateway)
+                    tg.start_soon(self.gateway.run)
         finally:
             with anyio.CancelScope(shield=True):
+                if self.gateway is not None:
+                    # what was metered and audited since the last flush, if NATS takes it
+                    with anyio.move_on_after(2):
+                        await self.gateway.flush()
                 await bus.close()
 
     async def _follow(self, bus, pattern: str, synced: set[str], synced_type) -> None:
@@ -302,3 +332,33 @@ class Router:
                 continue
             self.table.apply(item.key, item.value, item.revision)
             self.holds.changed()
+
+
+class _BusCounter:
+    """The counter streams (limits, usage) on the router's Bus, once it is connected."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
+        from llmgw.bus.counters import Counters
+
+        bus = self._router.bus
+        if bus is None:
+            raise BusError("the router is not connected to NATS yet")
+        return await Counters(bus).add(subject, delta, msg_id)
+
+
+class _BusAudit:
+    """The audit trail on the router's Bus, once it is connected."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    async def append(self, batch) -> None:
+        from llmgw.bus.counters import AuditTrail
+
+        bus = self._router.bus
+        if bus is None:
+            raise BusError("the router is not connected to NATS yet")
+        await AuditTrail(bus).append(batch)
