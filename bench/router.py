@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -440,9 +441,10 @@ async def _stream_one(port: int, body: bytes) -> tuple[float, int, float]:
     return first or float("nan"), tokens, time.perf_counter() - started
 
 
-async def _stream_load(port: int, concurrency: int, seconds: float) -> dict[str, float]:
+async def _stream_load(port: int, concurrency: int, seconds: float) -> dict[str, Any]:
     body = json.dumps({**CHAT, "stream": True}).encode()
-    ttfts, token_count = [], 0
+    ttfts: list[float] = []
+    token_count = 0
     deadline = time.perf_counter() + seconds
 
     async def worker():
@@ -454,33 +456,52 @@ async def _stream_load(port: int, concurrency: int, seconds: float) -> dict[str,
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    took = time.perf_counter() - started
-    ttfts.sort()
-    return {
-        "ttft_p50_ms": ttfts[len(ttfts) // 2] * 1000,
-        "ttft_p99_ms": ttfts[int(len(ttfts) * 0.99)] * 1000,
-        "tokens_per_s": token_count / took,
-        "streams": len(ttfts),
-    }
+    return {"ttfts": ttfts, "tokens": token_count, "seconds": time.perf_counter() - started}
 
 
 def section_stream(tmp: Path) -> None:
-    print("\n## Streaming at concurrency 64, realistic engine (100 ms + 16 x 10 ms)")
-    eport, engine = bench_engine(*REALISTIC)
-    with engine:
-        rport, rt = router(tmp, [eport])
-        with rt:
-            d = asyncio.run(_stream_load(eport, 64, 8))
-            r = asyncio.run(_stream_load(rport, 64, 8))
-    for name, x in (("direct", d), ("router", r)):
-        print(
-            f"  {name}: TTFT p50 {x['ttft_p50_ms']:.1f} ms p99 {x['ttft_p99_ms']:.1f} ms, "
-            f"{x['tokens_per_s']:.0f} tokens/s relayed ({x['streams']} streams)"
-        )
+    """Streams at concurrency 64 and 256 against the realistic engine, direct, through the
+    router and through nginx (proxy_buffering off), in interleaved rounds (BENCH_STREAM_ROUNDS,
+    BENCH_STREAM_SECONDS): time to first token p50 and p99 over every stream of every round,
+    tokens/s relayed, each path's ratio to direct, and the router's p99 against nginx's."""
+    rounds = int(os.environ.get("BENCH_STREAM_ROUNDS", "3"))
+    seconds = float(os.environ.get("BENCH_STREAM_SECONDS", "6"))
     print(
-        f"  ratio: tokens/s {r['tokens_per_s'] / d['tokens_per_s']:.3f}, "
-        f"added TTFT p50 {r['ttft_p50_ms'] - d['ttft_p50_ms']:.2f} ms"
+        f"\n## Streaming, realistic engine (100 ms + 16 x 10 ms), {rounds} interleaved rounds "
+        f"of {seconds:g} s each way"
     )
+    with contextlib.ExitStack() as stack:
+        eport, proxies = _realistic_behind_proxies(tmp, stack)
+        paths = [("direct", eport), *proxies]
+        for c in (64, 256):
+            for _, port in paths:
+                asyncio.run(_stream_load(port, c, 1))  # warm every path
+            got: dict[str, dict[str, Any]] = {
+                n: {"ttfts": [], "tokens": 0, "seconds": 0.0} for n, _ in paths
+            }
+            for _ in range(rounds):
+                for name, port in paths:
+                    r = asyncio.run(_stream_load(port, c, seconds))
+                    acc = got[name]
+                    acc["ttfts"] += r["ttfts"]
+                    acc["tokens"] += r["tokens"]
+                    acc["seconds"] += r["seconds"]
+            print(f"  concurrency {c}:")
+            rate = {n: g["tokens"] / g["seconds"] for n, g in got.items()}
+            for name, g in got.items():
+                t = g["ttfts"]
+                print(
+                    f"    {name:>6}: TTFT p50 {_pct(t, 0.5) * 1000:6.1f} ms p99 "
+                    f"{_pct(t, 0.99) * 1000:6.1f} ms, {rate[name]:7.0f} tokens/s relayed "
+                    f"({rate[name] / rate['direct']:.3f}x direct, {len(t)} streams)"
+                )
+            if "nginx" in got:
+                p99 = {n: _pct(got[n]["ttfts"], 0.99) * 1000 for n in ("router", "nginx")}
+                print(
+                    f"    router TTFT p99 - nginx's: {p99['router'] - p99['nginx']:+.1f} ms "
+                    f"(goal: within 20 ms); tokens/s router/direct "
+                    f"{rate['router'] / rate['direct']:.3f} (goal >= 0.99)"
+                )
 
 
 # --- tokens: one stream's time to first token, time between tokens, token rate --------------
