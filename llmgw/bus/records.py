@@ -458,8 +458,10 @@ class Shard(msgspec.Struct, kw_only=True, gc=False):
     restarts: int = 0
     pid: int | None = None
     # the agent stopped restarting this engine: it failed to start `restarts` times in a
-    # row within the agent's window (its supervisor's FATAL state); phase is "failed", and
-    # the controller moves the replica elsewhere (docs/engines.md, docs/placement.md)
+    # row within the agent's window (its supervisor's FATAL state), or it refused the
+    # launch before launch for a reason that stays until a new assignment (restarts 0);
+    # phase is "failed", and the controller moves the replica elsewhere (docs/engines.md,
+    # docs/placement.md)
     gave_up: bool = False
     port: int = 0  # the port its assignment gives it
     # why its launch was refused, as a constant key the controller acts on: PORT_IN_USE

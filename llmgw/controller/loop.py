@@ -78,7 +78,8 @@ class ControllerSettings:
     failure_cooldown: float = placement.FAILURE_COOLDOWN_S
     failure_nodes: int = placement.FAILURE_NODES
     # a launch its agent refused before launch, and does not try again, standing still
-    # this long is a failed start like any other (controller/inputs.py StoppedTrying)
+    # this long is a failed start like any other (controller/inputs.py StoppedTrying): the
+    # fallback for agents that do not say so themselves (Shard.gave_up at once)
     refused_after: float = REFUSED_AFTER_S
     # (host, port) of GET /metrics (llmgw/metrics_http.py); None: not served
     metrics_listen: tuple[str, int] | None = None
