@@ -246,7 +246,9 @@ def test_a_config_that_is_not_utf8_or_too_large_is_refused_naming_it(tmp_path):
 
     latin1 = tmp_path / "latin1.toml"
     latin1.write_bytes(b'[nats]\nurls = ["nats://127.0.0.1:4222"]\n# caf\xe9\n')
-    with pytest.raises(ConfigError, match=r"latin1.toml: line 3: not UTF-8"):
+    with pytest.raises(
+        ConfigError, match=r"latin1.toml: not UTF-8 text \(byte 0xe9 at line 3, column 6\)"
+    ):
         load_config(latin1)
     huge = tmp_path / "huge.toml"
     huge.write_bytes(b"#" * (MAX_CONFIG_BYTES + 1))

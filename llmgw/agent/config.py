@@ -20,9 +20,9 @@ from typing import Literal
 import msgspec
 
 from llmgw import labels
-from llmgw.agent.files import NotRegularFile, TooLarge, read_bounded
 from llmgw.bus.records import ENGINE_PORTS, HEARTBEAT_S
 from llmgw.errors import LlmgwError
+from llmgw.files import NotRegularFile, NotUtf8, TooLarge, read_bounded, utf8_text
 
 DEFAULT_CONFIG_PATH = Path(os.environ.get("LLMGW_AGENT_CONFIG", "/etc/llmgw/agent.toml"))
 DEFAULT_FETCH_DIR = "/var/lib/llmgw-weights"
@@ -319,12 +319,9 @@ def load_config(path: Path | None = None, *, missing_ok: bool = False) -> AgentC
             f"agent runs as (uid {os.getuid()})"
         ) from None
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise ConfigError(
-            f"{path}: line {line}: not UTF-8 (byte {data[e.start]:#04x}); TOML files are UTF-8"
-        ) from None
+        text = utf8_text(data, path)
+    except NotUtf8 as e:
+        raise ConfigError(str(e)) from None
     return parse_config(text, path)
 
 
