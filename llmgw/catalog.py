@@ -34,6 +34,7 @@ from llmgw.bus import records
 from llmgw.bus.keys import is_token
 from llmgw.bus.trust import MAX_REPLICAS
 from llmgw.errors import LlmgwError
+from llmgw.files import NotUtf8, TooLarge, read_bounded, utf8_text
 
 Engine = Literal["llama-server", "vllm"]
 ENGINES: tuple[str, ...] = ("llama-server", "vllm")
@@ -413,13 +414,27 @@ def encode_model(model: Model) -> bytes:
     return records.encode(model)
 
 
+# a catalog of a thousand models is a megabyte or two
+MAX_CATALOG_BYTES = 64 << 20
+
+
 def load_catalog_toml(path: str | Path) -> list[Model]:
-    """Read and validate a TOML catalog (format: docs/placement.md, examples/catalog.toml)."""
+    """Read and validate a TOML catalog (format: docs/placement.md, examples/catalog.toml):
+    a regular file (a FIFO would hang the command, a link to /dev/zero grow it until it
+    dies) of at most MAX_CATALOG_BYTES, UTF-8 as TOML is."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        data = read_bounded(path, MAX_CATALOG_BYTES)
+    except TooLarge:
+        raise CatalogError(
+            [f"{path}: over {MAX_CATALOG_BYTES >> 20} MiB, more than a catalog ever holds"]
+        ) from None
     except OSError as exc:
         raise CatalogError([f"{path}: cannot read the catalog ({exc.strerror or exc})"]) from None
+    try:
+        raw = tomllib.loads(utf8_text(data, path))
+    except NotUtf8 as exc:
+        raise CatalogError([str(exc)]) from None
     except tomllib.TOMLDecodeError as exc:
         raise CatalogError([f"{path}: not valid TOML ({exc})"]) from None
     try:

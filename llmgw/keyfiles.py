@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 from llmgw.errors import LlmgwError
+from llmgw.files import NotRegularFile, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +24,12 @@ def read_keys(path: str | Path, what: str) -> list[str]:
     """The non-empty, non-comment lines of a key file: one key per line."""
     path = Path(path)
     try:
-        with path.open("rb") as f:
+        # a FIFO is refused, never opened: a plain open() waits for a writer forever
+        with open_regular(path) as f:
             st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise SecretFileError(f"{what} file {path} is not a regular file")
             data = f.read(MAX_SECRET_FILE + 1)
+    except NotRegularFile as e:
+        raise SecretFileError(f"{what} file {path} is {e.kind}, not a regular file") from None
     except OSError as e:
         raise SecretFileError(
             f"cannot read the {what} file {path}: {e.strerror or e}; check the path and that "

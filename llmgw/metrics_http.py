@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from collections.abc import Awaitable, Callable
 
 import anyio
 from prometheus_client import CollectorRegistry, generate_latest
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 
 AGENT_PORT = 9464
 CONTROLLER_PORT = 9465
+# seconds between tries of a metrics address another program holds
+METRICS_RETRY_S = 30.0
 
 
 class MetricsListenError(LlmgwError, ValueError):
@@ -91,3 +94,65 @@ async def serve_metrics(
     finally:
         with anyio.CancelScope(shield=True):
             await runner.cleanup()
+
+
+def port_problem(e: MetricsPortUnavailable, fix: str) -> str:
+    """One line for an address that cannot be listened on: which, why, and `fix` (the
+    setting that moves it)."""
+    where = f"[{e.host}]:{e.port}" if ":" in e.host else f"{e.host}:{e.port}"
+    what = "is in use by another program" if e.in_use else f"cannot be listened on ({e.reason})"
+    return f"metrics port {where} {what}; {fix}"
+
+
+class MetricsEndpoint:
+    """/metrics for a component whose job is elsewhere (the agent's is running engines, the
+    controller's placement): an address another program holds must never take it out of
+    service (the agent exited right after registering, the controller at start). It is
+    said loudly, in the log and through `on_change` (the agent's nodes.<id> metrics_error,
+    which `llmgw status` shows), and tried again every METRICS_RETRY_S until it is free.
+    `port` is the one bound while served, `error` the line while not."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        listen: tuple[str, int],
+        *,
+        fix: str,
+        who: str,
+        on_change: Callable[[str | None], Awaitable[None]] | None = None,
+    ) -> None:
+        self.registry, self.listen, self.fix, self.who = registry, listen, fix, who
+        self.on_change = on_change
+        self.port: int | None = None
+        self.error: str | None = None
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED):
+        """Serve until cancelled; started at once, whether the address was free or not."""
+        started = False
+        async with anyio.create_task_group() as tg:
+            while True:
+                try:
+                    self.port = await tg.start(serve_metrics, self.registry, self.listen)
+                except MetricsPortUnavailable as e:
+                    problem = port_problem(e, self.fix)
+                    if self.error != problem:
+                        log.error("%s (%s serves on without /metrics)", problem, self.who)
+                    await self._set(problem)
+                    if not started:
+                        started = True
+                        task_status.started()
+                    await anyio.sleep(METRICS_RETRY_S)
+                    continue
+                if self.error is not None:
+                    log.info("metrics: %s:%d is free again; /metrics served", *self.listen)
+                await self._set(None)
+                if not started:
+                    task_status.started()
+                return  # serve_metrics runs until cancelled
+
+    async def _set(self, problem: str | None) -> None:
+        if self.error == problem:
+            return
+        self.error = problem
+        if self.on_change is not None:
+            await self.on_change(problem)

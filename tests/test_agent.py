@@ -221,6 +221,41 @@ def test_a_config_with_an_unknown_key_is_refused_naming_file_and_key(tmp_path):
     assert f"{bad}: unknown key 'node.ram_gb'" in out.stderr
 
 
+@pytest.mark.parametrize("kind", ["a FIFO", "a device"])
+def test_a_config_that_is_no_regular_file_is_refused_at_once_naming_it(tmp_path, kind):
+    """A FIFO at the config's path hung the agent before it registered; a link to /dev/zero
+    grew it until it died. Refused, naming the file and what to give instead."""
+    path = tmp_path / "agent.toml"
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    out = subprocess.run(
+        [sys.executable, "-m", "llmgw.agent.service", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode != 0
+    assert f"{path}: is {kind}, not a regular file" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_config_that_is_not_utf8_or_too_large_is_refused_naming_it(tmp_path):
+    from llmgw.agent.config import MAX_CONFIG_BYTES, ConfigError, load_config
+
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b'[nats]\nurls = ["nats://127.0.0.1:4222"]\n# caf\xe9\n')
+    with pytest.raises(
+        ConfigError, match=r"latin1.toml: not UTF-8 text \(byte 0xe9 at line 3, column 6\)"
+    ):
+        load_config(latin1)
+    huge = tmp_path / "huge.toml"
+    huge.write_bytes(b"#" * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ConfigError, match=r"huge.toml: over 1 MiB"):
+        load_config(huge)
+
+
 def _client_names(server) -> list[str]:
     with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/connz", timeout=2) as r:
         return [c.get("name", "") for c in json.load(r).get("connections", [])]

@@ -65,10 +65,10 @@ async def test_a_metrics_port_freed_later_is_served_and_the_error_cleared(
     """The agent in this process, trying the address again quickly."""
     import urllib.request
 
-    from llmgw.agent import service
+    from llmgw import metrics_http
     from llmgw.agent.service import Agent
 
-    monkeypatch.setattr(service, "METRICS_RETRY_S", 0.1)
+    monkeypatch.setattr(metrics_http, "METRICS_RETRY_S", 0.1)
     other = socket.socket()
     other.bind(("127.0.0.1", 0))
     other.listen()

@@ -217,13 +217,16 @@ def test_a_gpu_without_ecc_reports_its_counter_unknown_not_zero():
     assert discover_gpus(nvml).devices[0].errors.ecc_uncorrected_volatile is None
 
 
-# --- own or foreign: /proc/<pid>/{stat,comm} and the engines' pidfiles -------------------------
+# --- own or foreign: /proc/<pid>/{stat,comm,cmdline,environ} and the engines' pidfiles ----------
 
 BTIME = 1_796_293_707
 TICKS = os.sysconf("SC_CLK_TCK")  # what the agent divides start times by
+ENGINE_ARGV = ["/opt/vllm/bin/vllm", "serve", "/models/qwen", "--port", "18000"]
 
 
-def _proc(procfs, pid: int, comm: str, pgrp: int, session: int, start_s: float) -> None:
+def _proc(
+    procfs, pid: int, comm: str, pgrp: int, session: int, start_s: float, **more: bytes
+) -> None:
     d = procfs / str(pid)
     d.mkdir(parents=True)
     (d / "comm").write_text(comm + "\n")
@@ -232,6 +235,8 @@ def _proc(procfs, pid: int, comm: str, pgrp: int, session: int, start_s: float) 
         f"{pid} ({comm}) S 1 {pgrp} {session} 0 -1 4194304 101 0 0 0 0 0 0 0 20 0 1 0 "
         f"{int(start_s * TICKS)} 3133440 384 18446744073709551615 0 0 0 0 0 0 0 0 0 0 0 0 17 1\n"
     )
+    for name, data in more.items():
+        (d / name).write_bytes(data)
 
 
 @pytest.fixture
@@ -243,18 +248,25 @@ def host(tmp_path):
     (procfs / "stat").write_text(
         f"cpu  1 2 3 4\ncpu0 1 2 3 4\nintr 12345 0 0\nctxt 99\nbtime {BTIME}\nprocesses 5000\n"
     )
-    _proc(procfs, 7001, "vllm", 7001, 7001, 500.0)
+    cmdline = b"\0".join(a.encode() for a in ["/usr/bin/python3", *ENGINE_ARGV]) + b"\0"
+    _proc(procfs, 7001, "vllm", 7001, 7001, 500.0, cmdline=cmdline)
     _proc(procfs, 7050, "VllmWorker TP0", 7001, 7001, 530.0)
     _proc(procfs, 4242, "python", 4242, 4000, 100.0)
     _proc(procfs, 8000, "(sd-pam) x", 8000, 8000, 900.0)  # parentheses in the name
     return procfs
 
 
-def _engine(pid: int, started_s: float, port: int = 18000):
+def _engine(pid: int, started_s: float, port: int = 18000, argv=ENGINE_ARGV, marker: str = ""):
     from llmgw.agent.engines.pidfile import EngineProcess
 
     return EngineProcess(
-        shard=f"n1.r{pid}", pid=pid, pgid=pid, create_time=BTIME + started_s, argv=[], port=port
+        shard=f"n1.r{pid}",
+        pid=pid,
+        pgid=pid,
+        create_time=BTIME + started_s,
+        argv=list(argv),
+        port=port,
+        marker=marker,
     )
 
 
@@ -273,6 +285,16 @@ def test_an_engine_and_its_workers_are_own_and_everything_else_foreign(host):
         "VllmWorker TP0",
         "",
     )
+
+
+def test_a_group_whose_leader_is_not_the_recorded_command_proves_nothing(host):
+    from llmgw.agent.discovery.processes import HostProcesses
+
+    # pid, group and start time as recorded, another command line: not the engine
+    other = _engine(7001, 500.0, argv=["/usr/sbin/some-daemon", "--fork"])
+    lookup = HostProcesses(host, [other], clock_ticks=TICKS)
+
+    assert not lookup.own(7001) and not lookup.own(7050)
 
 
 def test_a_process_older_than_the_engine_whose_group_number_it_has_is_not_own(host):

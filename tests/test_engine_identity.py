@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import anyio
@@ -279,4 +280,90 @@ def test_a_live_engine_does_not_vouch_for_a_group_that_is_not_its_own(tmp_path):
     finally:
         _kill(sleeper)
         leader.kill()
+        leader.wait()
+
+
+# --- GPU memory: whose it is (discovery.processes.HostProcesses, on the real /proc) ------------
+
+
+def _group_of_two(marker: str) -> tuple[int, int, int]:
+    """A process group whose leader (a shell, in a session of its own, with ENGINE_MARKER
+    set) has exited, leaving two `sleep`s: one inherited the marker, the other was started
+    without it. (group id, the marked sleep's pid, the unmarked one's)"""
+    shell = subprocess.Popen(
+        [
+            "sh",
+            "-c",
+            f"sleep 120 >/dev/null 2>&1 & a=$!; env -u {ENGINE_MARKER} sleep 120 >/dev/null 2>&1 & "
+            'echo "$a $!"',
+        ],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+        env={**os.environ, ENGINE_MARKER: marker},
+    )
+    out, _ = shell.communicate(timeout=10)
+    marked, unmarked = (int(p) for p in out.split())
+    for _ in range(200):  # `env` has exec'd `sleep` (until then, its environment is the shell's)
+        if psutil.Process(unmarked).cmdline()[:1] == ["sleep"]:
+            break
+        time.sleep(0.05)
+    return shell.pid, marked, unmarked
+
+
+def test_gpu_memory_of_a_recycled_group_is_foreign_unless_the_marker_proves_it(tmp_path):
+    """The engine's first process is gone: of two processes in its recorded group, the one
+    whose environment carries the engine's marker is its, the other (a daemon that got the
+    group number) is foreign, whatever its group and start time say."""
+    from llmgw.agent.discovery.processes import HostProcesses
+
+    pgid, marked, unmarked = _group_of_two("n1.r1/this-start")
+    try:
+        argv = ["/opt/vllm/bin/vllm", "serve", str(tmp_path / "m"), "--port", "18001"]
+        record = new_record("n1.r1", pgid, argv, 18001, ["0"], "", marker="n1.r1/this-start")
+        record.create_time = psutil.Process(marked).create_time() - 5  # the engine came first
+        lookup = HostProcesses(Path("/proc"), [record])
+
+        assert lookup.engine(marked) == pgid
+        assert lookup.engine(unmarked) is None and not lookup.own(unmarked)
+        assert lookup.engine(os.getpid()) is None  # neither in the group nor marked
+
+        # another start's marker proves nothing about this one
+        other = HostProcesses(Path("/proc"), [msgspec.structs.replace(record, marker="n1.r1/x")])
+        assert not other.own(marked) and not other.own(unmarked)
+        # a pidfile without a marker (an agent before markers): only a live leader proves
+        bare = HostProcesses(Path("/proc"), [msgspec.structs.replace(record, marker="")])
+        assert not bare.own(marked) and not bare.own(unmarked)
+    finally:
+        _kill(marked)
+        _kill(unmarked)
+
+
+def test_gpu_memory_of_a_live_engines_group_is_its_own_when_its_first_process_is_proven():
+    """While the engine's first process runs as recorded (pid, start time, command line),
+    every process of its group is its, marked or not; the same pid and start time with
+    another command line prove nothing."""
+    from llmgw.agent.discovery.processes import HostProcesses
+
+    argv = ["sh", "-c", f"env -u {ENGINE_MARKER} sleep 120 >/dev/null 2>&1 & wait"]
+    leader = subprocess.Popen(
+        argv, start_new_session=True, env={**os.environ, ENGINE_MARKER: "n1.r1/m"}
+    )
+    try:
+        for _ in range(200):  # the shell starts its worker
+            if psutil.Process(leader.pid).children():
+                break
+            time.sleep(0.05)
+        (worker,) = psutil.Process(leader.pid).children()
+        record = new_record("n1.r1", leader.pid, argv, 18001, ["0"], "", marker="n1.r1/m")
+        lookup = HostProcesses(Path("/proc"), [record])
+        assert (lookup.engine(leader.pid), lookup.engine(worker.pid)) == (leader.pid, leader.pid)
+
+        # its pid and start time, another command line, no marker to vouch for the leader
+        forged = msgspec.structs.replace(
+            record, argv=["/opt/vllm/bin/vllm", "serve", "x"], marker=""
+        )
+        lookup = HostProcesses(Path("/proc"), [forged])
+        assert lookup.engine(worker.pid) is None and lookup.engine(leader.pid) is None
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
         leader.wait()

@@ -126,18 +126,22 @@ async def test_bad_profile_fails_validation_and_nothing_is_launched(bus, node, c
         node["tmp"], path=str(node["tmp"] / "no-such.gguf"), env={"FAKE_ENGINE_RECORD": str(record)}
     )
     await serve(bus, model, 1)
-    shard = await until(lambda: _shard(bus, "failed"))
-    assert shard.reason.startswith("refused before launch:")
-    assert "no-such.gguf" in shard.reason
-    assert shard.pid is None
-    # The agent decides for one replica in one loop: once it has acted on the removal, the
-    # refusing decision is over, launch or not. A launch reports "starting" first.
-    await want(bus, "tiny", 0, at=2.0)
 
-    async def gone():
-        return await _shard(bus) == [] and await _replica(bus) is None
+    # the agent gives up on that launch at once (the refusal stays until the profile
+    # changes): the controller moves the replica or, as here with no other node, says why
+    async def refused() -> records.Failure | None:
+        got = await bus.get(keys.placement("tiny"), decoder(records.PlacementRecord))
+        failures = got.value.failures if got else []
+        return next((f for f in failures if f.node == "node1"), None)
 
-    await until(gone)
+    failure = await until(refused)
+    assert failure.reason.startswith("refused before launch:")
+    assert "no-such.gguf" in failure.reason
+    assert failure.restarts == 0
+    # the agent's one decision for that assignment: refused, given up, no engine; a launch
+    # would have reported "starting" before it
+    (shard,) = await _shard(bus)
+    assert (shard.phase, shard.gave_up, shard.pid) == ("failed", True, None)
     assert "shard-starting" not in events.kinds(), "the engine was launched despite the refusal"
     assert not record.exists()
 

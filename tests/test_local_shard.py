@@ -254,6 +254,7 @@ async def test_a_refusal_that_clears_by_itself_is_retried_until_it_launches(
             await until(_in(shard, ShardState.RETRYING))
             refused = await until(_phase(bus, "failed"))
             assert refused.reason.startswith(f"refused before launch: port {port} ")
+            assert not refused.gave_up  # it clears by itself: tried again
             assert shard.engine is None
         finally:
             holder.close()
@@ -270,6 +271,8 @@ async def test_a_refusal_for_good_waits_idle_until_a_new_assignment(bus, node, g
         assert refused.reason == (
             "refused before launch: catalog.tiny is missing or invalid; nothing to launch"
         )
+        # said at once: the controller moves or explains it without waiting to see
+        assert refused.gave_up
         assert shard.state is ShardState.IDLE
         before = await bus.get(keys.shard("n1", "r1"), decoder(records.Shard))
         await anyio.sleep(1.5)  # past the first retry delay: not retried

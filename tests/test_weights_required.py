@@ -228,7 +228,9 @@ async def test_with_real_agents_a_launch_refused_before_launch_moves_then_is_exp
 ):
     """A replica its agent refuses before launch (a weights path no node has) is a failed
     start like any other: moved to the other node, refused there too, and then kept and
-    explained as failing everywhere, instead of failed for good on the first node."""
+    explained as failing everywhere, instead of failed for good on the first node. The
+    agent says at once that it gave up (the refusal stays until a new assignment), so the
+    controller's fallback for agents that do not say (refused_after) never comes into it."""
     path = tmp_path / "fleet.toml"
     path.write_text(PHI_FLEET)
     (bad,) = validate_models(
@@ -255,7 +257,7 @@ async def test_with_real_agents_a_launch_refused_before_launch_moves_then_is_exp
         leader_ttl=1,
         tick=0.05,
         resync=0.5,
-        refused_after=1.0,
+        refused_after=3600.0,  # the fallback: far past this test's time
         failure_nodes=2,
     )
     sim = Simulator(

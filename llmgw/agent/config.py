@@ -22,6 +22,7 @@ import msgspec
 from llmgw import labels
 from llmgw.bus.records import ENGINE_PORTS, HEARTBEAT_S
 from llmgw.errors import LlmgwError
+from llmgw.files import NotRegularFile, NotUtf8, TooLarge, read_bounded, utf8_text
 
 DEFAULT_CONFIG_PATH = Path(os.environ.get("LLMGW_AGENT_CONFIG", "/etc/llmgw/agent.toml"))
 DEFAULT_FETCH_DIR = "/var/lib/llmgw-weights"
@@ -286,16 +287,41 @@ def _check(cfg: AgentConfig, path: Path) -> None:
             )
 
 
+# an agent config holds a few overrides: a kilobyte or two
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_config(path: Path | None = None, *, missing_ok: bool = False) -> AgentConfig:
+    """The config at `path`, read as a state file is: a regular file (a FIFO would hang the
+    agent before it registers, a link to /dev/zero grow it until it dies) of at most
+    MAX_CONFIG_BYTES, UTF-8 as TOML is."""
     path = path or DEFAULT_CONFIG_PATH
+    init = "`llmgw agent init --nats nats://HOST:4222`"
     try:
-        text = path.read_text()
+        data = read_bounded(path, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         if missing_ok:
             return AgentConfig()
+        raise ConfigError(f"{path}: no agent config; write one with {init}") from None
+    except NotRegularFile as e:
         raise ConfigError(
-            f"{path}: no agent config; write one with `llmgw agent init --nats nats://HOST:4222`"
+            f"{path}: {e.strerror}; give the agent's TOML config file (--config or "
+            f"LLMGW_AGENT_CONFIG), or write one with {init}"
         ) from None
+    except TooLarge:
+        raise ConfigError(
+            f"{path}: over {MAX_CONFIG_BYTES >> 20} MiB, more than an agent config ever holds "
+            f"(a few overrides); give the agent's TOML config file, or write one with {init}"
+        ) from None
+    except OSError as e:
+        raise ConfigError(
+            f"{path}: cannot read it ({e.strerror or e}); make it readable by the user the "
+            f"agent runs as (uid {os.getuid()})"
+        ) from None
+    try:
+        text = utf8_text(data, path)
+    except NotUtf8 as e:
+        raise ConfigError(str(e)) from None
     return parse_config(text, path)
 
 

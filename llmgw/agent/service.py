@@ -49,7 +49,7 @@ from llmgw.bus.errors import BusSettingsError
 from llmgw.errors import stated
 from llmgw.keyfiles import read_key
 from llmgw.logs import setup_logging
-from llmgw.metrics_http import MetricsPortUnavailable, parse_listen, serve_metrics
+from llmgw.metrics_http import MetricsEndpoint, parse_listen
 
 log = logging.getLogger("llmgw.agent.service")  # also when run as __main__
 
@@ -70,8 +70,6 @@ def nats_settings(cfg: AgentConfig, node_id: str, identity_source: str) -> NatsS
 # A scan past its deadline stops at its next file operation; one still running this long
 # after the deadline is stuck inside one (a hung filer), where no deadline reaches.
 STUCK_GRACE = 2.0
-# seconds between tries of a metrics address another program holds
-METRICS_RETRY_S = 30.0
 
 
 class Agent:
@@ -110,7 +108,7 @@ class Agent:
             lambda: self.shards.shard_records() if self.shards else [],
             self._weights_scanner.scanning,
         )
-        self.metrics_port: int | None = None  # bound, once serving /metrics
+        self._metrics_endpoint: MetricsEndpoint | None = None
         self.xids = XidLog()  # Xid events that made a GPU unfit (discovery/xid.py)
         self._xid_heard = anyio.Event()
         # the engines' own load as last sampled, and when (anyio.current_time)
@@ -233,37 +231,23 @@ class Agent:
     async def _serve_metrics(
         self, listen: tuple[str, int], *, task_status: anyio.abc.TaskStatus[None]
     ) -> None:
-        """/metrics for as long as the agent runs. The node's job is to run engines: an
-        address another program holds must never take it out of service (the agent exited
-        right after registering, leaving its record behind). It is said loudly, in the log
-        and in nodes.<id> (metrics_error, which `llmgw status` shows), and tried again every
-        METRICS_RETRY_S until it is free."""
-        started = False
-        async with anyio.create_task_group() as tg:
-            while True:
-                try:
-                    self.metrics_port = await tg.start(serve_metrics, self.metrics.registry, listen)
-                except MetricsPortUnavailable as e:
-                    problem = self._metrics_problem(e)
-                    if self.inventory is not None and self.inventory.metrics_error != problem:
-                        log.error("%s (the node serves on without /metrics)", problem)
-                    await self._set_metrics_error(problem)
-                    if not started:
-                        started = True
-                        task_status.started()
-                    await anyio.sleep(METRICS_RETRY_S)
-                    continue
-                if self.inventory is not None and self.inventory.metrics_error is not None:
-                    log.info("metrics: %s:%d is free again; /metrics served", *listen)
-                await self._set_metrics_error(None)
-                if not started:
-                    task_status.started()
-                break  # serve_metrics runs until the agent stops
+        """/metrics for as long as the agent runs; an address another program holds is
+        said in nodes.<id> (metrics_error, which `llmgw status` shows) and tried again
+        (metrics_http.MetricsEndpoint)."""
+        self._metrics_endpoint = endpoint = MetricsEndpoint(
+            self.metrics.registry,
+            listen,
+            fix=f"set metrics.listen in {self.config_path}",
+            who="the node",
+            on_change=self._set_metrics_error,
+        )
+        await endpoint.run(task_status=task_status)
 
-    def _metrics_problem(self, e: MetricsPortUnavailable) -> str:
-        where = f"[{e.host}]:{e.port}" if ":" in e.host else f"{e.host}:{e.port}"
-        what = "is in use by another program" if e.in_use else f"cannot be listened on ({e.reason})"
-        return f"metrics port {where} {what}; set metrics.listen in {self.config_path}"
+    @property
+    def metrics_port(self) -> int | None:
+        """Bound, once serving /metrics."""
+        endpoint = self._metrics_endpoint
+        return None if endpoint is None else endpoint.port
 
     async def _set_metrics_error(self, problem: str | None) -> None:
         if self.inventory is None or self.inventory.metrics_error == problem:

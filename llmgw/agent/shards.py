@@ -519,15 +519,19 @@ class LocalShard:
         if problems:
             reason = "; ".join(p.reason for p in problems)
             log.error("%s %s refused before launch: %s", want.model, self.rid, reason)
+            # tried again only when every problem clears by itself; the rest wait for a new
+            # assignment or catalog entry: this node gives up on this launch, and says so
+            # at once (gave_up), so the controller moves or explains the replica now
+            # instead of after its refused_after rule (controller/inputs.py StoppedTrying)
+            transient = all(p.transient for p in problems)
             await self._report(
                 want,
                 "failed",
                 reason=f"refused before launch: {reason}",
                 refused=refused_key(problems),
+                gave_up=not transient,
             )
-            # only when every problem clears by itself; the rest wait for a new assignment
-            # or catalog entry
-            if all(p.transient for p in problems):
+            if transient:
                 return True
             self._to(ShardState.IDLE)
             return False

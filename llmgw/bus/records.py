@@ -44,7 +44,9 @@ class GpuProcess(msgspec.Struct, kw_only=True, gc=False):
     pid: int  # in the agent's pid namespace, which is NVML's
     name: str = ""  # /proc/<pid>/comm; "" when unreadable (ended meanwhile, not visible)
     used_bytes: int | None = None  # None: NVML cannot tell (NVML_VALUE_NOT_AVAILABLE)
-    # one of this agent's engines: in the process group of an engine its pidfiles name
+    # one of this agent's engines, proven as the agent proves one it stops: in the group of
+    # an engine whose recorded first process still runs, or carrying its marker
+    # (llmgw/agent/discovery/processes.py)
     own: bool = False
     # own: which engine, by its process group (its leader's pid, the shard's `pid`): what
     # an engine holds on a GPU is what its processes there hold (vLLM's workers hold it)
@@ -456,8 +458,10 @@ class Shard(msgspec.Struct, kw_only=True, gc=False):
     restarts: int = 0
     pid: int | None = None
     # the agent stopped restarting this engine: it failed to start `restarts` times in a
-    # row within the agent's window (its supervisor's FATAL state); phase is "failed", and
-    # the controller moves the replica elsewhere (docs/engines.md, docs/placement.md)
+    # row within the agent's window (its supervisor's FATAL state), or it refused the
+    # launch before launch for a reason that stays until a new assignment (restarts 0);
+    # phase is "failed", and the controller moves the replica elsewhere (docs/engines.md,
+    # docs/placement.md)
     gave_up: bool = False
     port: int = 0  # the port its assignment gives it
     # why its launch was refused, as a constant key the controller acts on: PORT_IN_USE

@@ -12,6 +12,8 @@ import ssl
 import urllib.parse
 from dataclasses import dataclass
 
+from llmgw.files import NotRegularFile, open_regular
+
 from . import keys
 from .errors import BusSettingsError
 
@@ -125,15 +127,15 @@ def _check_pem(path: str, what: str, setting: str, kind: bytes) -> bytes:
     """The file's bytes, if it is a readable PEM file holding `kind`; BusError otherwise."""
     fix = f"set {setting} (--{setting.replace('_', '-')}) to the right PEM file"
     try:
-        size = os.stat(path).st_size
-        if os.path.isdir(path):
-            raise IsADirectoryError
-        with open(path, "rb") as f:
+        # a FIFO or a device is refused, never opened: an open() waits for a FIFO's writer
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             data = f.read(_MAX_PEM_BYTES + 1)
     except FileNotFoundError:
         raise BusSettingsError(f"{what} {path} does not exist: {fix}") from None
-    except IsADirectoryError:
-        raise BusSettingsError(f"{what} {path} is a directory, not a file: {fix}") from None
+    except NotRegularFile as e:
+        kind = "a directory, not a file" if e.kind == "a directory" else f"{e.kind}, not a file"
+        raise BusSettingsError(f"{what} {path} is {kind}: {fix}") from None
     except PermissionError:
         raise BusSettingsError(
             f"{what} {path} cannot be read by this user (uid {os.getuid()}): make it readable "

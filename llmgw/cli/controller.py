@@ -49,7 +49,8 @@ from llmgw.metrics_http import CONTROLLER_PORT, MetricsListenError, parse_listen
     "--metrics-listen",
     envvar="LLMGW_METRICS_LISTEN",
     default="",
-    help=f"HOST:PORT to serve GET /metrics on, e.g. 0.0.0.0:{CONTROLLER_PORT} [default: none]",
+    help=f"HOST:PORT to serve GET /metrics on, e.g. 0.0.0.0:{CONTROLLER_PORT} [default: none]; "
+    "a port another program holds is logged and tried again every 30 s, placement goes on",
 )
 def controller(
     nats: NatsSettings,

@@ -51,7 +51,7 @@ from llmgw.controller.reconciler import (
 from llmgw.controller.view import View
 from llmgw.controller.writer import FencedWriter, NotLeading
 from llmgw.fleetstate.decode import CONTROLLER_WRITES
-from llmgw.metrics_http import serve_metrics
+from llmgw.metrics_http import MetricsEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,8 @@ class ControllerSettings:
     failure_cooldown: float = placement.FAILURE_COOLDOWN_S
     failure_nodes: int = placement.FAILURE_NODES
     # a launch its agent refused before launch, and does not try again, standing still
-    # this long is a failed start like any other (controller/inputs.py StoppedTrying)
+    # this long is a failed start like any other (controller/inputs.py StoppedTrying): the
+    # fallback for agents that do not say so themselves (Shard.gave_up at once)
     refused_after: float = REFUSED_AFTER_S
     # (host, port) of GET /metrics (llmgw/metrics_http.py); None: not served
     metrics_listen: tuple[str, int] | None = None
@@ -117,7 +118,19 @@ class Controller:
             self.clock,
         )
         self.metrics = ControllerMetrics(self.view, lambda: self.leading)
-        self.metrics_port: int | None = None  # bound, once serving /metrics
+        # /metrics: an address another program holds never stops placement (said in the
+        # log and on llmgw.events.controller-metrics.<id>, tried again until free)
+        self.metrics_endpoint = (
+            None
+            if self.settings.metrics_listen is None
+            else MetricsEndpoint(
+                self.metrics.registry,
+                self.settings.metrics_listen,
+                fix="move it with --metrics-listen HOST:PORT (LLMGW_METRICS_LISTEN), or give none",
+                who=f"controller {self.id}",
+                on_change=self._metrics_changed,
+            )
+        )
         self.autoscaler = Autoscaler(self.settings.load_stale_after)
         self._wake = anyio.Event()  # a cold model's request is waiting: pass now
         # nodes whose lease, inventory or health changed since the last judgement that was
@@ -128,6 +141,24 @@ class Controller:
     @property
     def id(self) -> str:
         return self.settings.controller_id
+
+    @property
+    def metrics_port(self) -> int | None:
+        """Bound, once serving /metrics."""
+        return None if self.metrics_endpoint is None else self.metrics_endpoint.port
+
+    @property
+    def metrics_error(self) -> str | None:
+        """Why /metrics is not served (its address cannot be listened on), or None."""
+        return None if self.metrics_endpoint is None else self.metrics_endpoint.error
+
+    async def _metrics_changed(self, problem: str | None) -> None:
+        await self.bus.publish_event(
+            "controller-metrics",
+            keys.sanitize_token(self.id),
+            problem or f"controller {self.id} serves /metrics",
+            error=problem,
+        )
 
     @property
     def leading(self) -> bool:
@@ -149,10 +180,8 @@ class Controller:
         try:
             self.bus.on_reconnected(self._on_reconnected)
             async with anyio.create_task_group() as tg:
-                if self.settings.metrics_listen is not None:
-                    self.metrics_port = await tg.start(
-                        serve_metrics, self.metrics.registry, self.settings.metrics_listen
-                    )
+                if self.metrics_endpoint is not None:
+                    await tg.start(self.metrics_endpoint.run)
                 tg.start_soon(self._allow_batches)
                 tg.start_soon(self._follow_bucket)
                 await self._synced.wait()

@@ -27,9 +27,7 @@ agent's weights scan reads them.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +36,7 @@ import msgspec
 
 from llmgw.bus.keys import InvalidId, check_token
 from llmgw.errors import LlmgwError
+from llmgw.files import NotRegularFile, NotUtf8, TooLarge, read_bounded, utf8_text
 
 EngineName = Literal["llama-server", "vllm"]
 MAX_GPUS = 8  # a recorded node's PCI layout (llmgw.sim.nvml)
@@ -138,26 +137,22 @@ def read_fleet_bytes(path: Path) -> bytes:
     """The fleet file's bytes: a regular file of at most MAX_FILE_BYTES (a FIFO would hang
     the command, a link to /dev/zero grow it until it dies)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without a writer
+        return read_bounded(path, MAX_FILE_BYTES)
     except FileNotFoundError:
         raise FleetError(
             f"{path}: no such fleet file; examples/fleet.toml is one to start from"
         ) from None
-    except OSError as e:
-        raise FleetError(f"{path}: cannot read it: {e.strerror or e}") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise FleetError(f"{path}: not a regular file; give the path of a FLEET.toml file")
-        try:
-            data = f.read(MAX_FILE_BYTES + 1)
-        except OSError as e:
-            raise FleetError(f"{path}: cannot read it: {e.strerror or e}") from None
-    if len(data) > MAX_FILE_BYTES:
+    except NotRegularFile:
+        raise FleetError(
+            f"{path}: not a regular file; give the path of a FLEET.toml file"
+        ) from None
+    except TooLarge:
         raise FleetError(
             f"{path}: over {MAX_FILE_BYTES >> 20} MiB, too big for a fleet file; describe "
             "alike nodes as one [[nodes]] group with a count"
-        )
-    return data
+        ) from None
+    except OSError as e:
+        raise FleetError(f"{path}: cannot read it: {e.strerror or e}") from None
 
 
 def load_fleet(path: Path) -> Fleet:
@@ -168,14 +163,9 @@ def parse_fleet_bytes(data: bytes, path: Path = Path("<fleet>")) -> Fleet:
     """The fleet the file's bytes describe; TOML is UTF-8, and bytes that are not are named
     where they are, not a UnicodeDecodeError traceback."""
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        raise FleetError(
-            f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}, column "
-            f"{column}); save it as UTF-8"
-        ) from None
+        text = utf8_text(data, path)
+    except NotUtf8 as e:
+        raise FleetError(str(e)) from None
     return parse_fleet(text, path)
 
 

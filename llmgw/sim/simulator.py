@@ -40,7 +40,6 @@ from llmgw.sim.fleet import (
     FleetError,
     NodeSpec,
     Sim,
-    load_fleet,
     parse_fleet_bytes,
     read_fleet_bytes,
 )
@@ -112,8 +111,9 @@ class Simulator:
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[Simulator] = anyio.TASK_STATUS_IGNORED
     ):
-        fleet = load_fleet(self.path)  # a bad file at start is the command's error
-        self._digest = _digest(self.path.read_bytes())
+        data = read_fleet_bytes(self.path)  # bounded; a bad file at start is the command's error
+        fleet = parse_fleet_bytes(data, self.path)
+        self._digest = _digest(data)
         await anyio.to_thread.run_sync(self._prepare_disk)
         for _ in range(self.connections):
             self._buses.append(await Bus.connect(self.nats, self.bucket, give_up_after=30))

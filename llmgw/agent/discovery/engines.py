@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
+from llmgw.agent.files import open_regular
 from llmgw.bus.records import EngineInstall
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ LLAMA_SEARCH_DIRS: tuple[Path, ...] = (
 )
 VERSION_TIMEOUT_S = 10.0
 
+# a dist-info METADATA's header (Name and Version come first); its description follows
+_METADATA_HEAD = 64 * 1024
 _ARCHIVE_DIR = re.compile(r"^llama-b(\d+)$")
 _VERSION_LINE = re.compile(r"^version:\s*(.+?)\s*$", re.MULTILINE)
 _SH_EXEC = re.compile(r"""^'''exec' ("[^"]+"|\S+) """, re.MULTILINE)
@@ -188,7 +191,7 @@ def parse_shebang(head: str) -> tuple[str, ...]:
 def script_python(script: Path, path_env: str) -> Path | None:
     """The python a console script runs with, from its shebang."""
     try:
-        with script.open("rb") as f:
+        with open_regular(script) as f:  # a FIFO on PATH is refused, not waited on
             head = f.read(4096).decode(errors="replace")
     except OSError as exc:
         log.warning("cannot read %s: %s", script, exc)
@@ -223,9 +226,12 @@ def dist_info_versions(prefixes: Sequence[Path]) -> set[str]:
         for site in _SITE_GLOBS:
             for metadata in prefix.glob(f"{site}/vllm-*.dist-info/METADATA"):
                 try:
-                    name, version = parse_metadata_version(metadata.read_text(errors="replace"))
+                    # the header comes first; the long description after it is not read
+                    with open_regular(metadata) as f:
+                        head = f.read(_METADATA_HEAD).decode(errors="replace")
                 except OSError:
                     continue
+                name, version = parse_metadata_version(head)
                 if name.lower() == "vllm" and version:
                     versions.add(version)
     return versions

@@ -52,7 +52,8 @@ class ProcessLookup(Protocol):
     def own(self, pid: int) -> bool: ...
 
     def engine(self, pid: int) -> int | None:
-        """The process group (its leader's pid) of the engine `pid` belongs to, or None."""
+        """The pid of the first process (its group) of the engine `pid` is proven part of,
+        or None."""
         ...
 
 

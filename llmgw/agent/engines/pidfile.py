@@ -35,13 +35,13 @@ import psutil
 from llmgw.agent.files import read_bounded
 
 # a pidfile is a few hundred bytes; one past this is not one of ours
-_MAX_PIDFILE = 64 * 1024
+MAX_PIDFILE = 64 * 1024
 # /proc/<pid>/environ: the kernel caps argv and environment together at a quarter of the
 # stack limit (2 MiB by default); an environment larger than this proves nothing
 _MAX_ENVIRON = 4 * 1024 * 1024
 # the environment variable that marks every process of an engine: "<shard>/<nonce>"
 ENGINE_MARKER = "LLMGW_ENGINE"
-_SAME_START = 0.05  # seconds: psutil's start times are in clock ticks
+SAME_START = 0.05  # seconds: psutil's start times are in clock ticks
 
 
 class EngineProcess(msgspec.Struct, kw_only=True):
@@ -108,7 +108,7 @@ def new_marker(shard: str) -> str:
 def read_pidfile(path: Path) -> EngineProcess:
     """One pidfile: OSError when it is no regular file or cannot be read (NotRegularFile
     for a FIFO, a device or a link), ValueError when it is too large or does not decode."""
-    data = read_bounded(path, _MAX_PIDFILE, follow=False)
+    data = read_bounded(path, MAX_PIDFILE, follow=False)
     try:
         return msgspec.json.decode(data, type=EngineProcess)
     except msgspec.DecodeError as e:
@@ -131,16 +131,24 @@ def process_create_time(pid: int) -> float:
     return psutil.Process(pid).create_time()
 
 
-def carries_marker(pid: int, marker: str, procfs: Path = Path("/proc")) -> bool:
-    """Whether process `pid`'s environment (as it was started) holds ENGINE_MARKER=`marker`:
-    False when it does not, or when it cannot be read (gone, not ours to read, too large)."""
-    if not marker:
-        return False
+def marker_of(pid: int, procfs: Path = Path("/proc")) -> str | None:
+    """ENGINE_MARKER's value in process `pid`'s environment (as it was started): None when
+    it has none, or when it cannot be read (gone, not ours to read, too large)."""
     try:
         environ = read_bounded(procfs / str(pid) / "environ", _MAX_ENVIRON)
     except (OSError, ValueError):
-        return False
-    return f"{ENGINE_MARKER}={marker}".encode() in environ.split(b"\0")
+        return None
+    prefix = f"{ENGINE_MARKER}=".encode()
+    for entry in environ.split(b"\0"):
+        if entry.startswith(prefix):
+            return entry[len(prefix) :].decode(errors="replace")
+    return None
+
+
+def carries_marker(pid: int, marker: str, procfs: Path = Path("/proc")) -> bool:
+    """Whether process `pid`'s environment (as it was started) holds ENGINE_MARKER=`marker`:
+    False when it does not, or when it cannot be read (gone, not ours to read, too large)."""
+    return bool(marker) and marker_of(pid, procfs) == marker
 
 
 @dataclass(frozen=True)
@@ -167,7 +175,7 @@ def find_engine(record: EngineProcess) -> EngineFound:
         leader_started = psutil.Process(record.pid).create_time()
     except psutil.NoSuchProcess:
         leader_started = None
-    if leader_started is not None and abs(leader_started - record.create_time) > _SAME_START:
+    if leader_started is not None and abs(leader_started - record.create_time) > SAME_START:
         # pid reused; the kernel reuses no pid while its group lives, so ours is gone
         return EngineFound()
     # its group is its own while its first process, proven, leads it (the agent starts
@@ -185,7 +193,7 @@ def find_engine(record: EngineProcess) -> EngineFound:
         # workers start after their leader; anything older is not from this engine. A
         # zombie has ended already: nothing to stop, nothing to prove
         started = proc.info["create_time"]
-        if started is not None and started + _SAME_START < record.create_time:
+        if started is not None and started + SAME_START < record.create_time:
             continue
         if proc.info["status"] == psutil.STATUS_ZOMBIE:
             continue
@@ -234,7 +242,7 @@ def leader_alive(record: EngineProcess) -> bool:
     command line (what /proc says, not what the file says)."""
     try:
         proc = psutil.Process(record.pid)
-        if abs(proc.create_time() - record.create_time) > _SAME_START:
+        if abs(proc.create_time() - record.create_time) > SAME_START:
             return False
         return same_command(proc.cmdline(), record.argv) and proc.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied):
