@@ -1150,6 +1150,16 @@ def test_a_launch_given_up_on_by_three_nodes_stops_moving_and_blames_the_profile
         in rec.explanation
     )
 
+    # scaled to 0 (or its desired removed), what stayed to show why goes like any surplus
+    for desired in ({"m": 0}, {}):
+        scaled = _with(
+            snapshot(nodes, [m], desired, replicas=[crashed]),
+            shards=shards,
+            placements={"m": stored},
+        )
+        [gone] = plan(scaled).remove
+        assert gone.rid == "r3" and gone.reason.startswith("scaled down to 0: it had given up")
+
 
 def test_on_a_fleet_of_two_a_launch_failing_on_both_blames_the_profile():
     # three nodes is the default bar, but only two could ever run it: both failed

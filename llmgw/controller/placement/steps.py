@@ -227,15 +227,16 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
     short = step.start - len(filled.created)
     kept_old, by_force = drain_by_force(fleet, step.old, filled, short, asked.forced)
     moves = moved_elsewhere(crashes, filled.created)
+    shown, scaled_away = keep_to_show(crashes, want)
 
     removals = lines.removed(moves) + lines.removed(lost.removed) + lines.removed(stopped)
-    removals += lines.removed(step.removed) + lines.removed(by_force)
+    removals += lines.removed(step.removed) + lines.removed(by_force) + lines.removed(scaled_away)
     lines.add(f"keep {r.rid} on {_where(r)} ({_phase(snapshot, r)})" for r in step.new)
     until = "the rollout is stopped" if halted else "until its replacement is ready"
     lines.add(f"keep {r.rid} on {_where(r)} ({_phase(snapshot, r)}): {until}" for r in kept_old)
     lines.add(
         f"keep {r.rid} on {_where(r)} (gave up): profile {r.profile} fails everywhere it was tried"
-        for r, _ in crashes.stay
+        for r in shown
     )
     lines.add(f"place {r.rid} on {_where(r)}: {r.reason}" for r in filled.created)
 
@@ -369,6 +370,18 @@ def judge_given_up(
         if given_up or _failed_lately(stored)
         else None,
     )
+
+
+def keep_to_show(
+    crashes: failures.Crashes, want: int
+) -> tuple[list[Replica], list[tuple[Replica, str]]]:
+    """Replicas of a launch that fails everywhere stay where they failed, to show why, but
+    no more of them than the model is asked for: scaled down (to 0, or below them), the
+    rest go like any surplus. Those kept, and those removed with why."""
+    stay = [r for r, _ in crashes.stay]
+    keep = max(want, 0)
+    why = f"scaled down to {keep}: it had given up (its profile fails everywhere it was tried)"
+    return stay[:keep], [(r, why) for r in stay[keep:]]
 
 
 def roll_or_trim(split: Current, want: int, model: Model, *, halted: bool) -> rollout.Roll:
