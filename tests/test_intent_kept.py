@@ -289,3 +289,60 @@ async def test_a_watch_of_assignments_keeps_the_last_good_one_when_it_garbles(bu
         await until(lambda: _true(len(seen) >= 3))
         tg.cancel_scope.cancel()
     assert seen == [run, second, None]
+
+
+async def _said_by_status(bus: Bus, key: str) -> str:
+    """What `llmgw status` says of a value that does not read (its read model's words)."""
+    return next(u.says() for u in (await gather(bus)).unreadable if u.key == key)
+
+
+async def test_llmgw_node_reads_a_garbled_ops_as_status_does_and_changes_it_from_that_reading(
+    bus, nats_server
+):
+    """`llmgw node taint` read a garbled ops.<node> as absent and wrote an ops record in
+    service beside the taint: the cordon the operator had set was gone."""
+    from test_cli import _llmgw
+
+    await bus.put(keys.node("a"), inventory("a", gpus=1))
+    await bus.put(keys.ops("a"), GARBAGE)
+    said = await _said_by_status(bus, "ops.a")
+    assert "the node is taken as cordoned" in said
+    out = await _llmgw(nats_server.url, "node", "taint", "a", "gpu-flaky")
+    assert out.returncode == 0, out.stderr
+    assert said in out.stdout
+    assert out.stdout.strip().endswith("ops.a: cordoned; taints: gpu-flaky")
+    entry = await bus.get(keys.ops("a"), lambda b: records.decode(b, records.NodeOps))
+    assert (entry.value.state, entry.value.taints) == ("cordoned", ["gpu-flaky"])
+    assert "did not read" in entry.value.reason
+    assert not (await gather(bus)).unreadable  # written over: it reads again
+
+    await bus.put(keys.ops("a"), GARBAGE)
+    out = await _llmgw(nats_server.url, "node", "uncordon", "a")
+    assert out.returncode == 0 and out.stdout.strip().endswith("ops.a: in service")
+    assert await bus.get_raw(keys.ops("a")) is None  # asks for nothing: deleted
+
+
+async def test_llmgw_rollout_says_a_garbled_rollout_or_desired_and_writes_nothing(bus, nats_server):
+    """`llmgw rollout status` said "no rollout recorded" of a rollout.<model> that does not
+    read; `undo` read a garbled desired.<model> as absent and switched no profile back."""
+    from test_cli import _llmgw
+
+    m = _model()
+    await bus.put(keys.catalog("m"), catalog.encode_model(m))
+    await bus.put(keys.rollout("m"), b'{"model": "m", "phase": ')
+    out = await _llmgw(nats_server.url, "rollout", "status", "m")
+    assert out.returncode == 1
+    assert await _said_by_status(bus, "rollout.m") in out.stderr
+    assert "no rollout recorded" not in out.stderr
+
+    profile = records.ProfileRevision(name="p", launch="x", content={"name": "p"})
+    revision = records.Revision(profile="p", profiles=[profile])
+    earlier = records.Revision(profile="q", profiles=[profile])
+    ro = records.Rollout(model="m", phase="complete", current=revision, history=[earlier])
+    await bus.put(keys.rollout("m"), ro)
+    await bus.put(keys.desired("m"), b'{"model": "m", "replicas": "2"}')
+    catalog_before = await bus.get_raw(keys.catalog("m"))
+    out = await _llmgw(nats_server.url, "rollout", "undo", "m")
+    assert out.returncode == 1
+    assert await _said_by_status(bus, "desired.m") in out.stderr
+    assert await bus.get_raw(keys.catalog("m")) == catalog_before  # nothing written
