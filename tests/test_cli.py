@@ -413,6 +413,7 @@ async def test_place_wait_says_once_that_a_value_does_not_decode(bus, caplog):
         bus, "m", 1.0, wait=True, timeout=1.0, echo=said.append, poll=0.02
     )
     assert code == 2  # no decision came
+    # kept on the log: what is tested is how often the terminal is told, once per value
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert sum("skipping placement.m " in w for w in warnings) == 1, warnings
     assert sum("skipping replicas.m.rbad " in w for w in warnings) == 1, warnings
@@ -600,6 +601,7 @@ async def test_status_names_a_few_bad_keys_and_counts_the_rest(bus, caplog):
         await bus.put(f"desired.g{i}", b"garbage")
     view = await gather(bus)
     await gather(bus)  # read again: nothing said twice
+    # kept on the log: the number of lines the terminal is given is the behaviour here
     said = [r for r in caplog.records if r.getMessage().startswith("skipping desired.g")]
     assert len(said) == 20
     assert sum("counted, not named" in r.getMessage() for r in caplog.records) == 1

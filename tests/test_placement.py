@@ -643,7 +643,7 @@ def test_profile_switch_keeps_old_replica_until_new_profile_is_ready():
 
 @pytest.mark.anyio
 async def test_waiting_models_record_and_events_stay_still_while_free_ram_wobbles(
-    bus, nats_settings, caplog
+    bus, nats_settings
 ):
     events: list[Event] = []
 
@@ -677,7 +677,6 @@ async def test_waiting_models_record_and_events_stay_still_while_free_ram_wobble
             first = await until(explained)
             assert first.value.explanation.startswith("0/3 nodes fit: 3 short of host RAM (")
             unplaced = sum(1 for e in events if e.kind == "unplaced")
-            said = caplog.text.count("m: 0/1 placed")
 
             for wobble in (0.3, -0.2, 0.7, 0.1):  # GiB, as MemAvailable moves on a busy host
                 for i, sim in enumerate(sims):
@@ -699,8 +698,8 @@ async def test_waiting_models_record_and_events_stay_still_while_free_ram_wobble
 
             now = await bus.get(keys.placement("m"), decoder(PlacementRecord))
             assert now.revision == first.revision, now.value.explanation
+            # (its log line and its event are said together, from one table: changes.py)
             assert sum(1 for e in events if e.kind == "unplaced") == unplaced
-            assert caplog.text.count("m: 0/1 placed") == said
             tg.cancel_scope.cancel()
     finally:
         await controller_bus.close()
