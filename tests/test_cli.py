@@ -18,6 +18,7 @@ import msgspec
 import psutil
 import pytest
 from agent_helpers import host_dirs
+from record_helpers import shard
 from waiting import until
 
 from llmgw.agent.config import AgentConfig, Engines, Intervals, Paths, write_config
@@ -665,18 +666,15 @@ async def test_node_cordon_drain_gpu_and_taint_are_the_operators_ops_record(bus,
 async def test_status_says_why_a_replica_failed_with_the_engines_last_lines(bus):
     await bus.put(keys.desired("m"), records.Desired(model="m", replicas=1))
     await bus.put(keys.replica("m", "r1"), _replica("r1", "failed", 0))
-    shard = records.Shard(
-        node="n1",
-        rid="r1",
-        model="m",
-        generation=1,
-        phase="failed",
-        since=1.0,
+    record = shard(
+        "n1",
+        "r1",
+        "failed",
         reason="exited with code 1 while loading",
         output_tail=["loading", "", "llama_model_load: error loading model: CUDA error"],
         restarts=3,
     )
-    await bus.put(keys.shard("n1", "r1"), shard)
+    await bus.put(keys.shard("n1", "r1"), record)
     text = render(await gather(bus), now=time.time())
     assert "      n1: exited with code 1 while loading (restarts 3)" in text
     assert "        | llama_model_load: error loading model: CUDA error" in text

@@ -14,6 +14,7 @@ import nats.errors
 import pytest
 from denying import nats_denying
 from links import ProxyLink
+from record_helpers import shard
 from waiting import until
 
 from llmgw import catalog
@@ -592,9 +593,7 @@ async def test_desired_zero_drains_then_removes_replicas(bus, second_bus):
         for node, rid in assigns:
             await bus.put(
                 keys.shard(node, rid),
-                records.Shard(
-                    node=node, rid=rid, model="m", generation=2, phase="stopped", since=1.0
-                ),
+                shard(node, rid, "stopped", generation=2),
             )
         await until(lambda: _count(bus, 0))
         assert await _assigns(bus) == {}
@@ -1067,10 +1066,8 @@ async def _placement(bus: Bus, model: str = "m") -> records.PlacementRecord | No
 async def _report(bus: Bus, replica: records.Replica, phase: str, **fields) -> None:
     """Write each member's shard as its agent would (the shard key is the agent's)."""
     for m in replica.members:
-        shard = records.Shard(
-            node=m.node, rid=replica.rid, model=replica.model, generation=1, phase=phase, since=1.0
-        )
-        await bus.put(keys.shard(m.node, replica.rid), msgspec.structs.replace(shard, **fields))
+        record = shard(m.node, replica.rid, phase, model=replica.model, **fields)
+        await bus.put(keys.shard(m.node, replica.rid), record)
 
 
 async def test_a_cordon_is_kept_across_controller_restarts_and_explained(bus, nats_settings):

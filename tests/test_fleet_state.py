@@ -9,6 +9,7 @@ import anyio
 import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
+from record_helpers import shard
 from router_helpers import router_settings
 from waiting import until
 
@@ -138,13 +139,10 @@ def test_the_page_says_why_a_replica_failed_and_what_the_agent_cannot_serve():
     inv = msgspec.structs.replace(
         inventory("a", gpus=1), metrics_error="port 9464 taken: set metrics.listen"
     )
-    shard = records.Shard(
-        node="a",
-        rid="r1",
-        model="m",
-        generation=1,
-        phase="failed",
-        since=1.0,
+    record = shard(
+        "a",
+        "r1",
+        "failed",
         reason="exited with code 1 while loading",
         output_tail=["llama_model_load: error loading model"],
         restarts=3,
@@ -153,7 +151,7 @@ def test_the_page_says_why_a_replica_failed_and_what_the_agent_cannot_serve():
         nodes={"a": inv},
         desired={"m": records.Desired(model="m", replicas=1)},
         replicas={"r1": _replica("m", "r1", "a", ["GPU-a-00"], phase="failed")},
-        shards={("a", "r1"): shard},
+        shards={("a", "r1"): record},
     )
     state = fleet_state(r, {}, now=100.0, router={})
     (m,) = state["models"]

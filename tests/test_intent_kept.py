@@ -8,6 +8,7 @@ import anyio
 import msgspec
 import pytest
 from prometheus_client import generate_latest
+from record_helpers import shard
 from waiting import until
 
 from llmgw import catalog
@@ -247,10 +248,8 @@ def test_the_router_keeps_an_autoscaled_models_intent_and_a_lost_node_when_they_
     member = records.ReplicaMember(node="a", rank=0, gpus=["GPU-a-00"], port=18000)
     replica = records.Replica(model="m", rid="r1", profile="p", members=[member], phase="ready")
     table.apply(keys.replica("m", "r1"), msgspec.json.encode(replica), 3)
-    shard = records.Shard(
-        node="a", rid="r1", model="m", generation=1, phase="ready", since=1.0, endpoint="h:1"
-    )
-    table.apply(keys.shard("a", "r1"), msgspec.json.encode(shard), 4)
+    record = shard("a", "r1", "ready", endpoint="h:1")
+    table.apply(keys.shard("a", "r1"), msgspec.json.encode(record), 4)
     lost = records.Health(node="a", phase="lost", since=1.0)
     table.apply(keys.health("a"), msgspec.json.encode(lost), 5)
     assert table.autoscaled("m") and table.route("m").backends == []

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import anyio
 import msgspec
 import pytest
+from record_helpers import shard
 from waiting import until
 
 from llmgw.bus import keys
@@ -980,12 +981,11 @@ def test_every_profile_field_either_reaches_the_engine_or_decides_placement():
 
 def _failed_shard(r: Replica, reason: str, *, gave_up: bool = False, line: str = "") -> Shard:
     m = r.members[0]
-    return Shard(
-        node=m.node,
-        rid=r.rid,
+    return shard(
+        m.node,
+        r.rid,
+        "failed",
         model=r.model,
-        generation=1,
-        phase="failed",
         since=0,
         reason=reason,
         output_tail=["loading model", line] if line else [],

@@ -8,6 +8,7 @@ import sys
 import typing
 
 import msgspec
+from record_helpers import shard
 
 from llmgw.bus import keys
 from llmgw.bus.records import (
@@ -17,7 +18,6 @@ from llmgw.bus.records import (
     Lease,
     Replica,
     ReplicaMember,
-    Shard,
 )
 from llmgw.catalog import validate_models
 from llmgw.controller.changes import (
@@ -211,12 +211,10 @@ def test_a_launch_refused_before_launch_is_a_failed_start_once_its_agent_stops_t
         mirror(view, c.key, c.record)
     (replica,) = view.replicas.values()
     (member,) = replica.members
-    view.shards[(member.node, replica.rid)] = Shard(
-        node=member.node,
-        rid=replica.rid,
-        model="m",
-        generation=1,
-        phase="failed",
+    view.shards[(member.node, replica.rid)] = shard(
+        member.node,
+        replica.rid,
+        "failed",
         since=5.0,
         reason="refused before launch: fetch dir /var/lib/llmgw/fetch is not writable",
     )
@@ -242,9 +240,7 @@ def test_an_agent_that_reports_again_is_still_trying():
     (replica,) = view.replicas.values()
     key = ("gpu-a", replica.rid)
     for i in range(5):  # an error it retries: a new report (since) every 10 s
-        view.shards[key] = Shard(
-            node="gpu-a", rid=replica.rid, model="m", generation=1, phase="failed", since=i * 10.0
-        )
+        view.shards[key] = shard("gpu-a", replica.rid, "failed", since=i * 10.0)
         now = Instant(monotonic=NOW.monotonic + i * 10.0, wall=NOW.wall + i * 10.0)
         changes = _writes(reconciler.run(view, {"gpu-a": "ready"}, now).changes)
         assert not any(isinstance(c.why, Draining) for c in changes)

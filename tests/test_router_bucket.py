@@ -11,6 +11,7 @@ import time
 import aiohttp
 import msgspec
 import pytest
+from record_helpers import shard
 from router_helpers import SERVED, chat_body, fake_engines, router_settings, running_router
 from waiting import until
 
@@ -186,15 +187,7 @@ async def test_a_shard_is_owned_by_its_key_not_by_what_its_value_claims(
     await bus.put(keys.catalog("tiny"), catalog.encode_model(MODEL))
     await _place(bus, "r1", "n1", real, shard_phase="loading")
     # n9 writes its own key, claiming to be n1's ready shard of r1
-    spoof = records.Shard(
-        node="n1",
-        rid="r1",
-        model="tiny",
-        generation=1,
-        phase="ready",
-        since=time.time(),
-        endpoint=impostor.endpoint,
-    )
+    spoof = shard("n1", "r1", "ready", model="tiny", since=time.time(), endpoint=impostor.endpoint)
     await bus.put(keys.shard("n9", "r1"), spoof)
     async with running_router(connect=_connect(nats_settings)) as r:
         await until(lambda: _true(r.table.synced), timeout=10)
