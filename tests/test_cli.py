@@ -18,6 +18,7 @@ import msgspec
 import psutil
 import pytest
 from agent_helpers import host_dirs
+from import_helpers import loaded
 from record_helpers import shard
 from waiting import until
 
@@ -557,13 +558,8 @@ def test_up_on_a_port_nats_already_holds_says_so_without_a_traceback(up, tmp_pat
 
 def test_commands_that_run_no_agent_do_not_load_its_stack():
     # (aiohttp is loaded by nats-py itself, for its websocket transport)
-    code = (
-        "import sys, llmgw.cli; "
-        "print(sorted(m for m in ('psutil', 'pynvml', 'llmgw.agent.service', "
-        "'llmgw.agent.discovery', 'llmgw.router.service') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    stack = ("psutil", "pynvml", "llmgw.agent.service", "llmgw.agent.discovery")
+    assert loaded("llmgw.cli", modules=(*stack, "llmgw.router.service")) == []
 
 
 def test_a_problem_stated_for_a_person_is_a_message_not_a_traceback(up):

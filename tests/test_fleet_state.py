@@ -8,6 +8,7 @@ import aiohttp
 import anyio
 import msgspec
 import pytest
+from import_helpers import loaded
 from prometheus_client import CollectorRegistry, Histogram
 from record_helpers import shard
 from router_helpers import router_settings
@@ -343,14 +344,11 @@ def test_no_chromium_skips_except_where_it_is_required(tmp_path, monkeypatch):
 def test_the_read_model_imports_no_nats_and_no_component():
     """The controller, the router and the CLI all import it: it must import none of them,
     nor NATS (only llmgw/bus's client does)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, llmgw.fleetstate.build, llmgw.fleetstate.decode; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nats', 'anyio') "
-        "or m.startswith(('llmgw.controller', 'llmgw.router', 'llmgw.agent', 'llmgw.cli')) "
-        "or m == 'llmgw.bus.client'))"
+    components = ("llmgw.controller", "llmgw.router", "llmgw.agent", "llmgw.cli")
+    got = loaded(
+        "llmgw.fleetstate.build, llmgw.fleetstate.decode",
+        packages=("nats", "anyio"),
+        modules=("llmgw.bus.client",),
+        prefixes=components,
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert got == []
