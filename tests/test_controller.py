@@ -190,24 +190,16 @@ async def test_controller_killed_mid_reconcile_converges_without_duplicates_or_o
         await _sim(bus, tg, *[inventory(f"n{i:02d}", gpus=8) for i in range(40)])
         await _apply(bus, _model(), 300)
         log = open(tmp_path / "controller.log", "ab")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "llmgw.cli",
-                "--log-level",
-                "INFO",
-                "controller",
-                "--nats",
-                nats_server.url,
-                "--unreachable-after",
-                "5",
-                "--lost-after",
-                "30",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+
+        def controller(*first: str) -> subprocess.Popen:
+            return subprocess.Popen(
+                [sys.executable, "-m", "llmgw.cli", *first, "controller", "--nats"]
+                + [nats_server.url, "--unreachable-after", "5", "--lost-after", "30"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+        proc = controller("--log-level", "INFO")
         try:
             await until(lambda: _replicas(bus), timeout=20)
             os.kill(proc.pid, signal.SIGKILL)  # mid-pass: 300 replicas take many writes
@@ -217,22 +209,7 @@ async def test_controller_killed_mid_reconcile_converges_without_duplicates_or_o
                 "the kill did not land mid-pass"
             )
             await bus.delete("leader")  # a successor would wait out the lease; skip that wait
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "llmgw.cli",
-                    "controller",
-                    "--nats",
-                    nats_server.url,
-                    "--unreachable-after",
-                    "5",
-                    "--lost-after",
-                    "30",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+            proc = controller()
 
             async def converged():
                 reps, assigns = await _replicas(bus), await _assigns(bus)
