@@ -5,12 +5,10 @@ docs/security.md as written."""
 from __future__ import annotations
 
 import json
-import logging
 import re
 import shlex
 import stat
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +22,7 @@ from click.testing import CliRunner, Result
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from test_tls import errors, wait_healthy
 from waiting import until
 
 from llmgw.agent.certificate import CertificateError, check_tls_files
@@ -361,20 +360,6 @@ class Fleet:
             raise AssertionError(f"docs/security.md has a step this test cannot run: {command}")
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], http_port: int, log: Path) -> None:
-    deadline = time.monotonic() + 10
-    health = f"http://127.0.0.1:{http_port}/healthz?js-enabled-only=true"
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"nats-server did not start:\n{log.read_text()}")
-        try:
-            with urllib.request.urlopen(health, timeout=0.5) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.05)
-
-
 @contextmanager
 def documented_fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
     """Steps 1-4 of docs/security.md as written, in tmp_path, and nats-server started on
@@ -419,7 +404,7 @@ def documented_fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
             cwd="/",
         )
     try:
-        _wait_healthy(proc, http_port, log)
+        wait_healthy(proc, http_port, log)
         fleet.url, fleet.proc, fleet.http_port = f"nats://127.0.0.1:{port}", proc, http_port
         yield fleet
     finally:
@@ -429,10 +414,6 @@ def documented_fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def errors(caplog: pytest.LogCaptureFixture) -> str:
-    return "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
 
 
 async def refused_write(bus: Bus, key: str, caplog: pytest.LogCaptureFixture) -> None:

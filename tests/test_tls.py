@@ -97,17 +97,7 @@ def running_nats(conf: Path, store_dir: Path, cwd: Path | None = None) -> Iterat
             cwd=cwd or conf.parent,
         )
     try:
-        deadline = time.monotonic() + 10
-        health = f"http://127.0.0.1:{http_port}/healthz?js-enabled-only=true"
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"nats-server did not start:\n{log_path.read_text()}")
-            try:
-                with urllib.request.urlopen(health, timeout=0.5) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.05)
+        wait_healthy(proc, http_port, log_path)
         yield f"nats://127.0.0.1:{port}"
     finally:
         proc.terminate()
@@ -187,6 +177,22 @@ def refused_fast(s: NatsSettings) -> NatsSettings:
     # nats-py retries a refused first connect by itself until Bus.connect's window
     # (connect_timeout + 0.5 s) ends: a short timeout keeps these tests short
     return dataclasses.replace(s, connect_timeout=0.3)
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], http_port: int, log: Path) -> None:
+    """Until the nats-server `proc` says JetStream is up (AssertionError with its log if it
+    exits or 10 s pass)."""
+    deadline = time.monotonic() + 10
+    health = f"http://127.0.0.1:{http_port}/healthz?js-enabled-only=true"
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"nats-server did not start:\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(health, timeout=0.5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.05)
 
 
 def errors(caplog: pytest.LogCaptureFixture) -> str:
