@@ -72,6 +72,16 @@ async def controller(
 
 
 @pytest.fixture
+def engines(tmp_path: Path):
+    """Fake engines a router test starts and stops (router_helpers.FakeEngines), all
+    stopped at its end."""
+    from router_helpers import fake_engines
+
+    with fake_engines(tmp_path) as fleet:
+        yield fleet
+
+
+@pytest.fixture
 def bins(tmp_path: Path) -> dict[str, Path]:
     """The fake llama-server and vllm, installed as the real ones are (llmgw.sim.fake_engine)."""
     from llmgw.sim.fake_engine import install_fake_engines

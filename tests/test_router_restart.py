@@ -18,7 +18,7 @@ import aiohttp
 import anyio
 import pytest
 from autoscale_fleet import autoscaled_model, serve_auto
-from router_helpers import SERVED, FakeEngine, RetryingClient, chat_body, fake_engines
+from router_helpers import SERVED, FakeEngine, RetryingClient, chat_body
 from waiting import until
 
 from llmgw.bus.server import free_port
@@ -116,12 +116,6 @@ async def _stream(http: aiohttp.ClientSession, url: str, content: str) -> list[s
             elif line.strip() == b"data: [DONE]":
                 return tokens
     raise AssertionError(f"the stream ended without [DONE] after {len(tokens)} tokens")
-
-
-@pytest.fixture
-def engines(tmp_path):
-    with fake_engines(tmp_path) as fleet:
-        yield fleet
 
 
 async def test_sigterm_lets_a_stream_in_flight_finish_whole_and_refuses_new_connections(
