@@ -15,6 +15,7 @@ import pytest
 from denying import nats_denying
 from links import ProxyLink
 from record_helpers import shard
+from test_placement import model as placement_model
 from waiting import until
 
 from llmgw import catalog
@@ -59,25 +60,9 @@ def _model(
     key: str | None = None,
 ) -> catalog.Model:
     weights = {"key": key} if key else {"source": f"hf://org/{mid}"}
-    return catalog.validate_models(
-        {
-            "models": [
-                {
-                    "id": mid,
-                    "profiles": [
-                        {
-                            "name": "p",
-                            "engine": engine,
-                            "weights": weights,
-                            "gpus_per_node": gpus,
-                            "host_ram_gb": ram_gb,
-                            "nodes": nodes,
-                        }
-                    ],
-                }
-            ]
-        }
-    )[0]
+    return placement_model(
+        mid, engine=engine, gpus=gpus, ram_gb=ram_gb, nodes=nodes, weights=weights
+    )
 
 
 async def _apply(bus: Bus, model: catalog.Model, replicas: int) -> None:

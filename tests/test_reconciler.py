@@ -8,6 +8,7 @@ import typing
 import msgspec
 from import_helpers import loaded
 from record_helpers import shard
+from test_placement import model
 
 from llmgw.bus import keys
 from llmgw.bus.records import (
@@ -18,7 +19,6 @@ from llmgw.bus.records import (
     Replica,
     ReplicaMember,
 )
-from llmgw.catalog import validate_models
 from llmgw.controller.changes import (
     SAID,
     Change,
@@ -51,23 +51,7 @@ def _view(nodes: list[str], *, replicas: int = 1) -> View:
         view.leases[name] = Lease(
             node=name, seq=1, time=0.0, started_at=0.0, memory=view.nodes[name].memory
         )
-    (m,) = validate_models(
-        {
-            "models": [
-                {
-                    "id": "m",
-                    "profiles": [
-                        {
-                            "name": "p",
-                            "engine": "vllm",
-                            "weights": {"key": "org/m"},
-                            "gpus_per_node": 1,
-                        }
-                    ],
-                }
-            ]
-        }
-    )
+    m = model(key="org/m")
     view.catalog["m"] = m
     view.desired["m"] = Desired(model="m", replicas=replicas, updated_at=5.0)
     return view
