@@ -20,6 +20,7 @@ import pytest
 from agent_helpers import host_dirs
 from import_helpers import loaded
 from record_helpers import shard
+from test_placement import two_profiles
 from waiting import until
 
 from llmgw.agent.config import AgentConfig, Engines, Intervals, Paths, write_config
@@ -772,29 +773,7 @@ async def test_rollout_undo_after_a_profile_switch_asks_for_the_earlier_profile_
     controller's rollout back to its end."""
     from llmgw.catalog import launch_hash
 
-    two = validate_models(
-        {
-            "models": [
-                {
-                    "id": "m",
-                    "profiles": [
-                        {
-                            "name": "p",
-                            "engine": "vllm",
-                            "weights": {"key": "org/m"},
-                            "gpus_per_node": 1,
-                        },
-                        {
-                            "name": "q",
-                            "engine": "vllm",
-                            "weights": {"key": "org/m"},
-                            "gpus_per_node": 2,
-                        },
-                    ],
-                }
-            ]
-        }
-    )[0]
+    two = two_profiles(key="org/m")
     profiles = [
         records.ProfileRevision(
             name=p.name, launch=launch_hash(two, p), content=msgspec.to_builtins(p)

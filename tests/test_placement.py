@@ -94,6 +94,15 @@ def model(
     return validate_models({"models": [{"id": mid, "profiles": [profile]}]})[0]
 
 
+def two_profiles(key: str = KEY) -> Model:
+    """Model m with profile p (1 GPU) and profile q (2 GPUs), the same weights."""
+    profiles = [
+        {"name": name, "engine": "vllm", "weights": {"key": key}, "gpus_per_node": gpus}
+        for name, gpus in (("p", 1), ("q", 2))
+    ]
+    return validate_models({"models": [{"id": "m", "profiles": profiles}]})[0]
+
+
 def replica(
     rid: str,
     members: list[tuple[str, list[int]]],
@@ -599,29 +608,7 @@ def test_fabric_view_share_seen_by_a_node_that_did_not_scan_it_counts_on_that_no
 
 
 def test_profile_switch_keeps_old_replica_until_new_profile_is_ready():
-    two = validate_models(
-        {
-            "models": [
-                {
-                    "id": "m",
-                    "profiles": [
-                        {
-                            "name": "p",
-                            "engine": "vllm",
-                            "weights": {"key": KEY},
-                            "gpus_per_node": 1,
-                        },
-                        {
-                            "name": "q",
-                            "engine": "vllm",
-                            "weights": {"key": KEY},
-                            "gpus_per_node": 2,
-                        },
-                    ],
-                }
-            ]
-        }
-    )
+    two = [two_profiles()]
     nodes = [node("n1")]
     old = replica("r-old", [("n1", [0])])
     switch = Desired(model="m", replicas=1, profile="q")
