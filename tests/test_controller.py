@@ -82,11 +82,17 @@ async def _assigns(bus: Bus) -> dict[tuple[str, str], records.Assignment]:
     return {(k.split(".")[1], k.split(".")[2]): e.value for k, e in got.items()}
 
 
-@pytest.fixture
-async def second_bus(nats_settings):
-    b = await Bus.connect(nats_settings, give_up_after=5)
-    yield b
-    await b.close()
+def _start_stoppable(tg, controller: Controller) -> anyio.CancelScope:
+    """Start `controller` in `tg`; cancelling the scope returned stops it alone (a process
+    that stops: it resigns, deleting its lease)."""
+    scope = anyio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            await controller.run()
+
+    tg.start_soon(run)
+    return scope
 
 
 async def _sim(bus: Bus, tg, *nodes: records.NodeInventory) -> list[SimNode]:
@@ -215,33 +221,23 @@ async def test_controller_killed_mid_reconcile_converges_without_duplicates_or_o
     assert len(partial_replicas) <= 300
 
 
-async def test_two_controllers_one_leads_and_the_other_takes_over(bus, second_bus, nats_settings):
-    third = await Bus.connect(nats_settings, give_up_after=5)
-    try:
-        async with anyio.create_task_group() as tg:
-            c1 = Controller(second_bus, ControllerSettings(controller_id="c1", **FAST))
-            c2 = Controller(third, ControllerSettings(controller_id="c2", **FAST))
-            scope1 = anyio.CancelScope()
-
-            async def run_c1():
-                with scope1:
-                    await c1.run()
-
-            tg.start_soon(run_c1)
-            await until(lambda: _leader_is(bus, "c1"))
-            tg.start_soon(c2.run)
-            await anyio.sleep(FAST["leader_ttl"] * 2)  # c1 keeps renewing: c2 must not take over
-            assert c1.leading and not c2.leading
-            assert (await bus.get("leader", decoder(records.Leader))).value.holder == "c1"
-            scope1.cancel()  # c1 stops (it resigns: deletes its lease)
-            await until(lambda: _leader_is(bus, "c2"))
-            assert c2.leading
-            # the epoch grows at every takeover, one after a resignation (a deleted key) too
-            lease = (await bus.get("leader", decoder(records.Leader))).value
-            assert 0 < c1.epoch < c2.epoch == lease.epoch
-            tg.cancel_scope.cancel()
-    finally:
-        await third.close()
+async def test_two_controllers_one_leads_and_the_other_takes_over(bus, second_bus, third_bus):
+    async with anyio.create_task_group() as tg:
+        c1 = Controller(second_bus, ControllerSettings(controller_id="c1", **FAST))
+        c2 = Controller(third_bus, ControllerSettings(controller_id="c2", **FAST))
+        scope1 = _start_stoppable(tg, c1)
+        await until(lambda: _leader_is(bus, "c1"))
+        tg.start_soon(c2.run)
+        await anyio.sleep(FAST["leader_ttl"] * 2)  # c1 keeps renewing: c2 must not take over
+        assert c1.leading and not c2.leading
+        assert (await bus.get("leader", decoder(records.Leader))).value.holder == "c1"
+        scope1.cancel()  # c1 stops (it resigns: deletes its lease)
+        await until(lambda: _leader_is(bus, "c2"))
+        assert c2.leading
+        # the epoch grows at every takeover, one after a resignation (a deleted key) too
+        lease = (await bus.get("leader", decoder(records.Leader))).value
+        assert 0 < c1.epoch < c2.epoch == lease.epoch
+        tg.cancel_scope.cancel()
 
 
 async def test_a_crashed_leader_is_replaced_once_its_lease_stops_moving(bus, second_bus):
@@ -280,32 +276,22 @@ async def test_a_leader_value_that_does_not_decode_is_taken_over_and_placement_g
 
 
 async def test_a_controller_restarted_with_the_same_id_waits_for_the_old_lease(
-    bus, second_bus, nats_settings
+    bus, second_bus, third_bus
 ):
-    third = await Bus.connect(nats_settings, give_up_after=5)
-    try:
-        async with anyio.create_task_group() as tg:
-            old = Controller(second_bus, ControllerSettings(controller_id="ctl", **FAST))
-            # its clock stands still: the old lease can never look expired to it
-            new = Controller(third, ControllerSettings(controller_id="ctl", **FAST), ManualClock())
-            old_scope = anyio.CancelScope()
-
-            async def run_old():
-                with old_scope:
-                    await old.run()
-
-            tg.start_soon(run_old)
-            await until(lambda: _leader_is(bus, "ctl"))
-            tg.start_soon(new.run)
-            await until(lambda: _steps(new, 3))  # it looked at the key three times
-            assert old.leading and not new.leading
-            lease = (await bus.get("leader", decoder(records.Leader))).value
-            assert lease.instance == old.instance != new.instance
-            old_scope.cancel()  # the old process stops (it resigns: deletes its lease)
-            await until(lambda: _instance_leads(bus, new))
-            tg.cancel_scope.cancel()
-    finally:
-        await third.close()
+    async with anyio.create_task_group() as tg:
+        old = Controller(second_bus, ControllerSettings(controller_id="ctl", **FAST))
+        # its clock stands still: the old lease can never look expired to it
+        new = Controller(third_bus, ControllerSettings(controller_id="ctl", **FAST), ManualClock())
+        old_scope = _start_stoppable(tg, old)
+        await until(lambda: _leader_is(bus, "ctl"))
+        tg.start_soon(new.run)
+        await until(lambda: _steps(new, 3))  # it looked at the key three times
+        assert old.leading and not new.leading
+        lease = (await bus.get("leader", decoder(records.Leader))).value
+        assert lease.instance == old.instance != new.instance
+        old_scope.cancel()  # the old process stops (it resigns: deletes its lease)
+        await until(lambda: _instance_leads(bus, new))
+        tg.cancel_scope.cancel()
 
 
 async def _instance_leads(bus, controller: Controller) -> bool:

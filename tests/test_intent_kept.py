@@ -61,15 +61,8 @@ async def _answered(bus: Bus, desired_at: float) -> records.PlacementRecord | No
     return rec if rec is not None and rec.desired_at == desired_at else None
 
 
-@pytest.fixture
-async def controller_bus(nats_settings):
-    b = await Bus.connect(nats_settings, give_up_after=5)
-    yield b
-    await b.close()
-
-
 async def test_a_garbled_ops_keeps_a_drained_node_out_of_placement_and_status_says_so(
-    bus, controller_bus
+    bus, second_bus
 ):
     """A garbled ops.<node> was read as absent: the drained and cordoned node took new
     replicas again while `llmgw status` printed "cordoned"."""
@@ -78,7 +71,7 @@ async def test_a_garbled_ops_keeps_a_drained_node_out_of_placement_and_status_sa
         await bus.put(keys.ops("a"), records.NodeOps(node="a", state="draining"))
         await bus.put(keys.catalog("m"), catalog.encode_model(_model()))
         await bus.put(keys.desired("m"), records.Desired(model="m", replicas=1, updated_at=1.0))
-        controller = Controller(controller_bus, ControllerSettings(**FAST))
+        controller = Controller(second_bus, ControllerSettings(**FAST))
         tg.start_soon(controller.run)
         await until(lambda: _answered(bus, 1.0))
         await bus.put(keys.ops("a"), GARBAGE)
@@ -102,15 +95,13 @@ async def test_a_garbled_ops_keeps_a_drained_node_out_of_placement_and_status_sa
         tg.cancel_scope.cancel()
 
 
-async def test_a_controller_started_after_ops_stopped_reading_places_nothing_there(
-    bus, controller_bus
-):
+async def test_a_controller_started_after_ops_stopped_reading_places_nothing_there(bus, second_bus):
     async with anyio.create_task_group() as tg:
         await _start(bus, tg, inventory("a", gpus=2), inventory("b", gpus=1))
         await bus.put(keys.ops("a"), GARBAGE)  # never read good by this controller
         await bus.put(keys.catalog("m"), catalog.encode_model(_model()))
         await bus.put(keys.desired("m"), records.Desired(model="m", replicas=2, updated_at=1.0))
-        tg.start_soon(Controller(controller_bus, ControllerSettings(**FAST)).run)
+        tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
         rec = await until(lambda: _answered(bus, 1.0))
         assert rec.placed == 1 and "cordoned" in rec.explanation
         assert {m.node for r in await _replicas(bus) for m in r.members} == {"b"}
@@ -126,7 +117,7 @@ OPERATOR_FAMILIES = ["desired", "catalog", "ops"]
 CONTROLLER_FAMILIES = ["rollout", "scale", "placement", "health", "fabrics", "replicas", "assign"]
 
 
-async def _garbled(bus, controller_bus, tg, family: str):
+async def _garbled(bus, second_bus, tg, family: str):
     """A fleet of two nodes (b cordoned), model m placed once on a, a controller leading;
     then `family`'s key garbled after the controller read a good value of it. Returns the
     controller, the key, its table in the view, the id there, the good value, the replica."""
@@ -136,7 +127,7 @@ async def _garbled(bus, controller_bus, tg, family: str):
     await bus.put(keys.catalog("m"), catalog.encode_model(_model(autoscale=autoscale)))
     desired = records.Desired(model="m", replicas=1, updated_at=1.0, auto=family == "scale")
     await bus.put(keys.desired("m"), desired)
-    controller = Controller(controller_bus, ControllerSettings(**FAST))
+    controller = Controller(second_bus, ControllerSettings(**FAST))
     tg.start_soon(controller.run)
     view = controller.view
     (placed,) = await until(lambda: _replicas(bus))
@@ -169,12 +160,10 @@ def _acting_as_before(controller: Controller, placed: records.Replica) -> None:
 
 @pytest.mark.parametrize("family", OPERATOR_FAMILIES)
 async def test_an_operators_key_that_stops_reading_keeps_its_last_good_value_and_is_said(
-    bus, controller_bus, family
+    bus, second_bus, family
 ):
     async with anyio.create_task_group() as tg:
-        controller, key, table, id_, good, placed, _ = await _garbled(
-            bus, controller_bus, tg, family
-        )
+        controller, key, table, id_, good, placed, _ = await _garbled(bus, second_bus, tg, family)
         view = controller.view
         await until(lambda: _true(key in view.unreadable))
         await anyio.sleep(0.5)  # passes go on
@@ -197,14 +186,12 @@ async def test_an_operators_key_that_stops_reading_keeps_its_last_good_value_and
 
 @pytest.mark.parametrize("family", CONTROLLER_FAMILIES)
 async def test_a_controllers_record_that_stops_reading_is_kept_and_written_back(
-    bus, controller_bus, family
+    bus, second_bus, family
 ):
     """Kept and compared as kept, a garbled record of the controller's own was never written
     again: a reader started since (a restarted router, `llmgw status`) could not read it."""
     async with anyio.create_task_group() as tg:
-        controller, key, _, _, good, placed, revision = await _garbled(
-            bus, controller_bus, tg, family
-        )
+        controller, key, _, _, good, placed, revision = await _garbled(bus, second_bus, tg, family)
 
         async def written_back():
             raw = await bus.get_raw(key)

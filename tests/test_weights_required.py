@@ -26,13 +26,6 @@ from llmgw.sim.simulator import Simulator
 PHI = "phi-3-mini-4k-instruct-q4"
 
 
-@pytest.fixture
-async def second_bus(nats_settings):
-    b = await Bus.connect(nats_settings, give_up_after=5)
-    yield b
-    await b.close()
-
-
 def _scanned(inv: records.NodeInventory, *dirs: str) -> records.NodeInventory:
     weights = msgspec.structs.replace(
         inv.weights,
