@@ -56,6 +56,19 @@ def node(tmp_path, nats_server):
             pass
 
 
+async def _replaced(bus: Bus, node: dict, first: records.Shard) -> records.Shard:
+    """The ready shard that replaced `first` (another engine), that engine noted for the
+    node fixture to kill."""
+
+    async def replaced():
+        shards = await _all_ready(bus, 1)
+        return shards[0] if shards and shards[0].pid != first.pid else None
+
+    second = await until(replaced, timeout=30)
+    node["engines"].append(psutil.Process(second.pid))
+    return second
+
+
 def _model(tmp, **profile) -> catalog.Model:
     gguf = str(write_fake_gguf(tmp / "weights" / "tiny.gguf"))
     return cpu_model(gguf, served_name=SERVED, env=STREAM_ENV, host_ram_gb=1, **profile)
@@ -183,12 +196,7 @@ async def test_an_engine_its_controller_moved_while_the_agent_was_away_is_replac
     assignment = await until(moved, timeout=20)
     _back(node)
 
-    async def replaced():
-        shards = await _all_ready(bus, 1)
-        return shards[0] if shards and shards[0].pid != first.pid else None
-
-    second = await until(replaced, timeout=30)
-    node["engines"].append(psutil.Process(second.pid))
+    second = await _replaced(bus, node, first)
     assert second.port == assignment.port and _gone(old)
     assert (
         f"its assignment moved it (port {first.port} -> {assignment.port})"
@@ -256,12 +264,7 @@ async def test_workers_left_when_an_engines_first_process_died_are_stopped_by_th
     assert not _gone(worker)  # orphaned
     _back(node)
 
-    async def replaced():
-        shards = await _all_ready(bus, 1)
-        return shards[0] if shards and shards[0].pid != first.pid else None
-
-    second = await until(replaced, timeout=30)
-    node["engines"].append(psutil.Process(second.pid))
+    await _replaced(bus, node, first)
     with anyio.fail_after(10):
         while not _gone(worker):
             await anyio.sleep(0.05)
