@@ -407,7 +407,7 @@ WRITES = {
 
 
 async def test_each_identity_writes_exactly_the_keys_it_owns_and_reads_all(
-    mapped_server, pki, caplog
+    mapped_server, pki
 ) -> None:
     operator = await connect(mapped_server, pki, "operator")
     await operator.put("catalog.seen", b"{}")
@@ -434,6 +434,8 @@ async def test_each_identity_writes_exactly_the_keys_it_owns_and_reads_all(
                     tg.start_soon(attempt, who, key)
         for who, bus in buses.items():
             assert await bus.get_raw("catalog.seen") is not None, f"{who} cannot read"
+        # each refusal reached its client, naming what was refused (the last one kept)
+        denied = {who: bus.connection.denied for who, bus in buses.items()}
     finally:
         for bus in buses.values():
             await bus.close()
@@ -444,7 +446,10 @@ async def test_each_identity_writes_exactly_the_keys_it_owns_and_reads_all(
         if outcome[who, key] != (key in allowed)
     }
     assert not wrong
-    assert 'permissions violation for publish to "$kv.llmgw.nodes.node06"' in errors(caplog)
+    for who, (_, refused) in WRITES.items():
+        if refused:
+            assert denied[who] is not None and denied[who].action == "publish", who
+            assert denied[who].subject.removeprefix("$kv.llmgw.") in refused, denied[who]
 
 
 async def test_controller_creates_the_bucket_when_it_is_missing(mapped_server, pki) -> None:
