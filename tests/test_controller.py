@@ -95,6 +95,16 @@ def _start_stoppable(tg, controller: Controller) -> anyio.CancelScope:
     return scope
 
 
+async def _judging_gpu_a(bus: Bus, controller_bus: Bus, tg, clock, **settings) -> Controller:
+    """A controller on `clock` (MANUAL settings, `settings` over them) started in `tg`, once
+    it has judged its one node, gpu-a (registered, never beating), ready."""
+    await SimNode(bus, inventory("gpu-a", gpus=1)).register()
+    controller = Controller(controller_bus, ControllerSettings(**{**MANUAL, **settings}), clock)
+    tg.start_soon(controller.run)
+    await until(lambda: _phase_is(bus, "gpu-a", "ready"))
+    return controller
+
+
 async def _sim(bus: Bus, tg, *nodes: records.NodeInventory) -> list[SimNode]:
     sims = [SimNode(bus, inv) for inv in nodes]
     for s in sims:
@@ -339,12 +349,8 @@ async def test_the_resync_is_on_the_controllers_clock_not_the_event_loops(bus, s
     """A full pass is due every `resync` seconds of the clock the controller is given: an
     hour of a clock the test moves passes at once (and no test waits out a resync)."""
     clock = ManualClock()
-    node = SimNode(bus, inventory("gpu-a", gpus=1))
-    await node.register()
-    controller = Controller(second_bus, ControllerSettings(**{**MANUAL, "resync": 3600.0}), clock)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(controller.run)
-        await until(lambda: _phase_is(bus, "gpu-a", "ready"))
+        controller = await _judging_gpu_a(bus, second_bus, tg, clock, resync=3600.0)
         await _resynced(controller, clock, times=2)
         tg.cancel_scope.cancel()
 
@@ -1192,12 +1198,8 @@ async def test_a_ready_node_whose_lease_goes_away_is_written_unreachable_at_the_
     # found by review of the incremental judgement: with a 30 s resync, only the tick's
     # judgement can see it, and it must not wait for the resync
     clock = ManualClock()
-    node = SimNode(bus, inventory("gpu-a", gpus=1))
-    await node.register()
-    controller = Controller(second_bus, ControllerSettings(**{**MANUAL, "resync": 30.0}), clock)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(controller.run)
-        await until(lambda: _phase_is(bus, "gpu-a", "ready"))
+        controller = await _judging_gpu_a(bus, second_bus, tg, clock, resync=30.0)
         # the watch delivers in order: once a later write is in the view, so is the echo
         # of the ready record (which would have the node judged again by itself)
         await bus.put(keys.desired("later"), records.Desired(model="later", replicas=0))

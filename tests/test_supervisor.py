@@ -94,6 +94,16 @@ def supervisor(
     )
 
 
+async def _run_until_restarted(sup: EngineSupervisor, times: int) -> None:
+    """Run `sup` until it has restarted its engine `times` times, then stop it."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        with anyio.fail_after(30):
+            while sup.restarts < times:
+                await anyio.sleep(0.05)
+        await sup.stop()
+
+
 async def left_running(spec: LaunchSpec, tmp_path: Path) -> tuple[EngineSupervisor, PhaseChange]:
     """A supervisor run until its engine is ready, then left running as an agent that is
     being restarted leaves it; with the engine's ready change."""
@@ -152,12 +162,7 @@ async def test_crash_while_loading_reports_the_output_tail_and_retries_with_grow
     )
     rec = Recorder()
     sup = supervisor(spec, tmp_path, rec)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(sup.run)
-        with anyio.fail_after(30):
-            while sup.restarts < 4:
-                await anyio.sleep(0.05)
-        await sup.stop()
+    await _run_until_restarted(sup, 4)
     failed = [c for c in rec.changes if c.phase == "failed"]
     assert failed[0].reason.startswith("exited with code 1 while loading; restart 1 in")
     assert (
@@ -180,12 +185,7 @@ async def test_an_engine_that_served_long_enough_restarts_after_the_base_delay(
     rec = Recorder()
     timing = SupervisorTiming(**{**FAST.__dict__, "stable_after": 0.1})
     sup = supervisor(spec, tmp_path, rec, timing)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(sup.run)
-        with anyio.fail_after(30):
-            while sup.restarts < 3:
-                await anyio.sleep(0.05)
-        await sup.stop()
+    await _run_until_restarted(sup, 3)
     assert sup.restart_delays[:3] == [0.05, 0.05, 0.05]
     failed = next(c for c in rec.changes if c.phase == "failed")
     assert failed.reason.startswith("exited with code 134 while serving")
