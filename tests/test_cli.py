@@ -21,7 +21,7 @@ from agent_helpers import host_dirs
 from import_helpers import loaded
 from record_helpers import shard
 from test_placement import two_profiles
-from waiting import until
+from waiting import until, until_logged
 
 from llmgw.agent.config import AgentConfig, Engines, Intervals, Paths, write_config
 from llmgw.bus import keys, records
@@ -96,12 +96,7 @@ def up(tmp_path):
         env=env,
     )
     url = f"nats://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while "router listening" not in (tmp_path / "up.log").read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, (
-            tmp_path / "up.log"
-        ).read_text()
-        time.sleep(0.1)
+    until_logged(proc, tmp_path / "up.log", "router listening")
     yield {
         "url": url,
         "router": f"http://127.0.0.1:{router_port}",
@@ -445,10 +440,7 @@ def _start_up(tmp_path: Path, env: dict, log_name: str) -> tuple[subprocess.Pope
             stderr=subprocess.STDOUT,
             env=env,
         )
-    deadline = time.monotonic() + 30
-    while "router listening" not in log_path.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-        time.sleep(0.1)
+    until_logged(proc, log_path, "router listening", timeout=30)
     return proc, log_path
 
 
@@ -463,10 +455,7 @@ def test_up_restarted_without_the_engine_says_which_replicas_return_and_what_is_
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + "/usr/bin:/bin"}
     proc, log_path = _start_up(up["tmp"], env, "up-again.log")
     try:
-        deadline = time.monotonic() + 20
-        while "needs llama-server" not in log_path.read_text():
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
+        until_logged(None, log_path, "needs llama-server")
         out = log_path.read_text()
         assert "placed again now: tiny x1" in out
         assert "place tiny --replicas 0" in out
@@ -502,10 +491,7 @@ def test_router_only_run_serves_static_endpoints_without_any_nats(tmp_path):
         )
         proc, url, log_path = _router_proc(["--catalog", str(cat)], tmp_path)
         try:
-            deadline = time.monotonic() + 20
-            while "router listening" not in log_path.read_text():
-                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-                time.sleep(0.1)
+            until_logged(proc, log_path, "router listening")
             with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
                 assert [m["id"] for m in json.load(r)["data"]] == ["tiny-chat"]
             body = json.dumps(
