@@ -4,8 +4,6 @@ explained, rather than being placed where its agent must refuse it before launch
 
 from __future__ import annotations
 
-import contextlib
-
 import anyio
 import msgspec
 import pytest
@@ -17,7 +15,7 @@ from llmgw.agent.engines import adapter_for
 from llmgw.agent.engines.base import LaunchSpec
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, decoder
-from llmgw.catalog import Model, encode_model, validate_models
+from llmgw.catalog import encode_model, validate_models
 from llmgw.controller.clock import ManualClock
 from llmgw.controller.loop import Controller, ControllerSettings
 from llmgw.controller.placement import plan
@@ -145,24 +143,6 @@ async def _live_on(bus, node: str) -> list[records.Replica]:
     ]
 
 
-@contextlib.asynccontextmanager
-async def _placed_on_sim(nats_settings, tmp_path, model: Model, **settings):
-    """A controller and the simulated fleet of tmp_path/fleet.toml on one bus, one replica
-    of `model` asked for; the bus and the task group they run in."""
-    quick = dict(unreachable_after=1, lost_after=2.5, leader_ttl=1, tick=0.05, resync=0.5)
-    path = tmp_path / "fleet.toml"
-    sim = Simulator(
-        path, nats_settings, BucketSettings(), tmp_path / "sim", connections=1, poll=0.1
-    )
-    async with await Bus.connect(nats_settings, give_up_after=5) as bus:
-        await bus.put(keys.catalog(model.id), encode_model(model))
-        async with anyio.create_task_group() as tg:
-            await tg.start(Controller(bus, ControllerSettings(**{**quick, **settings})).run)
-            await tg.start(sim.run)
-            await bus.put(keys.desired(model.id), records.Desired(model=model.id, replicas=1))
-            yield bus, tg
-
-
 PHI_FLEET = """
 [sim]
 heartbeat = 0.2
@@ -210,30 +190,41 @@ async def test_with_real_agents_a_key_alone_is_never_placed_where_its_agent_refu
             ]
         }
     )
-    async with _placed_on_sim(nats_settings, tmp_path, phi) as (bus, tg):
-        (first,) = await until(lambda: _ready_on(bus, "cpu-01"), timeout=30)
+    settings = ControllerSettings(
+        unreachable_after=1, lost_after=2.5, leader_ttl=1, tick=0.05, resync=0.5
+    )
+    sim = Simulator(
+        path, nats_settings, BucketSettings(), tmp_path / "sim", connections=1, poll=0.1
+    )
+    async with await Bus.connect(nats_settings, give_up_after=5) as bus:
+        await bus.put(keys.catalog(phi.id), encode_model(phi))
+        async with anyio.create_task_group() as tg:
+            await tg.start(Controller(bus, settings).run)
+            await tg.start(sim.run)
+            await bus.put(keys.desired(phi.id), records.Desired(model=phi.id, replicas=1))
+            (first,) = await until(lambda: _ready_on(bus, "cpu-01"), timeout=30)
 
-        def edit(old: str, new: str) -> None:
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(path.read_text().replace(old, new, 1))
-            tmp.replace(path)
+            def edit(old: str, new: str) -> None:
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(path.read_text().replace(old, new, 1))
+                tmp.replace(path)
 
-        edit('name = "cpu-01"', 'name = "cpu-01"\nstate = "dead"')
+            edit('name = "cpu-01"', 'name = "cpu-01"\nstate = "dead"')
 
-        async def waiting() -> records.PlacementRecord | None:
-            got = await bus.get(keys.placement(phi.id), decoder(records.PlacementRecord))
-            rec = got.value if got else None
-            return rec if rec and rec.placed == 0 and "not holding" in rec.explanation else None
+            async def waiting() -> records.PlacementRecord | None:
+                got = await bus.get(keys.placement(phi.id), decoder(records.PlacementRecord))
+                rec = got.value if got else None
+                return rec if rec and rec.placed == 0 and "not holding" in rec.explanation else None
 
-        rec = await until(waiting, timeout=30)
-        assert "1 lost, 1 not holding phi-3-mini-4k-instruct-q4" in rec.explanation
-        assert "a key alone cannot be fetched" in rec.explanation
-        on_02 = [r for r in await _all(bus) if any(m.node == "cpu-02" for m in r.members)]
-        assert on_02 == []
-        edit('state = "dead"', 'state = "up"')
-        (again,) = await until(lambda: _ready_on(bus, "cpu-01"), timeout=30)
-        assert again.rid != first.rid
-        tg.cancel_scope.cancel()
+            rec = await until(waiting, timeout=30)
+            assert "1 lost, 1 not holding phi-3-mini-4k-instruct-q4" in rec.explanation
+            assert "a key alone cannot be fetched" in rec.explanation
+            on_02 = [r for r in await _all(bus) if any(m.node == "cpu-02" for m in r.members)]
+            assert on_02 == []
+            edit('state = "dead"', 'state = "up"')
+            (again,) = await until(lambda: _ready_on(bus, "cpu-01"), timeout=30)
+            assert again.rid != first.rid
+            tg.cancel_scope.cancel()
 
 
 async def _all(bus: Bus) -> list[records.Replica]:
@@ -274,17 +265,33 @@ async def test_with_real_agents_a_launch_refused_before_launch_moves_then_is_exp
             ]
         }
     )
-    settings = dict(refused_after=1.0, failure_nodes=2)
-    async with _placed_on_sim(nats_settings, tmp_path, bad, **settings) as (bus, tg):
+    settings = ControllerSettings(
+        unreachable_after=1,
+        lost_after=2.5,
+        leader_ttl=1,
+        tick=0.05,
+        resync=0.5,
+        refused_after=1.0,
+        failure_nodes=2,
+    )
+    sim = Simulator(
+        path, nats_settings, BucketSettings(), tmp_path / "sim", connections=1, poll=0.1
+    )
+    async with await Bus.connect(nats_settings, give_up_after=5) as bus:
+        await bus.put(keys.catalog(bad.id), encode_model(bad))
+        async with anyio.create_task_group() as tg:
+            await tg.start(Controller(bus, settings).run)
+            await tg.start(sim.run)
+            await bus.put(keys.desired(bad.id), records.Desired(model=bad.id, replicas=1))
 
-        async def blamed() -> records.PlacementRecord | None:
-            got = await bus.get(keys.placement(bad.id), decoder(records.PlacementRecord))
-            rec = got.value if got else None
-            return rec if rec and rec.broken == ["cpu"] else None
+            async def blamed() -> records.PlacementRecord | None:
+                got = await bus.get(keys.placement(bad.id), decoder(records.PlacementRecord))
+                rec = got.value if got else None
+                return rec if rec and rec.broken == ["cpu"] else None
 
-        rec = await until(blamed, timeout=60)
-        tried = sorted(f.node for f in rec.failures)
-        assert tried == ["cpu-01", "cpu-02"], rec.failures
-        assert all(f.reason.startswith("refused before launch") for f in rec.failures)
-        assert "the profile, not the nodes, is the problem" in rec.explanation
-        tg.cancel_scope.cancel()
+            rec = await until(blamed, timeout=60)
+            tried = sorted(f.node for f in rec.failures)
+            assert tried == ["cpu-01", "cpu-02"], rec.failures
+            assert all(f.reason.startswith("refused before launch") for f in rec.failures)
+            assert "the profile, not the nodes, is the problem" in rec.explanation
+            tg.cancel_scope.cancel()
