@@ -791,6 +791,18 @@ def _check_source(check: _Checker, where: str, path: str, value: str, engine: st
     )
 
 
+def hf_repo(source: str) -> str | None:
+    """ "org/name[:QUANT]" from "hf://org/name[:QUANT]" or a bare id; None for anything else.
+    The one rule for what an engine fetches by itself: an agent gives it such a repo id
+    (a weights key it does not hold, a source), and placement knows that a node need not
+    hold such a key (controller/placement/weights.py `must_hold`)."""
+    repo = source.removeprefix("hf://")
+    parts = repo.split(":", 1)[0].split("/")
+    if len(parts) != 2 or not all(parts) or repo.startswith((".", "/", "~")) or "://" in repo:
+        return None
+    return repo
+
+
 def _check_args(check: _Checker, where: str, path: str, raw: Any) -> list[str]:
     if not isinstance(raw, list) or not all(isinstance(a, str) for a in raw):
         check.expected(where, path, "a list of strings", raw)

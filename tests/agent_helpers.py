@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -112,6 +113,31 @@ def start_agent(
         log.close()
 
 
+@dataclass
+class FakeEngineAgent:
+    """An agent process with the fake engines on its PATH, and what it was started with."""
+
+    proc: subprocess.Popen
+    cfg: AgentConfig
+    dirs: dict[str, Path]
+    path: list[Path]  # its PATH
+    log: Path
+
+
+def start_fake_engine_agent(
+    url: str, root: Path, engines: Engines, *, simulate: list[str] | None = None, **node: object
+) -> FakeEngineAgent:
+    """An agent under `root` (its dirs, agent.toml, agent.log) with the fake engine as
+    llama-server and vllm on its PATH, `engines` its engine settings, `node` its [node]."""
+    dirs = host_dirs(root)
+    install_fake_engines(dirs["bin"])
+    cfg = msgspec.structs.replace(agent_config(url, dirs, **node), engines=engines)
+    path = [dirs["bin"], Path("/usr/bin"), Path("/bin")]
+    log = root / "agent.log"
+    proc = start_agent(cfg, root / "agent.toml", path, log, simulate=simulate)
+    return FakeEngineAgent(proc, cfg, dirs, path, log)
+
+
 NODES = {"node1": "127.0.0.2", "node2": "127.0.0.3", "node3": "127.0.0.4"}
 
 
@@ -121,28 +147,16 @@ def start_agents(url: str, root: Path, nodes: dict[str, str] = NODES) -> list[su
     operations and autoscaling tests."""
     procs = []
     for node, address in nodes.items():
-        dirs = host_dirs(root / node)
-        install_fake_engines(dirs["bin"])
-        cfg = agent_config(url, dirs, id=node, address=address)
-        cfg = msgspec.structs.replace(
-            cfg,
-            engines=Engines(
-                listen_host=address,
-                poll_interval=0.1,
-                backoff_base=0.2,
-                backoff_cap=2,
-                stop_grace=3,
-                drain_timeout=30,
-            ),
+        engines = Engines(
+            listen_host=address,
+            poll_interval=0.1,
+            backoff_base=0.2,
+            backoff_cap=2,
+            stop_grace=3,
+            drain_timeout=30,
         )
-        procs.append(
-            start_agent(
-                cfg,
-                root / node / "agent.toml",
-                [dirs["bin"], "/usr/bin", "/bin"],
-                root / node / "agent.log",
-            )
-        )
+        agent = start_fake_engine_agent(url, root / node, engines, id=node, address=address)
+        procs.append(agent.proc)
     return procs
 
 

@@ -43,6 +43,22 @@ async def bus(nats_settings: NatsSettings) -> AsyncIterator[Bus]:
 
 
 @pytest.fixture
+async def second_bus(nats_settings: NatsSettings) -> AsyncIterator[Bus]:
+    """A second connection to the same server: a controller's, beside the test's `bus`."""
+    b = await Bus.connect(nats_settings, give_up_after=5)
+    yield b
+    await b.close()
+
+
+@pytest.fixture
+async def third_bus(nats_settings: NatsSettings) -> AsyncIterator[Bus]:
+    """A third connection: a second controller's."""
+    b = await Bus.connect(nats_settings, give_up_after=5)
+    yield b
+    await b.close()
+
+
+@pytest.fixture
 def engine_ports() -> Iterator[tuple[int, int]]:
     """(low, high): the ports this test's engines are given, found free and reserved
     against other test runs on this machine (port_helpers), never llmgw's default range."""
@@ -69,6 +85,16 @@ async def controller(
         yield
         tg.cancel_scope.cancel()
     await b.close()
+
+
+@pytest.fixture
+def engines(tmp_path: Path):
+    """Fake engines a router test starts and stops (router_helpers.FakeEngines), all
+    stopped at its end."""
+    from router_helpers import fake_engines
+
+    with fake_engines(tmp_path) as fleet:
+        yield fleet
 
 
 @pytest.fixture

@@ -31,6 +31,26 @@ from llmgw.sim.fake_engine import write_fake_gguf
 
 SERVED = "tiny-chat"
 
+# one small model on CPU, served as SERVED (its records are written by hand in tests)
+TINY_CPU_MODEL = catalog.validate_models(
+    {
+        "models": [
+            {
+                "id": "tiny",
+                "served_name": SERVED,
+                "profiles": [
+                    {
+                        "name": "cpu",
+                        "engine": "llama-server",
+                        "weights": {"path": "/models/tiny.gguf"},
+                        "gpus_per_node": 0,
+                    }
+                ],
+            }
+        ]
+    }
+)[0]
+
 
 @dataclass
 class FakeEngine:

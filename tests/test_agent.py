@@ -19,6 +19,7 @@ from samples.infiniband import FABRIC_MAP, FILES, LINKS
 from samples.sysfs import write_tree
 from waiting import until
 
+from llmgw.agent.config import AgentConfig
 from llmgw.bus import records
 from llmgw.bus.client import Bus, decoder
 from llmgw.bus.server import free_port
@@ -49,6 +50,14 @@ def host(tmp_path):
     return host_dirs(tmp_path)
 
 
+def _run(
+    cfg: AgentConfig, host: dict[str, Path], tmp_path: Path, simulate: list[str] | None = None
+) -> subprocess.Popen:
+    """The agent as a process, its config in tmp_path/a.toml and its log in agent.log."""
+    log = tmp_path / "agent.log"
+    return start_agent(cfg, tmp_path / "a.toml", [host["bin"]], log, simulate=simulate)
+
+
 async def test_registration_carries_the_whole_inventory_with_overrides_marked(
     bus, nats_server, host, tmp_path
 ):
@@ -57,7 +66,7 @@ async def test_registration_carries_the_whole_inventory_with_overrides_marked(
     import msgspec
 
     cfg = msgspec.structs.replace(cfg, fabrics=FABRIC_MAP)
-    proc = start_agent(cfg, tmp_path / "agent.toml", [host["bin"]], tmp_path / "agent.log")
+    proc = _run(cfg, host, tmp_path)
     try:
         inv = await until(lambda: _node(bus, "gpu05"))
         assert inv.address == "10.1.2.3"
@@ -80,12 +89,7 @@ async def test_registration_carries_the_whole_inventory_with_overrides_marked(
 async def test_ram_growing_shows_in_the_next_lease_and_rewrites_the_node(
     bus, nats_server, host, tmp_path
 ):
-    proc = start_agent(
-        agent_config(nats_server.url, host, id="vm1"),
-        tmp_path / "a.toml",
-        [host["bin"]],
-        tmp_path / "agent.log",
-    )
+    proc = _run(agent_config(nats_server.url, host, id="vm1"), host, tmp_path)
     try:
         first = await until(lambda: _node(bus, "vm1"))
         assert first.memory.total_bytes == 64 * GIB
@@ -108,12 +112,7 @@ async def test_ram_growing_shows_in_the_next_lease_and_rewrites_the_node(
 
 
 async def test_config_ram_override_beats_discovery(bus, nats_server, host, tmp_path):
-    proc = start_agent(
-        agent_config(nats_server.url, host, id="vm2", ram_total_gb=32),
-        tmp_path / "a.toml",
-        [host["bin"]],
-        tmp_path / "agent.log",
-    )
+    proc = _run(agent_config(nats_server.url, host, id="vm2", ram_total_gb=32), host, tmp_path)
     try:
         inv = await until(lambda: _node(bus, "vm2"))
         assert inv.memory.total_bytes == 32 * GIB  # discovery says 64
@@ -126,12 +125,7 @@ async def test_config_ram_override_beats_discovery(bus, nats_server, host, tmp_p
 async def test_engine_installed_while_running_is_reported_within_the_probe_interval(
     bus, nats_server, host, tmp_path
 ):
-    proc = start_agent(
-        agent_config(nats_server.url, host, id="n1"),
-        tmp_path / "a.toml",
-        [host["bin"]],
-        tmp_path / "agent.log",
-    )
+    proc = _run(agent_config(nats_server.url, host, id="n1"), host, tmp_path)
     try:
         inv = await until(lambda: _node(bus, "n1"))
         assert inv.engines == []
@@ -162,11 +156,11 @@ async def test_engine_installed_while_running_is_reported_within_the_probe_inter
 
 async def test_agent_restart_refreshes_its_node_record(bus, nats_server, host, tmp_path):
     cfg = agent_config(nats_server.url, host, id="n2")
-    proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
+    proc = _run(cfg, host, tmp_path)
     first = await until(lambda: _node(bus, "n2"))
     stop(proc)
     await bus.delete("nodes.n2")  # the control plane lost it (or someone removed it by hand)
-    proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
+    proc = _run(cfg, host, tmp_path)
     try:
         again = await until(lambda: _node(bus, "n2"))
         assert again.started_at > first.started_at
@@ -185,12 +179,7 @@ async def test_agent_restart_refreshes_its_node_record(bus, nats_server, host, t
 async def test_sigterm_stops_the_agent_promptly_and_closes_its_connection(
     bus, nats_server, host, tmp_path
 ):
-    proc = start_agent(
-        agent_config(nats_server.url, host, id="n3"),
-        tmp_path / "a.toml",
-        [host["bin"]],
-        tmp_path / "agent.log",
-    )
+    proc = _run(agent_config(nats_server.url, host, id="n3"), host, tmp_path)
     await until(lambda: _lease(bus, "n3"))
     assert _client_names(nats_server).count("llmgw-agent n3") == 1
     proc.send_signal(signal.SIGTERM)
@@ -202,7 +191,7 @@ async def test_sigterm_stops_the_agent_promptly_and_closes_its_connection(
 def test_sigterm_stops_an_agent_that_cannot_reach_nats(host, tmp_path):
     """The seed's agent blocked in its stream and took 90 s; here it is stuck connecting."""
     cfg = agent_config(f"nats://127.0.0.1:{free_port()}", host, id="n4")
-    proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
+    proc = _run(cfg, host, tmp_path)
     _wait_log(tmp_path / "agent.log", "cannot connect to NATS")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=5) == 0
@@ -284,7 +273,7 @@ async def test_agent_reports_complete_weights_and_rescans_on_request(
     cfg = msgspec.structs.replace(
         cfg, weights=msgspec.structs.replace(cfg.weights, dirs=[str(models)], scan_interval=3600)
     )
-    proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
+    proc = _run(cfg, host, tmp_path)
     try:
         inv = await until(lambda: _scanned(bus, "w1"))
         assert inv.weights.looked is True
@@ -300,12 +289,7 @@ async def test_agent_reports_complete_weights_and_rescans_on_request(
 
 
 async def test_agent_never_configured_to_look_says_so(bus, nats_server, host, tmp_path):
-    proc = start_agent(
-        agent_config(nats_server.url, host, id="w2"),
-        tmp_path / "a.toml",
-        [host["bin"]],
-        tmp_path / "agent.log",
-    )
+    proc = _run(agent_config(nats_server.url, host, id="w2"), host, tmp_path)
     try:
         inv = await until(lambda: _scanned(bus, "w2"))
         assert inv.weights.looked is False
@@ -344,7 +328,7 @@ async def test_malformed_weights_files_are_reported_and_the_agent_keeps_running(
     (models / "deep").mkdir()
     (models / "deep" / "model.safetensors.index.json").write_bytes(b"[" * 100_000)
     cfg = _weights_config(nats_server.url, host, "h1", models)
-    proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
+    proc = _run(cfg, host, tmp_path)
     try:
         inv = await until(lambda: _scanned(bus, "h1"))
         assert [m.key for m in inv.weights.models] == ["good"]
@@ -371,7 +355,7 @@ async def test_fifos_among_the_weights_never_block_registration(bus, nats_server
     (repo / "refs").mkdir()
     os.mkfifo(repo / "refs" / "main")
     cfg = _weights_config(nats_server.url, host, "f1", models)
-    proc = start_agent(cfg, tmp_path / "a.toml", [host["bin"]], tmp_path / "agent.log")
+    proc = _run(cfg, host, tmp_path)
     try:
         inv = await until(lambda: _scanned(bus, "f1"))
         assert [m.key for m in inv.weights.models] == ["good", "org/name"]
@@ -389,13 +373,7 @@ async def test_a_weights_scan_stuck_in_a_filer_shows_in_the_inventory_and_never_
     filer = tmp_path / "filer"
     filer.mkdir()
     cfg = _weights_config(nats_server.url, host, "s1", filer, scan_timeout=0.5)
-    proc = start_agent(
-        cfg,
-        tmp_path / "a.toml",
-        [host["bin"]],
-        tmp_path / "agent.log",
-        simulate=["--hung-weights-dir", str(filer)],
-    )
+    proc = _run(cfg, host, tmp_path, simulate=["--hung-weights-dir", str(filer)])
     try:
         registered = await until(lambda: _node(bus, "s1"))  # before any scan finished
         assert registered.weights.scanned_at == 0

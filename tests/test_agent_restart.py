@@ -13,7 +13,7 @@ import anyio
 import msgspec
 import psutil
 import pytest
-from agent_helpers import agent_config, host_dirs, start_agent, stop
+from agent_helpers import start_agent, start_fake_engine_agent, stop
 from router_helpers import SERVED, StreamingLoad, running_router
 from serving import cpu_model, serve
 from waiting import until
@@ -23,7 +23,7 @@ from llmgw.agent.config import Engines
 from llmgw.agent.engines.pidfile import reap_leftover_engines
 from llmgw.bus import records
 from llmgw.bus.client import Bus, decoder
-from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
+from llmgw.sim.fake_engine import write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -33,23 +33,18 @@ STREAM_ENV = {"FAKE_ENGINE_TOKENS": "20", "FAKE_ENGINE_TOKEN_RATE": "40"}
 
 @pytest.fixture
 def node(tmp_path, nats_server):
-    dirs = host_dirs(tmp_path)
-    install_fake_engines(dirs["bin"])
-    cfg = agent_config(nats_server.url, dirs, id="node1")
-    cfg = msgspec.structs.replace(
-        cfg,
-        engines=Engines(
-            listen_host="127.0.0.1",
-            poll_interval=0.1,
-            stop_grace=3,
-            drain_timeout=30,
-            # what a systemd restart decides (llmgw/agent/lifetime.py); no systemd here
-            on_agent_exit="keep",
-        ),
+    engines = Engines(
+        listen_host="127.0.0.1",
+        poll_interval=0.1,
+        stop_grace=3,
+        drain_timeout=30,
+        # what a systemd restart decides (llmgw/agent/lifetime.py); no systemd here
+        on_agent_exit="keep",
     )
-    path = [dirs["bin"], "/usr/bin", "/bin"]
-    state = {"cfg": cfg, "path": path, "tmp": tmp_path, "log": tmp_path / "agent.log"}
-    state["proc"] = start_agent(cfg, tmp_path / "agent.toml", path, state["log"])
+    agent = start_fake_engine_agent(nats_server.url, tmp_path, engines, id="node1")
+    dirs = agent.dirs
+    state = {"cfg": agent.cfg, "path": agent.path, "tmp": tmp_path, "log": agent.log}
+    state["proc"] = agent.proc
     yield state
     stop(state["proc"])
     # the agent leaves its engines by design (on_agent_exit = keep): the test must not
@@ -59,6 +54,19 @@ def node(tmp_path, nats_server):
             p.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+async def _replaced(bus: Bus, node: dict, first: records.Shard) -> records.Shard:
+    """The ready shard that replaced `first` (another engine), that engine noted for the
+    node fixture to kill."""
+
+    async def replaced():
+        shards = await _all_ready(bus, 1)
+        return shards[0] if shards and shards[0].pid != first.pid else None
+
+    second = await until(replaced, timeout=30)
+    node["engines"].append(psutil.Process(second.pid))
+    return second
 
 
 def _model(tmp, **profile) -> catalog.Model:
@@ -188,12 +196,7 @@ async def test_an_engine_its_controller_moved_while_the_agent_was_away_is_replac
     assignment = await until(moved, timeout=20)
     _back(node)
 
-    async def replaced():
-        shards = await _all_ready(bus, 1)
-        return shards[0] if shards and shards[0].pid != first.pid else None
-
-    second = await until(replaced, timeout=30)
-    node["engines"].append(psutil.Process(second.pid))
+    second = await _replaced(bus, node, first)
     assert second.port == assignment.port and _gone(old)
     assert (
         f"its assignment moved it (port {first.port} -> {assignment.port})"
@@ -261,12 +264,7 @@ async def test_workers_left_when_an_engines_first_process_died_are_stopped_by_th
     assert not _gone(worker)  # orphaned
     _back(node)
 
-    async def replaced():
-        shards = await _all_ready(bus, 1)
-        return shards[0] if shards and shards[0].pid != first.pid else None
-
-    second = await until(replaced, timeout=30)
-    node["engines"].append(psutil.Process(second.pid))
+    await _replaced(bus, node, first)
     with anyio.fail_after(10):
         while not _gone(worker):
             await anyio.sleep(0.05)

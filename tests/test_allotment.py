@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import msgspec
+from record_helpers import shard
 
 from llmgw.allotment import outgrown
-from llmgw.bus.records import GpuProcess, Replica, ReplicaMember, Shard
+from llmgw.bus.records import GpuProcess, Replica, ReplicaMember
 from llmgw.sim.bare import inventory
 
 GB = 1_000_000_000
@@ -38,9 +39,7 @@ def _setup(worker_gb: float, leader_gb: float = 0.5):
         for model, rid, port in (("small", "r1", 18001), ("other", "r2", 18002))
     ]
     shards = {
-        ("h1", rid): Shard(
-            node="h1", rid=rid, model="m", generation=1, phase="ready", since=0, pid=pid
-        )
+        ("h1", rid): shard("h1", rid, "ready", since=0, pid=pid)
         for rid, pid in (("r1", 7001), ("r2", 8001))
     }
     return {"h1": inv}, replicas, shards
@@ -91,12 +90,10 @@ def test_what_a_shard_record_says_of_its_engines_memory_lasts_while_the_engine_r
     from llmgw.bus.records import Assignment
 
     a = Assignment(model="m", rid="r1", profile="p", action="run", generation=1, port=18001)
-    said = Shard(
-        node="h1",
-        rid="r1",
-        model="m",
-        generation=1,
-        phase="loading",
+    said = shard(
+        "h1",
+        "r1",
+        "loading",
         since=0,
         pid=7001,
         gpu_used_bytes=23 * GB,

@@ -18,7 +18,10 @@ import msgspec
 import psutil
 import pytest
 from agent_helpers import host_dirs
-from waiting import until
+from import_helpers import loaded
+from record_helpers import shard
+from test_placement import two_profiles
+from waiting import until, until_logged
 
 from llmgw.agent.config import AgentConfig, Engines, Intervals, Paths, write_config
 from llmgw.bus import keys, records
@@ -93,12 +96,7 @@ def up(tmp_path):
         env=env,
     )
     url = f"nats://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while "router listening" not in (tmp_path / "up.log").read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, (
-            tmp_path / "up.log"
-        ).read_text()
-        time.sleep(0.1)
+    until_logged(proc, tmp_path / "up.log", "router listening")
     yield {
         "url": url,
         "router": f"http://127.0.0.1:{router_port}",
@@ -413,6 +411,7 @@ async def test_place_wait_says_once_that_a_value_does_not_decode(bus, caplog):
         bus, "m", 1.0, wait=True, timeout=1.0, echo=said.append, poll=0.02
     )
     assert code == 2  # no decision came
+    # kept on the log: what is tested is how often the terminal is told, once per value
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert sum("skipping placement.m " in w for w in warnings) == 1, warnings
     assert sum("skipping replicas.m.rbad " in w for w in warnings) == 1, warnings
@@ -441,10 +440,7 @@ def _start_up(tmp_path: Path, env: dict, log_name: str) -> tuple[subprocess.Pope
             stderr=subprocess.STDOUT,
             env=env,
         )
-    deadline = time.monotonic() + 30
-    while "router listening" not in log_path.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-        time.sleep(0.1)
+    until_logged(proc, log_path, "router listening", timeout=30)
     return proc, log_path
 
 
@@ -459,10 +455,7 @@ def test_up_restarted_without_the_engine_says_which_replicas_return_and_what_is_
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + "/usr/bin:/bin"}
     proc, log_path = _start_up(up["tmp"], env, "up-again.log")
     try:
-        deadline = time.monotonic() + 20
-        while "needs llama-server" not in log_path.read_text():
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
+        until_logged(None, log_path, "needs llama-server")
         out = log_path.read_text()
         assert "placed again now: tiny x1" in out
         assert "place tiny --replicas 0" in out
@@ -498,10 +491,7 @@ def test_router_only_run_serves_static_endpoints_without_any_nats(tmp_path):
         )
         proc, url, log_path = _router_proc(["--catalog", str(cat)], tmp_path)
         try:
-            deadline = time.monotonic() + 20
-            while "router listening" not in log_path.read_text():
-                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-                time.sleep(0.1)
+            until_logged(proc, log_path, "router listening")
             with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
                 assert [m["id"] for m in json.load(r)["data"]] == ["tiny-chat"]
             body = json.dumps(
@@ -555,13 +545,8 @@ def test_up_on_a_port_nats_already_holds_says_so_without_a_traceback(up, tmp_pat
 
 def test_commands_that_run_no_agent_do_not_load_its_stack():
     # (aiohttp is loaded by nats-py itself, for its websocket transport)
-    code = (
-        "import sys, llmgw.cli; "
-        "print(sorted(m for m in ('psutil', 'pynvml', 'llmgw.agent.service', "
-        "'llmgw.agent.discovery', 'llmgw.router.service') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    stack = ("psutil", "pynvml", "llmgw.agent.service", "llmgw.agent.discovery")
+    assert loaded("llmgw.cli", modules=(*stack, "llmgw.router.service")) == []
 
 
 def test_a_problem_stated_for_a_person_is_a_message_not_a_traceback(up):
@@ -600,6 +585,7 @@ async def test_status_names_a_few_bad_keys_and_counts_the_rest(bus, caplog):
         await bus.put(f"desired.g{i}", b"garbage")
     view = await gather(bus)
     await gather(bus)  # read again: nothing said twice
+    # kept on the log: the number of lines the terminal is given is the behaviour here
     said = [r for r in caplog.records if r.getMessage().startswith("skipping desired.g")]
     assert len(said) == 20
     assert sum("counted, not named" in r.getMessage() for r in caplog.records) == 1
@@ -663,18 +649,15 @@ async def test_node_cordon_drain_gpu_and_taint_are_the_operators_ops_record(bus,
 async def test_status_says_why_a_replica_failed_with_the_engines_last_lines(bus):
     await bus.put(keys.desired("m"), records.Desired(model="m", replicas=1))
     await bus.put(keys.replica("m", "r1"), _replica("r1", "failed", 0))
-    shard = records.Shard(
-        node="n1",
-        rid="r1",
-        model="m",
-        generation=1,
-        phase="failed",
-        since=1.0,
+    record = shard(
+        "n1",
+        "r1",
+        "failed",
         reason="exited with code 1 while loading",
         output_tail=["loading", "", "llama_model_load: error loading model: CUDA error"],
         restarts=3,
     )
-    await bus.put(keys.shard("n1", "r1"), shard)
+    await bus.put(keys.shard("n1", "r1"), record)
     text = render(await gather(bus), now=time.time())
     assert "      n1: exited with code 1 while loading (restarts 3)" in text
     assert "        | llama_model_load: error loading model: CUDA error" in text
@@ -776,29 +759,7 @@ async def test_rollout_undo_after_a_profile_switch_asks_for_the_earlier_profile_
     controller's rollout back to its end."""
     from llmgw.catalog import launch_hash
 
-    two = validate_models(
-        {
-            "models": [
-                {
-                    "id": "m",
-                    "profiles": [
-                        {
-                            "name": "p",
-                            "engine": "vllm",
-                            "weights": {"key": "org/m"},
-                            "gpus_per_node": 1,
-                        },
-                        {
-                            "name": "q",
-                            "engine": "vllm",
-                            "weights": {"key": "org/m"},
-                            "gpus_per_node": 2,
-                        },
-                    ],
-                }
-            ]
-        }
-    )[0]
+    two = two_profiles(key="org/m")
     profiles = [
         records.ProfileRevision(
             name=p.name, launch=launch_hash(two, p), content=msgspec.to_builtins(p)

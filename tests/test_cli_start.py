@@ -12,12 +12,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+from waiting import until_logged
 
 from llmgw.agent.config import AgentConfig, Metrics, Paths, write_config
 from llmgw.bus.server import free_port
@@ -145,10 +145,7 @@ def _router_start_log(tmp_path: Path, *extra: str, soft: int, hard: int) -> str:
             preexec_fn=_limit_files(soft, hard),
         )
     try:
-        deadline = time.monotonic() + 20
-        while "router listening" not in log_path.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.05)
+        until_logged(proc, log_path, "router listening")
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(15)
@@ -217,10 +214,7 @@ def _up_until_running(tmp_path: Path, path_env: str) -> str:
             env={**env, "PATH": path_env},
         )
     try:
-        deadline = time.monotonic() + 30
-        while "router listening" not in log_path.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
+        until_logged(proc, log_path, "router listening", timeout=30)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(15)

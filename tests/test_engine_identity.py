@@ -19,7 +19,7 @@ import msgspec
 import psutil
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
-from test_supervisor import FAST, Recorder, llama
+from test_supervisor import left_running, llama
 from waiting import until
 
 from llmgw.agent.engines.pidfile import (
@@ -32,7 +32,6 @@ from llmgw.agent.engines.pidfile import (
     reap_leftover_engines,
     write_pidfile,
 )
-from llmgw.agent.supervisor import EngineSupervisor
 from llmgw.bus import records
 from llmgw.bus.client import decoder
 from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
@@ -116,20 +115,7 @@ async def test_workers_that_outlive_their_leader_are_found_by_their_marker_and_s
     spec = llama(
         bins, tmp_path, monkeypatch, FAKE_ENGINE_WORKERS="1", FAKE_ENGINE_RECORD=str(record_file)
     )
-    rec = Recorder()
-    sup = EngineSupervisor(
-        spec,
-        shard="r1",
-        on_phase=rec,
-        log_path=tmp_path / "logs" / "r1.log",
-        state_dir=tmp_path / "state",
-        timing=FAST,
-    )
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(sup.run)
-        ready = await rec.reached("ready")
-        sup.leave_running()
-        tg.cancel_scope.cancel()
+    _, ready = await left_running(spec, tmp_path)
     worker = msgspec.json.decode(record_file.read_bytes())["workers"][0]
     try:
         (record,) = read_pidfiles(tmp_path / "state")

@@ -16,6 +16,7 @@ import psutil
 import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
 from controller_helpers import quick_controller
+from record_helpers import shard
 from serving import cpu_model, serve, stream_chat, want
 from waiting import until
 
@@ -326,15 +327,7 @@ async def test_shard_record_of_an_assignment_removed_while_the_agent_was_down_is
     # a shard record whose assignment no longer exists (deleted while this agent was away)
     await bus.put(
         keys.shard("node1", "rgone"),
-        records.Shard(
-            node="node1",
-            rid="rgone",
-            model="tiny",
-            generation=1,
-            phase="ready",
-            since=1.0,
-            endpoint="127.0.0.1:1",
-        ),
+        shard("node1", "rgone", "ready", model="tiny", endpoint="127.0.0.1:1"),
     )
     stop(node["proc"])
     node["proc"] = start_agent(node["cfg"], node["tmp"] / "agent.toml", node["path"], node["log"])

@@ -8,7 +8,9 @@ import aiohttp
 import anyio
 import msgspec
 import pytest
+from import_helpers import loaded
 from prometheus_client import CollectorRegistry, Histogram
+from record_helpers import shard
 from router_helpers import router_settings
 from waiting import until
 
@@ -138,13 +140,10 @@ def test_the_page_says_why_a_replica_failed_and_what_the_agent_cannot_serve():
     inv = msgspec.structs.replace(
         inventory("a", gpus=1), metrics_error="port 9464 taken: set metrics.listen"
     )
-    shard = records.Shard(
-        node="a",
-        rid="r1",
-        model="m",
-        generation=1,
-        phase="failed",
-        since=1.0,
+    record = shard(
+        "a",
+        "r1",
+        "failed",
         reason="exited with code 1 while loading",
         output_tail=["llama_model_load: error loading model"],
         restarts=3,
@@ -153,7 +152,7 @@ def test_the_page_says_why_a_replica_failed_and_what_the_agent_cannot_serve():
         nodes={"a": inv},
         desired={"m": records.Desired(model="m", replicas=1)},
         replicas={"r1": _replica("m", "r1", "a", ["GPU-a-00"], phase="failed")},
-        shards={("a", "r1"): shard},
+        shards={("a", "r1"): record},
     )
     state = fleet_state(r, {}, now=100.0, router={})
     (m,) = state["models"]
@@ -345,14 +344,11 @@ def test_no_chromium_skips_except_where_it_is_required(tmp_path, monkeypatch):
 def test_the_read_model_imports_no_nats_and_no_component():
     """The controller, the router and the CLI all import it: it must import none of them,
     nor NATS (only llmgw/bus's client does)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, llmgw.fleetstate.build, llmgw.fleetstate.decode; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nats', 'anyio') "
-        "or m.startswith(('llmgw.controller', 'llmgw.router', 'llmgw.agent', 'llmgw.cli')) "
-        "or m == 'llmgw.bus.client'))"
+    components = ("llmgw.controller", "llmgw.router", "llmgw.agent", "llmgw.cli")
+    got = loaded(
+        "llmgw.fleetstate.build, llmgw.fleetstate.decode",
+        packages=("nats", "anyio"),
+        modules=("llmgw.bus.client",),
+        prefixes=components,
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert got == []

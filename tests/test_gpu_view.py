@@ -12,6 +12,7 @@ import msgspec
 import pytest
 from aiohttp import web
 from chromium import artifacts_dir, browser
+from record_helpers import shard
 from samples.nvml import H100_UUIDS, RecordedNvml
 from test_discovery_gpus import Lookup
 
@@ -66,12 +67,11 @@ def _records(*, outgrown: bool = True, foreign_gb: float = 65) -> FleetRecords:
             endpoint=f"10.0.0.1:{18000 + i}",
         )
         used = ENGINES.get(pid, 6 * GB)
-        shards[(NODE, rid)] = records.Shard(
-            node=NODE,
-            rid=rid,
+        shards[(NODE, rid)] = shard(
+            NODE,
+            rid,
+            "ready",
             model=replicas[rid].model,
-            generation=1,
-            phase="ready",
             since=0.0,
             pid=pid,
             gpu_used_bytes=used,

@@ -5,9 +5,8 @@ decide which GPU a replica gets and what the explanation names."""
 
 from __future__ import annotations
 
-import msgspec
 import pytest
-from agent_helpers import agent_config, host_dirs, start_agent, stop
+from agent_helpers import start_fake_engine_agent, stop
 from serving import serve
 from waiting import until
 
@@ -15,7 +14,6 @@ from llmgw import catalog
 from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
 from llmgw.bus.client import decoder
-from llmgw.sim.fake_engine import install_fake_engines
 from llmgw.sim.nvml import FOREIGN_PID
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -27,19 +25,13 @@ RECORDING = "count=4,node=g1,held=0:60,ecc=1:2,xid=2:79"
 
 @pytest.fixture
 def agent(tmp_path, nats_server):
-    dirs = host_dirs(tmp_path)
-    install_fake_engines(dirs["bin"])
-    cfg = agent_config(nats_server.url, dirs, id="g1", gpus=True)
-    cfg = msgspec.structs.replace(cfg, engines=Engines(listen_host="127.0.0.1"))
-    proc = start_agent(
-        cfg,
-        tmp_path / "agent.toml",
-        [dirs["bin"], "/usr/bin", "/bin"],
-        tmp_path / "agent.log",
-        simulate=["--recorded-nvml", RECORDING],
+    engines = Engines(listen_host="127.0.0.1")
+    simulate = ["--recorded-nvml", RECORDING]
+    agent = start_fake_engine_agent(
+        nats_server.url, tmp_path, engines, simulate=simulate, id="g1", gpus=True
     )
-    yield tmp_path / "agent.log"
-    stop(proc)
+    yield agent.log
+    stop(agent.proc)
 
 
 def _model() -> catalog.Model:

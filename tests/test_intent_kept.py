@@ -8,6 +8,7 @@ import anyio
 import msgspec
 import pytest
 from prometheus_client import generate_latest
+from record_helpers import shard
 from waiting import until
 
 from llmgw import catalog
@@ -60,15 +61,8 @@ async def _answered(bus: Bus, desired_at: float) -> records.PlacementRecord | No
     return rec if rec is not None and rec.desired_at == desired_at else None
 
 
-@pytest.fixture
-async def controller_bus(nats_settings):
-    b = await Bus.connect(nats_settings, give_up_after=5)
-    yield b
-    await b.close()
-
-
 async def test_a_garbled_ops_keeps_a_drained_node_out_of_placement_and_status_says_so(
-    bus, controller_bus
+    bus, second_bus
 ):
     """A garbled ops.<node> was read as absent: the drained and cordoned node took new
     replicas again while `llmgw status` printed "cordoned"."""
@@ -77,7 +71,7 @@ async def test_a_garbled_ops_keeps_a_drained_node_out_of_placement_and_status_sa
         await bus.put(keys.ops("a"), records.NodeOps(node="a", state="draining"))
         await bus.put(keys.catalog("m"), catalog.encode_model(_model()))
         await bus.put(keys.desired("m"), records.Desired(model="m", replicas=1, updated_at=1.0))
-        controller = Controller(controller_bus, ControllerSettings(**FAST))
+        controller = Controller(second_bus, ControllerSettings(**FAST))
         tg.start_soon(controller.run)
         await until(lambda: _answered(bus, 1.0))
         await bus.put(keys.ops("a"), GARBAGE)
@@ -101,15 +95,13 @@ async def test_a_garbled_ops_keeps_a_drained_node_out_of_placement_and_status_sa
         tg.cancel_scope.cancel()
 
 
-async def test_a_controller_started_after_ops_stopped_reading_places_nothing_there(
-    bus, controller_bus
-):
+async def test_a_controller_started_after_ops_stopped_reading_places_nothing_there(bus, second_bus):
     async with anyio.create_task_group() as tg:
         await _start(bus, tg, inventory("a", gpus=2), inventory("b", gpus=1))
         await bus.put(keys.ops("a"), GARBAGE)  # never read good by this controller
         await bus.put(keys.catalog("m"), catalog.encode_model(_model()))
         await bus.put(keys.desired("m"), records.Desired(model="m", replicas=2, updated_at=1.0))
-        tg.start_soon(Controller(controller_bus, ControllerSettings(**FAST)).run)
+        tg.start_soon(Controller(second_bus, ControllerSettings(**FAST)).run)
         rec = await until(lambda: _answered(bus, 1.0))
         assert rec.placed == 1 and "cordoned" in rec.explanation
         assert {m.node for r in await _replicas(bus) for m in r.members} == {"b"}
@@ -125,7 +117,7 @@ OPERATOR_FAMILIES = ["desired", "catalog", "ops"]
 CONTROLLER_FAMILIES = ["rollout", "scale", "placement", "health", "fabrics", "replicas", "assign"]
 
 
-async def _garbled(bus, controller_bus, tg, family: str):
+async def _garbled(bus, second_bus, tg, family: str):
     """A fleet of two nodes (b cordoned), model m placed once on a, a controller leading;
     then `family`'s key garbled after the controller read a good value of it. Returns the
     controller, the key, its table in the view, the id there, the good value, the replica."""
@@ -135,7 +127,7 @@ async def _garbled(bus, controller_bus, tg, family: str):
     await bus.put(keys.catalog("m"), catalog.encode_model(_model(autoscale=autoscale)))
     desired = records.Desired(model="m", replicas=1, updated_at=1.0, auto=family == "scale")
     await bus.put(keys.desired("m"), desired)
-    controller = Controller(controller_bus, ControllerSettings(**FAST))
+    controller = Controller(second_bus, ControllerSettings(**FAST))
     tg.start_soon(controller.run)
     view = controller.view
     (placed,) = await until(lambda: _replicas(bus))
@@ -168,12 +160,10 @@ def _acting_as_before(controller: Controller, placed: records.Replica) -> None:
 
 @pytest.mark.parametrize("family", OPERATOR_FAMILIES)
 async def test_an_operators_key_that_stops_reading_keeps_its_last_good_value_and_is_said(
-    bus, controller_bus, family
+    bus, second_bus, family
 ):
     async with anyio.create_task_group() as tg:
-        controller, key, table, id_, good, placed, _ = await _garbled(
-            bus, controller_bus, tg, family
-        )
+        controller, key, table, id_, good, placed, _ = await _garbled(bus, second_bus, tg, family)
         view = controller.view
         await until(lambda: _true(key in view.unreadable))
         await anyio.sleep(0.5)  # passes go on
@@ -196,14 +186,12 @@ async def test_an_operators_key_that_stops_reading_keeps_its_last_good_value_and
 
 @pytest.mark.parametrize("family", CONTROLLER_FAMILIES)
 async def test_a_controllers_record_that_stops_reading_is_kept_and_written_back(
-    bus, controller_bus, family
+    bus, second_bus, family
 ):
     """Kept and compared as kept, a garbled record of the controller's own was never written
     again: a reader started since (a restarted router, `llmgw status`) could not read it."""
     async with anyio.create_task_group() as tg:
-        controller, key, _, _, good, placed, revision = await _garbled(
-            bus, controller_bus, tg, family
-        )
+        controller, key, _, _, good, placed, revision = await _garbled(bus, second_bus, tg, family)
 
         async def written_back():
             raw = await bus.get_raw(key)
@@ -247,10 +235,8 @@ def test_the_router_keeps_an_autoscaled_models_intent_and_a_lost_node_when_they_
     member = records.ReplicaMember(node="a", rank=0, gpus=["GPU-a-00"], port=18000)
     replica = records.Replica(model="m", rid="r1", profile="p", members=[member], phase="ready")
     table.apply(keys.replica("m", "r1"), msgspec.json.encode(replica), 3)
-    shard = records.Shard(
-        node="a", rid="r1", model="m", generation=1, phase="ready", since=1.0, endpoint="h:1"
-    )
-    table.apply(keys.shard("a", "r1"), msgspec.json.encode(shard), 4)
+    record = shard("a", "r1", "ready", endpoint="h:1")
+    table.apply(keys.shard("a", "r1"), msgspec.json.encode(record), 4)
     lost = records.Health(node="a", phase="lost", since=1.0)
     table.apply(keys.health("a"), msgspec.json.encode(lost), 5)
     assert table.autoscaled("m") and table.route("m").backends == []
@@ -289,3 +275,60 @@ async def test_a_watch_of_assignments_keeps_the_last_good_one_when_it_garbles(bu
         await until(lambda: _true(len(seen) >= 3))
         tg.cancel_scope.cancel()
     assert seen == [run, second, None]
+
+
+async def _said_by_status(bus: Bus, key: str) -> str:
+    """What `llmgw status` says of a value that does not read (its read model's words)."""
+    return next(u.says() for u in (await gather(bus)).unreadable if u.key == key)
+
+
+async def test_llmgw_node_reads_a_garbled_ops_as_status_does_and_changes_it_from_that_reading(
+    bus, nats_server
+):
+    """`llmgw node taint` read a garbled ops.<node> as absent and wrote an ops record in
+    service beside the taint: the cordon the operator had set was gone."""
+    from test_cli import _llmgw
+
+    await bus.put(keys.node("a"), inventory("a", gpus=1))
+    await bus.put(keys.ops("a"), GARBAGE)
+    said = await _said_by_status(bus, "ops.a")
+    assert "the node is taken as cordoned" in said
+    out = await _llmgw(nats_server.url, "node", "taint", "a", "gpu-flaky")
+    assert out.returncode == 0, out.stderr
+    assert said in out.stdout
+    assert out.stdout.strip().endswith("ops.a: cordoned; taints: gpu-flaky")
+    entry = await bus.get(keys.ops("a"), lambda b: records.decode(b, records.NodeOps))
+    assert (entry.value.state, entry.value.taints) == ("cordoned", ["gpu-flaky"])
+    assert "did not read" in entry.value.reason
+    assert not (await gather(bus)).unreadable  # written over: it reads again
+
+    await bus.put(keys.ops("a"), GARBAGE)
+    out = await _llmgw(nats_server.url, "node", "uncordon", "a")
+    assert out.returncode == 0 and out.stdout.strip().endswith("ops.a: in service")
+    assert await bus.get_raw(keys.ops("a")) is None  # asks for nothing: deleted
+
+
+async def test_llmgw_rollout_says_a_garbled_rollout_or_desired_and_writes_nothing(bus, nats_server):
+    """`llmgw rollout status` said "no rollout recorded" of a rollout.<model> that does not
+    read; `undo` read a garbled desired.<model> as absent and switched no profile back."""
+    from test_cli import _llmgw
+
+    m = _model()
+    await bus.put(keys.catalog("m"), catalog.encode_model(m))
+    await bus.put(keys.rollout("m"), b'{"model": "m", "phase": ')
+    out = await _llmgw(nats_server.url, "rollout", "status", "m")
+    assert out.returncode == 1
+    assert await _said_by_status(bus, "rollout.m") in out.stderr
+    assert "no rollout recorded" not in out.stderr
+
+    profile = records.ProfileRevision(name="p", launch="x", content={"name": "p"})
+    revision = records.Revision(profile="p", profiles=[profile])
+    earlier = records.Revision(profile="q", profiles=[profile])
+    ro = records.Rollout(model="m", phase="complete", current=revision, history=[earlier])
+    await bus.put(keys.rollout("m"), ro)
+    await bus.put(keys.desired("m"), b'{"model": "m", "replicas": "2"}')
+    catalog_before = await bus.get_raw(keys.catalog("m"))
+    out = await _llmgw(nats_server.url, "rollout", "undo", "m")
+    assert out.returncode == 1
+    assert await _said_by_status(bus, "desired.m") in out.stderr
+    assert await bus.get_raw(keys.catalog("m")) == catalog_before  # nothing written

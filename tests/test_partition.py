@@ -5,9 +5,8 @@ end with the model ready again on that node, nothing failed, nothing left behind
 from __future__ import annotations
 
 import anyio
-import msgspec
 import pytest
-from agent_helpers import agent_config, host_dirs, start_agent, stop
+from agent_helpers import start_fake_engine_agent, stop
 from controller_helpers import quick_controller
 from links import ProxyLink
 from serving import cpu_model, serve, stream_chat
@@ -17,7 +16,7 @@ from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
 from llmgw.controller.loop import Controller
-from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
+from llmgw.sim.fake_engine import write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -32,23 +31,15 @@ async def test_node_cut_off_past_lost_after_serves_throughout_and_ends_ready_aga
 ):
     link = ProxyLink(nats_server.port)
     await link.start()
-    dirs = host_dirs(tmp_path)
-    install_fake_engines(dirs["bin"])
-    cfg = agent_config(link.url, dirs, id="node1")
-    cfg = msgspec.structs.replace(
-        cfg,
-        engines=Engines(
-            listen_host="127.0.0.1",
-            backoff_base=0.2,
-            backoff_cap=2,
-            poll_interval=0.1,
-            stop_grace=3,
-            drain_timeout=10,
-        ),
+    engines = Engines(
+        listen_host="127.0.0.1",
+        backoff_base=0.2,
+        backoff_cap=2,
+        poll_interval=0.1,
+        stop_grace=3,
+        drain_timeout=10,
     )
-    agent = start_agent(
-        cfg, tmp_path / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], tmp_path / "agent.log"
-    )
+    agent = start_fake_engine_agent(link.url, tmp_path, engines, id="node1").proc
     settings = quick_controller(engine_ports, unreachable_after=1.0, lost_after=3.0)
     try:
         async with anyio.create_task_group() as tg:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from record_helpers import shard
+
 from llmgw.bus import records
 
 
@@ -26,9 +28,7 @@ def test_a_replica_given_up_on_no_longer_counts_but_holds_its_gpus_until_removed
 
 
 def _shard(phase: str, *, gave_up: bool = False) -> records.Shard:
-    return records.Shard(
-        node="n1", rid="r1", model="m", generation=1, phase=phase, since=0, gave_up=gave_up
-    )
+    return shard("n1", "r1", phase, since=0, gave_up=gave_up)
 
 
 def test_a_shard_given_up_on_makes_its_replica_gave_up_and_a_failed_one_failed():

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterable
 
 import anyio
 import msgspec
 import pytest
+from import_helpers import loaded
+from record_helpers import shard
 from waiting import until
 
 from llmgw.bus import keys
@@ -92,6 +92,15 @@ def model(
         "nodes": nodes,
     }
     return validate_models({"models": [{"id": mid, "profiles": [profile]}]})[0]
+
+
+def two_profiles(key: str = KEY) -> Model:
+    """Model m with profile p (1 GPU) and profile q (2 GPUs), the same weights."""
+    profiles = [
+        {"name": name, "engine": "vllm", "weights": {"key": key}, "gpus_per_node": gpus}
+        for name, gpus in (("p", 1), ("q", 2))
+    ]
+    return validate_models({"models": [{"id": "m", "profiles": profiles}]})[0]
 
 
 def replica(
@@ -599,29 +608,7 @@ def test_fabric_view_share_seen_by_a_node_that_did_not_scan_it_counts_on_that_no
 
 
 def test_profile_switch_keeps_old_replica_until_new_profile_is_ready():
-    two = validate_models(
-        {
-            "models": [
-                {
-                    "id": "m",
-                    "profiles": [
-                        {
-                            "name": "p",
-                            "engine": "vllm",
-                            "weights": {"key": KEY},
-                            "gpus_per_node": 1,
-                        },
-                        {
-                            "name": "q",
-                            "engine": "vllm",
-                            "weights": {"key": KEY},
-                            "gpus_per_node": 2,
-                        },
-                    ],
-                }
-            ]
-        }
-    )
+    two = [two_profiles()]
     nodes = [node("n1")]
     old = replica("r-old", [("n1", [0])])
     switch = Desired(model="m", replicas=1, profile="q")
@@ -643,7 +630,7 @@ def test_profile_switch_keeps_old_replica_until_new_profile_is_ready():
 
 @pytest.mark.anyio
 async def test_waiting_models_record_and_events_stay_still_while_free_ram_wobbles(
-    bus, nats_settings, caplog
+    bus, nats_settings
 ):
     events: list[Event] = []
 
@@ -677,7 +664,6 @@ async def test_waiting_models_record_and_events_stay_still_while_free_ram_wobble
             first = await until(explained)
             assert first.value.explanation.startswith("0/3 nodes fit: 3 short of host RAM (")
             unplaced = sum(1 for e in events if e.kind == "unplaced")
-            said = caplog.text.count("m: 0/1 placed")
 
             for wobble in (0.3, -0.2, 0.7, 0.1):  # GiB, as MemAvailable moves on a busy host
                 for i, sim in enumerate(sims):
@@ -699,8 +685,8 @@ async def test_waiting_models_record_and_events_stay_still_while_free_ram_wobble
 
             now = await bus.get(keys.placement("m"), decoder(PlacementRecord))
             assert now.revision == first.revision, now.value.explanation
+            # (its log line and its event are said together, from one table: changes.py)
             assert sum(1 for e in events if e.kind == "unplaced") == unplaced
-            assert caplog.text.count("m: 0/1 placed") == said
             tg.cancel_scope.cancel()
     finally:
         await controller_bus.close()
@@ -711,13 +697,11 @@ async def _true(value: bool) -> bool:
 
 
 def test_placement_imports_nothing_that_does_io():
-    code = (
-        "import sys, llmgw.controller.placement; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nats', 'anyio', 'asyncio') "
-        "or m in ('llmgw.bus.client', 'llmgw.controller.loop', 'llmgw.controller.view')))"
+    io = ("llmgw.bus.client", "llmgw.controller.loop", "llmgw.controller.view")
+    assert (
+        loaded("llmgw.controller.placement", packages=("nats", "anyio", "asyncio"), modules=io)
+        == []
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
 
 
 # --- records bounded by construction ----------------------------------------------------------
@@ -981,12 +965,11 @@ def test_every_profile_field_either_reaches_the_engine_or_decides_placement():
 
 def _failed_shard(r: Replica, reason: str, *, gave_up: bool = False, line: str = "") -> Shard:
     m = r.members[0]
-    return Shard(
-        node=m.node,
-        rid=r.rid,
+    return shard(
+        m.node,
+        r.rid,
+        "failed",
         model=r.model,
-        generation=1,
-        phase="failed",
         since=0,
         reason=reason,
         output_tail=["loading model", line] if line else [],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from record_helpers import shard
 from test_placement import _with, model, node, replica, snapshot
 
 from llmgw.bus.records import (
@@ -16,7 +17,6 @@ from llmgw.bus.records import (
     NodeInventory,
     NodeOps,
     PortsTaken,
-    Shard,
 )
 from llmgw.controller.placement import (
     fit,
@@ -220,18 +220,9 @@ def _refused_plan(member_port: int, refused_port: int, refused: str = PORT_IN_US
     r1 = msgspec.structs.replace(
         replica("r1", [("n1", [0])], phase="failed", port=member_port), **replica_kw
     )
-    shard = Shard(
-        node="n1",
-        rid="r1",
-        model="m",
-        generation=1,
-        phase="failed",
-        since=1.0,
-        port=refused_port,
-        refused=refused,
-    )
+    record = shard("n1", "r1", "failed", port=refused_port, refused=refused)
     return plan(
-        snapshot([node("n1")], [model()], {"m": 2}, replicas=[r1], shards={("n1", "r1"): shard})
+        snapshot([node("n1")], [model()], {"m": 2}, replicas=[r1], shards={("n1", "r1"): record})
     )
 
 

@@ -5,6 +5,7 @@ exclusive ones that keep their GPUs whole, and MIG devices asked for by name
 from __future__ import annotations
 
 import msgspec
+from record_helpers import shard
 from test_placement import node, replica, snapshot
 from test_placement_as_reported import python_holding, with_gpu
 
@@ -235,16 +236,12 @@ def test_a_full_mig_device_is_named_as_one():
 
 
 def test_an_engine_that_outgrew_its_allotment_counts_with_what_it_holds():
-    from llmgw.bus.records import Shard
 
     running = [sharing("r0", "h1", 0, 100)]
     nodes = [node("h1", gpus=1, gpu_gb=141)]
     fits = plan(snapshot(nodes, [shared(gb=30)], {"s": 1}, replicas=running))
     assert len(fits.create) == 1  # 141 - 100 - 1 covers 30
-    grown = Shard(
-        node="h1", rid="r0", model="other", generation=1, phase="ready", since=0, pid=7001,
-        gpu_used_bytes=115 * GB, gpu_allotted_bytes=100 * GB, gpu_outgrown=True,
-    )  # fmt: skip
+    grown = shard("h1", "r0", "ready", model="other", since=0, pid=7001, gpu_used_bytes=115 * GB, gpu_allotted_bytes=100 * GB, gpu_outgrown=True)  # fmt: skip
     result = plan(
         snapshot(nodes, [shared(gb=30)], {"s": 1}, replicas=running, shards={("h1", "r0"): grown})
     )

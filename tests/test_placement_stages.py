@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import msgspec
 from test_placement import model, node, replica, snapshot
 
@@ -110,3 +112,20 @@ def test_a_frozen_model_with_no_count_ever_read_asks_for_what_runs():
     )
     rec = plan(snap).placements["m"]
     assert (rec.blocked, rec.desired, rec.placed) == ("catalog-deleted", 1, 1)
+
+
+def test_every_freezing_reason_is_explained_and_read_as_frozen():
+    """One list of the reasons that freeze a model (records.FREEZING): the planner's record
+    for each is explained in words, and the fleet's read model calls it frozen."""
+    from llmgw.bus.records import FREEZING
+    from llmgw.controller.placement.explain import Blocked
+    from llmgw.fleetstate.build import fleet
+    from llmgw.fleetstate.decode import FleetRecords
+
+    assert FREEZING < set(get_args(Blocked))
+    for reason in sorted(FREEZING):
+        snap = snapshot([node("n1")], [], {}, frozen={"m": Frozen(reason, "what is wrong", 1)})
+        rec = plan(snap).placements["m"]
+        assert rec.blocked == reason and not rec.explanation.startswith(reason)
+        read = FleetRecords(placements={"m": rec})
+        assert fleet(read, 0.0).models["m"].placement.frozen

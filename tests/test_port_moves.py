@@ -4,9 +4,10 @@ is given another port (controller/placement/ports.py), and nothing else judges i
 from __future__ import annotations
 
 import msgspec
+from record_helpers import shard
 from test_placement import _fleet, _rolling, _running, _with, snapshot
 
-from llmgw.bus.records import PORT_IN_USE, Shard
+from llmgw.bus.records import PORT_IN_USE
 from llmgw.controller.placement import plan
 
 
@@ -17,12 +18,10 @@ def test_a_new_revision_refused_its_port_by_another_program_moves_and_the_rollou
         plan(snapshot(_fleet(), [after], {"m": 3}, replicas=old)).create[0], phase="failed"
     )
     m = new.members[0]
-    refused = Shard(
-        node=m.node,
-        rid=new.rid,
-        model="m",
-        generation=1,
-        phase="failed",
+    refused = shard(
+        m.node,
+        new.rid,
+        "failed",
         since=0,
         reason=f"refused before launch: port {m.port} on 127.0.0.1 is in use by another process",
         port=m.port,

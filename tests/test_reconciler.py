@@ -3,11 +3,12 @@ changes as data (controller/reconciler.py); these tests assert on what it return
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import typing
 
 import msgspec
+from import_helpers import loaded
+from record_helpers import shard
+from test_placement import model
 
 from llmgw.bus import keys
 from llmgw.bus.records import (
@@ -17,9 +18,7 @@ from llmgw.bus.records import (
     Lease,
     Replica,
     ReplicaMember,
-    Shard,
 )
-from llmgw.catalog import validate_models
 from llmgw.controller.changes import (
     SAID,
     Change,
@@ -52,23 +51,7 @@ def _view(nodes: list[str], *, replicas: int = 1) -> View:
         view.leases[name] = Lease(
             node=name, seq=1, time=0.0, started_at=0.0, memory=view.nodes[name].memory
         )
-    (m,) = validate_models(
-        {
-            "models": [
-                {
-                    "id": "m",
-                    "profiles": [
-                        {
-                            "name": "p",
-                            "engine": "vllm",
-                            "weights": {"key": "org/m"},
-                            "gpus_per_node": 1,
-                        }
-                    ],
-                }
-            ]
-        }
-    )
+    m = model(key="org/m")
     view.catalog["m"] = m
     view.desired["m"] = Desired(model="m", replicas=replicas, updated_at=5.0)
     return view
@@ -190,13 +173,8 @@ def test_a_judged_node_is_said_with_its_previous_phase():
 
 
 def test_the_reconciler_imports_nothing_that_talks_to_nats():
-    code = (
-        "import sys, llmgw.controller.reconciler; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'nats' or m in "
-        "('llmgw.bus.client', 'llmgw.controller.loop', 'llmgw.controller.writer')))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    talking = ("llmgw.bus.client", "llmgw.controller.loop", "llmgw.controller.writer")
+    assert loaded("llmgw.controller.reconciler", packages=("nats",), modules=talking) == []
 
 
 def test_a_launch_refused_before_launch_is_a_failed_start_once_its_agent_stops_trying():
@@ -211,12 +189,10 @@ def test_a_launch_refused_before_launch_is_a_failed_start_once_its_agent_stops_t
         mirror(view, c.key, c.record)
     (replica,) = view.replicas.values()
     (member,) = replica.members
-    view.shards[(member.node, replica.rid)] = Shard(
-        node=member.node,
-        rid=replica.rid,
-        model="m",
-        generation=1,
-        phase="failed",
+    view.shards[(member.node, replica.rid)] = shard(
+        member.node,
+        replica.rid,
+        "failed",
         since=5.0,
         reason="refused before launch: fetch dir /var/lib/llmgw/fetch is not writable",
     )
@@ -242,9 +218,7 @@ def test_an_agent_that_reports_again_is_still_trying():
     (replica,) = view.replicas.values()
     key = ("gpu-a", replica.rid)
     for i in range(5):  # an error it retries: a new report (since) every 10 s
-        view.shards[key] = Shard(
-            node="gpu-a", rid=replica.rid, model="m", generation=1, phase="failed", since=i * 10.0
-        )
+        view.shards[key] = shard("gpu-a", replica.rid, "failed", since=i * 10.0)
         now = Instant(monotonic=NOW.monotonic + i * 10.0, wall=NOW.wall + i * 10.0)
         changes = _writes(reconciler.run(view, {"gpu-a": "ready"}, now).changes)
         assert not any(isinstance(c.why, Draining) for c in changes)

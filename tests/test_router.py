@@ -14,7 +14,6 @@ from raw_engine import Action, RawEngine, answer
 from router_helpers import (
     SERVED,
     chat_body,
-    fake_engines,
     router_settings,
     running_router,
     static_model,
@@ -28,12 +27,6 @@ from llmgw.router.proxy import ProxySettings
 from llmgw.router.server import HttpLimits
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def engines(tmp_path):
-    with fake_engines(tmp_path) as fleet:
-        yield fleet
 
 
 def _raw_model(engine: RawEngine) -> catalog.Model:

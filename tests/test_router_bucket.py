@@ -11,7 +11,14 @@ import time
 import aiohttp
 import msgspec
 import pytest
-from router_helpers import SERVED, chat_body, fake_engines, router_settings, running_router
+from record_helpers import shard
+from router_helpers import (
+    SERVED,
+    TINY_CPU_MODEL,
+    chat_body,
+    router_settings,
+    running_router,
+)
 from waiting import until
 
 from llmgw import catalog
@@ -21,31 +28,7 @@ from llmgw.router.balancer import BalancerSettings
 
 pytestmark = pytest.mark.anyio
 
-MODEL = catalog.validate_models(
-    {
-        "models": [
-            {
-                "id": "tiny",
-                "served_name": SERVED,
-                "profiles": [
-                    {
-                        "name": "cpu",
-                        "engine": "llama-server",
-                        "weights": {"path": "/models/tiny.gguf"},
-                        "gpus_per_node": 0,
-                    }
-                ],
-            }
-        ]
-    }
-)[0]
 NO_AFFINITY = BalancerSettings(affinity_load_factor=0)
-
-
-@pytest.fixture
-def engines(tmp_path):
-    with fake_engines(tmp_path) as fleet:
-        yield fleet
 
 
 async def _place(bus: Bus, rid: str, node: str, engine, *, phase="ready", shard_phase="ready"):
@@ -107,7 +90,7 @@ async def _routes_become(r, ids: set[str]) -> None:
 
 async def test_serves_ready_replicas_and_follows_the_bucket(bus, nats_settings, engines):
     a, b = engines.start(), engines.start()
-    await bus.put(keys.catalog("tiny"), catalog.encode_model(MODEL))
+    await bus.put(keys.catalog("tiny"), catalog.encode_model(TINY_CPU_MODEL))
     await _place(bus, "r1", "n1", a)
     settings = router_settings(balancer=NO_AFFINITY)
     async with running_router(connect=_connect(nats_settings), settings=settings) as r:
@@ -128,7 +111,7 @@ async def test_a_draining_replica_finishes_its_stream_and_takes_no_new_request(
 ):
     slow = engines.start({"FAKE_ENGINE_TOKENS": "60", "FAKE_ENGINE_TOKEN_RATE": "20"})
     other = engines.start()
-    await bus.put(keys.catalog("tiny"), catalog.encode_model(MODEL))
+    await bus.put(keys.catalog("tiny"), catalog.encode_model(TINY_CPU_MODEL))
     await _place(bus, "r1", "n1", slow)
     settings = router_settings(balancer=NO_AFFINITY)
     async with (
@@ -158,7 +141,7 @@ def _decode_replica(data: bytes) -> records.Replica:
 
 async def test_lost_nodes_orphans_and_unready_shards_take_no_request(bus, nats_settings, engines):
     a, b, stray = engines.start(), engines.start(), engines.start()
-    await bus.put(keys.catalog("tiny"), catalog.encode_model(MODEL))
+    await bus.put(keys.catalog("tiny"), catalog.encode_model(TINY_CPU_MODEL))
     await _place(bus, "r1", "n1", a)
     await _place(bus, "r2", "n2", b)
     # an orphan: a ready shard of r2 on a node that is not r2's member (its replica moved)
@@ -183,18 +166,10 @@ async def test_a_shard_is_owned_by_its_key_not_by_what_its_value_claims(
     bus, nats_settings, engines
 ):
     real, impostor = engines.start(), engines.start()
-    await bus.put(keys.catalog("tiny"), catalog.encode_model(MODEL))
+    await bus.put(keys.catalog("tiny"), catalog.encode_model(TINY_CPU_MODEL))
     await _place(bus, "r1", "n1", real, shard_phase="loading")
     # n9 writes its own key, claiming to be n1's ready shard of r1
-    spoof = records.Shard(
-        node="n1",
-        rid="r1",
-        model="tiny",
-        generation=1,
-        phase="ready",
-        since=time.time(),
-        endpoint=impostor.endpoint,
-    )
+    spoof = shard("n1", "r1", "ready", model="tiny", since=time.time(), endpoint=impostor.endpoint)
     await bus.put(keys.shard("n9", "r1"), spoof)
     async with running_router(connect=_connect(nats_settings)) as r:
         await until(lambda: _true(r.table.synced), timeout=10)
@@ -208,7 +183,7 @@ async def _true(v: bool) -> bool:
 async def test_no_ready_replica_answers_503_with_the_placement_explanation(
     bus, nats_settings, engines
 ):
-    await bus.put(keys.catalog("tiny"), catalog.encode_model(MODEL))
+    await bus.put(keys.catalog("tiny"), catalog.encode_model(TINY_CPU_MODEL))
     await bus.put(
         keys.placement("tiny"),
         records.PlacementRecord(
@@ -251,7 +226,7 @@ async def test_keeps_serving_while_nats_is_down_and_follows_again_after(
     bus, nats_settings, nats_server, engines
 ):
     a, b = engines.start(), engines.start()
-    await bus.put(keys.catalog("tiny"), catalog.encode_model(MODEL))
+    await bus.put(keys.catalog("tiny"), catalog.encode_model(TINY_CPU_MODEL))
     await _place(bus, "r1", "n1", a)
     settings = router_settings(balancer=NO_AFFINITY)
     async with running_router(connect=_connect(nats_settings), settings=settings) as r:
@@ -274,7 +249,7 @@ async def test_keeps_serving_while_nats_is_down_and_follows_again_after(
 
 async def test_garbled_values_keep_the_last_catalog_and_drop_the_shard(bus, nats_settings, engines):
     a, b = engines.start(), engines.start()
-    await bus.put(keys.catalog("tiny"), catalog.encode_model(MODEL))
+    await bus.put(keys.catalog("tiny"), catalog.encode_model(TINY_CPU_MODEL))
     await _place(bus, "r1", "n1", a)
     await _place(bus, "r2", "n2", b)
     async with running_router(connect=_connect(nats_settings)) as r:

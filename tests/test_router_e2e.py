@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 
 import aiohttp
-import msgspec
 import pytest
-from agent_helpers import agent_config, host_dirs, start_agent, stop
+from agent_helpers import start_fake_engine_agent, stop
 from router_helpers import SERVED, chat_body, router_settings, running_router
 from serving import cpu_model, serve, want
 from waiting import until
@@ -17,7 +16,7 @@ from waiting import until
 from llmgw.agent.config import Engines
 from llmgw.bus.client import Bus
 from llmgw.router.proxy import ProxySettings
-from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
+from llmgw.sim.fake_engine import write_fake_gguf
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -26,23 +25,15 @@ KEY = "engine-key-0123456789"
 
 @pytest.fixture
 def keyed_node(tmp_path, nats_server):
-    dirs = host_dirs(tmp_path)
-    install_fake_engines(dirs["bin"])
     key_file = tmp_path / "engine.key"
     key_file.write_text(KEY + "\n")
     key_file.chmod(0o600)
-    cfg = agent_config(nats_server.url, dirs, id="node1")
-    cfg = msgspec.structs.replace(
-        cfg,
-        engines=Engines(
-            listen_host="127.0.0.1", poll_interval=0.1, drain_timeout=30, api_key_file=str(key_file)
-        ),
+    engines = Engines(
+        listen_host="127.0.0.1", poll_interval=0.1, drain_timeout=30, api_key_file=str(key_file)
     )
-    proc = start_agent(
-        cfg, tmp_path / "agent.toml", [dirs["bin"], "/usr/bin", "/bin"], tmp_path / "agent.log"
-    )
+    agent = start_fake_engine_agent(nats_server.url, tmp_path, engines, id="node1")
     yield tmp_path
-    stop(proc)
+    stop(agent.proc)
 
 
 async def test_placed_replicas_are_served_through_the_router_with_the_engine_key(

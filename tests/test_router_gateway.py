@@ -15,7 +15,13 @@ import openai
 import pytest
 from multidict import CIMultiDict
 from real_llama import llama_server_binary, start_llama_server, tiny_gguf, tiny_server_argv
-from router_helpers import SERVED, chat_body, fake_engines, router_settings, running_router
+from router_helpers import (
+    SERVED,
+    TINY_CPU_MODEL,
+    chat_body,
+    router_settings,
+    running_router,
+)
 from waiting import until
 
 from llmgw import catalog
@@ -28,30 +34,7 @@ from llmgw.gateway.metering import parse_usage_subject
 
 pytestmark = pytest.mark.anyio
 
-MODEL = catalog.validate_models(
-    {
-        "models": [
-            {
-                "id": "tiny",
-                "served_name": SERVED,
-                "profiles": [
-                    {
-                        "name": "cpu",
-                        "engine": "llama-server",
-                        "weights": {"path": "/models/tiny.gguf"},
-                        "gpus_per_node": 0,
-                    }
-                ],
-            }
-        ]
-    }
-)[0]
-
-
-@pytest.fixture
-def engines(tmp_path):
-    with fake_engines(tmp_path) as fleet:
-        yield fleet
+MODEL = TINY_CPU_MODEL
 
 
 async def _place(bus: Bus, engine) -> None:

@@ -18,8 +18,8 @@ import aiohttp
 import anyio
 import pytest
 from autoscale_fleet import autoscaled_model, serve_auto
-from router_helpers import SERVED, FakeEngine, RetryingClient, chat_body, fake_engines
-from waiting import until
+from router_helpers import SERVED, FakeEngine, RetryingClient, chat_body
+from waiting import until, until_logged
 
 from llmgw.bus.server import free_port
 
@@ -68,10 +68,7 @@ class RouterProcess:
                 stderr=subprocess.STDOUT,
                 env=env,
             )
-        deadline = time.monotonic() + 20
-        while "router listening" not in self.log.read_text():
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()
-            time.sleep(0.05)
+        until_logged(self.proc, self.log, "router listening")
 
     def terminate(self) -> None:
         assert self.proc is not None
@@ -116,12 +113,6 @@ async def _stream(http: aiohttp.ClientSession, url: str, content: str) -> list[s
             elif line.strip() == b"data: [DONE]":
                 return tokens
     raise AssertionError(f"the stream ended without [DONE] after {len(tokens)} tokens")
-
-
-@pytest.fixture
-def engines(tmp_path):
-    with fake_engines(tmp_path) as fleet:
-        yield fleet
 
 
 async def test_sigterm_lets_a_stream_in_flight_finish_whole_and_refuses_new_connections(
@@ -285,10 +276,7 @@ async def test_ctrl_c_on_llmgw_up_lets_its_routers_streams_finish(engines, tmp_p
         )
     router = f"http://127.0.0.1:{router_port}"
     try:
-        deadline = time.monotonic() + 30
-        while "router listening" not in log.read_text():
-            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        until_logged(up, log, "router listening", timeout=30)
         applied = subprocess.run(
             [*LLMGW, "catalog", "apply", str(_catalog(tmp_path / "static.toml", engine))],
             env={**env, "LLMGW_NATS": f"nats://127.0.0.1:{nats_port}"},

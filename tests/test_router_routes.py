@@ -13,17 +13,11 @@ import aiohttp
 import anyio
 import openai
 import pytest
-from router_helpers import SERVED, fake_engines, running_router, static_model
+from router_helpers import SERVED, running_router, static_model
 
 pytestmark = pytest.mark.anyio
 
 AUDIO = bytes(range(256)) * 400  # 100 KiB "recording", every byte value in it
-
-
-@pytest.fixture
-def engines(tmp_path):
-    with fake_engines(tmp_path) as fleet:
-        yield fleet
 
 
 async def _post(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict, dict]:

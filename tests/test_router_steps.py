@@ -9,7 +9,7 @@ import json
 
 import aiohttp
 import pytest
-from router_helpers import chat_body, fake_engines, running_router, static_model
+from router_helpers import chat_body, running_router, static_model
 from waiting import until
 
 from llmgw.bus.server import free_port
@@ -18,12 +18,6 @@ from llmgw.router.refusal import Refusal
 pytestmark = pytest.mark.anyio
 
 SLOW = {"FAKE_ENGINE_TOKENS": "400", "FAKE_ENGINE_TOKEN_RATE": "40"}  # 10 s of tokens
-
-
-@pytest.fixture
-def engines(tmp_path):
-    with fake_engines(tmp_path) as fleet:
-        yield fleet
 
 
 async def _true(value: bool) -> bool:

@@ -78,8 +78,10 @@ def llama(bins, tmp_path: Path, monkeypatch, **env: str) -> LaunchSpec:
 
 
 def supervisor(
-    spec: LaunchSpec, tmp_path: Path, rec: Recorder, timing=FAST, clock=None
+    spec: LaunchSpec, tmp_path: Path, rec: Recorder, timing=FAST, clock=None, **kw
 ) -> EngineSupervisor:
+    """Shard r1's supervisor, its log and state under `tmp_path`; `kw` as EngineSupervisor
+    takes them (adopt=, launch_prefix=)."""
     return EngineSupervisor(
         spec,
         shard="r1",
@@ -88,7 +90,31 @@ def supervisor(
         state_dir=tmp_path / "state",
         timing=timing,
         clock=clock,
+        **kw,
     )
+
+
+async def _run_until_restarted(sup: EngineSupervisor, times: int) -> None:
+    """Run `sup` until it has restarted its engine `times` times, then stop it."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        with anyio.fail_after(30):
+            while sup.restarts < times:
+                await anyio.sleep(0.05)
+        await sup.stop()
+
+
+async def left_running(spec: LaunchSpec, tmp_path: Path) -> tuple[EngineSupervisor, PhaseChange]:
+    """A supervisor run until its engine is ready, then left running as an agent that is
+    being restarted leaves it; with the engine's ready change."""
+    rec = Recorder()
+    sup = supervisor(spec, tmp_path, rec)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sup.run)
+        ready = await rec.reached("ready")
+        sup.leave_running()  # the agent is being restarted
+        tg.cancel_scope.cancel()
+    return sup, ready
 
 
 def group_gone(pgid: int) -> bool:
@@ -136,12 +162,7 @@ async def test_crash_while_loading_reports_the_output_tail_and_retries_with_grow
     )
     rec = Recorder()
     sup = supervisor(spec, tmp_path, rec)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(sup.run)
-        with anyio.fail_after(30):
-            while sup.restarts < 4:
-                await anyio.sleep(0.05)
-        await sup.stop()
+    await _run_until_restarted(sup, 4)
     failed = [c for c in rec.changes if c.phase == "failed"]
     assert failed[0].reason.startswith("exited with code 1 while loading; restart 1 in")
     assert (
@@ -164,12 +185,7 @@ async def test_an_engine_that_served_long_enough_restarts_after_the_base_delay(
     rec = Recorder()
     timing = SupervisorTiming(**{**FAST.__dict__, "stable_after": 0.1})
     sup = supervisor(spec, tmp_path, rec, timing)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(sup.run)
-        with anyio.fail_after(30):
-            while sup.restarts < 3:
-                await anyio.sleep(0.05)
-        await sup.stop()
+    await _run_until_restarted(sup, 3)
     assert sup.restart_delays[:3] == [0.05, 0.05, 0.05]
     failed = next(c for c in rec.changes if c.phase == "failed")
     assert failed.reason.startswith("exited with code 134 while serving")
@@ -460,13 +476,7 @@ async def test_an_engine_left_running_is_adopted_by_the_next_supervisor(
     from llmgw.agent.engines.pidfile import leftover_engines
 
     spec = llama(bins, tmp_path, monkeypatch)
-    rec = Recorder()
-    first = supervisor(spec, tmp_path, rec)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(first.run)
-        ready = await rec.reached("ready")
-        first.leave_running()  # the agent is being restarted
-        tg.cancel_scope.cancel()
+    first, ready = await left_running(spec, tmp_path)
     assert first.state.value == "left"
     assert psutil.pid_exists(ready.pid) and not group_gone(ready.pid)  # still serving
     (record,), notes = leftover_engines(tmp_path / "state")
@@ -474,15 +484,7 @@ async def test_an_engine_left_running_is_adopted_by_the_next_supervisor(
     assert (await _stream(spec, max_tokens=2))[-1] == "[DONE]"
 
     rec2 = Recorder()
-    second = EngineSupervisor(
-        spec,
-        shard="r1",
-        on_phase=rec2,
-        log_path=tmp_path / "logs" / "r1.log",
-        state_dir=tmp_path / "state",
-        timing=FAST,
-        adopt=record,
-    )
+    second = supervisor(spec, tmp_path, rec2, adopt=record)
     async with anyio.create_task_group() as tg:
         tg.start_soon(second.run)
         adopted = await rec2.reached("ready")
@@ -512,15 +514,7 @@ async def test_an_engine_run_under_a_launcher_is_recorded_by_its_own_command(
 
     spec = llama(bins, tmp_path, monkeypatch)
     rec = Recorder()
-    sup = EngineSupervisor(
-        spec,
-        shard="r1",
-        on_phase=rec,
-        log_path=tmp_path / "logs" / "r1.log",
-        state_dir=tmp_path / "state",
-        timing=FAST,
-        launch_prefix=["env", "--"],
-    )
+    sup = supervisor(spec, tmp_path, rec, launch_prefix=["env", "--"])
     async with anyio.create_task_group() as tg:
         tg.start_soon(sup.run)
         await rec.reached("ready")

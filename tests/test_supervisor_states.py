@@ -10,14 +10,13 @@ import itertools
 import anyio
 import psutil
 import pytest
-from test_supervisor import FAST, Recorder, llama, supervisor
+from test_supervisor import Recorder, left_running, llama, supervisor
 
 from llmgw.agent.shards import SHARD_MOVES, ShardState, ShardStateError, check_shard_move
 from llmgw.agent.supervisor import (
     MOVES,
     PHASE_OF,
     EngineState,
-    EngineSupervisor,
     StateError,
     check_move,
 )
@@ -113,24 +112,10 @@ async def test_an_engine_adopted_to_be_drained_stays_draining_until_it_stopped(
     from llmgw.agent.engines.pidfile import read_pidfiles
 
     spec = llama(bins, tmp_path, monkeypatch)
-    first_rec = Recorder()
-    first = supervisor(spec, tmp_path, first_rec)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(first.run)
-        ready = await first_rec.reached("ready")
-        first.leave_running()
-        tg.cancel_scope.cancel()
+    _, ready = await left_running(spec, tmp_path)
     (record,) = read_pidfiles(tmp_path / "state")
     rec = Recorder()
-    second = EngineSupervisor(
-        spec,
-        shard="r1",
-        on_phase=rec,
-        log_path=tmp_path / "logs" / "r1.log",
-        state_dir=tmp_path / "state",
-        timing=FAST,
-        adopt=record,
-    )
+    second = supervisor(spec, tmp_path, rec, adopt=record)
     async with anyio.create_task_group() as tg:
         # the engine is this test's child (not the agent's, as after a real restart):
         # reaped here once it exits, or its zombie would read as a group still alive

@@ -11,6 +11,8 @@ from test_controller import MANUAL, _apply, _model, _placement, _replicas, _seen
 from test_placement import model, node, snapshot
 from waiting import until
 
+from llmgw.agent.engines import adapter_for
+from llmgw.agent.engines.base import LaunchSpec
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, decoder
 from llmgw.catalog import encode_model, validate_models
@@ -22,13 +24,6 @@ from llmgw.sim.bare import SimNode, inventory
 from llmgw.sim.simulator import Simulator
 
 PHI = "phi-3-mini-4k-instruct-q4"
-
-
-@pytest.fixture
-async def second_bus(nats_settings):
-    b = await Bus.connect(nats_settings, give_up_after=5)
-    yield b
-    await b.close()
 
 
 def _scanned(inv: records.NodeInventory, *dirs: str) -> records.NodeInventory:
@@ -46,6 +41,27 @@ def test_only_a_source_or_a_repo_id_is_fetched_by_an_engine():
     assert must_hold(msgspec.structs.replace(by, key=PHI)) == ("key", PHI)
     assert must_hold(msgspec.structs.replace(by, key=None, source="hf://org/x")) is None
     assert must_hold(msgspec.structs.replace(by, key=None, path="/srv/x")) == ("path", "/srv/x")
+
+
+@pytest.mark.parametrize(
+    "key", ["org/name", "org/name:Q4_K_M", PHI, "a/b/c", "./org/name", "org/", "~/org/name"]
+)
+def test_placement_and_the_agent_agree_on_which_keys_an_engine_fetches(key):
+    """A key that placement does not require a node to hold is one the agent hands its
+    engine to fetch and the engine takes (one rule, llmgw/catalog.py hf_repo): placing it
+    on a node without it must not end in a refused launch."""
+    fetched = must_hold(msgspec.structs.replace(model().profiles[0].weights, key=key)) is None
+    spec = LaunchSpec(
+        served_name="m",
+        engine="llama-server",
+        binary="llama-server",
+        port=8000,
+        host="127.0.0.1",
+        download_source=key,
+    )
+    refused = [r for r in adapter_for("llama-server").check(spec) if "download source" in r]
+    assert fetched == (not refused), (key, refused)
+    assert fetched == (key in ("org/name", "org/name:Q4_K_M"))
 
 
 def test_a_key_alone_held_by_no_ready_node_waits_explained_and_is_placed_nowhere():

@@ -7,11 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from waiting import until_logged
 
 from llmgw.bus.server import free_port
 
@@ -50,10 +51,7 @@ def up_sim(fleet_file: Path, tmp: Path, *extra: str, ready_within: float = 60) -
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + ready_within
-        while "simulated fleet" not in log.read_text():
-            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        until_logged(up, log, "simulated fleet", timeout=ready_within)
         yield UpSim(f"http://127.0.0.1:{http}", env, log)
     finally:
         up.send_signal(signal.SIGINT)

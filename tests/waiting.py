@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 import anyio
@@ -18,3 +21,15 @@ async def until(cond: Callable[[], Awaitable[T]], timeout: float = 20.0) -> T:
             if got:
                 return got
             await anyio.sleep(0.05)
+
+
+def until_logged(
+    proc: subprocess.Popen | None, log: Path, text: str, timeout: float = 20.0
+) -> None:
+    """Until `text` is in the log file `log` of the process `proc` (None: any process):
+    AssertionError with the log when the process exits first or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        alive = proc is None or proc.poll() is None
+        assert alive and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)

@@ -691,6 +691,13 @@ class Failure(msgspec.Struct, kw_only=True, gc=False, frozen=True):
     moved_to: str = ""  # where its successor went; "" while it has none
 
 
+# PlacementRecord.blocked reasons that leave a model exactly as it is, nothing placed and
+# nothing removed, because its intent cannot be trusted to say what is wanted: the one list
+# the planner (placement.Frozen), its explanations and the fleet's read model take
+Freezing = Literal["invalid-catalog", "invalid-desired", "catalog-deleted"]
+FREEZING: frozenset[str] = frozenset(get_args(Freezing))
+
+
 class PlacementRecord(msgspec.Struct, kw_only=True, gc=False):
     model: str
     desired: int

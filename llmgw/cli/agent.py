@@ -23,24 +23,24 @@ def agent() -> None:
     """Onboard and run the node agent."""
 
 
-def _fabric_pair(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
-    out = {}
-    for v in values:
-        adapter, sep, fabric = v.partition("=")
-        if not sep or not adapter or not fabric:
-            raise click.BadParameter(f"{v!r}: expected ADAPTER=FABRIC, e.g. mlx5_0=ib-a")
-        out[adapter] = fabric
-    return out
+def _pairs(shape: str, example: str):
+    """A callback reading repeated KEY=VALUE options into a dict; `shape` names the two
+    ("ADAPTER=FABRIC") in the error, with `example`."""
+
+    def read(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
+        out = {}
+        for v in values:
+            key, sep, value = v.partition("=")
+            if not sep or not key or not value:
+                raise click.BadParameter(f"{v!r}: expected {shape}, e.g. {example}")
+            out[key] = value
+        return out
+
+    return read
 
 
-def _shared_pair(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
-    out = {}
-    for v in values:
-        directory, sep, identity = v.partition("=")
-        if not sep or not directory or not identity:
-            raise click.BadParameter(f"{v!r}: expected DIR=IDENTITY, e.g. /mnt/models=srp-image-01")
-        out[directory] = identity
-    return out
+_fabric_pair = _pairs("ADAPTER=FABRIC", "mlx5_0=ib-a")
+_shared_pair = _pairs("DIR=IDENTITY", "/mnt/models=srp-image-01")
 
 
 @agent.command("init")

@@ -89,6 +89,18 @@ def nats_options(fn):
     return wrapper
 
 
+def option_group(*options):
+    """One decorator for `options` (click.option decorators), given in --help order: what
+    several commands share (`llmgw router` and `llmgw up`, say)."""
+
+    def apply(fn):
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return apply
+
+
 def json_option(fn):
     return click.option("--json", "as_json", is_flag=True, help="print JSON instead of text")(fn)
 

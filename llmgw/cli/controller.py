@@ -8,7 +8,7 @@ import anyio
 import click
 
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
-from llmgw.cli.common import nats_options, until_signalled
+from llmgw.cli.common import nats_options, option_group, until_signalled
 from llmgw.controller.liveness import LOST_AFTER_S, UNREACHABLE_AFTER_S
 from llmgw.controller.placement.snapshot import FAILURE_COOLDOWN_S, FAILURE_NODES
 from llmgw.metrics_http import CONTROLLER_PORT, MetricsListenError, parse_listen
@@ -17,33 +17,37 @@ from llmgw.metrics_http import CONTROLLER_PORT, MetricsListenError, parse_listen
 @click.command()
 @nats_options
 @click.option("--id", "controller_id", default=None, help="controller id (default: hostname-pid)")
-@click.option(
-    "--unreachable-after",
-    type=click.FloatRange(min=0, min_open=True),
-    default=UNREACHABLE_AFTER_S,
-    show_default=True,
-    help="seconds without a heartbeat before a node is unreachable",
-)
-@click.option(
-    "--lost-after",
-    type=click.FloatRange(min=0, min_open=True),
-    default=LOST_AFTER_S,
-    show_default=True,
-    help="seconds without a heartbeat before a node is lost and its replicas move",
-)
-@click.option(
-    "--failure-cooldown",
-    type=click.FloatRange(min=0),
-    default=FAILURE_COOLDOWN_S,
-    show_default=True,
-    help="seconds a node whose agent gave up on a replica is avoided for that launch",
-)
-@click.option(
-    "--failure-nodes",
-    type=click.IntRange(min=1),
-    default=FAILURE_NODES,
-    show_default=True,
-    help="distinct nodes giving up on one launch within the cool-down: the profile is broken",
+@option_group(
+    *(
+        click.option(flag, type=kind, default=default, show_default=True, help=text)
+        for flag, kind, default, text in (
+            (
+                "--unreachable-after",
+                click.FloatRange(min=0, min_open=True),
+                UNREACHABLE_AFTER_S,
+                "seconds without a heartbeat before a node is unreachable",
+            ),
+            (
+                "--lost-after",
+                click.FloatRange(min=0, min_open=True),
+                LOST_AFTER_S,
+                "seconds without a heartbeat before a node is lost and its replicas move",
+            ),
+            (
+                "--failure-cooldown",
+                click.FloatRange(min=0),
+                FAILURE_COOLDOWN_S,
+                "seconds a node whose agent gave up on a replica is avoided for that launch",
+            ),
+            (
+                "--failure-nodes",
+                click.IntRange(min=1),
+                FAILURE_NODES,
+                "distinct nodes giving up on one launch within the cool-down: the profile is "
+                "broken",
+            ),
+        )
+    )
 )
 @click.option(
     "--metrics-listen",

@@ -17,6 +17,7 @@ from llmgw.bus.client import BucketSettings, Bus, NatsSettings, decoder
 from llmgw.cli.common import did_you_mean, nats_options, open_bus
 from llmgw.cli.place import PollReader
 from llmgw.errors import LlmgwError
+from llmgw.fleetstate.decode import read_once
 
 
 class NodeOpsError(LlmgwError):
@@ -35,9 +36,17 @@ def node() -> None:
 
 
 async def read_ops(bus: Bus, node_id: str) -> records.NodeOps:
+    """ops.<node> read as every reader reads it (llmgw/fleetstate/decode.py): one that does
+    not read is said, and taken as a cordon (what `llmgw status` shows), never as absent,
+    which would put the node back in service. A change starts from that reading."""
     keys.check_token(node_id, "node id")
-    entry = await bus.get(keys.ops(node_id), decoder(records.NodeOps))
-    return entry.value if entry is not None else records.NodeOps(node=node_id)
+    key = keys.ops(node_id)
+    ops, problem = read_once(key, await bus.get_raw(key))
+    if problem is None:
+        return ops if ops is not None else records.NodeOps(node=node_id)
+    click.echo(f"{problem.says()}; what is written now starts from that reading")
+    reason = f"taken as cordoned: revision {problem.revision} of {key} did not read"
+    return msgspec.structs.replace(ops, reason=reason)
 
 
 async def write_ops(bus: Bus, ops: records.NodeOps) -> None:

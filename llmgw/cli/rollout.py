@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import anyio
 import click
@@ -18,6 +19,7 @@ from llmgw.bus.client import BucketSettings, Bus, NatsSettings, decoder
 from llmgw.cli.common import json_option, nats_options, open_bus
 from llmgw.cli.place import catalog_model, follow_placement, rollout_line
 from llmgw.errors import LlmgwError
+from llmgw.fleetstate.decode import read_once
 
 
 class RolloutError(LlmgwError):
@@ -29,18 +31,28 @@ def rollout() -> None:
     """A model's rollouts (rollout.<model> keys): where one stands, going back."""
 
 
+async def _read(bus: Bus, key: str) -> Any:
+    """`key`'s value as every reader reads it (llmgw/fleetstate/decode.py); one that does
+    not read is said as `llmgw status` says it, and nothing is done from it."""
+    value, problem = read_once(key, await bus.get_raw(key))
+    if problem is not None:
+        raise RolloutError(
+            f"{problem.says()}. Nothing was done from it; fix it with the command that writes "
+            f"it, or `nats kv del {bus.bucket.name} {key}`"
+        )
+    return value
+
+
 async def _rollout(bus: Bus, model: str) -> records.Rollout:
-    entry = None
-    if keys.is_token(model):
-        entry = await bus.get(keys.rollout(model), decoder(records.Rollout))
-    if entry is None:
+    ro = await _read(bus, keys.rollout(model)) if keys.is_token(model) else None
+    if ro is None:
         # a model that does not exist is said so, not told to be placed
         await catalog_model(bus, model)
         raise RolloutError(
             f"no rollout recorded for {model!r}: a controller records one once the model is "
             "placed (`llmgw place`)"
         )
-    return entry.value
+    return ro
 
 
 def _revision(rev: records.Revision) -> str:
@@ -135,20 +147,19 @@ def undo(model: str, wait: bool, timeout: float, nats: NatsSettings, bucket: Buc
         async with open_bus(nats, bucket) as bus:
             ro = await _rollout(bus, model)
             rev = previous(ro)
-            entry = await bus.get(keys.catalog(model), lambda b: catalog.decode_model(b, model))
+            # both read before anything is written: one that does not read stops it all
+            entry: catalog.Model | None = await _read(bus, keys.catalog(model))
+            desired: records.Desired | None = await _read(bus, keys.desired(model))
             if entry is None:
-                raise RolloutError(f"{model} is not in the catalog (or its entry is invalid)")
-            back = undone(entry.value, rev)
-            if back != entry.value:
+                raise RolloutError(f"{model} is not in the catalog")
+            back = undone(entry, rev)
+            if back != entry:
                 await bus.put(keys.catalog(model), catalog.encode_model(back))
                 click.echo(f"catalog.{model}: profiles back to {_revision(rev)}")
-            desired = await bus.get(keys.desired(model), decoder(records.Desired))
-            since = desired.value.updated_at if desired is not None else 0.0
-            if desired is not None and desired.value.profile != rev.profile:
+            since = desired.updated_at if desired is not None else 0.0
+            if desired is not None and desired.profile != rev.profile:
                 since = time.time()
-                chosen = msgspec.structs.replace(
-                    desired.value, profile=rev.profile, updated_at=since
-                )
+                chosen = msgspec.structs.replace(desired, profile=rev.profile, updated_at=since)
                 await bus.put(keys.desired(model), chosen)
                 click.echo(f"desired.{model}: profile {rev.profile or '(the first that fits)'}")
             if not wait:

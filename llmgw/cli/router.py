@@ -11,7 +11,7 @@ import anyio
 import click
 
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
-from llmgw.cli.common import check_ports_free, listen, nats_options, run_fast
+from llmgw.cli.common import check_ports_free, listen, nats_options, option_group, run_fast
 from llmgw.shutdown import drain_then_cancel_on_signal
 
 _MB = 1024 * 1024
@@ -41,166 +41,140 @@ def default_listen() -> str:
     return f"{d.host}:{d.port}"
 
 
-def router_options(fn):
-    """What `llmgw router` and `llmgw up` share about the router."""
-    options = [
-        click.option(
-            "--engine-api-key-file",
-            envvar="LLMGW_ENGINE_API_KEY_FILE",
-            type=click.Path(dir_okay=False, path_type=Path),
-            default=None,
-            help="file holding the API key engines were started with (the agents' "
-            "engines.api_key_file); sent to engines, never to clients",
-        ),
-        click.option(
-            "--api-keys-file",
-            envvar="LLMGW_ROUTER_API_KEYS_FILE",
-            type=click.Path(dir_okay=False, path_type=Path),
-            default=None,
-            help="client API keys, one per line; requests without one get 401 [default: no keys needed]",
-        ),
-        click.option(
-            "--max-body-mb",
-            type=click.FloatRange(min=0.001),
-            cls=FromSettings,
-            default=lambda: _limits().max_body / _MB,
-            show_default=True,
-            help="largest request body; larger ones get 413",
-        ),
-        click.option(
-            "--affinity-load-factor",
-            type=click.FloatRange(min=0.0),
-            cls=FromSettings,
-            default=lambda: _defaults().balancer.affinity_load_factor,
-            show_default=True,
-            help="a conversation stays on its replica while that replica carries at most this "
-            "times the average load; 0 turns prefix affinity off",
-        ),
-        click.option(
-            "--session-header",
-            cls=FromSettings,
-            default=lambda: _defaults().proxy.session_header,
-            show_default=True,
-            help="request header naming a session, kept on one replica like a conversation",
-        ),
-        click.option(
-            "--replica-header/--no-replica-header",
-            cls=FromSettings,
-            default=lambda: _defaults().proxy.replica_header,
-            show_default=True,
-            help="say in x-llmgw-replica which replica (or static URL) served each answer",
-        ),
-        click.option(
-            "--metrics",
-            "metrics_access",
-            type=click.Choice(["public", "keyed", "off"]),
-            cls=FromSettings,
-            default=lambda: _defaults().proxy.metrics,
-            show_default=True,
-            help="/metrics on the API port: open to all (for Prometheus), only with a client "
-            "key (--api-keys-file), or not served",
-        ),
-        click.option(
-            "--page/--no-page",
-            "fleet_page",
-            cls=FromSettings,
-            default=lambda: _defaults().proxy.page,
-            show_default=True,
-            help="the fleet page at / (nodes, models, why replicas wait; read-only): it shows "
-            "node addresses and engine endpoints to whoever reaches the router",
-        ),
-        click.option(
-            "--engine-timeout",
-            type=click.FloatRange(min=0.001),
-            cls=FromSettings,
-            default=lambda: _defaults().upstream.read_timeout,
-            show_default=True,
-            help="seconds an engine may stay silent in a request (before its first byte, and "
-            "between two): a long prefill in a queue takes minutes",
-        ),
-        click.option(
-            "--shutdown-grace",
-            type=click.FloatRange(min=0.0),
-            cls=FromSettings,
-            default=lambda: _defaults().shutdown_grace,
-            show_default=True,
-            help="seconds requests in flight get to finish after SIGTERM or Ctrl-C; what is "
-            "still running then is cut (a second signal cuts at once)",
-        ),
-        click.option(
-            "--max-connections",
-            type=click.IntRange(min=1),
-            cls=FromSettings,
-            default=lambda: _limits().max_connections,
-            show_default=True,
-            help="client connections held at once; past it the oldest idle one is closed, "
-            "or a new one gets 503 (by default fewer where the open-file limit holds fewer)",
-        ),
-        click.option(
-            "--hold-max",
-            type=click.IntRange(min=0),
-            cls=FromSettings,
-            default=lambda: _defaults().hold.max_held,
-            show_default=True,
-            help="requests held per cold model (autoscaled, no replica ready) while a replica "
-            "starts; one more gets 429",
-        ),
-        click.option(
-            "--hold-timeout",
-            type=click.FloatRange(min=0.0),
-            cls=FromSettings,
-            default=lambda: _defaults().hold.max_wait,
-            show_default=True,
-            help="seconds a request is held for a cold model at most; then 503 with "
-            "Retry-After (a client may ask for less with x-llmgw-max-wait)",
-        ),
-        click.option(
-            "--keys-offline-for",
-            type=click.FloatRange(min=0.0),
-            cls=FromSettings,
-            default=lambda: _defaults().gateway.serve_known_for,
-            show_default=True,
-            help="seconds a router cut off from NATS keeps serving the API keys it knows (it "
-            "cannot hear of a revocation meanwhile); past them every keyed request gets 503",
-        ),
-        click.option(
-            "--limits-offline",
-            type=click.Choice(["serve", "refuse"]),
-            cls=FromSettings,
-            default=lambda: _defaults().gateway.limits.offline,
-            show_default=True,
-            help="when the shared limit counters cannot be reached: keep admitting limited "
-            "keys from the shares this router holds (never past them), or answer them 503",
-        ),
-        click.option(
-            "--limits-offline-for",
-            type=click.FloatRange(min=0.0),
-            cls=FromSettings,
-            default=lambda: _defaults().gateway.limits.serve_offline_for,
-            show_default=True,
-            help="with --limits-offline serve: seconds without the counters before limited "
-            "keys get 503",
-        ),
-        click.option(
-            "--limit-share",
-            type=click.FloatRange(min=0.0001, max=1.0),
-            cls=FromSettings,
-            default=lambda: _defaults().gateway.limits.share,
-            show_default=True,
-            help="fraction of a limit a router claims at a time from the shared counters: "
-            "what one router may hold unspent (docs/router.md states the bound)",
-        ),
-        click.option(
-            "--router-id",
-            envvar="LLMGW_ROUTER_ID",
-            default="",
-            help="the key this router writes its load in, load.<id> (a token; with mTLS, its "
-            "certificate's CN) [default: <hostname>-<port>]",
-        ),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+def _setting(flag: str, default, help: str, *, type=None, dest: str | None = None):
+    """An option whose default is `default()`, read from the router's settings (FromSettings)."""
+    decls = (flag,) if dest is None else (flag, dest)
+    return click.option(
+        *decls, type=type, cls=FromSettings, default=default, show_default=True, help=help
+    )
+
+
+# What `llmgw router` and `llmgw up` share about the router: each setting's flag, its
+# default (read from the settings classes), its help and its type.
+router_options = option_group(
+    click.option(
+        "--engine-api-key-file",
+        envvar="LLMGW_ENGINE_API_KEY_FILE",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="file holding the API key engines were started with (the agents' "
+        "engines.api_key_file); sent to engines, never to clients",
+    ),
+    click.option(
+        "--api-keys-file",
+        envvar="LLMGW_ROUTER_API_KEYS_FILE",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="client API keys, one per line; requests without one get 401 [default: no keys needed]",
+    ),
+    _setting(
+        "--max-body-mb",
+        lambda: _limits().max_body / _MB,
+        "largest request body; larger ones get 413",
+        type=click.FloatRange(min=0.001),
+    ),
+    _setting(
+        "--affinity-load-factor",
+        lambda: _defaults().balancer.affinity_load_factor,
+        "a conversation stays on its replica while that replica carries at most this times "
+        "the average load; 0 turns prefix affinity off",
+        type=click.FloatRange(min=0.0),
+    ),
+    _setting(
+        "--session-header",
+        lambda: _defaults().proxy.session_header,
+        "request header naming a session, kept on one replica like a conversation",
+    ),
+    _setting(
+        "--replica-header/--no-replica-header",
+        lambda: _defaults().proxy.replica_header,
+        "say in x-llmgw-replica which replica (or static URL) served each answer",
+    ),
+    _setting(
+        "--metrics",
+        lambda: _defaults().proxy.metrics,
+        "/metrics on the API port: open to all (for Prometheus), only with a client key "
+        "(--api-keys-file), or not served",
+        type=click.Choice(["public", "keyed", "off"]),
+        dest="metrics_access",
+    ),
+    _setting(
+        "--page/--no-page",
+        lambda: _defaults().proxy.page,
+        "the fleet page at / (nodes, models, why replicas wait; read-only): it shows node "
+        "addresses and engine endpoints to whoever reaches the router",
+        dest="fleet_page",
+    ),
+    _setting(
+        "--engine-timeout",
+        lambda: _defaults().upstream.read_timeout,
+        "seconds an engine may stay silent in a request (before its first byte, and between "
+        "two): a long prefill in a queue takes minutes",
+        type=click.FloatRange(min=0.001),
+    ),
+    _setting(
+        "--shutdown-grace",
+        lambda: _defaults().shutdown_grace,
+        "seconds requests in flight get to finish after SIGTERM or Ctrl-C; what is still "
+        "running then is cut (a second signal cuts at once)",
+        type=click.FloatRange(min=0.0),
+    ),
+    _setting(
+        "--max-connections",
+        lambda: _limits().max_connections,
+        "client connections held at once; past it the oldest idle one is closed, or a new "
+        "one gets 503 (by default fewer where the open-file limit holds fewer)",
+        type=click.IntRange(min=1),
+    ),
+    _setting(
+        "--hold-max",
+        lambda: _defaults().hold.max_held,
+        "requests held per cold model (autoscaled, no replica ready) while a replica starts; "
+        "one more gets 429",
+        type=click.IntRange(min=0),
+    ),
+    _setting(
+        "--hold-timeout",
+        lambda: _defaults().hold.max_wait,
+        "seconds a request is held for a cold model at most; then 503 with Retry-After (a "
+        "client may ask for less with x-llmgw-max-wait)",
+        type=click.FloatRange(min=0.0),
+    ),
+    _setting(
+        "--keys-offline-for",
+        lambda: _defaults().gateway.serve_known_for,
+        "seconds a router cut off from NATS keeps serving the API keys it knows (it cannot "
+        "hear of a revocation meanwhile); past them every keyed request gets 503",
+        type=click.FloatRange(min=0.0),
+    ),
+    _setting(
+        "--limits-offline",
+        lambda: _defaults().gateway.limits.offline,
+        "when the shared limit counters cannot be reached: keep admitting limited keys from "
+        "the shares this router holds (never past them), or answer them 503",
+        type=click.Choice(["serve", "refuse"]),
+    ),
+    _setting(
+        "--limits-offline-for",
+        lambda: _defaults().gateway.limits.serve_offline_for,
+        "with --limits-offline serve: seconds without the counters before limited keys get 503",
+        type=click.FloatRange(min=0.0),
+    ),
+    _setting(
+        "--limit-share",
+        lambda: _defaults().gateway.limits.share,
+        "fraction of a limit a router claims at a time from the shared counters: what one "
+        "router may hold unspent (docs/router.md states the bound)",
+        type=click.FloatRange(min=0.0001, max=1.0),
+    ),
+    click.option(
+        "--router-id",
+        envvar="LLMGW_ROUTER_ID",
+        default="",
+        help="the key this router writes its load in, load.<id> (a token; with mTLS, its "
+        "certificate's CN) [default: <hostname>-<port>]",
+    ),
+)
 
 
 def _given(param: str) -> bool:

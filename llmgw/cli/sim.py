@@ -12,31 +12,26 @@ from pathlib import Path
 import click
 
 from llmgw.bus.client import BucketSettings, NatsSettings
-from llmgw.cli.common import nats_options, run_fast, until_signalled
+from llmgw.cli.common import nats_options, option_group, run_fast, until_signalled
 
-
-def sim_options(fn):
-    for option in reversed(
-        [
-            click.option(
-                "--connections",
-                type=click.IntRange(min=0),
-                default=1,
-                show_default=True,
-                help="NATS connections the simulated nodes share, round robin (0: one per "
-                "node, as a real fleet has)",
-            ),
-            click.option(
-                "--poll",
-                type=click.FloatRange(min=0.05),
-                default=1.0,
-                show_default=True,
-                help="seconds between looks at the fleet file for changes",
-            ),
-        ]
-    ):
-        fn = option(fn)
-    return fn
+# what `llmgw sim` and `llmgw up --sim` share
+sim_options = option_group(
+    click.option(
+        "--connections",
+        type=click.IntRange(min=0),
+        default=1,
+        show_default=True,
+        help="NATS connections the simulated nodes share, round robin (0: one per node, as a "
+        "real fleet has)",
+    ),
+    click.option(
+        "--poll",
+        type=click.FloatRange(min=0.05),
+        default=1.0,
+        show_default=True,
+        help="seconds between looks at the fleet file for changes",
+    ),
+)
 
 
 def _part(ctx, param, value: str | None):

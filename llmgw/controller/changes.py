@@ -220,58 +220,52 @@ def _nodes_judged(w: NodesJudged) -> Said:
     return Said(logging.INFO, f"{n} nodes changed phase: {parts}")
 
 
+def _replica_said(r: records.Replica, kind: str, text: str, event: str, **data: Any) -> Said:
+    """A replica's change said at INFO, its event about the model and naming the replica."""
+    return Said(logging.INFO, text, Event(kind, r.model, event, {"rid": r.rid, **data}))
+
+
 def _placed(w: Placed) -> Said:
     r = w.replica
     where = ", ".join(m.node for m in r.members)
-    return Said(
-        logging.INFO,
+    return _replica_said(
+        r,
+        "placed",
         f"placed {r.model} {r.rid} on {where}: {r.reason}",
-        Event(
-            "placed",
-            r.model,
-            f"{r.model} {r.rid} placed on {where}",
-            {"rid": r.rid, "nodes": [m.node for m in r.members], "reason": r.reason},
-        ),
+        f"{r.model} {r.rid} placed on {where}",
+        nodes=[m.node for m in r.members],
+        reason=r.reason,
     )
 
 
 def _port_moved(w: PortMoved) -> Said:
     r = w.replica
     text = f"{r.model} {r.rid}: {w.why}"
-    return Said(logging.INFO, text, Event("port-moved", r.model, text, {"rid": r.rid}))
+    return _replica_said(r, "port-moved", text, text)
 
 
 def _replica_is(w: ReplicaIs) -> Said:
     r = w.replica
     at = f" at {r.endpoint}" if r.endpoint else ""
-    return Said(
-        logging.INFO,
+    return _replica_said(
+        r,
+        r.phase,
         f"{r.model} {r.rid} is {r.phase}{at}",
-        Event(
-            r.phase,
-            r.model,
-            f"{r.model} {r.rid} is {r.phase}",
-            {"rid": r.rid, "endpoint": r.endpoint},
-        ),
+        f"{r.model} {r.rid} is {r.phase}",
+        endpoint=r.endpoint,
     )
 
 
 def _draining(w: Draining) -> Said:
     r = w.replica
-    return Said(
-        logging.INFO,
-        f"draining {r.model} {r.rid}: {w.reason}",
-        Event("draining", r.model, f"{r.model} {r.rid}: {w.reason}", {"rid": r.rid}),
-    )
+    event = f"{r.model} {r.rid}: {w.reason}"
+    return _replica_said(r, "draining", f"draining {r.model} {r.rid}: {w.reason}", event)
 
 
 def _removed(w: Removed) -> Said:
     r = w.replica
-    return Said(
-        logging.INFO,
-        f"removed {r.model} {r.rid}: {w.why}",
-        Event("removed", r.model, f"{r.model} {r.rid} removed: {w.why}", {"rid": r.rid}),
-    )
+    event = f"{r.model} {r.rid} removed: {w.why}"
+    return _replica_said(r, "removed", f"removed {r.model} {r.rid}: {w.why}", event)
 
 
 def _restored(w: Restored) -> Said:

@@ -319,8 +319,10 @@ class Controller:
                 why = str(e) or type(e).__name__
                 self.leadership.step_down(f"cannot renew the leader key: {why}")
                 self.link.write_failed(f"the leader key: {why}")
+                self.metrics.failed("leadership", "link")
             except Exception as e:  # noqa: BLE001 - a bug: step down (safe), trust the link
                 log.exception("bug in the leadership step; stepping down until the next one")
+                self.metrics.failed("leadership", "bug")
                 self.leadership.step_down(f"a bug in the leadership step: {type(e).__name__}")
             self.leadership_steps += 1
             await anyio.sleep(interval)
@@ -439,8 +441,10 @@ class Controller:
             log.warning("reconcile pass failed: %s; retrying", e)
             self._pass_due = True
             self.link.write_failed(str(e))
+            self.metrics.failed("reconcile", "link")
         except Exception:  # noqa: BLE001 - a bug, not the link: nodes are still judged
             log.exception("bug in the reconcile pass; it runs again, still judging nodes")
+            self.metrics.failed("reconcile", "bug")
             self._pass_due = True
 
     async def _rewrite_kept(self) -> None:

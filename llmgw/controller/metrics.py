@@ -50,11 +50,24 @@ class ControllerMetrics:
             buckets=_PASS_BUCKETS,
             registry=self.registry,
         )
+        self.failures = PromCounter(
+            "llmgw_controller_step_failures",
+            "A reconcile pass or leadership step that failed: `link` (a write or read of the "
+            "bucket failed: judging stops until it answers) or `bug` (logged with its traceback)",
+            ["step", "cause"],
+            registry=self.registry,
+        )
+        for step in ("reconcile", "leadership"):
+            for cause in ("link", "bug"):
+                self.failures.labels(step=step, cause=cause)  # 0 before any: graphable
         self.registry.register(FleetCollector(view, leading))
 
     def passed(self, seconds: float) -> None:
         self.passes.inc()
         self.pass_seconds.observe(seconds)
+
+    def failed(self, step: str, cause: str) -> None:
+        self.failures.labels(step=step, cause=cause).inc()
 
 
 class FleetCollector(Collector):

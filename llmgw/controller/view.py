@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from llmgw.bus import keys
+from llmgw.bus.records import Freezing
 from llmgw.fleetstate.decode import FleetRecords
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,8 @@ class View(FleetRecords):
 
 @dataclass(frozen=True, slots=True)
 class Freeze:
-    """Why a model is frozen: `blocked` is its PlacementRecord.blocked key
-    ("invalid-catalog", "invalid-desired", "catalog-deleted"), `detail` what is wrong."""
+    """Why a model is frozen: `blocked` is its PlacementRecord.blocked key (one of
+    records.FREEZING), `detail` what is wrong."""
 
-    blocked: str
+    blocked: Freezing
     detail: str

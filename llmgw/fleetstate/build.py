@@ -33,8 +33,6 @@ from llmgw.fleetstate.model import (
 )
 from llmgw.labels import node_labels
 
-# PlacementRecord.blocked keys that leave a model exactly as it is (controller/view.py Freeze)
-FROZEN_BLOCKS = frozenset({"invalid-catalog", "invalid-desired", "catalog-deleted"})
 # node phases a replica still serves on: an unjudged node has no controller's word yet
 _SERVES_ON = frozenset({"ready", UNJUDGED})
 SKIPPED_LISTED = 50  # keys of skipped values listed; the rest counted
@@ -356,7 +354,7 @@ def model_state(
             waiting=p.waiting,
             judged=p.judged,
             blocked=p.blocked,
-            frozen=p.blocked in FROZEN_BLOCKS,
+            frozen=p.blocked in records.FREEZING,
             explanation=p.explanation,
             refused=list(p.refused),
             decided_at=p.decided_at,

@@ -113,6 +113,16 @@ def settle(
     return None, Unreadable(key=key, family=family, revision=revision, why=why, reading=reading)
 
 
+def read_once(key: str, raw: tuple[bytes, int] | None) -> tuple[Any, Unreadable | None]:
+    """What a reader that has held nothing before (a command: `llmgw node`, `llmgw rollout`)
+    reads at `key` from `raw` (Bus.get_raw's bytes and revision; None: absent): the value,
+    or the family's reading and why (`settle`), as `llmgw status` reads it."""
+    parsed = keys.parse(key)
+    if raw is None or parsed is None:
+        return None, None
+    return settle(parsed, key, raw[0], raw[1], None)
+
+
 def _cordoned(node: str, reason: str) -> records.NodeOps:
     # built from the wire format, which NodeOps always reads (its fields may change shape)
     raw = msgspec.json.encode({"node": node, "cordoned": True, "reason": reason[:300]})

@@ -180,15 +180,6 @@ def read_gauges(
     )
 
 
-def hf_repo(source: str) -> str | None:
-    """ "org/name[:QUANT]" from "hf://org/name[:QUANT]" or a bare id; None for anything else."""
-    repo = source.removeprefix("hf://")
-    parts = repo.split(":", 1)[0].split("/")
-    if len(parts) != 2 or not all(parts) or repo.startswith((".", "/", "~")) or "://" in repo:
-        return None
-    return repo
-
-
 def is_url(source: str) -> bool:
     return source.startswith(("http://", "https://"))
 

@@ -14,11 +14,11 @@ from llmgw.agent.engines.base import (
     Probe,
     base_url,
     cuda_env,
-    hf_repo,
     is_url,
     read_gauges,
     requests_at_engine,
 )
+from llmgw.catalog import hf_repo
 
 # Flags the adapter sets. Every llama.cpp flag also has a LLAMA_ARG_* variable: a
 # profile setting one of those would fight the flag, so they are managed too.

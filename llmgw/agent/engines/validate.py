@@ -24,10 +24,11 @@ from llmgw.agent.discovery.weights.formats import (
     gguf_split,
 )
 from llmgw.agent.engines import adapter_for
-from llmgw.agent.engines.base import EngineAdapter, LaunchSpec, flag_tokens, hf_repo
+from llmgw.agent.engines.base import EngineAdapter, LaunchSpec, flag_tokens
 from llmgw.agent.engines.vllm import pipeline_parallel, tensor_parallel
 from llmgw.agent.files import NotRegularFile, open_regular
 from llmgw.bus.records import PORT_IN_USE, EngineInstall, Gpu
+from llmgw.catalog import hf_repo
 
 GB = 1_000_000_000  # decimal, as cards are sold: an "80 GB" H100 reports 79.6 GiB
 

@@ -19,10 +19,10 @@ from llmgw.agent.engines.base import (
     Probe,
     base_url,
     cuda_env,
-    hf_repo,
     read_gauges,
     requests_at_engine,
 )
+from llmgw.catalog import hf_repo
 
 MANAGED = FlagTable(
     [

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from llmgw.bus.records import Failure, GpuNamed, PlacementRecord, RefusedNodes
+from llmgw.bus.records import Failure, Freezing, GpuNamed, PlacementRecord, RefusedNodes
 from llmgw.xids import describe_xid
 
 GB = 1_000_000_000  # catalog sizes are 10^9 bytes, like the "80GB" on the card
@@ -56,14 +56,8 @@ Reason = Literal[
 _REASON_ORDER = {r: i for i, r in enumerate(get_args(Reason))}
 
 # Why a model as a whole places nothing (PlacementRecord.blocked).
-Blocked = Literal[
-    "not-in-catalog",
-    "static-endpoints",
-    "unknown-profile",
-    "invalid-catalog",
-    "invalid-desired",
-    "catalog-deleted",
-]
+# The freezing ones are the planner's (records.Freezing), not listed again here.
+Blocked = Literal["not-in-catalog", "static-endpoints", "unknown-profile", Freezing]
 
 
 @dataclass(frozen=True, slots=True)

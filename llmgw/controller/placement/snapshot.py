@@ -13,6 +13,7 @@ from llmgw.bus.records import (
     ENGINE_PORTS,
     Desired,
     FabricHoldings,
+    Freezing,
     Health,
     Lease,
     NodeInventory,
@@ -47,10 +48,10 @@ class FailurePolicy:
 class Frozen:
     """A model whose replicas stay exactly as they are, nothing placed and nothing removed,
     because its intent cannot be trusted to say what is wanted: `blocked` is the record's
-    reason ("invalid-catalog", "invalid-desired", "catalog-deleted"), `detail` what is
-    wrong, `desired` the last count read (None: none ever read)."""
+    reason (one of records.FREEZING), `detail` what is wrong, `desired` the last count read
+    (None: none ever read)."""
 
-    blocked: str
+    blocked: Freezing
     detail: str = ""
     desired: int | None = None
 

@@ -287,7 +287,7 @@ def frozen_plan(snapshot: Snapshot, model_id: str, live: list[Replica]) -> Model
     stored = snapshot.placements.get(model_id)
     rec = frozen_record(
         model_id,
-        frozen.blocked,  # type: ignore[arg-type]
+        frozen.blocked,
         frozen.detail,
         desired=frozen.desired if frozen.desired is not None else placed,
         placed=placed,

@@ -6,7 +6,7 @@ from collections import defaultdict
 from functools import lru_cache
 
 from llmgw.bus.records import Weights
-from llmgw.catalog import WeightsRef
+from llmgw.catalog import WeightsRef, hf_repo
 from llmgw.controller.fabrics import fabric_view
 from llmgw.controller.placement.nodes import Need
 from llmgw.controller.placement.snapshot import Snapshot
@@ -110,7 +110,7 @@ def must_hold(ref: WeightsRef) -> tuple[str, str] | None:
     hold them to run the replica: a requirement, not a preference. None when an engine
     fetches what the node lacks: a `source`, or a key that is a Hugging Face repo id
     ("org/name"), which an agent that does not hold it gives its engine to fetch (the
-    agent's rule: agent/engines/base.py `hf_repo`). A key of another form (a directory name,
+    agent's rule: llmgw/catalog.py `hf_repo`). A key of another form (a directory name,
     a GGUF file stem) and a path are never fetched."""
     return _must_hold(ref.key, ref.path, ref.source)
 
@@ -120,16 +120,9 @@ def _must_hold(key: str | None, path: str | None, source: str | None) -> tuple[s
     if source is not None:
         return None
     if key is not None:
-        return None if _hf_repo_id(key) else ("key", key)
+        return None if hf_repo(key) is not None else ("key", key)
     assert path is not None
     return ("path", path)
-
-
-def _hf_repo_id(key: str) -> bool:
-    parts = key.split(":", 1)[0].split("/")
-    return (
-        len(parts) == 2 and all(parts) and not key.startswith((".", "/", "~")) and "://" not in key
-    )
 
 
 def holds(weights: Weights, kind: str, value: str) -> bool | None:
