@@ -8,17 +8,32 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import aiohttp
 import anyio
+import msgspec
 import pytest
-from router_helpers import chat_body, fake_engines, router_settings, running_router
-from test_router_gateway import _connect, _is, _key, _place, _post, _served, _status, _usage
+from router_helpers import SERVED, chat_body, fake_engines, router_settings, running_router
+from test_router_gateway import (
+    _clear_of_a_minute_s_end,
+    _connect,
+    _is,
+    _key,
+    _place,
+    _post,
+    _served,
+    _status,
+    _usage,
+)
 from waiting import until
 
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, NatsSettings
+from llmgw.bus.counters import ensure_streams
 from llmgw.bus.server import EmbeddedNats, free_port
+from llmgw.cli.status import gather, render
+from llmgw.gateway import credentials
 from llmgw.gateway.gateway import GatewaySettings
 from llmgw.gateway.limiter import LimitSettings
 
@@ -148,3 +163,87 @@ async def test_up_makes_the_streams_so_a_key_written_by_hand_finds_them(tmp_path
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+# --- keys and teams that do not read ---------------------------------------------------------
+
+
+async def _unreadable(r) -> dict[str, float]:
+    return _gauges(await _get(r, "/metrics"), "llmgw_router_unreadable_keys")
+
+
+async def test_a_garbled_key_keeps_its_last_good_limits_and_one_never_read_is_refused(
+    bus: Bus, nats_settings: NatsSettings, engines
+) -> None:
+    await ensure_streams(bus)
+    await _place(bus, engines.start())
+    alice = await _key(bus, "alice", limits=records.Limits(rpm=2), models=[SERVED])
+    async with running_router(connect=_connect(nats_settings), settings=_settings()) as a:
+        await until(lambda: _served(a), timeout=10)
+        await _clear_of_a_minute_s_end()
+        await until(lambda: _is(_status(a, alice), 200), timeout=5)
+        # by hand: the wrong type where the limits go, and a new key that never read
+        revision = await bus.put(keys.apikey("alice"), b'{"name": "alice", "limits": "none"}')
+        carol = credentials.new_secret("carol")
+        carol_hash = msgspec.json.encode(credentials.hash_secret(carol)).decode()
+        await bus.put(
+            keys.apikey("carol"),
+            f'{{"name": "carol", "secrets": [{carol_hash}], "limits": {{"rpm": "lots"}}}}'.encode(),
+        )
+        kept_and_refused = {
+            '{family="apikeys",reading="kept"}': 1.0,
+            '{family="apikeys",reading="refused"}': 1.0,
+        }
+        await until(lambda: _is(_unreadable(a), kept_and_refused), timeout=5)
+        # alice works with her old limit (2 a minute, one spent) and her old models
+        assert await _status(a, alice) == 200
+        status, _, body = await _post(a, chat_body(), alice)
+        assert status == 429 and "key alice" in body["error"]["message"]
+        status, _, body = await _post(a, chat_body(), carol)
+        assert status == 401 and "carol cannot be checked" in body["error"]["message"]
+
+        # a router started since never read alice's good value: neither key grants anything,
+        # and the garbled keys still make keys required
+        async with running_router(connect=_connect(nats_settings), settings=_settings()) as b:
+            await until(lambda: _served(b), timeout=10)
+            assert await _status(b, None) == 401
+            assert await _status(b, alice) == 401
+            assert await _status(b, carol) == 401
+        view = await gather(bus)
+        said = {u.key: u.says() for u in view.unreadable}
+        assert "the key is refused (401)" in said[keys.apikey("alice")]
+        assert f"revision {revision}" in said[keys.apikey("alice")]
+        assert "apikeys.carol" in render(view, time.time())
+        # a good value again: read at once
+        await _key(bus, "carol")
+        await until(lambda: _is(_unreadable(a), {'{family="apikeys",reading="kept"}': 1.0}))
+
+
+async def test_a_garbled_team_keeps_its_last_good_limits_and_one_never_read_refuses_its_keys(
+    bus: Bus, nats_settings: NatsSettings, engines
+) -> None:
+    await ensure_streams(bus)
+    await _place(bus, engines.start())
+    await bus.put(keys.team("ml"), records.Team(team="ml", limits=records.Limits(rpm=2)))
+    dave = await _key(bus, "dave", team="ml")
+    async with running_router(connect=_connect(nats_settings), settings=_settings()) as a:
+        await until(lambda: _served(a), timeout=10)
+        await _clear_of_a_minute_s_end()
+        await until(lambda: _is(_status(a, dave), 200), timeout=5)
+        # a limit below zero: decodes, and is not believed
+        await bus.put(keys.team("ml"), b'{"team": "ml", "limits": {"rpm": -1}}')
+        kept = {'{family="teams",reading="kept"}': 1.0}
+        await until(lambda: _is(_unreadable(a), kept), timeout=5)
+        assert await _status(a, dave) == 200
+        status, _, body = await _post(a, chat_body(), dave)
+        assert status == 429 and "team ml" in body["error"]["message"]
+
+        async with running_router(connect=_connect(nats_settings), settings=_settings()) as b:
+            await until(lambda: _served(b), timeout=10)
+            status, _, body = await _post(b, chat_body(), dave)
+            assert status == 403 and body["error"]["code"] == "team_unreadable"
+            assert "llmgw team show ml" in body["error"]["message"]
+            refused = {'{family="teams",reading="refused"}': 1.0}
+            assert await _unreadable(b) == refused
+        said = {u.key: u.says() for u in (await gather(bus)).unreadable}
+        assert "the team's keys are refused (403)" in said[keys.team("ml")]

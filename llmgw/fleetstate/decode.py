@@ -157,6 +157,9 @@ class FleetRecords:
     unreadable: dict[str, Unreadable] = field(default_factory=dict)
     skipped: trust.SkippedValues = field(default_factory=trust.SkippedValues)
     families: frozenset[str] | None = None
+    # hold the gateway's families too (`llmgw status`, which says what does not read in
+    # them); the fleet's readers (the controller's view) see them as keys not theirs
+    gateway: bool = False
 
     def __post_init__(self) -> None:
         # family -> its table, and which id keys it (None: all of them). The tables are
@@ -183,9 +186,9 @@ class FleetRecords:
     def apply(self, key: str, data: bytes | None, revision: int) -> str | None:
         """Apply one change (`data` None: deleted); returns the key family it touched (None:
         not an llmgw key, or a family not kept here)."""
-        parsed = keys.parse(key) or keys.parse_gateway(key)
+        parsed = keys.parse(key) or (keys.parse_gateway(key) if self.gateway else None)
         if parsed is None:
-            log.debug("ignoring key %s: not an llmgw key", key)
+            log.debug("ignoring key %s: not an llmgw key (or not read here)", key)
             return None
         prefix = parsed.prefix
         if self.families is not None and prefix not in self.families:
