@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import aiohttp
 import anyio
@@ -16,6 +17,7 @@ import msgspec
 import pytest
 from router_helpers import SERVED, chat_body, fake_engines, router_settings, running_router
 from test_router_gateway import (
+    _async,
     _clear_of_a_minute_s_end,
     _connect,
     _is,
@@ -30,7 +32,7 @@ from waiting import until
 
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, NatsSettings
-from llmgw.bus.counters import ensure_streams
+from llmgw.bus.counters import Counters, ensure_streams
 from llmgw.bus.server import EmbeddedNats, free_port
 from llmgw.cli.status import gather, render
 from llmgw.gateway import credentials
@@ -247,3 +249,162 @@ async def test_a_garbled_team_keeps_its_last_good_limits_and_one_never_read_refu
             assert await _unreadable(b) == refused
         said = {u.key: u.says() for u in (await gather(bus)).unreadable}
         assert "the team's keys are refused (403)" in said[keys.team("ml")]
+
+
+# --- limits across two routers while NATS is stopped and started again ------------------------
+
+
+@dataclass
+class _Answer:
+    key: str
+    router: int
+    # when it was sent: before, cut (NATS stopped), known (the routers know it), after (NATS
+    # started again)
+    phase: str
+    status: int
+    code: str | None
+    retry_after: str | None
+
+
+class _Load:
+    """Clients sending one key's requests in a loop to each of the routers, recording every
+    answer with the phase it was sent in."""
+
+    def __init__(self, routers: list, secrets: dict[str, str], per_router: int) -> None:
+        self.routers, self.secrets, self.per_router = routers, secrets, per_router
+        self.phase = "before"
+        self.answers: list[_Answer] = []
+        self.stop = anyio.Event()
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for name in self.secrets:
+                for i, _ in enumerate(self.routers):
+                    for _ in range(self.per_router):
+                        tg.start_soon(self._client, name, i)
+
+    async def _client(self, name: str, i: int) -> None:
+        url = f"{self.routers[i].url}/v1/chat/completions"
+        headers = {"authorization": f"Bearer {self.secrets[name]}"}
+        async with aiohttp.ClientSession() as http:
+            while not self.stop.is_set():
+                phase = self.phase
+                async with http.post(url, json=chat_body(), headers=headers) as resp:
+                    body = await resp.json()
+                    code = (body.get("error") or {}).get("code")
+                    retry = resp.headers.get("retry-after")
+                    self.answers.append(_Answer(name, i, phase, resp.status, code, retry))
+                if resp.status != 200:
+                    await anyio.sleep(0.01)  # refused at once: do not spin
+
+    def admitted(self, key: str, phase: str | None = None, router: int | None = None) -> int:
+        return sum(
+            1
+            for a in self.answers
+            if a.key == key
+            and a.status == 200
+            and (phase is None or a.phase == phase)
+            and (router is None or a.router == router)
+        )
+
+    def of(self, key: str, phase: str, router: int) -> list[_Answer]:
+        return [a for a in self.answers if (a.key, a.phase, a.router) == (key, phase, router)]
+
+
+def _rpm(r, key: str):
+    return r.gateway.limiter._budgets[f"{keys.LIMITS_ROOT}.key.{key}.rpm"]
+
+
+@pytest.mark.parametrize("offline", ["serve", "refuse"])
+async def test_limits_hold_across_two_routers_under_load_while_nats_is_stopped_and_started(
+    bus: Bus, nats_server: EmbeddedNats, nats_settings: NatsSettings, engines, offline: str
+) -> None:
+    await ensure_streams(bus)
+    await _place(bus, engines.start())
+    # alice's shares (5% of 300: 15) run out while NATS is away; carol's (5,000) cannot, so
+    # what stops her router is --limits-offline-for
+    secrets = {
+        "alice": await _key(bus, "alice", limits=records.Limits(rpm=300)),
+        "carol": await _key(bus, "carol", limits=records.Limits(rpm=100_000)),
+    }
+    bob = await _key(bus, "bob")  # no limits: to see that a router has read the keys
+    offline_for = 1.5
+    settings = _settings(share=0.05, offline=offline, serve_offline_for=offline_for)
+    async with (
+        running_router(connect=_connect(nats_settings), settings=settings) as a,
+        running_router(connect=_connect(nats_settings), settings=settings) as b,
+    ):
+        routers = [a, b]
+        for r in routers:
+            await until(lambda r=r: _served(r), timeout=10)
+            await until(lambda r=r: _is(_status(r, bob), 200), timeout=5)
+        for r in routers:
+            await until(lambda r=r: _async(not r.gateway.meter.pending()), timeout=5)
+        before = await _usage(bus)
+        await _clear_of_a_minute_s_end(needs=40)
+        window = int(time.time() // 60)
+        load = _Load(routers, secrets, per_router=4)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load.run)
+            await until(lambda: _async(load.admitted("alice") >= 100), timeout=10)
+
+            load.phase = "cut"
+            nats_server.stop()  # this loop waits until it has exited
+            spent = {key: [_rpm(r, key).spent for r in routers] for key in secrets}
+            # once a router knows it is cut off (it looks every 0.2 s, or a claim fails)
+            await until(lambda: _async(all(r.gateway.limiter.offline_since for r in routers)))
+            load.phase = "known"
+            await anyio.sleep(offline_for + 1.0)
+            # what each router held unspent while cut off: granted by the counter (a claim
+            # answered as the server went is among it) and not spent before the cut
+            unspent = {
+                key: [_rpm(r, key).granted - spent[key][i] for i, r in enumerate(routers)]
+                for key in secrets
+            }
+
+            nats_server.start()
+            load.phase = "after"
+            for i in range(len(routers)):
+                await until(lambda i=i: _async(load.admitted("carol", "after", i) >= 5), timeout=15)
+            await until(lambda: _async(load.of("alice", "after", 0)[5:]), timeout=5)
+            load.stop.set()
+        assert int(time.time() // 60) == window  # the whole run in one minute
+
+        cut = [a for a in load.answers if a.phase in ("cut", "known") and a.status != 200]
+        assert cut and {(x.status, x.code, x.retry_after) for x in cut} == {
+            (503, "limits_unavailable", "1")
+        }
+        # while cut off, each router spent only what it held unspent when NATS went away
+        for key in secrets:
+            for i in range(len(routers)):
+                during = load.admitted(key, "cut", i) + load.admitted(key, "known", i)
+                assert during <= unspent[key][i]
+        if offline == "refuse":  # from when it knew, nothing
+            assert load.admitted("alice", "known") == load.admitted("carol", "known") == 0
+        else:
+            # and only for --limits-offline-for: carol's routers still held shares when
+            # they stopped admitting her
+            for i in range(len(routers)):
+                assert unspent["carol"][i] > load.admitted("carol", "known", i)
+                assert {x.status for x in load.of("carol", "known", i)[-5:]} == {503}
+
+        # NATS is back: the counters hold what the routers were granted, no more, no less
+        for r in routers:
+            await until(lambda r=r: _async(not r.gateway.limiter._owed), timeout=10)
+            await until(lambda r=r: _async(not r.gateway.meter.pending()), timeout=10)
+        counters = Counters(bus_again := await Bus.connect(nats_settings, give_up_after=10))
+        try:
+            for key in secrets:
+                budgets = [_rpm(r, key) for r in routers]
+                assert {x.window for x in budgets} == {window}
+                total = await counters.total(f"{keys.LIMITS_ROOT}.key.{key}.rpm.{window}")
+                assert total == sum(x.granted for x in budgets)
+                assert load.admitted(key) == sum(x.spent for x in budgets) <= total
+            assert load.admitted("alice") <= 300
+            # every admitted request metered once: those counted while NATS was away included
+            usage = await _usage(bus_again)
+            for key in secrets:
+                metered = usage[key, SERVED, "requests"] - before.get((key, SERVED, "requests"), 0)
+                assert metered == load.admitted(key)
+        finally:
+            await bus_again.close()

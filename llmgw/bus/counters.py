@@ -154,6 +154,11 @@ class Counters:
     async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
         """Add `delta` to `subject`'s total and return the new total. With `msg_id`, a second
         add with the same id (a retry) within the duplicate window is not counted again."""
+        if not self.bus.connected:
+            # nats-py would hold the publish while it reconnects and send it after: an add
+            # whose caller gave up on it (a claim timed out, a give-back to be sent again)
+            # would then count once more than the caller knows
+            raise BusUnavailable(f"add to {subject}", Unanswered.NOT_CONNECTED)
         headers = {"Nats-Incr": f"{delta:+d}"}
         if msg_id is not None:
             headers["Nats-Msg-Id"] = msg_id
