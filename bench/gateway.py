@@ -295,27 +295,12 @@ def main() -> None:
         try:
             if args.what == "cost":
                 anyio.run(cost, server.url, args.requests)
-            elif args.http:
-                anyio.run(
-                    accuracy_http,
-                    server.url,
-                    args.routers,
-                    args.clients,
-                    args.seconds,
-                    args.rpm,
-                    args.tpm,
-                    args.tokens,
-                )
             else:
-                anyio.run(
-                    accuracy,
-                    server.url,
-                    args.routers,
-                    args.clients,
-                    args.seconds,
-                    args.rpm,
-                    args.tpm,
-                )
+                common = (server.url, args.routers, args.clients, args.seconds, args.rpm, args.tpm)
+                if args.http:
+                    anyio.run(accuracy_http, *common, args.tokens)
+                else:
+                    anyio.run(accuracy, *common)
         finally:
             server.stop()
 
