@@ -79,7 +79,10 @@ class Unreadable(msgspec.Struct, kw_only=True, frozen=True):
             # read the good one still has it
             return "no good value was read here; a leader that read one keeps it and writes it back"
         if self.reading == "refused" and self.family == keys.TEAMS:
-            return "no good value was read, so the team's keys are refused (403) until one is"
+            return (
+                "no good value was read here: a router that read one keeps it, one that did "
+                "not refuses the team's keys (403)"
+            )
         return _SAYS[self.reading]
 
 
@@ -88,7 +91,8 @@ _SAYS: dict[str, str] = {
     "cordoned": "no good value was read, so the node is taken as cordoned (nothing new placed)",
     "frozen": "no good value was read, so the model is frozen (nothing placed or removed)",
     "absent": "read as absent until its writer writes it again",
-    "refused": "no good value was read, so the key is refused (401) until one is",
+    "refused": "no good value was read here: a router that read one keeps it, one that did "
+    "not refuses the key (401)",
 }
 
 
