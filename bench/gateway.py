@@ -16,15 +16,26 @@ against the limit, and the worst overshoot against the stated bound (docs/securi
 admitted never passes the limit; tokens pass it only by usage beyond a reservation, which
 max_tokens rules out here).
 
+accuracy --http: the same through R real `llmgw router --nats` processes on one
+nats-server, in front of bench/instant_engine.py (answers at once, 4 prompt and --tokens
+completion tokens): the keys are in the bucket, C clients (aiohttp, in this process) spread
+over the routers send chat completions with max_tokens 200. What each minute admitted is
+read from the audit trail afterwards (each record's time is when its router admitted it,
+its tokens the engine's usage), so it is the routers' own count, minute by minute.
+
     .venv/bin/python bench/gateway.py cost [--requests 20000]
     .venv/bin/python bench/gateway.py accuracy [--routers 3] [--clients 200] [--seconds 120]
+    .venv/bin/python bench/gateway.py accuracy --http [--routers 3] [--clients 200] [--seconds 120]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -149,9 +160,20 @@ async def accuracy(
         tg.start_soon(flusher)
         for i in range(clients):
             tg.start_soon(client, i)
-    first, last = int(started // 60) + 1, int(stop // 60) - 1  # whole minutes only
     print(f"{routers} routers, {clients} clients, {seconds:.0f} s; {refused:,} refusals")
+    _per_minute(admitted, started, stop, rpm, tpm)
+    for bus in buses:
+        await bus.close()
+
+
+def _per_minute(
+    admitted: dict[tuple[str, int], list[int]], started: float, stop: float, rpm: int, tpm: int
+) -> None:
+    """Print each whole minute's requests (key "req") and tokens (key "tok") against their
+    limits, the whole minutes together, and the worst overshoot against the stated bound."""
+    first, last = int(started // 60) + 1, int(stop // 60) - 1  # whole minutes only
     worst_req = worst_tok = None
+    reqs = toks = 0
     for minute in range(first, last + 1):
         r = admitted.get(("req", minute), [0, 0])[0]
         t = admitted.get(("tok", minute), [0, 0])[1]
@@ -161,15 +183,96 @@ async def accuracy(
         )
         worst_req = max(worst_req or 0, r - rpm)
         worst_tok = max(worst_tok or 0, t - tpm)
+        reqs, toks = reqs + r, toks + t
     if worst_req is None:
         print("no whole minute in the run: give --seconds of at least 120")
-    else:
-        print(
-            f"worst overshoot: {worst_req} requests, {worst_tok} tokens, against a stated "
-            "bound of 0 for both (docs/security.md)"
-        )
-    for bus in buses:
-        await bus.close()
+        return
+    n = last - first + 1
+    print(
+        f"{n} whole minute(s): {reqs} requests ({reqs / (n * rpm):.3f}x the limit), {toks} "
+        f"tokens ({toks / (n * tpm):.3f}x)"
+    )
+    print(
+        f"worst overshoot: {worst_req} requests, {worst_tok} tokens, against a stated "
+        "bound of 0 for both (docs/security.md)"
+    )
+
+
+async def accuracy_http(
+    url: str, routers: int, clients: int, seconds: float, rpm: int, tpm: int, tokens: int
+) -> None:
+    import aiohttp
+    from router import bench_engine, process  # bench/router.py
+
+    from llmgw import catalog
+
+    bus = await _bus(url, "bench-operator")
+    await ensure_streams(bus)
+    secrets = {n: credentials.new_secret(n) for n in ("req", "tok", "warm")}
+    eport, engine = bench_engine("--tokens", str(tokens))
+    model = catalog.Model(id="m", served_name="bench", endpoints=[f"http://127.0.0.1:{eport}"])
+    await bus.put(keys.catalog("m"), catalog.encode_model(model))
+    for name, limits in (
+        ("req", records.Limits(rpm=rpm)),
+        ("tok", records.Limits(tpm=tpm)),
+        ("warm", records.Limits()),
+    ):
+        await bus.put(keys.apikey(name), _key(name, secrets[name], limits))
+    env = {"LLMGW_LOG_LEVEL": "ERROR"}
+    body = {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
+    with engine, contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(routers):
+            port = free_port()
+            argv = [sys.executable, "-m", "llmgw.cli", "router", "--nats", url]
+            stack.enter_context(process([*argv, "--listen", f"127.0.0.1:{port}"], port, env))
+            ports.append(port)
+        counts: dict[str, int] = {}
+        stop = 0.0
+
+        async def client(http: aiohttp.ClientSession, i: int) -> None:
+            name = "req" if i % 2 == 0 else "tok"
+            url = f"http://127.0.0.1:{ports[i % routers]}/v1/chat/completions"
+            headers = {"authorization": f"Bearer {secrets[name]}"}
+            while time.time() < stop:
+                async with http.post(url, json=body, headers=headers) as resp:
+                    await resp.read()
+                    counts[str(resp.status)] = counts.get(str(resp.status), 0) + 1
+                    if resp.status != 200:
+                        retry = float(resp.headers.get("retry-after", "0.5"))
+                        await anyio.sleep(min(retry, 0.5))
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            for port in ports:  # every router has read the bucket and routes
+                warm = {"authorization": f"Bearer {secrets['warm']}"}
+                with anyio.fail_after(30):
+                    while True:
+                        async with http.post(
+                            f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers=warm
+                        ) as resp:
+                            if resp.status == 200:
+                                break
+                        await anyio.sleep(0.1)
+            started = time.time()
+            stop = started + seconds
+            async with anyio.create_task_group() as tg:
+                for i in range(clients):
+                    tg.start_soon(client, http, i)
+        load = os.getloadavg()
+    admitted: dict[tuple[str, int], list[int]] = {}
+    with anyio.move_on_after(60):
+        async for rec in AuditTrail(bus).read(since=started - 1):
+            if rec.status != 200 or rec.key not in ("req", "tok"):
+                continue
+            c = admitted.setdefault((rec.key, int(rec.time // 60)), [0, 0])
+            c[0] += 1
+            c[1] += rec.prompt_tokens + rec.completion_tokens
+    await bus.close()
+    print(
+        f"{routers} llmgw router processes, {clients} clients, {seconds:.0f} s; answers "
+        f"{dict(sorted(counts.items()))}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
+    _per_minute(admitted, started, stop, rpm, tpm)
 
 
 def main() -> None:
@@ -183,6 +286,8 @@ def main() -> None:
     a.add_argument("--seconds", type=float, default=120.0)
     a.add_argument("--rpm", type=int, default=600)
     a.add_argument("--tpm", type=int, default=20_000)
+    a.add_argument("--http", action="store_true", help="through real `llmgw router` processes")
+    a.add_argument("--tokens", type=int, default=120, help="--http: completion tokens per answer")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-gateway-") as tmp:
         server = EmbeddedNats(data_dir=Path(tmp) / "nats", port=free_port())
@@ -191,15 +296,11 @@ def main() -> None:
             if args.what == "cost":
                 anyio.run(cost, server.url, args.requests)
             else:
-                anyio.run(
-                    accuracy,
-                    server.url,
-                    args.routers,
-                    args.clients,
-                    args.seconds,
-                    args.rpm,
-                    args.tpm,
-                )
+                common = (server.url, args.routers, args.clients, args.seconds, args.rpm, args.tpm)
+                if args.http:
+                    anyio.run(accuracy_http, *common, args.tokens)
+                else:
+                    anyio.run(accuracy, *common)
         finally:
             server.stop()
 

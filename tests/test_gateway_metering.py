@@ -17,6 +17,7 @@ from links import ProxyLink
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, BusError, NatsSettings
 from llmgw.bus.counters import AuditTrail, Counters, ensure_streams
+from llmgw.bus.errors import StreamMissing
 from llmgw.bus.server import EmbeddedNats
 from llmgw.gateway import credentials, usage
 from llmgw.gateway.gateway import Admission, Gateway
@@ -242,5 +243,6 @@ async def test_a_fleet_without_keys_meters_and_audits_nothing(bus: Bus) -> None:
 
 
 async def test_counting_with_no_counter_stream_says_which_stream_and_who_makes_it(bus: Bus) -> None:
-    with pytest.raises(BusError, match="is LLMGW_USAGE missing.*llmgw key create"):
+    with pytest.raises(BusError, match="stream LLMGW_USAGE does not exist.*llmgw key ls") as e:
         await Counters(bus).add(f"{keys.USAGE_ROOT}.2026010100._.k.m.prompt", 1)
+    assert isinstance(e.value, StreamMissing) and e.value.stream == keys.USAGE_STREAM

@@ -7,7 +7,8 @@ cluster, its leader), and the publish's answer carries the new total
 (`{"stream":..., "seq":..., "val":"12"}`); the subject's last message holds it too
 (`{"val":"12"}`). nats-py 2.16 has no helper for it: a request with the header is one.
 
-The operator creates the streams (`ensure_streams`, from `llmgw key|team|audit`); routers
+The operator creates the streams (`ensure_streams`, from `llmgw up` as it starts and from
+`llmgw key|team|audit`); routers
 only add and append (llmgw/bus/permissions.py), and nobody but the operator may purge or
 delete: the audit stream denies both even to it, until it edits the stream.
 """
@@ -27,7 +28,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 
 from . import classify, keys, records
 from .client import Bus
-from .errors import BusError, BusUnavailable, Unanswered
+from .errors import BusError, BusUnavailable, StreamMissing, Unanswered
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,8 @@ async def set_audit_retention(bus: Bus, seconds: float) -> None:
     await classify.answer(bus.js.update_stream(config), "set the audit stream's retention")
 
 
-def _stream_of(subject: str) -> str:
+def stream_of(subject: str) -> str:
+    """The counter stream that takes `subject`."""
     if subject.startswith(keys.USAGE_ROOT + "."):
         return keys.USAGE_STREAM
     if subject.startswith(keys.LIMITS_ROOT + "."):
@@ -152,6 +154,11 @@ class Counters:
     async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
         """Add `delta` to `subject`'s total and return the new total. With `msg_id`, a second
         add with the same id (a retry) within the duplicate window is not counted again."""
+        if not self.bus.connected:
+            # nats-py would hold the publish while it reconnects and send it after: an add
+            # whose caller gave up on it (a claim timed out, a give-back to be sent again)
+            # would then count once more than the caller knows
+            raise BusUnavailable(f"add to {subject}", Unanswered.NOT_CONNECTED)
         headers = {"Nats-Incr": f"{delta:+d}"}
         if msg_id is not None:
             headers["Nats-Msg-Id"] = msg_id
@@ -159,12 +166,7 @@ class Counters:
             answer = await classify.answer(self._request(subject, headers), f"add to {subject}")
         except BusUnavailable as e:
             if e.why is Unanswered.NO_RESPONDERS:  # connected, and no stream takes the subject
-                raise BusUnavailable(
-                    f"add to {subject}",
-                    Unanswered.NO_RESPONDERS,
-                    f"no stream takes it: is {_stream_of(subject)} missing? the operator makes "
-                    "the streams with `llmgw key create`, `llmgw team create` or `llmgw audit`",
-                ) from None
+                raise StreamMissing(f"add to {subject}", stream_of(subject)) from None
             raise
         if answer.get("duplicate"):
             return await self.total(subject)
@@ -184,7 +186,7 @@ class Counters:
         try:
             msg = await classify.answer(
                 self.bus.nc.request(
-                    f"$JS.API.DIRECT.GET.{_stream_of(subject)}.{subject}", b"", timeout=_TIMEOUT
+                    f"$JS.API.DIRECT.GET.{stream_of(subject)}.{subject}", b"", timeout=_TIMEOUT
                 ),
                 f"read {subject}",
             )
@@ -197,7 +199,7 @@ class Counters:
     async def totals(self, filter_subject: str) -> dict[str, int]:
         """Every subject matching `filter_subject` and its total (its last message's)."""
         out: dict[str, int] = {}
-        stream = _stream_of(filter_subject)
+        stream = stream_of(filter_subject)
         async for subject, data in _last_per_subject(self.bus, stream, filter_subject):
             out[subject] = _value(data)
         return out
@@ -265,7 +267,12 @@ class AuditTrail:
             )
             for msg_id, r in batch
         ]
-        await classify.answer(asyncio.gather(*acks), "append to the audit trail")
+        try:
+            await classify.answer(asyncio.gather(*acks), "append to the audit trail")
+        except BusUnavailable as e:
+            if e.why is Unanswered.NO_RESPONDERS:  # connected, and no stream takes it
+                raise StreamMissing("append to the audit trail", keys.AUDIT_STREAM) from None
+            raise
 
     async def read(
         self, *, since: float, key: str | None = None, follow: bool = False

@@ -72,6 +72,21 @@ class BusUnavailable(BusError):
         return self.why is not Unanswered.NOT_CONNECTED
 
 
+class StreamMissing(BusUnavailable):
+    """Connected, and no stream takes the subject: the stream was never made (or was
+    removed). Only the operator makes the gateway's streams (`llmgw up`, `llmgw key ls`);
+    a router cannot, and under mTLS may not."""
+
+    def __init__(self, doing: str, stream: str) -> None:
+        self.stream = stream
+        super().__init__(
+            doing,
+            Unanswered.NO_RESPONDERS,
+            f"stream {stream} does not exist: the operator makes it with `llmgw key ls` "
+            "(or `llmgw up`, which makes the streams as it starts)",
+        )
+
+
 class BusRefused(BusError):
     """JetStream answered the request with an error: `code` (HTTP-like status), `err_code`
     (nats-server's JSErrCode), `description` (its words)."""

@@ -336,15 +336,20 @@ def _team(p: _Problems, t: records.Team) -> None:
     _limits(p, "limits", t.limits)
 
 
-# Written by an operator (catalog, desired, ops) or by the leading controller: intent and
-# decisions. A newer value of one that does not read keeps the last good one wherever it is
-# read (Bus.watch, and llmgw/fleetstate/decode.py, which says what a reader with none takes).
-# Not the leader key: a lease, taken over at its revision when it does not read.
+# Written by an operator (catalog, desired, ops, apikeys, teams) or by the leading
+# controller: intent and decisions. A newer value of one that does not read keeps the last
+# good one wherever it is read (Bus.watch, and llmgw/fleetstate/decode.py, which says what a
+# reader with none takes). A key or team garbled by hand must never grant more than its last
+# good value did: read as absent, a team's limits would vanish, and the bucket's only key
+# would open the fleet. Not the leader key: a lease, taken over at its revision when it
+# does not read.
 KEEPS_LAST_GOOD: frozenset[str] = frozenset(
     {
         keys.CATALOG,
         keys.DESIRED,
         keys.OPS,
+        keys.APIKEYS,
+        keys.TEAMS,
         keys.ROLLOUT,
         keys.SCALE,
         keys.PLACEMENT,
@@ -357,7 +362,7 @@ KEEPS_LAST_GOOD: frozenset[str] = frozenset(
 
 
 def keeps_last_good(key: str) -> bool:
-    parsed = keys.parse(key)
+    parsed = _parsed(key)
     return parsed is not None and parsed.prefix in KEEPS_LAST_GOOD
 
 

@@ -129,11 +129,29 @@ async def change_record(
     raise KeyCommandError(f"{what} kept changing while being written: try again")
 
 
-async def ensure_streams(bus: Bus) -> None:
+async def ensure_streams(bus: Bus) -> list[str]:
+    """Make the gateway's streams that are missing, as many copies as the bucket; the
+    names made."""
     from llmgw.bus.counters import StreamPlan
     from llmgw.bus.counters import ensure_streams as ensure
 
-    await ensure(bus, StreamPlan(replicas=bus.bucket.replicas or 1))
+    return await ensure(bus, StreamPlan(replicas=bus.bucket.replicas or 1))
+
+
+async def _streams_or_say(bus: Bus) -> None:
+    """`llmgw key ls` makes the streams that are missing (the fix routers name when keys
+    were written by hand), and only says so when it may not (not the operator)."""
+    from llmgw.bus.errors import BusError
+
+    try:
+        made = await ensure_streams(bus)
+    except BusError as e:
+        click.echo(f"warning: the gateway's streams could not be checked or made: {e}", err=True)
+        return
+    if made:
+        click.echo(
+            f"made streams {', '.join(made)}: routers limit, meter and audit again", err=True
+        )
 
 
 def _state(k: records.ApiKey, now: float) -> str:
@@ -238,6 +256,7 @@ def ls(team, as_json: bool, nats: NatsSettings, bucket: BucketSettings) -> None:
 
     async def run() -> list[records.ApiKey]:
         async with open_bus(nats, bucket) as bus:
+            await _streams_or_say(bus)
             return await _all_keys(bus)
 
     now = time.time()

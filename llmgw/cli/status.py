@@ -40,7 +40,8 @@ GB = 1_000_000_000  # one unit for sizes everywhere a person reads them (docs/bu
 
 async def gather(bus: Bus, now: float | None = None) -> Fleet:
     """The read model of the bucket as it is now."""
-    r = FleetRecords(skipped=bus.skipped)  # said once per Bus, however often it reads
+    # said once per Bus, however often it reads; keys and teams too, for what does not read
+    r = FleetRecords(skipped=bus.skipped, gateway=True)
     for key, entry in (await bus.list(">", lambda data: data)).items():
         r.apply(key, entry.value, entry.revision)
     return build.fleet(

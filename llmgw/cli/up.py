@@ -216,6 +216,7 @@ async def _run_up_parts(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(drain_then_cancel_on_signal, tg.cancel_scope, drain)
+        await _make_streams(bus)
         await tg.start(Controller(bus).run)
         click.echo("controller running")
         agent = None
@@ -261,6 +262,22 @@ async def _run_up_parts(
         for line in await _earlier_run(bus, agent, cmd):
             click.echo(line)
         await anyio.sleep_forever()
+
+
+async def _make_streams(bus: Bus) -> None:
+    """The gateway's streams (limits, usage, audit), made here as the operator does with
+    `llmgw key|team|audit`: a key written by hand (`nats kv put apikeys.x ...`) then finds
+    them. `llmgw up` is the operator of its own NATS; a router never makes them."""
+    from llmgw.bus.counters import ensure_streams
+    from llmgw.bus.errors import BusError
+
+    try:
+        made = await ensure_streams(bus)
+    except BusError as e:  # an old nats-server, a stream made otherwise: keys work, limits wait
+        click.echo(f"streams for API keys' limits, usage and audit not made: {e}", err=True)
+        return
+    if made:
+        click.echo(f"made streams {', '.join(made)} (API keys' limits, usage and audit)")
 
 
 def _no_engine(cmd: str) -> list[str]:

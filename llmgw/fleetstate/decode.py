@@ -7,7 +7,10 @@ KEEPS_LAST_GOOD) keep their last good value: a typo in `ops.<node>` read as abse
 put replicas back on a drained node while `llmgw status` still printed "cordoned". A reader
 that never read a good value (started since the bad write) takes the family's safe
 reading instead: a node is cordoned, a model frozen (controller/view.py); a controller's
-own records are absent, and the leader writes back the one it kept (or decides it again). Observations (what an agent
+own records are absent, and the leader writes back the one it kept (or decides it again); a
+client key (`apikeys.<name>`) is refused, and a team's keys are refused (`teams.<team>`): a
+key never grants more than its last good value did, and a garbled one never read grants
+nothing. Observations (what an agent
 or a router writes: nodes, leases, shards, load) are absent when they do not read; their
 writer rewrites them at its next heartbeat or change.
 
@@ -45,12 +48,15 @@ CONTROLLER_WRITES: frozenset[str] = frozenset(
 )
 # the model of a catalog entry or count that does not read is frozen (View.frozen), kept or not
 FREEZES_MODEL: frozenset[str] = frozenset({keys.CATALOG, keys.DESIRED})
+# the gateway's records (the operator's), read by routers: with no good value, nothing granted
+REFUSES: frozenset[str] = frozenset({keys.APIKEYS, keys.TEAMS})
 
 # What a reader does with a value that does not read:
 # kept: the last good value; cordoned: the node takes nothing new (ops, nothing kept);
 # frozen: nothing placed or removed for the model (catalog, desired, nothing kept);
-# absent: as if deleted (observations, and the controller's records it will write again).
-Reading = Literal["kept", "cordoned", "frozen", "absent"]
+# absent: as if deleted (observations, and the controller's records it will write again);
+# refused: a client key refused (401), a team's keys refused (403) (apikeys, teams, nothing kept).
+Reading = Literal["kept", "cordoned", "frozen", "absent", "refused"]
 
 
 class Unreadable(msgspec.Struct, kw_only=True, frozen=True):
@@ -72,6 +78,11 @@ class Unreadable(msgspec.Struct, kw_only=True, frozen=True):
             # a reader started since the bad write (`llmgw status`): the controller that
             # read the good one still has it
             return "no good value was read here; a leader that read one keeps it and writes it back"
+        if self.reading == "refused" and self.family == keys.TEAMS:
+            return (
+                "no good value was read here: a router that read one keeps it, one that did "
+                "not refuses the team's keys (403)"
+            )
         return _SAYS[self.reading]
 
 
@@ -80,6 +91,8 @@ _SAYS: dict[str, str] = {
     "cordoned": "no good value was read, so the node is taken as cordoned (nothing new placed)",
     "frozen": "no good value was read, so the model is frozen (nothing placed or removed)",
     "absent": "read as absent until its writer writes it again",
+    "refused": "no good value was read here: a router that read one keeps it, one that did "
+    "not refuses the key (401)",
 }
 
 
@@ -109,7 +122,9 @@ def settle(
         return cordoned, Unreadable(
             key=key, family=family, revision=revision, why=why, reading="cordoned"
         )
-    reading: Reading = "frozen" if family in FREEZES_MODEL else "absent"
+    reading: Reading = (
+        "frozen" if family in FREEZES_MODEL else "refused" if family in REFUSES else "absent"
+    )
     return None, Unreadable(key=key, family=family, revision=revision, why=why, reading=reading)
 
 
@@ -148,12 +163,17 @@ class FleetRecords:
     rollouts: dict[str, records.Rollout] = field(default_factory=dict)
     scales: dict[str, records.Scale] = field(default_factory=dict)  # the autoscaler's counts
     loads: dict[str, records.RouterLoad] = field(default_factory=dict)  # router -> its load
+    apikeys: dict[str, records.ApiKey] = field(default_factory=dict)  # the operator's client keys
+    teams: dict[str, records.Team] = field(default_factory=dict)
     leader: records.Leader | None = None
     leader_rev: int = 0
     # keys whose newest value does not read, and what is read instead
     unreadable: dict[str, Unreadable] = field(default_factory=dict)
     skipped: trust.SkippedValues = field(default_factory=trust.SkippedValues)
     families: frozenset[str] | None = None
+    # hold the gateway's families too (`llmgw status`, which says what does not read in
+    # them); the fleet's readers (the controller's view) see them as keys not theirs
+    gateway: bool = False
 
     def __post_init__(self) -> None:
         # family -> its table, and which id keys it (None: all of them). The tables are
@@ -173,20 +193,22 @@ class FleetRecords:
             keys.ROLLOUT: (self.rollouts, 0),
             keys.SCALE: (self.scales, 0),
             keys.LOAD: (self.loads, 0),
+            keys.APIKEYS: (self.apikeys, 0),
+            keys.TEAMS: (self.teams, 0),
         }
 
     def apply(self, key: str, data: bytes | None, revision: int) -> str | None:
         """Apply one change (`data` None: deleted); returns the key family it touched (None:
         not an llmgw key, or a family not kept here)."""
-        parsed = keys.parse(key)
+        parsed = keys.parse(key) or (keys.parse_gateway(key) if self.gateway else None)
         if parsed is None:
-            log.debug("ignoring key %s: not an llmgw key", key)
+            log.debug("ignoring key %s: not an llmgw key (or not read here)", key)
             return None
         prefix = parsed.prefix
         if self.families is not None and prefix not in self.families:
             return None
         if prefix not in self._tables and prefix != keys.LEADER:
-            return None  # a family the fleet's records do not hold (the gateway's keys)
+            return None  # a family the fleet's records do not hold
         if self.unreadable:
             self.unreadable.pop(key, None)
         if prefix == keys.LEADER:
@@ -220,7 +242,7 @@ class FleetRecords:
 
     def value_of(self, key: str) -> Any:
         """The value held for `key` (the last good one of a key that does not read)."""
-        parsed = keys.parse(key)
+        parsed = keys.parse(key) or keys.parse_gateway(key)
         if parsed is None or parsed.prefix not in self._tables:
             return None
         table, k = self._slot(parsed.prefix, parsed.ids)

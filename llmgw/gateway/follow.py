@@ -9,17 +9,13 @@ from typing import Any
 
 import anyio
 
-from llmgw.bus import keys, records
+from llmgw.bus import keys
 
 from .gateway import Gateway
 
 log = logging.getLogger(__name__)
 
 CHECK_EVERY = 0.2  # how often the connection is looked at; a cut-off counts from then
-
-
-def _decoder(type_: type) -> Any:
-    return lambda data: records.decode(data, type_)
 
 
 async def follow(bus: Any, gateway: Gateway) -> None:
@@ -32,10 +28,12 @@ async def follow(bus: Any, gateway: Gateway) -> None:
         synced: set[str] = set()
         async with anyio.create_task_group() as tg:
 
-            async def watch(prefix: str, type_: type, synced: set[str] = synced) -> None:
-                async for item in bus.watch(keys.pattern(prefix), _decoder(type_)):
+            async def watch(prefix: str, synced: set[str] = synced) -> None:
+                # the bytes as stored: the table reads them (a value that does not read
+                # keeps the last good one, or grants nothing: llmgw/gateway/table.py)
+                async for item in bus.watch(keys.pattern(prefix), _as_stored):
                     if hasattr(item, "key"):
-                        gateway.apply(item.key, item.value)
+                        gateway.table.apply_raw(item.key, item.value, item.revision)
                         continue
                     synced.add(prefix)  # Synced: the watch has replayed the bucket
                     if len(synced) == 2:
@@ -52,10 +50,14 @@ async def follow(bus: Any, gateway: Gateway) -> None:
                                 "(`llmgw key create NAME` to require keys)",
                             )
 
-            tg.start_soon(watch, keys.APIKEYS, records.ApiKey)
-            tg.start_soon(watch, keys.TEAMS, records.Team)
+            tg.start_soon(watch, keys.APIKEYS)
+            tg.start_soon(watch, keys.TEAMS)
             await _until_reconnected(bus, gateway)
             tg.cancel_scope.cancel()
+
+
+def _as_stored(data: bytes) -> bytes:
+    return data
 
 
 async def _until_reconnected(bus: Any, gateway: Gateway) -> None:

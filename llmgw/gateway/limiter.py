@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from llmgw.bus import keys
+from llmgw.bus.errors import StreamMissing
 from llmgw.errors import LlmgwError
 
 from . import refusals
@@ -159,6 +160,7 @@ class Limiter:
         self._low: set[str] = set()  # budgets whose share runs low: topped up by prefetch
         self._wake = asyncio.Event()
         self.offline_since: float | None = None
+        self.offline_why = "they did not answer"  # said in the 503 while they are away
         self._last_attempt = 0.0
 
     # --- which limits apply ------------------------------------------------------------
@@ -308,7 +310,7 @@ class Limiter:
             )
         if self.offline_since is not None and self.settings.offline == "refuse":
             if not await self._answering(needs[0].budget, now):
-                return refusals.limits_unavailable("they did not answer")
+                return refusals.limits_unavailable(self.offline_why)
         spent: list[_Need] = []
         short = []
         for n in needs:
@@ -318,7 +320,7 @@ class Limiter:
             spent += [n for n, ok in zip(short, results, strict=True) if ok]
             if None in results:  # the counters are away
                 self._undo(spent)
-                return refusals.limits_unavailable("they did not answer")
+                return refusals.limits_unavailable(self.offline_why)
             if False in results:
                 self._undo(spent)
                 return self._refusal(short[results.index(False)], now)
@@ -385,6 +387,8 @@ class Limiter:
     def _went_offline(self, now: float, e: BaseException) -> None:
         if self.offline_since is None:
             self.offline_since = now
+            # a stream that does not exist is named, with its fix, to the client too
+            self.offline_why = e.detail if isinstance(e, StreamMissing) else "they did not answer"
             log.warning(
                 "rate-limit counters not answering (%s): %s",
                 e or type(e).__name__,

@@ -110,6 +110,18 @@ def not_allowed(model: str, allowed: list[str]) -> Refusal:
     )
 
 
+def team_unreadable(key: str, team: str) -> Refusal:
+    """A key of a team whose record does not read and was never read good here: its limits
+    and models are unknown, so nothing is granted (llmgw/gateway/table.py)."""
+    return Refusal(
+        403,
+        "invalid_request_error",
+        "team_unreadable",
+        f"API key {key} belongs to team {team}, whose record in the bucket does not read, so "
+        f"nothing is granted to its keys (the operator fixes it: `llmgw team show {team}`)",
+    )
+
+
 def rate_limited(
     scope: str, what: str, limit: int, retry_after: float, rate: RateHeaders | None
 ) -> Refusal:

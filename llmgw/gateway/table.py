@@ -6,19 +6,32 @@ request, so an expired key fails on a router cut off from NATS too. A revocation
 router through its watch (milliseconds); a router cut off from NATS cannot hear of one, so
 it serves the keys it knows for `serve_known_for` seconds after it was cut off (default
 300) and then refuses every key with 503 until its watch is back.
+
+A value of `apikeys.<name>` or `teams.<team>` that does not read (garbled by hand, the wrong
+type, a name that is not its key's) keeps the last good value the table read
+(llmgw/fleetstate/decode.py, the one decoder): a key keeps working with its old limits and
+models, a team's keys keep its old limits. One never read good grants nothing: the key is
+refused (401), the team's keys are refused (403); and a key that does not read counts as a
+key, so a fleet whose only key is garbled still requires keys. `unreadable` holds them (the
+log, `llmgw_router_unreadable_keys`, `llmgw status`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from llmgw.bus import keys, records
+from llmgw.bus import keys, records, trust
 from llmgw.bus.records import ApiKey, Team
+from llmgw.fleetstate.decode import Unreadable, settle
 
 from . import credentials, refusals
 from .refusals import Refusal
+
+log = logging.getLogger(__name__)
 
 SERVE_KNOWN_FOR = 300.0
 # secrets already checked against the record they matched: a request with one costs a dict
@@ -82,8 +95,39 @@ class KeyTable:
         self._cut_off_since: float | None = None
         self._checked: dict[str, tuple[ApiKey, records.SecretHash]] = {}
         self._identities: dict[str, Identity] = {}  # one per key, while its records hold
+        # keys whose newest value does not read, and what is read instead (kept or refused)
+        self.unreadable: dict[str, Unreadable] = {}
+        self._refused_keys: set[str] = set()  # names: garbled, never read good
+        self._refused_teams: set[str] = set()
+        self.skipped = trust.SkippedValues()
 
     # --- fed by the watch --------------------------------------------------------------
+
+    def apply_raw(self, key: str, data: bytes | None, revision: int) -> None:
+        """One update of the watch as stored (None: deleted), read by the bucket's one
+        decoder: a value that does not read keeps the last good one, or grants nothing."""
+        parsed = keys.parse_gateway(key)
+        if parsed is None:
+            return
+        name = parsed.ids[0]
+        refused = self._refused_keys if parsed.prefix == keys.APIKEYS else self._refused_teams
+        self.unreadable.pop(key, None)
+        refused.discard(name)
+        if data is None:
+            self.apply(key, None)
+            return
+        held = self._keys if parsed.prefix == keys.APIKEYS else self._teams
+        value, problem = settle(parsed, key, data, revision, held.get(name))
+        if problem is not None:
+            self.unreadable[key] = problem
+            self.skipped.skipped(log, key, revision, f"{problem.why}; {problem.instead()}")
+            if value is None:
+                refused.add(name)
+        self.apply(key, value)
+
+    def unreadable_counts(self) -> dict[tuple[str, str], int]:
+        """(family, reading) -> keys whose newest value does not read."""
+        return dict(Counter((u.family, u.reading) for u in self.unreadable.values()))
 
     def apply(self, key: str, value: object) -> None:
         """One update of the watch: a record, or None when the key was deleted."""
@@ -116,8 +160,8 @@ class KeyTable:
 
     @property
     def enabled(self) -> bool:
-        """Keys are required once the bucket holds any."""
-        return bool(self._keys)
+        """Keys are required once the bucket holds any (one that does not read counts)."""
+        return bool(self._keys) or bool(self._refused_keys)
 
     def key(self, name: str) -> ApiKey | None:
         return self._keys.get(name)
@@ -147,12 +191,20 @@ class KeyTable:
             return refusals.unauthenticated("no API key given")
         record = self._match(secret, now)
         if record is None:
+            name = credentials.name_of(secret) if self._refused_keys else None
+            if name in self._refused_keys:
+                return refusals.unauthenticated(
+                    f"API key {name} cannot be checked: its record in the bucket does not read "
+                    f"(the operator fixes it: `llmgw key show {name}`)"
+                )
             return refusals.unauthenticated("incorrect API key provided")
         if record.revoked_at is not None and now >= record.revoked_at:
             return refusals.unauthenticated(f"API key {record.name} was revoked")
         if record.expires_at is not None and now >= record.expires_at:
             return refusals.unauthenticated(f"API key {record.name} has expired")
         team = self._teams.get(record.team) if record.team else None
+        if team is None and record.team in self._refused_teams:
+            return refusals.team_unreadable(record.name, record.team)
         known = self._identities.get(record.name)
         if known is not None and known.key is record and known.team is team:
             return known

@@ -99,6 +99,16 @@ class RouterMetrics:
         from the bucket (a key's record), models from the catalog: never from a client."""
         self.registry.register(_TokensCollector(tokens))
 
+    def gateway_from(
+        self,
+        streams: Callable[[], Mapping[str, int]],
+        unreadable: Callable[[], Mapping[tuple[str, str], int]],
+    ) -> None:
+        """`llmgw_router_streams_missing{stream}` (1: the gateway's adds found no such
+        stream) and `llmgw_router_unreadable_keys{family,reading}` (keys of `apikeys.*` and
+        `teams.*` whose newest value does not read), read at every scrape."""
+        self.registry.register(_GatewayCollector(streams, unreadable))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -203,3 +213,35 @@ class _TokensCollector:
             for kind, n in zip(("prompt", "completion", "cached"), counts, strict=True):
                 c.add_metric([model, team, kind], n)
         yield c
+
+
+class _GatewayCollector:
+    def __init__(
+        self,
+        streams: Callable[[], Mapping[str, int]],
+        unreadable: Callable[[], Mapping[tuple[str, str], int]],
+    ) -> None:
+        self._streams = streams
+        self._unreadable = unreadable
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            "llmgw_router_streams_missing",
+            "1 for each of the gateway's streams this router's adds found missing (the "
+            "operator makes them: `llmgw key ls` or `llmgw up`); limited keys then get what "
+            "--limits-offline says",
+            labels=["stream"],
+        )
+        for stream, missing in sorted(self._streams().items()):
+            g.add_metric([stream], missing)
+        yield g
+        u = GaugeMetricFamily(
+            "llmgw_router_unreadable_keys",
+            "Keys of apikeys.* and teams.* whose newest value does not read, by family and "
+            "what the router reads instead (kept: its last good value; refused: none was "
+            "read, so the key, or the team's keys, are refused)",
+            labels=["family", "reading"],
+        )
+        for (family, reading), n in sorted(self._unreadable().items()):
+            u.add_metric([family, reading], n)
+        yield u

@@ -23,10 +23,11 @@ import anyio
 
 from llmgw import catalog
 from llmgw.bus import keys
-from llmgw.bus.errors import BusError
+from llmgw.bus.errors import BusError, StreamMissing
 from llmgw.errors import LlmgwError
 from llmgw.gateway.follow import follow
 from llmgw.gateway.gateway import Gateway, GatewaySettings
+from llmgw.gateway.streams import StreamsSeen
 from llmgw.keyfiles import read_key
 from llmgw.router.balancer import Balancer, BalancerSettings
 from llmgw.router.gate import Gate
@@ -120,6 +121,7 @@ class Router:
         self.server: HttpServer | None = None
         self.draining = False
         self.gateway: Gateway | None = None  # a bucket-fed router's, made when it serves
+        self.streams: StreamsSeen | None = None  # the gateway's streams its adds found missing
 
     @property
     def router_id(self) -> str:
@@ -174,9 +176,12 @@ class Router:
                 "--api-keys-file to use them"
             )
         elif connect is not None and self.gate is None:
+            limits = s.gateway.limits
+            self.streams = StreamsSeen(limits.offline, limits.serve_offline_for)
             self.gateway = Gateway(self.router_id, _BusCounter(self), _BusAudit(self), s.gateway)
             self.gate = GatewayGate(self.gateway)
             self.metrics.tokens_from(lambda: self.gateway.tokens if self.gateway else {})
+            self.metrics.gateway_from(self.streams.state, self._unreadable_keys)
         pool = UpstreamPool(s.upstream)
         probe_pool = UpstreamPool(
             UpstreamSettings(
@@ -279,7 +284,13 @@ class Router:
             else:
                 out["nats"] = "connected" if self.bus.connected else "reconnecting"
             out["bucket_read"] = self.table.synced
+        if self.streams is not None and self.streams.missing:
+            out["streams_missing"] = sorted(self.streams.missing)
         return out
+
+    def _unreadable_keys(self) -> dict[tuple[str, str], int]:
+        """(family, reading) -> keys of apikeys.* / teams.* whose newest value does not read."""
+        return self.gateway.table.unreadable_counts() if self.gateway is not None else {}
 
     async def _count_endpoints(self) -> None:
         while True:
@@ -335,18 +346,28 @@ class Router:
 
 
 class _BusCounter:
-    """The counter streams (limits, usage) on the router's Bus, once it is connected."""
+    """The counter streams (limits, usage) on the router's Bus, once it is connected; which
+    streams are missing is told to the router's StreamsSeen."""
 
     def __init__(self, router: Router) -> None:
         self._router = router
 
     async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
-        from llmgw.bus.counters import Counters
+        from llmgw.bus.counters import Counters, stream_of
 
         bus = self._router.bus
         if bus is None:
             raise BusError("the router is not connected to NATS yet")
-        return await Counters(bus).add(subject, delta, msg_id)
+        seen = self._router.streams
+        try:
+            total = await Counters(bus).add(subject, delta, msg_id)
+        except StreamMissing as e:
+            if seen is not None:
+                seen.lacking(e.stream)
+            raise
+        if seen is not None and seen.missing:
+            seen.found(stream_of(subject))
+        return total
 
 
 class _BusAudit:
@@ -361,4 +382,12 @@ class _BusAudit:
         bus = self._router.bus
         if bus is None:
             raise BusError("the router is not connected to NATS yet")
-        await AuditTrail(bus).append(batch)
+        seen = self._router.streams
+        try:
+            await AuditTrail(bus).append(batch)
+        except StreamMissing as e:
+            if seen is not None:
+                seen.lacking(e.stream)
+            raise
+        if seen is not None and seen.missing:
+            seen.found(keys.AUDIT_STREAM)
