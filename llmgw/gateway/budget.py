@@ -12,7 +12,10 @@ claiming (llmgw/gateway/limiter.py).
 
 In flight (`max_parallel`) is a budget whose window is also a minute, but what a router
 holds carries into the next window and is claimed again there: a router that stops
-(crashes) holds nothing in the next window. A request that was admitted before a window
+(crashes) holds nothing in the next window. Places no longer held go back to the counter
+at each flush, but for one share kept idle while the router holds any (`surplus`): under
+steady load a request takes a place without a round trip, and another router can be
+refused while at most one share per router is idle. A request that was admitted before a window
 changed is never cut, so in flight can pass its limit by what was held across a window
 change that the new window could not take back (said in docs/security.md).
 """
@@ -136,11 +139,15 @@ class Budget:
         return max(0, self.limit - self.total + (self.granted - self.spent))
 
     def surplus(self) -> int:
-        """In flight: places claimed and no longer held, which other routers may need."""
-        if not self.carries or self.granted <= self.spent:
+        """In flight: places claimed and not held, which other routers may need. While this
+        router holds any, it keeps one share of idle places (the next requests take them
+        without a claim); holding none, it keeps none."""
+        if not self.carries:
             return 0
-        surplus = self.granted - self.spent
-        self.granted = self.spent
+        surplus = self.granted - self.spent - (self.share if self.spent else 0)
+        if surplus <= 0:
+            return 0
+        self.granted -= surplus
         return surplus
 
 
