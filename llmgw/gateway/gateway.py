@@ -90,6 +90,10 @@ class Admission:
         rate = self.held.rate() if self.held is not None else None
         return rate.headers() if rate is not None else {}
 
+    def header_pairs(self) -> tuple[tuple[bytes, bytes], ...]:
+        """`headers()` as an answer's head carries them."""
+        return self.held.header_pairs() if self.held is not None else ()
+
     def progress_now(self, completion_tokens: int) -> bool:
         """`progress` for a relay that cannot await: charged from the shares held, or all
         the same (added to the counters in the background); False once a limit is passed."""

@@ -179,7 +179,7 @@ class MeteredTicket:
 
     def answering(self, replica: str) -> tuple[tuple[bytes, bytes], ...]:
         self.meter.replica = replica or None
-        return tuple((k.encode(), v.encode()) for k, v in self.meter.admission.headers().items())
+        return self.meter.admission.header_pairs()
 
     def chunk(self, data: bytes) -> bytes | None:
         meter = self.meter
