@@ -249,6 +249,20 @@ async def test_requests_in_flight_take_places_without_a_claim_in_steady_state(
         assert waited == 0
 
 
+async def test_a_request_that_could_never_fit_its_tightest_limit_is_told_to_lower_max_tokens(
+    streams: Bus, nats_settings: NatsSettings
+) -> None:
+    secret = credentials.new_secret("k1")
+    team = records.Team(team="t1", limits=records.Limits(tpm=100))
+    async with router(nats_settings, Clock(), _key(secret, tpm=1000, rpm=10), team) as (_, a):
+        fits = await a.admit(authorization=f"Bearer {secret}", model="m", max_tokens=90)
+        assert isinstance(fits, Admission)
+        never = await a.admit(authorization=f"Bearer {secret}", model="m", max_tokens=150)
+        assert isinstance(never, Refusal) and never.status == 429
+        assert "needs 150 tokens" in never.message and "team t1 may use 100" in never.message
+        assert never.retry_after is None  # no wait helps
+
+
 async def test_a_day_quota_answers_insufficient_quota_and_a_key_model_limit_applies_per_model(
     streams: Bus, nats_settings: NatsSettings
 ) -> None:

@@ -130,6 +130,15 @@ class Budget:
         self.total = total - back
         return back
 
+    def running_low(self) -> bool:
+        """Less than half a share left here, and the limit not all claimed: time to top up
+        ahead of need (in flight excepted: its idle places are kept at each flush)."""
+        return (
+            not self.carries
+            and self.granted - self.spent < self.share / 2
+            and self.total < self.limit
+        )
+
     def fits(self, units: int) -> bool:
         """Could `units` ever be spent in one window?"""
         return units <= self.limit

@@ -77,13 +77,9 @@ class Plan:
         self.tokens = [b for b, _ in budgets if b.dimension is Dimension.TOKENS]
         # the most tokens, and requests, that fit in one window of every budget
         self.cap_units = (
-            min((b.limit for b in budgets_of(budgets, tokens=True)), default=None),
-            min((b.limit for b in budgets_of(budgets, tokens=False)), default=None),
+            min((b.limit for b, _ in budgets if b.tokens), default=None),
+            min((b.limit for b, _ in budgets if not b.tokens), default=None),
         )
-
-
-def budgets_of(budgets: list[tuple[Budget, str]], *, tokens: bool) -> list[Budget]:
-    return [b for b, _ in budgets if b.tokens is tokens]
 
 
 class Held:
@@ -335,8 +331,7 @@ class Limiter:
                     return self._refusal(_Need(b, units, scope), now)  # all claimed
                 return None
             taken.append((b, b.window, units))
-            if b.granted - b.spent < b.share / 2 and b.total < b.limit and not b.carries:
-                low = True
+            low = low or b.running_low()
         if low:
             self._running_low(plan)
         return Held(self, taken, tokens, plan, now)
@@ -360,7 +355,7 @@ class Limiter:
         """Have `prefetch` top up the shares of `plan` that run low (in flight excepted:
         its idle places are kept a share ahead at each flush, budget.surplus)."""
         for b, _ in plan.budgets:
-            if not b.carries and b.granted - b.spent < b.share / 2 and b.total < b.limit:
+            if b.running_low():
                 self._low.add(b.subject)
         if self._low:
             self._wake.set()
