@@ -86,7 +86,18 @@ class UsageReader:
 
 
 class GatewayTicket:
-    """An admitted request as the router's relay sees it (router/gate.py's Ticket)."""
+    """An admitted request as the router's relay sees it (router/gate.py's Ticket reads
+    each chunk through it: router/keygate.py's MeteredTicket is one)."""
+
+    __slots__ = (
+        "admission",
+        "reader",
+        "prompt_estimate",
+        "replica",
+        "over",
+        "_created",
+        "_first",
+    )
 
     def __init__(self, admission: Admission, *, stream: bool, prompt_estimate: int = 0) -> None:
         self.admission = admission
@@ -97,12 +108,16 @@ class GatewayTicket:
         self._created = time.monotonic()  # ttft is a span: measured on the monotonic clock
         self._first: float | None = None
 
-    def chunk(self, data: bytes) -> None:
+    def chunk(self, data: bytes) -> bytes | None:
+        """A piece of the answer as relayed: `data`, or None once a limit refuses the
+        stream more tokens (`over`: the router ends it there)."""
         if self._first is None:
             self._first = time.monotonic()
-        self.reader.feed(data)
-        if self.reader.stream and not self.over:
-            self.over = not self.admission.progress_now(self.reader.events)
+        reader = self.reader
+        reader.feed(data)
+        if reader.stream and not self.over:
+            self.over = not self.admission.progress_now(reader.events)
+        return None if self.over else data
 
     def settle(self, status: int, outcome: str) -> None:
         ttft = None if self._first is None else self._first - self._created
