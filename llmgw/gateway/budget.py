@@ -24,7 +24,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum, StrEnum
+
+
+class Spent(Enum):
+    """What `Budget.spend_now` did."""
+
+    SPENT = "spent"
+    SPENT_LOW = "spent, and the share runs low"  # time to top it up ahead of need
+    SHORT = "holds too little: a claim is due"
+
+
+SPENT, SPENT_LOW, SHORT = Spent.SPENT, Spent.SPENT_LOW, Spent.SHORT
 
 
 class Dimension(StrEnum):
@@ -129,6 +140,17 @@ class Budget:
         self.granted += asked - back
         self.total = total - back
         return back
+
+    def spend_now(self, units: int, now: float) -> Spent:
+        """`roll` to `now`, then `try_spend`, and whether the share now runs low: the
+        request path's one call per limit."""
+        window = int(now // self.window_s)
+        if window != self.window:
+            self.roll(now)
+        if self.spent + units > self.granted:
+            return SHORT
+        self.spent += units
+        return SPENT_LOW if self.running_low() else SPENT
 
     def running_low(self) -> bool:
         """Less than half a share left here, and the limit not all claimed: time to top up

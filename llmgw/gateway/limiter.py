@@ -26,7 +26,7 @@ from llmgw.bus import keys
 from llmgw.errors import LlmgwError
 
 from . import refusals
-from .budget import Budget, Dimension
+from .budget import SHORT, SPENT_LOW, Budget, Dimension
 from .refusals import RateHeaders, Refusal
 from .table import Identity
 
@@ -322,16 +322,17 @@ class Limiter:
         taken = []
         low = False
         for b, scope in plan.budgets:  # the request path: plain tuples, no objects per limit
-            b.roll(now)
             units = tokens if b.tokens else 1
-            if not b.try_spend(units):
-                for spent, window, n in taken:
-                    spent.give_back(n, window)
+            spent = b.spend_now(units, now)
+            if spent is SHORT:
+                for held, window, n in taken:
+                    held.give_back(n, window)
                 if not b.carries and b.total >= b.limit:
                     return self._refusal(_Need(b, units, scope), now)  # all claimed
                 return None
             taken.append((b, b.window, units))
-            low = low or b.running_low()
+            if spent is SPENT_LOW:
+                low = True
         if low:
             self._running_low(plan)
         return Held(self, taken, tokens, plan, now)
