@@ -339,8 +339,8 @@ class Gateway:
     # --- what is sent in the background ------------------------------------------------
 
     def audit(self, record: AuditRecord) -> None:
-        """Queue a request's record; past `audit_queue` waiting, the oldest is dropped (and
-        counted)."""
+        """Queue a request's record; past `audit_queue` waiting, the oldest not yet in a
+        message being sent is dropped, and counted."""
         if len(self._audit) + self._audit_sending_records >= self.settings.audit_queue:
             self.audit_dropped += 1
             if not self._audit:
