@@ -77,7 +77,7 @@ async def cost(url: str, n: int) -> None:
     async def one(g: Gateway) -> None:
         a = await g.admit(authorization=header, model="m", prompt_chars=400, max_tokens=100)
         assert isinstance(a, Admission), a
-        a.headers()
+        a.header_pairs()  # what the router adds to the answer
         a.finish(status=200, usage=Usage(100, 50))
 
     results: dict[str, tuple[float, float]] = {}

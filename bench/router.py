@@ -22,7 +22,9 @@ Sections:
             tokens, tokens a day and in flight; every request authenticated, charged,
             metered and audited) against the same router with none (a bucket without keys),
             against an engine that answers at once, in alternating rounds: added p50 at
-            concurrency 1 and the throughput ratio at 256 (BENCH_KEYS_ROUNDS, _SECONDS);
+            concurrency 1 and the throughput ratio at 256 (BENCH_KEYS_ROUNDS, _SECONDS); then
+            the ratio at 256 against an engine that answers after its service time
+            (BENCH_KEYS_SERVICE, seconds, comma-separated; 0.05 by default);
 - balance:  a simulation of exact least-in-flight against power-of-two choices and random
             (the same arrivals and service times for each);
 - affinity: a multi-turn chat workload over 4 real llama-servers (the tiny model, built by
@@ -370,49 +372,87 @@ def _until_routed(port: int, headers: dict[str, str]) -> None:
     raise SystemExit(f"the router on {port} does not route bench")
 
 
+def _keys_rounds(
+    tmp: Path, schedule: tuple[str, ...], concurrencies: tuple[int, ...], rounds: int, seconds: int
+) -> dict[tuple[str, int], list[dict[str, float]]]:
+    """wrk against three routers on one engine (`schedule`: bench/instant_engine.py's
+    options), one without keys ("off"), one with a key limited four ways ("on"), one with
+    a key and no limits ("key"), in alternating rounds at each concurrency."""
+    eport, engine = bench_engine(*schedule)
+    results: dict[tuple[str, int], list[dict[str, float]]] = {}
+    with engine, contextlib.ExitStack() as stack:
+        routers = {}
+        for name, key in (("off", ""), ("on", "limited"), ("key", "unlimited")):
+            secret, server, port, rt = _bucket_router(tmp, f"{name}-{eport}", eport, key)
+            stack.callback(server.stop)
+            stack.enter_context(rt)
+            auth = {"Authorization": f"Bearer {secret}"} if key else {}
+            _until_routed(port, {"Content-Type": "application/json", **auth})
+            routers[name] = (port, auth)
+        for c in concurrencies:
+            for port, auth in routers.values():
+                wrk(port, c, 2, CHAT, auth)  # warm: connections, the first claims
+            for _ in range(rounds):
+                for name, (port, auth) in routers.items():
+                    results.setdefault((name, c), []).append(wrk(port, c, seconds, CHAT, auth))
+    return results
+
+
+_KEYED = (("on", "a key with all four limits"), ("key", "a key, no limits"))
+
+
+def _ratios(results: dict, name: str, c: int) -> tuple[dict[str, float], list[float]]:
+    rps = {n: statistics.median(r["rps"] for r in results[n, c]) for n in ("off", name)}
+    ratios = [
+        on["rps"] / off["rps"] for off, on in zip(results["off", c], results[name, c], strict=True)
+    ]
+    return rps, ratios
+
+
 def section_keys(tmp: Path) -> None:
     print("\n## Keys and limits on, against the same router with none (engine answers at once)")
     if not need_wrk():
         return
     rounds = int(os.environ.get("BENCH_KEYS_ROUNDS", "5"))
     seconds = int(os.environ.get("BENCH_KEYS_SECONDS", "4"))
-    eport, engine = bench_engine()
-    with engine, contextlib.ExitStack() as stack:
-        routers = {}
-        for name, key in (("off", ""), ("on", "limited"), ("key", "unlimited")):
-            secret, server, port, rt = _bucket_router(tmp, name, eport, key)
-            stack.callback(server.stop)
-            stack.enter_context(rt)
-            auth = {"Authorization": f"Bearer {secret}"} if key else {}
-            _until_routed(port, {"Content-Type": "application/json", **auth})
-            routers[name] = (port, auth)
-        results: dict[tuple[str, int], list[dict[str, float]]] = {}
-        for c in (1, 256):
-            for port, auth in routers.values():
-                wrk(port, c, 2, CHAT, auth)  # warm: connections, the first claims
-            for _ in range(rounds):
-                for name, (port, auth) in routers.items():
-                    results.setdefault((name, c), []).append(wrk(port, c, seconds, CHAT, auth))
-        print(f"  {rounds} rounds of {seconds:g} s each way")
-        for name, what in (("on", "a key with all four limits"), ("key", "a key, no limits")):
-            p50 = {n: statistics.median(r["p50_ms"] for r in results[n, 1]) for n in ("off", name)}
-            added = [
-                on["p50_ms"] - off["p50_ms"]
-                for off, on in zip(results["off", 1], results[name, 1], strict=True)
-            ]
-            rps = {n: statistics.median(r["rps"] for r in results[n, 256]) for n in ("off", name)}
-            ratios = [
-                on["rps"] / off["rps"]
-                for off, on in zip(results["off", 256], results[name, 256], strict=True)
-            ]
+    results = _keys_rounds(tmp, (), (1, 256), rounds, seconds)
+    print(f"  {rounds} rounds of {seconds:g} s each way; load average {_load()}")
+    for name, what in _KEYED:
+        p50 = {n: statistics.median(r["p50_ms"] for r in results[n, 1]) for n in ("off", name)}
+        added = [
+            on["p50_ms"] - off["p50_ms"]
+            for off, on in zip(results["off", 1], results[name, 1], strict=True)
+        ]
+        rps, ratios = _ratios(results, name, 256)
+        print(
+            f"  {what}: c=1 p50 {p50['off']:.3f} -> {p50[name]:.3f} ms, added median "
+            f"{statistics.median(added) * 1000:.0f} us (rounds "
+            f"{', '.join(f'{a * 1000:.0f}' for a in added)}; goal <= 50 us); c=256 "
+            f"{rps['off']:.0f} -> {rps[name]:.0f} req/s, ratio median "
+            f"{statistics.median(ratios):.3f}x (rounds "
+            f"{', '.join(f'{x:.3f}' for x in ratios)}; goal >= 0.98x)"
+        )
+    # an engine is not instant: the same at c=256 against one that takes its service time
+    for service in os.environ.get("BENCH_KEYS_SERVICE", "0.05").split(","):
+        results = _keys_rounds(tmp, ("--first-token", service), (256,), rounds, seconds)
+        print(
+            f"  engine answering after {float(service) * 1000:g} ms, c=256 "
+            f"(load average {_load()}):"
+        )
+        for name, what in _KEYED:
+            rps, ratios = _ratios(results, name, 256)
+            p50 = {
+                n: statistics.median(r["p50_ms"] for r in results[n, 256]) for n in ("off", name)
+            }
             print(
-                f"  {what}: c=1 p50 {p50['off']:.3f} -> {p50[name]:.3f} ms, added median "
-                f"{statistics.median(added) * 1000:.0f} us (rounds "
-                f"{', '.join(f'{a * 1000:.0f}' for a in added)}; goal <= 50 us); c=256 "
-                f"{rps['off']:.0f} -> {rps[name]:.0f} req/s, ratio median "
-                f"{statistics.median(ratios):.3f}x (rounds "
-                f"{', '.join(f'{x:.3f}' for x in ratios)}; goal >= 0.98x)"
+                f"    {what}: {rps['off']:.0f} -> {rps[name]:.0f} req/s, ratio median "
+                f"{statistics.median(ratios):.3f}x (rounds {', '.join(f'{x:.3f}' for x in ratios)}"
+                f"); p50 {p50['off']:.1f} -> {p50[name]:.1f} ms"
             )
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 async def _stream_one(port: int, body: bytes) -> tuple[float, int, float]:

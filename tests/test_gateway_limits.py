@@ -62,6 +62,18 @@ def test_a_new_window_starts_empty_but_places_in_flight_carry_into_it() -> None:
     assert par.to_claim(1) == 3 + 1 + par.share  # claimed again, with the new one, a share ahead
 
 
+def test_idle_places_in_flight_go_back_but_one_share_while_any_is_held() -> None:
+    b = Budget.new("p", Dimension.PARALLEL, 1000, 0.005)
+    b.roll(T0)
+    assert b.share == 5
+    b.claimed(10, 10)
+    assert b.try_spend(3)
+    assert b.surplus() == 2 and b.granted == 8  # three held, five idle kept
+    assert b.try_spend(5) and not b.try_spend(1)  # the next five need no claim
+    b.give_back(8, b.window)
+    assert b.surplus() == 8 and b.granted == 0  # none held: all go back
+
+
 # --- two routers, one nats-server -------------------------------------------------------------
 
 
@@ -192,6 +204,63 @@ async def test_requests_in_flight_are_shared_and_freed_places_reach_the_other_ro
             h.finish(status=200, usage=Usage(1, 1))
         await a.flush()  # hands the idle places back
         assert isinstance(await b.admit(authorization=f"Bearer {secret}", model="m"), Admission)
+
+
+async def test_a_router_holding_places_keeps_one_share_idle_and_the_other_gets_the_rest(
+    streams: Bus, nats_settings: NatsSettings
+) -> None:
+    """The bound of in flight across routers with a share kept: never more than the limit in
+    flight, and another router refused while at most one share per router is idle."""
+    secret = credentials.new_secret("k1")
+    clock = Clock()
+    async with (
+        router(nats_settings, clock, _key(secret, max_parallel=3)) as (_, a),
+        router(nats_settings, clock, _key(secret, max_parallel=3)) as (_, b),
+    ):
+        first, second = _admitted(await _burst([a], 2, secret))  # a claims 2: 1 + a share
+        second.finish(status=200, usage=Usage(1, 1))
+        await a.flush()  # a holds one: keeps its share (one place) idle
+        on_b = await b.admit(authorization=f"Bearer {secret}", model="m")
+        assert isinstance(on_b, Admission)  # the third place
+        refused = await b.admit(authorization=f"Bearer {secret}", model="m")
+        assert isinstance(refused, Refusal) and refused.type == "requests_in_flight"
+        first.finish(status=200, usage=Usage(1, 1))
+        await a.flush()  # a holds none: gives back every place
+        assert isinstance(await b.admit(authorization=f"Bearer {secret}", model="m"), Admission)
+
+
+async def test_requests_in_flight_take_places_without_a_claim_in_steady_state(
+    streams: Bus, nats_settings: NatsSettings
+) -> None:
+    secret = credentials.new_secret("k1")
+    async with router(nats_settings, Clock(), _key(secret, max_parallel=10_000)) as (_, a):
+        held = _admitted(await _burst([a], 8, secret))
+        waited = 0
+        for i in range(300):
+            admitted = a.admit_now(authorization=f"Bearer {secret}", model="m")
+            if admitted is None:  # a claim due first: the request would wait for it
+                waited += 1
+                admitted = await a.admit(authorization=f"Bearer {secret}", model="m")
+            assert isinstance(admitted, Admission)
+            held.append(admitted)
+            held.pop(0).finish(status=200, usage=Usage(1, 1))
+            if i % 10 == 9:
+                await a.flush()  # as the router's loop does every 0.2 s
+        assert waited == 0
+
+
+async def test_a_request_that_could_never_fit_its_tightest_limit_is_told_to_lower_max_tokens(
+    streams: Bus, nats_settings: NatsSettings
+) -> None:
+    secret = credentials.new_secret("k1")
+    team = records.Team(team="t1", limits=records.Limits(tpm=100))
+    async with router(nats_settings, Clock(), _key(secret, tpm=1000, rpm=10), team) as (_, a):
+        fits = await a.admit(authorization=f"Bearer {secret}", model="m", max_tokens=90)
+        assert isinstance(fits, Admission)
+        never = await a.admit(authorization=f"Bearer {secret}", model="m", max_tokens=150)
+        assert isinstance(never, Refusal) and never.status == 429
+        assert "needs 150 tokens" in never.message and "team t1 may use 100" in never.message
+        assert never.retry_after is None  # no wait helps
 
 
 async def test_a_day_quota_answers_insufficient_quota_and_a_key_model_limit_applies_per_model(

@@ -216,7 +216,7 @@ async def test_audit_follow_prints_records_as_they_come(
     try:
         await anyio.sleep(2)  # most likely following by now (were it not, --since finds it)
         record = records.AuditRecord(time=time.time(), key="k", model="m", status=429)
-        await AuditTrail(bus).append([("one", record)])
+        await AuditTrail(bus).append([("one", [record])])
         with anyio.fail_after(20):
             line = await anyio.to_thread.run_sync(follow.stdout.readline)  # type: ignore[union-attr]
         assert json.loads(line)["status"] == 429

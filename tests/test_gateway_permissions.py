@@ -34,7 +34,7 @@ def _attempts(bus: Bus) -> dict[str, object]:
     return {
         "claim a limit": lambda: counters.add(f"{keys.LIMITS_ROOT}.key.alice.rpm.1", 5),
         "count usage": lambda: counters.add(f"{keys.USAGE_ROOT}.2026010100._.alice.m.prompt", 5),
-        "append to the audit trail": lambda: AuditTrail(bus).append([("id-x", record)]),
+        "append to the audit trail": lambda: AuditTrail(bus).append([("id-x", [record])]),
         "read a counter": lambda: counters.total(f"{keys.LIMITS_ROOT}.key.alice.rpm.1"),
         "read the audit trail": lambda: _read_audit(bus),
         "purge the audit trail": lambda: classify.answer(
@@ -75,7 +75,7 @@ async def test_routers_add_to_counters_and_trail_and_erase_nothing_and_nodes_tou
 ) -> None:
     operator = await connect(mapped_server, pki, "operator")
     await ensure_streams(operator)
-    await AuditTrail(operator).append([("seed", records.AuditRecord(time=1.0, status=200))])
+    await AuditTrail(operator).append([("seed", [records.AuditRecord(time=1.0, status=200)])])
     router = await connect(mapped_server, pki, "router")
     node = await connect(mapped_server, pki, "node05", inbox_prefix="_INBOX.node05")
     outcome: dict[tuple[str, str], bool] = {}

@@ -37,6 +37,9 @@ USAGE_RETENTION = 400 * 86_400.0
 AUDIT_RETENTION = 90 * 86_400.0
 _TIMEOUT = 2.0
 MAX_RECORD = 64 * 1024  # an audit record is a few hundred bytes: bigger is not one
+# one audit message, as sent: well under nats-server's default max_payload (1 MiB)
+AUDIT_MESSAGE_BYTES = 256 * 1024
+MAX_AUDIT_MESSAGE = 8 << 20  # as read: bigger is skipped unread (max_payload can be raised)
 
 
 @dataclass(frozen=True)
@@ -250,23 +253,32 @@ async def _replay(
 
 
 class AuditTrail:
-    """The audit stream: routers append (`append`), the operator reads (`read`)."""
+    """The audit stream: routers append (`append`), the operator reads (`read`).
+
+    A message holds the records of one key (its subject, `llmgw.audit.<key>`, so a reader
+    filters by key), one JSON record a line: a router sends what a flush found in one
+    message per key, not a message per request (nats-server stores one message a flush
+    instead of one a request). A message written before batching holds one record, which
+    is one line as well: both read the same."""
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
 
-    async def append(self, batch: Sequence[tuple[str, records.AuditRecord]]) -> None:
-        """Store each (message id, record), all acknowledged, or raise (a retry with the same
-        ids stores none twice)."""
-        acks = [
-            self.bus.js.publish(
-                f"{keys.AUDIT_ROOT}.{r.key or keys.NO_NAME}",
-                records.encode(r),
-                headers={"Nats-Msg-Id": msg_id},
-                timeout=_TIMEOUT,
-            )
-            for msg_id, r in batch
-        ]
+    async def append(self, batch: Sequence[tuple[str, Sequence[records.AuditRecord]]]) -> None:
+        """Store each (message id, records of one key) as one message (or a few, past
+        AUDIT_MESSAGE_BYTES), all acknowledged, or raise. A retry with the same ids and
+        records stores none twice (the stream's duplicate window, `Nats-Msg-Id`)."""
+        acks = []
+        for msg_id, recs in batch:
+            for i, payload in enumerate(audit_messages(recs)):
+                acks.append(
+                    self.bus.js.publish(
+                        audit_subject(recs[0].key),
+                        payload,
+                        headers={"Nats-Msg-Id": msg_id if i == 0 else f"{msg_id}.{i}"},
+                        timeout=_TIMEOUT,
+                    )
+                )
         try:
             await classify.answer(asyncio.gather(*acks), "append to the audit trail")
         except BusUnavailable as e:
@@ -277,14 +289,75 @@ class AuditTrail:
     async def read(
         self, *, since: float, key: str | None = None, follow: bool = False
     ) -> AsyncIterator[records.AuditRecord]:
+        """The records stored since `since` (when stored: within a flush of the request's
+        end), one per request, in the order stored; with `follow`, then those to come."""
         start = dt.datetime.fromtimestamp(since, dt.UTC).isoformat()
         config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start)
         subject = f"{keys.AUDIT_ROOT}.{keys.check_token(key, 'key name') if key else '>'}"
         async for msg in _replay(self.bus, keys.AUDIT_STREAM, subject, config, follow=follow):
-            data = msg.data  # type: ignore[attr-defined]
-            if len(data) > MAX_RECORD:
-                continue
-            try:
-                yield records.decode(data, records.AuditRecord)
-            except (ValueError, TypeError) as e:
-                log.warning("skipping an audit record that does not decode: %s", e)
+            found, bad = read_audit_message(msg.data)  # type: ignore[attr-defined]
+            if bad:
+                log.warning(
+                    "skipping %d audit record(s) of message %s that do not decode: %s",
+                    bad.count,
+                    msg.metadata.sequence.stream,  # type: ignore[attr-defined]
+                    bad.first,
+                )
+            for record in found:
+                yield record
+
+
+def audit_subject(key: str | None) -> str:
+    return f"{keys.AUDIT_ROOT}.{key or keys.NO_NAME}"
+
+
+def audit_messages(recs: Sequence[records.AuditRecord]) -> list[bytes]:
+    """Records of one key as audit messages: JSON lines, each message at most
+    AUDIT_MESSAGE_BYTES (a record is a few hundred bytes); the same records give the same
+    messages, so a retry sends what it sent before."""
+    if not recs:
+        raise ValueError("an audit message holds at least one record")
+    key = recs[0].key
+    out: list[bytes] = []
+    lines: list[bytes] = []
+    size = 0
+    for r in recs:
+        if r.key != key:
+            raise ValueError(f"an audit message holds one key's records, not {key} and {r.key}")
+        line = records.encode(r)
+        if lines and size + len(line) + 1 > AUDIT_MESSAGE_BYTES:
+            out.append(b"\n".join(lines))
+            lines, size = [], 0
+        lines.append(line)
+        size += len(line) + 1
+    out.append(b"\n".join(lines))
+    return out
+
+
+@dataclass(frozen=True)
+class Undecoded:
+    """Lines of an audit message that are no record: how many, and the first one's error."""
+
+    count: int
+    first: str
+
+
+def read_audit_message(data: bytes) -> tuple[list[records.AuditRecord], Undecoded | None]:
+    """The records of one audit message (JSON lines; one line: a message from before
+    batching), and what did not decode. Bounded: a message past MAX_AUDIT_MESSAGE or a
+    line past MAX_RECORD is not decoded."""
+    if len(data) > MAX_AUDIT_MESSAGE:
+        return [], Undecoded(1, f"{len(data)} bytes, more than {MAX_AUDIT_MESSAGE}")
+    found: list[records.AuditRecord] = []
+    bad, first = 0, ""
+    for line in data.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            if len(line) > MAX_RECORD:
+                raise ValueError(f"a line of {len(line)} bytes, more than {MAX_RECORD}")
+            found.append(records.decode(line, records.AuditRecord))
+        except (ValueError, TypeError) as e:
+            bad += 1
+            first = first or str(e)
+    return found, (Undecoded(bad, first) if bad else None)

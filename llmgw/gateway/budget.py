@@ -12,7 +12,10 @@ claiming (llmgw/gateway/limiter.py).
 
 In flight (`max_parallel`) is a budget whose window is also a minute, but what a router
 holds carries into the next window and is claimed again there: a router that stops
-(crashes) holds nothing in the next window. A request that was admitted before a window
+(crashes) holds nothing in the next window. Places no longer held go back to the counter
+at each flush, but for one share kept idle while the router holds any (`surplus`): under
+steady load a request takes a place without a round trip, and another router can be
+refused while at most one share per router is idle. A request that was admitted before a window
 changed is never cut, so in flight can pass its limit by what was held across a window
 change that the new window could not take back (said in docs/security.md).
 """
@@ -21,7 +24,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum, StrEnum
+
+
+class Spent(Enum):
+    """What `Budget.spend_now` did."""
+
+    SPENT = "spent"
+    SPENT_LOW = "spent, and the share runs low"  # time to top it up ahead of need
+    SHORT = "holds too little: a claim is due"
+
+
+SPENT, SPENT_LOW, SHORT = Spent.SPENT, Spent.SPENT_LOW, Spent.SHORT
 
 
 class Dimension(StrEnum):
@@ -127,6 +141,26 @@ class Budget:
         self.total = total - back
         return back
 
+    def spend_now(self, units: int, now: float) -> Spent:
+        """`roll` to `now`, then `try_spend`, and whether the share now runs low: the
+        request path's one call per limit."""
+        window = int(now // self.window_s)
+        if window != self.window:
+            self.roll(now)
+        if self.spent + units > self.granted:
+            return SHORT
+        self.spent += units
+        return SPENT_LOW if self.running_low() else SPENT
+
+    def running_low(self) -> bool:
+        """Less than half a share left here, and the limit not all claimed: time to top up
+        ahead of need (in flight excepted: its idle places are kept at each flush)."""
+        return (
+            not self.carries
+            and self.granted - self.spent < self.share / 2
+            and self.total < self.limit
+        )
+
     def fits(self, units: int) -> bool:
         """Could `units` ever be spent in one window?"""
         return units <= self.limit
@@ -136,11 +170,15 @@ class Budget:
         return max(0, self.limit - self.total + (self.granted - self.spent))
 
     def surplus(self) -> int:
-        """In flight: places claimed and no longer held, which other routers may need."""
-        if not self.carries or self.granted <= self.spent:
+        """In flight: places claimed and not held, which other routers may need. While this
+        router holds any, it keeps one share of idle places (the next requests take them
+        without a claim); holding none, it keeps none."""
+        if not self.carries:
             return 0
-        surplus = self.granted - self.spent
-        self.granted = self.spent
+        surplus = self.granted - self.spent - (self.share if self.spent else 0)
+        if surplus <= 0:
+            return 0
+        self.granted -= surplus
         return surplus
 
 

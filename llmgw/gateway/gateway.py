@@ -39,14 +39,17 @@ from .usage import Usage
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 1024  # reserved for a request that does not say max_tokens
-CHARS_PER_TOKEN = 4
-AUDIT_BATCH = 256  # records sent at once, their acknowledgements awaited together  # a prompt's tokens estimated from its characters, when not counted
+CHARS_PER_TOKEN = 4  # a prompt's tokens estimated from its characters, when not counted
+# a key's records in one audit message (JSON lines, a few hundred bytes each): a flush
+# sends one message per key, not one per request
+AUDIT_BATCH = 1000
 
 
 class AuditSink(Protocol):
-    async def append(self, batch: Sequence[tuple[str, AuditRecord]]) -> None:
-        """Store each (message id, record), or raise; a retry with the same ids stores
-        none twice (llmgw/bus/counters.py, AuditTrail)."""
+    async def append(self, batch: Sequence[tuple[str, Sequence[AuditRecord]]]) -> None:
+        """Store each (message id, records of one key) as one message, or raise; a retry
+        with the same ids and records stores none twice (llmgw/bus/counters.py,
+        AuditTrail)."""
         ...
 
 
@@ -86,6 +89,10 @@ class Admission:
         """x-ratelimit-* for a limited key, on every answer."""
         rate = self.held.rate() if self.held is not None else None
         return rate.headers() if rate is not None else {}
+
+    def header_pairs(self) -> tuple[tuple[bytes, bytes], ...]:
+        """`headers()` as an answer's head carries them."""
+        return self.held.header_pairs() if self.held is not None else ()
 
     def progress_now(self, completion_tokens: int) -> bool:
         """`progress` for a relay that cannot await: charged from the shares held, or all
@@ -181,7 +188,11 @@ class Gateway:
         # tokens per (team, model) since start, for /metrics and the fleet page: team names
         # come from the bucket, models from the router's table, never from a client
         self.tokens: dict[tuple[str, str], list[int]] = {}
-        self._audit: deque[tuple[str, AuditRecord]] = deque()
+        self._audit: deque[AuditRecord] = deque()
+        # audit messages made and not yet stored: sent again as they are (the same ids), and
+        # the records that arrive meanwhile wait for the next ones
+        self._audit_sending: list[tuple[str, list[AuditRecord]]] = []
+        self._audit_sending_records = 0
         self._audit_prefix = f"{router}.{os.getpid()}.{os.urandom(4).hex()}"
         self._audit_ids = itertools.count()
         self.audit_dropped = 0
@@ -328,13 +339,17 @@ class Gateway:
     # --- what is sent in the background ------------------------------------------------
 
     def audit(self, record: AuditRecord) -> None:
-        if len(self._audit) >= self.settings.audit_queue:
-            self._audit.popleft()
+        """Queue a request's record; past `audit_queue` waiting, the oldest not yet in a
+        message being sent is dropped, and counted."""
+        if len(self._audit) + self._audit_sending_records >= self.settings.audit_queue:
             self.audit_dropped += 1
-        self._audit.append((f"{self._audit_prefix}.{next(self._audit_ids)}", record))
+            if not self._audit:
+                return  # all that waits is in messages being sent: this one goes
+            self._audit.popleft()
+        self._audit.append(record)
 
     def audit_waiting(self) -> int:
-        return len(self._audit)
+        return len(self._audit) + self._audit_sending_records
 
     async def flush(self) -> None:
         """Send what waits: the limiter's debts, the meter's counts, the audit records."""
@@ -344,16 +359,34 @@ class Gateway:
         if self.audit_sink is None:
             self._audit.clear()
             return
-        while self._audit:
-            batch = list(itertools.islice(self._audit, AUDIT_BATCH))
+        if not self._audit_sending:
+            self._audit_sending = self._audit_messages()
+            self._audit_sending_records = sum(len(recs) for _, recs in self._audit_sending)
+        if self._audit_sending:
             try:
-                await self.audit_sink.append(batch)
+                await self.audit_sink.append(self._audit_sending)
             except (LlmgwError, TimeoutError, OSError) as e:
                 self._failing(f"audit records not stored ({e})")
                 return
-            for _ in batch:
-                self._audit.popleft()
+            self._audit_sending, self._audit_sending_records = [], 0
         self._failed = False
+
+    def _audit_messages(self) -> list[tuple[str, list[AuditRecord]]]:
+        """What waits, as messages: each key's records in the order they came, AUDIT_BATCH
+        at most in one, with an id for each."""
+        by_key: dict[str | None, list[AuditRecord]] = {}
+        waiting = self._audit
+        while waiting:
+            record = waiting.popleft()
+            recs = by_key.get(record.key)
+            if recs is None:
+                recs = by_key[record.key] = []
+            recs.append(record)
+        return [
+            (f"{self._audit_prefix}.{next(self._audit_ids)}", recs[i : i + AUDIT_BATCH])
+            for recs in by_key.values()
+            for i in range(0, len(recs), AUDIT_BATCH)
+        ]
 
     def _failing(self, what: str) -> None:
         if not self._failed:  # said once per outage, not every 0.2 s
@@ -362,7 +395,7 @@ class Gateway:
                 "%s; %d waiting, kept until NATS takes them (the streams are made by "
                 "`llmgw key|team|audit`)",
                 what,
-                len(self._audit),
+                self.audit_waiting(),
             )
 
     async def run(self) -> None:

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from llmgw.bus import keys
@@ -27,7 +27,7 @@ from llmgw.bus.errors import StreamMissing
 from llmgw.errors import LlmgwError
 
 from . import refusals
-from .budget import Budget, Dimension
+from .budget import SHORT, SPENT_LOW, Budget, Dimension
 from .refusals import RateHeaders, Refusal
 from .table import Identity
 
@@ -63,22 +63,71 @@ class _Need:
     scope: str  # "key k1", "team t", "key k1 on model m": for messages
 
 
-@dataclass
+class Plan:
+    """The budgets of one key on one model, and what the request path reads of them, made
+    once per (key, model) until the key's or team's record changes."""
+
+    __slots__ = ("key", "team", "budgets", "charged", "requests", "tokens", "cap_units")
+
+    def __init__(self, key: object, team: object, budgets: list[tuple[Budget, str]]) -> None:
+        self.key, self.team = key, team  # the records it was made from
+        self.budgets = budgets  # each budget, and the scope its refusal names
+        self.charged = [(b, scope) for b, scope in budgets if b.tokens]  # tokens, as used
+        # for the x-ratelimit-* headers: the request and token limits per minute
+        self.requests = [b for b, _ in budgets if b.dimension is Dimension.REQUESTS]
+        self.tokens = [b for b, _ in budgets if b.dimension is Dimension.TOKENS]
+        # the most tokens, and requests, that fit in one window of every budget
+        self.cap_units = (
+            min((b.limit for b, _ in budgets if b.tokens), default=None),
+            min((b.limit for b, _ in budgets if not b.tokens), default=None),
+        )
+
+
 class Held:
     """What one admitted request holds: hand it back with `settle` (once)."""
 
-    limiter: Limiter
-    taken: list[tuple[Budget, int, int]]  # budget, window, units
-    tokens: int  # tokens reserved
-    plan: list[tuple[Budget, str]]  # its limits, and the scope each names
-    at: float  # when admitted
-    charged: int = 0  # tokens charged past the reservation (a stream running long)
-    settled: bool = False
-    _token_budgets: list[tuple[Budget, str]] = field(default_factory=list)
+    __slots__ = ("limiter", "taken", "tokens", "plan", "at", "charged", "settled")
+
+    def __init__(
+        self,
+        limiter: Limiter,
+        taken: list[tuple[Budget, int, int]],  # budget, window, units: as admitted
+        tokens: int,  # tokens reserved
+        plan: Plan | None,  # its limits (None: none)
+        at: float,  # when admitted
+    ) -> None:
+        self.limiter = limiter
+        self.taken = taken
+        self.tokens = tokens
+        self.plan = plan
+        self.at = at
+        self.charged = 0  # tokens charged past the reservation (a stream running long)
+        self.settled = False
 
     def rate(self) -> RateHeaders | None:
         """The x-ratelimit-* figures of this request's tightest limits, as of now."""
-        return self.limiter._rate([b for b, _ in self.plan], self.at) if self.plan else None
+        plan = self.plan
+        if plan is None or not (plan.requests or plan.tokens):
+            return None
+        return _rate(plan.requests, plan.tokens, self.at)
+
+    def header_pairs(self) -> tuple[tuple[bytes, bytes], ...]:
+        """`rate()` as the headers of an answer, rendered straight to bytes (on every
+        answer to a limited key)."""
+        plan = self.plan
+        if plan is None or not (plan.requests or plan.tokens):
+            return ()
+        r, r_left = _tightest(plan.requests)
+        t, t_left = _tightest(plan.tokens)
+        at = self.at
+        return refusals.rate_header_pairs(
+            r.limit if r else None,
+            r_left,
+            r.reset_in(at) if r else 0.0,
+            t.limit if t else None,
+            t_left,
+            t.reset_in(at) if t else 0.0,
+        )
 
     def progress_now(self, used: int) -> bool:
         """`progress` without waiting (a relay that cannot await): what passes the
@@ -86,13 +135,12 @@ class Held:
         counter in the background). False once a limit is known to be passed: end the
         stream."""
         extra = used - self.tokens - self.charged
-        if extra <= 0 or not self._token_budgets:
+        if extra <= 0 or self.plan is None or not self.plan.charged:
             return True
         self.charged += extra
         within = True
-        for b, _ in self._token_budgets:
+        for b, _ in self.plan.charged:
             b.roll(self.limiter.clock())
-            self.taken.append((b, b.window, extra))
             if b.try_spend(extra):
                 continue
             beyond = b.force(extra)
@@ -106,15 +154,13 @@ class Held:
         """A stream has used `used` tokens so far: charge what passes the reservation as it
         comes. False when the limits refuse more (the router ends the stream)."""
         extra = used - self.tokens - self.charged
-        if extra <= 0 or not self._token_budgets:
+        if extra <= 0 or self.plan is None or not self.plan.charged:
             return True
-        needs = [_Need(b, extra, scope) for b, scope in self._token_budgets]
+        needs = [_Need(b, extra, scope) for b, scope in self.plan.charged]
         refused = await self.limiter._take(needs, self.limiter.clock())
         if refused is not None:
             return False
         self.charged += extra
-        for b, _ in self._token_budgets:
-            self.taken.append((b, b.window, extra))
         return True
 
     def settle(self, used_tokens: int | None) -> None:
@@ -124,22 +170,45 @@ class Held:
         if self.settled:
             return
         self.settled = True
-        reserved_tokens = self.tokens + self.charged
+        diff = 0 if used_tokens is None else used_tokens - self.tokens - self.charged
         for budget, window, units in self.taken:
             if budget.carries:
                 budget.give_back(units, window)
-        if used_tokens is None:
-            return
-        diff = used_tokens - reserved_tokens
-        for budget, _scope in self._token_budgets:
-            if diff < 0:
-                window = next((w for b, w, _ in self.taken if b is budget), budget.window)
-                budget.give_back(-diff, window)
-            elif diff > 0:
+            elif not budget.tokens or not diff:
+                continue
+            elif diff < 0:
+                budget.give_back(-diff, window)  # to the window it was reserved in
+            else:
                 budget.roll(self.limiter.clock())
                 beyond = budget.force(diff)
                 if beyond:
                     self.limiter.owe(budget.window_subject(), beyond)
+
+
+def _tightest(budgets: list[Budget]) -> tuple[Budget | None, int]:
+    """The budget with the least left of those, and what is left of it."""
+    best, least = None, 0
+    for b in budgets:
+        left = b.remaining()
+        if best is None or left < least:
+            best, least = b, left
+    return best, least
+
+
+def _rate(requests: list[Budget], tokens: list[Budget], now: float) -> RateHeaders | None:
+    """The tightest request limit and token limit of those."""
+    r, r_left = _tightest(requests)
+    t, t_left = _tightest(tokens)
+    if r is None and t is None:
+        return None
+    return RateHeaders(
+        limit_requests=r.limit if r else None,
+        remaining_requests=r_left if r else None,
+        reset_requests=r.reset_in(now) if r else None,
+        limit_tokens=t.limit if t else None,
+        remaining_tokens=t_left if t else None,
+        reset_tokens=t.reset_in(now) if t else None,
+    )
 
 
 class Limiter:
@@ -154,7 +223,7 @@ class Limiter:
         self.settings = settings or LimitSettings()
         self.clock = clock
         self._budgets: dict[str, Budget] = {}
-        self._plans: dict[tuple[str, str], tuple[object, object, list[tuple[Budget, str]]]] = {}
+        self._plans: dict[tuple[str, str], Plan] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._owed: dict[str, int] = {}  # counter subject -> units to add when it answers
         self._low: set[str] = set()  # budgets whose share runs low: topped up by prefetch
@@ -190,12 +259,12 @@ class Limiter:
                 del self._budgets[subject]
                 del self._locks[subject]
 
-    def _plan(self, identity: Identity, model: str) -> list[tuple[Budget, str]]:
+    def _plan(self, identity: Identity, model: str) -> Plan:
         """The budgets of `identity` on `model` and the scope each says in a refusal;
         remembered until its key's or team's record changes."""
         cached = self._plans.get((identity.name, model))
-        if cached is not None and cached[0] is identity.key and cached[1] is identity.team:
-            return cached[2]
+        if cached is not None and cached.key is identity.key and cached.team is identity.team:
+            return cached
         scopes = [(f"key {identity.name}", f"key.{identity.name}", identity.key.limits)]
         if identity.team is not None:
             t = identity.team
@@ -207,7 +276,7 @@ class Limiter:
                 identity.key.model_limits,
             )
         )
-        plan = []
+        budgets = []
         for scope, path, limits in scopes:
             for dimension, limit in (
                 (Dimension.REQUESTS, limits.rpm),
@@ -217,10 +286,10 @@ class Limiter:
             ):
                 if limit is not None:
                     subject = f"{keys.LIMITS_ROOT}.{path}.{dimension.value}"
-                    plan.append((self._budget(subject, dimension, limit), scope))
+                    budgets.append((self._budget(subject, dimension, limit), scope))
         if len(self._plans) >= MAX_BUDGETS:
             self._plans.clear()
-        self._plans[identity.name, model] = (identity.key, identity.team, plan)
+        plan = self._plans[identity.name, model] = Plan(identity.key, identity.team, budgets)
         return plan
 
     # --- admitting ---------------------------------------------------------------------
@@ -232,30 +301,43 @@ class Limiter:
         the background (`prefetch`), so the request path rarely waits."""
         now = self.clock()
         plan = self._plan(identity, model)
-        if not plan:
-            return Held(self, [], tokens, [], now)  # nothing limits it
-        for b, scope in plan:
-            units = tokens if b.tokens else 1
-            if units > b.limit:
-                return self._refusal(_Need(b, units, scope), now, never_fits=True)
-            b.roll(now)
-        if self._offline_too_long(now):
-            return refusals.limits_unavailable(
-                f"not answering for {now - (self.offline_since or now):.0f} s"
-            )
-        if self.offline_since is not None and self.settings.offline == "refuse":
-            return None  # the async path asks the counters, once a second
+        if not plan.budgets:
+            return Held(self, [], tokens, None, now)  # nothing limits it
+        cap_tokens, cap_requests = plan.cap_units
+        if (cap_tokens is not None and tokens > cap_tokens) or (
+            cap_requests is not None and cap_requests < 1
+        ):
+            for b, scope in plan.budgets:
+                units = tokens if b.tokens else 1
+                if units > b.limit:
+                    b.roll(now)
+                    return self._refusal(_Need(b, units, scope), now, never_fits=True)
+        if self.offline_since is not None:
+            for b, _ in plan.budgets:
+                b.roll(now)
+            if self._offline_too_long(now):
+                return refusals.limits_unavailable(
+                    f"not answering for {now - (self.offline_since or now):.0f} s"
+                )
+            if self.settings.offline == "refuse":
+                return None  # the async path asks the counters, once a second
         taken = []
-        for b, scope in plan:  # the request path: plain tuples, no objects made per limit
+        low = False
+        for b, scope in plan.budgets:  # the request path: plain tuples, no objects per limit
             units = tokens if b.tokens else 1
-            if not b.try_spend(units):
-                for spent, window, n in taken:
-                    spent.give_back(n, window)
+            spent = b.spend_now(units, now)
+            if spent is SHORT:
+                for held, window, n in taken:
+                    held.give_back(n, window)
                 if not b.carries and b.total >= b.limit:
                     return self._refusal(_Need(b, units, scope), now)  # all claimed
                 return None
             taken.append((b, b.window, units))
-        return self._held(taken, plan, tokens, now)
+            if spent is SPENT_LOW:
+                low = True
+        if low:
+            self._running_low(plan)
+        return Held(self, taken, tokens, plan, now)
 
     async def admit(self, identity: Identity, model: str, tokens: int) -> Held | Refusal:
         """Spend one request and `tokens` (the prompt and the most it may generate) from
@@ -265,27 +347,21 @@ class Limiter:
             return now_held
         now = self.clock()
         plan = self._plan(identity, model)
-        needs = [_Need(b, tokens if b.tokens else 1, scope) for b, scope in plan]
+        needs = [_Need(b, tokens if b.tokens else 1, scope) for b, scope in plan.budgets]
         refused = await self._take(needs, now)
         if refused is not None:
             return refused
-        return self._held([(n.budget, n.budget.window, n.units) for n in needs], plan, tokens, now)
+        self._running_low(plan)
+        return Held(self, [(n.budget, n.budget.window, n.units) for n in needs], tokens, plan, now)
 
-    def _held(
-        self,
-        taken: list[tuple[Budget, int, int]],
-        plan: list[tuple[Budget, str]],
-        tokens: int,
-        now: float,
-    ) -> Held:
-        held = Held(self, taken, tokens, plan, now)
-        held._token_budgets = [(b, scope) for b, scope in plan if b.tokens]
-        for b, _ in plan:
-            if not b.carries and b.granted - b.spent < b.share / 2 and b.total < b.limit:
+    def _running_low(self, plan: Plan) -> None:
+        """Have `prefetch` top up the shares of `plan` that run low (in flight excepted:
+        its idle places are kept a share ahead at each flush, budget.surplus)."""
+        for b, _ in plan.budgets:
+            if b.running_low():
                 self._low.add(b.subject)
         if self._low:
             self._wake.set()
-        return held
 
     async def prefetch(self) -> None:
         """Top up the shares running low, as `_held` finds them, until cancelled (the
@@ -444,26 +520,10 @@ class Limiter:
 
     def _rate(self, budgets: list[Budget], now: float) -> RateHeaders | None:
         """The tightest request limit and token limit among `budgets`."""
-        r = t = None
-        r_left = t_left = 0
-        for b in budgets:  # one pass: on every answer to a limited key
-            if b.dimension is Dimension.REQUESTS:
-                left = b.remaining()
-                if r is None or left < r_left:
-                    r, r_left = b, left
-            elif b.dimension is Dimension.TOKENS:
-                left = b.remaining()
-                if t is None or left < t_left:
-                    t, t_left = b, left
-        if r is None and t is None:
-            return None
-        return RateHeaders(
-            limit_requests=r.limit if r else None,
-            remaining_requests=r_left if r else None,
-            reset_requests=r.reset_in(now) if r else None,
-            limit_tokens=t.limit if t else None,
-            remaining_tokens=t_left if t else None,
-            reset_tokens=t.reset_in(now) if t else None,
+        return _rate(
+            [b for b in budgets if b.dimension is Dimension.REQUESTS],
+            [b for b in budgets if b.dimension is Dimension.TOKENS],
+            now,
         )
 
     # --- units owed to the counter -----------------------------------------------------

@@ -81,10 +81,11 @@ class Meter:
         # duplicate of its previous life
         self._prefix = f"{router}.{os.getpid()}.{os.urandom(4).hex()}"
         self._ids = itertools.count()
+        # (hour, team, key, model) -> [requests, prompt, completion, cached] since the last
+        # flush: a request adds to one list; the subjects are made at the flush
+        self._counts: dict[tuple[str, str | None, str | None, str], list[int]] = {}
         self._pending: dict[str, int] = {}
         self._sending: dict[str, tuple[int, str]] = {}  # subject -> (delta, message id)
-        # the four subjects of (hour, team, key, model), built once each
-        self._subjects: dict[tuple[str, str | None, str | None, str], tuple[str, ...]] = {}
         self._hour_at, self._hour_token = -1, ""
 
     def record(
@@ -98,17 +99,15 @@ class Meter:
         cached: int = 0,
         now: float | None = None,
     ) -> None:
-        hour = self._hour(time.time() if now is None else now)
-        subjects = self._subjects.get((hour, team, key, model))
-        if subjects is None:
-            if len(self._subjects) >= 10_000:
-                self._subjects.clear()
-            subjects = tuple(usage_subject(hour, team, key, model, kind) for kind in KINDS)
-            self._subjects[hour, team, key, model] = subjects
-        pending = self._pending
-        for subject, n in zip(subjects, (1, prompt, completion, cached), strict=True):
-            if n:
-                pending[subject] = pending.get(subject, 0) + n
+        at = (self._hour(time.time() if now is None else now), team, key, model)
+        counts = self._counts.get(at)
+        if counts is None:
+            self._counts[at] = [1, prompt, completion, cached]
+            return
+        counts[0] += 1
+        counts[1] += prompt
+        counts[2] += completion
+        counts[3] += cached
 
     def _hour(self, now: float) -> str:
         hour = int(now // 3600)
@@ -116,11 +115,23 @@ class Meter:
             self._hour_at, self._hour_token = hour, hour_token(now)
         return self._hour_token
 
+    def _collect(self) -> None:
+        """What `record` counted, as deltas per counter subject."""
+        counts, self._counts = self._counts, {}
+        pending = self._pending
+        for (hour, team, key, model), values in counts.items():
+            for kind, n in zip(KINDS, values, strict=True):
+                if n:
+                    subject = usage_subject(hour, team, key, model, kind)
+                    pending[subject] = pending.get(subject, 0) + n
+
     def pending(self) -> int:
+        self._collect()
         return sum(self._pending.values()) + sum(d for d, _ in self._sending.values())
 
     async def flush(self, counter: Counter) -> bool:
         """Send what was recorded; True when nothing is left waiting."""
+        self._collect()
         for subject in list(self._pending):
             if subject not in self._sending:  # else its earlier batch must be stored first
                 delta = self._pending.pop(subject)
@@ -134,4 +145,5 @@ class Meter:
         return not self._pending and not self._sending
 
     def subjects(self) -> Iterable[str]:
+        self._collect()
         return [*self._pending, *self._sending]

@@ -42,16 +42,70 @@ class RateHeaders:
     reset_tokens: float | None = None
 
     def headers(self) -> dict[str, str]:
-        out: dict[str, str] = {}  # on every answer to a limited key: written out, no loop
-        if self.limit_requests is not None:
-            out["x-ratelimit-limit-requests"] = str(self.limit_requests)
-            out["x-ratelimit-remaining-requests"] = str(max(0, self.remaining_requests or 0))
-            out["x-ratelimit-reset-requests"] = duration(self.reset_requests or 0.0)
-        if self.limit_tokens is not None:
-            out["x-ratelimit-limit-tokens"] = str(self.limit_tokens)
-            out["x-ratelimit-remaining-tokens"] = str(max(0, self.remaining_tokens or 0))
-            out["x-ratelimit-reset-tokens"] = duration(self.reset_tokens or 0.0)
-        return out
+        return {
+            k.decode(): v.decode()
+            for k, v in rate_header_pairs(
+                self.limit_requests,
+                self.remaining_requests or 0,
+                self.reset_requests or 0.0,
+                self.limit_tokens,
+                self.remaining_tokens or 0,
+                self.reset_tokens or 0.0,
+            )
+        }
+
+
+_REQUESTS = (
+    b"x-ratelimit-limit-requests",
+    b"x-ratelimit-remaining-requests",
+    b"x-ratelimit-reset-requests",
+)
+_TOKENS = (
+    b"x-ratelimit-limit-tokens",
+    b"x-ratelimit-remaining-tokens",
+    b"x-ratelimit-reset-tokens",
+)
+_RESETS: dict[int, bytes] = {}  # whole seconds -> `duration` of them: a minute's worth, mostly
+
+
+def rate_header_pairs(
+    limit_requests: int | None,
+    remaining_requests: int,
+    reset_requests: float,
+    limit_tokens: int | None,
+    remaining_tokens: int,
+    reset_tokens: float,
+) -> tuple[tuple[bytes, bytes], ...]:
+    """The x-ratelimit-* headers as an answer's head carries them (on every answer to a
+    limited key: rendered straight to bytes); a limit None: not shown."""
+    out: tuple[tuple[bytes, bytes], ...] = ()
+    if limit_requests is not None:
+        limit, left, reset = _REQUESTS
+        out = (
+            (limit, b"%d" % limit_requests),
+            (left, b"%d" % max(0, remaining_requests)),
+            (reset, _reset(reset_requests)),
+        )
+    if limit_tokens is not None:
+        limit, left, reset = _TOKENS
+        out += (
+            (limit, b"%d" % limit_tokens),
+            (left, b"%d" % max(0, remaining_tokens)),
+            (reset, _reset(reset_tokens)),
+        )
+    return out
+
+
+def _reset(seconds: float) -> bytes:
+    if seconds < 1:
+        return duration(seconds).encode()
+    whole = math.ceil(seconds)
+    found = _RESETS.get(whole)
+    if found is None:
+        found = duration(whole).encode()
+        if len(_RESETS) < 100_000:
+            _RESETS[whole] = found
+    return found
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,20 +21,22 @@ MAX_LINE = 1 << 20
 class UsageReader:
     """The usage of one answer, from its bytes in the order relayed."""
 
-    __slots__ = ("stream", "events", "_line", "_body", "_usage", "_too_long")
+    __slots__ = ("stream", "events", "_line", "_body", "_size", "_usage", "_too_long")
 
     def __init__(self, stream: bool) -> None:
         self.stream = stream
         self.events = 0  # stream events with output (about one token each)
         self._line = bytearray()
-        self._body = bytearray()
+        self._body: list[bytes] = []  # a whole answer's pieces, joined once at the end
+        self._size = 0
         self._usage: Usage | None = None
         self._too_long = False
 
     def feed(self, data: bytes) -> None:
         if not self.stream:
-            if len(self._body) + len(data) <= usage_.MAX_USAGE_JSON:
-                self._body += data
+            self._size += len(data)
+            if self._size <= usage_.MAX_USAGE_JSON:
+                self._body.append(data)
             else:
                 self._too_long = True
             return
@@ -64,10 +66,10 @@ class UsageReader:
         if not payload or payload == b"[DONE]":
             return
         if b'"usage"' in payload:
-            found = usage_.of_json(payload)
+            found, usage_only = usage_.read(payload)
             if found is not None:
                 self._usage = found
-                if usage_.is_usage_only_chunk(payload):
+                if usage_only:
                     return
         self.events += 1
 
@@ -75,7 +77,7 @@ class UsageReader:
         """The engine's usage; for a stream that ended without one (cut short), what it
         generated (an event a token) and the prompt's estimate; None if nothing is known."""
         if not self.stream:
-            return None if self._too_long else usage_.of_json(bytes(self._body))
+            return None if self._too_long else usage_.of_json(b"".join(self._body))
         if self._usage is not None:
             return self._usage
         if self.events:
@@ -84,7 +86,18 @@ class UsageReader:
 
 
 class GatewayTicket:
-    """An admitted request as the router's relay sees it (router/gate.py's Ticket)."""
+    """An admitted request as the router's relay sees it (router/gate.py's Ticket reads
+    each chunk through it: router/keygate.py's MeteredTicket is one)."""
+
+    __slots__ = (
+        "admission",
+        "reader",
+        "prompt_estimate",
+        "replica",
+        "over",
+        "_created",
+        "_first",
+    )
 
     def __init__(self, admission: Admission, *, stream: bool, prompt_estimate: int = 0) -> None:
         self.admission = admission
@@ -95,12 +108,16 @@ class GatewayTicket:
         self._created = time.monotonic()  # ttft is a span: measured on the monotonic clock
         self._first: float | None = None
 
-    def chunk(self, data: bytes) -> None:
+    def chunk(self, data: bytes) -> bytes | None:
+        """A piece of the answer as relayed: `data`, or None once a limit refuses the
+        stream more tokens (`over`: the router ends it there)."""
         if self._first is None:
             self._first = time.monotonic()
-        self.reader.feed(data)
-        if self.reader.stream and not self.over:
-            self.over = not self.admission.progress_now(self.reader.events)
+        reader = self.reader
+        reader.feed(data)
+        if reader.stream and not self.over:
+            self.over = not self.admission.progress_now(reader.events)
+        return None if self.over else data
 
     def settle(self, status: int, outcome: str) -> None:
         ttft = None if self._first is None else self._first - self._created

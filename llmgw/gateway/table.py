@@ -34,8 +34,9 @@ from .refusals import Refusal
 log = logging.getLogger(__name__)
 
 SERVE_KNOWN_FOR = 300.0
-# secrets already checked against the record they matched: a request with one costs a dict
-# lookup, not a SHA-256; dropped whole when full (a flood of wrong secrets is never added)
+# `Authorization` headers already checked against the record their secret matched: a
+# request with one costs a dict lookup, not a header parse and a SHA-256; dropped whole
+# when full (a flood of wrong secrets is never added)
 MAX_CHECKED = 10_000
 
 
@@ -186,10 +187,12 @@ class KeyTable:
                 "s); try another router",
                 retry_after=1.0,
             )
-        secret = bearer(authorization)
-        if secret is None:
-            return refusals.unauthenticated("no API key given")
-        record = self._match(secret, now)
+        record = self._known(authorization, now)
+        if record is None:
+            secret = bearer(authorization)
+            if secret is None:
+                return refusals.unauthenticated("no API key given")
+            record = self._match(authorization, secret, now)
         if record is None:
             name = credentials.name_of(secret) if self._refused_keys else None
             if name in self._refused_keys:
@@ -211,16 +214,22 @@ class KeyTable:
         identity = self._identities[record.name] = Identity(record, team)
         return identity
 
-    def _match(self, secret: str, now: float) -> ApiKey | None:
-        """The record `secret` is a secret of, now (a rotated one only within its grace)."""
-        checked = self._checked.get(secret)
-        if checked is not None:
-            record, stored = checked
-            name = record.name
-            if self._keys.get(name) is record:  # the record it matched is still the one held
-                if stored.valid_until is None or now < stored.valid_until:
-                    return record
-                return None
+    def _known(self, authorization: str | None, now: float) -> ApiKey | None:
+        """The record an `Authorization` header was checked against before, while that
+        record is still the one held (and its secret, if rotated, within its grace)."""
+        checked = self._checked.get(authorization) if authorization else None
+        if checked is None:
+            return None
+        record, stored = checked
+        if self._keys.get(record.name) is not record:
+            return None
+        if stored.valid_until is not None and now >= stored.valid_until:
+            return None
+        return record
+
+    def _match(self, authorization: str, secret: str, now: float) -> ApiKey | None:
+        """The record `secret` is a secret of, now (a rotated one only within its grace),
+        remembered by the header that carried it."""
         name = credentials.name_of(secret)
         record = self._keys.get(name) if name is not None else None
         if record is None:
@@ -230,7 +239,7 @@ class KeyTable:
             return None
         if len(self._checked) >= MAX_CHECKED:
             self._checked.clear()
-        self._checked[secret] = (record, stored)
+        self._checked[authorization] = (record, stored)
         return record
 
     def authorize(self, identity: Identity, model: str) -> Refusal | None:

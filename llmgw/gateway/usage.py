@@ -8,9 +8,10 @@ on every stream so that none goes unmetered.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 MAX_USAGE_JSON = 1 << 20  # a whole answer read for its usage: bigger is not parsed
 
@@ -51,21 +52,43 @@ def from_dict(usage: object) -> Usage | None:
     return Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), cached)
 
 
+class _Answer(msgspec.Struct):
+    """What is read of an answer or a chunk: its usage, and whether it has choices. The
+    rest (the generated text) is skipped, not decoded into objects."""
+
+    usage: object = None
+    choices: msgspec.Raw = msgspec.Raw(b"")
+
+
+_decode_answer = msgspec.json.Decoder(_Answer).decode
+
+
+def read(data: bytes) -> tuple[Usage | None, bool]:
+    """An answer's or a chunk's usage (None: it has none, or is not a JSON object), and
+    whether it is a usage-only chunk (usage and no choices: the one to strip); one pass."""
+    if len(data) > MAX_USAGE_JSON:
+        return None, False
+    try:
+        doc = _decode_answer(data)
+    except msgspec.DecodeError:
+        return None, False
+    found = from_dict(doc.usage)
+    return found, found is not None and _empty(doc.choices)
+
+
+def _empty(raw: msgspec.Raw) -> bool:
+    """A JSON value absent or falsy (`[]`, `null`, ...), as `not doc.get("choices")`."""
+    if not raw:
+        return True
+    value = bytes(raw).strip()
+    return len(value) <= 32 and not msgspec.json.decode(value)
+
+
 def of_json(data: bytes) -> Usage | None:
     """The usage of a whole (non-streamed) answer, or of one SSE chunk's JSON."""
-    if len(data) > MAX_USAGE_JSON:
-        return None
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        return None
-    return from_dict(doc.get("usage")) if isinstance(doc, dict) else None
+    return read(data)[0]
 
 
 def is_usage_only_chunk(data: bytes) -> bool:
     """A stream chunk that carries usage and no choices: the one to strip."""
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        return False
-    return isinstance(doc, dict) and not doc.get("choices") and isinstance(doc.get("usage"), dict)
+    return read(data)[1]

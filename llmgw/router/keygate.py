@@ -163,33 +163,29 @@ def _asking_for_usage(body: bytes) -> bytes | None:
     return json.dumps(doc).encode()
 
 
-class MeteredTicket:
+class MeteredTicket(GatewayTicket):
     """An admitted request as the relay sees it: its usage read as it passes (the gateway's
     GatewayTicket), its x-ratelimit-* headers, and, when the router asked for a usage chunk
     the client did not, that chunk taken out of the stream."""
 
-    __slots__ = ("meter", "rewrites", "_pending")
+    __slots__ = ("rewrites", "_pending")
 
     def __init__(
         self, admission: Admission, *, stream: bool, prompt_estimate: int, strip: bool
     ) -> None:
-        self.meter = GatewayTicket(admission, stream=stream, prompt_estimate=prompt_estimate)
+        super().__init__(admission, stream=stream, prompt_estimate=prompt_estimate)
         self.rewrites = strip
         self._pending = b""  # an event begun and not ended, held while stripping
 
     def answering(self, replica: str) -> tuple[tuple[bytes, bytes], ...]:
-        self.meter.replica = replica or None
-        return tuple((k.encode(), v.encode()) for k, v in self.meter.admission.headers().items())
+        self.replica = replica or None
+        return self.admission.header_pairs()
 
     def chunk(self, data: bytes) -> bytes | None:
-        meter = self.meter
-        meter.chunk(data)
-        if meter.over:
+        relayed = super().chunk(data)
+        if relayed is None:
             return None  # past a token limit: the stream ends here
-        return self._strip(data) if self.rewrites else data
-
-    def settle(self, status: int, outcome: str) -> None:
-        self.meter.settle(status, outcome)
+        return self._strip(relayed) if self.rewrites else relayed
 
     def _strip(self, data: bytes) -> bytes:
         """`data` without the usage-only event; an event cut across chunks is held until it
