@@ -443,7 +443,13 @@ class Proxy:
                             series.failed("over_limit")
                             return Relayed(status, "over_limit")
                         chunk = relayed_chunk
-                    await resp.write(chunk)
+                    if conn.complete:
+                        # the engine's last bytes: the answer's end leaves with them
+                        relayed = True
+                        self.pool.release(conn)
+                        await resp.write(chunk, last=True)
+                    else:
+                        await resp.write(chunk)
             except UpstreamFailed as e:
                 # The client already has part of the answer: the only honest signal left is to
                 # close its connection before the answer is complete.
@@ -453,8 +459,9 @@ class Proxy:
                 return Relayed(status, "upstream")
             if first:
                 series.ttfb.observe(time.monotonic() - started)
-            relayed = True
-            self.pool.release(conn)
+            if not relayed:
+                relayed = True
+                self.pool.release(conn)
             await resp.end()
             series.answered(status)
             return Relayed(status, "ok")

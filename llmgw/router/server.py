@@ -263,23 +263,27 @@ class Response:
             lines.append(b"\r\n")
         self._head = b"".join(lines)
 
-    async def write(self, data: bytes) -> None:
+    async def write(self, data: bytes, *, last: bool = False) -> None:
+        """A piece of the body; `last`: the answer ends with it (`end` in the same write)."""
         framing = self._framing
-        if framing == _LENGTH:
+        if framing == _CHUNKED:
+            if data:  # (an empty chunk would end the body)
+                data = b"%x\r\n%s\r\n" % (len(data), data)
+            if last:
+                data += b"0\r\n\r\n"
+        elif framing == _LENGTH:
             if len(data) > self._remaining:
                 self._overrun(len(data))
             self._remaining -= len(data)
-        elif framing == _CHUNKED:
-            if not data:
-                return  # an empty chunk would end the body
-            data = b"%x\r\n%s\r\n" % (len(data), data)
         elif framing == _NONE:
-            return
-        conn = self._conn
+            data = b""
+        if last:
+            self.ended = True
         if self._head:
             data, self._head = self._head + data, b""
-        elif not data:
+        if not data:
             return
+        conn = self._conn
         conn.write(data)
         if conn.write_paused:
             await conn.drain()
