@@ -285,8 +285,8 @@ class Response:
             return
         conn = self._conn
         conn.write(data)
-        if conn.write_paused:
-            await conn.drain()
+        if conn.flow.write_paused:
+            await conn.flow.drain()
 
     async def end(self) -> None:
         """The answer is complete. Shorter than its declared length, it is not: the
@@ -323,6 +323,91 @@ class Response:
             self._head = b""
 
 
+class FlowControl:
+    """A connection's back-pressure, both ways (uvicorn's FlowControl): reading paused while
+    too many pipelined requests wait, writing paused while the client's socket is full and
+    the answer's writer waiting for it to drain, for at most `send_timeout` (then
+    `on_stuck`, which closes the connection)."""
+
+    __slots__ = (
+        "_transport",
+        "_loop",
+        "_send_timeout",
+        "_on_stuck",
+        "_drained",
+        "_send_timer",
+        "_lost",
+        "read_paused",
+        "write_paused",
+    )
+
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        loop: asyncio.AbstractEventLoop,
+        send_timeout: float,
+        on_stuck: Callable[[], None],
+    ) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._send_timeout = send_timeout
+        self._on_stuck = on_stuck
+        self._drained: asyncio.Future[None] | None = None  # what a paused writer awaits
+        self._send_timer: asyncio.TimerHandle | None = None  # the client takes nothing
+        self._lost = False
+        self.read_paused = False
+        self.write_paused = False
+
+    def pause_reading(self) -> None:
+        if not self.read_paused:
+            self.read_paused = True
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            self.read_paused = False
+            self._transport.resume_reading()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self.stop()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    async def drain(self) -> None:
+        """Wait while the client's socket is full; raises ConnectionResetError once the
+        client is gone."""
+        if self._lost:
+            raise ConnectionResetError("client disconnected")
+        if self.write_paused:
+            if self._drained is None or self._drained.done():
+                self._drained = self._loop.create_future()
+            if self._send_timer is None:
+                self._send_timer = self._loop.call_later(self._send_timeout, self._stuck)
+            await self._drained
+
+    def lost(self) -> None:
+        """The client is gone: a writer waiting to drain learns it."""
+        self._lost = True
+        self.stop()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_exception(ConnectionResetError("client disconnected"))
+            self._drained.exception()  # retrieved: nobody may be waiting any more
+
+    def stop(self) -> None:
+        """No more send timeout (the client took its bytes, or the connection closes)."""
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _stuck(self) -> None:
+        self._send_timer = None
+        self._on_stuck()
+
+
 class _Reading(enum.Enum):
     """Where the parser is in the request it reads (for the raw head count)."""
 
@@ -336,7 +421,10 @@ _BETWEEN, _HEAD, _BODY = _Reading.BETWEEN, _Reading.HEAD, _Reading.BODY
 
 class HttpConnection(asyncio.Protocol):
     """One client connection: its requests are read by the parser callbacks into a queue,
-    and answered in order by one task, owned by this connection for its whole life."""
+    and answered in order by one task, owned by this connection for its whole life. Its
+    back-pressure is its `flow` (FlowControl); each request is a RequestCycle."""
+
+    flow: FlowControl  # from connection_made on
 
     def __init__(self, server: HttpServer) -> None:
         self._server = server
@@ -357,11 +445,7 @@ class HttpConnection(asyncio.Protocol):
         self._busy = False  # a request is being answered
         self._idle_timer: asyncio.TimerHandle | None = None
         self._timed: _Reading = _Reading.BETWEEN  # what the idle timer now times
-        self._send_timer: asyncio.TimerHandle | None = None
         self._discarding = False  # closed for reading: what arrives is dropped
-        self._read_paused = False
-        self.write_paused = False
-        self._drain: asyncio.Future[None] | None = None
         self.lost = False
         self.closing = False  # the server is shutting down: answer what is begun, then close
         self.peer = ""  # host:port of the client
@@ -370,6 +454,9 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment] (uvloop's is not a subclass)
+        self.flow = FlowControl(
+            self._transport, self._loop, self._limits.send_timeout, self._send_timed_out
+        )
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and len(peer) >= 2:
             self.peer = f"{peer[0]}:{peer[1]}"
@@ -429,32 +516,13 @@ class HttpConnection(asyncio.Protocol):
         self._server.forget(self)
         if self.task is not None:
             self.task.cancel()  # the client is gone: stop the upstream work at once
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_exception(ConnectionResetError("client disconnected"))
-            self._drain.exception()  # retrieved: nobody may be waiting any more
+        self.flow.lost()
 
     def pause_writing(self) -> None:
-        self.write_paused = True
+        self.flow.pause_writing()
 
     def resume_writing(self) -> None:
-        self.write_paused = False
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_result(None)
-
-    async def drain(self) -> None:
-        if self.lost:
-            raise ConnectionResetError("client disconnected")
-        if self.write_paused:
-            if self._drain is None or self._drain.done():
-                self._drain = self._loop.create_future()
-            if self._send_timer is None:
-                self._send_timer = self._loop.call_later(
-                    self._limits.send_timeout, self._send_timed_out
-                )
-            await self._drain
+        self.flow.resume_writing()
 
     def write(self, data: bytes) -> None:
         if self._transport is not None and not self.lost:
@@ -571,10 +639,8 @@ class HttpConnection(asyncio.Protocol):
         self._cancel_idle()
         queue = self._queue
         queue.append(item)
-        if len(queue) > 1 and not self._read_paused and self._pipelined_too_much():
-            self._read_paused = True
-            assert self._transport is not None
-            self._transport.pause_reading()
+        if len(queue) > 1 and not self.flow.read_paused and self._pipelined_too_much():
+            self.flow.pause_reading()
         if self.task is None:
             # one task a connection, for its whole life (a task a request costs more)
             self.task = self._loop.create_task(self._answer_queue())
@@ -614,10 +680,8 @@ class HttpConnection(asyncio.Protocol):
                     continue
                 self._busy = True
                 item = queue.popleft()
-                if self._read_paused and not self._pipelined_too_much(fraction=2):
-                    self._read_paused = False
-                    assert self._transport is not None
-                    self._transport.resume_reading()
+                if self.flow.read_paused and not self._pipelined_too_much(fraction=2):
+                    self.flow.resume_reading()
                 if isinstance(item, _Refusal):
                     self.write(
                         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
@@ -662,9 +726,7 @@ class HttpConnection(asyncio.Protocol):
         t = self._transport
         if t is None or t.is_closing():
             return
-        if self._read_paused:
-            self._read_paused = False
-            t.resume_reading()
+        self.flow.resume_reading()
         try:
             if t.can_write_eof():
                 t.write_eof()
@@ -699,9 +761,7 @@ class HttpConnection(asyncio.Protocol):
 
     def _cancel_timers(self) -> None:
         self._cancel_idle()
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
+        self.flow.stop()
 
     def _idle_timed_out(self) -> None:
         self._idle_timer = None
@@ -709,7 +769,6 @@ class HttpConnection(asyncio.Protocol):
             self._transport.close()  # silent, or too slow to send a whole request
 
     def _send_timed_out(self) -> None:
-        self._send_timer = None
         log.info(
             "closing a client that took none of its answer for %g s (send timeout)",
             self._limits.send_timeout,
