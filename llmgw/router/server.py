@@ -264,7 +264,14 @@ class Response:
         self._head = b"".join(lines)
 
     async def write(self, data: bytes, *, last: bool = False) -> None:
-        """A piece of the body; `last`: the answer ends with it (`end` in the same write)."""
+        """A piece of the body; `last`: the answer ends with it (`end` in the same write).
+        Waits while the client's socket is full."""
+        if not self.write_now(data, last):
+            await self._conn.flow.drain()
+
+    def write_now(self, data: bytes, last: bool = False) -> bool:
+        """`write` without waiting: False while the client's socket is full (then wait for
+        `drain` before writing more)."""
         framing = self._framing
         if framing == _CHUNKED:
             if data:  # (an empty chunk would end the body)
@@ -281,12 +288,14 @@ class Response:
             self.ended = True
         if self._head:
             data, self._head = self._head + data, b""
-        if not data:
-            return
         conn = self._conn
-        conn.write(data)
-        if conn.flow.write_paused:
-            await conn.flow.drain()
+        if data:
+            conn.write(data)
+        return not conn.flow.write_paused
+
+    async def drain(self) -> None:
+        """Wait until the client's socket takes more (after `write_now` said False)."""
+        await self._conn.flow.drain()
 
     async def end(self) -> None:
         """The answer is complete. Shorter than its declared length, it is not: the

@@ -38,6 +38,7 @@ import collections
 import enum
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httptools
@@ -124,6 +125,12 @@ class UpstreamConnection(asyncio.Protocol):
         self._error: UpstreamFailed | None = None
         self._reading_paused = False
         self._got_bytes = False  # anything at all came back for this request
+        # relay(): where the body goes from data_received, and what happened there
+        self._sink: Callable[[bytes, bool], bool] | None = None
+        self._first: Callable[[], None] | None = None
+        self._delivered = False  # the whole body was handed on
+        self._client_full = False  # the sink's client takes no more for now
+        self._sink_error: BaseException | None = None
 
     # --- used by the proxy -------------------------------------------------------------
 
@@ -174,6 +181,61 @@ class UpstreamConnection(asyncio.Protocol):
             await self._waiter
             self._waiter = None
 
+    async def relay(
+        self,
+        write: Callable[[bytes, bool], bool],
+        drain: Callable[[], Awaitable[None]],
+        first: Callable[[], None],
+    ) -> None:
+        """Hand the body on to `write(data, last)` as it arrives, from this protocol's own
+        callback: what one read from the engine brought in one call, and no task woken for
+        it (the caller waits here for the end). `write` returns False while its client
+        takes no more: reading from the engine pauses until `drain()` returns. `first()` is
+        called before the first bytes are handed on. Raises UpstreamFailed, or what `write`
+        raised."""
+        self._first = first
+        try:
+            while not self._delivered:
+                if self._sink_error is not None:
+                    raise self._sink_error
+                if self._client_full:
+                    await drain()
+                    self._client_full = False
+                    if self._reading_paused:
+                        self._reading_paused = False
+                        if self._transport is not None:
+                            self._heard = self._loop.time()  # its silence is timed from now
+                            self._transport.resume_reading()
+                    continue
+                if self._chunks or self._complete:
+                    self._hand_on(write)
+                    continue
+                if self._error is not None:
+                    raise self._error
+                self._sink = write
+                self._waiter = self._loop.create_future()
+                await self._waiter
+        finally:
+            self._sink = self._first = self._waiter = None
+
+    def _hand_on(self, write: Callable[[bytes, bool], bool]) -> None:
+        """What is here goes to `write`; reading pauses if its client takes no more."""
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        if self._first is not None:
+            first, self._first = self._first, None
+            first()
+        last = self._complete
+        self._delivered = last
+        if not write(data, last) and not last:
+            self._client_full = True
+            if not self._reading_paused:
+                self._reading_paused = True
+                if self._transport is not None:
+                    self._transport.pause_reading()
+
     @property
     def complete(self) -> bool:
         """The whole answer is here."""
@@ -219,6 +281,18 @@ class UpstreamConnection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._fail(UpstreamFailed(f"malformed HTTP answer from the engine: {e}"))
             self.abort()
+            return
+        sink = self._sink
+        if sink is not None and (self._chunks or self._complete):
+            # relay(): handed on here, the relaying task woken only at the end, when the
+            # client is full, or on an error
+            try:
+                self._hand_on(sink)
+            except Exception as e:  # noqa: BLE001 - raised in the relaying task, not here
+                self._sink_error = e
+            if self._delivered or self._client_full or self._sink_error is not None:
+                self._sink = None
+                self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         phase, self.phase = self.phase, _CLOSED
@@ -293,7 +367,8 @@ class UpstreamConnection(asyncio.Protocol):
             self._reading_paused = True
             if self._transport is not None:
                 self._transport.pause_reading()
-        self._wake()
+        if self._sink is None:
+            self._wake()  # (relay() hands the body on after the read, not a chunk at a time)
 
     def on_message_complete(self) -> None:
         if self.phase is not _BODY:
@@ -301,7 +376,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.phase = _DONE
         self._complete = True
         self._stop_timer()
-        self._wake()
+        if self._sink is None:
+            self._wake()
 
     # --- internals ---------------------------------------------------------------------------
 
