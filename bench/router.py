@@ -90,10 +90,16 @@ def _wait_http(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None
 
 
 @contextlib.contextmanager
-def process(argv: list[str], port: int, env: dict[str, str] | None = None, log: Path | None = None):
+def process(
+    argv: list[str],
+    port: int,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    cwd: Path | None = None,
+):
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(
-        argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd
     )
     try:
         _wait_http(port, proc)
@@ -127,8 +133,9 @@ def router(
     argv += ["--listen", f"127.0.0.1:{port}", *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
     if tree is not None:
-        env["PYTHONPATH"] = str(tree)  # before the installed (editable) llmgw
-    return port, process(argv, port, env)
+        # before the installed (editable) llmgw; and `-m` puts the working directory first
+        env["PYTHONPATH"] = str(tree)
+    return port, process(argv, port, env, cwd=tree)
 
 
 def baseline(tmp: Path) -> Path | None:
@@ -232,20 +239,25 @@ def need_wrk() -> bool:
 
 
 def _realistic_behind_proxies(
-    tmp: Path, stack: contextlib.ExitStack
+    tmp: Path, stack: contextlib.ExitStack, procs: dict[str, psutil.Process] | None = None
 ) -> tuple[int, list[tuple[str, int]]]:
     """The realistic engine, with the router and (if installed) nginx in front of it: the
-    engine's port and the (name, port) of each proxy, all stopped with `stack`."""
+    engine's port and the (name, port) of each proxy, all stopped with `stack`; `procs`
+    gets each router's process by name."""
     eport, engine = bench_engine(*REALISTIC)
     stack.enter_context(engine)
     rport, rt = router(tmp, [eport])
-    stack.enter_context(rt)
+    proc = stack.enter_context(rt)
     proxies = [("router", rport)]
+    if procs is not None:
+        procs["router"] = psutil.Process(proc.pid)
     base = baseline(tmp)
     if base is not None:
         bport, brt = router(tmp, [eport], tree=base)
-        stack.enter_context(brt)
+        proc = stack.enter_context(brt)
         proxies.append(("base", bport))  # BENCH_BASELINE's router, in the same rounds
+        if procs is not None:
+            procs["base"] = psutil.Process(proc.pid)
     if shutil.which("nginx"):
         nport, ngx = nginx(tmp, eport)
         stack.enter_context(ngx)
@@ -499,29 +511,34 @@ def section_stream(tmp: Path) -> None:
         f"of {seconds:g} s each way"
     )
     with contextlib.ExitStack() as stack:
-        eport, proxies = _realistic_behind_proxies(tmp, stack)
+        procs: dict[str, psutil.Process] = {}
+        eport, proxies = _realistic_behind_proxies(tmp, stack, procs)
         paths = [("direct", eport), *proxies]
         for c in [int(c) for c in os.environ.get("BENCH_STREAM_CONCURRENCY", "64,256").split(",")]:
             for _, port in paths:
                 asyncio.run(_stream_load(port, c, 1))  # warm every path
             got: dict[str, dict[str, Any]] = {
-                n: {"ttfts": [], "tokens": 0, "seconds": 0.0} for n, _ in paths
+                n: {"ttfts": [], "tokens": 0, "seconds": 0.0, "cpu": 0.0} for n, _ in paths
             }
             for _ in range(rounds):
                 for name, port in paths:
+                    proc = procs.get(name)
+                    cpu = sum(proc.cpu_times()[:2]) if proc else 0.0
                     r = asyncio.run(_stream_load(port, c, seconds))
                     acc = got[name]
                     acc["ttfts"] += r["ttfts"]
                     acc["tokens"] += r["tokens"]
                     acc["seconds"] += r["seconds"]
+                    acc["cpu"] += sum(proc.cpu_times()[:2]) - cpu if proc else 0.0
             print(f"  concurrency {c}:")
             rate = {n: g["tokens"] / g["seconds"] for n, g in got.items()}
             for name, g in got.items():
                 t = g["ttfts"]
+                cpu = f", CPU {g['cpu'] / len(t) * 1e6:.0f} us a stream" if g["cpu"] else ""
                 print(
                     f"    {name:>6}: TTFT p50 {_pct(t, 0.5) * 1000:6.1f} ms p99 "
                     f"{_pct(t, 0.99) * 1000:6.1f} ms, {rate[name]:7.0f} tokens/s relayed "
-                    f"({rate[name] / rate['direct']:.3f}x direct, {len(t)} streams)"
+                    f"({rate[name] / rate['direct']:.3f}x direct, {len(t)} streams{cpu})"
                 )
             if "nginx" in got:
                 for name in ("router", "base") if "base" in got else ("router",):
