@@ -297,6 +297,7 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         phase, self.phase = self.phase, _CLOSED
         self._stop_timer()
+        self._parser = None  # (it holds this protocol's callbacks: a cycle; see server.py)
         # closed by the engine (the router's own closes set the phase first)
         if phase is _IDLE:
             self._pool.forget(self)  # in the pool, settling or idle
