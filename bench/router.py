@@ -12,8 +12,10 @@ Sections:
             requests a round at 4 a second, and a VM whose speed drifts between rounds;
 - ceiling:  against an engine that answers at once: the most requests/s one router
             process sustains, the latency it adds at concurrency 1, its CPU per 1,000 requests;
-- stream:   streamed completions at concurrency 64 (realistic engine): time to first token
-            and tokens/s relayed, direct and through the router;
+- stream:   streamed completions at concurrency 64 and 256 (realistic engine, a new client
+            connection a stream), direct, through the router and nginx, in interleaved
+            rounds: time to first token p50/p99, tokens/s relayed, each router's CPU a
+            stream (BENCH_STREAM_ROUNDS, _SECONDS, _CONCURRENCY);
 - tokens:   one stream at a time against llmgw's fake engine, direct, through nginx
             (proxy_buffering off) and through the router, interleaved: time to first token
             and between tokens at 2,000 tokens/s, and one stream's token rate at 500, 2,000
