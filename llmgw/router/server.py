@@ -427,6 +427,46 @@ class _Reading(enum.Enum):
 _BETWEEN, _HEAD, _BODY = _Reading.BETWEEN, _Reading.HEAD, _Reading.BODY
 
 
+class Deadline:
+    """A connection's one clock on its client: the next request within the keep-alive time
+    of going idle, a head within `head_timeout` of its first byte, a closing connection's
+    linger. `timed` says which part of a request it times (BETWEEN: none, or the wait for
+    the next one). Cancelled, it lets go of its callback (no cycle through the
+    connection)."""
+
+    __slots__ = ("_loop", "_handle", "_callback", "timed")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._handle: asyncio.TimerHandle | None = None
+        self._callback: Callable[[], None] | None = None
+        self.timed = _BETWEEN
+
+    @property
+    def armed(self) -> bool:
+        return self._handle is not None
+
+    def arm(self, timeout: float, callback: Callable[[], None], timed: _Reading = _BETWEEN) -> None:
+        """Run `callback` in `timeout` seconds, unless cancelled or armed again first."""
+        if self._handle is not None:
+            self._handle.cancel()
+        self._callback = callback
+        self._handle = self._loop.call_later(timeout, self._expire)
+        self.timed = timed
+
+    def cancel(self) -> None:
+        self.timed = _BETWEEN
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = self._callback = None
+
+    def _expire(self) -> None:
+        callback, self._handle, self._callback = self._callback, None, None
+        self.timed = _BETWEEN
+        if callback is not None:
+            callback()
+
+
 class HttpConnection(asyncio.Protocol):
     """One client connection: its requests are read by the parser callbacks into a queue,
     and answered in order by one task, owned by this connection for its whole life. Its
@@ -451,8 +491,7 @@ class HttpConnection(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self._next: asyncio.Future[None] | None = None  # set when a request is queued
         self._busy = False  # a request is being answered
-        self._idle_timer: asyncio.TimerHandle | None = None
-        self._timed: _Reading = _Reading.BETWEEN  # what the idle timer now times
+        self._deadline = Deadline(self._loop)
         self._discarding = False  # closed for reading: what arrives is dropped
         self.lost = False
         self.closing = False  # the server is shutting down: answer what is begun, then close
@@ -493,7 +532,7 @@ class HttpConnection(asyncio.Protocol):
             return  # the common case: whole requests in this chunk (or none begun)
         # A request is still arriving. Its timer is armed only now, when it is known to
         # span chunks: most requests arrive in one, and a timer a request costs.
-        if reading_now is not self._timed:
+        if reading_now is not self._deadline.timed:
             self._arm_for(reading_now)
         if reading_now is _Reading.HEAD:
             # httptools hands over a header only once its value is complete, and holds it
@@ -646,7 +685,7 @@ class HttpConnection(asyncio.Protocol):
         self._enqueue(_Refusal(status, self._error_body(status, message)))
 
     def _enqueue(self, item: RequestCycle | _Refusal) -> None:
-        self._cancel_idle()
+        self._deadline.cancel()
         queue = self._queue
         queue.append(item)
         if len(queue) > 1 and not self.flow.read_paused and self._pipelined_too_much():
@@ -682,7 +721,7 @@ class HttpConnection(asyncio.Protocol):
                         self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                     if between:
                         self._went_idle()
-                    elif self._idle_timer is None or self._idle_timer.cancelled():
+                    elif not self._deadline.armed:
                         # a pipelined request half here: its time runs from now on
                         self._arm_for(self._reading)
                     self._next = self._loop.create_future()
@@ -746,35 +785,24 @@ class HttpConnection(asyncio.Protocol):
         except OSError:
             t.close()
             return
-        self._idle_timer = self._loop.call_later(LINGER, t.close)
+        self._deadline.arm(LINGER, t.close)
 
     def _went_idle(self) -> None:
+        """Close the connection unless a whole request is queued within the keep-alive time."""
         self._server.went_idle(self)
-        self._arm(self._limits.idle_timeout)
+        self._deadline.arm(self._limits.idle_timeout, self._idle_timed_out)
 
     def _arm_for(self, reading: _Reading) -> None:
         """Time the request now arriving: its head, or its body (within the keep-alive time)."""
         limits = self._limits
-        self._arm(limits.head_timeout if reading is _Reading.HEAD else limits.idle_timeout)
-        self._timed = reading
-
-    def _arm(self, timeout: float) -> None:
-        """Close the connection unless a whole request is queued within `timeout`."""
-        self._cancel_idle()
-        self._idle_timer = self._loop.call_later(timeout, self._idle_timed_out)
-
-    def _cancel_idle(self) -> None:
-        self._timed = _Reading.BETWEEN
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        timeout = limits.head_timeout if reading is _Reading.HEAD else limits.idle_timeout
+        self._deadline.arm(timeout, self._idle_timed_out, reading)
 
     def _cancel_timers(self) -> None:
-        self._cancel_idle()
+        self._deadline.cancel()
         self.flow.stop()
 
     def _idle_timed_out(self) -> None:
-        self._idle_timer = None
         if not self._busy and not self._queue and self._transport is not None:
             self._transport.close()  # silent, or too slow to send a whole request
 
