@@ -228,8 +228,9 @@ class UpstreamConnection(asyncio.Protocol):
             first, self._first = self._first, None
             first()
         last = self._complete
-        self._delivered = last
-        if not write(data, last) and not last:
+        more = write(data, last)
+        self._delivered = last  # (not when `write` raised: relay() raises it)
+        if not more and not last:
             self._client_full = True
             if not self._reading_paused:
                 self._reading_paused = True
