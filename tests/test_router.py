@@ -459,3 +459,27 @@ async def test_an_engine_seen_closing_after_a_stream_never_gets_a_request_on_one
     posts = engine.posts()
     assert len({p.connection for p in posts}) == 3 and all(p.number == 0 for p in posts)
     assert not any(k.startswith("llmgw_router_errors_total") for k in m)
+
+
+async def test_an_engine_that_closes_after_streams_has_the_next_connection_opened_ahead():
+    """After a stream to an engine that closes its connection after every stream
+    (llama-server), the router opens the connection the next request will take at once,
+    off that request's time to first token: a connection on which nothing was sent yet
+    is open at the engine, and the next stream goes on it."""
+
+    def script(seen, engine) -> Action:
+        return Action(_STREAM, close=True) if seen.method == b"POST" else Action(answer(b"{}"))
+
+    async def unused() -> set[int]:
+        return set(range(engine.connections)) - {s.connection for s in engine.requests}
+
+    async with (
+        RawEngine(script) as engine,
+        running_router([_raw_model(engine)], settings=router_settings(probe_interval=3600)) as r,
+        aiohttp.ClientSession() as http,
+    ):
+        assert (await _stream_through(http, r.url))[0] == 200
+        ahead = await until(unused)
+        assert await _stream_through(http, r.url) == (200, b"data: tok\n\ndata: [DONE]\n\n")
+    first, second = engine.posts()
+    assert second.connection in ahead and second.connection != first.connection

@@ -429,6 +429,10 @@ class UpstreamPool:
         self._settling: dict[Key, collections.deque[UpstreamConnection]] = {}
         # engines seen closing a connection after a stream: none is kept after one again
         self._close_after_streams: dict[Key, None] = {}
+        # engines that close after streams, a connection being opened to each ahead of
+        # its next request (see `_open_ahead`), and those tasks
+        self._opening: set[Key] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.opened = 0  # connections made, for tests and benchmarks
         self._tls: ssl.SSLContext | None = None
 
@@ -454,6 +458,7 @@ class UpstreamPool:
         if conn.streamed:
             if key in self._close_after_streams:
                 conn.abort()  # the engine closes it anyway (llama-server, at once)
+                self._open_ahead(key)
                 return
             place = self._settling.get(key) or self._settling.setdefault(key, collections.deque())
         else:
@@ -475,7 +480,8 @@ class UpstreamPool:
     def closes_after_streams(self, key: Key) -> None:
         """The engine at `key` closed a connection after a stream: it keeps none after one,
         whatever its headers say (llama-server). Its connections that carried a stream go
-        now, and none is kept after a stream from now on."""
+        now, none is kept after a stream from now on, and the next request's connection is
+        opened ahead of it."""
         if key not in self._close_after_streams:
             if len(self._close_after_streams) >= MAX_REMEMBERED:
                 del self._close_after_streams[next(iter(self._close_after_streams))]
@@ -487,10 +493,39 @@ class UpstreamPool:
             for c in [c for c in idle if c.streamed]:
                 idle.remove(c)
                 c.abort()
+        self._open_ahead(key)
+
+    def _open_ahead(self, key: Key) -> None:
+        """The engine at `key` closes its connection after every stream: open the one its
+        next request will take now, while nothing waits for it, rather than on that
+        request's time to first token (a connect is a tenth of a millisecond and more
+        here). One at a time, and only when no idle connection is there already; it is
+        idle like any other (closed after `idle_timeout` if nothing takes it), and no
+        request was ever sent on it, so the engine keeps it."""
+        if key in self._opening or self._idle.get(key):
+            return
+        self._opening.add(key)
+        task = self.loop.create_task(self._open_idle(key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _open_idle(self, key: Key) -> None:
+        try:
+            conn = await self._connect(key)
+        except ConnectFailed:
+            return  # the next request tries for itself, and says why
+        finally:
+            self._opening.discard(key)
+        if conn.phase is Phase.IDLE:  # (not closed by the engine meanwhile)
+            conn.idle_since = time.monotonic()
+            self._idle.setdefault(key, []).append(conn)
 
     def close_idle(self, older_than: float | None = None) -> None:
         """Close idle and settling connections (all, or those idle longer than `older_than`
-        seconds)."""
+        seconds; all stops opening ahead too)."""
+        if older_than is None:
+            for task in self._tasks:
+                task.cancel()
         now = time.monotonic()
         for places in (self._idle, self._settling):
             for key, place in list(places.items()):
