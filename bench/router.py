@@ -12,12 +12,16 @@ Sections:
             requests a round at 4 a second, and a VM whose speed drifts between rounds;
 - ceiling:  against an engine that answers at once: the most requests/s one router
             process sustains, the latency it adds at concurrency 1, its CPU per 1,000 requests;
-- stream:   streamed completions at concurrency 64 (realistic engine): time to first token
-            and tokens/s relayed, direct and through the router;
+- stream:   streamed completions at concurrency 64 and 256 (realistic engine, a new client
+            connection a stream), direct, through the router and nginx, in interleaved
+            rounds: time to first token p50/p99, tokens/s relayed, each router's CPU a
+            stream (BENCH_STREAM_ROUNDS, _SECONDS, _CONCURRENCY);
 - tokens:   one stream at a time against llmgw's fake engine, direct, through nginx
             (proxy_buffering off) and through the router, interleaved: time to first token
             and between tokens at 2,000 tokens/s, and one stream's token rate at 500, 2,000
             and 8,000 tokens/s (BENCH_STREAMS, BENCH_ROUNDS: how many);
+BENCH_BASELINE=REV adds the router of git revision REV beside this tree's, in the same
+rounds (sections latency, idle, stream, tokens).
 - keys:     the router with keys and limits on (a bucket holding a key limited in requests,
             tokens, tokens a day and in flight; every request authenticated, charged,
             metered and audited) against the same router with none (a bucket without keys),
@@ -90,10 +94,16 @@ def _wait_http(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None
 
 
 @contextlib.contextmanager
-def process(argv: list[str], port: int, env: dict[str, str] | None = None, log: Path | None = None):
+def process(
+    argv: list[str],
+    port: int,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    cwd: Path | None = None,
+):
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(
-        argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd
     )
     try:
         _wait_http(port, proc)
@@ -115,7 +125,10 @@ def bench_engine(*schedule: str):
     return port, process(argv, port)
 
 
-def router(tmp: Path, engine_ports: list[int], *args: str, served: str = "bench"):
+def router(
+    tmp: Path, engine_ports: list[int], *args: str, served: str = "bench", tree: Path | None = None
+):
+    """The router of this tree, or of `tree` (a baseline revision unpacked by `baseline`)."""
     port = free_port()
     cat = tmp / f"catalog-{port}.toml"
     urls = ", ".join(f'"http://127.0.0.1:{p}"' for p in engine_ports)
@@ -123,7 +136,26 @@ def router(tmp: Path, engine_ports: list[int], *args: str, served: str = "bench"
     argv = [PY, "-m", "llmgw.cli", "--log-level", "ERROR", "router", "--catalog", str(cat)]
     argv += ["--listen", f"127.0.0.1:{port}", *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
-    return port, process(argv, port, env)
+    if tree is not None:
+        # before the installed (editable) llmgw; and `-m` puts the working directory first
+        env["PYTHONPATH"] = str(tree)
+    return port, process(argv, port, env, cwd=tree)
+
+
+def baseline(tmp: Path) -> Path | None:
+    """BENCH_BASELINE=REV (a git revision): that revision's tree, unpacked with `git archive`,
+    so that a section can run its router beside this tree's in the same rounds."""
+    rev = os.environ.get("BENCH_BASELINE")
+    if not rev:
+        return None
+    tree = tmp / "baseline"
+    if not tree.exists():
+        tree.mkdir()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True)
+        if archive.returncode:
+            raise SystemExit(f"BENCH_BASELINE={rev}: {archive.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    return tree
 
 
 def nginx(tmp: Path, engine_port: int):
@@ -211,15 +243,25 @@ def need_wrk() -> bool:
 
 
 def _realistic_behind_proxies(
-    tmp: Path, stack: contextlib.ExitStack
+    tmp: Path, stack: contextlib.ExitStack, procs: dict[str, psutil.Process] | None = None
 ) -> tuple[int, list[tuple[str, int]]]:
     """The realistic engine, with the router and (if installed) nginx in front of it: the
-    engine's port and the (name, port) of each proxy, all stopped with `stack`."""
+    engine's port and the (name, port) of each proxy, all stopped with `stack`; `procs`
+    gets each router's process by name."""
     eport, engine = bench_engine(*REALISTIC)
     stack.enter_context(engine)
     rport, rt = router(tmp, [eport])
-    stack.enter_context(rt)
+    proc = stack.enter_context(rt)
     proxies = [("router", rport)]
+    if procs is not None:
+        procs["router"] = psutil.Process(proc.pid)
+    base = baseline(tmp)
+    if base is not None:
+        bport, brt = router(tmp, [eport], tree=base)
+        proc = stack.enter_context(brt)
+        proxies.append(("base", bport))  # BENCH_BASELINE's router, in the same rounds
+        if procs is not None:
+            procs["base"] = psutil.Process(proc.pid)
     if shutil.which("nginx"):
         nport, ngx = nginx(tmp, eport)
         stack.enter_context(ngx)
@@ -502,7 +544,7 @@ async def _stream_load(port: int, concurrency: int, seconds: float) -> dict[str,
 def section_stream(tmp: Path) -> None:
     """Streams at concurrency 64 and 256 against the realistic engine, direct, through the
     router and through nginx (proxy_buffering off), in interleaved rounds (BENCH_STREAM_ROUNDS,
-    BENCH_STREAM_SECONDS): time to first token p50 and p99 over every stream of every round,
+    BENCH_STREAM_SECONDS; BENCH_STREAM_CONCURRENCY, default "64,256"): time to first token p50 and p99 over every stream of every round,
     tokens/s relayed, each path's ratio to direct, and the router's p99 against nginx's."""
     rounds = int(os.environ.get("BENCH_STREAM_ROUNDS", "3"))
     seconds = float(os.environ.get("BENCH_STREAM_SECONDS", "6"))
@@ -511,37 +553,43 @@ def section_stream(tmp: Path) -> None:
         f"of {seconds:g} s each way"
     )
     with contextlib.ExitStack() as stack:
-        eport, proxies = _realistic_behind_proxies(tmp, stack)
+        procs: dict[str, psutil.Process] = {}
+        eport, proxies = _realistic_behind_proxies(tmp, stack, procs)
         paths = [("direct", eport), *proxies]
-        for c in (64, 256):
+        for c in [int(c) for c in os.environ.get("BENCH_STREAM_CONCURRENCY", "64,256").split(",")]:
             for _, port in paths:
                 asyncio.run(_stream_load(port, c, 1))  # warm every path
             got: dict[str, dict[str, Any]] = {
-                n: {"ttfts": [], "tokens": 0, "seconds": 0.0} for n, _ in paths
+                n: {"ttfts": [], "tokens": 0, "seconds": 0.0, "cpu": 0.0} for n, _ in paths
             }
             for _ in range(rounds):
                 for name, port in paths:
+                    proc = procs.get(name)
+                    cpu = sum(proc.cpu_times()[:2]) if proc else 0.0
                     r = asyncio.run(_stream_load(port, c, seconds))
                     acc = got[name]
                     acc["ttfts"] += r["ttfts"]
                     acc["tokens"] += r["tokens"]
                     acc["seconds"] += r["seconds"]
+                    acc["cpu"] += sum(proc.cpu_times()[:2]) - cpu if proc else 0.0
             print(f"  concurrency {c}:")
             rate = {n: g["tokens"] / g["seconds"] for n, g in got.items()}
             for name, g in got.items():
                 t = g["ttfts"]
+                cpu = f", CPU {g['cpu'] / len(t) * 1e6:.0f} us a stream" if g["cpu"] else ""
                 print(
                     f"    {name:>6}: TTFT p50 {_pct(t, 0.5) * 1000:6.1f} ms p99 "
                     f"{_pct(t, 0.99) * 1000:6.1f} ms, {rate[name]:7.0f} tokens/s relayed "
-                    f"({rate[name] / rate['direct']:.3f}x direct, {len(t)} streams)"
+                    f"({rate[name] / rate['direct']:.3f}x direct, {len(t)} streams{cpu})"
                 )
             if "nginx" in got:
-                p99 = {n: _pct(got[n]["ttfts"], 0.99) * 1000 for n in ("router", "nginx")}
-                print(
-                    f"    router TTFT p99 - nginx's: {p99['router'] - p99['nginx']:+.1f} ms "
-                    f"(goal: within 20 ms); tokens/s router/direct "
-                    f"{rate['router'] / rate['direct']:.3f} (goal >= 0.99)"
-                )
+                for name in ("router", "base") if "base" in got else ("router",):
+                    p99 = {n: _pct(got[n]["ttfts"], 0.99) * 1000 for n in (name, "nginx")}
+                    print(
+                        f"    {name} TTFT p99 - nginx's: {p99[name] - p99['nginx']:+.1f} ms "
+                        f"(goal: within 20 ms); tokens/s {name}/direct "
+                        f"{rate[name] / rate['direct']:.3f} (goal >= 0.99)"
+                    )
 
 
 # --- tokens: one stream's time to first token, time between tokens, token rate --------------
@@ -600,6 +648,24 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(len(values) * q))]
 
 
+def _token_targets(tmp: Path, stack: contextlib.ExitStack, eport: int) -> list[tuple[str, int]]:
+    """(name, port): the engine, nginx (if installed), the router, BENCH_BASELINE's router."""
+    targets = [("direct", eport)]
+    if shutil.which("nginx"):
+        nport, ngx = nginx(tmp, eport)
+        stack.enter_context(ngx)
+        targets.append(("nginx", nport))
+    rport, rt = router(tmp, [eport])
+    stack.enter_context(rt)
+    targets.append(("router", rport))
+    base = baseline(tmp)
+    if base is not None:
+        bport, brt = router(tmp, [eport], tree=base)
+        stack.enter_context(brt)
+        targets.append(("base", bport))
+    return targets
+
+
 def section_tokens(tmp: Path) -> None:
     """Streams one at a time, direct, through nginx (proxy_buffering off) and through the
     router, interleaved (direct, nginx, router, again...) so the VM's drift hits each alike:
@@ -612,14 +678,7 @@ def section_tokens(tmp: Path) -> None:
     with contextlib.ExitStack() as stack:
         eport, engine = fake_engine(tmp, 2000, 32)
         stack.enter_context(engine)
-        targets = [("direct", eport)]
-        if shutil.which("nginx"):
-            nport, ngx = nginx(tmp, eport)
-            stack.enter_context(ngx)
-            targets.append(("nginx", nport))
-        rport, rt = router(tmp, [eport])
-        stack.enter_context(rt)
-        targets.append(("router", rport))
+        targets = _token_targets(tmp, stack, eport)
         for _, port in targets:
             asyncio.run(_timed_stream(port, chat))  # warm every path
         ttft: dict[str, list[float]] = {name: [] for name, _ in targets}
@@ -646,14 +705,7 @@ def section_tokens(tmp: Path) -> None:
         with contextlib.ExitStack() as stack:
             eport, engine = fake_engine(tmp, rate, tokens)
             stack.enter_context(engine)
-            targets = [("direct", eport)]
-            if shutil.which("nginx"):
-                nport, ngx = nginx(tmp, eport)
-                stack.enter_context(ngx)
-                targets.append(("nginx", nport))
-            rport, rt = router(tmp, [eport])
-            stack.enter_context(rt)
-            targets.append(("router", rport))
+            targets = _token_targets(tmp, stack, eport)
             for _, port in targets:
                 asyncio.run(_timed_stream(port, chat))
             rates: dict[str, list[float]] = {name: [] for name, _ in targets}

@@ -25,6 +25,7 @@ from llmgw import catalog
 from llmgw.router.balancer import BalancerSettings
 from llmgw.router.proxy import ProxySettings
 from llmgw.router.server import HttpLimits
+from llmgw.router.upstream import UpstreamSettings
 
 pytestmark = pytest.mark.anyio
 
@@ -359,11 +360,16 @@ async def test_a_client_that_pauses_reading_holds_back_the_engine_and_gets_the_w
 
 async def test_an_engine_closing_its_kept_alive_connection_costs_the_client_nothing(engines):
     """llama-server closes its connection after every streamed answer, though its headers
-    promise keep-alive; here it closes 0.2 s later. A connection that carried a stream is
-    never used again (a request sent on it could not be sent again safely), so no request
-    meets that close: every one is answered, on a connection of its own after each stream."""
+    promise keep-alive; here it closes 0.2 s later. A connection that carried a stream
+    settles before it carries another request (1 s here), so the engine's close is seen
+    first, and then no connection is kept after a stream to it: no request meets that
+    close, every one is answered."""
     engine = engines.start({"FAKE_ENGINE_CLOSE_AFTER_STREAM": "0.2"})
-    async with running_router([static_model(engine)]) as r, aiohttp.ClientSession() as http:
+    settings = router_settings(upstream=UpstreamSettings(stream_settle=1.0))
+    async with (
+        running_router([static_model(engine)], settings=settings) as r,
+        aiohttp.ClientSession() as http,
+    ):
         for i in range(3):
             async with http.post(
                 f"{r.url}/v1/chat/completions", json=chat_body(f"s{i}", stream=True)
@@ -375,3 +381,98 @@ async def test_an_engine_closing_its_kept_alive_connection_costs_the_client_noth
         m = await _metrics(http, r.url)
     assert m[f'llmgw_router_requests_total{{code="200",model="tiny",replica="{engine.url}"}}'] == 6
     assert not any(k.startswith("llmgw_router_errors_total") for k in m)
+
+
+_STREAM = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"b\r\ndata: tok\n\n\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+)
+
+
+async def _stream_through(http: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
+    async with http.post(f"{url}/v1/chat/completions", json=chat_body(stream=True)) as resp:
+        return resp.status, await resp.read()
+
+
+async def test_a_connection_that_carried_a_stream_carries_the_next_once_it_settled():
+    """An engine that keeps its connections after streams (vLLM's uvicorn does): once a
+    connection stayed open its settling time after a stream, the next request goes on it
+    instead of a new one; one sent before that takes a connection of its own."""
+    async with (
+        RawEngine(lambda seen, engine: Action(_STREAM)) as engine,
+        running_router(
+            [_raw_model(engine)],
+            settings=router_settings(upstream=UpstreamSettings(stream_settle=0.1)),
+        ) as r,
+        aiohttp.ClientSession() as http,
+    ):
+        assert await _stream_through(http, r.url) == (200, b"data: tok\n\ndata: [DONE]\n\n")
+        assert (await _stream_through(http, r.url))[0] == 200  # at once: not settled yet
+        await anyio.sleep(0.3)
+        assert (await _stream_through(http, r.url))[0] == 200
+    first, second, third = engine.posts()
+    assert second.connection != first.connection
+    assert third.connection in (first.connection, second.connection)
+    assert third.number == 1  # the second request that connection carried
+
+
+async def test_an_engine_seen_closing_after_a_stream_never_gets_a_request_on_one():
+    """An engine that closed a connection right after a stream (llama-server's way) is
+    remembered: later streams' connections are not kept, even one that outlives its settling
+    time (here the engine holds it 1 s, reading nothing, then closes it: a request sent on it
+    would be lost, and could not be sent again). Every stream is answered, each on a
+    connection of its own."""
+
+    async def late_close(writer: asyncio.StreamWriter) -> None:
+        writer.write(_STREAM)
+        await writer.drain()
+        await asyncio.sleep(1.0)  # reads nothing meanwhile, then closes
+
+    def script(seen, engine) -> Action:
+        if seen.method != b"POST":
+            return Action(answer(b"{}"))  # /health
+        if not engine.posts()[:-1]:
+            return Action(_STREAM, close=True)  # the first stream: closed at once
+        return Action(late_close, close=True)
+
+    async with (
+        RawEngine(script) as engine,
+        running_router(
+            [_raw_model(engine)],
+            settings=router_settings(upstream=UpstreamSettings(stream_settle=0.1)),
+        ) as r,
+        aiohttp.ClientSession() as http,
+    ):
+        statuses = []
+        for _ in range(3):
+            statuses.append((await _stream_through(http, r.url))[0])
+            await anyio.sleep(0.3)  # past the settling time
+        m = await _metrics(http, r.url)
+    assert statuses == [200, 200, 200]
+    posts = engine.posts()
+    assert len({p.connection for p in posts}) == 3 and all(p.number == 0 for p in posts)
+    assert not any(k.startswith("llmgw_router_errors_total") for k in m)
+
+
+async def test_an_engine_that_closes_after_streams_has_the_next_connection_opened_ahead():
+    """After a stream to an engine that closes its connection after every stream
+    (llama-server), the router opens the connection the next request will take at once,
+    off that request's time to first token: a connection on which nothing was sent yet
+    is open at the engine, and the next stream goes on it."""
+
+    def script(seen, engine) -> Action:
+        return Action(_STREAM, close=True) if seen.method == b"POST" else Action(answer(b"{}"))
+
+    async def unused() -> set[int]:
+        return set(range(engine.connections)) - {s.connection for s in engine.requests}
+
+    async with (
+        RawEngine(script) as engine,
+        running_router([_raw_model(engine)], settings=router_settings(probe_interval=3600)) as r,
+        aiohttp.ClientSession() as http,
+    ):
+        assert (await _stream_through(http, r.url))[0] == 200
+        ahead = await until(unused)
+        assert await _stream_through(http, r.url) == (200, b"data: tok\n\ndata: [DONE]\n\n")
+    first, second = engine.posts()
+    assert second.connection in ahead and second.connection != first.connection

@@ -427,6 +427,23 @@ class Proxy:
             await resp.start(status, out, length)
             if not conn.has_body_ready:
                 resp.flush()  # the body may take a while (a stream before its first token)
+            if ticket is None:
+                # nothing to read in the answer: handed on as it arrives, from the engine
+                # connection's own callback (no task woken a chunk)
+                def first() -> None:
+                    took = time.monotonic() - started
+                    series.ttfb.observe(took)
+                    self.load.first_token(model, took)
+
+                try:
+                    await conn.relay(resp.write_now, resp.drain, first)
+                except UpstreamFailed as e:
+                    return self._failed_mid_answer(b, status, e)
+                relayed = True
+                self.pool.release(conn)
+                await resp.end()
+                series.answered(status)
+                return Relayed(status, "ok")
             first = True
             try:
                 async for chunk in conn.body():
@@ -443,18 +460,20 @@ class Proxy:
                             series.failed("over_limit")
                             return Relayed(status, "over_limit")
                         chunk = relayed_chunk
-                    await resp.write(chunk)
+                    if conn.complete:
+                        # the engine's last bytes: the answer's end leaves with them
+                        relayed = True
+                        self.pool.release(conn)
+                        await resp.write(chunk, last=True)
+                    else:
+                        await resp.write(chunk)
             except UpstreamFailed as e:
-                # The client already has part of the answer: the only honest signal left is to
-                # close its connection before the answer is complete.
-                self._count_failure(b, str(e))
-                series.failed("upstream")
-                log.warning("router: engine %s (%s) failed mid-answer: %s", b.id, b.address, e)
-                return Relayed(status, "upstream")
+                return self._failed_mid_answer(b, status, e)
             if first:
                 series.ttfb.observe(time.monotonic() - started)
-            relayed = True
-            self.pool.release(conn)
+            if not relayed:
+                relayed = True
+                self.pool.release(conn)
             await resp.end()
             series.answered(status)
             return Relayed(status, "ok")
@@ -464,6 +483,14 @@ class Proxy:
         finally:
             if not relayed:
                 conn.abort()  # the engine sees its client leave and stops generating
+
+    def _failed_mid_answer(self, b: Backend, status: int, e: UpstreamFailed) -> Relayed:
+        """The client already has part of the answer: the only honest signal left is to
+        close its connection before the answer is complete."""
+        self._count_failure(b, str(e))
+        self.metrics.replica(b.model, b.id).failed("upstream")
+        log.warning("router: engine %s (%s) failed mid-answer: %s", b.id, b.address, e)
+        return Relayed(status, "upstream")
 
     def _count_failure(self, b: Backend, why: str) -> None:
         if self.balancer.failed(b, time.monotonic(), why):

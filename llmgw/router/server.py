@@ -263,26 +263,39 @@ class Response:
             lines.append(b"\r\n")
         self._head = b"".join(lines)
 
-    async def write(self, data: bytes) -> None:
+    async def write(self, data: bytes, *, last: bool = False) -> None:
+        """A piece of the body; `last`: the answer ends with it (`end` in the same write).
+        Waits while the client's socket is full."""
+        if not self.write_now(data, last):
+            await self._conn.flow.drain()
+
+    def write_now(self, data: bytes, last: bool = False) -> bool:
+        """`write` without waiting: False while the client's socket is full (then wait for
+        `drain` before writing more)."""
         framing = self._framing
-        if framing == _LENGTH:
+        if framing == _CHUNKED:
+            if data:  # (an empty chunk would end the body)
+                data = b"%x\r\n%s\r\n" % (len(data), data)
+            if last:
+                data += b"0\r\n\r\n"
+        elif framing == _LENGTH:
             if len(data) > self._remaining:
                 self._overrun(len(data))
             self._remaining -= len(data)
-        elif framing == _CHUNKED:
-            if not data:
-                return  # an empty chunk would end the body
-            data = b"%x\r\n%s\r\n" % (len(data), data)
         elif framing == _NONE:
-            return
-        conn = self._conn
+            data = b""
+        if last:
+            self.ended = True
         if self._head:
             data, self._head = self._head + data, b""
-        elif not data:
-            return
-        conn.write(data)
-        if conn.write_paused:
-            await conn.drain()
+        conn = self._conn
+        if data:
+            conn.write(data)
+        return not conn.flow.write_paused
+
+    async def drain(self) -> None:
+        """Wait until the client's socket takes more (after `write_now` said False)."""
+        await self._conn.flow.drain()
 
     async def end(self) -> None:
         """The answer is complete. Shorter than its declared length, it is not: the
@@ -319,6 +332,90 @@ class Response:
             self._head = b""
 
 
+class FlowControl:
+    """A connection's back-pressure, both ways (uvicorn's FlowControl): reading paused while
+    too many pipelined requests wait, writing paused while the client's socket is full and
+    the answer's writer waiting for it to drain, for at most `send_timeout` (then the
+    connection is dropped: its handler is cancelled, and with it the engine's request).
+    It holds the transport, never the connection (no cycle for the collector to find)."""
+
+    __slots__ = (
+        "_transport",
+        "_loop",
+        "_send_timeout",
+        "_drained",
+        "_send_timer",
+        "_lost",
+        "read_paused",
+        "write_paused",
+    )
+
+    def __init__(
+        self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, send_timeout: float
+    ) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._send_timeout = send_timeout
+        self._drained: asyncio.Future[None] | None = None  # what a paused writer awaits
+        self._send_timer: asyncio.TimerHandle | None = None  # the client takes nothing
+        self._lost = False
+        self.read_paused = False
+        self.write_paused = False
+
+    def pause_reading(self) -> None:
+        if not self.read_paused:
+            self.read_paused = True
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            self.read_paused = False
+            self._transport.resume_reading()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self.stop()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    async def drain(self) -> None:
+        """Wait while the client's socket is full; raises ConnectionResetError once the
+        client is gone."""
+        if self._lost:
+            raise ConnectionResetError("client disconnected")
+        if self.write_paused:
+            if self._drained is None or self._drained.done():
+                self._drained = self._loop.create_future()
+            if self._send_timer is None:
+                self._send_timer = self._loop.call_later(self._send_timeout, self._stuck)
+            await self._drained
+
+    def lost(self) -> None:
+        """The client is gone: a writer waiting to drain learns it."""
+        self._lost = True
+        self.stop()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_exception(ConnectionResetError("client disconnected"))
+            self._drained.exception()  # retrieved: nobody may be waiting any more
+
+    def stop(self) -> None:
+        """No more send timeout (the client took its bytes, or the connection closes)."""
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _stuck(self) -> None:
+        self._send_timer = None
+        log.info(
+            "closing a client that took none of its answer for %g s (send timeout)",
+            self._send_timeout,
+        )
+        self._transport.abort()
+
+
 class _Reading(enum.Enum):
     """Where the parser is in the request it reads (for the raw head count)."""
 
@@ -330,9 +427,52 @@ class _Reading(enum.Enum):
 _BETWEEN, _HEAD, _BODY = _Reading.BETWEEN, _Reading.HEAD, _Reading.BODY
 
 
+class Deadline:
+    """A connection's one clock on its client: the next request within the keep-alive time
+    of going idle, a head within `head_timeout` of its first byte, a closing connection's
+    linger. `timed` says which part of a request it times (BETWEEN: none, or the wait for
+    the next one). Cancelled, it lets go of its callback (no cycle through the
+    connection)."""
+
+    __slots__ = ("_loop", "_handle", "_callback", "timed")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._handle: asyncio.TimerHandle | None = None
+        self._callback: Callable[[], None] | None = None
+        self.timed = _BETWEEN
+
+    @property
+    def armed(self) -> bool:
+        return self._handle is not None
+
+    def arm(self, timeout: float, callback: Callable[[], None], timed: _Reading = _BETWEEN) -> None:
+        """Run `callback` in `timeout` seconds, unless cancelled or armed again first."""
+        if self._handle is not None:
+            self._handle.cancel()
+        self._callback = callback
+        self._handle = self._loop.call_later(timeout, self._expire)
+        self.timed = timed
+
+    def cancel(self) -> None:
+        self.timed = _BETWEEN
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = self._callback = None
+
+    def _expire(self) -> None:
+        callback, self._handle, self._callback = self._callback, None, None
+        self.timed = _BETWEEN
+        if callback is not None:
+            callback()
+
+
 class HttpConnection(asyncio.Protocol):
     """One client connection: its requests are read by the parser callbacks into a queue,
-    and answered in order by one task, owned by this connection for its whole life."""
+    and answered in order by one task, owned by this connection for its whole life. Its
+    back-pressure is its `flow` (FlowControl); each request is a RequestCycle."""
+
+    flow: FlowControl  # from connection_made on
 
     def __init__(self, server: HttpServer) -> None:
         self._server = server
@@ -351,13 +491,8 @@ class HttpConnection(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self._next: asyncio.Future[None] | None = None  # set when a request is queued
         self._busy = False  # a request is being answered
-        self._idle_timer: asyncio.TimerHandle | None = None
-        self._timed: _Reading = _Reading.BETWEEN  # what the idle timer now times
-        self._send_timer: asyncio.TimerHandle | None = None
+        self._deadline = Deadline(self._loop)
         self._discarding = False  # closed for reading: what arrives is dropped
-        self._read_paused = False
-        self.write_paused = False
-        self._drain: asyncio.Future[None] | None = None
         self.lost = False
         self.closing = False  # the server is shutting down: answer what is begun, then close
         self.peer = ""  # host:port of the client
@@ -366,6 +501,7 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment] (uvloop's is not a subclass)
+        self.flow = FlowControl(self._transport, self._loop, self._limits.send_timeout)
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and len(peer) >= 2:
             self.peer = f"{peer[0]}:{peer[1]}"
@@ -396,7 +532,7 @@ class HttpConnection(asyncio.Protocol):
             return  # the common case: whole requests in this chunk (or none begun)
         # A request is still arriving. Its timer is armed only now, when it is known to
         # span chunks: most requests arrive in one, and a timer a request costs.
-        if reading_now is not self._timed:
+        if reading_now is not self._deadline.timed:
             self._arm_for(reading_now)
         if reading_now is _Reading.HEAD:
             # httptools hands over a header only once its value is complete, and holds it
@@ -425,32 +561,17 @@ class HttpConnection(asyncio.Protocol):
         self._server.forget(self)
         if self.task is not None:
             self.task.cancel()  # the client is gone: stop the upstream work at once
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_exception(ConnectionResetError("client disconnected"))
-            self._drain.exception()  # retrieved: nobody may be waiting any more
+        self.flow.lost()
+        # The parser holds this connection's callbacks: a cycle that only the collector
+        # would free, and its full passes over thousands of dead connections stalled the
+        # loop for tens of milliseconds under load. Dropped, the connection goes at once.
+        self._parser = None
 
     def pause_writing(self) -> None:
-        self.write_paused = True
+        self.flow.pause_writing()
 
     def resume_writing(self) -> None:
-        self.write_paused = False
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_result(None)
-
-    async def drain(self) -> None:
-        if self.lost:
-            raise ConnectionResetError("client disconnected")
-        if self.write_paused:
-            if self._drain is None or self._drain.done():
-                self._drain = self._loop.create_future()
-            if self._send_timer is None:
-                self._send_timer = self._loop.call_later(
-                    self._limits.send_timeout, self._send_timed_out
-                )
-            await self._drain
+        self.flow.resume_writing()
 
     def write(self, data: bytes) -> None:
         if self._transport is not None and not self.lost:
@@ -564,13 +685,11 @@ class HttpConnection(asyncio.Protocol):
         self._enqueue(_Refusal(status, self._error_body(status, message)))
 
     def _enqueue(self, item: RequestCycle | _Refusal) -> None:
-        self._cancel_idle()
+        self._deadline.cancel()
         queue = self._queue
         queue.append(item)
-        if len(queue) > 1 and not self._read_paused and self._pipelined_too_much():
-            self._read_paused = True
-            assert self._transport is not None
-            self._transport.pause_reading()
+        if len(queue) > 1 and not self.flow.read_paused and self._pipelined_too_much():
+            self.flow.pause_reading()
         if self.task is None:
             # one task a connection, for its whole life (a task a request costs more)
             self.task = self._loop.create_task(self._answer_queue())
@@ -602,7 +721,7 @@ class HttpConnection(asyncio.Protocol):
                         self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                     if between:
                         self._went_idle()
-                    elif self._idle_timer is None or self._idle_timer.cancelled():
+                    elif not self._deadline.armed:
                         # a pipelined request half here: its time runs from now on
                         self._arm_for(self._reading)
                     self._next = self._loop.create_future()
@@ -610,10 +729,8 @@ class HttpConnection(asyncio.Protocol):
                     continue
                 self._busy = True
                 item = queue.popleft()
-                if self._read_paused and not self._pipelined_too_much(fraction=2):
-                    self._read_paused = False
-                    assert self._transport is not None
-                    self._transport.resume_reading()
+                if self.flow.read_paused and not self._pipelined_too_much(fraction=2):
+                    self.flow.resume_reading()
                 if isinstance(item, _Refusal):
                     self.write(
                         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
@@ -658,9 +775,7 @@ class HttpConnection(asyncio.Protocol):
         t = self._transport
         if t is None or t.is_closing():
             return
-        if self._read_paused:
-            self._read_paused = False
-            t.resume_reading()
+        self.flow.resume_reading()
         try:
             if t.can_write_eof():
                 t.write_eof()
@@ -670,47 +785,26 @@ class HttpConnection(asyncio.Protocol):
         except OSError:
             t.close()
             return
-        self._idle_timer = self._loop.call_later(LINGER, t.close)
+        self._deadline.arm(LINGER, t.close)
 
     def _went_idle(self) -> None:
+        """Close the connection unless a whole request is queued within the keep-alive time."""
         self._server.went_idle(self)
-        self._arm(self._limits.idle_timeout)
+        self._deadline.arm(self._limits.idle_timeout, self._idle_timed_out)
 
     def _arm_for(self, reading: _Reading) -> None:
         """Time the request now arriving: its head, or its body (within the keep-alive time)."""
         limits = self._limits
-        self._arm(limits.head_timeout if reading is _Reading.HEAD else limits.idle_timeout)
-        self._timed = reading
-
-    def _arm(self, timeout: float) -> None:
-        """Close the connection unless a whole request is queued within `timeout`."""
-        self._cancel_idle()
-        self._idle_timer = self._loop.call_later(timeout, self._idle_timed_out)
-
-    def _cancel_idle(self) -> None:
-        self._timed = _Reading.BETWEEN
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        timeout = limits.head_timeout if reading is _Reading.HEAD else limits.idle_timeout
+        self._deadline.arm(timeout, self._idle_timed_out, reading)
 
     def _cancel_timers(self) -> None:
-        self._cancel_idle()
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
+        self._deadline.cancel()
+        self.flow.stop()
 
     def _idle_timed_out(self) -> None:
-        self._idle_timer = None
         if not self._busy and not self._queue and self._transport is not None:
             self._transport.close()  # silent, or too slow to send a whole request
-
-    def _send_timed_out(self) -> None:
-        self._send_timer = None
-        log.info(
-            "closing a client that took none of its answer for %g s (send timeout)",
-            self._limits.send_timeout,
-        )
-        self.abort()  # its handler is cancelled, and with it the engine's request
 
 
 class _Stop(Exception):

@@ -10,10 +10,17 @@ sends on a connection the engine is closing; one the engine has closed is notice
 
 A connection carries one request at a time and is in one `Phase`; the next request goes
 on it only once both sides are done with the last one (the answer read completely, the
-engine keeping the connection), as httpcore's connection does. It is never reused after
-an answer that came chunked or ended with the connection: those are streams, and
-llama-server closes its connection after every stream although its headers promise
-keep-alive; a new connection costs a fraction of a millisecond beside a generation.
+engine keeping the connection), as httpcore's connection does.
+
+After a stream (a chunked answer) the engine may not keep it: llama-server closes its
+connection after every stream although its headers promise keep-alive, while vLLM's
+uvicorn keeps it. A request sent on a connection the engine is closing is lost and cannot
+be sent again (below), so a connection that carried a stream *settles* first: it may
+carry another request only once it stayed open `stream_settle` seconds after the stream's
+last chunk. An engine seen closing a connection after a stream (while it settles, idle
+later, or with a request on it) is remembered, and no connection that carried a stream
+to it is kept again. Against llama-server the router thus opens a connection a stream,
+as it must; against an engine that keeps them, streams reuse them as whole answers do.
 
 Failures come in two kinds, because only one can be retried safely:
 - `ConnectFailed`: nothing was sent (refused, unreachable, connect timeout); the proxy
@@ -31,9 +38,14 @@ import collections
 import enum
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httptools
+
+Key = tuple[str, int, bool]  # an engine's endpoint: host, port, TLS
+# engines remembered as closing their connections after streams (the oldest forgotten first)
+MAX_REMEMBERED = 4096
 
 
 class ConnectFailed(Exception):
@@ -56,6 +68,10 @@ class UpstreamSettings:
     # open streams every 30 s; its own --timeout is 600 s)
     read_timeout: float = 600.0
     idle_timeout: float = 4.0
+    # how long a connection must stay open after a stream's last chunk before it carries
+    # another request (an engine that closes after streams does so at once: llama-server
+    # closes it right after that chunk)
+    stream_settle: float = 0.25
     max_idle_per_endpoint: int = 1024
     # stop reading from an engine while this much of its answer waits for a slow client
     buffer_high: int = 256 * 1024
@@ -76,7 +92,7 @@ _ANSWERING = frozenset((_WAITING, _BODY))
 class UpstreamConnection(asyncio.Protocol):
     """One connection to one engine, carrying one request at a time."""
 
-    def __init__(self, pool: UpstreamPool, key: tuple[str, int, bool]) -> None:
+    def __init__(self, pool: UpstreamPool, key: Key) -> None:
         self._pool = pool
         self.key = key
         self._loop = pool.loop
@@ -86,6 +102,11 @@ class UpstreamConnection(asyncio.Protocol):
         self.requests = 0  # sent on this connection so far
         self.idle_since = 0.0
         self.reused_after = 0.0  # seconds it had been idle when the current request was sent
+        # the answer before the current request was a stream (a close then is the engine's
+        # way with streams, not a keep-alive timeout)
+        self.after_stream = False
+        self._timer: asyncio.TimerHandle | None = None  # the engine's silence, timed
+        self._heard = 0.0  # loop time of the last bytes from the engine (or of the send)
         self._reset()
 
     def _reset(self) -> None:
@@ -104,43 +125,117 @@ class UpstreamConnection(asyncio.Protocol):
         self._error: UpstreamFailed | None = None
         self._reading_paused = False
         self._got_bytes = False  # anything at all came back for this request
+        # relay(): where the body goes from data_received, and what happened there
+        self._sink: Callable[[bytes, bool], bool] | None = None
+        self._first: Callable[[], None] | None = None
+        self._delivered = False  # the whole body was handed on
+        self._client_full = False  # the sink's client takes no more for now
+        self._sink_error: BaseException | None = None
 
     # --- used by the proxy -------------------------------------------------------------
 
     def send(self, data: bytes) -> None:
+        self.after_stream = self.streamed
         self._reset()
         self.phase = _WAITING
         self.requests += 1
         self.reused_after = time.monotonic() - self.idle_since if self.idle_since else 0.0
         self._head = self._loop.create_future()
+        # one timer a request, not one a wait: it fires after `read_timeout` and looks how
+        # long the engine has really been silent (data_received notes when it last spoke)
+        timeout = self._pool.settings.read_timeout
+        self._heard = self._loop.time()
+        self._timer = self._loop.call_later(timeout, self._silence, timeout)
         self._transport.write(data)
 
     async def response_head(self) -> tuple[int, list[tuple[bytes, bytes]]]:
         """Status and headers (names lower-cased); raises UpstreamFailed."""
         assert self._head is not None
         if not self._head.done():
-            await self._wait(self._head)
+            await self._head
         self._head.result()
         return self.status, self.headers
 
     async def body(self):
-        """The body as it arrives (chunked framing removed); raises UpstreamFailed."""
+        """The body as it arrives (chunked framing removed): all that is here at each turn
+        in one piece (what one read from the engine brought is one write to the client, not
+        one a chunk); raises UpstreamFailed."""
+        chunks = self._chunks
         while True:
-            while self._chunks:
-                chunk = self._chunks.popleft()
-                self._buffered -= len(chunk)
-                if self._reading_paused and self._buffered < self._pool.settings.buffer_high // 2:
+            if chunks:
+                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                self._buffered = 0
+                if self._reading_paused:
                     self._reading_paused = False
                     if self._transport is not None:
+                        self._heard = self._loop.time()  # its silence is timed from now
                         self._transport.resume_reading()
                 yield chunk
+                continue
             if self._complete:
                 return
             if self._error is not None:
                 raise self._error
             self._waiter = self._loop.create_future()
-            await self._wait(self._waiter)
+            await self._waiter
             self._waiter = None
+
+    async def relay(
+        self,
+        write: Callable[[bytes, bool], bool],
+        drain: Callable[[], Awaitable[None]],
+        first: Callable[[], None],
+    ) -> None:
+        """Hand the body on to `write(data, last)` as it arrives, from this protocol's own
+        callback: what one read from the engine brought in one call, and no task woken for
+        it (the caller waits here for the end). `write` returns False while its client
+        takes no more: reading from the engine pauses until `drain()` returns. `first()` is
+        called before the first bytes are handed on. Raises UpstreamFailed, or what `write`
+        raised."""
+        self._first = first
+        try:
+            while not self._delivered:
+                if self._sink_error is not None:
+                    raise self._sink_error
+                if self._client_full:
+                    await drain()
+                    self._client_full = False
+                    if self._reading_paused:
+                        self._reading_paused = False
+                        if self._transport is not None:
+                            self._heard = self._loop.time()  # its silence is timed from now
+                            self._transport.resume_reading()
+                    continue
+                if self._chunks or self._complete:
+                    self._hand_on(write)
+                    continue
+                if self._error is not None:
+                    raise self._error
+                self._sink = write
+                self._waiter = self._loop.create_future()
+                await self._waiter
+        finally:
+            self._sink = self._first = self._waiter = None
+
+    def _hand_on(self, write: Callable[[bytes, bool], bool]) -> None:
+        """What is here goes to `write`; reading pauses if its client takes no more."""
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        if self._first is not None:
+            first, self._first = self._first, None
+            first()
+        last = self._complete
+        more = write(data, last)
+        self._delivered = last  # (not when `write` raised: relay() raises it)
+        if not more and not last:
+            self._client_full = True
+            if not self._reading_paused:
+                self._reading_paused = True
+                if self._transport is not None:
+                    self._transport.pause_reading()
 
     @property
     def complete(self) -> bool:
@@ -150,8 +245,10 @@ class UpstreamConnection(asyncio.Protocol):
     @property
     def reusable(self) -> bool:
         """Both sides are done and the engine keeps the connection: it may carry another
-        request (not after a stream; see the module's docstring)."""
-        return self.phase is _DONE and self._complete and self.keep_alive and not self.streamed
+        request (after a stream, once it settled; see the module's docstring)."""
+        return (
+            self.phase is _DONE and self._complete and self.keep_alive and not self._ends_with_close
+        )
 
     @property
     def has_body_ready(self) -> bool:
@@ -161,6 +258,7 @@ class UpstreamConnection(asyncio.Protocol):
     def abort(self) -> None:
         """Drop the connection now (the engine sees the client leave and stops)."""
         self.phase = _CLOSED
+        self._stop_timer()
         if self._transport is not None:
             self._transport.abort()
 
@@ -176,6 +274,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.abort()
             return
         self._got_bytes = True
+        self._heard = self._loop.time()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError:
@@ -183,10 +282,30 @@ class UpstreamConnection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._fail(UpstreamFailed(f"malformed HTTP answer from the engine: {e}"))
             self.abort()
+            return
+        sink = self._sink
+        if sink is not None and (self._chunks or self._complete):
+            # relay(): handed on here, the relaying task woken only at the end, when the
+            # client is full, or on an error
+            try:
+                self._hand_on(sink)
+            except Exception as e:  # noqa: BLE001 - raised in the relaying task, not here
+                self._sink_error = e
+            if self._delivered or self._client_full or self._sink_error is not None:
+                self._sink = None
+                self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         phase, self.phase = self.phase, _CLOSED
-        self._pool.forget(self)
+        self._stop_timer()
+        self._parser = None  # (it holds this protocol's callbacks: a cycle; see server.py)
+        # closed by the engine (the router's own closes set the phase first)
+        if phase is _IDLE:
+            self._pool.forget(self)  # in the pool, settling or idle
+            if self.streamed:
+                self._pool.closes_after_streams(self.key)
+        elif phase is _WAITING and self.after_stream and not self._got_bytes:
+            self._pool.closes_after_streams(self.key)
         if phase is _BODY and self._ends_with_close:
             self._complete = True  # an answer with neither length nor chunking ends here
             self._wake()
@@ -250,14 +369,17 @@ class UpstreamConnection(asyncio.Protocol):
             self._reading_paused = True
             if self._transport is not None:
                 self._transport.pause_reading()
-        self._wake()
+        if self._sink is None:
+            self._wake()  # (relay() hands the body on after the read, not a chunk at a time)
 
     def on_message_complete(self) -> None:
         if self.phase is not _BODY:
             return  # the end of a 1xx
         self.phase = _DONE
         self._complete = True
-        self._wake()
+        self._stop_timer()
+        if self._sink is None:
+            self._wake()
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -274,18 +396,23 @@ class UpstreamConnection(asyncio.Protocol):
             self._head.exception()  # retrieved: a caller that gave up may not be waiting
         self._wake()
 
-    async def _wait(self, fut: asyncio.Future[None]) -> None:
-        timeout = self._pool.settings.read_timeout
-        timer = self._loop.call_later(timeout, self._time_out, fut, timeout)
-        try:
-            await fut
-        finally:
-            timer.cancel()
+    def _silence(self, timeout: float) -> None:
+        self._timer = None
+        if self.phase not in _ANSWERING:
+            return
+        silent = self._loop.time() - self._heard
+        if silent < timeout or self._reading_paused:
+            # it spoke since (or the router holds it back for a slow client): time on
+            wait = timeout if self._reading_paused else timeout - silent
+            self._timer = self._loop.call_later(wait, self._silence, timeout)
+            return
+        self._fail(UpstreamFailed(f"the engine sent nothing for {timeout:g} s"))
+        self.abort()
 
-    def _time_out(self, fut: asyncio.Future[None], timeout: float) -> None:
-        if not fut.done():
-            self._fail(UpstreamFailed(f"the engine sent nothing for {timeout:g} s"))
-            self.abort()
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class _SecondAnswer(Exception):
@@ -296,7 +423,16 @@ class UpstreamPool:
     def __init__(self, settings: UpstreamSettings | None = None) -> None:
         self.settings = settings or UpstreamSettings()
         self.loop = asyncio.get_running_loop()
-        self._idle: dict[tuple[str, int, bool], list[UpstreamConnection]] = {}
+        self._idle: dict[Key, list[UpstreamConnection]] = {}
+        # connections that carried a stream, in the order they came back, until they have
+        # stayed open `stream_settle` seconds (then they are idle like any other)
+        self._settling: dict[Key, collections.deque[UpstreamConnection]] = {}
+        # engines seen closing a connection after a stream: none is kept after one again
+        self._close_after_streams: dict[Key, None] = {}
+        # engines that close after streams, a connection being opened to each ahead of
+        # its next request (see `_open_ahead`), and those tasks
+        self._opening: set[Key] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.opened = 0  # connections made, for tests and benchmarks
         self._tls: ssl.SSLContext | None = None
 
@@ -317,33 +453,93 @@ class UpstreamPool:
         if not conn.reusable:
             conn.abort()
             return
-        idle = self._idle.setdefault(conn.key, [])
-        if len(idle) >= self.settings.max_idle_per_endpoint:
+        key = conn.key
+        place: list[UpstreamConnection] | collections.deque[UpstreamConnection]
+        if conn.streamed:
+            if key in self._close_after_streams:
+                conn.abort()  # the engine closes it anyway (llama-server, at once)
+                self._open_ahead(key)
+                return
+            place = self._settling.get(key) or self._settling.setdefault(key, collections.deque())
+        else:
+            place = self._idle.get(key) or self._idle.setdefault(key, [])
+        if len(place) >= self.settings.max_idle_per_endpoint:
             conn.abort()
             return
         conn.phase = Phase.IDLE
         conn.idle_since = time.monotonic()
-        idle.append(conn)
+        place.append(conn)
 
     def forget(self, conn: UpstreamConnection) -> None:
-        idle = self._idle.get(conn.key)
-        if idle and conn in idle:
-            idle.remove(conn)
+        """An idle (or settling) connection the engine closed."""
+        for place in (self._idle.get(conn.key), self._settling.get(conn.key)):
+            if place and conn in place:
+                place.remove(conn)
+                return
+
+    def closes_after_streams(self, key: Key) -> None:
+        """The engine at `key` closed a connection after a stream: it keeps none after one,
+        whatever its headers say (llama-server). Its connections that carried a stream go
+        now, none is kept after a stream from now on, and the next request's connection is
+        opened ahead of it."""
+        if key not in self._close_after_streams:
+            if len(self._close_after_streams) >= MAX_REMEMBERED:
+                del self._close_after_streams[next(iter(self._close_after_streams))]
+            self._close_after_streams[key] = None
+        for c in self._settling.pop(key, ()):
+            c.abort()
+        idle = self._idle.get(key)
+        if idle:
+            for c in [c for c in idle if c.streamed]:
+                idle.remove(c)
+                c.abort()
+        self._open_ahead(key)
+
+    def _open_ahead(self, key: Key) -> None:
+        """The engine at `key` closes its connection after every stream: open the one its
+        next request will take now, while nothing waits for it, rather than on that
+        request's time to first token (a connect is a tenth of a millisecond and more
+        here). One at a time, and only when no idle connection is there already; it is
+        idle like any other (closed after `idle_timeout` if nothing takes it), and no
+        request was ever sent on it, so the engine keeps it."""
+        if key in self._opening or self._idle.get(key):
+            return
+        self._opening.add(key)
+        task = self.loop.create_task(self._open_idle(key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _open_idle(self, key: Key) -> None:
+        try:
+            conn = await self._connect(key)
+        except ConnectFailed:
+            return  # the next request tries for itself, and says why
+        finally:
+            self._opening.discard(key)
+        if conn.phase is Phase.IDLE:  # (not closed by the engine meanwhile)
+            conn.idle_since = time.monotonic()
+            self._idle.setdefault(key, []).append(conn)
 
     def close_idle(self, older_than: float | None = None) -> None:
-        """Close idle connections (all, or those idle longer than `older_than` seconds)."""
+        """Close idle and settling connections (all, or those idle longer than `older_than`
+        seconds; all stops opening ahead too)."""
+        if older_than is None:
+            for task in self._tasks:
+                task.cancel()
         now = time.monotonic()
-        for key, idle in list(self._idle.items()):
-            keep = []
-            for c in idle:
-                if older_than is None or now - c.idle_since > older_than:
-                    c.abort()
+        for places in (self._idle, self._settling):
+            for key, place in list(places.items()):
+                keep = [
+                    c for c in place if older_than is not None and now - c.idle_since <= older_than
+                ]
+                for c in place:
+                    if older_than is None or now - c.idle_since > older_than:
+                        c.abort()
+                if keep:
+                    place.clear()
+                    place.extend(keep)
                 else:
-                    keep.append(c)
-            if keep:
-                self._idle[key] = keep
-            else:
-                del self._idle[key]
+                    del places[key]
 
     async def sweep_forever(self) -> None:
         """Close connections idle for longer than the engines keep them."""
@@ -356,11 +552,19 @@ class UpstreamPool:
             self._tls = ssl.create_default_context()
         return self._tls
 
-    def _take_idle(self, key: tuple[str, int, bool]) -> UpstreamConnection | None:
+    def _take_idle(self, key: Key) -> UpstreamConnection | None:
         idle = self._idle.get(key)
+        settling = self._settling.get(key)
+        now = time.monotonic()
+        if settling:
+            # those that stayed open long enough after their stream join the idle ones
+            settled = now - self.settings.stream_settle
+            while settling and settling[0].idle_since <= settled:
+                if idle is None:
+                    idle = self._idle[key] = []
+                idle.append(settling.popleft())
         if not idle:
             return None
-        now = time.monotonic()
         while idle:
             conn = idle.pop()  # the most recently used: warm, least likely to be closing
             if conn.phase is not Phase.IDLE:
@@ -371,7 +575,7 @@ class UpstreamPool:
             return conn
         return None
 
-    async def _connect(self, key: tuple[str, int, bool]) -> UpstreamConnection:
+    async def _connect(self, key: Key) -> UpstreamConnection:
         host, port, tls = key
         try:
             async with asyncio.timeout(self.settings.connect_timeout):
