@@ -147,6 +147,26 @@ def parse_vllm(argv: list[str]) -> argparse.Namespace:
 # --- the engine ---------------------------------------------------------------------------
 
 
+class Pace:
+    """Tokens at `rate` a second on average, against the clock: a sleep of half a
+    millisecond wakes about a millisecond later (the event loop's timer resolution), so
+    sleeping 1/rate a token would cap a stream near 1,000 tokens a second whatever the
+    rate. A token whose time has come goes at once; a late wake sends those due together,
+    as an engine whose decode steps finish between two reads of its client does."""
+
+    def __init__(self, rate: float) -> None:
+        self.interval = 1.0 / rate
+        self.due = time.monotonic()
+
+    async def next(self) -> None:
+        self.due += self.interval
+        wait = self.due - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        else:
+            await asyncio.sleep(0)  # let the loop write and read between tokens
+
+
 @dataclass
 class Engine:
     kind: str  # "llama-server" | "vllm"
@@ -419,8 +439,9 @@ def build_app(engine: Engine):
 
                 if chat:
                     await resp.write(chunk(None, None, role=True))
+                pace = Pace(engine.token_rate)
                 for i in range(n):
-                    await asyncio.sleep(1.0 / engine.token_rate)
+                    await pace.next()
                     await resp.write(chunk(f"tok{i} ", None))
                 last = json.loads(chunk(None if chat else "", finish)[len(b"data: ") :])
                 last["timings"] = timings  # llama-server puts them on its last chunk
@@ -656,8 +677,9 @@ def build_app(engine: Engine):
             if body.get("stream"):
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
+                pace = Pace(engine.token_rate)
                 for i in range(n):
-                    await asyncio.sleep(1.0 / engine.token_rate)
+                    await pace.next()
                     data = {"content": f"tok{i} ", "stop": False, "index": 0}
                     await resp.write(f"data: {json.dumps(data)}\n\n".encode())
                 last = {"content": "", "stop": True, "index": 0, "model": engine.served_name}
@@ -740,8 +762,9 @@ def build_app(engine: Engine):
                 await resp.write(f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode())
 
             await event("response.created", response=response("in_progress", ""))
+            pace = Pace(engine.token_rate)
             for i in range(n):
-                await asyncio.sleep(1.0 / engine.token_rate)
+                await pace.next()
                 await event(
                     "response.output_text.delta",
                     item_id=mid,
