@@ -3,6 +3,7 @@ same count for an earlier revision of the router, in the same run.
 
     .venv/bin/python bench/router_instructions.py                  # against 715533c
     .venv/bin/python bench/router_instructions.py --baseline HEAD~3
+    .venv/bin/python bench/router_instructions.py --keys               # what keys cost
 
 Wall-clock figures on a shared 2-core VM drift by 30% between runs; instructions do not
 (callgrind counts the same total twice for the same program and input). One process runs a
@@ -11,6 +12,13 @@ client sending requests one after another on one kept-alive connection; the coun
 requests minus the count for a few hundred, divided, is the cost of one request through
 all three, of which the router is most. A baseline revision is unpacked with `git
 archive` into a temporary directory and measured the same way.
+
+--keys: this tree's router three ways in the same run: without keys, with a key and no
+limits (authenticated, metered, audited), and with a key limited four ways (limits that
+never refuse: what is counted is their bookkeeping). The gateway is the router's own
+(router/keygate.py over llmgw/gateway), its counters and audit trail in memory instead of
+NATS (the audit records still encoded as the bus encodes them), flushed every 0.2 s as a
+router's are.
 """
 
 from __future__ import annotations
@@ -58,10 +66,55 @@ class _Engine(asyncio.Protocol):
             self.transport.write(_ANSWER)
 
 
-async def _requests(n: int) -> None:
+class _Counters:
+    """The counter stream in memory: a running total a subject."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, int] = {}
+
+    async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
+        total = self.totals[subject] = self.totals.get(subject, 0) + delta
+        return total
+
+
+class _Audit:
+    """The audit trail in memory: records encoded into messages as the bus does."""
+
+    def __init__(self) -> None:
+        self.messages = 0
+
+    async def append(self, batch) -> None:
+        from llmgw.bus.counters import audit_messages
+
+        for _, recs in batch:
+            self.messages += len(audit_messages(recs))
+
+
+def _gateway(gate: str):
+    """A gateway holding one key ("key": no limits, "limits": four that never refuse), and
+    that key's secret."""
+    from llmgw.bus import keys, records
+    from llmgw.gateway import credentials
+    from llmgw.gateway.gateway import Gateway
+
+    gateway = Gateway("bench", _Counters(), _Audit())
+    secret = credentials.new_secret("bench")
+    big = 10**9
+    limits = (
+        records.Limits(rpm=big, tpm=big, tokens_per_day=big, max_parallel=big)
+        if gate == "limits"
+        else records.Limits()
+    )
+    key = records.ApiKey(name="bench", secrets=[credentials.hash_secret(secret)], limits=limits)
+    gateway.apply(keys.apikey("bench"), key)
+    return gateway, secret
+
+
+async def _requests(n: int, gate: str = "off") -> None:
     import anyio
 
     from llmgw import catalog
+    from llmgw.router.keygate import GatewayGate
     from llmgw.router.service import Router, RouterSettings
 
     loop = asyncio.get_running_loop()
@@ -70,12 +123,20 @@ async def _requests(n: int) -> None:
     router = Router(RouterSettings(host="127.0.0.1", port=0, probe_interval=3600))
     model = catalog.Model(id="m", served_name="bench", endpoints=[f"http://127.0.0.1:{port}"])
     body = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}]})
+    auth = b""
+    gateway = None
+    if gate != "off":
+        gateway, secret = _gateway(gate)
+        router.gate = GatewayGate(gateway)
+        auth = b"authorization: Bearer %s\r\n" % secret.encode()
     request = (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n%s" % (len(body), body.encode())
+        b"%scontent-length: %d\r\n\r\n%s" % (auth, len(body), body.encode())
     )
     async with anyio.create_task_group() as tg:
         await tg.start(router.serve_static, [model])
+        if gateway is not None:
+            tg.start_soon(gateway.run)
         reader, writer = await asyncio.open_connection(
             "127.0.0.1", int(router.url.rsplit(":", 1)[1])
         )
@@ -88,10 +149,10 @@ async def _requests(n: int) -> None:
         tg.cancel_scope.cancel()
 
 
-def _count(tree: Path, n: int) -> int:
+def _count(tree: Path, n: int, gate: str = "off") -> int:
     out = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable]
-        + [str(Path(__file__).resolve()), "--run", str(n)],
+        + [str(Path(__file__).resolve()), "--run", str(n), "--gate", gate],
         cwd=tree,
         env={**os.environ, "PYTHONPATH": str(tree)},
         capture_output=True,
@@ -104,14 +165,16 @@ def _count(tree: Path, n: int) -> int:
     return int(found.group(1))
 
 
-def per_request(tree: Path) -> float:
-    return (_count(tree, MANY) - _count(tree, FEW)) / (MANY - FEW)
+def per_request(tree: Path, gate: str = "off") -> float:
+    return (_count(tree, MANY, gate) - _count(tree, FEW, gate)) / (MANY - FEW)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", default="715533c", help="git revision to compare with")
+    parser.add_argument("--keys", action="store_true", help="what keys and limits cost")
     parser.add_argument("--run", type=int, help=argparse.SUPPRESS)  # the measured process
+    parser.add_argument("--gate", default="off", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run is not None:
         try:
@@ -120,10 +183,18 @@ def main() -> None:
             uvloop.install()
         except ImportError:
             pass
-        asyncio.run(_requests(args.run))
+        asyncio.run(_requests(args.run, args.gate))
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (Debian package `valgrind`)")
+    if args.keys:
+        print(f"instructions a proxied request ({MANY - FEW} requests, valgrind --tool=callgrind):")
+        off = per_request(ROOT)
+        print(f"  {'no keys':>22}: {off:10,.0f}")
+        for gate, what in (("key", "a key, no limits"), ("limits", "a key, four limits")):
+            now = per_request(ROOT, gate)
+            print(f"  {what:>22}: {now:10,.0f}  ({now / off:.3f}x, +{now - off:,.0f})")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         archive = subprocess.run(

@@ -78,7 +78,7 @@ class RecordingGate:
             return Refusal(401, "unknown key", kind="unauthorized")
         return key
 
-    def admit(self, identity, parsed, model):
+    def admit(self, identity, parsed, model, req):
         if identity == b"Bearer broke":
             return Refusal(
                 429,
@@ -107,7 +107,7 @@ class Ticket:
     def answering(self, replica: str) -> tuple[tuple[bytes, bytes], ...]:
         return ()
 
-    def chunk(self, data: bytes) -> bytes:
+    def chunk(self, data: bytes, last: bool) -> bytes:
         assert not self.settled
         self.relayed += data
         return data

@@ -30,7 +30,7 @@ import anyio
 from llmgw.bus.records import AuditRecord
 from llmgw.errors import LlmgwError
 
-from .limiter import Counter, Held, Limiter, LimitSettings
+from .limiter import FREE, Counter, Held, Limiter, LimitSettings
 from .metering import Meter
 from .refusals import Refusal
 from .table import SERVE_KNOWN_FOR, Identity, KeyTable
@@ -74,16 +74,29 @@ class GatewaySettings:
     flush_every: float = 0.2
 
 
-@dataclass
 class Admission:
-    gateway: Gateway
-    identity: Identity | None
-    held: Held | None
-    model: str
-    client: str
-    stream: bool
-    started: float
-    finished: bool = False
+    """One admitted request, carried until it is `finish`ed (once, however it ended)."""
+
+    __slots__ = ("gateway", "identity", "held", "model", "client", "stream", "started", "finished")
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        identity: Identity | None,
+        held: Held | None,
+        model: str,
+        client: str,
+        stream: bool,
+        started: float,
+    ) -> None:
+        self.gateway = gateway
+        self.identity = identity
+        self.held = held  # None: no limit applies
+        self.model = model
+        self.client = client
+        self.stream = stream
+        self.started = started
+        self.finished = False
 
     def headers(self) -> dict[str, str]:
         """x-ratelimit-* for a limited key, on every answer."""
@@ -127,26 +140,19 @@ class Admission:
         if self.held is not None:
             used = usage.total if usage is not None else (0 if status >= 400 else None)
             self.held.settle(used)
-        key = self.identity.name if self.identity else None
-        team = self.identity.team_name if self.identity else None
-        u = usage or Usage()
+        identity = self.identity
+        u = usage or _NONE
+        team = identity.team_name if identity is not None else None
         tally = g.tokens.get((team or "", self.model))
         if tally is None:
             tally = g.tokens[team or "", self.model] = [0, 0, 0]
         tally[0] += u.prompt
         tally[1] += u.completion
         tally[2] += u.cached
-        if self.identity is None:
+        if identity is None:
             return
-        g.meter.record(
-            team=team,
-            key=key,
-            model=self.model,
-            prompt=u.prompt,
-            completion=u.completion,
-            cached=u.cached,
-            now=self.started,
-        )
+        key = identity.name
+        g.meter.add(team, key, self.model, u.prompt, u.completion, u.cached, self.started)
         g.audit(
             AuditRecord(
                 time=self.started,
@@ -165,6 +171,9 @@ class Admission:
                 client=self.client,
             )
         )
+
+
+_NONE = Usage()
 
 
 class Gateway:
@@ -273,16 +282,26 @@ class Gateway:
         if isinstance(identity, Refusal):
             self._refused(identity, None, model, client, stream, now)
             return identity
-        refusal = self.table.authorize(identity, model)
-        if refusal is not None:
-            self._refused(refusal, identity, model, client, stream, now)
-            return refusal
         tokens = reserve_tokens(
             prompt_chars=prompt_chars, prompt_tokens=prompt_tokens, max_tokens=max_tokens
         )
+        return self.admit_identity(identity, model, tokens, client, stream, now)
+
+    def admit_identity(
+        self, identity: Identity, model: str, tokens: int, client: str, stream: bool, now: float
+    ) -> Admission | Refusal | None:
+        """`admit_now` for a caller already authenticated (the router's gate, on its request
+        path): `tokens` reserved (`reserve_tokens`), `now` by this gateway's clock."""
+        if not identity.may_use(model):
+            refusal = self.table.authorize(identity, model)
+            assert refusal is not None
+            self._refused(refusal, identity, model, client, stream, now)
+            return refusal
         held = self.limiter.admit_now(identity, model, tokens)
         if held is None:
             return None
+        if held is FREE:
+            return Admission(self, identity, None, model, client, stream, now)
         return self._outcome(held, identity, model, client, stream, now)
 
     def _outcome(
@@ -297,7 +316,7 @@ class Gateway:
         if isinstance(held, Refusal):
             self._refused(held, identity, model, client, stream, now)
             return held
-        return Admission(self, identity, held, model, client, stream, now)
+        return Admission(self, identity, None if held is FREE else held, model, client, stream, now)
 
     def models(self, authorization: str | None, names: Iterable[str]) -> list[str] | Refusal:
         """`GET /v1/models`: the models the caller's key may use."""

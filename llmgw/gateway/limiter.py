@@ -185,6 +185,11 @@ class Held:
                     self.limiter.owe(budget.window_subject(), beyond)
 
 
+# what `admit_now` gives a request that no limit applies to: one for all of them, holding
+# nothing (its settle and progress have nothing to do)
+FREE = Held(None, [], 0, None, 0.0)  # type: ignore[arg-type]
+
+
 def _tightest(budgets: list[Budget]) -> tuple[Budget | None, int]:
     """The budget with the least left of those, and what is left of it."""
     best, least = None, 0
@@ -299,10 +304,10 @@ class Limiter:
         knows (the fleet has claimed a limit whole, the counters away too long); None when a
         claim is due first (then `await admit(...)`). A share running low is topped up in
         the background (`prefetch`), so the request path rarely waits."""
-        now = self.clock()
         plan = self._plan(identity, model)
         if not plan.budgets:
-            return Held(self, [], tokens, None, now)  # nothing limits it
+            return FREE  # nothing limits it
+        now = self.clock()
         cap_tokens, cap_requests = plan.cap_units
         if (cap_tokens is not None and tokens > cap_tokens) or (
             cap_requests is not None and cap_requests < 1
@@ -343,6 +348,8 @@ class Limiter:
         """Spend one request and `tokens` (the prompt and the most it may generate) from
         every limit of `identity` on `model`, or say which limit refuses it."""
         now_held = self.admit_now(identity, model, tokens)
+        if now_held is FREE:
+            return Held(self, [], tokens, None, self.clock())
         if now_held is not None:
             return now_held
         now = self.clock()

@@ -99,7 +99,23 @@ class Meter:
         cached: int = 0,
         now: float | None = None,
     ) -> None:
-        at = (self._hour(time.time() if now is None else now), team, key, model)
+        self.add(team, key, model, prompt, completion, cached, time.time() if now is None else now)
+
+    def add(
+        self,
+        team: str | None,
+        key: str | None,
+        model: str,
+        prompt: int,
+        completion: int,
+        cached: int,
+        now: float,
+    ) -> None:
+        """`record`, its arguments by position (a request's last step)."""
+        hour = int(now // 3600)
+        if hour != self._hour_at:
+            self._hour_at, self._hour_token = hour, hour_token(now)
+        at = (self._hour_token, team, key, model)
         counts = self._counts.get(at)
         if counts is None:
             self._counts[at] = [1, prompt, completion, cached]
@@ -108,12 +124,6 @@ class Meter:
         counts[1] += prompt
         counts[2] += completion
         counts[3] += cached
-
-    def _hour(self, now: float) -> str:
-        hour = int(now // 3600)
-        if hour != self._hour_at:
-            self._hour_at, self._hour_token = hour, hour_token(now)
-        return self._hour_token
 
     def _collect(self) -> None:
         """What `record` counted, as deltas per counter subject."""

@@ -87,7 +87,9 @@ class UsageReader:
 
 class GatewayTicket:
     """An admitted request as the router's relay sees it (router/gate.py's Ticket reads
-    each chunk through it: router/keygate.py's MeteredTicket is one)."""
+    each chunk through it: router/keygate.py's MeteredTicket is one). `strip`: the gateway
+    asked the engine for a stream's usage chunk that its client did not ask for, and that
+    chunk is taken back out of what is relayed."""
 
     __slots__ = (
         "admission",
@@ -95,35 +97,88 @@ class GatewayTicket:
         "prompt_estimate",
         "replica",
         "over",
+        "strip",
         "_created",
         "_first",
+        "_pending",
     )
 
-    def __init__(self, admission: Admission, *, stream: bool, prompt_estimate: int = 0) -> None:
+    def __init__(
+        self,
+        admission: Admission,
+        *,
+        stream: bool,
+        prompt_estimate: int = 0,
+        strip: bool = False,
+    ) -> None:
         self.admission = admission
         self.reader = UsageReader(stream)
         self.prompt_estimate = prompt_estimate
         self.replica: str | None = None  # set by the router once it picked one
         self.over = False  # a limit refused more tokens: the router ends the stream
+        self.strip = strip
         self._created = time.monotonic()  # ttft is a span: measured on the monotonic clock
         self._first: float | None = None
+        self._pending = b""  # an event begun and not ended, held while stripping
 
-    def chunk(self, data: bytes) -> bytes | None:
-        """A piece of the answer as relayed: `data`, or None once a limit refuses the
-        stream more tokens (`over`: the router ends it there)."""
+    def chunk(self, data: bytes, last: bool = False) -> bytes | None:
+        """A piece of the answer as relayed (`last`: the answer ends with it): what to relay
+        of it, or None once a limit refuses the stream more tokens (`over`: the router ends
+        it there)."""
         if self._first is None:
             self._first = time.monotonic()
         reader = self.reader
         reader.feed(data)
-        if reader.stream and not self.over:
+        if not reader.stream:
+            return data
+        if not self.over:
             self.over = not self.admission.progress_now(reader.events)
-        return None if self.over else data
+        if self.over:
+            return None
+        return self._strip(data, last) if self.strip else data
+
+    def _strip(self, data: bytes, last: bool) -> bytes:
+        """`data` without the usage-only event; an event cut across chunks is held until it
+        ends (at most MAX_LINE bytes: past that it is passed on, unread), and what is held
+        when the answer ends goes with its last bytes."""
+        data = self._pending + data if self._pending else data
+        end = data.rfind(b"\n\n")
+        if last and end + 2 < len(data):
+            # the answer ends inside an event: what is complete is read, the rest passed on
+            done, self._pending = data, b""
+            return _without_usage(done) if b'"usage"' in done else done
+        if end < 0:
+            if len(data) > MAX_LINE:
+                self._pending = b""
+                return data
+            self._pending = data
+            return b""
+        done, self._pending = data[: end + 2], data[end + 2 :]
+        return _without_usage(done) if b'"usage"' in done else done
 
     def settle(self, status: int, outcome: str) -> None:
-        ttft = None if self._first is None else self._first - self._created
+        first = self._first
         self.admission.finish(
             status=status,
             usage=self.reader.usage(self.prompt_estimate),
             replica=self.replica,
-            ttft=ttft,
+            ttft=None if first is None else first - self._created,
         )
+
+
+def _without_usage(data: bytes) -> bytes:
+    """SSE events, the usage-only ones left out (a last piece not ended by a blank line is
+    kept as it is)."""
+    events = data.split(b"\n\n")
+    tail = events.pop()  # b"" when `data` ends with a blank line
+    kept = b"".join(e + b"\n\n" for e in events if not _usage_only(e))
+    return kept + tail
+
+
+def _usage_only(event: bytes) -> bool:
+    if b'"usage"' not in event:
+        return False
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            return usage_.is_usage_only_chunk(line[5:].strip())
+    return False

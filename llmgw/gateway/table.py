@@ -19,10 +19,10 @@ log, `llmgw_router_unreadable_keys`, `llmgw status`).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from llmgw.bus import keys, records, trust
 from llmgw.bus.records import ApiKey, Team
@@ -40,35 +40,45 @@ SERVE_KNOWN_FOR = 300.0
 MAX_CHECKED = 10_000
 
 
-@dataclass(frozen=True, slots=True)
 class Identity:
     """Who sent a request: its key's record and its team's (None: no team, or a team the
-    bucket does not hold, which then limits nothing)."""
+    bucket does not hold, which then limits nothing). Made once per key while its records
+    hold, so what a request asks of it is read, not worked out again."""
 
-    key: ApiKey
-    team: Team | None
+    __slots__ = ("key", "team", "name", "team_name", "_allowed", "_allowed_set")
 
-    @property
-    def name(self) -> str:
-        return self.key.name
+    def __init__(self, key: ApiKey, team: Team | None) -> None:
+        self.key = key
+        self.team = team
+        self.name = key.name
+        self.team_name = key.team
+        mine = key.models or None
+        theirs = team.models if team is not None and team.models else None
+        if mine is None:
+            allowed = theirs
+        elif theirs is None:
+            allowed = mine
+        else:
+            allowed = [m for m in mine if m in theirs]
+        self._allowed = None if allowed is None else list(allowed)
+        self._allowed_set = None if allowed is None else frozenset(allowed)
 
-    @property
-    def team_name(self) -> str | None:
-        return self.key.team
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Identity) and (self.key, self.team) == (other.key, other.team)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        return f"Identity(key={self.name!r}, team={self.team_name!r})"
 
     def allowed(self) -> list[str] | None:
         """The models this identity may use; None: every model. A key's list and its team's
         both apply."""
-        mine = self.key.models or None
-        theirs = self.team.models if self.team is not None and self.team.models else None
-        if mine is None:
-            return theirs
-        if theirs is None:
-            return mine
-        return [m for m in mine if m in theirs]
+        return None if self._allowed is None else list(self._allowed)
 
     def may_use(self, model: str) -> bool:
-        allowed = self.allowed()
+        allowed = self._allowed_set
         return allowed is None or model in allowed
 
 
@@ -96,6 +106,10 @@ class KeyTable:
         self._cut_off_since: float | None = None
         self._checked: dict[str, tuple[ApiKey, records.SecretHash]] = {}
         self._identities: dict[str, Identity] = {}  # one per key, while its records hold
+        # `Authorization` headers as they came (bytes) -> (identity, until when it holds,
+        # the table's generation then): a request with a known header costs one lookup
+        self._headers: dict[bytes, tuple[Identity, float, int]] = {}
+        self._generation = 0  # every change to what the table holds adds one
         # keys whose newest value does not read, and what is read instead (kept or refused)
         self.unreadable: dict[str, Unreadable] = {}
         self._refused_keys: set[str] = set()  # names: garbled, never read good
@@ -135,6 +149,7 @@ class KeyTable:
         parsed = keys.parse_gateway(key)
         if parsed is None:
             return
+        self._generation += 1
         name = parsed.ids[0]
         if parsed.prefix == keys.APIKEYS:
             if isinstance(value, ApiKey):
@@ -152,10 +167,12 @@ class KeyTable:
         """The watch lost NATS: from now the table may miss revocations."""
         if self._cut_off_since is None:
             self._cut_off_since = self.clock() if now is None else now
+            self._generation += 1
 
     def caught_up(self) -> None:
         """The watch has replayed the bucket again: the table is current."""
         self._cut_off_since = None
+        self._generation += 1
 
     # --- asked per request ---------------------------------------------------------------
 
@@ -172,6 +189,36 @@ class KeyTable:
 
     def teams(self) -> list[str]:
         return sorted(self._teams)
+
+    def authenticate_header(self, header: bytes | None, now: float) -> Identity | Refusal:
+        """`authenticate` for an `Authorization` header as it came: a header seen before
+        costs one lookup while the table is unchanged (any update, or losing NATS, forgets
+        them all) and its key and secret are in their time."""
+        if header is not None:
+            seen = self._headers.get(header)
+            if seen is not None and seen[2] == self._generation and now < seen[1]:
+                return seen[0]
+        authorization = None if header is None else header.decode("latin-1")
+        found = self.authenticate(authorization, now)
+        if isinstance(found, Identity) and header is not None and self._cut_off_since is None:
+            checked = self._checked.get(authorization)
+            if checked is not None:
+                until = min(
+                    (
+                        t
+                        for t in (
+                            checked[0].expires_at,
+                            checked[0].revoked_at,
+                            checked[1].valid_until,
+                        )
+                        if t is not None
+                    ),
+                    default=math.inf,
+                )
+                if len(self._headers) >= MAX_CHECKED:
+                    self._headers.clear()
+                self._headers[header] = (found, until, self._generation)
+        return found
 
     def authenticate(
         self, authorization: str | None, now: float | None = None

@@ -9,7 +9,7 @@ on every stream so that none goes unmetered.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -62,12 +62,48 @@ class _Answer(msgspec.Struct):
 
 _decode_answer = msgspec.json.Decoder(_Answer).decode
 
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: _Count = 0
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: _Count = 0
+    completion_tokens: _Count = 0
+    prompt_tokens_details: _Details | None = None
+
+
+class _TypedAnswer(msgspec.Struct):
+    """`_Answer` as engines write it: read straight into numbers. Anything else in these
+    fields (a string, a negative count) fails here and is read leniently by `_Answer`."""
+
+    usage: _Usage | None = None
+    choices: msgspec.Raw = msgspec.Raw(b"")
+
+
+_decode_typed = msgspec.json.Decoder(_TypedAnswer).decode
+
 
 def read(data: bytes) -> tuple[Usage | None, bool]:
     """An answer's or a chunk's usage (None: it has none, or is not a JSON object), and
     whether it is a usage-only chunk (usage and no choices: the one to strip); one pass."""
     if len(data) > MAX_USAGE_JSON:
         return None, False
+    try:
+        typed = _decode_typed(data)
+    except msgspec.ValidationError:
+        typed = None  # not as engines write it: read leniently below
+    except msgspec.DecodeError:
+        return None, False
+    if typed is not None:
+        u = typed.usage
+        if u is None:
+            return None, False
+        details = u.prompt_tokens_details
+        found = Usage(u.prompt_tokens, u.completion_tokens, details.cached_tokens if details else 0)
+        return found, _empty(typed.choices)
     try:
         doc = _decode_answer(data)
     except msgspec.DecodeError:

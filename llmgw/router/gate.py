@@ -4,7 +4,7 @@ and metering (router/proxy.py calls it; nothing else on the request path knows o
 Three moments of a request, each a call:
 1. `authenticate(req)`: before the body is read for routing. An identity, or a Refusal
    (401) that is answered at once.
-2. `admit(identity, parsed, model)`: once the model is known and before an engine is
+2. `admit(identity, parsed, model, req)`: once the model is known and before an engine is
    picked (so a refused request never takes an engine's slot, nor waits for a cold model).
    A `Ticket` (what the request reserved: the metering of one request), None when there is
    nothing to meter, or a Refusal (403, 429 with its headers).
@@ -40,9 +40,10 @@ class Ticket(Protocol):
         add to the answer's head."""
         ...
 
-    def chunk(self, data: bytes) -> bytes | None:
-        """A piece of the answer, as it comes from the engine; what to relay of it, or None
-        to end the answer here (a limit refuses a stream more tokens)."""
+    def chunk(self, data: bytes, last: bool) -> bytes | None:
+        """A piece of the answer, as it comes from the engine (`last`: the answer ends with
+        it); what to relay of it, or None to end the answer here (a limit refuses a stream
+        more tokens). Called from the engine connection's callback: it must not block."""
         ...
 
     def settle(self, status: int, outcome: str) -> None:
@@ -64,7 +65,7 @@ class Gate(Protocol):
     def authenticate(self, req: Request) -> object | Refusal: ...
 
     def admit(
-        self, identity: object, parsed: Parsed, model: str
+        self, identity: object, parsed: Parsed, model: str, req: Request
     ) -> Ticket | Refusal | Later | None: ...
 
     def models(self, identity: object, names: list[str]) -> list[str]:
@@ -88,7 +89,9 @@ class KeyListGate:
             return Refusal(401, "missing or unknown API key", kind="unauthorized")
         return None
 
-    def admit(self, identity: object, parsed: Parsed, model: str) -> Ticket | Refusal | None:
+    def admit(
+        self, identity: object, parsed: Parsed, model: str, req: Request
+    ) -> Ticket | Refusal | None:
         return None
 
     def models(self, identity: object, names: list[str]) -> list[str]:

@@ -17,11 +17,10 @@ the audit trail (llmgw/gateway), in the handler's one slot for them (router/gate
 from __future__ import annotations
 
 import json
-import math
 
 from llmgw.gateway import refusals, usage
-from llmgw.gateway.gateway import Admission, Gateway
-from llmgw.gateway.relay import MAX_LINE, GatewayTicket
+from llmgw.gateway.gateway import CHARS_PER_TOKEN, DEFAULT_MAX_TOKENS, Admission, Gateway
+from llmgw.gateway.relay import GatewayTicket
 from llmgw.gateway.table import Identity
 from llmgw.router.gate import Later, Ticket
 from llmgw.router.refusal import Refusal
@@ -33,24 +32,12 @@ _USAGE_ROUTES = frozenset((b"/v1/chat/completions", b"/v1/completions"))
 _KINDS = {401: "unauthorized", 403: "forbidden", 429: "rate_limited", 503: "limits_unavailable"}
 
 
-class Caller:
-    """Who sent a request, as `authenticate` found: the key's identity (None: the bucket
-    holds no key), and what `admit` needs of the request."""
-
-    __slots__ = ("identity", "authorization", "request")
-
-    def __init__(self, identity: Identity | None, authorization: str | None, request: Request):
-        self.identity = identity
-        self.authorization = authorization
-        self.request = request
-
-
-def _authorization(req: Request) -> str | None:
+def _authorization(req: Request) -> bytes | None:
     value = req.header(b"authorization")
     if value is None:
         api_key = req.header(b"x-api-key")  # Anthropic's clients send their key so
-        return None if api_key is None else "Bearer " + api_key.decode("latin-1")
-    return value.decode("latin-1")
+        return None if api_key is None else b"Bearer " + api_key
+    return value
 
 
 def refusal(r: refusals.Refusal, model: str = "") -> Refusal:
@@ -71,59 +58,77 @@ def refusal(r: refusals.Refusal, model: str = "") -> Refusal:
 
 
 class GatewayGate:
-    """router/gate.py's Gate over a Gateway."""
+    """router/gate.py's Gate over a Gateway. Who sent a request is its key's Identity (None:
+    the bucket holds no key)."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    def authenticate(self, req: Request) -> Caller | Refusal:
+    def authenticate(self, req: Request) -> Identity | Refusal | None:
         g = self.gateway
-        if not g.enabled:
-            return Caller(None, None, req)
-        authorization = _authorization(req)
-        identity = g.table.authenticate(authorization)
-        if isinstance(identity, refusals.Refusal):
-            g.refused(identity, client=req.client)
-            return refusal(identity)
-        return Caller(identity, authorization, req)
+        table = g.table
+        if not table.enabled:
+            return None
+        found = table.authenticate_header(_authorization(req), g.clock())
+        if isinstance(found, refusals.Refusal):
+            g.refused(found, client=req.client)
+            return refusal(found)
+        return found
 
     def admit(
-        self, identity: object, parsed: Parsed, model: str
+        self, identity: object, parsed: Parsed, model: str, req: Request
     ) -> Ticket | Refusal | Later | None:
-        caller = identity
-        assert isinstance(caller, Caller)
         g = self.gateway
-        if caller.identity is None and not g.enabled:
-            return None  # no keys: nothing to check or meter
+        if identity is None:
+            if not g.table.enabled:
+                return None  # no keys: nothing to check or meter
+            # the first key arrived since this request was authenticated: it needs one now
+            identity = self.authenticate(req)
+            if identity is None or isinstance(identity, Refusal):
+                return identity
+        assert isinstance(identity, Identity)
+        # what it reserves: its prompt's tokens, estimated from its characters, and the most
+        # it may generate (gateway.reserve_tokens)
+        prompt = -(-parsed.prompt_bytes // CHARS_PER_TOKEN)
+        most = parsed.max_tokens
+        tokens = prompt + (DEFAULT_MAX_TOKENS if most is None else most)
         # the served name the request routed by: one the table knows, never a client's
         # invention (an unknown model is answered 404 before the gate is asked)
-        args = {
-            "authorization": caller.authorization,
-            "model": parsed.model,
-            "prompt_chars": parsed.prompt_bytes,
-            "max_tokens": parsed.max_tokens,
-            "client": caller.request.client,
-            "stream": parsed.stream,
-            "identity": caller.identity,
-        }
-        admitted = g.admit_now(**args)
+        admitted = g.admit_identity(
+            identity, parsed.model, tokens, req.client, parsed.stream, g.clock()
+        )
         if admitted is None:
-            return Later(self._admit_later(args, caller, parsed, model))
-        return self._ticket(admitted, caller, parsed, model)
+            return Later(self._admit_later(identity, parsed, model, req))
+        return self._ticket(admitted, parsed, model, req, prompt)
 
     async def _admit_later(
-        self, args: dict, caller: Caller, parsed: Parsed, model: str
+        self, identity: Identity, parsed: Parsed, model: str, req: Request
     ) -> Ticket | Refusal | None:
-        return self._ticket(await self.gateway.admit(**args), caller, parsed, model)
+        admitted = await self.gateway.admit(
+            authorization=None,
+            identity=identity,
+            model=parsed.model,
+            prompt_chars=parsed.prompt_bytes,
+            max_tokens=parsed.max_tokens,
+            client=req.client,
+            stream=parsed.stream,
+        )
+        return self._ticket(
+            admitted, parsed, model, req, -(-parsed.prompt_bytes // CHARS_PER_TOKEN)
+        )
 
     def _ticket(
-        self, admitted: Admission | refusals.Refusal, caller: Caller, parsed: Parsed, model: str
+        self,
+        admitted: Admission | refusals.Refusal,
+        parsed: Parsed,
+        model: str,
+        req: Request,
+        prompt_estimate: int,
     ) -> Ticket | Refusal | None:
         if isinstance(admitted, refusals.Refusal):
             return refusal(admitted, model)
         if admitted.identity is None:
             return None  # the last key was deleted meanwhile: as a fleet without keys
-        req = caller.request
         strip = False
         if parsed.stream and not parsed.usage_asked and req.path in _USAGE_ROUTES:
             body = _asking_for_usage(req.body)
@@ -131,18 +136,13 @@ class GatewayGate:
                 req.body = body
                 strip = True
         return MeteredTicket(
-            admitted,
-            stream=parsed.stream,
-            prompt_estimate=math.ceil(parsed.prompt_bytes / 4),
-            strip=strip,
+            admitted, stream=parsed.stream, prompt_estimate=prompt_estimate, strip=strip
         )
 
     def models(self, identity: object, names: list[str]) -> list[str]:
-        caller = identity
-        if not isinstance(caller, Caller) or caller.identity is None:
+        if not isinstance(identity, Identity):
             return names
-        who = caller.identity
-        return [n for n in names if who.may_use(n)]
+        return [n for n in names if identity.may_use(n)]
 
 
 def _asking_for_usage(body: bytes) -> bytes | None:
@@ -164,50 +164,19 @@ def _asking_for_usage(body: bytes) -> bytes | None:
 
 
 class MeteredTicket(GatewayTicket):
-    """An admitted request as the relay sees it: its usage read as it passes (the gateway's
-    GatewayTicket), its x-ratelimit-* headers, and, when the router asked for a usage chunk
-    the client did not, that chunk taken out of the stream."""
+    """An admitted request as the relay sees it: its usage read as it passes, and the usage
+    chunk the client did not ask for taken out (the gateway's GatewayTicket), and its
+    x-ratelimit-* headers."""
 
-    __slots__ = ("rewrites", "_pending")
+    __slots__ = ("rewrites",)
 
     def __init__(
         self, admission: Admission, *, stream: bool, prompt_estimate: int, strip: bool
     ) -> None:
-        super().__init__(admission, stream=stream, prompt_estimate=prompt_estimate)
+        super().__init__(admission, stream=stream, prompt_estimate=prompt_estimate, strip=strip)
         self.rewrites = strip
-        self._pending = b""  # an event begun and not ended, held while stripping
 
     def answering(self, replica: str) -> tuple[tuple[bytes, bytes], ...]:
         self.replica = replica or None
-        return self.admission.header_pairs()
-
-    def chunk(self, data: bytes) -> bytes | None:
-        relayed = super().chunk(data)
-        if relayed is None:
-            return None  # past a token limit: the stream ends here
-        return self._strip(relayed) if self.rewrites else relayed
-
-    def _strip(self, data: bytes) -> bytes:
-        """`data` without the usage-only event; an event cut across chunks is held until it
-        ends (at most MAX_LINE bytes: past that it is passed on, unread)."""
-        data = self._pending + data if self._pending else data
-        end = data.rfind(b"\n\n")
-        if end < 0:
-            if len(data) > MAX_LINE:
-                self._pending = b""
-                return data
-            self._pending = data
-            return b""
-        done, self._pending = data[: end + 2], data[end + 2 :]
-        if b'"usage"' not in done:
-            return done
-        return b"".join(e + b"\n\n" for e in done[:-2].split(b"\n\n") if not _usage_only(e))
-
-
-def _usage_only(event: bytes) -> bool:
-    if b'"usage"' not in event:
-        return False
-    for line in event.split(b"\n"):
-        if line.startswith(b"data:"):
-            return usage.is_usage_only_chunk(line[5:].strip())
-    return False
+        held = self.admission.held
+        return () if held is None else held.header_pairs()

@@ -248,7 +248,7 @@ class Proxy:
         route = self._route(parsed)
         if isinstance(route, Refusal):
             return route
-        ticket = self.gate.admit(who, parsed, route.model)
+        ticket = self.gate.admit(who, parsed, route.model, req)
         if isinstance(ticket, Refusal):
             return ticket
         return parsed, route, ticket
@@ -427,53 +427,26 @@ class Proxy:
             await resp.start(status, out, length)
             if not conn.has_body_ready:
                 resp.flush()  # the body may take a while (a stream before its first token)
-            if ticket is None:
-                # nothing to read in the answer: handed on as it arrives, from the engine
-                # connection's own callback (no task woken a chunk)
-                def first() -> None:
-                    took = time.monotonic() - started
-                    series.ttfb.observe(took)
-                    self.load.first_token(model, took)
+            # handed on as it arrives, from the engine connection's own callback (no task
+            # woken a chunk); a ticket reads each piece on the way (and may change it)
+            write = resp.write_now if ticket is None else _metered(ticket, resp.write_now)
 
-                try:
-                    await conn.relay(resp.write_now, resp.drain, first)
-                except UpstreamFailed as e:
-                    return self._failed_mid_answer(b, status, e)
-                relayed = True
-                self.pool.release(conn)
-                await resp.end()
-                series.answered(status)
-                return Relayed(status, "ok")
-            first = True
+            def first() -> None:
+                took = time.monotonic() - started
+                series.ttfb.observe(took)
+                self.load.first_token(model, took)
+
             try:
-                async for chunk in conn.body():
-                    if first:
-                        first = False
-                        took = time.monotonic() - started
-                        series.ttfb.observe(took)
-                        self.load.first_token(model, took)
-                    if ticket is not None:
-                        relayed_chunk = ticket.chunk(chunk)
-                        if relayed_chunk is None:
-                            # a limit refuses the stream more tokens: as an engine's failure
-                            # mid-answer, the client's connection closes before the end
-                            series.failed("over_limit")
-                            return Relayed(status, "over_limit")
-                        chunk = relayed_chunk
-                    if conn.complete:
-                        # the engine's last bytes: the answer's end leaves with them
-                        relayed = True
-                        self.pool.release(conn)
-                        await resp.write(chunk, last=True)
-                    else:
-                        await resp.write(chunk)
+                await conn.relay(write, resp.drain, first)
             except UpstreamFailed as e:
                 return self._failed_mid_answer(b, status, e)
-            if first:
-                series.ttfb.observe(time.monotonic() - started)
-            if not relayed:
-                relayed = True
-                self.pool.release(conn)
+            except OverLimit:
+                # a limit refuses the stream more tokens: as an engine's failure mid-answer,
+                # the client's connection closes before the end
+                series.failed("over_limit")
+                return Relayed(status, "over_limit")
+            relayed = True
+            self.pool.release(conn)
             await resp.end()
             series.answered(status)
             return Relayed(status, "ok")
@@ -495,6 +468,23 @@ class Proxy:
     def _count_failure(self, b: Backend, why: str) -> None:
         if self.balancer.failed(b, time.monotonic(), why):
             self.metrics.ejections.labels(b.model, b.id).inc()  # rare: no cached series
+
+
+class OverLimit(Exception):
+    """A ticket ended the answer: a limit refuses the stream more tokens."""
+
+
+def _metered(ticket: Ticket, write: Callable[[bytes, bool], bool]) -> Callable[[bytes, bool], bool]:
+    """`write` with each piece read by `ticket` first (what it gives back is relayed)."""
+    chunk = ticket.chunk
+
+    def metered(data: bytes, last: bool) -> bool:
+        relayed = chunk(data, last)
+        if relayed is None:
+            raise OverLimit
+        return write(relayed, last)
+
+    return metered
 
 
 class Relayed:
