@@ -448,6 +448,40 @@ async def test_a_relay_that_cannot_await_charges_a_stream_and_learns_when_it_pas
         assert total >= 1200
 
 
+class LosesOneAnswer:
+    """The counter stream, whose answer to the first owed add (one sent with a message id)
+    is lost after the add was stored: a reply dropped on its way back."""
+
+    def __init__(self, counters: Counters) -> None:
+        self.counters = counters
+        self.lost = 0
+
+    async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
+        total = await self.counters.add(subject, delta, msg_id)
+        if msg_id is not None and not self.lost:
+            self.lost += 1
+            raise TimeoutError("the answer was lost")
+        return total
+
+
+async def test_an_owed_add_whose_answer_was_lost_is_sent_again_and_counted_once(
+    streams: Bus, nats_settings: NatsSettings
+) -> None:
+    secret = credentials.new_secret("k1")
+    async with router(nats_settings, Clock(), _key(secret, tpm=10_000), share=0.01) as (_, a):
+        lossy = LosesOneAnswer(Counters(streams))
+        a.limiter.counter = lossy
+        s = await a.admit(authorization=f"Bearer {secret}", model="m", max_tokens=100)
+        assert isinstance(s, Admission)  # 100 reserved, from a claim of 200 (a share ahead)
+        s.finish(status=200, usage=Usage(0, 1200))  # 1,100 past it: 1,000 owed the counter
+        await a.flush()
+        assert lossy.lost == 1 and a.limiter.owing() == 1  # stored, and not known to be
+        await a.flush()  # sent again with the same id: the stream takes it as a duplicate
+        assert a.limiter.owing() == 0
+        total = await Counters(streams).total(f"{keys.LIMITS_ROOT}.key.k1.tpm.{int(T0 // 60)}")
+        assert total == 1200  # the claim's 200 and the 1,000 owed, once
+
+
 async def test_an_error_answer_without_usage_hands_its_whole_reservation_back(
     streams: Bus, nats_settings: NatsSettings
 ) -> None:

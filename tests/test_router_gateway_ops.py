@@ -390,7 +390,7 @@ async def test_limits_hold_across_two_routers_under_load_while_nats_is_stopped_a
 
         # NATS is back: the counters hold what the routers were granted, no more, no less
         for r in routers:
-            await until(lambda r=r: _async(not r.gateway.limiter._owed), timeout=10)
+            await until(lambda r=r: _async(not r.gateway.limiter.owing()), timeout=10)
             await until(lambda r=r: _async(not r.gateway.meter.pending()), timeout=10)
         counters = Counters(bus_again := await Bus.connect(nats_settings, give_up_after=10))
         try:

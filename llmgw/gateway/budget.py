@@ -147,10 +147,14 @@ class Budget:
         window = int(now // self.window_s)
         if window != self.window:
             self.roll(now)
-        if self.spent + units > self.granted:
+        spent = self.spent + units
+        if spent > self.granted:
             return SHORT
-        self.spent += units
-        return SPENT_LOW if self.running_low() else SPENT
+        self.spent = spent
+        # running_low(), inline: this is the request path's one call per limit
+        if not self.carries and self.granted - spent < self.share / 2 and self.total < self.limit:
+            return SPENT_LOW
+        return SPENT
 
     def running_low(self) -> bool:
         """Less than half a share left here, and the limit not all claimed: time to top up

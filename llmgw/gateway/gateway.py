@@ -297,11 +297,11 @@ class Gateway:
             assert refusal is not None
             self._refused(refusal, identity, model, client, stream, now)
             return refusal
+        if not identity.limited:
+            return Admission(self, identity, None, model, client, stream, now)
         held = self.limiter.admit_now(identity, model, tokens)
         if held is None:
             return None
-        if held is FREE:
-            return Admission(self, identity, None, model, client, stream, now)
         return self._outcome(held, identity, model, client, stream, now)
 
     def _outcome(

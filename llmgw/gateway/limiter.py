@@ -16,6 +16,8 @@ When the counters cannot be reached, the operator chooses (`offline`):
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import logging
 import time
 from collections.abc import Callable
@@ -173,7 +175,8 @@ class Held:
         diff = 0 if used_tokens is None else used_tokens - self.tokens - self.charged
         for budget, window, units in self.taken:
             if budget.carries:
-                budget.give_back(units, window)
+                # give_back(units, window), inline: every request in flight comes here
+                budget.spent = max(0, budget.spent - units)
             elif not budget.tokens or not diff:
                 continue
             elif diff < 0:
@@ -191,10 +194,13 @@ FREE = Held(None, [], 0, None, 0.0)  # type: ignore[arg-type]
 
 
 def _tightest(budgets: list[Budget]) -> tuple[Budget | None, int]:
-    """The budget with the least left of those, and what is left of it."""
+    """The budget with the least left of those, and what is left of it (`remaining()`,
+    inline: read for every answer to a limited key)."""
     best, least = None, 0
     for b in budgets:
-        left = b.remaining()
+        left = b.limit - b.total + b.granted - b.spent
+        if left < 0:
+            left = 0
         if best is None or left < least:
             best, least = b, left
     return best, least
@@ -231,6 +237,11 @@ class Limiter:
         self._plans: dict[tuple[str, str], Plan] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._owed: dict[str, int] = {}  # counter subject -> units to add when it answers
+        # owed adds sent and not known stored: sent again as they are, with the same message
+        # id, so an add whose answer was lost is counted once (the stream's duplicate window)
+        self._owed_sending: dict[str, tuple[int, str]] = {}
+        self._ids = itertools.count()
+        self._id_prefix = f"limits.{os.getpid()}.{os.urandom(4).hex()}"
         self._low: set[str] = set()  # budgets whose share runs low: topped up by prefetch
         self._wake = asyncio.Event()
         self.offline_since: float | None = None
@@ -535,6 +546,10 @@ class Limiter:
 
     # --- units owed to the counter -----------------------------------------------------
 
+    def owing(self) -> int:
+        """Owed adds not yet known stored (waiting, or sent and unanswered)."""
+        return len(self._owed) + len(self._owed_sending)
+
     def owe(self, subject: str, units: int) -> None:
         self._owed[subject] = self._owed.get(subject, 0) + units
 
@@ -548,16 +563,16 @@ class Limiter:
                 surplus = b.surplus()
                 if surplus:
                     self.owe(b.window_subject(), -surplus)
-        for subject, units in list(self._owed.items()):
-            if not units:
-                self._owed.pop(subject, None)
-                continue
+        for subject in list(self._owed):
+            if subject not in self._owed_sending:  # else its earlier add must be stored first
+                units = self._owed.pop(subject)
+                if units:
+                    self._owed_sending[subject] = (units, f"{self._id_prefix}.{next(self._ids)}")
+        for subject, (units, msg_id) in list(self._owed_sending.items()):
             try:
                 await asyncio.wait_for(
-                    self.counter.add(subject, units), self.settings.claim_timeout
+                    self.counter.add(subject, units, msg_id), self.settings.claim_timeout
                 )
             except (LlmgwError, TimeoutError, OSError):
-                return  # next time
-            self._owed[subject] -= units
-            if not self._owed[subject]:
-                del self._owed[subject]
+                return  # next time, with the same id
+            del self._owed_sending[subject]

@@ -40,18 +40,26 @@ SERVE_KNOWN_FOR = 300.0
 MAX_CHECKED = 10_000
 
 
+_NO_LIMITS = records.Limits()
+
+
 class Identity:
     """Who sent a request: its key's record and its team's (None: no team, or a team the
     bucket does not hold, which then limits nothing). Made once per key while its records
     hold, so what a request asks of it is read, not worked out again."""
 
-    __slots__ = ("key", "team", "name", "team_name", "_allowed", "_allowed_set")
+    __slots__ = ("key", "team", "name", "team_name", "limited", "_allowed", "_allowed_set")
 
     def __init__(self, key: ApiKey, team: Team | None) -> None:
         self.key = key
         self.team = team
         self.name = key.name
         self.team_name = key.team
+        # whether any limit applies to it (its own, on a model, its team's)
+        self.limited = any(
+            limits != _NO_LIMITS
+            for limits in (key.limits, key.model_limits, team.limits if team else _NO_LIMITS)
+        )
         mine = key.models or None
         theirs = team.models if team is not None and team.models else None
         if mine is None:
