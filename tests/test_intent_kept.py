@@ -108,6 +108,26 @@ async def test_a_controller_started_after_ops_stopped_reading_places_nothing_the
         tg.cancel_scope.cancel()
 
 
+async def test_an_ops_past_the_size_limit_is_read_as_one_that_does_not_read(bus, second_bus):
+    """Too big for the controller to read (it reads at most its bucket's value limit): a
+    cordon, as for any ops that never read, never an absent key (a node open to placement)."""
+    second_bus.max_value_bytes = 8000  # as a bucket made by hand with a smaller limit
+    async with anyio.create_task_group() as tg:
+        await _start(bus, tg, inventory("a", gpus=2), inventory("b", gpus=1))
+        big = records.NodeOps(node="a", state="active", reason="x" * 10_000)
+        await bus.put(keys.ops("a"), big)
+        await bus.put(keys.catalog("m"), catalog.encode_model(_model()))
+        await bus.put(keys.desired("m"), records.Desired(model="m", replicas=2, updated_at=1.0))
+        controller = Controller(second_bus, ControllerSettings(**FAST))
+        tg.start_soon(controller.run)
+        rec = await until(lambda: _answered(bus, 1.0))
+        assert rec.placed == 1 and "cordoned" in rec.explanation
+        assert {m.node for r in await _replicas(bus) for m in r.members} == {"b"}
+        problem = controller.view.unreadable[keys.ops("a")]
+        assert problem.reading == "cordoned" and "over the limit of 8,000" in problem.why
+        tg.cancel_scope.cancel()
+
+
 async def _true(value) -> bool:
     return bool(value)
 

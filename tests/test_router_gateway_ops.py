@@ -221,6 +221,44 @@ async def test_a_garbled_key_keeps_its_last_good_limits_and_one_never_read_is_re
         await until(lambda: _is(_unreadable(a), {'{family="apikeys",reading="kept"}': 1.0}))
 
 
+async def test_a_key_over_the_size_limit_counts_as_a_key_that_does_not_read(
+    bus: Bus, nats_settings: NatsSettings, engines
+) -> None:
+    """A value past the size a router reads (a bucket made by hand without a value limit,
+    a server allowing large messages) is refused like a garbled one, never taken as absent:
+    the fleet's only key too big to read must not open the fleet to every client."""
+    await _place(bus, engines.start())
+    big = records.ApiKey(
+        name="alice",
+        secrets=[credentials.hash_secret(credentials.new_secret("alice"))],
+        description="x" * 3000,
+    )
+    await bus.put(keys.apikey("alice"), big)
+
+    async def connect() -> Bus:
+        reader = await Bus.connect(nats_settings, give_up_after=None)
+        reader.max_value_bytes = 2000  # what this router reads at most
+        return reader
+
+    async with running_router(connect=connect, settings=_settings()) as r:
+        await until(lambda: _served(r), timeout=10)
+        refused = {'{family="apikeys",reading="refused"}': 1.0}
+        await until(lambda: _is(_unreadable(r), refused), timeout=5)
+        assert await _status(r, None) == 401  # keys stay required
+        # a key it read good before, grown past the limit: its last good value is kept
+        bob = await _key(bus, "bob")
+        await until(lambda: _is(_status(r, bob), 200), timeout=5)
+        grown = records.ApiKey(
+            name="bob",
+            secrets=[credentials.hash_secret(credentials.new_secret("bob"))],
+            description="x" * 3000,
+        )
+        await bus.put(keys.apikey("bob"), grown)
+        both = {**refused, '{family="apikeys",reading="kept"}': 1.0}
+        await until(lambda: _is(_unreadable(r), both), timeout=5)
+        assert await _status(r, bob) == 200
+
+
 async def test_a_garbled_team_keeps_its_last_good_limits_and_one_never_read_refuses_its_keys(
     bus: Bus, nats_settings: NatsSettings, engines
 ) -> None:

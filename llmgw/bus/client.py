@@ -46,11 +46,13 @@ from .errors import (
     WrongRevision,
 )
 from .settings import DEFAULT_NATS_URL, BucketSettings, NatsSettings, check_url
+from .trust import RAW
 from .watcher import CAUGHT_UP, KeyWatch, RawEntry
 
 # what callers import from here: the Bus and everything its signatures name
 __all__ = [
     "DEFAULT_NATS_URL",
+    "RAW",
     "MAX_VALUE_BYTES",
     "ValueTooLarge",
     "BucketSettings",
@@ -549,9 +551,13 @@ class Bus:
                     if seen is not None:
                         seen.add(item.key)
                     value = None
-                    if not item.deleted and not _too_big(
-                        item.key, item.data, item.revision, self.max_value_bytes
-                    ):
+                    if item.deleted:
+                        pass
+                    elif decode is RAW and len(item.data) > self.max_value_bytes:
+                        # the reader's one decoder says what it does for one that does not
+                        # read (and logs it)
+                        value = trust.Oversized(len(item.data), self.max_value_bytes)
+                    elif not _too_big(item.key, item.data, item.revision, self.max_value_bytes):
                         value = _decode_or_log(
                             self.skipped, item.key, item.data, item.revision, decode
                         )

@@ -32,6 +32,35 @@ MAX_PID = 4_194_304  # the kernel's PID_MAX_LIMIT
 MAX_PROCESS_NAME = 64  # /proc/<pid>/comm holds 15 characters
 
 
+def RAW(data: bytes) -> bytes:  # noqa: N802 - a constant, compared by identity
+    """The decoder of a watch whose reader decodes the bytes itself (the one decoder layer,
+    llmgw/fleetstate/decode.py): values as stored, and one over the size limit as
+    `Oversized`, for that layer to refuse as it refuses any value that does not read."""
+    return data
+
+
+class Oversized:
+    """A value over the size limit, as a raw watch (`Bus.watch(..., RAW)`) hands it on: its
+    size, none of its bytes. The one decoder layer (llmgw/fleetstate/decode.py) reads it as
+    a value that does not read, so each family does what it does for one (keeps the last
+    good value, refuses the key, cordons the node, ...) instead of taking the key as absent."""
+
+    __slots__ = ("size", "limit")
+
+    def __init__(self, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+
+    def __len__(self) -> int:
+        return self.size
+
+    def why(self) -> str:
+        return (
+            f"its value is {self.size:,} bytes, over the limit of {self.limit:,} (values are "
+            "state, not data; remove it with `nats kv del` and fix its writer)"
+        )
+
+
 class RecordRejected(LlmgwError, ValueError):
     """A value that decodes but must not be believed: out of range, or not agreeing with its
     key. A ValueError, so readers that skip undecodable values skip these too."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from llmgw.bus import keys, records
-from llmgw.bus.client import Bus, BusError, Synced, Update, decoder
+from llmgw.bus.client import RAW, Bus, BusError, Synced, Update, decoder
 from llmgw.bus.records import NodePhase
 from llmgw.controller import placement
 from llmgw.controller.autoscale import LOAD_STALE_AFTER_S, Autoscaler, engine_saturation
@@ -219,7 +219,7 @@ class Controller:
         paused = gc.isenabled()
         gc.disable()
         try:
-            async for item in self.bus.watch(">", lambda data: data):
+            async for item in self.bus.watch(">", RAW):
                 if isinstance(item, Synced):
                     if paused:
                         gc.freeze()

@@ -109,10 +109,13 @@ def settle(
 ) -> tuple[Any, Unreadable | None]:
     """The value a reader holds for `key` after `data` was written over `last` (None: none
     held): the new one when it reads, else the family's reading (module doc)."""
-    try:
-        return decode_value(parsed, data), None
-    except catalog.UNREADABLE as e:
-        why = str(e).replace("\n", " ")
+    if isinstance(data, trust.Oversized):  # a raw watch's value over the size limit
+        why = data.why()
+    else:
+        try:
+            return decode_value(parsed, data), None
+        except catalog.UNREADABLE as e:
+            why = str(e).replace("\n", " ")
     family = parsed.prefix
     if family in KEEPS_LAST_GOOD and last is not None:
         return last, Unreadable(key=key, family=family, revision=revision, why=why, reading="kept")

@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 
 from llmgw.bus import keys
+from llmgw.bus.trust import RAW
 
 from .gateway import Gateway
 
@@ -31,7 +32,7 @@ async def follow(bus: Any, gateway: Gateway) -> None:
             async def watch(prefix: str, synced: set[str] = synced) -> None:
                 # the bytes as stored: the table reads them (a value that does not read
                 # keeps the last good one, or grants nothing: llmgw/gateway/table.py)
-                async for item in bus.watch(keys.pattern(prefix), _as_stored):
+                async for item in bus.watch(keys.pattern(prefix), RAW):
                     if hasattr(item, "key"):
                         gateway.table.apply_raw(item.key, item.value, item.revision)
                         continue
@@ -54,10 +55,6 @@ async def follow(bus: Any, gateway: Gateway) -> None:
             tg.start_soon(watch, keys.TEAMS)
             await _until_reconnected(bus, gateway)
             tg.cancel_scope.cancel()
-
-
-def _as_stored(data: bytes) -> bytes:
-    return data
 
 
 async def _until_reconnected(bus: Any, gateway: Gateway) -> None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass

@@ -97,10 +97,10 @@ class FleetWatch:
             log.info("router: no fleet page asked for %g s; stopped following", self.idle_after)
 
     async def _follow(self, bus, prefix: str, synced: set[str]) -> None:
-        from llmgw.bus.client import Synced
+        from llmgw.bus.client import RAW, Synced
 
         # raw bytes: the one decoder layer (llmgw/fleetstate/decode.py) reads them
-        async for item in bus.watch(keys.pattern(prefix), lambda data: data):
+        async for item in bus.watch(keys.pattern(prefix), RAW):
             if isinstance(item, Synced):
                 synced.add(prefix)
                 if len(synced) == len(WATCHED_WHILE_OPEN):

@@ -24,6 +24,7 @@ import anyio
 from llmgw import catalog
 from llmgw.bus import keys
 from llmgw.bus.errors import BusError, StreamMissing
+from llmgw.bus.trust import RAW
 from llmgw.errors import LlmgwError
 from llmgw.gateway.follow import follow
 from llmgw.gateway.gateway import Gateway, GatewaySettings
@@ -328,7 +329,7 @@ class Router:
                 await bus.close()
 
     async def _follow(self, bus, pattern: str, synced: set[str], synced_type) -> None:
-        async for item in bus.watch(pattern, lambda data: data):
+        async for item in bus.watch(pattern, RAW):
             if isinstance(item, synced_type):
                 synced.add(pattern)
                 if not self.table.synced and len(synced) == len(WATCHED):
