@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import resource
 from pathlib import Path
@@ -12,7 +11,14 @@ import anyio
 import click
 
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
-from llmgw.cli.common import check_ports_free, listen, nats_options, option_group, run_fast
+from llmgw.cli.common import (
+    check_ports_free,
+    freeze_startup,
+    listen,
+    nats_options,
+    option_group,
+    run_fast,
+)
 from llmgw.shutdown import drain_then_cancel_on_signal
 
 _MB = 1024 * 1024
@@ -318,11 +324,7 @@ def router(
         async with anyio.create_task_group() as tg:
             tg.start_soon(drain_then_cancel_on_signal, tg.cancel_scope, r.shutdown)
             await tg.start(serve)
-            # What start-up made (modules, settings: ~45,000 objects) lives as long as the
-            # process: kept out of the collector's full passes, which otherwise walk it all
-            # again every few seconds under load, the event loop stalled meanwhile
-            gc.collect()
-            gc.freeze()
+            freeze_startup()
             click.echo(f"router listening on {r.url}/v1 ({r.source})")
             if settings.proxy.page:
                 click.echo(f"fleet page: {r.url}/")

@@ -14,7 +14,7 @@ import msgspec
 from llmgw.agent.config import AgentConfig, Paths, Weights, load_config
 from llmgw.bus import keys
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings
-from llmgw.cli.common import check_ports_free, listen, run_fast
+from llmgw.cli.common import check_ports_free, freeze_startup, listen, run_fast
 from llmgw.cli.router import FromSettings, default_listen, router_options, router_settings
 from llmgw.cli.sim import sim_options
 from llmgw.shutdown import drain_then_cancel_on_signal
@@ -261,6 +261,7 @@ async def _run_up_parts(
                 click.echo(f"fleet page: {r.url}/ (nodes, models, why replicas wait)")
         for line in await _earlier_run(bus, agent, cmd):
             click.echo(line)
+        freeze_startup()
         await anyio.sleep_forever()
 
 
