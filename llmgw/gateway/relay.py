@@ -85,15 +85,15 @@ class UsageReader:
         return None
 
 
-class GatewayTicket:
+class GatewayTicket(UsageReader):
     """An admitted request as the router's relay sees it (router/gate.py's Ticket reads
-    each chunk through it: router/keygate.py's MeteredTicket is one). `strip`: the gateway
+    each chunk through it: router/keygate.py's MeteredTicket is one), reading the answer's
+    usage as it passes (one object a request: it is the UsageReader). `strip`: the gateway
     asked the engine for a stream's usage chunk that its client did not ask for, and that
     chunk is taken back out of what is relayed."""
 
     __slots__ = (
         "admission",
-        "reader",
         "prompt_estimate",
         "replica",
         "over",
@@ -111,8 +111,8 @@ class GatewayTicket:
         prompt_estimate: int = 0,
         strip: bool = False,
     ) -> None:
+        UsageReader.__init__(self, stream)
         self.admission = admission
-        self.reader = UsageReader(stream)
         self.prompt_estimate = prompt_estimate
         self.replica: str | None = None  # set by the router once it picked one
         self.over = False  # a limit refused more tokens: the router ends the stream
@@ -127,12 +127,11 @@ class GatewayTicket:
         it there)."""
         if self._first is None:
             self._first = time.monotonic()
-        reader = self.reader
-        reader.feed(data)
-        if not reader.stream:
+        self.feed(data)
+        if not self.stream:
             return data
         if not self.over:
-            self.over = not self.admission.progress_now(reader.events)
+            self.over = not self.admission.progress_now(self.events)
         if self.over:
             return None
         return self._strip(data, last) if self.strip else data
@@ -160,7 +159,7 @@ class GatewayTicket:
         first = self._first
         self.admission.finish(
             status=status,
-            usage=self.reader.usage(self.prompt_estimate),
+            usage=self.usage(self.prompt_estimate),
             replica=self.replica,
             ttft=None if first is None else first - self._created,
         )

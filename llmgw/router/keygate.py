@@ -32,14 +32,6 @@ _USAGE_ROUTES = frozenset((b"/v1/chat/completions", b"/v1/completions"))
 _KINDS = {401: "unauthorized", 403: "forbidden", 429: "rate_limited", 503: "limits_unavailable"}
 
 
-def _authorization(req: Request) -> bytes | None:
-    value = req.header(b"authorization")
-    if value is None:
-        api_key = req.header(b"x-api-key")  # Anthropic's clients send their key so
-        return None if api_key is None else b"Bearer " + api_key
-    return value
-
-
 def refusal(r: refusals.Refusal, model: str = "") -> Refusal:
     """The gateway's refusal as the router answers it (its body and headers unchanged)."""
     return Refusal(
@@ -69,7 +61,11 @@ class GatewayGate:
         table = g.table
         if not table.enabled:
             return None
-        found = table.authenticate_header(_authorization(req), g.clock())
+        header = req.header(b"authorization")
+        if header is None:
+            api_key = req.header(b"x-api-key")  # Anthropic's clients send their key so
+            header = None if api_key is None else b"Bearer " + api_key
+        found = table.authenticate_header(header, g.clock())
         if isinstance(found, refusals.Refusal):
             g.refused(found, client=req.client)
             return refusal(found)

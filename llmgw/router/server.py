@@ -600,9 +600,13 @@ class HttpConnection(asyncio.Protocol):
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self._cycle is not None
-        self._count_head(len(name) + len(value))
-        headers = self._cycle.request.headers
+        cycle = self._cycle
+        assert cycle is not None
+        # _count_head, inline: called for every header of every request
+        cycle.head_size += len(name) + len(value)
+        if cycle.head_size > self._limits.max_head:
+            self._count_head(0)  # says which limit, and stops
+        headers = cycle.request.headers
         if len(headers) >= self._limits.max_headers:
             self._stop(431, f"more than {self._limits.max_headers} headers")
         headers.append((name.lower(), value))
