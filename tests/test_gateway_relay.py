@@ -76,6 +76,36 @@ def test_a_stream_line_longer_than_the_bound_is_counted_not_kept() -> None:
     assert len(reader._line) == 0
 
 
+def _stripping_ticket() -> GatewayTicket:
+    """A ticket of a stream whose client did not ask for usage: the gateway asked the
+    engine, and takes the usage chunk back out."""
+    admitted = Admission(Gateway("r", _NoCounter()), None, None, "m", "", True, 0.0)
+    return GatewayTicket(admitted, stream=True, strip=True)
+
+
+def test_the_usage_chunk_asked_for_is_taken_out_however_the_stream_is_cut() -> None:
+    without = STREAM.replace(STREAM[STREAM.index(b'data: {"choices":[],') :], b"data: [DONE]\n\n")
+    rng = random.Random(7)
+    for _ in range(50):
+        ticket = _stripping_ticket()
+        pieces = list(_pieces(STREAM, rng))
+        relayed = b"".join(
+            ticket.chunk(p, last=i == len(pieces) - 1) or b"" for i, p in enumerate(pieces)
+        )
+        assert relayed == without  # the client gets every event but the usage one
+        assert ticket.usage() == usage.Usage(7, 2, 4)  # and the meter the engine's count
+
+
+def test_a_stream_ending_inside_an_event_passes_on_what_was_held() -> None:
+    """An engine whose last event lacks its blank line: what the ticket held back waiting
+    for the event's end goes to the client with the answer's last bytes, not lost."""
+    ticket = _stripping_ticket()
+    first = ticket.chunk(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\ndata: {"cho', False)
+    assert first == b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+    rest = ticket.chunk(b'ices":[{"delta":{"content":"b"}}]}\n', True)
+    assert rest == b'data: {"choices":[{"delta":{"content":"b"}}]}\n'
+
+
 class _NoCounter:
     async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
         raise AssertionError("nothing limited here")
