@@ -4,6 +4,7 @@ same count for an earlier revision of the router, in the same run.
     .venv/bin/python bench/router_instructions.py                  # against 715533c
     .venv/bin/python bench/router_instructions.py --baseline HEAD~3
     .venv/bin/python bench/router_instructions.py --keys               # what keys cost
+    .venv/bin/python bench/router_instructions.py --headers 14         # an SDK's extra headers
 
 Wall-clock figures on a shared 2-core VM drift by 30% between runs; instructions do not
 (callgrind counts the same total twice for the same program and input). One process runs a
@@ -114,7 +115,7 @@ def _gateway(gate: str):
     return gateway, secret
 
 
-async def _requests(n: int, gate: str = "off") -> None:
+async def _requests(n: int, gate: str = "off", headers: int = 0) -> None:
     import anyio
 
     from llmgw import catalog
@@ -127,12 +128,15 @@ async def _requests(n: int, gate: str = "off") -> None:
     router = Router(RouterSettings(host="127.0.0.1", port=0, probe_interval=3600))
     model = catalog.Model(id="m", served_name="bench", endpoints=[f"http://127.0.0.1:{port}"])
     body = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}]})
-    auth = b""
+    # headers such as the openai SDK sends beside these (user-agent, x-stainless-*, ...)
+    auth = b"".join(
+        b"x-sdk-header-%d: a value of some length %d\r\n" % (i, i) for i in range(headers)
+    )
     gateway = None
     if gate != "off":
         gateway, secret = _gateway(gate)
         router.gate = GatewayGate(gateway)
-        auth = b"authorization: Bearer %s\r\n" % secret.encode()
+        auth += b"authorization: Bearer %s\r\n" % secret.encode()
     request = (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
         b"%scontent-length: %d\r\n\r\n%s" % (auth, len(body), body.encode())
@@ -155,10 +159,11 @@ async def _requests(n: int, gate: str = "off") -> None:
         tg.cancel_scope.cancel()
 
 
-def _count(tree: Path, n: int, gate: str = "off") -> int:
+def _count(tree: Path, n: int, gate: str = "off", headers: int = 0) -> int:
     out = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable]
-        + [str(Path(__file__).resolve()), "--run", str(n), "--gate", gate],
+        + [str(Path(__file__).resolve()), "--run", str(n), "--gate", gate]
+        + ["--headers", str(headers)],
         cwd=tree,
         env={**os.environ, "PYTHONPATH": str(tree)},
         capture_output=True,
@@ -171,8 +176,8 @@ def _count(tree: Path, n: int, gate: str = "off") -> int:
     return int(found.group(1))
 
 
-def per_request(tree: Path, gate: str = "off") -> float:
-    return (_count(tree, MANY, gate) - _count(tree, FEW, gate)) / (MANY - FEW)
+def per_request(tree: Path, gate: str = "off", headers: int = 0) -> float:
+    return (_count(tree, MANY, gate, headers) - _count(tree, FEW, gate, headers)) / (MANY - FEW)
 
 
 def main() -> None:
@@ -181,6 +186,9 @@ def main() -> None:
     parser.add_argument("--keys", action="store_true", help="what keys and limits cost")
     parser.add_argument("--run", type=int, help=argparse.SUPPRESS)  # the measured process
     parser.add_argument("--gate", default="off", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--headers", type=int, default=0, help="headers a request carries beside the three"
+    )
     args = parser.parse_args()
     if args.run is not None:
         try:
@@ -189,7 +197,7 @@ def main() -> None:
             uvloop.install()
         except ImportError:
             pass
-        asyncio.run(_requests(args.run, args.gate))
+        asyncio.run(_requests(args.run, args.gate, args.headers))
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (Debian package `valgrind`)")
@@ -208,8 +216,8 @@ def main() -> None:
         )
         subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True)
         shutil.copy(Path(__file__), base / "bench" / Path(__file__).name)  # this harness
-        before = per_request(base)
-    now = per_request(ROOT)
+        before = per_request(base, headers=args.headers)
+    now = per_request(ROOT, headers=args.headers)
     print(f"instructions a proxied request ({MANY - FEW} requests, valgrind --tool=callgrind):")
     print(f"  {args.baseline:>10}: {before:10,.0f}")
     print(f"  {'this tree':>10}: {now:10,.0f}  ({now / before:.3f}x)")

@@ -27,6 +27,7 @@ class Seen:
     path: bytes
     headers: dict[bytes, bytes]
     body: bytes
+    header_lines: list[tuple[bytes, bytes]] = field(default_factory=list)  # all, in order
 
 
 @dataclass
@@ -55,9 +56,10 @@ def answer(body: bytes, status: int = 200, *, headers: bytes = b"") -> bytes:
 class _Reader:
     def __init__(self) -> None:
         self.parser = httptools.HttpRequestParser(self)
-        self.done: list[tuple[bytes, bytes, dict[bytes, bytes], bytes]] = []
+        self.done: list[tuple[bytes, bytes, dict[bytes, bytes], bytes, list]] = []
         self._url = b""
         self._headers: dict[bytes, bytes] = {}
+        self._lines: list[tuple[bytes, bytes]] = []
         self._body = b""
 
     def on_url(self, url: bytes) -> None:
@@ -65,13 +67,16 @@ class _Reader:
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers[name.lower()] = value
+        self._lines.append((name.lower(), value))
 
     def on_body(self, body: bytes) -> None:
         self._body += body
 
     def on_message_complete(self) -> None:
-        self.done.append((self.parser.get_method(), self._url, self._headers, self._body))
-        self._url, self._headers, self._body = b"", {}, b""
+        self.done.append(
+            (self.parser.get_method(), self._url, self._headers, self._body, self._lines)
+        )
+        self._url, self._headers, self._body, self._lines = b"", {}, b"", []
 
 
 @dataclass
@@ -122,8 +127,8 @@ class RawEngine:
                     return
                 parsed.parser.feed_data(data)
                 while parsed.done:
-                    method, path, headers, body = parsed.done.pop(0)
-                    seen = Seen(conn, number, method, path, headers, body)
+                    method, path, headers, body, lines = parsed.done.pop(0)
+                    seen = Seen(conn, number, method, path, headers, body, lines)
                     number += 1
                     self.requests.append(seen)
                     action = self.script(seen, self)

@@ -82,6 +82,50 @@ async def test_an_engines_no_content_answer_has_no_body_and_the_next_answer_read
     assert b"second" in answers[1].body
 
 
+async def test_the_engine_gets_only_the_headers_worth_passing_on_each_value_of_a_repeated_one():
+    """An SDK sends a dozen headers and more: the engine gets the few worth passing on
+    (content type, accept, request id, trace context), every value of one given twice in
+    its order, never the client's key; a body without a content type is said to be JSON."""
+    async with RawEngine(_echo) as engine, running_router([_model(engine)]) as r:
+        sdk = (
+            b"authorization: Bearer sk-client",
+            b"Accept: application/json",
+            b"x-stainless-lang: python",
+            b"traceparent: 00-abc-def-01",
+            b"user-agent: OpenAI/Python 2.3.0",
+        )
+        repeated = (b"accept: text/event-stream", b"accept: application/json", b"x-request-id: r2")
+        body = json.dumps(chat_body("three")).encode()
+        bare = b"POST %s HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n\r\n%s" % (
+            CHAT.encode(),
+            len(body),
+            body,
+        )
+        data = _post(chat_body("one"), *sdk) + _post(chat_body("two"), *repeated) + bare
+        answers = await _client_answers(r.url, data, 3)
+        assert [a.status for a in answers] == [200, 200, 200]
+        one, two, three = engine.posts()
+    passed = {b"content-type", b"accept", b"x-request-id", b"traceparent", b"tracestate"}
+    hop = {b"host", b"content-length"}
+
+    def sent(seen: Seen) -> list[tuple[bytes, bytes]]:
+        return [(n, v) for n, v in seen.header_lines if n not in hop]
+
+    assert sorted(sent(one)) == sorted(
+        [
+            (b"content-type", b"application/json"),
+            (b"accept", b"application/json"),
+            (b"traceparent", b"00-abc-def-01"),
+        ]
+    )
+    assert [(n, v) for n, v in sent(two) if n == b"accept"] == [
+        (b"accept", b"text/event-stream"),
+        (b"accept", b"application/json"),
+    ]
+    assert {n for n, _ in sent(two)} <= passed and (b"x-request-id", b"r2") in sent(two)
+    assert sent(three) == [(b"content-type", b"application/json")]
+
+
 async def test_an_answer_longer_than_its_length_reaches_the_client_cut_and_is_not_reused():
     def script(seen: Seen, engine: RawEngine) -> Action:
         if b"first" in seen.body:

@@ -366,13 +366,13 @@ class Proxy:
         raise AssertionError("unreachable")  # the second attempt returns
 
     def _forwarded_head(self, req: Request) -> bytes:
-        lines = []
-        has_type = False
-        for name, value in req.headers:
-            if name in _FORWARDED:
-                has_type = has_type or name == b"content-type"
-                lines.append(b"%s: %s\r\n" % (name, value))
-        if not has_type:
+        if req.repeated:  # every value of a name given more than once, in order
+            pairs = [(n, v) for n, v in req.headers if n in _FORWARDED]
+        else:  # the common case: a lookup a forwarded name, not a pass over every header
+            first = req.first
+            pairs = [(n, first[n]) for n in _FORWARDED if n in first]
+        lines = [b"%s: %s\r\n" % pair for pair in pairs]
+        if b"content-type" not in req.first:
             lines.append(b"content-type: application/json\r\n")
         return b"".join(lines)
 

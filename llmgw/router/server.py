@@ -75,24 +75,36 @@ class HttpLimits:
 
 
 class Request:
-    __slots__ = ("method", "target", "path", "headers", "body", "keep_alive", "http_11", "client")
+    __slots__ = (
+        "method",
+        "target",
+        "path",
+        "headers",
+        "first",
+        "repeated",
+        "body",
+        "keep_alive",
+        "http_11",
+        "client",
+    )
 
     def __init__(self, client: str = "") -> None:
         self.client = client  # the peer's address, host:port (the audit record's)
         self.method = b""
         self.target = b""
         self.path = b""
-        self.headers: list[tuple[bytes, bytes]] = []  # names lower-cased
+        self.headers: list[tuple[bytes, bytes]] = []  # names lower-cased, in order
+        # each name's first value: a header is read in one lookup, not a scan of them all
+        # (an SDK sends a dozen and more; each scan of them cost more than its parse)
+        self.first: dict[bytes, bytes] = {}
+        self.repeated = False  # some name came twice or more
         self.body = b""
         self.keep_alive = True
         self.http_11 = True
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of a header (`name` in lower case)."""
-        for k, v in self.headers:
-            if k == name:
-                return v
-        return None
+        return self.first.get(name)
 
 
 class _Refusal:
@@ -606,10 +618,16 @@ class HttpConnection(asyncio.Protocol):
         cycle.head_size += len(name) + len(value)
         if cycle.head_size > self._limits.max_head:
             self._count_head(0)  # says which limit, and stops
-        headers = cycle.request.headers
-        if len(headers) >= self._limits.max_headers:
+        request = cycle.request
+        if len(request.headers) >= self._limits.max_headers:
             self._stop(431, f"more than {self._limits.max_headers} headers")
-        headers.append((name.lower(), value))
+        name = name.lower()
+        request.headers.append((name, value))
+        first = request.first  # (inline: called for every header of every request)
+        if name in first:
+            request.repeated = True
+        else:
+            first[name] = value
 
     def on_headers_complete(self) -> None:
         cycle = self._cycle
