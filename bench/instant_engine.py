@@ -1,6 +1,7 @@
 """A cheap fake engine for benchmarks: canned chat completions on raw asyncio, answered at
 once or on a realistic schedule (first token after a delay, then one every interval),
-streamed (SSE) when the request asks for it.
+streamed (SSE) when the request asks for it, with a usage chunk at its end when the request
+asks for one (`stream_options.include_usage`, as llama-server and vLLM do).
 
 It costs a few microseconds a request, so bench/router.py measures the router rather than
 an engine competing with it for this machine's two cores (the test fake engine, on aiohttp,
@@ -64,13 +65,29 @@ LAST = (
     + _event(b"[DONE]")
     + b"0\r\n\r\n"
 )
+
+
+def _last_with_usage(tokens: int) -> bytes:
+    """LAST with the usage chunk before [DONE], as engines send it to a request asking for
+    it (`stream_options.include_usage`): empty choices, the stream's counts."""
+    usage = _event(
+        b'{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":0,"model":"bench",'
+        b'"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":%d,"total_tokens":%d}}'
+        % (tokens, 4 + tokens)
+    )
+    done = LAST.index(b"%x\r\ndata: [DONE]" % len(b"data: [DONE]\n\n"))
+    return LAST[:done] + usage + LAST[done:]
+
+
 HEALTH = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n{"status":"ok"}'
 
 
 class _Conn(asyncio.Protocol):
-    def __init__(self, args: argparse.Namespace, answer: bytes) -> None:
+    def __init__(self, args: argparse.Namespace, answer: bytes, last_with_usage: bytes) -> None:
         self.args = args
         self.answer = answer
+        self.last = LAST
+        self.last_with_usage = last_with_usage
         self.loop = asyncio.get_running_loop()
 
     def connection_made(self, transport) -> None:
@@ -100,6 +117,8 @@ class _Conn(asyncio.Protocol):
             return
         a = self.args
         if b'"stream": true' in self.body or b'"stream":true' in self.body:
+            usage = b'"include_usage": true' in self.body or b'"include_usage":true' in self.body
+            self.last = self.last_with_usage if usage else LAST
             self.transport.write(STREAM_HEAD)
             self.loop.call_later(a.first_token, self._token, a.tokens)
             return
@@ -117,7 +136,7 @@ class _Conn(asyncio.Protocol):
         if self.transport.is_closing():
             return
         if left == 0:
-            self.transport.write(LAST)
+            self.transport.write(self.last)
             return
         self.transport.write(TOKEN)
         self.loop.call_later(self.args.token_interval, self._token, left - 1)
@@ -125,8 +144,10 @@ class _Conn(asyncio.Protocol):
 
 async def main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
-    answer = _answer(args.tokens)
-    await loop.create_server(lambda: _Conn(args, answer), "127.0.0.1", args.port, backlog=4096)
+    answer, last = _answer(args.tokens), _last_with_usage(args.tokens)
+    await loop.create_server(
+        lambda: _Conn(args, answer, last), "127.0.0.1", args.port, backlog=4096
+    )
     await asyncio.Event().wait()
 
 

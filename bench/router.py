@@ -423,21 +423,72 @@ def _keys_rounds(
     eport, engine = bench_engine(*schedule)
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
     with engine, contextlib.ExitStack() as stack:
-        routers = {}
-        for name, key in (("off", ""), ("on", "limited"), ("key", "unlimited")):
-            secret, server, port, rt = _bucket_router(tmp, f"{name}-{eport}", eport, key)
-            stack.callback(server.stop)
-            stack.enter_context(rt)
-            auth = {"Authorization": f"Bearer {secret}"} if key else {}
-            _until_routed(port, {"Content-Type": "application/json", **auth})
-            routers[name] = (port, auth)
+        routers = _keyed_routers(tmp, stack, eport)
         for c in concurrencies:
-            for port, auth in routers.values():
+            for port, auth, _ in routers.values():
                 wrk(port, c, 2, CHAT, auth)  # warm: connections, the first claims
             for _ in range(rounds):
-                for name, (port, auth) in routers.items():
+                for name, (port, auth, _) in routers.items():
                     results.setdefault((name, c), []).append(wrk(port, c, seconds, CHAT, auth))
     return results
+
+
+def _keyed_routers(
+    tmp: Path, stack: contextlib.ExitStack, eport: int
+) -> dict[str, tuple[int, dict[str, str], psutil.Process]]:
+    """Three routers on the engine at `eport`, each on a nats-server of its own, all stopped
+    with `stack`: "off" (no keys), "on" (a key limited four ways), "key" (a key, no limits):
+    name -> (port, the headers a client sends, the router's process)."""
+    routers = {}
+    for name, key in (("off", ""), ("on", "limited"), ("key", "unlimited")):
+        secret, server, port, rt = _bucket_router(tmp, f"{name}-{eport}", eport, key)
+        stack.callback(server.stop)
+        proc = stack.enter_context(rt)
+        auth = {"Authorization": f"Bearer {secret}"} if key else {}
+        _until_routed(port, {"Content-Type": "application/json", **auth})
+        routers[name] = (port, auth, psutil.Process(proc.pid))
+    return routers
+
+
+def _keys_streams(tmp: Path, rounds: int, seconds: float, c: int) -> None:
+    """Streams at concurrency `c` against the realistic engine (the workload of issue 28's
+    comparison with LiteLLM), through the three routers of `_keyed_routers` in alternating
+    rounds: tokens/s relayed, time to first token, each router's CPU a stream. The keyed
+    routers ask the engine for its usage chunk and strip it from what the client gets."""
+    eport, engine = bench_engine(*REALISTIC)
+    got: dict[str, dict[str, Any]] = {}
+    with engine, contextlib.ExitStack() as stack:
+        routers = _keyed_routers(tmp, stack, eport)
+        lines = {
+            n: b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in auth.items())
+            for n, (_, auth, _) in routers.items()
+        }
+        for name, (port, _, _) in routers.items():
+            asyncio.run(_stream_load(port, c, 1, lines[name]))  # warm
+        for _ in range(rounds):
+            for name, (port, _, proc) in routers.items():
+                cpu = sum(proc.cpu_times()[:2])
+                r = asyncio.run(_stream_load(port, c, seconds, lines[name]))
+                r["cpu"] = sum(proc.cpu_times()[:2]) - cpu
+                acc = got.setdefault(name, {"ttfts": [], "rates": [], "cpu": 0.0, "streams": 0})
+                acc["ttfts"] += r["ttfts"]
+                acc["rates"].append(r["tokens"] / r["seconds"])
+                acc["cpu"] += r["cpu"]
+                acc["streams"] += len(r["ttfts"])
+    print(
+        f"  streams at concurrency {c}, realistic engine (100 ms + 16 x 10 ms), {rounds} rounds "
+        f"of {seconds:g} s each way (load average {_load()}):"
+    )
+    off = got["off"]
+    for name, what in (("off", "no keys"), *_KEYED):
+        g = got[name]
+        ratios = [a / b for a, b in zip(g["rates"], off["rates"], strict=True)]
+        print(
+            f"    {what:>26}: {statistics.median(g['rates']):6.0f} tokens/s (ratio median "
+            f"{statistics.median(ratios):.3f}x; goal >= 0.98x), TTFT p50 "
+            f"{_pct(g['ttfts'], 0.5) * 1000:.1f} ms p99 {_pct(g['ttfts'], 0.99) * 1000:.1f} ms, "
+            f"router CPU {g['cpu'] / g['streams'] * 1e6:.0f} us a stream"
+        )
 
 
 _KEYED = (("on", "a key with all four limits"), ("key", "a key, no limits"))
@@ -474,6 +525,8 @@ def section_keys(tmp: Path) -> None:
             f"{statistics.median(ratios):.3f}x (rounds "
             f"{', '.join(f'{x:.3f}' for x in ratios)}; goal >= 0.98x)"
         )
+    # streams, as clients of a real fleet send them (issue 28 compares gateways on these)
+    _keys_streams(tmp, rounds, float(os.environ.get("BENCH_KEYS_STREAM_SECONDS", "6")), 256)
     # an engine is not instant: the same at c=256 against one that takes its service time
     for service in os.environ.get("BENCH_KEYS_SERVICE", "0.05").split(","):
         results = _keys_rounds(tmp, ("--first-token", service), (256,), rounds, seconds)
@@ -497,13 +550,14 @@ def _load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-async def _stream_one(port: int, body: bytes) -> tuple[float, int, float]:
-    """(time to first token, tokens, total time) of one streamed request."""
+async def _stream_one(port: int, body: bytes, headers: bytes = b"") -> tuple[float, int, float]:
+    """(time to first token, tokens, total time) of one streamed request (`headers`: more
+    header lines, each ending in CRLF)."""
     started = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        b"%sconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (headers, len(body), body)
     )
     first = None
     tokens = 0
@@ -523,7 +577,9 @@ async def _stream_one(port: int, body: bytes) -> tuple[float, int, float]:
     return first or float("nan"), tokens, time.perf_counter() - started
 
 
-async def _stream_load(port: int, concurrency: int, seconds: float) -> dict[str, Any]:
+async def _stream_load(
+    port: int, concurrency: int, seconds: float, headers: bytes = b""
+) -> dict[str, Any]:
     body = json.dumps({**CHAT, "stream": True}).encode()
     ttfts: list[float] = []
     token_count = 0
@@ -532,7 +588,7 @@ async def _stream_load(port: int, concurrency: int, seconds: float) -> dict[str,
     async def worker():
         nonlocal token_count
         while time.perf_counter() < deadline:
-            ttft, n, _ = await _stream_one(port, body)
+            ttft, n, _ = await _stream_one(port, body, headers)
             ttfts.append(ttft)
             token_count += n
 

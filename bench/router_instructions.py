@@ -5,6 +5,7 @@ same count for an earlier revision of the router, in the same run.
     .venv/bin/python bench/router_instructions.py --baseline HEAD~3
     .venv/bin/python bench/router_instructions.py --keys               # what keys cost
     .venv/bin/python bench/router_instructions.py --headers 14         # an SDK's extra headers
+    .venv/bin/python bench/router_instructions.py --keys --stream      # streamed answers
 
 Wall-clock figures on a shared 2-core VM drift by 30% between runs; instructions do not
 (callgrind counts the same total twice for the same program and input). One process runs a
@@ -20,6 +21,10 @@ never refuse: what is counted is their bookkeeping). The gateway is the router's
 (router/keygate.py over llmgw/gateway), its counters and audit trail in memory instead of
 NATS (the audit records still encoded as the bus encodes them), flushed every 1,000
 requests (FLUSH_EVERY).
+
+--stream: streamed requests, each answered with STREAM_TOKENS events, an event a turn of
+the engine's loop (so that the router reads them one by one, as from an engine generating),
+and the usage chunk when the request asks for it (the gateway asks, and strips it).
 """
 
 from __future__ import annotations
@@ -52,8 +57,33 @@ _ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length:
 )
 
 
+def _sse(data: bytes) -> bytes:
+    event = b"data: " + data + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(event), event)
+
+
+STREAM_TOKENS = 16
+_TOKEN = _sse(
+    b'{"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":'
+    b'"tok "},"finish_reason":null}]}'
+)
+_STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+_STREAM_END = _sse(
+    b'{"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{},'
+    b'"finish_reason":"stop"}]}'
+)
+_USAGE = _sse(
+    b'{"id":"x","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":4,'
+    b'"completion_tokens":%d,"total_tokens":%d}}' % (STREAM_TOKENS, STREAM_TOKENS + 4)
+)
+_DONE = _sse(b"[DONE]") + b"0\r\n\r\n"
+
+
 class _Engine(asyncio.Protocol):
-    """Answers every request at once (a request's end found by its Content-Length)."""
+    """Answers every request at once (a request's end found by its Content-Length); a
+    stream as STREAM_TOKENS events written one by one, and the usage chunk when asked."""
 
     def connection_made(self, transport) -> None:
         self.transport, self.buffer = transport, b""
@@ -67,8 +97,23 @@ class _Engine(asyncio.Protocol):
                     length = int(line.split(b":")[1])
             if len(self.buffer) < end + 4 + length:
                 return
+            body = self.buffer[end + 4 : end + 4 + length]
             self.buffer = self.buffer[end + 4 + length :]
-            self.transport.write(_ANSWER)
+            if b'"stream":true' not in body:
+                self.transport.write(_ANSWER)
+                continue
+            # an event a turn of the loop, as an engine sends them apart: the router reads
+            # them one by one
+            self.transport.write(_STREAM_HEAD)
+            usage = b'"include_usage":true' in body
+            asyncio.get_running_loop().call_soon(self._event, STREAM_TOKENS, usage)
+
+    def _event(self, left: int, usage: bool) -> None:
+        if left:
+            self.transport.write(_TOKEN)
+            asyncio.get_running_loop().call_soon(self._event, left - 1, usage)
+            return
+        self.transport.write(_STREAM_END + (_USAGE if usage else b"") + _DONE)
 
 
 class _Counters:
@@ -115,7 +160,7 @@ def _gateway(gate: str):
     return gateway, secret
 
 
-async def _requests(n: int, gate: str = "off", headers: int = 0) -> None:
+async def _requests(n: int, gate: str = "off", headers: int = 0, stream: bool = False) -> None:
     import anyio
 
     from llmgw import catalog
@@ -127,7 +172,8 @@ async def _requests(n: int, gate: str = "off", headers: int = 0) -> None:
     port = engine.sockets[0].getsockname()[1]
     router = Router(RouterSettings(host="127.0.0.1", port=0, probe_interval=3600))
     model = catalog.Model(id="m", served_name="bench", endpoints=[f"http://127.0.0.1:{port}"])
-    body = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "hi"}]})
+    chat = {"model": "bench", "messages": [{"role": "user", "content": "hi"}]}
+    body = json.dumps({**chat, "stream": True} if stream else chat, separators=(",", ":"))
     # headers such as the openai SDK sends beside these (user-agent, x-stainless-*, ...)
     auth = b"".join(
         b"x-sdk-header-%d: a value of some length %d\r\n" % (i, i) for i in range(headers)
@@ -149,8 +195,11 @@ async def _requests(n: int, gate: str = "off", headers: int = 0) -> None:
         for i in range(n):
             writer.write(request)
             head = await reader.readuntil(b"\r\n\r\n")
-            length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))
-            await reader.readexactly(length)
+            if stream:
+                await reader.readuntil(b"\r\n0\r\n\r\n")  # the chunked answer's end
+            else:
+                length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))
+                await reader.readexactly(length)
             if gateway is not None and (i + 1) % FLUSH_EVERY == 0:
                 await gateway.flush()
         if gateway is not None:
@@ -159,11 +208,12 @@ async def _requests(n: int, gate: str = "off", headers: int = 0) -> None:
         tg.cancel_scope.cancel()
 
 
-def _count(tree: Path, n: int, gate: str = "off", headers: int = 0) -> int:
+def _count(tree: Path, n: int, gate: str = "off", headers: int = 0, stream: bool = False) -> int:
     out = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable]
         + [str(Path(__file__).resolve()), "--run", str(n), "--gate", gate]
-        + ["--headers", str(headers)],
+        + ["--headers", str(headers)]
+        + (["--stream"] if stream else []),
         cwd=tree,
         env={**os.environ, "PYTHONPATH": str(tree)},
         capture_output=True,
@@ -176,8 +226,9 @@ def _count(tree: Path, n: int, gate: str = "off", headers: int = 0) -> int:
     return int(found.group(1))
 
 
-def per_request(tree: Path, gate: str = "off", headers: int = 0) -> float:
-    return (_count(tree, MANY, gate, headers) - _count(tree, FEW, gate, headers)) / (MANY - FEW)
+def per_request(tree: Path, gate: str = "off", headers: int = 0, stream: bool = False) -> float:
+    many = _count(tree, MANY, gate, headers, stream)
+    return (many - _count(tree, FEW, gate, headers, stream)) / (MANY - FEW)
 
 
 def main() -> None:
@@ -189,6 +240,11 @@ def main() -> None:
     parser.add_argument(
         "--headers", type=int, default=0, help="headers a request carries beside the three"
     )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help=f"streamed requests ({STREAM_TOKENS} events each, apart) instead of whole answers",
+    )
     args = parser.parse_args()
     if args.run is not None:
         try:
@@ -197,16 +253,16 @@ def main() -> None:
             uvloop.install()
         except ImportError:
             pass
-        asyncio.run(_requests(args.run, args.gate, args.headers))
+        asyncio.run(_requests(args.run, args.gate, args.headers, args.stream))
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (Debian package `valgrind`)")
     if args.keys:
         print(f"instructions a proxied request ({MANY - FEW} requests, valgrind --tool=callgrind):")
-        off = per_request(ROOT)
+        off = per_request(ROOT, stream=args.stream)
         print(f"  {'no keys':>22}: {off:10,.0f}")
         for gate, what in (("key", "a key, no limits"), ("limits", "a key, four limits")):
-            now = per_request(ROOT, gate)
+            now = per_request(ROOT, gate, stream=args.stream)
             print(f"  {what:>22}: {now:10,.0f}  ({now / off:.3f}x, +{now - off:,.0f})")
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -216,8 +272,8 @@ def main() -> None:
         )
         subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True)
         shutil.copy(Path(__file__), base / "bench" / Path(__file__).name)  # this harness
-        before = per_request(base, headers=args.headers)
-    now = per_request(ROOT, headers=args.headers)
+        before = per_request(base, headers=args.headers, stream=args.stream)
+    now = per_request(ROOT, headers=args.headers, stream=args.stream)
     print(f"instructions a proxied request ({MANY - FEW} requests, valgrind --tool=callgrind):")
     print(f"  {args.baseline:>10}: {before:10,.0f}")
     print(f"  {'this tree':>10}: {now:10,.0f}  ({now / before:.3f}x)")

@@ -106,6 +106,52 @@ def test_a_stream_ending_inside_an_event_passes_on_what_was_held() -> None:
     assert rest == b'data: {"choices":[{"delta":{"content":"b"}}]}\n'
 
 
+# what engines may put in a stream beside output: comments, blank data lines, CRLF line
+# ends, [DONE] written without its space; 5 events of output, and a usage chunk
+ODD_STREAM = (
+    b": a comment the engine sends to keep the connection\n\n"
+    b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\r\n\r\n'
+    b"data:\n\n"
+    b"data: \t\x0b\r\n\n"
+    b'data:{"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n'
+    b'event: message\ndata: {"choices":[{"index":0,"delta":{"content":"c"}}]}\n\n'
+    b'data: {"choices":[{"index":0,"delta":{"content":"[DONE] is text here"}}]}\n\n'
+    b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}\n\n'
+    b"data:[DONE]\n\n"
+)
+
+
+def _events(data: bytes) -> list[bytes]:
+    return [e + b"\n\n" for e in data.split(b"\n\n")[:-1]]
+
+
+@pytest.mark.parametrize("cut", ["events", "bytes", "whole"])
+def test_a_stream_s_output_is_counted_alike_whether_it_comes_in_whole_events_or_cut(
+    cut: str,
+) -> None:
+    """Whole events (an engine's writes, read on the fast path) and pieces cut anywhere
+    (read line by line) give the same count of output, the same usage, and the client the
+    same bytes, the usage chunk taken out."""
+    without = ODD_STREAM.replace(
+        b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}\n\n', b""
+    )
+    for seed in range(20):
+        if cut == "events":
+            pieces = _events(ODD_STREAM)
+        elif cut == "bytes":
+            pieces = list(_pieces(ODD_STREAM, random.Random(seed)))
+        else:
+            pieces = [ODD_STREAM]
+        ticket = _stripping_ticket()
+        relayed = b"".join(
+            ticket.chunk(p, last=i == len(pieces) - 1) or b"" for i, p in enumerate(pieces)
+        )
+        assert ticket.events == 5
+        assert ticket.usage() == usage.Usage(3, 4)
+        assert relayed == without
+
+
 class _NoCounter:
     async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
         raise AssertionError("nothing limited here")

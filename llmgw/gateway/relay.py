@@ -54,9 +54,11 @@ class UsageReader:
                 self._line.clear()
                 self.events += 1  # an event too long to read: output all the same
             else:
-                self._line += data[start:end]
-                self._event(bytes(self._line))
-                self._line.clear()
+                line = self._line
+                line += data[start:end]
+                if line.startswith(b"data:"):  # (a blank line between events is no call)
+                    self._event(bytes(line))
+                line.clear()
             start = end + 1
 
     def _event(self, line: bytes) -> None:
@@ -101,6 +103,7 @@ class GatewayTicket(UsageReader):
         "_created",
         "_first",
         "_pending",
+        "_held",
     )
 
     def __init__(
@@ -113,6 +116,7 @@ class GatewayTicket(UsageReader):
     ) -> None:
         UsageReader.__init__(self, stream)
         self.admission = admission
+        self._held = admission.held  # None: no limit to charge its tokens to
         self.prompt_estimate = prompt_estimate
         self.replica: str | None = None  # set by the router once it picked one
         self.over = False  # a limit refused more tokens: the router ends the stream
@@ -127,14 +131,33 @@ class GatewayTicket(UsageReader):
         it there)."""
         if self._first is None:
             self._first = time.monotonic()
-        self.feed(data)
         if not self.stream:
+            self.feed(data)
             return data
-        if not self.over:
-            self.over = not self.admission.progress_now(self.events)
+        # the common piece, an engine's write: whole events of output, each line of data a
+        # JSON object, nothing to read for usage, to strip, or to hold; its events counted
+        # as `feed` would count them, without reading it line by line
+        whole = False
+        if (
+            data.endswith(b"\n\n")
+            and not self._line
+            and not self._pending
+            and not self._too_long
+            and b'"usage"' not in data
+        ):
+            events = data.count(b"\ndata: {") + data.startswith(b"data: {")
+            whole = events == data.count(b"\ndata:") + data.startswith(b"data:")
+        if whole:
+            self.events += events
+        else:
+            self.feed(data)
+        if self._held is not None and not self.over:
+            self.over = not self._held.progress_now(self.events)
         if self.over:
             return None
-        return self._strip(data, last) if self.strip else data
+        if whole or not self.strip:
+            return data
+        return self._strip(data, last)
 
     def _strip(self, data: bytes, last: bool) -> bytes:
         """`data` without the usage-only event; an event cut across chunks is held until it
