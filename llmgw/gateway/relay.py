@@ -88,11 +88,12 @@ class UsageReader:
 
 
 class GatewayTicket(UsageReader):
-    """An admitted request as the router's relay sees it (router/gate.py's Ticket reads
-    each chunk through it: router/keygate.py's MeteredTicket is one), reading the answer's
-    usage as it passes (one object a request: it is the UsageReader). `strip`: the gateway
-    asked the engine for a stream's usage chunk that its client did not ask for, and that
-    chunk is taken back out of what is relayed."""
+    """An admitted request as the router's relay sees it (router/gate.py's Ticket: the
+    gateway's gate, router/keygate.py, hands one to every keyed request), reading the
+    answer's usage as it passes (one object a request: it is the UsageReader), and giving
+    the x-ratelimit-* headers of a limited key. `strip`: the gateway asked the engine for a
+    stream's usage chunk that its client did not ask for, and that chunk is taken back out
+    of what is relayed (the answer is then `rewrites`: its length is not the engine's)."""
 
     __slots__ = (
         "admission",
@@ -100,6 +101,7 @@ class GatewayTicket(UsageReader):
         "replica",
         "over",
         "strip",
+        "rewrites",
         "_created",
         "_first",
         "_pending",
@@ -118,12 +120,18 @@ class GatewayTicket(UsageReader):
         self.admission = admission
         self._held = admission.held  # None: no limit to charge its tokens to
         self.prompt_estimate = prompt_estimate
-        self.replica: str | None = None  # set by the router once it picked one
+        self.replica: str | None = None  # set by `answering`
         self.over = False  # a limit refused more tokens: the router ends the stream
-        self.strip = strip
+        self.strip = self.rewrites = strip
         self._created = time.monotonic()  # ttft is a span: measured on the monotonic clock
         self._first: float | None = None
         self._pending = b""  # an event begun and not ended, held while stripping
+
+    def answering(self, replica: str) -> tuple[tuple[bytes, bytes], ...]:
+        """The replica answering ("" for none); the x-ratelimit-* headers of a limited key."""
+        self.replica = replica or None
+        held = self._held
+        return () if held is None else held.header_pairs()
 
     def chunk(self, data: bytes, last: bool = False) -> bytes | None:
         """A piece of the answer as relayed (`last`: the answer ends with it): what to relay

@@ -131,7 +131,7 @@ class GatewayGate:
             if body is not None:
                 req.body = body
                 strip = True
-        return MeteredTicket(
+        return GatewayTicket(
             admitted, stream=parsed.stream, prompt_estimate=prompt_estimate, strip=strip
         )
 
@@ -157,22 +157,3 @@ def _asking_for_usage(body: bytes) -> bytes | None:
         return None
     usage.ask_for_usage(doc)
     return json.dumps(doc).encode()
-
-
-class MeteredTicket(GatewayTicket):
-    """An admitted request as the relay sees it: its usage read as it passes, and the usage
-    chunk the client did not ask for taken out (the gateway's GatewayTicket), and its
-    x-ratelimit-* headers."""
-
-    __slots__ = ("rewrites",)
-
-    def __init__(
-        self, admission: Admission, *, stream: bool, prompt_estimate: int, strip: bool
-    ) -> None:
-        super().__init__(admission, stream=stream, prompt_estimate=prompt_estimate, strip=strip)
-        self.rewrites = strip
-
-    def answering(self, replica: str) -> tuple[tuple[bytes, bytes], ...]:
-        self.replica = replica or None
-        held = self.admission.held
-        return () if held is None else held.header_pairs()
