@@ -27,8 +27,10 @@ rounds (sections latency, idle, stream, tokens).
             metered and audited) against the same router with none (a bucket without keys),
             against an engine that answers at once, in alternating rounds: added p50 at
             concurrency 1 and the throughput ratio at 256 (BENCH_KEYS_ROUNDS, _SECONDS); then
-            the ratio at 256 against an engine that answers after its service time
-            (BENCH_KEYS_SERVICE, seconds, comma-separated; 0.05 by default);
+            streams at 256 against the realistic engine (tokens/s ratio, time to first
+            token, router CPU a stream; BENCH_KEYS_STREAM_SECONDS); then the ratio at 256
+            against an engine that answers after its service time (BENCH_KEYS_SERVICE,
+            seconds, comma-separated; 0.05 by default);
 - balance:  a simulation of exact least-in-flight against power-of-two choices and random
             (the same arrivals and service times for each);
 - affinity: a multi-turn chat workload over 4 real llama-servers (the tiny model, built by
