@@ -26,6 +26,16 @@ its tokens the engine's usage), so it is the routers' own count, minute by minut
     .venv/bin/python bench/gateway.py cost [--requests 20000]
     .venv/bin/python bench/gateway.py accuracy [--routers 3] [--clients 200] [--seconds 120]
     .venv/bin/python bench/gateway.py accuracy --http [--routers 3] [--clients 200] [--seconds 120]
+    .venv/bin/python bench/gateway.py metering [--routers 2] [--clients 64] [--seconds 10]
+
+metering: R real routers in front of bench/instant_engine.py (40 tokens, one every 5 ms),
+in three phases with a key each: whole answers, streams, and streams whose clients leave
+after 1-30 tokens. After each, the tokens and requests the routers metered for its key
+(the usage counters) against the engine's own count over the phase (GET /counts: what it
+generated, a stream's tokens as each is written). Whole answers and streams should match
+exactly. A stream cut short is charged the tokens the router relayed, with its prompt
+estimated from its characters, so there the prompt differs by design, and the completion
+by the tokens the engine wrote that never reached the router before it closed.
 """
 
 from __future__ import annotations
@@ -275,6 +285,129 @@ async def accuracy_http(
     _per_minute(admitted, started, stop, rpm, tpm)
 
 
+async def metering(url: str, routers: int, clients: int, seconds: float) -> None:
+    """Three phases, each with a key of its own: whole answers, streams, and streams their
+    clients leave after 1-30 tokens, C clients spread over R real routers. After each, the
+    routers' usage counters for its key against the engine's own count of what it generated
+    over the phase (bench/instant_engine.py's GET /counts)."""
+    import aiohttp
+    from router import bench_engine, process  # bench/router.py
+
+    from llmgw import catalog
+    from llmgw.gateway.metering import parse_usage_subject
+
+    bus = await _bus(url, "bench-operator")
+    await ensure_streams(bus)
+    phases = ("whole", "stream", "cut")
+    secrets = {n: credentials.new_secret(n) for n in (*phases, "warm")}
+    # 40 tokens, one every 5 ms: a client leaving after a few leaves mid-stream
+    eport, engine = bench_engine(
+        "--first-token", "0.01", "--token-interval", "0.005", "--tokens", "40"
+    )
+    model = catalog.Model(id="m", served_name="bench", endpoints=[f"http://127.0.0.1:{eport}"])
+    await bus.put(keys.catalog("m"), catalog.encode_model(model))
+    for name, secret in secrets.items():
+        await bus.put(keys.apikey(name), _key(name, secret, records.Limits()))
+    body = {"model": "bench", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def metered(key: str) -> dict[str, int]:
+        out = {"requests": 0, "prompt": 0, "completion": 0}
+        for subject, value in (await Counters(bus).totals(f"{keys.USAGE_ROOT}.>")).items():
+            row = parse_usage_subject(subject, value)
+            if row is not None and row.key == key and row.kind in out:
+                out[row.kind] += value
+        return out
+
+    async def settled(key: str) -> dict[str, int]:
+        """The key's counters once the routers sent all they counted (two reads alike,
+        0.5 s apart: a router flushes every 0.2 s)."""
+        last = await metered(key)
+        while True:
+            await anyio.sleep(0.5)
+            now = await metered(key)
+            if now == last:
+                return now
+            last = now
+
+    ports: list[int] = []
+
+    async def client(
+        http: aiohttp.ClientSession,
+        i: int,
+        phase: str,
+        stop: float,
+        answers: dict[int, int],
+        rng: random.Random,
+    ) -> None:
+        url = f"http://127.0.0.1:{ports[i % routers]}/v1/chat/completions"
+        headers = {"authorization": f"Bearer {secrets[phase]}"}
+        payload = {**body, "stream": phase != "whole"}
+        while time.monotonic() < stop:
+            leave = rng.randint(1, 30) if phase == "cut" else None
+            async with http.post(url, json=payload, headers=headers) as resp:
+                answers[resp.status] = answers.get(resp.status, 0) + 1
+                if leave is None:
+                    await resp.read()
+                    continue
+                seen = 0
+                async for line in resp.content:
+                    seen += line.count(b'"content": "tok')
+                    if seen >= leave:
+                        break  # leaving the block with the answer unread drops its connection
+
+    env = {"LLMGW_LOG_LEVEL": "ERROR"}
+    with engine, contextlib.ExitStack() as stack:
+        for _ in range(routers):
+            port = free_port()
+            argv = [sys.executable, "-m", "llmgw.cli", "router", "--nats", url]
+            stack.enter_context(process([*argv, "--listen", f"127.0.0.1:{port}"], port, env))
+            ports.append(port)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+
+            async def counts() -> dict[str, int]:
+                async with http.get(f"http://127.0.0.1:{eport}/counts") as resp:
+                    return await resp.json()
+
+            for port in ports:  # every router has read the bucket and routes
+                warm = {"authorization": f"Bearer {secrets['warm']}"}
+                with anyio.fail_after(30):
+                    while True:
+                        async with http.post(
+                            f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers=warm
+                        ) as resp:
+                            if resp.status == 200:
+                                break
+                        await anyio.sleep(0.1)
+            await settled("warm")
+            print(
+                f"{routers} llmgw router processes, {clients} clients, {seconds:.0f} s a phase; "
+                "an engine answering 40 tokens, one every 5 ms"
+            )
+            for phase in phases:
+                before = await counts()
+                stop = time.monotonic() + seconds
+                answers: dict[int, int] = {}
+                rng = random.Random(phase)
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(clients):
+                        tg.start_soon(client, http, i, phase, stop, answers, rng)
+                await anyio.sleep(1)  # the engine sees the last clients leave
+                got = await settled(phase)
+                after = await counts()
+                engine_said = {k: after[k] - before[k] for k in got}
+                print(f"  {phase}: answers {dict(sorted(answers.items()))}")
+                for kind in ("requests", "prompt", "completion"):
+                    e, m = engine_said[kind], got[kind]
+                    print(
+                        f"    {kind:>10}: engine {e:8d}, metered {m:8d} ({m / e if e else 0:.4f}x, "
+                        f"{m - e:+d})"
+                    )
+        load = os.getloadavg()
+    await bus.close()
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -288,6 +421,10 @@ def main() -> None:
     a.add_argument("--tpm", type=int, default=20_000)
     a.add_argument("--http", action="store_true", help="through real `llmgw router` processes")
     a.add_argument("--tokens", type=int, default=120, help="--http: completion tokens per answer")
+    m = sub.add_parser("metering")
+    m.add_argument("--routers", type=int, default=2)
+    m.add_argument("--clients", type=int, default=64)
+    m.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-gateway-") as tmp:
         server = EmbeddedNats(data_dir=Path(tmp) / "nats", port=free_port())
@@ -295,6 +432,8 @@ def main() -> None:
         try:
             if args.what == "cost":
                 anyio.run(cost, server.url, args.requests)
+            elif args.what == "metering":
+                anyio.run(metering, server.url, args.routers, args.clients, args.seconds)
             else:
                 common = (server.url, args.routers, args.clients, args.seconds, args.rpm, args.tpm)
                 if args.http:

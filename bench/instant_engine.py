@@ -19,6 +19,8 @@ import json
 
 import httptools
 
+PROMPT_TOKENS = 4  # every answer's prompt, as its usage says
+
 
 def _answer(tokens: int) -> bytes:
     body = json.dumps(
@@ -34,7 +36,11 @@ def _answer(tokens: int) -> bytes:
                     "finish_reason": "stop",
                 }
             ],
-            "usage": {"prompt_tokens": 4, "completion_tokens": tokens, "total_tokens": 4 + tokens},
+            "usage": {
+                "prompt_tokens": PROMPT_TOKENS,
+                "completion_tokens": tokens,
+                "total_tokens": PROMPT_TOKENS + tokens,
+            },
         }
     ).encode()
     return (
@@ -72,13 +78,17 @@ def _last_with_usage(tokens: int) -> bytes:
     it (`stream_options.include_usage`): empty choices, the stream's counts."""
     usage = _event(
         b'{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":0,"model":"bench",'
-        b'"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":%d,"total_tokens":%d}}'
-        % (tokens, 4 + tokens)
+        b'"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}'
+        % (PROMPT_TOKENS, tokens, PROMPT_TOKENS + tokens)
     )
     done = LAST.index(b"%x\r\ndata: [DONE]" % len(b"data: [DONE]\n\n"))
     return LAST[:done] + usage + LAST[done:]
 
 
+# what this engine generated, by its own count (as vLLM's prompt_tokens_total and
+# generation_tokens_total): a stream's tokens as each is written, also of a stream whose
+# client left; GET /counts answers them (bench/gateway.py metering)
+COUNTS = {"requests": 0, "prompt": 0, "completion": 0}
 HEALTH = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n{"status":"ok"}'
 
 
@@ -115,7 +125,16 @@ class _Conn(asyncio.Protocol):
         if self.url.endswith(b"/health"):
             self.transport.write(HEALTH)
             return
+        if self.url.endswith(b"/counts"):
+            body = json.dumps(COUNTS).encode()
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"\r\n%s" % (len(body), body)
+            )
+            return
         a = self.args
+        COUNTS["requests"] += 1
+        COUNTS["prompt"] += PROMPT_TOKENS
         if b'"stream": true' in self.body or b'"stream":true' in self.body:
             usage = b'"include_usage": true' in self.body or b'"include_usage":true' in self.body
             self.last = self.last_with_usage if usage else LAST
@@ -126,10 +145,11 @@ class _Conn(asyncio.Protocol):
         if delay:
             self.loop.call_later(delay, self._write, self.answer)
         else:
-            self.transport.write(self.answer)
+            self._write(self.answer)
 
     def _write(self, data: bytes) -> None:
         if not self.transport.is_closing():
+            COUNTS["completion"] += self.args.tokens
             self.transport.write(data)
 
     def _token(self, left: int) -> None:
@@ -139,6 +159,7 @@ class _Conn(asyncio.Protocol):
             self.transport.write(self.last)
             return
         self.transport.write(TOKEN)
+        COUNTS["completion"] += 1
         self.loop.call_later(self.args.token_interval, self._token, left - 1)
 
 
