@@ -208,6 +208,20 @@ def _per_minute(
     )
 
 
+async def _until_served(http, ports: list[int], body: dict, secret: str) -> None:
+    """Until every router on `ports` has read the bucket and serves `body` with `secret`."""
+    warm = {"authorization": f"Bearer {secret}"}
+    for port in ports:
+        with anyio.fail_after(30):
+            while True:
+                async with http.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers=warm
+                ) as resp:
+                    if resp.status == 200:
+                        break
+                await anyio.sleep(0.1)
+
+
 async def accuracy_http(
     url: str, routers: int, clients: int, seconds: float, rpm: int, tpm: int, tokens: int
 ) -> None:
@@ -253,16 +267,7 @@ async def accuracy_http(
                         await anyio.sleep(min(retry, 0.5))
 
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-            for port in ports:  # every router has read the bucket and routes
-                warm = {"authorization": f"Bearer {secrets['warm']}"}
-                with anyio.fail_after(30):
-                    while True:
-                        async with http.post(
-                            f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers=warm
-                        ) as resp:
-                            if resp.status == 200:
-                                break
-                        await anyio.sleep(0.1)
+            await _until_served(http, ports, body, secrets["warm"])
             started = time.time()
             stop = started + seconds
             async with anyio.create_task_group() as tg:
@@ -368,16 +373,7 @@ async def metering(url: str, routers: int, clients: int, seconds: float) -> None
                 async with http.get(f"http://127.0.0.1:{eport}/counts") as resp:
                     return await resp.json()
 
-            for port in ports:  # every router has read the bucket and routes
-                warm = {"authorization": f"Bearer {secrets['warm']}"}
-                with anyio.fail_after(30):
-                    while True:
-                        async with http.post(
-                            f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers=warm
-                        ) as resp:
-                            if resp.status == 200:
-                                break
-                        await anyio.sleep(0.1)
+            await _until_served(http, ports, body, secrets["warm"])
             await settled("warm")
             print(
                 f"{routers} llmgw router processes, {clients} clients, {seconds:.0f} s a phase; "
