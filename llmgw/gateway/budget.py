@@ -10,14 +10,14 @@ unspent shares (each router's `granted - spent`), which is why shares are small 
 limit by default). All of this is arithmetic on numbers given to it: the Limiter does the
 claiming (llmgw/gateway/limiter.py).
 
-In flight (`max_parallel`) is a budget whose window is also a minute, but what a router
-holds carries into the next window and is claimed again there: a router that stops
-(crashes) holds nothing in the next window. Places no longer held go back to the counter
-at each flush, but for one share kept idle while the router holds any (`surplus`): under
-steady load a request takes a place without a round trip, and another router can be
-refused while at most one share per router is idle. A request that was admitted before a window
-changed is never cut, so in flight can pass its limit by what was held across a window
-change that the new window could not take back (said in docs/security.md).
+In flight (`max_parallel`) is a budget whose windows are minutes too, so that a router that
+stops (crashes) holds nothing two windows later. A place is held in the window it was taken
+in AND the next one: a router claims in both, and as a window ends its places are claimed in
+the one after (`carry`, from the limiter's flush, well before that window starts). So in any
+window every place some router holds is on that window's counter, and another router cannot
+take it across a minute boundary. Places no longer held go back to the counters at each
+flush, but for one share kept idle while the router holds any (`surplus`): under steady load
+a request takes a place without a round trip.
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ class Budget:
     granted: int = 0  # claimed on the counter in this window by this router
     spent: int = 0  # spent (or held, in flight) here in this window
     total: int = 0  # the counter's total at this router's last claim (all routers)
+    # in flight only: what this router holds claimed on the next window's counter
+    granted_next: int = 0
     claims: int = 0  # claims made (round trips), for the benchmarks
 
     @classmethod
@@ -91,22 +93,32 @@ class Budget:
 
     def roll(self, now: float) -> None:
         window = int(now // self.window_s)
-        if window != self.window:
-            self.window = window
-            self.granted = 0
-            self.total = 0
-            if not self.carries:
-                self.spent = 0
+        if window == self.window:
+            return
+        # in flight: what was claimed on the next window is this one's now
+        carried = self.granted_next if self.carries and window == self.window + 1 else 0
+        self.window = window
+        self.granted, self.granted_next = carried, 0
+        self.total = 0
+        if not self.carries:
+            self.spent = 0
 
-    def window_subject(self) -> str:
-        return f"{self.subject}.{self.window}"
+    def window_subject(self, ahead: int = 0) -> str:
+        return f"{self.subject}.{self.window + ahead}"
 
     def reset_in(self, now: float) -> float:
         return (self.window + 1) * self.window_s - now
 
+    def room(self) -> int:
+        """What this router may still spend without a claim: in flight, a place must be
+        held in this window and the next."""
+        if self.carries:
+            return min(self.granted, self.granted_next) - self.spent
+        return self.granted - self.spent
+
     def try_spend(self, units: int) -> bool:
         """Spend from what this router holds; False if it holds too little."""
-        if self.spent + units <= self.granted:
+        if units <= self.room():
             self.spent += units
             return True
         return False
@@ -128,17 +140,32 @@ class Budget:
             self.spent = max(0, self.spent - units)
 
     def to_claim(self, units: int) -> int:
-        """How much to claim so that `units` can be spent, a share ahead."""
+        """How much to claim in this window so that `units` can be spent, a share ahead."""
         return max(0, self.spent + units - self.granted) + self.share
 
-    def claimed(self, asked: int, total: int) -> int:
-        """The counter answered `total` to a claim of `asked`: keep what fits under the
-        limit; return what to give back (the part past the limit)."""
+    def next_to_claim(self) -> int:
+        """In flight: what to claim on the next window so that it covers what this one
+        holds claimed (`granted`), never more: so the next window's counter never holds
+        more of this router's than this one's does, and a router carrying its places
+        into it always finds them room."""
+        return max(0, self.granted - self.granted_next) if self.carries else 0
+
+    def carry_due(self) -> bool:
+        """In flight: places held that the next window's counter does not hold yet."""
+        return self.carries and self.spent > self.granted_next
+
+    def claimed(self, window: int, asked: int, total: int) -> int:
+        """The counter of `window` answered `total` to a claim of `asked`: keep what fits
+        under the limit; return what to give back (the part past the limit). A claim on a
+        window that has passed meanwhile grants nothing here (its units only go unused)."""
         self.claims += 1
         over = max(0, total - self.limit)
         back = min(asked, over)
-        self.granted += asked - back
-        self.total = total - back
+        if window == self.window:
+            self.granted += asked - back
+            self.total = total - back
+        elif self.carries and window == self.window + 1:
+            self.granted_next += asked - back
         return back
 
     def spend_now(self, units: int, now: float) -> Spent:
@@ -148,7 +175,7 @@ class Budget:
         if window != self.window:
             self.roll(now)
         spent = self.spent + units
-        if spent > self.granted:
+        if spent > self.granted or (self.carries and spent > self.granted_next):
             return SHORT
         self.spent = spent
         # running_low(), inline: this is the request path's one call per limit
@@ -165,6 +192,15 @@ class Budget:
             and self.total < self.limit
         )
 
+    def all_claimed(self, now: float) -> bool:
+        """The fleet has claimed this window's limit whole: asking again cannot help (in
+        flight excepted: places come back as requests end)."""
+        return (
+            not self.carries
+            and self.total >= self.limit
+            and self.window == int(now // self.window_s)
+        )
+
     def fits(self, units: int) -> bool:
         """Could `units` ever be spent in one window?"""
         return units <= self.limit
@@ -173,17 +209,18 @@ class Budget:
         """What is left of the limit in this window, as far as this router knows."""
         return max(0, self.limit - self.total + (self.granted - self.spent))
 
-    def surplus(self) -> int:
-        """In flight: places claimed and not held, which other routers may need. While this
-        router holds any, it keeps one share of idle places (the next requests take them
-        without a claim); holding none, it keeps none."""
+    def surplus(self) -> tuple[int, int]:
+        """In flight: places claimed and not held, which other routers may need, in this
+        window and the next (given back, the next one's first). While this router holds
+        any, it keeps one share of idle places (the next requests take them without a
+        claim); holding none, it keeps none."""
         if not self.carries:
-            return 0
-        surplus = self.granted - self.spent - (self.share if self.spent else 0)
-        if surplus <= 0:
-            return 0
-        self.granted -= surplus
-        return surplus
+            return 0, 0
+        keep = self.spent + (self.share if self.spent else 0)
+        back = max(0, self.granted - keep), max(0, self.granted_next - keep)
+        self.granted -= back[0]
+        self.granted_next -= back[1]
+        return back
 
 
 def _share(dimension: Dimension, limit: int, fraction: float) -> int:

@@ -14,16 +14,13 @@ Nothing is dropped while NATS is away; what waits is one number per subject.
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from llmgw.bus import keys
-from llmgw.errors import LlmgwError
 
-from .limiter import Counter
+from .outbox import Counter, Deltas
 
 KINDS = ("requests", "prompt", "completion", "cached")
 
@@ -77,15 +74,10 @@ def parse_usage_subject(subject: str, value: int) -> UsageRow | None:
 
 class Meter:
     def __init__(self, router: str) -> None:
-        # message ids unique to this process: a restarted router must not look like a
-        # duplicate of its previous life
-        self._prefix = f"{router}.{os.getpid()}.{os.urandom(4).hex()}"
-        self._ids = itertools.count()
         # (hour, team, key, model) -> [requests, prompt, completion, cached] since the last
         # flush: a request adds to one list; the subjects are made at the flush
         self._counts: dict[tuple[str, str | None, str | None, str], list[int]] = {}
-        self._pending: dict[str, int] = {}
-        self._sending: dict[str, tuple[int, str]] = {}  # subject -> (delta, message id)
+        self._out = Deltas(f"{router}.usage")
         self._hour_at, self._hour_token = -1, ""
 
     def record(
@@ -126,34 +118,22 @@ class Meter:
         counts[3] += cached
 
     def _collect(self) -> None:
-        """What `record` counted, as deltas per counter subject."""
+        """What `record` counted, as adds per counter subject."""
         counts, self._counts = self._counts, {}
-        pending = self._pending
         for (hour, team, key, model), values in counts.items():
             for kind, n in zip(KINDS, values, strict=True):
                 if n:
-                    subject = usage_subject(hour, team, key, model, kind)
-                    pending[subject] = pending.get(subject, 0) + n
+                    self._out.add(usage_subject(hour, team, key, model, kind), n)
 
     def pending(self) -> int:
         self._collect()
-        return sum(self._pending.values()) + sum(d for d, _ in self._sending.values())
+        return self._out.units()
 
-    async def flush(self, counter: Counter) -> bool:
+    async def flush(self, counter: Counter, timeout: float = 2.0) -> bool:
         """Send what was recorded; True when nothing is left waiting."""
         self._collect()
-        for subject in list(self._pending):
-            if subject not in self._sending:  # else its earlier batch must be stored first
-                delta = self._pending.pop(subject)
-                self._sending[subject] = (delta, f"{self._prefix}.{next(self._ids)}")
-        for subject, (delta, msg_id) in list(self._sending.items()):
-            try:
-                await counter.add(subject, delta, msg_id)
-            except (LlmgwError, TimeoutError, OSError):
-                return False
-            del self._sending[subject]
-        return not self._pending and not self._sending
+        return await self._out.send_to(counter, timeout)
 
     def subjects(self) -> Iterable[str]:
         self._collect()
-        return [*self._pending, *self._sending]
+        return self._out.subjects()
