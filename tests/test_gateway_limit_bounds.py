@@ -20,7 +20,7 @@ from waiting import until
 
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, NatsSettings
-from llmgw.bus.counters import ensure_streams
+from llmgw.bus.counters import Counters, ensure_streams
 from llmgw.gateway import credentials
 from llmgw.gateway.refusals import Refusal
 from llmgw.gateway.usage import Usage
@@ -77,20 +77,48 @@ async def test_a_router_that_stops_carrying_frees_its_places_two_minutes_later(
         assert len(_admitted(await _burst([b], 2, secret))) == 2
 
 
-class GatedCounter:
-    """The counter stream, whose claims (positive adds) wait until `open` is set: a claim
-    pending for as long as the test wants."""
+async def test_what_one_router_writes_of_its_own_can_lift_no_limit_on_the_others(
+    streams: Bus, nats_settings: NatsSettings
+) -> None:
+    """A router (its identity may write only its own subjects) writes a huge negative, then
+    garbage, as what it holds of a window: the other routers still admit exactly the limit
+    between them (was: one counter per window, and a router adding -1000 to it lifted the
+    key's limit on every router)."""
+    secret = credentials.new_secret("k1")
+    clock = Clock()
+    window = f"{keys.LIMITS_ROOT}.key.k1.rpm.{int(T0 // 60)}"
+    counters = Counters(streams)
+    async with (
+        router(nats_settings, clock, _key(secret, rpm=20), share=0.05) as (_, a),
+        router(nats_settings, clock, _key(secret, rpm=20), share=0.05) as (_, b),
+    ):
+        first = _admitted(await _burst([a, b], 10, secret))
+        await counters.hold(window, "rogue.1", -1000)
+        await streams.nc.publish(f"{window}.rogue.2", b"-5e9")
+        await streams.nc.publish(f"{window}.rogue.3", b'{"held": -7}')
+        await streams.nc.flush()
+        rest = _admitted(await _burst([a, b], 40, secret))
+        assert len(first) + len(rest) == 20
+        assert await counters.held(window) == 20
+
+
+class GatedClaims:
+    """The limits stream, whose claims wait until `open` is set: a claim pending for as
+    long as the test wants."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.open = asyncio.Event()
         self.waiting = 0
 
-    async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
-        if delta > 0 and not self.open.is_set():
+    async def claim(self, *args):
+        if not self.open.is_set():
             self.waiting += 1
             await self.open.wait()
-        return await self.inner.add(subject, delta, msg_id)
+        return await self.inner.claim(*args)
+
+    async def hold(self, *args) -> None:
+        await self.inner.hold(*args)
 
 
 async def test_a_client_that_leaves_while_its_claim_is_pending_takes_no_place_with_it(
@@ -132,7 +160,7 @@ async def test_a_client_that_leaves_while_its_claim_is_pending_takes_no_place_wi
                 ) as resp:
                     assert resp.status == 200, await resp.text()
                 release.clear()
-                gated = GatedCounter(r.gateway.limiter.counter)
+                gated = GatedClaims(r.gateway.limiter.counter)
                 r.gateway.limiter.counter = gated
                 # a request reserving more tokens than the share held: a claim, held pending
                 leaving = asyncio.ensure_future(

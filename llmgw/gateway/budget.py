@@ -1,14 +1,14 @@
 """Budget: one limit (a key's requests per minute, a team's tokens of the day, ...) as one
-router spends it, from shares claimed ahead on a counter all routers add to.
+router spends it, from shares claimed ahead of need.
 
-The counter of a window (`llmgw.limits.<scope>.<dimension>.<window>`) holds what every
-router has claimed in it. A router claims a share (`Nats-Incr: +n`), and the answer is the
-new total: what it got is what fits under the limit, and anything past the limit it gives
-back at once. It then spends from what it got without asking anyone. So the routers
-together never admit more than the limit in a window; what they leave unused is at most the
-unspent shares (each router's `granted - spent`), which is why shares are small (0.5% of the
-limit by default). All of this is arithmetic on numbers given to it: the Limiter does the
-claiming (llmgw/gateway/limiter.py).
+A window of a limit (`llmgw.limits.<scope>.<dimension>.<window>`) is what the routers hold
+claimed in it, each on a subject of its own (llmgw/bus/claims.py). A router claims a share,
+and gets what fits under the limit beside what the others hold; it then spends from what it
+got without asking anyone. So the routers together never admit more than the limit in a
+window; what they leave unused is at most the unspent shares (each router's `granted -
+spent`), which is why shares are small (0.5% of the limit by default). All of this is
+arithmetic on numbers given to it: the Limiter does the claiming and writes what it holds
+(`stored` lags `granted` until it does; llmgw/gateway/limiter.py).
 
 In flight (`max_parallel`) is a budget whose windows are minutes too, so that a router that
 stops (crashes) holds nothing two windows later. A place is held in the window it was taken
@@ -69,8 +69,12 @@ class Budget:
     granted: int = 0  # claimed on the counter in this window by this router
     spent: int = 0  # spent (or held, in flight) here in this window
     total: int = 0  # the counter's total at this router's last claim (all routers)
-    # in flight only: what this router holds claimed on the next window's counter
+    # in flight only: what this router holds claimed on the next window
     granted_next: int = 0
+    # what its subject of this window (and of the next) says it holds: behind `granted`
+    # until written (tokens used past a reservation, places handed back)
+    stored: int = 0
+    stored_next: int = 0
     claims: int = 0  # claims made (round trips), for the benchmarks
 
     @classmethod
@@ -96,9 +100,11 @@ class Budget:
         if window == self.window:
             return
         # in flight: what was claimed on the next window is this one's now
-        carried = self.granted_next if self.carries and window == self.window + 1 else 0
+        ahead = self.carries and window == self.window + 1
         self.window = window
-        self.granted, self.granted_next = carried, 0
+        self.granted = self.granted_next if ahead else 0
+        self.stored = self.stored_next if ahead else 0
+        self.granted_next = self.stored_next = 0
         self.total = 0
         if not self.carries:
             self.spent = 0
@@ -154,19 +160,34 @@ class Budget:
         """In flight: places held that the next window's counter does not hold yet."""
         return self.carries and self.spent > self.granted_next
 
-    def claimed(self, window: int, asked: int, total: int) -> int:
-        """The counter of `window` answered `total` to a claim of `asked`: keep what fits
-        under the limit; return what to give back (the part past the limit). A claim on a
-        window that has passed meanwhile grants nothing here (its units only go unused)."""
+    def claimed(self, window: int, got: int, total: int, stored: int) -> None:
+        """A claim on `window` got `got` units, the window's total is now `total`, and this
+        router's subject there says `stored`. A claim on a window that has passed meanwhile
+        grants nothing here (its units only go unused)."""
         self.claims += 1
-        over = max(0, total - self.limit)
-        back = min(asked, over)
         if window == self.window:
-            self.granted += asked - back
-            self.total = total - back
+            self.granted += got
+            self.total = total
+            self.stored = stored
         elif self.carries and window == self.window + 1:
-            self.granted_next += asked - back
-        return back
+            self.granted_next += got
+            self.stored_next = stored
+
+    def unstored(self) -> list[tuple[int, int]]:
+        """What this router's subjects must be told it holds, as (windows ahead, units): the
+        next window's first, so that it never says more of this router's than this one."""
+        out = []
+        if self.carries and self.granted_next != self.stored_next:
+            out.append((1, self.granted_next))
+        if self.granted != self.stored:
+            out.append((0, self.granted))
+        return out
+
+    def stored_as(self, ahead: int, units: int) -> None:
+        if ahead:
+            self.stored_next = units
+        else:
+            self.stored = units
 
     def spend_now(self, units: int, now: float) -> Spent:
         """`roll` to `now`, then `try_spend`, and whether the share now runs low: the
@@ -209,18 +230,15 @@ class Budget:
         """What is left of the limit in this window, as far as this router knows."""
         return max(0, self.limit - self.total + (self.granted - self.spent))
 
-    def surplus(self) -> tuple[int, int]:
-        """In flight: places claimed and not held, which other routers may need, in this
-        window and the next (given back, the next one's first). While this router holds
+    def hand_back(self) -> None:
+        """In flight: places claimed and not held, which other routers may need, go back (in
+        this window and the next; written with the next flush). While this router holds
         any, it keeps one share of idle places (the next requests take them without a
         claim); holding none, it keeps none."""
-        if not self.carries:
-            return 0, 0
-        keep = self.spent + (self.share if self.spent else 0)
-        back = max(0, self.granted - keep), max(0, self.granted_next - keep)
-        self.granted -= back[0]
-        self.granted_next -= back[1]
-        return back
+        if self.carries:
+            keep = self.spent + (self.share if self.spent else 0)
+            self.granted = min(self.granted, keep)
+            self.granted_next = min(self.granted_next, keep)
 
 
 def _share(dimension: Dimension, limit: int, fraction: float) -> int:

@@ -33,7 +33,7 @@ import anyio
 from llmgw.bus.records import AuditRecord
 from llmgw.errors import LlmgwError
 
-from .limiter import FREE, Claim, Held, Limiter, LimitSettings
+from .limiter import FREE, Claim, Claims, Held, Limiter, LimitSettings
 from .metering import Meter
 from .outbox import Counter, Outbox
 from .refusals import Refusal
@@ -47,6 +47,11 @@ CHARS_PER_TOKEN = 4  # a prompt's tokens estimated from its characters, when not
 # a key's records in one audit message (JSON lines, a few hundred bytes each): a flush
 # sends one message per key, not one per request
 AUDIT_BATCH = 1000
+
+
+class Streams(Counter, Claims, Protocol):
+    """The streams beside the bucket that a router adds to: the usage counters (`add`) and
+    the limits (`claim`, `hold`): llmgw/bus/counters.py's Counters."""
 
 
 class AuditSink(Protocol):
@@ -202,20 +207,20 @@ class Gateway:
     def __init__(
         self,
         router: str,
-        counter: Counter,
+        counter: Streams,
         audit_sink: AuditSink | None = None,
         settings: GatewaySettings | None = None,
         *,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.router = router
         self.settings = settings or GatewaySettings()
         self.clock = clock
         self.counter = counter
         self.audit_sink = audit_sink
         self.table = KeyTable(clock=clock, serve_known_for=self.settings.serve_known_for)
-        self.limiter = Limiter(counter, self.settings.limits, clock=clock, name=router)
+        self.limiter = Limiter(counter, self.settings.limits, clock=clock, router=router)
         self.meter = Meter(router)
+        self.router = router
         # tokens per (team, model) since start, for /metrics and the fleet page: team names
         # come from the bucket, models from the router's table, never from a client
         self.tokens: dict[tuple[str, str], list[int]] = {}
@@ -225,6 +230,15 @@ class Gateway:
         self._audit_out = Outbox(router, self._audit_messages)
         self.audit_dropped = 0
         self._failed = False
+
+    @property
+    def router(self) -> str:
+        """Its router id: named in its audit records, and its limits' holder subjects."""
+        return self.limiter.router
+
+    @router.setter
+    def router(self, router: str) -> None:
+        self.limiter.router = self.meter.router = router
 
     @property
     def enabled(self) -> bool:

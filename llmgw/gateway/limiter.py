@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from llmgw.bus import keys
 from llmgw.bus.errors import StreamMissing
@@ -35,7 +36,6 @@ from llmgw.errors import LlmgwError
 
 from . import refusals
 from .budget import SHORT, SPENT_LOW, Budget, Dimension
-from .outbox import Counter, Deltas
 from .refusals import RateHeaders, Refusal
 from .table import Identity
 
@@ -46,6 +46,22 @@ Offline = Literal["serve", "refuse"]
 # places in flight are forgotten, so model names a client makes up cannot grow it
 MAX_BUDGETS = 100_000
 _ERRORS = (LlmgwError, TimeoutError, OSError)  # a counter that did not answer
+
+
+class Claims(Protocol):
+    """The limits stream, as the limiter needs it (llmgw/bus/claims.py): each router holds
+    what it claimed of a window on a subject of its own."""
+
+    async def claim(
+        self, window_subject: str, holder: str, mine: int, asked: int, limit: int
+    ) -> tuple[int, int]:
+        """`holder` holds `mine` and asks `asked` more under `limit`: what it got, and the
+        window's total after it. Raises when the stream cannot be reached."""
+        ...
+
+    async def hold(self, window_subject: str, holder: str, units: int) -> None:
+        """Write what `holder` holds of the window. Raises on failure."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -139,9 +155,8 @@ class Held:
             b.roll(self.limiter.clock())
             if b.try_spend(extra):
                 continue
-            beyond = b.force(extra)
+            beyond = b.force(extra)  # held past what was claimed: written at the next flush
             if beyond:
-                self.limiter.owed.add(b.window_subject(), beyond)
                 b.total += beyond
                 within = within and b.total <= b.limit
         return within
@@ -164,9 +179,7 @@ class Held:
                 budget.give_back(-diff, window)  # to the window it was reserved in
             else:
                 budget.roll(self.limiter.clock())
-                beyond = budget.force(diff)
-                if beyond:
-                    self.limiter.owed.add(budget.window_subject(), beyond)
+                budget.force(diff)  # held past what was claimed: written at the next flush
 
 
 class Claim:
@@ -236,20 +249,20 @@ def _rate(requests: list[Budget], tokens: list[Budget], now: float) -> RateHeade
 class Limiter:
     def __init__(
         self,
-        counter: Counter,
+        counter: Claims,
         settings: LimitSettings | None = None,
         *,
         clock: Callable[[], float] = time.time,
-        name: str = "limits",
+        router: str = "router",
     ) -> None:
         self.counter = counter
+        self.router = router  # its holder token: <router>.<instance>
+        self._instance = f"{os.getpid()}{os.urandom(3).hex()}"
         self.settings = settings or LimitSettings()
         self.clock = clock
         self._budgets: dict[str, Budget] = {}
         self._plans: dict[tuple[str, str], Plan] = {}
         self._claims: dict[str, asyncio.Task[bool | None]] = {}  # one per budget at a time
-        # tokens used past reservations, places handed back, claims past a limit handed back
-        self.owed = Deltas(f"{name}.limits")
         self._low: set[str] = set()  # budgets whose share runs low: topped up by prefetch
         self._wake = asyncio.Event()
         self.offline_since: float | None = None
@@ -278,8 +291,8 @@ class Limiter:
             b.roll(now)
             claiming = self._claims.get(subject)
             if (not b.carries or b.spent == 0) and (claiming is None or claiming.done()):
-                if b.carries:
-                    self._hand_back(b, b.granted, b.granted_next)
+                if b.unstored() or (b.carries and (b.granted or b.granted_next)):
+                    continue  # written (its places handed back) at the next flush first
                 del self._budgets[subject]
                 self._claims.pop(subject, None)
 
@@ -442,30 +455,24 @@ class Limiter:
             return None
         return b.room() >= units
 
+    @property
+    def holder(self) -> str:
+        return f"{self.router}.{self._instance}"
+
     async def _add_claim(self, b: Budget, window: int, asked: int) -> bool:
-        """Add `asked` to `b`'s counter of `window` and keep what fits; False when the
-        counters did not answer."""
-        subject = f"{b.subject}.{window}"
+        """Claim `asked` more on `b`'s window `window` and keep what fits; False when the
+        stream did not answer."""
+        mine = b.granted if window == b.window else b.granted_next
         try:
-            total = await asyncio.wait_for(
-                self.counter.add(subject, asked), self.settings.claim_timeout
+            got, total = await asyncio.wait_for(
+                self.counter.claim(f"{b.subject}.{window}", self.holder, mine, asked, b.limit),
+                self.settings.claim_timeout,
             )
         except _ERRORS as e:
             self._went_offline(self.clock(), e)
             return False
         self._back_online()
-        back = b.claimed(window, asked, total)
-        if back and b.carries:
-            # places past the limit go back at once: other routers free theirs as requests
-            # end, and must find the counter true. A minute's requests or tokens never come
-            # back, so a claim past their limit is left as it is: every grant is the part of
-            # its claim under the limit, whatever the counter holds above it
-            try:
-                await asyncio.wait_for(
-                    self.counter.add(subject, -back), self.settings.claim_timeout
-                )
-            except _ERRORS:
-                self.owed.add(subject, -back)  # with the next flush, once
+        b.claimed(window, got, total, mine + got)
         return True
 
     async def _answering(self, b: Budget, now: float) -> bool:
@@ -476,7 +483,8 @@ class Limiter:
         b.roll(now)
         try:
             await asyncio.wait_for(
-                self.counter.add(b.window_subject(), 0), self.settings.claim_timeout
+                self.counter.hold(b.window_subject(), self.holder, b.granted),
+                self.settings.claim_timeout,
             )
         except _ERRORS:
             return False
@@ -546,26 +554,39 @@ class Limiter:
     # --- what is sent in the background ------------------------------------------------
 
     def owing(self) -> int:
-        """Owed adds not yet known stored (waiting, or sent and unanswered)."""
-        return self.owed.count()
-
-    def _hand_back(self, b: Budget, now_units: int, next_units: int) -> None:
-        """Places in flight no longer needed go back to the counters: the next window's
-        first, so that it never holds more of this router's than this one does."""
-        if next_units:
-            self.owed.add(b.window_subject(1), -next_units)
-        if now_units:
-            self.owed.add(b.window_subject(), -now_units)
+        """Budgets whose subjects do not say yet what this router holds (tokens used past a
+        reservation, places handed back): written at the next flush."""
+        return sum(1 for b in self._budgets.values() if b.unstored())
 
     async def flush(self) -> None:
         """Keep places in flight claimed on the next window (`carry`), hand back those no
-        longer held, and add what is owed (tokens used past reservations, claims past a
-        limit). The gateway's loop runs it often."""
+        longer held, and write what this router holds where its subjects lag (tokens used
+        past reservations). The gateway's loop runs it often."""
         now = self.clock()
+        writes = []
         for b in self._budgets.values():
+            claiming = self._claims.get(b.subject)
+            if claiming is not None and not claiming.done():
+                continue  # the claim writes what it holds; what it misses, the next flush
             if b.carries:
                 b.roll(now)
-                self._hand_back(b, *b.surplus())
+                b.hand_back()
                 if b.carry_due() and self.offline_since is None:
-                    await self._claim_for(b, 0)
-        await self.owed.send_to(self.counter, self.settings.claim_timeout)
+                    writes.append(self._claim_for(b, 0))
+                    continue
+            for ahead, units in b.unstored():
+                writes.append(self._store(b, ahead, units))
+        if writes:
+            await asyncio.gather(*writes)
+
+    async def _store(self, b: Budget, ahead: int, units: int) -> None:
+        window = b.window + ahead
+        try:
+            await asyncio.wait_for(
+                self.counter.hold(f"{b.subject}.{window}", self.holder, units),
+                self.settings.claim_timeout,
+            )
+        except _ERRORS:
+            return  # the next flush writes it again: a holder's value is what it holds
+        if 0 <= window - b.window <= 1:  # (a window may have ended meanwhile)
+            b.stored_as(window - b.window, units)

@@ -2,8 +2,9 @@
 from the engines' own `usage`, added to counters in batches.
 
 Counters, not a stream of usage records: `llmgw usage` then reads one number per subject
-(hour x team x key x model x kind) however many requests there were, and a router adds a
-second's worth of requests in one increment per subject. The audit stream keeps the
+(hour x team x key x model x kind x router) however many requests there were, and a router
+adds a second's worth of requests in one increment per subject. Each router counts on
+subjects of its own: what it metered can be changed by no other router. The audit stream keeps the
 per-request detail, for as long as its retention says.
 
 Exactness: a batch is sent with a message id (`Nats-Msg-Id`), and a batch whose answer was
@@ -29,7 +30,11 @@ def hour_token(now: float) -> str:
     return time.strftime("%Y%m%d%H", time.gmtime(now))
 
 
-def usage_subject(hour: str, team: str | None, key: str | None, model: str, kind: str) -> str:
+def usage_subject(
+    hour: str, team: str | None, key: str | None, model: str, kind: str, router: str
+) -> str:
+    """One router's count: each router adds to subjects of its own (its certificate may
+    write no others: llmgw/bus/permissions.py), so none can touch another's counts."""
     return ".".join(
         (
             keys.USAGE_ROOT,
@@ -38,6 +43,7 @@ def usage_subject(hour: str, team: str | None, key: str | None, model: str, kind
             key or keys.NO_NAME,
             keys.name_token(model),
             kind,
+            router,
         )
     )
 
@@ -55,11 +61,14 @@ class UsageRow:
 
 
 def parse_usage_subject(subject: str, value: int) -> UsageRow | None:
+    """A usage counter as read: one router's (`...<kind>.<router>`), or one all routers
+    added to (`...<kind>`, written before counts were per router). A count below 0 is no
+    usage (counts only grow; only its own router could have written it)."""
     parts = subject.split(".")
     root = keys.USAGE_ROOT.split(".")
-    if parts[: len(root)] != root or len(parts) != len(root) + 5:
+    if parts[: len(root)] != root or len(parts) not in (len(root) + 5, len(root) + 6):
         return None
-    hour, team, key, model, kind = parts[len(root) :]
+    hour, team, key, model, kind = parts[len(root) : len(root) + 5]
     if kind not in KINDS:
         return None
     return UsageRow(
@@ -68,7 +77,7 @@ def parse_usage_subject(subject: str, value: int) -> UsageRow | None:
         None if key == keys.NO_NAME else key,
         keys.token_name(model),
         kind,
-        value,
+        max(0, value),
     )
 
 
@@ -78,6 +87,7 @@ class Meter:
         # flush: a request adds to one list; the subjects are made at the flush
         self._counts: dict[tuple[str, str | None, str | None, str], list[int]] = {}
         self._out = Deltas(f"{router}.usage")
+        self.router = router  # the last token of its subjects
         self._hour_at, self._hour_token = -1, ""
 
     def record(
@@ -123,7 +133,7 @@ class Meter:
         for (hour, team, key, model), values in counts.items():
             for kind, n in zip(KINDS, values, strict=True):
                 if n:
-                    self._out.add(usage_subject(hour, team, key, model, kind), n)
+                    self._out.add(usage_subject(hour, team, key, model, kind, self.router), n)
 
     def pending(self) -> int:
         self._collect()
