@@ -90,19 +90,6 @@ class Meter:
         self.router = router  # the last token of its subjects
         self._hour_at, self._hour_token = -1, ""
 
-    def record(
-        self,
-        *,
-        team: str | None,
-        key: str | None,
-        model: str,
-        prompt: int,
-        completion: int,
-        cached: int = 0,
-        now: float | None = None,
-    ) -> None:
-        self.add(team, key, model, prompt, completion, cached, time.time() if now is None else now)
-
     def add(
         self,
         team: str | None,
@@ -113,7 +100,7 @@ class Meter:
         cached: int,
         now: float,
     ) -> None:
-        """`record`, its arguments by position (a request's last step)."""
+        """One request's usage (its last step; `now` by the gateway's clock)."""
         hour = int(now // 3600)
         if hour != self._hour_at:
             self._hour_at, self._hour_token = hour, hour_token(now)
