@@ -34,8 +34,9 @@ rounds (sections latency, idle, stream, tokens, large).
 - large:    whole answers of 200 KB, 400 KB and 1 MB (an embeddings batch is this size),
             past the router's buffer mark (256 KiB) or not, straight to the engine and
             through the router, in interleaved rounds at concurrency 8 on kept-alive
-            connections: answers/s, MB/s, the router's ratio to direct, and answers that
-            stalled (none within 2 s; BENCH_LARGE_SIZES, _CONCURRENCY, _ROUNDS, _SECONDS);
+            connections: answers/s, MB/s, the router's ratio to direct, its CPU an answer,
+            and answers that stalled (none within 2 s; BENCH_LARGE_SIZES, _CONCURRENCY,
+            _ROUNDS, _SECONDS);
 - balance:  a simulation of exact least-in-flight against power-of-two choices and random
             (the same arrivals and service times for each);
 - affinity: a multi-turn chat workload over 4 real llama-servers (the tiny model, built by
@@ -852,29 +853,47 @@ def section_large(tmp: Path) -> None:
         eport, engine = bench_engine("--tokens", str(max(1, (size - 200) // 4)))
         with engine, contextlib.ExitStack() as stack:
             rport, rt = router(tmp, [eport])
-            stack.enter_context(rt)
+            procs = {"router": psutil.Process(stack.enter_context(rt).pid)}
             paths = [("direct", eport), ("router", rport)]
             if base is not None:
                 bport, brt = router(tmp, [eport], tree=base)
-                stack.enter_context(brt)
+                procs["base"] = psutil.Process(stack.enter_context(brt).pid)
                 paths.append(("base", bport))
             for _, port in paths:
                 asyncio.run(_whole_answers(port, c, 1))  # warm every path
-            got = {n: {"answers": 0, "bytes": 0, "stalled": 0, "seconds": 0.0} for n, _ in paths}
+            got = {
+                n: {"answers": 0, "bytes": 0, "stalled": 0, "seconds": 0.0, "cpu": 0.0}
+                for n, _ in paths
+            }
+            rounds_rate: dict[str, list[float]] = {n: [] for n, _ in paths}
             for _ in range(rounds):
                 for name, port in paths:
-                    for k, v in asyncio.run(_whole_answers(port, c, seconds)).items():
+                    proc = procs.get(name)
+                    cpu = sum(proc.cpu_times()[:2]) if proc else 0.0
+                    r = asyncio.run(_whole_answers(port, c, seconds))
+                    r["cpu"] = sum(proc.cpu_times()[:2]) - cpu if proc else 0.0
+                    rounds_rate[name].append(r["answers"] / r["seconds"])
+                    for k, v in r.items():
                         got[name][k] += v
             print(f"  answers of {size / 1000:g} KB (load average {_load()}):")
             rate = {n: g["answers"] / g["seconds"] for n, g in got.items()}
             for name, g in got.items():
                 ratio = f", {rate[name] / rate['direct']:.3f}x direct" if name != "direct" else ""
+                if g["cpu"]:
+                    ratio += f", CPU {g['cpu'] / max(g['answers'], 1) * 1e6:.0f} us an answer"
                 print(
                     f"    {name:>6}: {rate[name]:7.1f} answers/s, "
                     f"{g['bytes'] / g['seconds'] / 1e6:7.1f} MB/s{ratio}, {g['stalled']} stalled"
                 )
             if base is not None:
-                print(f"    router/base: {rate['router'] / max(rate['base'], 1e-9):.3f}x")
+                ratios = [
+                    a / max(b, 1e-9)
+                    for a, b in zip(rounds_rate["router"], rounds_rate["base"], strict=True)
+                ]
+                print(
+                    f"    router/base: median {statistics.median(ratios):.3f}x "
+                    f"(rounds {', '.join(f'{x:.3f}' for x in ratios)})"
+                )
 
 
 def section_balance(_tmp: Path) -> None:
