@@ -381,10 +381,9 @@ class UpstreamConnection(asyncio.Protocol):
     def _steer_reading(self) -> None:
         """The one rule for reading from the engine: paused while more than `buffer_high` of
         its answer waits here for the relay, or while the client takes no more; read again
-        as soon as neither holds, in whichever order they came. Called where either changes.
-        (Resuming only after a drain left a connection paused for good when the mark was
-        passed before the relay began and the client had room: a whole answer sat unread
-        until --engine-timeout, and the next request on that connection heard nothing.)"""
+        as soon as neither holds, in whichever order they came (called where either
+        changes). A pause that only a drain undid outlived answers that passed the mark
+        before the relay began: they stalled, and so did the next request on the connection."""
         hold = self._client_full or self._buffered > self._pool.settings.buffer_high
         if hold is self._reading_paused:
             return
