@@ -988,3 +988,18 @@ def test_a_reply_subject_that_is_no_delivery_is_refused(reply) -> None:
 
     with pytest.raises(ValueError):
         delivery(reply)
+
+
+def test_a_second_server_on_a_store_is_refused_before_it_writes_a_byte(nats_server) -> None:
+    import os
+
+    from llmgw.bus.storelock import StoreInUse
+
+    conf = nats_server.config_path.read_bytes()
+    second = EmbeddedNats(data_dir=nats_server.data_dir, port=free_port())
+    with pytest.raises(StoreInUse, match=f"is in use by pid {os.getpid()}"):
+        second.start()
+    assert nats_server.config_path.read_bytes() == conf
+    nats_server.stop()  # its lock goes with it: the store may be served again
+    second.start()
+    second.stop()
