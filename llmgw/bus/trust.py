@@ -159,6 +159,7 @@ def _node(p: _Problems, inv: records.NodeInventory) -> None:
     _memory(p, "memory", inv.memory)
     for i, g in enumerate(inv.gpus.devices):
         _gpu(p, f"gpus.devices[{i}]", g)
+    _one_card_once(p, inv.gpus.devices)
     _ports_taken(p, inv.ports)
     for i, m in enumerate(inv.weights.models):
         p.at_least(f"weights.models[{i}].bytes", m.bytes, 0)
@@ -169,6 +170,25 @@ def _node(p: _Problems, inv: records.NodeInventory) -> None:
             _store(p, f"weights.dirs[{i}].store", d.store, node)
     _labels(p, "labels", inv.labels)
     _taints(p, "taints", inv.taints)
+
+
+def _one_card_once(p: _Problems, devices: list[records.Gpu]) -> None:
+    """Each card offered once: a UUID listed twice, or a MIG device beside its own parent
+    (a GPU in MIG mode is not listed: CUDA cannot run on it), let placement give one card
+    twice (two exclusive replicas on it, 100 GB allotted on an 85.5 GB card)."""
+    uuids = {g.uuid for g in devices}
+    if len(uuids) != len(devices):
+        seen: set[str] = set()
+        for i, g in enumerate(devices):
+            if g.uuid in seen:
+                p.others.append(f"gpus.devices[{i}].uuid {g.uuid!r} is listed twice")
+            seen.add(g.uuid)
+    for i, g in enumerate(devices):
+        if g.parent_uuid and g.parent_uuid in uuids:
+            p.others.append(
+                f"gpus.devices[{i}] is MIG device {g.uuid!r} of GPU {g.parent_uuid!r}, which "
+                "is listed too (a GPU in MIG mode is not a GPU of its own)"
+            )
 
 
 def _labels(p: _Problems, where: str, given: dict[str, str]) -> None:
