@@ -4,7 +4,8 @@ NATS permissions protect keys, not values: node05 may write only `nodes.node05`,
 `leases.node05` and `shards.node05.*`, but it chooses every byte it writes there. So a
 value that names another owner than its key (node05 writing `"node": "node06"` into its own
 `nodes.node05`) is a spoof attempt: it is rejected here, naming the key, and readers log it
-and treat the key as absent. Numbers are checked against their ranges for the same reason:
+and read it as any value that does not read (llmgw/bus/unreadable.py: absent, for what an
+agent writes). Numbers are checked against their ranges for the same reason:
 a writer's claim is trusted no further than its key.
 
 `check(key, value)` is what the bus applies to every typed read (get, list, watch);
@@ -383,36 +384,6 @@ def _team(p: _Problems, t: records.Team) -> None:
     p.owner("team", t.team, p.ids[0])
     p.at_most("models", len(t.models), records.MAX_KEY_MODELS)
     _limits(p, "limits", t.limits)
-
-
-# Written by an operator (catalog, desired, ops, apikeys, teams) or by the leading
-# controller: intent and decisions. A newer value of one that does not read keeps the last
-# good one wherever it is read (Bus.watch, and llmgw/fleetstate/decode.py, which says what a
-# reader with none takes). A key or team garbled by hand must never grant more than its last
-# good value did: read as absent, a team's limits would vanish, and the bucket's only key
-# would open the fleet. Not the leader key: a lease, taken over at its revision when it
-# does not read.
-KEEPS_LAST_GOOD: frozenset[str] = frozenset(
-    {
-        keys.CATALOG,
-        keys.DESIRED,
-        keys.OPS,
-        keys.APIKEYS,
-        keys.TEAMS,
-        keys.ROLLOUT,
-        keys.SCALE,
-        keys.PLACEMENT,
-        keys.HEALTH,
-        keys.FABRICS,
-        keys.REPLICAS,
-        keys.ASSIGN,
-    }
-)
-
-
-def keeps_last_good(key: str) -> bool:
-    parsed = _parsed(key)
-    return parsed is not None and parsed.prefix in KEEPS_LAST_GOOD
 
 
 _Check = Callable[[_Problems, Any], None]
