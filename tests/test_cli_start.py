@@ -273,7 +273,9 @@ def test_a_second_up_on_the_first_ones_store_is_refused_naming_it_and_leaves_the
     first_port = free_port()
     with _up_running(tmp_path, data, first_port) as first:
         conf = (data / "nats" / "nats-server.conf").read_bytes()
-        second = llmgw("up", "--port", str(free_port()), "--data-dir", str(data), "--no-agent")
+        second = llmgw(
+            "up", "--port", str(free_port()), "--data-dir", str(data), "--no-agent", "--no-router"
+        )
         assert second.returncode == 1, second.stderr
         assert second.stderr.splitlines() == [
             f"Error: store {data / 'nats'} is in use by llmgw up (pid {first.pid}), and two "
@@ -286,7 +288,10 @@ def test_a_second_up_on_the_first_ones_store_is_refused_naming_it_and_leaves_the
         status = llmgw("status", "--nats", f"nats://127.0.0.1:{first_port}")
         assert status.returncode == 0, status.stderr
         # another store, the first one's port: the port's holder is named
-        taken = llmgw("up", "--port", str(first_port), "--data-dir", str(tmp_path / "other"))
+        other = str(tmp_path / "other")
+        taken = llmgw(
+            "up", "--port", str(first_port), "--data-dir", other, "--no-agent", "--no-router"
+        )
         assert taken.returncode == 2, taken.stderr
         (server,) = _nats_servers_of(tmp_path)
         assert taken.stderr.splitlines() == [
@@ -302,7 +307,15 @@ def test_a_nats_server_left_running_by_a_killed_up_still_holds_its_store(tmp_pat
         first.kill()  # its nats-server runs on, in a session of its own
         first.wait()
         try:
-            again = llmgw("up", "--port", str(free_port()), "--data-dir", str(data), "--no-agent")
+            again = llmgw(
+                "up",
+                "--port",
+                str(free_port()),
+                "--data-dir",
+                str(data),
+                "--no-agent",
+                "--no-router",
+            )
         finally:
             server.kill()
     assert again.returncode == 1
