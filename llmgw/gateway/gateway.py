@@ -130,11 +130,14 @@ class Admission:
         usage: Usage | None,
         replica: str | None = None,
         ttft: float | None = None,
+        refused: str | None = None,
     ) -> None:
         """Once per admitted request, however it ended. `usage` None: the engine said none;
         then an error answer (4xx, 5xx) generated nothing and its reservation is handed back,
-        and any other keeps its reservation as charged. A fleet without keys meters and
-        audits nothing (as before keys), and counts tokens for /metrics only."""
+        and any other keeps its reservation as charged. `refused`: the router answered it
+        itself after admitting it, and why (its audit record's reason). A fleet without
+        keys meters and audits nothing (as before keys), and counts tokens for /metrics
+        only."""
         if self.finished:
             return
         self.finished = True
@@ -171,6 +174,7 @@ class Admission:
                 ttft_s=ttft,
                 duration_s=max(0.0, g.clock() - self.started),
                 client=self.client,
+                refused=refused,
             )
         )
 

@@ -186,13 +186,14 @@ class GatewayTicket(UsageReader):
         done, self._pending = data[: end + 2], data[end + 2 :]
         return _without_usage(done) if b'"usage"' in done else done
 
-    def settle(self, status: int, outcome: str) -> None:
+    def settle(self, status: int, outcome: str, refused: str | None = None) -> None:
         first = self._first
         self.admission.finish(
             status=status,
             usage=self.usage(self.prompt_estimate),
             replica=self.replica,
             ttft=None if first is None else first - self._created,
+            refused=refused,
         )
 
 

@@ -1,0 +1,355 @@
+"""Who waits when the fleet is full: the router's own queue, per model, in front of engines
+that can take no more.
+
+Each engine can take so many requests at once (`Backend.slots`: its profile's parallel
+slots, or what the engine itself says, router/report.py), and this router may have its
+share of them there (`Backend.share`, router/share.py: the engine split between the routers
+that send to it). A request for a model with an engine that has room goes at once, as
+before: nothing is held while an engine of its model has room (work-conserving). Otherwise
+it waits here, not in the engine's own queue, and leaves when a place frees: by class
+first, then by fair share between teams, then in arrival order (router/queue.py). Each
+class waits at most its bound (`--queue-wait`); past it the request is refused, sheddable
+with 429, the others with 503, each with `retry-after` and `x-llmgw-refused` naming why.
+An engine whose capacity is not known takes every request at once, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from llmgw.priority import ASK_HEADER, Priority, Standing
+from llmgw.router.balancer import Balancer
+from llmgw.router.hold import MAX_WAIT_HEADER, client_wait
+from llmgw.router.inflight import Flight, InFlight
+from llmgw.router.peers import Peers
+from llmgw.router.queue import ModelQueue, Waiter
+from llmgw.router.refusal import Refusal
+from llmgw.router.share import split
+from llmgw.router.table import EndpointTable, Route
+
+REFUSED_HEADER = b"x-llmgw-refused"
+# what each class waits at most, by default (critical, standard, sheddable): seconds
+MAX_WAIT_S = (60.0, 30.0, 10.0)
+# releases remembered per model to estimate how fast its queue drains (Retry-After)
+_PACE = 64
+# Retry-After within these bounds, seconds
+_RETRY_MIN, _RETRY_MAX = 1, 60
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    enabled: bool = True  # off: every request goes straight to an engine, as before
+    max_wait: tuple[float, float, float] = MAX_WAIT_S  # by class
+    max_queued: int = 4096  # per model at this router; then a lower class gives way
+
+
+class Waits:
+    """What the queue tells /metrics and the page: each request's wait, and each refusal.
+    The router's RouterMetrics implements it; this one counts nothing."""
+
+    def waited(self, model: str, priority: Priority, team: str, seconds: float) -> None: ...
+
+    def refused(self, model: str, priority: Priority, team: str, reason: str) -> None: ...
+
+
+class FlowControl:
+    def __init__(
+        self,
+        table: EndpointTable,
+        balancer: Balancer,
+        flights: InFlight,
+        settings: FlowSettings | None = None,
+        *,
+        served_tokens: Callable[[str, str], int] = lambda team, served: 0,
+        team_weight: Callable[[str], int] = lambda team: 1,
+        waits: Waits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.table = table
+        self.balancer = balancer
+        self.flights = flights
+        self.settings = settings or FlowSettings()
+        self.served_tokens = served_tokens
+        self.team_weight = team_weight
+        self.waits = waits or Waits()
+        # the other routers sending to the same engines (None: this router alone, as one
+        # run from a catalog file)
+        self.peers: Peers | None = None
+        self.clock = clock
+        self.queues: dict[str, ModelQueue] = {}  # model id -> its queue here
+        self.stopping = False
+        # demand moved enough since this router last published it: publish now (router/load.py)
+        self.moved: Callable[[], None] = lambda: None
+        self._published: dict[str, dict[tuple[Priority, str], int]] = {}
+        self._releasing: set[str] = set()  # models whose release is scheduled
+        self._pace: dict[str, deque[float]] = {}
+        flights.freed = self._freed
+
+    # --- a request ----------------------------------------------------------------------
+
+    def queue(self, route: Route) -> ModelQueue:
+        q = self.queues.get(route.model)
+        if q is None:
+            q = self.queues[route.model] = ModelQueue(route.served_name, self.served_tokens)
+        return q
+
+    def take(
+        self,
+        route: Route,
+        standing: Standing,
+        priority: Priority,
+        affinity: int | None,
+        tokens: int,
+    ) -> Flight | Waiter | None:
+        """A place at an engine of `route` now (a Flight), or a Waiter to `wait` with when
+        its engines are full (or others wait before it); None when it has no engine at all
+        (the caller holds it for a cold model)."""
+        candidates = self.balancer.candidates(route.backends, self.clock())
+        if not candidates:
+            return None
+        q = self.queue(route)
+        if not q.depth:
+            free = [b for b in candidates if b.room]
+            if free:
+                backend = self.balancer.choose(free, affinity)
+                assert backend is not None
+                flight = self.flights.take(backend, priority, standing.team)
+                flight.tokens = tokens
+                q.started(standing.team, tokens)
+                self.waits.waited(route.model, priority, standing.team, 0.0)
+                return flight
+        return Waiter(standing, priority, affinity, tokens, self.clock())
+
+    async def wait(
+        self, route: Route, waiter: Waiter, max_wait_header: bytes | None
+    ) -> Flight | Refusal:
+        """Hold `waiter` in its model's queue until a place is its (a Flight), or refuse it:
+        past its class's bound, or the client's own (`x-llmgw-max-wait`), when the queue is
+        full and it is the one to give way, or when the router shuts down."""
+        q = self.queue(route)
+        bound = self.settings.max_wait[waiter.priority]
+        asked = client_wait(max_wait_header)
+        if asked is not None:
+            bound = min(bound, asked)
+        if self.stopping:
+            return self._refusal(route, q, waiter, "router_shutting_down")
+        if bound <= 0:
+            return self._refusal(route, q, waiter, "queue_timeout", bound)
+        if q.depth >= self.settings.max_queued:
+            victim = q.newest_below(waiter.priority)
+            if victim is None:
+                return self._refusal(route, q, waiter, "queue_full")
+            q.drop(victim)
+            victim.future.set_result(self._refusal(route, q, victim, "queue_full", gave_way=True))
+        q.push(waiter)
+        self._demand_changed(route.model)
+        self.release(route.model)  # it may go at once (a place freed meanwhile)
+        try:
+            async with asyncio.timeout(bound):
+                got = await waiter.future
+        except TimeoutError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                return waiter.future.result()  # let go as its time ran out: it goes
+            q.drop(waiter)
+            self._demand_changed(route.model)
+            return self._refusal(route, q, waiter, "queue_timeout", bound)
+        except asyncio.CancelledError:  # its client left
+            if waiter.future.done() and not waiter.future.cancelled():
+                given = waiter.future.result()
+                if isinstance(given, Flight):
+                    given.give_back()
+            else:
+                q.drop(waiter)
+                self._demand_changed(route.model)
+            raise
+        return got
+
+    # --- letting requests go ------------------------------------------------------------
+
+    def _freed(self, flight: Flight) -> None:
+        model = flight.backend.model
+        q = self.queues.get(model)
+        if q is None:
+            return
+        q.ended(flight.team, flight.tokens)
+        if q.depth and model not in self._releasing:
+            # after the request that freed the place has settled (its tokens are in its
+            # team's tally then): the task giving back settles before it next awaits
+            self._releasing.add(model)
+            asyncio.get_running_loop().call_soon(self._release_soon, model)
+
+    def _release_soon(self, model: str) -> None:
+        self._releasing.discard(model)
+        self.release(model)
+
+    def release(self, model: str) -> None:
+        """Let waiting requests go while an engine of `model` has room for them."""
+        q = self.queues.get(model)
+        if q is None or not q.depth:
+            return
+        route = self.table.route(q.served)
+        if route is None:
+            return
+        candidates = self.balancer.candidates(route.backends, self.clock())
+        went = False
+        while q.depth:
+            free = [b for b in candidates if b.room]
+            if not free:
+                break
+            w = q.peek()
+            assert w is not None
+            if w.future.done():  # its client left; its task has not run since
+                q.drop(w)
+                continue
+            backend = self.balancer.choose(free, w.affinity)
+            assert backend is not None
+            q.pop(w)
+            flight = self.flights.take(backend, w.priority, w.standing.team)
+            flight.tokens = w.tokens
+            q.started(w.standing.team, w.tokens)
+            now = self.clock()
+            self.waits.waited(model, w.priority, w.standing.team, now - w.since)
+            self._pace.setdefault(model, deque(maxlen=_PACE)).append(now)
+            w.future.set_result(flight)
+            went = True
+        if went:
+            self._demand_changed(model)
+
+    def release_all(self) -> None:
+        """Shares or engines changed: every queue looks again."""
+        for model in list(self.queues):
+            self.release(model)
+
+    # --- this router's share of each engine ----------------------------------------------
+
+    def reshare(self) -> None:
+        """Set this router's share of every engine from the live routers' demands (each
+        engine's part of a model's demand in proportion to its slots), then let go what
+        the shares now make room for."""
+        for name in self.table.known_names():
+            route = self.table.route(name)
+            if route is None:
+                continue
+            for b in route.backends:
+                b.share = b.slots if self.settings.enabled else None
+            sized = [b for b in route.backends if b.share is not None]
+            peers = self.peers
+            if not sized or peers is None:
+                continue
+            demands = peers.demands(route.model)
+            if len(demands) < 2:
+                continue  # alone: all of it
+            total = sum(b.slots or 0 for b in sized)
+            for b in sized:
+                part = (b.slots or 0) / total
+                scaled = {r: {k: n * part for k, n in d.items()} for r, d in demands.items()}
+                b.share = split(b.slots or 0, scaled, self.team_weight, b.id_hash)[peers.me]
+        self.release_all()
+
+    def stop(self) -> None:
+        """The router shuts down: every waiting request is answered now (503, retry
+        elsewhere); none reached an engine."""
+        self.stopping = True
+        for q in self.queues.values():
+            route = self.table.route(q.served)
+            for w in list(q.waiters()):
+                q.drop(w)
+                if not w.future.done() and route is not None:
+                    w.future.set_result(self._refusal(route, q, w, "router_shutting_down"))
+
+    # --- what the other routers are told --------------------------------------------------
+
+    def demand(self, model: str) -> dict[tuple[Priority, str], int]:
+        """Requests in flight and queued for `model` here, by (class, team)."""
+        out = dict(self.flights.by_standing(model))
+        q = self.queues.get(model)
+        if q is not None:
+            for key, n in q.queued.items():
+                out[key] = out.get(key, 0) + n
+        return out
+
+    def models(self) -> list[str]:
+        """The models that had a request here."""
+        return list(self.queues)
+
+    def queued(self, model: str) -> int:
+        q = self.queues.get(model)
+        return q.depth if q is not None else 0
+
+    def published(self, demands: Mapping[str, Mapping[tuple[Priority, str], int]]) -> None:
+        """What this router's load record now says of each model's demand."""
+        self._published = {m: dict(d) for m, d in demands.items()}
+
+    def _demand_changed(self, model: str) -> None:
+        """Publish now when a class or team starts or stops asking here, or asks a quarter
+        more or less than published: what the others split the engines by."""
+        now = self.demand(model)
+        before = self._published.get(model, {})
+        for key in now.keys() | before.keys():
+            n, n0 = now.get(key, 0), before.get(key, 0)
+            if (n > 0) != (n0 > 0) or abs(n - n0) > max(1, n0 // 4):
+                self.moved()
+                return
+
+    # --- refusals -----------------------------------------------------------------------
+
+    def _refusal(
+        self,
+        route: Route,
+        q: ModelQueue,
+        w: Waiter,
+        reason: str,
+        bound: float = 0.0,
+        *,
+        gave_way: bool = False,
+    ) -> Refusal:
+        cls = w.priority.label
+        ahead = q.ahead_of(w.priority)
+        after = self._retry_after(route.model, ahead)
+        engines = len(route.backends)
+        if reason == "queue_timeout":
+            why = (
+                f"waited {bound:g} s, its bound (the class's, or the client's "
+                f"{MAX_WAIT_HEADER.decode()}), for room at the model's {engines} engine(s)"
+                if bound > 0
+                else f"does not wait (the client's {MAX_WAIT_HEADER.decode()}) and the "
+                f"model's {engines} engine(s) are full"
+            )
+        elif reason == "queue_full":
+            why = (
+                "gave way to a request of a higher class in the router's full queue"
+                if gave_way
+                else f"found the router's queue for the model full ({self.settings.max_queued} "
+                "waiting) with nothing of a lower class to give way"
+            )
+        else:
+            why = "was waiting for room when the router began shutting down (send it again)"
+        self.waits.refused(route.model, w.priority, w.standing.team, reason)
+        status = 429 if w.priority is Priority.SHEDDABLE else 503
+        return Refusal(
+            status,
+            f"model {route.served_name!r}: this {cls} request {why}; {ahead} request(s) of "
+            f"its class or above wait at this router; retry after {after} s",
+            code=reason,
+            kind=reason,
+            model=route.model,
+            headers=(
+                (b"retry-after", b"%d" % after),
+                (REFUSED_HEADER, reason.encode()),
+                (ASK_HEADER, cls.encode()),
+            ),
+        )
+
+    def _retry_after(self, model: str, ahead: int) -> int:
+        """When those waiting ahead would have left, at the pace requests left lately."""
+        pace = self._pace.get(model)
+        if not pace or len(pace) < 2:
+            return _RETRY_MIN if not ahead else min(_RETRY_MAX, max(_RETRY_MIN, ahead))
+        span = max(self.clock() - pace[0], 1e-3)
+        rate = (len(pace) - 1) / span
+        return min(_RETRY_MAX, max(_RETRY_MIN, math.ceil(ahead / rate)))
