@@ -375,6 +375,19 @@ async def _replicas_of(bus, model: str) -> list[records.Replica]:
 
 
 @pytest.mark.anyio
+async def test_dry_run_previews_a_count_written_over_one_that_does_not_read(bus):
+    """The count `place` would write replaces the garbled one: the preview places (it said
+    the model was frozen and advised running the very command it previewed)."""
+    await bus.put(keys.catalog("m"), encode_model(_tiny_gpu_model()))
+    await bus.put(keys.desired("m"), b'{"model": "m", "replicas": "two"}')
+    await SimNode(bus, inventory("n1", gpus=1)).register()
+    lines = await dry_run_plan(bus, "m", 1, None)
+    assert [line for line in lines if "would place" in line], lines
+    assert "1/1 placed" in lines[-1], lines
+    assert not [line for line in lines if "frozen" in line or "llmgw place" in line], lines
+
+
+@pytest.mark.anyio
 async def test_dry_run_says_what_it_assumed_where_it_cannot_know_what_the_controller_knows(bus):
     await bus.put(keys.catalog("m"), encode_model(_tiny_gpu_model()))
     await SimNode(bus, inventory("n1", gpus=1)).register()

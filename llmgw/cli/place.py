@@ -103,7 +103,8 @@ async def dry_run_plan(bus: Bus, model: str, replicas: int, profile: str | None)
     view.desired[model] = records.Desired(
         model=model, replicas=replicas, profile=profile, updated_at=now
     )
-    view.invalid.pop(keys.desired(model), None)  # the write replaces a count that did not read
+    # the write replaces a count that did not read (`invalid` is a copy: pop the record)
+    view.unreadable.pop(keys.desired(model), None)
     # the controller's own code, given what a dry run cannot know from the bucket: the
     # controller's port range, and how leases moved (it judges as at a takeover)
     snap = placement_snapshot(
