@@ -14,6 +14,7 @@ import anyio
 import msgspec
 import pytest
 from links import ProxyLink
+from test_cli_names import catalog_entries
 from waiting import until
 
 from llmgw.bus import keys, records
@@ -173,6 +174,7 @@ async def test_key_create_prints_the_secret_alone_on_the_last_line_and_stores_no
     nats_server: EmbeddedNats, bus: Bus
 ) -> None:
     url = nats_server.url
+    await catalog_entries(bus, ("m1", "m1"), ("m2", "m2"))
     team = llmgw("team", "create", "ml", "--tpm", "20000", url=url)
     assert team.returncode == 0, team.stderr
     out = llmgw(
@@ -311,6 +313,7 @@ async def test_key_and_team_set_change_only_what_they_are_given(
     nats_server: EmbeddedNats, bus: Bus
 ) -> None:
     url = nats_server.url
+    await catalog_entries(bus, ("a", "a"), ("b", "b"))
     assert llmgw("team", "create", "ml", "--rpm", "100", "--tpm", "5000", url=url).returncode == 0
     made = llmgw("key", "create", "k", "--team", "ml", "--rpm", "10", "--tpm", "99", url=url)
     assert made.returncode == 0, made.stderr

@@ -169,6 +169,10 @@ async def test_a_model_outside_the_key_s_list_is_403_with_the_list_and_models_sh
         assert body["error"]["code"] == "model_not_allowed"
         assert body["error"]["allowed_models"] == ["big-chat", "code"]
         assert "big-chat, code" in body["error"]["message"]
+        # a name no model serves is 404 naming only the models the key may use
+        for secret, named in ((mine, f"models: {SERVED}"), (other, "models: none you may use")):
+            status, _, body = await _post(r, chat_body(model="nope"), secret)
+            assert status == 404 and body["error"]["message"].endswith(named), body
         async with aiohttp.ClientSession() as http:
             for secret, listed in ((mine, [SERVED]), (other, [])):
                 async with http.get(f"{r.url}/v1/models", headers=_auth(secret)) as resp:

@@ -19,6 +19,7 @@ import msgspec
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings, decoder
 from llmgw.cli.common import json_option, nats_options, open_bus
+from llmgw.cli.served import allow_unknown_option, check_models
 from llmgw.errors import LlmgwError
 from llmgw.gateway import credentials
 
@@ -192,14 +193,27 @@ def key() -> None:
 @key.command("create")
 @click.argument("name")
 @click.option("--team", default=None, help="the team whose limits it shares (llmgw team create)")
-@click.option("--models", default=None, help="the models it may use, comma-separated [all]")
+@click.option(
+    "--models",
+    default=None,
+    help="the served names (what clients ask for) it may use, comma-separated [all]",
+)
+@allow_unknown_option
 @click.option("--expires", default=None, help="valid for this long: 30d, 12h, 90m")
 @click.option("--description", default="", help="who it is for")
 @limit_options()
 @limit_options("model-", " on each model")
 @nats_options
 def create(
-    name, team, models, expires, description, nats: NatsSettings, bucket: BucketSettings, **lim
+    name,
+    team,
+    models,
+    allow_unknown,
+    expires,
+    description,
+    nats: NatsSettings,
+    bucket: BucketSettings,
+    **lim,
 ) -> None:
     """Create key NAME and print its secret, once, alone on the last line."""
     check_name(name, "key")
@@ -219,6 +233,7 @@ def create(
 
     async def run() -> None:
         async with open_bus(nats, bucket) as bus:
+            await check_models(bus, record.models, allow_unknown=allow_unknown)
             if team is not None:
                 check_name(team, "team")
                 if await bus.get(keys.team(team), decoder(records.Team)) is None:
@@ -309,13 +324,27 @@ def show(name, as_json: bool, nats: NatsSettings, bucket: BucketSettings) -> Non
 
 @key.command("set")
 @click.argument("name")
-@click.option("--models", default=None, help="the models it may use, comma-separated ('' all)")
+@click.option(
+    "--models",
+    default=None,
+    help="the served names it may use, comma-separated ('' all)",
+)
+@allow_unknown_option
 @click.option("--expires", default=None, help="valid for this long from now, or 'never'")
 @click.option("--team", default=None, help="move it to this team ('none': no team)")
 @limit_options()
 @limit_options("model-", " on each model")
 @nats_options
-def set_(name, models, expires, team, nats: NatsSettings, bucket: BucketSettings, **lim) -> None:
+def set_(
+    name,
+    models,
+    allow_unknown,
+    expires,
+    team,
+    nats: NatsSettings,
+    bucket: BucketSettings,
+    **lim,
+) -> None:
     """Change a key's models, expiry, team or limits (a limit 'none' removes it)."""
     check_name(name, "key")
 
@@ -334,6 +363,7 @@ def set_(name, models, expires, team, nats: NatsSettings, bucket: BucketSettings
 
     async def run() -> records.ApiKey:
         async with open_bus(nats, bucket) as bus:
+            await check_models(bus, split_models(models), allow_unknown=allow_unknown)
             return await change_record(
                 bus, keys.apikey(name), records.ApiKey, change, f"key {name!r}"
             )

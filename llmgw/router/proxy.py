@@ -245,7 +245,7 @@ class Proxy:
         parsed = self._parse(req, spec)
         if isinstance(parsed, Refusal):
             return parsed
-        route = self._route(parsed)
+        route = self._route(parsed, who)
         if isinstance(route, Refusal):
             return route
         ticket = self.gate.admit(who, parsed, route.model, req)
@@ -274,7 +274,7 @@ class Proxy:
         except BadRequest as e:
             return Refusal(400, str(e), kind="bad_request")
 
-    def _route(self, parsed: Parsed) -> Route | Refusal:
+    def _route(self, parsed: Parsed, who: object) -> Route | Refusal:
         route = self.table.route(parsed.model)
         if route is not None:
             return route
@@ -286,7 +286,11 @@ class Proxy:
                 kind="no_replica",
                 headers=retry_after(2),
             )
-        names = ", ".join(self.table.known_names()) or "none yet"
+        # a key is shown the models it may use, as GET /v1/models shows it
+        known = self.table.known_names()
+        names = ", ".join(self.gate.models(who, known)) or (
+            "none you may use" if known else "none yet"
+        )
         return Refusal(
             404,
             f"model {parsed.model!r} does not exist; models: {names}",
