@@ -337,6 +337,22 @@ async def test_key_and_team_set_change_only_what_they_are_given(
     assert [x["name"] for x in listed] == ["k"]
 
 
+async def test_a_duration_without_its_unit_is_refused_naming_the_units(
+    nats_server: EmbeddedNats, bus: Bus
+) -> None:
+    """`--expires 90` was read as 90 seconds, silently; 0 (none at all) needs no unit."""
+    url = nats_server.url
+    out = llmgw("key", "create", "alice", "--expires", "90", url=url)
+    assert out.returncode == 2, out.stderr
+    assert "--expires '90': a number needs its unit: 90s, 90m, 90h, 90d or 90w" in out.stderr
+    assert await bus.get(keys.apikey("alice"), lambda b: b) is None
+    retention = llmgw("audit", "--retention", "90", url=url)
+    assert retention.returncode == 2 and "a number needs its unit" in retention.stderr
+    assert llmgw("key", "create", "alice", "--expires", "90d", url=url).returncode == 0
+    rotated = llmgw("key", "rotate", "alice", "--grace", "0", url=url)
+    assert rotated.returncode == 0, rotated.stderr
+
+
 def test_readers_of_the_whole_bucket_see_keys_and_teams_as_not_theirs() -> None:
     from llmgw.controller.view import View
 

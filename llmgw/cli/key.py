@@ -35,10 +35,18 @@ class KeyCommandError(LlmgwError):
 
 
 def parse_duration(value: str, what: str) -> float:
+    """Seconds from "30d", "12h", "90m", "45s", "2w"; "0" is none at all. A bare number is
+    refused: `--expires 90` meant 90 days as often as the 90 seconds it was read as."""
     m = _DURATION.match(value.strip())
     if not m:
         raise click.BadParameter(f"{what} {value!r}: expected a number and s, m, h, d or w (30d)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    number, unit = m.groups()
+    if not unit and float(number) != 0:
+        raise click.BadParameter(
+            f"{what} {value!r}: a number needs its unit: {number}s, {number}m, {number}h, "
+            f"{number}d or {number}w"
+        )
+    return float(number) * _UNITS[unit]
 
 
 class LimitType(click.ParamType):
@@ -199,7 +207,11 @@ def key() -> None:
     help="the served names (what clients ask for) it may use, comma-separated [all]",
 )
 @allow_unknown_option
-@click.option("--expires", default=None, help="valid for this long: 30d, 12h, 90m")
+@click.option(
+    "--expires",
+    default=None,
+    help="valid for this long: 30d, 12h, 90m, 45s (a number needs its unit)",
+)
 @click.option("--description", default="", help="who it is for")
 @limit_options()
 @limit_options("model-", " on each model")
@@ -330,7 +342,7 @@ def show(name, as_json: bool, nats: NatsSettings, bucket: BucketSettings) -> Non
     help="the served names it may use, comma-separated ('' all)",
 )
 @allow_unknown_option
-@click.option("--expires", default=None, help="valid for this long from now, or 'never'")
+@click.option("--expires", default=None, help="valid for this long from now (30d, 12h), or 'never'")
 @click.option("--team", default=None, help="move it to this team ('none': no team)")
 @limit_options()
 @limit_options("model-", " on each model")
@@ -399,7 +411,7 @@ def revoke(name, nats: NatsSettings, bucket: BucketSettings) -> None:
     "--grace",
     default="24h",
     show_default=True,
-    help="how long the old secret keeps working (0 ends it now)",
+    help="how long the old secret keeps working: 24h, 30m (0 ends it now)",
 )
 @nats_options
 def rotate(name, grace, nats: NatsSettings, bucket: BucketSettings) -> None:
