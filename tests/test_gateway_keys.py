@@ -332,7 +332,10 @@ async def test_key_and_team_set_change_only_what_they_are_given(
     bad = llmgw("key", "set", "k", "--rpm", "0", url=url)
     assert bad.returncode == 2 and "'none' removes the limit" in bad.stderr
     missing = llmgw("key", "revoke", "nobody", url=url)
-    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    assert missing.returncode == 1
+    assert "key 'nobody' does not exist (`llmgw key ls` lists them)" in missing.stderr
+    no_team = llmgw("team", "set", "nobody", "--rpm", "1", url=url)
+    assert "team 'nobody' does not exist (`llmgw team ls` lists them)" in no_team.stderr
     listed = json.loads(llmgw("key", "ls", "--team", "ml", "--json", url=url).stdout)
     assert [x["name"] for x in listed] == ["k"]
 

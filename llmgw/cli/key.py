@@ -10,7 +10,7 @@ import json
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import anyio
 import click
@@ -121,15 +121,25 @@ def check_name(name: str, what: str) -> str:
     return name
 
 
+# written out whole: tests/test_commands_named.py checks every command a message names
+_LISTED_BY = {"key": "`llmgw key ls`", "team": "`llmgw team ls`"}
+
+
 async def change_record(
-    bus: Bus, key: str, type_: type[T], change: Callable[[T], Awaitable[T] | T], what: str
+    bus: Bus,
+    key: str,
+    type_: type[T],
+    change: Callable[[T], Awaitable[T] | T],
+    noun: Literal["key", "team"],
+    name: str,
 ) -> T:
     """Read, change and write back with compare-and-set (another operator's write in
-    between is read again, never overwritten)."""
+    between is read again, never overwritten). `noun` is the command of its records."""
+    what = f"{noun} {name!r}"
     for _ in range(10):
         entry = await bus.get(key, decoder(type_))
         if entry is None:
-            raise KeyCommandError(f"{what} does not exist (`llmgw {key.split('.')[0][:-1]} ls`)")
+            raise KeyCommandError(f"{what} does not exist ({_LISTED_BY[noun]} lists them)")
         new = change(msgspec.structs.replace(entry.value))
         if not isinstance(new, msgspec.Struct):
             new = await new
@@ -376,9 +386,7 @@ def set_(
     async def run() -> records.ApiKey:
         async with open_bus(nats, bucket) as bus:
             await check_models(bus, split_models(models), allow_unknown=allow_unknown)
-            return await change_record(
-                bus, keys.apikey(name), records.ApiKey, change, f"key {name!r}"
-            )
+            return await change_record(bus, keys.apikey(name), records.ApiKey, change, "key", name)
 
     k = anyio.run(run)
     click.echo(
@@ -399,7 +407,7 @@ def revoke(name, nats: NatsSettings, bucket: BucketSettings) -> None:
 
     async def run() -> None:
         async with open_bus(nats, bucket) as bus:
-            await change_record(bus, keys.apikey(name), records.ApiKey, change, f"key {name!r}")
+            await change_record(bus, keys.apikey(name), records.ApiKey, change, "key", name)
 
     anyio.run(run)
     click.echo(f"key {name} revoked: routers refuse it as soon as their watch delivers this")
@@ -436,7 +444,7 @@ def rotate(name, grace, nats: NatsSettings, bucket: BucketSettings) -> None:
 
     async def run() -> None:
         async with open_bus(nats, bucket) as bus:
-            await change_record(bus, keys.apikey(name), records.ApiKey, change, f"key {name!r}")
+            await change_record(bus, keys.apikey(name), records.ApiKey, change, "key", name)
 
     anyio.run(run)
     click.echo(f"key {name} rotated; the old secret works until {_when(until)}")

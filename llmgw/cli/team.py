@@ -162,7 +162,7 @@ def set_(name, models, allow_unknown, nats: NatsSettings, bucket: BucketSettings
     async def run() -> records.Team:
         async with open_bus(nats, bucket) as bus:
             await check_models(bus, split_models(models), allow_unknown=allow_unknown)
-            return await change_record(bus, keys.team(name), records.Team, change, f"team {name!r}")
+            return await change_record(bus, keys.team(name), records.Team, change, "team", name)
 
     t = anyio.run(run)
     click.echo(f"team {name}: limits {describe_limits(t.limits)}")
