@@ -21,7 +21,7 @@ import msgspec
 import pytest
 from chromium import artifacts_dir, browser
 from prometheus_client.parser import text_string_to_metric_families
-from router_helpers import router_settings
+from router_helpers import router_settings, running_router
 from serving import cpu_model, serve
 from waiting import until
 
@@ -266,6 +266,36 @@ async def test_the_page_shows_every_node_and_model_and_a_killed_node_turns_unrea
             == "ready"
         )
         await tab.screenshot(artifacts_dir() / "fleet-page-node-unreachable.png")
+
+
+@pytest.fixture
+async def bare_router(nats_settings) -> AsyncIterator[Router]:
+    """A router over the bucket, and nothing else: what the page shows is written by hand."""
+    async with running_router(connect=lambda: Bus.connect(nats_settings, give_up_after=5)) as r:
+        yield r
+
+
+async def test_gpus_that_read_alike_are_one_row_and_one_that_differs_breaks_the_run(
+    bus, bare_router, tmp_path
+):
+    """13 simulated nodes made a page 4,720 px tall, a line per idle GPU; `llmgw status`
+    already drew a run of alike GPUs as one line."""
+    inv = inventory("n8", gpus=8)
+    devices = list(inv.gpus.devices)
+    devices[3] = msgspec.structs.replace(devices[3], memory_used_bytes=5 * 10**9)
+    await SimNode(
+        bus, msgspec.structs.replace(inv, gpus=msgspec.structs.replace(inv.gpus, devices=devices))
+    ).register()
+    async with browser(tmp_path) as open_tab, open_tab(bare_router.url + "/") as tab:
+        rows = await tab.until(
+            "(() => { const r = [...document.querySelectorAll('[data-node=\"n8\"] .gpu')];"
+            " return r.length && r.map(e => e.dataset.gpus || e.dataset.gpu); })()"
+        )
+        assert rows == ["0-2", "3", "4-7"]
+        text = await tab.evaluate(
+            'document.querySelector(\'[data-node="n8"] [data-gpus="4-7"]\').textContent'
+        )
+        assert text.startswith("GPU 4-7 free") and text.endswith(" each"), text
 
 
 DOCUMENTED = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()

@@ -167,7 +167,32 @@ function sharedList(g) {
   return ul;
 }
 
-function gpuRow(g) {
+function alike(g) {
+  // what a GPU's row says but its index: GPUs with the same are drawn as one row
+  const { index, uuid, ...rest } = g;
+  return JSON.stringify(rest);
+}
+
+function gpuRuns(gpus) {
+  // consecutive GPUs that read alike are one row ("GPU 0-7 ... each"), as `llmgw status`
+  // prints them: eight idle GPUs are one line, not eight; a shared GPU or a MIG device is
+  // always a row of its own
+  const runs = [];
+  for (const g of gpus) {
+    const key = g.mig_profile || g.shared.length ? null : alike(g);
+    const last = runs[runs.length - 1];
+    if (key !== null && last && last.key === key && last.gpus[last.gpus.length - 1].index === g.index - 1) {
+      last.gpus.push(g);
+    } else {
+      runs.push({ key, gpus: [g] });
+    }
+  }
+  return runs.map((r) => r.gpus);
+}
+
+function gpuRow(run) {
+  const g = run[0];
+  const many = run.length > 1;
   const total = g.total_bytes || 1;
   const bar = el("div", { class: "bar" });
   const own = el("span", { class: "own" });
@@ -199,11 +224,14 @@ function gpuRow(g) {
       `shared by ${n} replica${n === 1 ? "" : "s"}, ${gb(g.allotted_bytes)} allotted, left ${left(g.left_bytes)}`);
   }
   if (g.out_of_service) alloc = "out of service";
-  const used = g.used_bytes === null ? "in use: not reported"
-    : `in use ${gb(g.used_bytes)} (llmgw ${gb(g.own_bytes)}, others ${gb(g.foreign_bytes)}, unaccounted ${gb(g.unaccounted_bytes)})`;
+  const used = (g.used_bytes === null ? "in use: not reported"
+    : `in use ${gb(g.used_bytes)} (llmgw ${gb(g.own_bytes)}, others ${gb(g.foreign_bytes)}, unaccounted ${gb(g.unaccounted_bytes)})`)
+    + (many ? " each" : "");
   const others = g.processes.filter((p) => !p.own).map((p) => `${p.name || "pid " + p.pid} ${gb(p.used_bytes)}`);
-  return el("div", { class: "gpu", "data-gpu": g.index, "data-uuid": g.uuid },
-    el("div", {}, gpuName(g), alloc, " · ", used,
+  const name = many ? el("b", {}, `GPU ${g.index}-${run[run.length - 1].index} `) : gpuName(g);
+  const attrs = many ? { "data-gpus": `${g.index}-${run[run.length - 1].index}` } : { "data-gpu": g.index, "data-uuid": g.uuid };
+  return el("div", { class: "gpu", ...attrs },
+    el("div", {}, name, alloc, " · ", used,
       others.length ? el("span", { class: "muted" }, " · others: " + others.join(", ")) : null),
     bar,
     g.shared.length ? sharedList(g) : null);
@@ -238,7 +266,7 @@ function nodeCard(n) {
       el("span", { class: "node-id" }, n.id), phase(n.phase),
       el("span", { class: "muted" }, `${n.hostname} · ${n.address}`)),
     kv,
-    ...n.gpus.map(gpuRow));
+    ...gpuRuns(n.gpus).map(gpuRow));
 }
 
 function holdings(f) {
