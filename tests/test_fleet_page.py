@@ -33,6 +33,7 @@ from llmgw.agent.service import Agent
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
 from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.gateway import credentials
 from llmgw.router.service import Router
 from llmgw.sim.bare import SimNode, inventory
 from llmgw.sim.fake_engine import write_fake_gguf
@@ -296,6 +297,32 @@ async def test_gpus_that_read_alike_are_one_row_and_one_that_differs_breaks_the_
             'document.querySelector(\'[data-node="n8"] [data-gpus="4-7"]\').textContent'
         )
         assert text.startswith("GPU 4-7 free") and text.endswith(" each"), text
+
+
+async def test_once_a_key_exists_the_page_asks_for_one_and_shows_the_fleet_only_with_it(
+    bus, bare_router, tmp_path
+):
+    await SimNode(bus, inventory("n1", gpus=1)).register()
+    async with browser(tmp_path) as open_tab, open_tab(bare_router.url + "/") as tab:
+        await tab.until("document.querySelector('[data-node=\"n1\"]') !== null")
+        secret = credentials.new_secret("alice")
+        record = records.ApiKey(name="alice", secrets=[credentials.hash_secret(secret)])
+        await bus.put(keys.apikey("alice"), record)
+        await tab.until("!document.getElementById('key-form').hidden")
+        # what it showed before is gone with the access
+        assert await tab.evaluate("document.querySelector('[data-node]') === null")
+        assert await tab.evaluate("document.getElementById('status').dataset.state") == "locked"
+
+        give = "document.getElementById('key').value = {!r}; document.getElementById('key-form').requestSubmit()"
+        await tab.evaluate(give.format(secret[:-1] + ("0" if secret[-1] != "0" else "1")))
+        why = await tab.until(
+            "!document.getElementById('key-form').hidden && document.getElementById('key-why').textContent"
+        )
+        assert "llmgw key create" in why  # the router's own 401, said on the page
+        await tab.evaluate(give.format(secret))
+        await tab.until("document.querySelector('[data-node=\"n1\"]') !== null")
+        assert await tab.evaluate("document.getElementById('key-form').hidden")
+        assert await tab.evaluate("sessionStorage.getItem('llmgw-fleet-key')") == secret
 
 
 DOCUMENTED = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()

@@ -200,6 +200,8 @@ async def test_key_create_prints_the_secret_alone_on_the_last_line_and_stores_no
     assert out.returncode == 0, out.stderr
     secret = out.stdout.splitlines()[-1]
     assert credentials.name_of(secret) == "alice"
+    # what stays open once keys exist is said where they are made
+    assert "the fleet page's view of the fleet" in out.stdout and "/metrics stay open" in out.stdout
     entry = await bus.get(keys.apikey("alice"), lambda b: records.decode(b, records.ApiKey))
     assert entry is not None
     k = entry.value

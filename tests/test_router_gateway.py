@@ -31,6 +31,7 @@ from llmgw.bus.counters import AuditTrail, Counters, ensure_streams
 from llmgw.bus.server import EmbeddedNats, free_port
 from llmgw.gateway import credentials
 from llmgw.gateway.metering import parse_usage_subject
+from llmgw.router.proxy import ProxySettings
 
 pytestmark = pytest.mark.anyio
 
@@ -179,6 +180,36 @@ async def test_a_model_outside_the_key_s_list_is_403_with_the_list_and_models_sh
                     assert resp.status == 200
                     data = (await resp.json())["data"]
                     assert [m["id"] for m in data] == listed
+
+
+async def _get(r, path: str, secret: str | None = None) -> int:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{r.url}{path}", headers=_auth(secret)) as resp:
+            await resp.read()
+            return resp.status
+
+
+async def test_once_a_key_exists_the_fleet_document_needs_one_and_metrics_stay_open(
+    bus: Bus, nats_settings: NatsSettings, engines
+) -> None:
+    """A fleet locked with keys is not shown to whoever reaches the router: the page's
+    document (every node's address, every engine's endpoint) needs a key, unless the router
+    is told `--page-access public`. /metrics stays open, for Prometheus (`--metrics keyed`
+    closes it)."""
+    public = router_settings(proxy=ProxySettings(page_access="public"))
+    engine = engines.start()
+    async with (
+        _router(nats_settings, engine, bus) as r,
+        running_router(connect=_connect(nats_settings), settings=public) as open_page,
+    ):
+        assert await _get(r, "/fleet/state") == 200  # no key yet: open, as every route
+        secret = await _key(bus, "alice")
+        await until(lambda: _is(_get(r, "/fleet/state"), 401), timeout=2)
+        assert await _get(r, "/fleet/state", secret) == 200
+        assert await _get(r, "/") == 200  # the page's own files: no fleet data in them
+        assert await _get(r, "/metrics") == 200
+        await until(lambda: _is(_status(open_page, None), 401), timeout=2)  # it has the key
+        assert await _get(open_page, "/fleet/state") == 200
 
 
 async def test_over_its_rpm_a_key_gets_429_with_retry_after_and_every_answer_has_ratelimit_headers(

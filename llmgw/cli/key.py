@@ -203,6 +203,15 @@ def key_summary(k: records.ApiKey, now: float) -> dict[str, object]:
     }
 
 
+# what a fleet with keys still shows to whoever reaches a router (docs/security.md)
+SHOWN_TO_KEYS = (
+    "with a key in the bucket, routers ask every client for one: the API, /v1/models and "
+    "the fleet page's view of the fleet (`llmgw router --page-access public` opens it); "
+    "/health and /metrics stay open (/metrics names models, replicas and their traffic, "
+    "for Prometheus; `llmgw router --metrics keyed` asks a key of it)"
+)
+
+
 @click.group()
 def key() -> None:
     """Client API keys (apikeys.<name>): once any exists, routers require one."""
@@ -275,6 +284,7 @@ def create(
         f"key {name} created (team {team or 'none'}; models: {', '.join(record.models) or 'all'}; "
         f"limits: {describe_limits(record.limits)}; expires: {_when(record.expires_at)})"
     )
+    click.echo(SHOWN_TO_KEYS)
     click.echo("its secret, shown only now (the bucket keeps a salted hash):")
     click.echo(secret)
 

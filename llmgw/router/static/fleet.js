@@ -297,6 +297,37 @@ function fabrics(state) {
   box.replaceChildren(...parts);
 }
 
+// --- a client key, where the router shows the fleet only to a client with one ------------
+
+// kept in this tab only (sessionStorage), sent only to this router's /fleet/state
+const KEY_ITEM = "llmgw-fleet-key";
+let locked = false;
+
+function keyHeaders() {
+  const key = sessionStorage.getItem(KEY_ITEM);
+  return key ? { authorization: "Bearer " + key } : {};
+}
+
+function askForKey(why) {
+  locked = true;
+  sessionStorage.removeItem(KEY_ITEM);
+  document.getElementById("key-why").textContent = why;
+  document.getElementById("key-form").hidden = false;
+  // what was shown with the access that ended is not left on the screen
+  for (const id of ["models", "fabrics", "router", "load-scope"]) document.getElementById(id).replaceChildren();
+  setStatus("locked", "this router shows the fleet only to a client with an API key");
+}
+
+document.getElementById("key-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const input = document.getElementById("key");
+  sessionStorage.setItem(KEY_ITEM, input.value.trim());
+  input.value = "";
+  ev.target.hidden = true;
+  locked = false;
+  poll();
+});
+
 // --- polling -----------------------------------------------------------------------------
 
 function setStatus(state, text) {
@@ -318,7 +349,13 @@ function render(state) {
 
 async function poll() {
   try {
-    const resp = await fetch("/fleet/state", { cache: "no-store" });
+    const resp = await fetch("/fleet/state", { cache: "no-store", headers: keyHeaders() });
+    if (resp.status === 401) {
+      // polled again once a key is given: every refusal is a line in the audit trail
+      const body = await resp.json().catch(() => ({}));
+      askForKey((body.error && body.error.message) || "a client API key is needed");
+      return;
+    }
     if (!resp.ok) throw new Error("answered " + resp.status);
     const state = await resp.json();
     render(state);
@@ -336,7 +373,7 @@ function tick() {
     const at = Number(a.dataset.at);
     if (at) a.textContent = age(routerNow() - at);
   }
-  if (lastOk && Date.now() - lastOk > 3 * pollS * 1000) {
+  if (!locked && lastOk && Date.now() - lastOk > 3 * pollS * 1000) {
     setStatus("stale", `no answer for ${Math.round((Date.now() - lastOk) / 1000)} s; retrying`);
   }
 }
