@@ -217,7 +217,7 @@ async def test_over_its_rpm_a_key_gets_429_with_retry_after_and_every_answer_has
 ) -> None:
     await ensure_streams(bus)
     async with _router(nats_settings, engines.start(), bus) as r:
-        limited = await _key(bus, "alice", limits=records.Limits(rpm=3))
+        limited = await _key(bus, "alice", limits=records.Limits(rpm=3, tpm=100_000))
         free = await _key(bus, "bob")
         await until(lambda: _is(_status(r, free), 200), timeout=2)
         await _clear_of_a_minute_s_end()
@@ -233,6 +233,9 @@ async def test_over_its_rpm_a_key_gets_429_with_retry_after_and_every_answer_has
         assert body["error"]["code"] == "rate_limit_exceeded"
         assert 1 <= int(headers["retry-after"]) <= 60
         assert headers["x-ratelimit-remaining-requests"] == "0"
+        # the 429 of one limit carries the other kind's too, as every answer to the key does
+        assert headers["x-ratelimit-limit-tokens"] == "100000"
+        assert 0 < int(headers["x-ratelimit-remaining-tokens"]) < 100_000
         # a stream's answer carries them too; a key with no limit gets none
         async with aiohttp.ClientSession() as http:
             async with http.post(

@@ -159,7 +159,7 @@ class Held:
         if extra <= 0 or self.plan is None or not self.plan.charged:
             return True
         needs = [_Need(b, extra, scope) for b, scope in self.plan.charged]
-        refused = await self.limiter._take(needs, self.limiter.clock())
+        refused = await self.limiter._take(self.plan, needs, self.limiter.clock())
         if refused is not None:
             return False
         self.charged += extra
@@ -327,7 +327,7 @@ class Limiter:
                 units = tokens if b.tokens else 1
                 if units > b.limit:
                     b.roll(now)
-                    return self._refusal(_Need(b, units, scope), now, never_fits=True)
+                    return self._refusal(plan, _Need(b, units, scope), now, never_fits=True)
         if self.offline_since is not None:
             for b, _ in plan.budgets:
                 b.roll(now)
@@ -346,7 +346,7 @@ class Limiter:
                 for held, window, n in taken:
                     held.give_back(n, window)
                 if not b.carries and b.total >= b.limit:
-                    return self._refusal(_Need(b, units, scope), now)  # all claimed
+                    return self._refusal(plan, _Need(b, units, scope), now)  # all claimed
                 return None
             taken.append((b, b.window, units))
             if spent is SPENT_LOW:
@@ -366,7 +366,7 @@ class Limiter:
         now = self.clock()
         plan = self._plan(identity, model)
         needs = [_Need(b, tokens if b.tokens else 1, scope) for b, scope in plan.budgets]
-        refused = await self._take(needs, now)
+        refused = await self._take(plan, needs, now)
         if refused is not None:
             return refused
         self._running_low(plan)
@@ -393,7 +393,7 @@ class Limiter:
                 if b is not None and self.offline_since is None:
                     await self._claim(_Need(b, b.granted - b.spent + 1, ""), spend=False)
 
-    async def _take(self, needs: list[_Need], now: float) -> Refusal | None:
+    async def _take(self, plan: Plan, needs: list[_Need], now: float) -> Refusal | None:
         """Spend every need, claiming shares for those this router holds too little of; all
         or nothing."""
         for n in needs:
@@ -417,7 +417,7 @@ class Limiter:
                 return refusals.limits_unavailable(self.offline_why)
             if False in results:
                 self._undo(spent)
-                return self._refusal(short[results.index(False)], now)
+                return self._refusal(plan, short[results.index(False)], now)
         return None
 
     def _undo(self, spent: list[_Need]) -> None:
@@ -514,9 +514,11 @@ class Limiter:
 
     # --- what it says ------------------------------------------------------------------
 
-    def _refusal(self, n: _Need, now: float, never_fits: bool = False) -> Refusal:
+    def _refusal(self, plan: Plan, n: _Need, now: float, never_fits: bool = False) -> Refusal:
         b = n.budget
-        rate = self._rate([b], now)
+        # the key's tightest request and token limits, as on every answer to it (was: only
+        # the refusing limit's kind, so a 429 for rpm carried no -tokens headers)
+        rate = _rate(plan.requests, plan.tokens, now)
         retry = max(0.001, b.reset_in(now)) if b.window >= 0 else float(b.dimension.window_s)
         if never_fits:
             return Refusal(
@@ -535,14 +537,6 @@ class Limiter:
             return refusals.rate_limited(n.scope, "requests_in_flight", b.limit, 1.0, rate)
         what = "requests" if b.dimension is Dimension.REQUESTS else "tokens"
         return refusals.rate_limited(n.scope, what, b.limit, retry, rate)
-
-    def _rate(self, budgets: list[Budget], now: float) -> RateHeaders | None:
-        """The tightest request limit and token limit among `budgets`."""
-        return _rate(
-            [b for b in budgets if b.dimension is Dimension.REQUESTS],
-            [b for b in budgets if b.dimension is Dimension.TOKENS],
-            now,
-        )
 
     # --- units owed to the counter -----------------------------------------------------
 
