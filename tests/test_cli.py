@@ -308,6 +308,18 @@ async def test_status_counts_a_draining_replica_apart_and_dates_the_health_reaso
 
 
 @pytest.mark.anyio
+async def test_status_says_what_a_replica_waits_for_before_launch_without_calling_it_failed(bus):
+    await bus.put(keys.node("n1"), inventory("n1", gpus=2))
+    await bus.put(keys.desired("m"), records.Desired(model="m", replicas=1))
+    await bus.put(keys.replica("m", "r1"), _replica("r1", "starting", 0))
+    why = "waiting: GPU GPU-n1-00 has 10.0 GB free, less than the 40 GB this replica is given"
+    await bus.put(keys.shard("n1", "r1"), shard("n1", "r1", "validating", reason=why))
+    text = render(await gather(bus), now=time.time())
+    assert "    r1  starting  on n1  shards validating" in text
+    assert f"      n1: {why}" in text and "failed" not in text
+
+
+@pytest.mark.anyio
 async def test_dry_run_names_no_replica_id_the_controller_would_not_use(bus):
     await bus.put(keys.catalog("m"), encode_model(_tiny_gpu_model()))
     sim = SimNode(bus, inventory("n1", gpus=2))

@@ -299,6 +299,33 @@ async def test_gpus_that_read_alike_are_one_row_and_one_that_differs_breaks_the_
         assert text.startswith("GPU 4-7 free") and text.endswith(" each"), text
 
 
+async def test_a_replica_waiting_before_launch_says_what_for_and_is_not_shown_failed(
+    bus, bare_router, tmp_path
+):
+    await SimNode(bus, inventory("n1", gpus=1)).register()
+    await serve(bus, _big_model(), 1)
+    member = records.ReplicaMember(node="n1", rank=0, gpus=["GPU-n1-00"], port=18000)
+    replica = records.Replica(
+        model="llama-405b", rid="r1", profile="tp16", members=[member], phase="starting"
+    )
+    await bus.put(keys.replica("llama-405b", "r1"), replica)
+    why = "waiting: GPU GPU-n1-00 has 10.0 GB free, less than the 40 GB this replica is given"
+    shard = records.Shard(
+        node="n1", rid="r1", model="llama-405b", generation=1, phase="validating", since=1.0,
+        reason=why,
+    )  # fmt: skip
+    await bus.put(keys.shard("n1", "r1"), shard)
+    async with browser(tmp_path) as open_tab, open_tab(bare_router.url + "/") as tab:
+        waiting = await tab.until(
+            '(() => { const w = document.querySelector(\'[data-replica="r1"] '
+            "[data-role=waiting]'); return w && w.textContent; })()"
+        )
+        assert waiting == f"n1: {why}"
+        assert await tab.evaluate(
+            "document.querySelector('[data-replica=\"r1\"] [data-role=failure]') === null"
+        )
+
+
 async def test_once_a_key_exists_the_page_asks_for_one_and_shows_the_fleet_only_with_it(
     bus, bare_router, tmp_path
 ):

@@ -79,6 +79,10 @@ function replicaList(m) {
         }
       }
     }
+    for (const s of r.shards.filter((s) => s.phase === "validating" && s.reason)) {
+      // an expected wait before launch ("waiting: GPU ... has 10.0 GB free ..."): no failure
+      li.append(el("div", { class: "muted", "data-role": "waiting" }, `${s.node}: ${s.reason}`));
+    }
     if (r.why) li.append(el("div", { class: "muted" }, "why: " + r.why));
     for (const s of r.shards.filter((s) => s.gpu_outgrown)) {
       li.append(el("div", { class: "why", "data-role": "outgrown" },
