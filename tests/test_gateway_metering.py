@@ -228,9 +228,26 @@ async def test_audit_follow_prints_records_as_they_come(
 async def test_a_stream_of_that_name_that_is_no_counter_is_refused_naming_the_fix(bus: Bus) -> None:
     from nats.js.api import StreamConfig
 
-    await bus.js.add_stream(StreamConfig(name=keys.LIMITS_STREAM, subjects=["llmgw.limits.>"]))
-    with pytest.raises(BusError, match="not a counter stream.*nats stream rm LLMGW_LIMITS"):
+    await bus.js.add_stream(StreamConfig(name=keys.USAGE_STREAM, subjects=["llmgw.usage.>"]))
+    with pytest.raises(BusError, match="not a counter stream.*nats stream rm LLMGW_USAGE"):
         await ensure_streams(bus)
+
+
+async def test_a_limits_stream_of_one_counter_a_window_is_made_anew_as_holders_per_router(
+    bus: Bus,
+) -> None:
+    from nats.js.api import StreamConfig
+
+    old = StreamConfig(
+        name=keys.LIMITS_STREAM,
+        subjects=["llmgw.limits.>"],
+        allow_msg_counter=True,
+        allow_direct=True,
+    )
+    await bus.js.add_stream(old)
+    await ensure_streams(bus)
+    info = await bus.js.stream_info(keys.LIMITS_STREAM)
+    assert not info.config.allow_msg_counter and info.config.max_msgs_per_subject == 1
 
 
 async def test_a_fleet_without_keys_meters_and_audits_nothing(bus: Bus) -> None:

@@ -192,8 +192,10 @@ def check_ports_free(wanted: list[tuple[str, tuple[str, int], str]]) -> None:
             try:
                 s.bind(addr)
             except OSError as e:
+                from llmgw.holders import port_holder  # psutil: only when a port is taken
+
                 why = (
-                    "is in use by another program"
+                    f"is in use by {port_holder(port) or 'another program'}"
                     if e.errno == errno.EADDRINUSE
                     else (f"cannot be listened on ({e.strerror or e})")
                 )

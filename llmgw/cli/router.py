@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import resource
@@ -314,6 +315,8 @@ def router(
         )
     check_ports_free([("the router (OpenAI API)", listen, "move it with --listen HOST:PORT")])
     settings = router_settings(listen, **options)
+    if catalog_path is None and nats.tls_cert:
+        settings = dataclasses.replace(settings, router_id=_id_of_certificate(settings, nats))
     logging.getLogger("llmgw").setLevel(logging.INFO)
     r = Router(settings)
     if catalog_path is not None:
@@ -339,6 +342,28 @@ def router(
                 click.echo(f"fleet page: {r.url}/")
 
     run_fast(run)
+
+
+def _id_of_certificate(settings, nats: NatsSettings) -> str:
+    """With a client certificate, the router id is its CN: nats-server lets a router write
+    only the subjects named after it (its load, what it holds of each limit, its usage
+    counts), so any other id would have every such write refused."""
+    from llmgw.pki import PkiError, common_name
+
+    try:
+        cn = common_name(nats.tls_cert)
+    except PkiError as e:
+        raise click.ClickException(str(e)) from None
+    if cn is None:
+        return settings.router_id
+    if settings.router_id and settings.router_id != cn:
+        raise click.ClickException(
+            f"--router-id {settings.router_id} is not the CN of the router's certificate "
+            f"({cn}, {nats.tls_cert}): nats-server would refuse every write it makes under "
+            f"that id; drop --router-id (the CN is used) or issue a certificate for "
+            f"{settings.router_id} (`llmgw pki issue --router {settings.router_id}`)"
+        )
+    return cn
 
 
 # file descriptors a router keeps beside its client connections: NATS, listening sockets,

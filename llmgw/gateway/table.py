@@ -140,10 +140,9 @@ class KeyTable:
             self.apply(key, None)
             return
         held = self._keys if parsed.prefix == keys.APIKEYS else self._teams
-        value, problem = settle(parsed, key, data, revision, held.get(name))
+        value, problem = settle(parsed, key, data, revision, held.get(name), self.skipped)
         if problem is not None:
             self.unreadable[key] = problem
-            self.skipped.skipped(log, key, revision, f"{problem.why}; {problem.instead()}")
             if value is None:
                 refused.add(name)
         self.apply(key, value)

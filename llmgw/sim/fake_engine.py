@@ -19,6 +19,8 @@ Behaviour knobs (environment):
     FAKE_ENGINE_FIRST_TOKEN_SECONDS  time before the first token, besides prefill (default 0)
     FAKE_ENGINE_PREFILL_RATE      prompt tokens processed per second; cached ones are free
                                   (default 0: prefill takes no time)
+    FAKE_ENGINE_EMBEDDING_SIZE    dimensions of each embedding (default 3; a real model's
+                                  are 384 to 4,096, which makes a batch's answer megabytes)
     FAKE_ENGINE_CLOSE_AFTER_STREAM  llama-server only: seconds after a streamed answer at
                                   which the connection is closed, without `Connection:
                                   close`, as llama-server does (default 0; "never" keeps it)
@@ -185,6 +187,7 @@ class Engine:
     first_token_seconds: float = 0.0
     prefill_rate: float = 0.0
     close_after_stream: float | None = None
+    embedding_size: int = 3
     started: float = field(default_factory=time.time)
     # what /metrics says beside the real counts: requests queued, and the KV cache in use
     # (None: llama-server's busy slots over its slots, vLLM's 0)
@@ -502,8 +505,14 @@ def build_app(engine: Engine):
             )
         inputs = body.get("input", "")
         inputs = inputs if isinstance(inputs, list) else [inputs]
+        size = engine.embedding_size
+        rest = [0.015625] * max(0, size - 3)
         data = [
-            {"object": "embedding", "index": i, "embedding": [float(len(str(x)) % 7), 0.5, -0.5]}
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": [float(len(str(x)) % 7), 0.5, -0.5, *rest][:size],
+            }
             for i, x in enumerate(inputs)
         ]
         n = sum(len(tokenize(str(x))) for x in inputs)
@@ -1023,6 +1032,7 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
         ),
     )
     engine.extra_waiting = int(_env_float("FAKE_ENGINE_WAITING", 0))
+    engine.embedding_size = max(1, int(_env_float("FAKE_ENGINE_EMBEDDING_SIZE", 3)))
     if "FAKE_ENGINE_KV_USAGE" in os.environ:
         engine.kv_usage = min(1.0, max(0.0, _env_float("FAKE_ENGINE_KV_USAGE", 0.0)))
     served = engine.served_name
