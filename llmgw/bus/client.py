@@ -196,13 +196,15 @@ class Bus:
         bucket: BucketSettings | None = None,
         *,
         give_up_after: float | None = None,
+        wait_for_server: bool = True,
     ) -> Bus:
         """Connect (retrying with backoff until it works, or for `give_up_after` seconds) and
         open the bucket, creating it if missing. Settings that can never work (a URL that is
-        not NATS's, a TLS file that is missing or not PEM) raise BusError at once."""
+        not NATS's, a TLS file that is missing or not PEM) raise BusError at once, and so
+        does no server listening, unless `wait_for_server` (one may be starting)."""
         bucket = bucket or BucketSettings()
         deadline = None if give_up_after is None else time.monotonic() + give_up_after
-        connection = await Connection.open(settings, deadline)
+        connection = await Connection.open(settings, deadline, wait_for_server=wait_for_server)
         try:
             kv, max_value = await open_bucket(connection, bucket, deadline)
         except BaseException:

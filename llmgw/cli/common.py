@@ -108,9 +108,10 @@ def json_option(fn):
 
 @contextlib.asynccontextmanager
 async def open_bus(nats: NatsSettings, bucket: BucketSettings) -> AsyncIterator[Bus]:
-    """The bus for one command, closed when it is done; an unreachable NATS says what to check."""
+    """The bus for one command, closed when it is done; an unreachable NATS says what to
+    check, at once when nothing listens there."""
     try:
-        bus = await Bus.connect(nats, bucket, give_up_after=5)
+        bus = await Bus.connect(nats, bucket, give_up_after=5, wait_for_server=False)
     except NatsUnreachable as e:
         raise click.ClickException(
             f"{e}; is llmgw up (or your NATS cluster) running? set --nats or LLMGW_NATS"

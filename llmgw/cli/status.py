@@ -235,6 +235,8 @@ def _model_lines(m: ModelState, now: float) -> list[str]:
         if r.why:
             lines.append(f"      why: {r.why}")
         for s in r.shards:
+            if s.phase == "validating" and s.reason:  # "waiting: ..." (an expected wait)
+                lines.append(f"      {s.node}: {s.reason}")
             if s.phase != "failed":
                 continue
             given_up = ", given up" if s.gave_up else ""

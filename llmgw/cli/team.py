@@ -26,6 +26,7 @@ from llmgw.cli.key import (
     set_priority,
     split_models,
 )
+from llmgw.cli.served import allow_unknown_option, check_models
 
 WEIGHT = click.IntRange(1, records.MAX_TEAM_WEIGHT)
 
@@ -50,7 +51,12 @@ def team() -> None:
 
 @team.command("create")
 @click.argument("name")
-@click.option("--models", default=None, help="the models its keys may use, comma-separated [all]")
+@click.option(
+    "--models",
+    default=None,
+    help="the served names (what clients ask for) its keys may use, comma-separated [all]",
+)
+@allow_unknown_option
 @click.option("--description", default="")
 @priority_option("its keys' class, where a key says none")
 @click.option(
@@ -65,6 +71,7 @@ def team() -> None:
 def create(
     name,
     models,
+    allow_unknown,
     description,
     priority,
     weight,
@@ -86,6 +93,7 @@ def create(
 
     async def run() -> None:
         async with open_bus(nats, bucket) as bus:
+            await check_models(bus, record.models, allow_unknown=allow_unknown)
             await ensure_streams(bus)
             if await bus.create(keys.team(name), record) is None:
                 raise KeyCommandError(
@@ -166,12 +174,15 @@ def show(name, as_json: bool, nats: NatsSettings, bucket: BucketSettings) -> Non
 
 @team.command("set")
 @click.argument("name")
-@click.option("--models", default=None, help="the models its keys may use ('' all)")
+@click.option("--models", default=None, help="the served names its keys may use ('' all)")
+@allow_unknown_option
 @priority_option("its keys' class, where a key says none", none="standard")
 @click.option("--weight", type=WEIGHT, default=None, help="its share against its class's teams")
 @limit_options(what=" (all its keys together; 'none' removes it)")
 @nats_options
-def set_(name, models, priority, weight, nats: NatsSettings, bucket: BucketSettings, **lim) -> None:
+def set_(
+    name, models, allow_unknown, priority, weight, nats: NatsSettings, bucket: BucketSettings, **lim
+) -> None:
     """Change a team's limits, models, class or weight; every router applies them from the
     next request."""
     check_name(name, "team")
@@ -188,7 +199,8 @@ def set_(name, models, priority, weight, nats: NatsSettings, bucket: BucketSetti
 
     async def run() -> records.Team:
         async with open_bus(nats, bucket) as bus:
-            return await change_record(bus, keys.team(name), records.Team, change, f"team {name!r}")
+            await check_models(bus, split_models(models), allow_unknown=allow_unknown)
+            return await change_record(bus, keys.team(name), records.Team, change, "team", name)
 
     t = anyio.run(run)
     click.echo(

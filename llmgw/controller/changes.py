@@ -270,7 +270,9 @@ def _rollout_is(w: RolloutIs) -> Said:
     text = {
         "progressing": f"rolling out: {ro.old} replica(s) to replace",
         "stopped": f"stopped: {ro.reason}",
-        "complete": "complete: every replica runs the current revision",
+        # the counts: no old replica left is not every new one ready
+        "complete": f"complete: no replica of an older revision left; {ro.ready}/{ro.desired} "
+        "of the current one ready",
     }[ro.phase]
     return Said(
         logging.WARNING if ro.phase == "stopped" else logging.INFO,

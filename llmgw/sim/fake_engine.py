@@ -147,6 +147,8 @@ def parse_vllm(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"))
     p.add_argument("--enforce-eager", action="store_true")
+    # examples/catalog.toml's extra_args: the simulated fleet runs the README's catalog too
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     ns = p.parse_args(args)
     ns.model = ns.model_tag or ns.model or "Qwen/Qwen3-0.6B"
     return ns
