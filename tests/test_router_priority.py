@@ -12,6 +12,7 @@ import aiohttp
 import anyio
 import pytest
 from router_helpers import (
+    StreamingLoad,
     chat_body,
     place_replica,
     put_key,
@@ -229,3 +230,79 @@ async def test_a_full_queue_makes_the_newest_of_a_lower_class_give_way(
             "web": (503, "queue_full"),
             "ops": (200, None),
         }
+
+
+def _share(r) -> int | None:
+    (b,) = [b for b in r.table.backends() if b.routable]
+    return b.share
+
+
+async def _engine_holds(http: aiohttp.ClientSession, engine) -> int:
+    """Requests the engine holds, running and deferred (its own /metrics)."""
+    async with http.get(f"{engine.url}/metrics") as resp:
+        text = await resp.text()
+    held = 0
+    for line in text.splitlines():
+        if line.startswith(("llamacpp:requests_processing", "llamacpp:requests_deferred")):
+            held += int(float(line.split()[-1]))
+    return held
+
+
+async def test_an_engine_is_split_between_routers_and_its_share_moves_as_routers_come_and_go(
+    bus: Bus, nats_settings: NatsSettings, engines
+) -> None:
+    # 4 slots; streams of 2 s, so that places turn over while the routers' shares move
+    engine = engines.start(
+        {"FAKE_ENGINE_TOKENS": "400", "FAKE_ENGINE_TOKEN_RATE": "200"}, "-np", "4"
+    )
+    await place_replica(bus, engine, tiny_model(4))
+    most = 0
+    loads = {"ra": StreamingLoad(""), "rb": StreamingLoad("")}
+
+    def settings(router_id: str):
+        return router_settings(router_id=router_id)
+
+    async with (
+        aiohttp.ClientSession() as http,
+        running_router(connect=_connect(nats_settings), settings=settings("ra")) as a,
+        anyio.create_task_group() as tg,
+    ):
+        stop_a = anyio.Event()
+        loads["ra"].url = a.url
+        await until(lambda: _async(a.table.served_names()), timeout=10)
+        tg.start_soon(loads["ra"].run, http, 6, stop_a)
+
+        async def sample() -> None:
+            nonlocal most
+            while True:
+                most = max(most, await _engine_holds(http, engine))
+                await anyio.sleep(0.02)
+
+        tg.start_soon(sample)
+        async with running_router(connect=_connect(nats_settings), settings=settings("rb")) as b:
+            loads["rb"].url = b.url
+            await until(lambda: _async(b.table.served_names()), timeout=10)
+            stop_b = anyio.Event()
+            async with anyio.create_task_group() as tgb:
+                tgb.start_soon(loads["rb"].run, http, 6, stop_b)
+                # the same demand at each (one class, no team): half the engine each
+                await until(lambda: _async(_share(a) == 2 and _share(b) == 2), timeout=10)
+                stop_b.set()  # its load first, then the router, which deletes its load key
+        await until(lambda: _async(_share(a) == 4 and a.flights.model("tiny") == 4), timeout=10)
+        # a router that appears, asking as much, and then falls silent without deleting its
+        # key (killed): counted while its record moves, and not once it has stopped moving
+        ghost = records.RouterLoad(
+            router="ghost",
+            seq=1,
+            at=time.time(),
+            models={"tiny": records.ModelLoad(demand={"standard": {"": 6}})},
+        )
+        await bus.put(keys.load("ghost"), ghost)
+        await until(lambda: _async(_share(a) == 2), timeout=10)
+        await until(lambda: _async(_share(a) == 4), timeout=10)
+        stop_a.set()
+        tg.cancel_scope.cancel()
+    assert loads["ra"].failed == [] and loads["rb"].failed == []
+    # while shares moved, what the routers together sent the engine: its capacity, and at
+    # most the share that moved (a router's requests already sent are never called back)
+    assert 4 <= most <= 4 + 2
