@@ -124,6 +124,16 @@ async def test_requests_past_an_engine_s_slots_wait_at_the_router_and_leave_by_c
             'llmgw_router_queue_wait_seconds_count{class="sheddable",model="tiny",team="batch"}'
         )
         assert waited in metrics
+        # the fleet page: its queue by class and team, how many wait and how long they waited
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{r.url}/fleet/state", headers=_auth(secrets["web"])) as resp:
+                state = await resp.json()
+        (tiny,) = [m for m in state["models"] if m["id"] == "tiny"]
+        queue = {(q["class"], q["team"]): q for q in tiny["load"]["queue"]}
+        assert queue["sheddable", "batch"]["waiting"] == 0
+        assert queue["sheddable", "batch"]["wait"]["count"] == 1
+        assert queue["critical", ""]["wait"]["count"] == 1
+        assert tiny["load"]["share"] == 1
 
 
 async def test_a_client_can_lower_its_class_but_never_raise_it(

@@ -277,6 +277,14 @@ class FlowControl:
         """The models that had a request here."""
         return list(self.queues)
 
+    def queued_by_standing(self) -> dict[tuple[str, str, str], int]:
+        """(model, class, team) -> requests waiting now (the fleet page's)."""
+        return {
+            (model, cls.label, team): n
+            for model, q in self.queues.items()
+            for (cls, team), n in q.queued.items()
+        }
+
     def queued(self, model: str) -> int:
         q = self.queues.get(model)
         return q.depth if q is not None else 0

@@ -208,7 +208,14 @@ class Router:
             )
         )
         self.page = (
-            FleetPage(self.table, self.metrics.ttfb, self.health, waiting=self.load.waiting)
+            FleetPage(
+                self.table,
+                self.metrics.ttfb,
+                self.health,
+                waiting=self.load.waiting,
+                queue_wait=self.metrics.queue_wait,
+                queued=self.flow.queued_by_standing,
+            )
             if s.proxy.page
             else None
         )
