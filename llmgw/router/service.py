@@ -343,8 +343,9 @@ class Router:
     def _written(self, record: records.RouterLoad) -> None:
         """This router's own load record, as written: its share counts its demand as the
         others read it."""
-        assert self.flow.peers is not None
-        self.flow.peers.saw(self.router_id, record)
+        peers = self.flow.peers
+        assert peers is not None
+        peers.saw(peers.me, record)  # its id as it was when it started: its port closes first
         self.flow.published({m: demand_of(v) for m, v in record.models.items()})
         self.flow.reshare()
 
@@ -361,7 +362,7 @@ class Router:
             seen.apply(item.key, item.value, item.revision)
             parsed = keys.parse(item.key)
             router = parsed.ids[0] if parsed is not None else ""
-            if router and router != self.router_id:
+            if router and router != peers.me:
                 peers.saw(router, seen.loads.get(router))
                 self.flow.reshare()
 
