@@ -213,8 +213,9 @@ def test_under_load_the_engines_run_their_slots_or_batch_and_the_rest_wait_in_ar
         argv = [str(bins["llama-server"]), "-m", str(write_fake_gguf(tmp_path / "m.gguf"))]
         argv += ["-a", "m", "--metrics"]
     argv += ["--port", str(port), flag, "2"]
-    # each answer takes 3 s (60 tokens at 20 a second): all four arrive well within it
-    with engine(argv, FAKE_ENGINE_TOKENS="60", FAKE_ENGINE_TOKEN_RATE="20") as proc:
+    # each answer takes 2 s (40 tokens at 20 a second): all four arrive well within it, and
+    # the last are answered within the client's 5 s
+    with engine(argv, FAKE_ENGINE_TOKENS="40", FAKE_ENGINE_TOKEN_RATE="20") as proc:
         wait_for(port, "/health", 200, proc)
         url = f"http://127.0.0.1:{port}/v1/completions"
         finished: list[int] = []

@@ -19,18 +19,19 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from llmgw.bus import records
 from llmgw.priority import ASK_HEADER, Priority, Standing
 from llmgw.router.balancer import Balancer
 from llmgw.router.hold import MAX_WAIT_HEADER, client_wait
 from llmgw.router.inflight import Flight, InFlight
-from llmgw.router.peers import Peers
+from llmgw.router.peers import Peers, demand_of
 from llmgw.router.queue import ModelQueue, Waiter
 from llmgw.router.refusal import Refusal
 from llmgw.router.share import split
-from llmgw.router.table import EndpointTable, Route
+from llmgw.router.table import Backend, EndpointTable, Route
 
 REFUSED_HEADER = b"x-llmgw-refused"
 # what each class waits at most, by default (critical, standard, sheddable): seconds
@@ -86,6 +87,9 @@ class FlowControl:
         # demand moved enough since this router last published it: publish now (router/load.py)
         self.moved: Callable[[], None] = lambda: None
         self._published: dict[str, dict[tuple[Priority, str], int]] = {}
+        # model -> (the lowest class the other routers send, how many of this router's
+        # requests of classes above it may go past its shares): see `_free`
+        self._outranking: dict[str, tuple[Priority, int]] = {}
         self._releasing: set[str] = set()  # models whose release is scheduled
         self._pace: dict[str, deque[float]] = {}
         flights.freed = self._freed
@@ -114,7 +118,7 @@ class FlowControl:
             return None
         q = self.queue(route)
         if not q.depth:
-            free = [b for b in candidates if b.room]
+            free = self._free(route.model, candidates, priority)
             if free:
                 backend = self.balancer.choose(free, affinity)
                 assert backend is not None
@@ -148,7 +152,9 @@ class FlowControl:
             victim.future.set_result(self._refusal(route, q, victim, "queue_full", gave_way=True))
         q.push(waiter)
         self._demand_changed(route.model)
-        self.release(route.model)  # it may go at once (a place freed meanwhile)
+        if self._outranks(route.model, waiter.priority):
+            self._reshare(route)  # counted now, not once its record is written
+        self.release(route.model)  # it may go at once (a place freed, or it outranks)
         try:
             async with asyncio.timeout(bound):
                 got = await waiter.future
@@ -198,11 +204,11 @@ class FlowControl:
         candidates = self.balancer.candidates(route.backends, self.clock())
         went = False
         while q.depth:
-            free = [b for b in candidates if b.room]
-            if not free:
-                break
             w = q.peek()
             assert w is not None
+            free = self._free(model, candidates, w.priority)
+            if not free:
+                break
             if w.future.done():  # its client left; its task has not run since
                 q.drop(w)
                 continue
@@ -228,28 +234,73 @@ class FlowControl:
     # --- this router's share of each engine ----------------------------------------------
 
     def reshare(self) -> None:
-        """Set this router's share of every engine from the live routers' demands (each
-        engine's part of a model's demand in proportion to its slots), then let go what
-        the shares now make room for."""
+        """Set this router's share of every engine, then let go what the shares now make
+        room for."""
         for name in self.table.known_names():
             route = self.table.route(name)
-            if route is None:
-                continue
-            for b in route.backends:
-                b.share = b.slots if self.settings.enabled else None
-            sized = [b for b in route.backends if b.share is not None]
-            peers = self.peers
-            if not sized or peers is None:
-                continue
-            demands = peers.demands(route.model)
-            if len(demands) < 2:
-                continue  # alone: all of it
-            total = sum(b.slots or 0 for b in sized)
-            for b in sized:
-                part = (b.slots or 0) / total
-                scaled = {r: {k: n * part for k, n in d.items()} for r, d in demands.items()}
-                b.share = split(b.slots or 0, scaled, self.team_weight, b.id_hash)[peers.me]
+            if route is not None:
+                self._reshare(route)
         self.release_all()
+
+    def _outranks(self, model: str, priority: Priority) -> bool:
+        peers = self.peers
+        if peers is None:
+            return False
+        theirs = [cls for r, d in peers.demands(model).items() if r != peers.me for cls, _ in d]
+        return bool(theirs) and priority < max(theirs)
+
+    def _free(self, model: str, candidates: list[Backend], priority: Priority) -> list[Backend]:
+        """The engines a request of class `priority` may go to now: those with room in this
+        router's share; or, for a class above every class the other routers send there,
+        any of them while this router's requests of such classes are fewer than their split
+        gives it: the engine's own queue holds it, first in line, and the others, reading
+        this router's record, leave it the next place to free (class order across routers
+        costs the engine at most those requests past its capacity)."""
+        free = [b for b in candidates if b.room]
+        if free:
+            return free
+        outranking = self._outranking.get(model)
+        if outranking is None or priority >= outranking[0]:
+            return free
+        lowest, allowed = outranking
+        held = sum(n for (cls, _), n in self.flights.by_standing(model).items() if cls < lowest)
+        return candidates if held < allowed else free
+
+    def _reshare(self, route: Route) -> None:
+        """This router's share of each engine of `route`, split with the live routers by
+        their demand as their records say and its own as it is now (each engine's part of a
+        model's demand in proportion to its slots)."""
+        self._outranking.pop(route.model, None)
+        for b in route.backends:
+            b.share = b.slots if self.settings.enabled else None
+        sized = [b for b in route.backends if b.share is not None]
+        peers = self.peers
+        if not sized or peers is None:
+            return
+        demands = peers.demands(route.model)
+        if len(demands) < 2:
+            return  # alone: all of it
+        total = sum(b.slots or 0 for b in sized)
+        # the lowest class the other routers send: this router's requests of a class above
+        # it need not wait for room (`_free`), and count here as they are now, not as its
+        # record last said (the others learn of them from its next one)
+        theirs = [cls for r, d in demands.items() if r != peers.me for cls, _ in d]
+        lowest = max(theirs) if theirs else None
+        if lowest is not None:
+            mine = {k: n for k, n in demands[peers.me].items() if k[0] >= lowest}
+            above = {k: n for k, n in self.demand(route.model).items() if k[0] < lowest}
+            demands[peers.me] = {**mine, **above}
+            if above:
+                high = {
+                    r: {k: n for k, n in d.items() if k[0] < lowest} for r, d in demands.items()
+                }
+                allowed = split(total, high, self.team_weight, rest=False)[peers.me]
+                self._outranking[route.model] = (lowest, allowed)
+        for b in sized:
+            part = (b.slots or 0) / total
+            scaled = {r: {k: n * part for k, n in d.items()} for r, d in demands.items()}
+            shares = split(b.slots or 0, scaled, self.team_weight, b.id_hash)
+            b.share = shares[peers.me]
 
     def stop(self) -> None:
         """The router shuts down: every waiting request is answered now (503, retry
@@ -289,9 +340,13 @@ class FlowControl:
         q = self.queues.get(model)
         return q.depth if q is not None else 0
 
-    def published(self, demands: Mapping[str, Mapping[tuple[Priority, str], int]]) -> None:
-        """What this router's load record now says of each model's demand."""
-        self._published = {m: dict(d) for m, d in demands.items()}
+    def written(self, record: records.RouterLoad) -> None:
+        """This router's own load record, as written (router/load.py): its share counts its
+        demand as the others read it."""
+        if self.peers is not None:
+            self.peers.saw(self.peers.me, record)
+        self._published = {m: demand_of(v) for m, v in record.models.items()}
+        self.reshare()
 
     def _demand_changed(self, model: str) -> None:
         """Publish now when a class or team starts or stops asking here, or asks a quarter
@@ -300,7 +355,7 @@ class FlowControl:
         before = self._published.get(model, {})
         for key in now.keys() | before.keys():
             n, n0 = now.get(key, 0), before.get(key, 0)
-            if (n > 0) != (n0 > 0) or abs(n - n0) > max(1, n0 // 4):
+            if (n > 0) != (n0 > 0) or abs(n - n0) >= max(1, n0 // 4):
                 self.moved()
                 return
 

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 LOAD_INTERVAL_S = 1.0
 # urgent writes (a request waits, demand moved) at most this often
-MIN_GAP_S = 0.05
+MIN_GAP_S = 0.01
 
 
 @dataclass
@@ -67,6 +67,8 @@ class LoadCounter:
     models: dict[str, _Model] = field(default_factory=dict)
     urgent: asyncio.Event = field(default_factory=asyncio.Event)
     queue: Queued | None = None
+    # model -> (class, team) -> the demand its records say (`_steady`)
+    _shown: dict[str, dict[tuple[Priority, str], int]] = field(default_factory=dict)
 
     def _model(self, model: str) -> _Model:
         m = self.models.get(model)
@@ -99,6 +101,22 @@ class LoadCounter:
         """Requests held now per model, waiting for a replica (the fleet page's "queued")."""
         return {model: m.waiting for model, m in self.models.items() if m.waiting}
 
+    def _steady(
+        self, model: str, demand: dict[tuple[Priority, str], int]
+    ) -> dict[tuple[Priority, str], int]:
+        """`demand` as the record says it: each figure as last written while it stays within
+        an eighth of it (the routers' split moves with real changes, not with every request
+        that ends and the next that starts in its place)."""
+        shown = self._shown.setdefault(model, {})
+        for key in list(shown):
+            if key not in demand:
+                del shown[key]
+        for key, n in demand.items():
+            before = shown.get(key)
+            if before is None or abs(n - before) > before // 8:
+                shown[key] = n
+        return dict(shown)
+
     def snapshot(self) -> dict[str, records.ModelLoad]:
         """Each model's load over the interval since the last snapshot, which starts anew."""
         means = self.in_flight.take_means()
@@ -114,7 +132,12 @@ class LoadCounter:
                 requests=m.requests + self.in_flight.sent(model),
                 ttft_ms=round(m.ttft * 1000, 1),
                 demand=demand_record(
-                    queue.demand(model) if queue is not None else self.in_flight.by_standing(model)
+                    self._steady(
+                        model,
+                        queue.demand(model)
+                        if queue is not None
+                        else self.in_flight.by_standing(model),
+                    )
                 ),
             )
             m.ttft, m.asked = 0.0, False

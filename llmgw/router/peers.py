@@ -58,6 +58,7 @@ class Peers:
         self.stale_after = stale_after
         self.clock = clock
         self._demands: dict[str, dict[str, dict[tuple[Priority, str], int]]] = {}
+
         self._moved: dict[str, tuple[int, float]] = {}  # router -> (seq, when it moved)
 
     def saw(self, router: str, load: records.RouterLoad | None) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from llmgw import catalog
-from llmgw.bus import keys, records
+from llmgw.bus import keys
 from llmgw.bus.errors import BusError, StreamMissing
 from llmgw.bus.trust import RAW
 from llmgw.errors import LlmgwError
@@ -40,7 +40,7 @@ from llmgw.router.keygate import GatewayGate
 from llmgw.router.load import LOAD_INTERVAL_S, LoadCounter, LoadPublisher
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.page import FleetPage
-from llmgw.router.peers import Peers, demand_of
+from llmgw.router.peers import Peers
 from llmgw.router.probe import HealthProber
 from llmgw.router.proxy import Proxy, ProxySettings
 from llmgw.router.refusal import error_body
@@ -340,15 +340,6 @@ class Router:
             self.flow.reshare()
             await anyio.sleep(interval)
 
-    def _written(self, record: records.RouterLoad) -> None:
-        """This router's own load record, as written: its share counts its demand as the
-        others read it."""
-        peers = self.flow.peers
-        assert peers is not None
-        peers.saw(peers.me, record)  # its id as it was when it started: its port closes first
-        self.flow.published({m: demand_of(v) for m, v in record.models.items()})
-        self.flow.reshare()
-
     async def _follow_loads(self, bus) -> None:
         """The other routers' load records: their demand, by which the engines are split."""
         from llmgw.bus.client import Synced
@@ -375,7 +366,10 @@ class Router:
         try:
             async with anyio.create_task_group() as tg:
                 publisher = LoadPublisher(
-                    self.load, self.router_id, self.settings.load_interval, written=self._written
+                    self.load,
+                    self.router_id,
+                    self.settings.load_interval,
+                    written=self.flow.written,
                 )
                 tg.start_soon(publisher.run, bus)
                 tg.start_soon(self._follow_loads, bus)

@@ -31,13 +31,14 @@ Demand = Mapping[tuple[Priority, str], float]
 
 
 def water_fill(asks: Mapping[str, float], weights: Mapping[str, float], room: float) -> dict:
-    """Weighted max-min: each team's part of `room`, none above what it asks."""
-    given = {t: 0.0 for t in asks}
-    open_ = {t for t, a in asks.items() if a > 0}
+    """Weighted max-min: each team's part of `room`, none above what it asks. Every sum is
+    taken in the teams' sorted order: routers are other processes, whose sets iterate in
+    another order, and a float summed otherwise may round a share the other way."""
+    given = {t: 0.0 for t in sorted(asks)}
+    open_ = [t for t in given if asks[t] > 0]
     while open_ and room > 1e-9:
-        total = sum(weights[t] for t in open_)
-        level = room / total
-        done = {t for t in open_ if asks[t] - given[t] <= level * weights[t] + 1e-12}
+        level = room / sum(weights[t] for t in open_)
+        done = [t for t in open_ if asks[t] - given[t] <= level * weights[t] + 1e-12]
         if not done:  # every team asks more than its part: each gets its part
             for t in open_:
                 given[t] += level * weights[t]
@@ -45,7 +46,7 @@ def water_fill(asks: Mapping[str, float], weights: Mapping[str, float], room: fl
         for t in done:
             room -= asks[t] - given[t]
             given[t] = asks[t]
-        open_ -= done
+        open_ = [t for t in open_ if t not in done]
     return given
 
 
@@ -54,9 +55,12 @@ def split(
     demands: Mapping[str, Demand],
     weight: Callable[[str], float],
     salt: int = 0,
+    *,
+    rest: bool = True,
 ) -> dict[str, int]:
     """Each router's share of `capacity` (every router in `demands`, an empty Demand for a
-    live router that asks for nothing)."""
+    live router that asks for nothing); `rest` False: what nobody asks for is shared by
+    no one."""
     routers = sorted(demands)
     if not routers:
         return {}
@@ -79,19 +83,26 @@ def split(
             room -= g
         if room <= 1e-9:
             break
-    if room > 1e-9:
+    if room > 1e-9 and rest:
         for r in routers:
             exact[r] += room / len(routers)
-    return _whole(exact, capacity, salt)
+    return _whole(exact, capacity - (0 if rest else math.floor(room + 1e-9)), salt)
 
 
 def _whole(exact: Mapping[str, float], capacity: int, salt: int) -> dict[str, int]:
-    """Largest remainder: whole shares that sum to `capacity`."""
-    out = {r: math.floor(v + 1e-9) for r, v in exact.items()}
+    """Largest remainder: whole shares that sum to `capacity`. Remainders are compared in
+    quarters, and within a quarter by a hash of router and engine: a last bit of float
+    rounding never orders them differently on two routers, and a share left over does not
+    hop between routers whose demand moves a little (each hop would send a request the
+    engine must queue until the router it left has one end)."""
+    out = {r: math.floor(v + 1e-6) for r, v in exact.items()}
     left = capacity - sum(out.values())
     order = sorted(
         exact,
-        key=lambda r: (-(exact[r] - out[r]), stable_hash(b"%d:%s" % (salt, r.encode()))),
+        key=lambda r: (
+            -math.floor((exact[r] - out[r]) * 4 + 1e-6),
+            stable_hash(b"%d:%s" % (salt, r.encode())),
+        ),
     )
     for r in order[: max(0, left)]:
         out[r] += 1
