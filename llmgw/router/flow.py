@@ -19,7 +19,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from llmgw.bus import records
@@ -116,16 +116,19 @@ class FlowControl:
         candidates = self.balancer.candidates(route.backends, self.clock())
         if not candidates:
             return None
-        q = self.queue(route)
+        q = self.queues.get(route.model) or self.queue(route)
         if not q.depth:
-            free = self._free(route.model, candidates, priority)
+            free = [b for b in candidates if b.share is None or b.in_flight < b.share]
+            if not free:
+                free = self._free(route.model, candidates, priority)
             if free:
-                backend = self.balancer.choose(free, affinity)
+                backend = free[0] if len(free) == 1 else self.balancer.choose(free, affinity)
                 assert backend is not None
-                flight = self.flights.take(backend, priority, standing.team)
+                team = standing.team
+                flight = self.flights.take(backend, priority, team)
                 flight.tokens = tokens
-                q.started(standing.team, tokens)
-                self.waits.waited(route.model, priority, standing.team, 0.0)
+                q.started(team, tokens)
+                self.waits.waited(route.model, priority, team, 0.0)
                 return flight
         return Waiter(standing, priority, affinity, tokens, self.clock())
 
@@ -226,21 +229,21 @@ class FlowControl:
         if went:
             self._demand_changed(model)
 
-    def release_all(self) -> None:
-        """Shares or engines changed: every queue looks again."""
-        for model in list(self.queues):
-            self.release(model)
-
     # --- this router's share of each engine ----------------------------------------------
 
-    def reshare(self) -> None:
-        """Set this router's share of every engine, then let go what the shares now make
-        room for."""
-        for name in self.table.known_names():
+    def reshare(self, models: Iterable[str] | None = None) -> None:
+        """Set this router's share of the engines of `models` (model ids; None: of every
+        model), then let go what the shares now make room for."""
+        if models is None:
+            names = self.table.known_names()
+        else:
+            catalog = self.table.models
+            names = [catalog[m].served_name for m in models if m in catalog]
+        for name in names:
             route = self.table.route(name)
             if route is not None:
                 self._reshare(route)
-        self.release_all()
+                self.release(route.model)
 
     def _outranks(self, model: str, priority: Priority) -> bool:
         peers = self.peers
@@ -343,10 +346,9 @@ class FlowControl:
     def written(self, record: records.RouterLoad) -> None:
         """This router's own load record, as written (router/load.py): its share counts its
         demand as the others read it."""
-        if self.peers is not None:
-            self.peers.saw(self.peers.me, record)
+        changed = self.peers.saw(self.peers.me, record) if self.peers is not None else None
         self._published = {m: demand_of(v) for m, v in record.models.items()}
-        self.reshare()
+        self.reshare(changed)
 
     def _demand_changed(self, model: str) -> None:
         """Publish now when a class or team starts or stops asking here, or asks a quarter

@@ -40,15 +40,22 @@ class Flight:
     or by `give_back` for a place granted to a request that never used it. (A class, not a
     generator-based context manager: this is on every request's path.)"""
 
-    __slots__ = ("_account", "backend", "priority", "team", "tokens", "_out")
+    __slots__ = ("_account", "backend", "standing", "tokens", "_out")
 
-    def __init__(self, account: InFlight, backend: Backend, priority: Priority, team: str) -> None:
+    def __init__(self, account: InFlight, backend: Backend, standing: tuple[Priority, str]) -> None:
         self._account = account
         self.backend = backend
-        self.priority = priority
-        self.team = team
+        self.standing = standing  # (class, team)
         self.tokens = 0  # its prompt's estimate, charged to its team while it runs
         self._out = False
+
+    @property
+    def priority(self) -> Priority:
+        return self.standing[0]
+
+    @property
+    def team(self) -> str:
+        return self.standing[1]
 
     def __enter__(self) -> Flight:
         return self
@@ -62,13 +69,13 @@ class Flight:
         self._out = True
         account = self._account
         account._move(self.backend, -1)
-        standing = account._models[self.backend.model].by_standing
-        key = (self.priority, self.team)
-        left = standing[key] - 1
+        by_standing = account._models[self.backend.model].by_standing
+        key = self.standing
+        left = by_standing[key] - 1
         if left:
-            standing[key] = left
+            by_standing[key] = left
         else:
-            del standing[key]
+            del by_standing[key]
         if account.freed is not None:
             account.freed(self)
 
@@ -101,7 +108,7 @@ class InFlight:
         m.sent += 1
         key = (priority, team)
         m.by_standing[key] = m.by_standing.get(key, 0) + 1
-        return Flight(self, backend, priority, team)
+        return Flight(self, backend, key)
 
     def _move(self, backend: Backend, by: int) -> None:
         backend.in_flight += by

@@ -7,7 +7,9 @@ label set without bound (those are counted under model="").
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
 
@@ -19,7 +21,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from llmgw.priority import Priority
@@ -95,14 +97,8 @@ class RouterMetrics:
             registry=r,
         )
 
-        self.queue_wait = Histogram(
-            "llmgw_router_queue_wait_seconds",
-            "How long requests waited in the router's queue for room at their model's engines "
-            "(0 for those that went at once), by model, priority class and team",
-            ["model", "class", "team"],
-            buckets=_WAIT_BUCKETS,
-            registry=r,
-        )
+        self.queue_wait = WaitHistogram()
+        r.register(self.queue_wait)
         self.queue_refused = Counter(
             "llmgw_router_queue_refused",
             "Requests the router's queue refused, by model, class, team and reason "
@@ -113,7 +109,6 @@ class RouterMetrics:
 
         self._replicas: dict[tuple[str, str], ReplicaSeries] = {}
         self._held: Callable[[], Mapping[str, int]] = dict
-        self._waits: dict[tuple[str, Priority, str], object] = {}
 
     def held_from(self, held: Callable[[], Mapping[str, int]]) -> None:
         """`llmgw_router_held{model}`: requests held for a cold model now (router/hold.py),
@@ -146,13 +141,7 @@ class RouterMetrics:
 
     # the router's queue tells these (router/flow.py's Waits)
     def waited(self, model: str, priority: Priority, team: str, seconds: float) -> None:
-        key = (model, priority, team)
-        child = self._waits.get(key)
-        if child is None:
-            if len(self._waits) > 100_000:
-                self._waits.clear()
-            child = self._waits[key] = self.queue_wait.labels(model, priority.label, team)
-        child.observe(seconds)  # type: ignore[attr-defined]
+        self.queue_wait.observe((model, priority, team), seconds)
 
     def refused(self, model: str, priority: Priority, team: str, reason: str) -> None:
         self.queue_refused.labels(model, priority.label, team, reason).inc()
@@ -330,3 +319,48 @@ class _QueueCollector:
                 share.add_metric([b.model, b.id], b.share)
         yield capacity
         yield share
+
+
+class WaitHistogram:
+    """`llmgw_router_queue_wait_seconds{model,class,team}`: every request's wait in the
+    router's queue. Kept as plain counts (a request that went at once adds one to a list,
+    no lock and no label lookup: it is every request's path) and rendered as a Prometheus
+    histogram at each scrape."""
+
+    name = "llmgw_router_queue_wait_seconds"
+
+    def __init__(self, buckets: tuple[float, ...] = _WAIT_BUCKETS) -> None:
+        self.bounds = buckets
+        # (model, class, team) -> [count per bucket (the last: past every bound), sum]
+        self._counts: dict[tuple[str, Priority, str], list[float]] = {}
+
+    def observe(self, key: tuple[str, Priority, str], seconds: float) -> None:
+        counts = self._counts.get(key)
+        if counts is None:
+            if len(self._counts) >= 100_000:  # a bound on label sets, as a scrape's
+                self._counts.clear()
+            counts = self._counts[key] = [0.0] * (len(self.bounds) + 2)
+        if seconds <= 0.0:
+            counts[0] += 1
+            return
+        counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        counts[-1] += seconds
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        h = HistogramMetricFamily(
+            self.name,
+            "How long requests waited in the router's queue for room at their model's engines "
+            "(0 for those that went at once), by model, priority class and team",
+            labels=["model", "class", "team"],
+        )
+        for (model, cls, team), counts in sorted(self._counts.items()):
+            cumulative, total = [], 0.0
+            for bound, n in zip((*self.bounds, math.inf), counts[:-1], strict=True):
+                total += n
+                cumulative.append((_le(bound), total))
+            h.add_metric([model, cls.label, team], cumulative, counts[-1])
+        yield h
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if math.isinf(bound) else repr(float(bound))

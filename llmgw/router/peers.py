@@ -61,16 +61,21 @@ class Peers:
 
         self._moved: dict[str, tuple[int, float]] = {}  # router -> (seq, when it moved)
 
-    def saw(self, router: str, load: records.RouterLoad | None) -> None:
-        """A router's record as read (None: its key is gone)."""
+    def saw(self, router: str, load: records.RouterLoad | None) -> set[str] | None:
+        """A router's record as read (None: its key is gone); the models whose split it
+        changes (None: every model's, the router comes or goes)."""
         if load is None:
             self._demands.pop(router, None)
             self._moved.pop(router, None)
-            return
+            return None
         seen = self._moved.get(router)
         if seen is None or seen[0] != load.seq:
             self._moved[router] = (load.seq, self.clock())
-        self._demands[router] = {m: demand_of(v) for m, v in load.models.items()}
+        before = self._demands.get(router)
+        now = self._demands[router] = {m: demand_of(v) for m, v in load.models.items()}
+        if before is None:
+            return None
+        return {m for m in before.keys() | now.keys() if before.get(m) != now.get(m)}
 
     def live(self) -> list[str]:
         """The routers that count now, this one always among them."""

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmgw import priority
-from llmgw.gateway.gateway import reserve_tokens
+from llmgw.gateway.gateway import CHARS_PER_TOKEN
 from llmgw.priority import ASK_HEADER, Standing
 from llmgw.router.balancer import Balancer
 from llmgw.router.flow import FlowControl
@@ -293,8 +293,10 @@ class Proxy:
         """The request's place at an engine of its model: at once where one has room, else
         when the router's queue lets it go (router/flow.py); for a cold model, once a
         replica is ready."""
-        cls = priority.lowered(standing.priority, priority.asked(req.header(ASK_HEADER), req.body))
-        tokens = reserve_tokens(prompt_chars=parsed.prompt_bytes, max_tokens=0)  # its prompt
+        cls = priority.lowered(
+            standing.priority, priority.asked(req.first.get(ASK_HEADER), req.body)
+        )
+        tokens = -(-parsed.prompt_bytes // CHARS_PER_TOKEN)  # its prompt, as the gate estimates it
         took = self.flow.take(route, standing, cls, parsed.affinity, tokens)
         if took is None:
             picked = await self._pick(req, parsed, route)

@@ -44,7 +44,7 @@ from llmgw.router.peers import Peers
 from llmgw.router.probe import HealthProber
 from llmgw.router.proxy import Proxy, ProxySettings
 from llmgw.router.refusal import error_body
-from llmgw.router.report import EngineReports
+from llmgw.router.report import REPORT_INTERVAL_S, EngineReports
 from llmgw.router.server import HttpLimits, HttpServer, serve
 from llmgw.router.table import EndpointTable
 from llmgw.router.upstream import UpstreamPool, UpstreamSettings
@@ -96,6 +96,8 @@ class RouterSettings:
     proxy: ProxySettings = field(default_factory=ProxySettings)
     probe_interval: float = 5.0
     probe_timeout: float = 2.0
+    # how often each engine is asked what it can take (router/report.py)
+    report_interval: float = REPORT_INTERVAL_S
     # SIGTERM: requests in flight get this long to finish before their connections are cut
     shutdown_grace: float = 30.0
     hold: HoldSettings = field(default_factory=HoldSettings)
@@ -254,7 +256,11 @@ class Router:
                 tg.start_soon(pool.sweep_forever)
                 tg.start_soon(probe_pool.sweep_forever)
                 tg.start_soon(prober.run)
-                tg.start_soon(EngineReports(self.table, probe_pool, self.flow.reshare).run)
+                tg.start_soon(
+                    EngineReports(
+                        self.table, probe_pool, self.flow.reshare, interval=s.report_interval
+                    ).run
+                )
                 tg.start_soon(self._count_endpoints)
                 tg.start_soon(self._reshare_every, s.load_interval)
                 if self.page is not None:
@@ -354,8 +360,9 @@ class Router:
             parsed = keys.parse(item.key)
             router = parsed.ids[0] if parsed is not None else ""
             if router and router != peers.me:
-                peers.saw(router, seen.loads.get(router))
-                self.flow.reshare()
+                changed = peers.saw(router, seen.loads.get(router))
+                if changed is None or changed:
+                    self.flow.reshare(changed)
 
     async def _follow_bucket(self, connect) -> None:
         from llmgw.bus.client import Synced
