@@ -226,3 +226,41 @@ async def test_key_and_team_commands_set_a_class_and_a_weight(
     assert bad.returncode == 2 and "critical" in bad.stderr
     zero = llmgw("team", "set", "batch", "--weight", "0", url=url)
     assert zero.returncode == 2 and "1<=x" in zero.stderr
+
+
+# --- what an engine says it can take -----------------------------------------------------------
+
+
+def test_an_engine_s_figures_are_read_from_its_slots_or_its_prometheus_text() -> None:
+    from llmgw.router.report import running_waiting, slots_listed
+
+    assert slots_listed(b'[{"id": 0, "is_processing": true}, {"id": 1}]') == 2
+    assert slots_listed(b'{"error": "not found"}') is None
+    assert slots_listed(b"[]") is None and slots_listed(b"[1, 2]") is None
+    vllm = (
+        b"# HELP vllm:num_requests_running x\n"
+        b'vllm:num_requests_running{engine="0",model_name="m"} 24.0\n'
+        b'vllm:num_requests_running{engine="1",model_name="m"} 8.0\n'
+        b'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+        b"vllm:num_requests_waiting_total 99\n"  # another name that begins the same
+    )
+    assert running_waiting(vllm) == (32, 3)
+    llama = b"llamacpp:requests_processing 4\nllamacpp:requests_deferred 0\n"
+    assert running_waiting(llama) == (4, 0)
+    assert running_waiting(b"# nothing of ours\nother_metric 1\n") is None
+
+
+def test_an_engine_that_makes_requests_wait_can_take_what_it_runs_and_one_more_when_it_frees():
+    from llmgw.router.report import refine
+    from llmgw.router.table import Backend
+
+    b = Backend("r1", "m", "h", 1, capacity=256)
+    refine(b, running=40, waiting=7)  # its KV cache is full at 40
+    assert b.slots == 40
+    refine(b, running=40, waiting=0)  # it ran all it had and made none wait
+    assert b.slots == 41
+    refine(b, running=12, waiting=0)  # not full: nothing learned
+    assert b.slots == 41
+    b.reported = 255
+    refine(b, running=255, waiting=0)
+    assert b.reported is None and b.slots == 256  # back to its profile's

@@ -5,6 +5,7 @@ the audit trail too); shares of an engine move between routers as routers come a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -18,6 +19,7 @@ from router_helpers import (
     put_key,
     router_settings,
     running_router,
+    static_model,
     tiny_model,
 )
 from waiting import until
@@ -39,7 +41,7 @@ def _connect(nats_settings: NatsSettings):
 
 
 def _auth(secret: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {secret}"}
+    return {"authorization": f"Bearer {secret}"} if secret else {}
 
 
 @contextlib.asynccontextmanager
@@ -61,7 +63,7 @@ def _depth(r) -> int:
 
 
 async def _blocked(http: aiohttp.ClientSession, r, secret: str) -> aiohttp.ClientResponse:
-    """A stream holding the engine's one slot until the test closes it."""
+    """A stream holding one of the engine's slots until the test closes it."""
     resp = await http.post(
         f"{r.url}/v1/chat/completions", json=chat_body("hold", stream=True), headers=_auth(secret)
     )
@@ -316,3 +318,20 @@ async def test_an_engine_is_split_between_routers_and_its_share_moves_as_routers
     # while shares moved, what the routers together sent the engine: its capacity, and at
     # most the share that moved (a router's requests already sent are never called back)
     assert 4 <= most <= 4 + 2
+
+
+async def test_without_a_profile_the_router_learns_an_engine_s_slots_and_holds_the_rest(engines):
+    engine = engines.start(SLOW, "-np", "2")  # a static endpoint: no profile says its slots
+    async with running_router([static_model(engine)]) as r, aiohttp.ClientSession() as http:
+        (b,) = r.table.backends()
+        await until(lambda: _async(b.slots == 2), timeout=10)  # its /slots lists two
+        streams = [await _blocked(http, r, "") for _ in range(2)]
+        third = asyncio.ensure_future(
+            http.post(f"{r.url}/v1/chat/completions", json=chat_body("third", max_tokens=QUICK))
+        )
+        await until(lambda: _async(_depth(r) == 1), timeout=5)
+        assert engine.in_flight() == 2  # the third waits at the router, not in the engine
+        streams[0].close()
+        async with await third as resp:
+            assert resp.status == 200
+        streams[1].close()

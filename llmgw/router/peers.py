@@ -7,7 +7,8 @@ A router is live while its record keeps moving (it is written every second), jud
 this router's clock; one whose record has not moved for `stale_after` seconds, or whose key
 is gone (a router deletes it as it shuts down), no longer counts, and its share moves to
 the others. This router's own record counts as it last wrote it, so its share is what the
-others compute for it.
+others compute for it (but for requests of a class above every class the others send,
+router/flow.py).
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ class Peers:
         self.stale_after = stale_after
         self.clock = clock
         self._demands: dict[str, dict[str, dict[tuple[Priority, str], int]]] = {}
-
         self._moved: dict[str, tuple[int, float]] = {}  # router -> (seq, when it moved)
 
     def saw(self, router: str, load: records.RouterLoad | None) -> set[str] | None:

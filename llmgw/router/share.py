@@ -13,9 +13,9 @@ capacity without a word between them. The split follows the queue's own order fl
 3. what nobody asks for is shared by every live router equally, so a router's first request
    does not wait for its record to be read.
 
-Shares are whole requests (largest remainder, ties broken by a hash of the router and the
-engine, so remainders fall on different routers for different engines) and sum to the
-capacity exactly.
+Shares are whole requests (largest remainder, compared in quarters and then by a hash of
+the router and the engine, so what is left over falls on different routers for different
+engines and stays put while demand moves a little) and sum to the capacity exactly.
 """
 
 from __future__ import annotations
