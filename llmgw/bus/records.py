@@ -348,6 +348,9 @@ class ModelLoad(msgspec.Struct, kw_only=True, gc=False):
     # requests in flight and queued now, by priority class and team ("": no team): what the
     # routers split the model's engines by (llmgw/router/share.py)
     demand: dict[str, dict[str, int]] = {}
+    # requests in flight now at each engine (replica id -> requests): a router whose share
+    # of an engine grew sends into it as the others give back what they hold past theirs
+    engines: dict[str, int] = {}
 
 
 MAX_LOAD_MODELS = 4096

@@ -87,6 +87,9 @@ class FlowControl:
         # demand moved enough since this router last published it: publish now (router/load.py)
         self.moved: Callable[[], None] = lambda: None
         self._published: dict[str, dict[tuple[Priority, str], int]] = {}
+        self._published_held: dict[tuple[str, str], int] = {}  # (model, replica) -> held
+        # a place handed back that another router waits for: its record is written now
+        self.handed_back: Callable[[], None] = lambda: None
         # model -> (the lowest class the other routers send, how many of this router's
         # requests of classes above it may go past its shares): see `_free`
         self._outranking: dict[str, tuple[Priority, int]] = {}
@@ -186,6 +189,9 @@ class FlowControl:
         if q is None:
             return
         q.ended(flight.team, flight.tokens)
+        b = flight.backend
+        if self._published_held.get((model, b.id), 0) > max(b.in_flight, b.share or 0):
+            self.handed_back()  # its record says it holds past its share: say it holds less
         if q.depth and model not in self._releasing:
             # after the request that freed the place has settled (its tokens are in its
             # team's tally then): the task giving back settles before it next awaits
@@ -303,7 +309,20 @@ class FlowControl:
             part = (b.slots or 0) / total
             scaled = {r: {k: n * part for k, n in d.items()} for r, d in demands.items()}
             shares = split(b.slots or 0, scaled, self.team_weight, b.id_hash)
-            b.share = shares[peers.me]
+            # a share that grew is used as the others hand back what they hold past theirs
+            # (requests sent are never called back): the engine is not sent more than it
+            # takes, and a request of a class above theirs finds nothing of theirs queued
+            # before it there
+            over = sum(
+                max(0, peers.held(r, route.model, b.id) - n)
+                for r, n in shares.items()
+                if r != peers.me
+            )
+            b.share = max(0, shares[peers.me] - over)
+            if b.in_flight > b.share:
+                held = self._published_held.get((route.model, b.id), 0)
+                if held < b.in_flight:
+                    self.moved()  # it holds past its share: the others learn how much
 
     def stop(self) -> None:
         """The router shuts down: every waiting request is answered now (503, retry
@@ -348,6 +367,9 @@ class FlowControl:
         demand as the others read it."""
         changed = self.peers.saw(self.peers.me, record) if self.peers is not None else None
         self._published = {m: demand_of(v) for m, v in record.models.items()}
+        self._published_held = {
+            (m, replica): n for m, v in record.models.items() for replica, n in v.engines.items()
+        }
         self.reshare(changed)
 
     def _demand_changed(self, model: str) -> None:

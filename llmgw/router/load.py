@@ -66,6 +66,8 @@ class LoadCounter:
     in_flight: InFlight = field(default_factory=InFlight)
     models: dict[str, _Model] = field(default_factory=dict)
     urgent: asyncio.Event = field(default_factory=asyncio.Event)
+    # a place was handed back that another router waits for: written without the gap
+    handover: asyncio.Event = field(default_factory=asyncio.Event)
     queue: Queued | None = None
     # model -> (class, team) -> the demand its records say (`_steady`)
     _shown: dict[str, dict[tuple[Priority, str], int]] = field(default_factory=dict)
@@ -123,6 +125,10 @@ class LoadCounter:
         out: dict[str, records.ModelLoad] = {}
         queue = self.queue
         queued = set(queue.models()) if queue is not None else set()
+        engines: dict[str, dict[str, int]] = {}
+        for (model, replica), n in self.in_flight.by_replica().items():
+            if n:
+                engines.setdefault(model, {})[replica] = n
         for model in sorted(set(means) | set(self.models) | queued):
             m = self._model(model)
             out[model] = records.ModelLoad(
@@ -139,6 +145,7 @@ class LoadCounter:
                         else self.in_flight.by_standing(model),
                     )
                 ),
+                engines=engines.get(model, {}),
             )
             m.ttft, m.asked = 0.0, False
         return out
@@ -176,6 +183,7 @@ class LoadPublisher:
         try:
             while True:
                 self.counter.urgent.clear()  # before the snapshot: a later wait is not missed
+                self.counter.handover.clear()
                 record = self.record()
                 self.written(record)
                 last = time.monotonic()
@@ -185,8 +193,9 @@ class LoadPublisher:
                     log.debug("router: cannot write %s: %s", key, e)
                 with anyio.move_on_after(self.interval):
                     await self.counter.urgent.wait()
-                # what moved within the gap goes in one record
-                await anyio.sleep(max(0.0, last + self.min_gap - time.monotonic()))
+                # what moved within the gap goes in one record; a place handed back goes now
+                with anyio.move_on_after(max(0.0, last + self.min_gap - time.monotonic())):
+                    await self.counter.handover.wait()
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(1):
                 try:

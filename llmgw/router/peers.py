@@ -59,6 +59,8 @@ class Peers:
         self.stale_after = stale_after
         self.clock = clock
         self._demands: dict[str, dict[str, dict[tuple[Priority, str], int]]] = {}
+        # router -> model -> replica -> requests it had there when it wrote its record
+        self._held: dict[str, dict[str, dict[str, int]]] = {}
         self._moved: dict[str, tuple[int, float]] = {}  # router -> (seq, when it moved)
 
     def saw(self, router: str, load: records.RouterLoad | None) -> set[str] | None:
@@ -66,16 +68,23 @@ class Peers:
         changes (None: every model's, the router comes or goes)."""
         if load is None:
             self._demands.pop(router, None)
+            self._held.pop(router, None)
             self._moved.pop(router, None)
             return None
         seen = self._moved.get(router)
         if seen is None or seen[0] != load.seq:
             self._moved[router] = (load.seq, self.clock())
+        held_before = self._held.get(router, {})
+        held = self._held[router] = {m: v.engines for m, v in load.models.items() if v.engines}
         before = self._demands.get(router)
         now = self._demands[router] = {m: demand_of(v) for m, v in load.models.items()}
         if before is None:
             return None
-        return {m for m in before.keys() | now.keys() if before.get(m) != now.get(m)}
+        return {
+            m
+            for m in before.keys() | now.keys() | held.keys() | held_before.keys()
+            if before.get(m) != now.get(m) or held_before.get(m) != held.get(m)
+        }
 
     def live(self) -> list[str]:
         """The routers that count now, this one always among them."""
@@ -86,3 +95,7 @@ class Peers:
     def demands(self, model: str) -> dict[str, Demand]:
         """Each live router's demand for `model` (empty for one asking nothing)."""
         return {r: self._demands.get(r, {}).get(model, {}) for r in self.live()}
+
+    def held(self, router: str, model: str, replica: str) -> int:
+        """What `router` had in flight at that engine when it wrote its record."""
+        return self._held.get(router, {}).get(model, {}).get(replica, 0)

@@ -128,6 +128,7 @@ class Router:
             self.table, self.balancer, self.flights, self.settings.flow, waits=self.metrics
         )
         self.flow.moved = self.load.urgent.set
+        self.flow.handed_back = self._handed_back
         self.load.queue = self.flow
         self.metrics.queue_from(self.flow, self.table)
         self.source = "none"
@@ -338,6 +339,10 @@ class Router:
                     alive.add((route.model, ""))
             self.metrics.forget_except(alive)
             await anyio.sleep(self.settings.probe_interval)
+
+    def _handed_back(self) -> None:
+        self.load.handover.set()
+        self.load.urgent.set()
 
     async def _reshare_every(self, interval: float) -> None:
         """The split of engines between routers, again: a router gone quiet stops counting
