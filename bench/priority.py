@@ -352,6 +352,7 @@ class Sampler:
         self.samples = 0
         self.over = 0  # the most the engine held past its capacity
         self.overcommitted = 0  # samples in which requests waited in the engine's own queue
+        self.critical_wait = (0.0, 0)  # the routers' p99 of critical waits, and how many
 
     async def run(self, http: aiohttp.ClientSession, stop: anyio.Event) -> None:
         running = ("vllm:num_requests_running", "llamacpp:requests_processing")
@@ -369,8 +370,6 @@ class Sampler:
             self.overcommitted += w > 0
             if queued > 0:
                 self.idle_while_waiting += max(0.0, self.engine.capacity - r)
-                if os.environ.get("BENCH_DEBUG") and r < self.engine.capacity:
-                    print(f"    idle sample: running {r:g} waiting {w:g} queued {queues}")
             await anyio.sleep(0.2)
 
     @property
@@ -394,8 +393,6 @@ async def _queue_wait_p99(urls: list[str], cls: str) -> tuple[float, int]:
                     bound = float("inf") if le == "+Inf" else float(le)
                     buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[-1])
     total = buckets.get(float("inf"), 0.0)
-    if os.environ.get("BENCH_DEBUG"):
-        print("   ", {k: v for k, v in sorted(buckets.items())})
     for bound in sorted(buckets):
         if buckets[bound] >= 0.99 * total:
             return bound, int(total)
@@ -444,8 +441,7 @@ async def _phases(
                 load.start_soon(clients.open_loop, "batch", 2 * capacity_rate, loaded_s, False)
                 load.start_soon(clients.open_loop, "web", critical_rate, loaded_s, True)
             stop.set()  # (the open loops end with their last requests answered: drained)
-    waited, n = await _queue_wait_p99(urls, "critical")
-    print(f"  (critical requests' wait in the routers' queues: p99 at most {waited:g} s of {n})")
+    sampler.critical_wait = await _queue_wait_p99(urls, "critical")
     return clients, sampler, loaded_from
 
 
@@ -465,6 +461,8 @@ def _report_protection(
     limit, goal_text = goal(unloaded)
     print(f"\n{name} (capacity {engine.capacity}, {ROUTERS} routers)")
     print(f"  critical TTFT p99 unloaded {unloaded * 1000:.0f} ms ({n_un} requests)")
+    waited, n = sampler.critical_wait
+    print(f"  critical requests' wait in the routers' queues: p99 at most {waited:g} s ({n})")
     print(
         f"  critical TTFT p99 with sheddable at 2x capacity {loaded * 1000:.0f} ms "
         f"({n_lo} requests, {critical_refused} refused) = {loaded / unloaded:.2f}x unloaded; "
