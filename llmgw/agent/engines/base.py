@@ -85,9 +85,16 @@ class Flag:
 class FlagTable:
     """Spellings of an engine's options, so `-c 4096` and `--ctx-size=8192` are one flag."""
 
-    def __init__(self, flags: Iterable[Flag], *, underscores_are_dashes: bool = False) -> None:
+    def __init__(
+        self,
+        flags: Iterable[Flag],
+        *,
+        underscores_are_dashes: bool = False,
+        glued: tuple[str, ...] = (),
+    ) -> None:
         self.flags = tuple(flags)
         self._underscores = underscores_are_dashes
+        self._glued = glued  # short flags whose value may follow without a space (-O3)
         self._by_name = {name: f for f in self.flags for name in f.names}
 
     def canonical(self, token: str) -> str:
@@ -95,7 +102,7 @@ class FlagTable:
         if self._underscores and name.startswith("--"):
             # vLLM's parser accepts --max_model_len for --max-model-len
             name = "--" + name[2:].replace("_", "-")
-        return name
+        return next((g for g in self._glued if name.startswith(g) and name != g), name)
 
     def lookup(self, token: str) -> Flag | None:
         return self._by_name.get(self.canonical(token))

@@ -33,8 +33,8 @@ MANAGED = FlagTable(
         Flag(("-tp", "--tensor-parallel-size")),
         Flag(("-pp", "--pipeline-parallel-size")),
         Flag(("--download-dir",)),
-        Flag(("--nnodes",)),
-        Flag(("--node-rank",)),
+        Flag(("-n", "--nnodes")),
+        Flag(("-r", "--node-rank")),
         Flag(("--master-addr",)),
         Flag(("--master-port",)),
         Flag(("--headless",), takes_value=False),
@@ -51,8 +51,9 @@ KNOWN = FlagTable(
         *MANAGED.flags,
         Flag(("-dp", "--data-parallel-size")),
         Flag(("-q", "--quantization")),
-        Flag(("-O", "--compilation-config")),
-        Flag(("--gpu-memory-utilization",)),
+        Flag(("-O", "--optimization-level")),  # -O3 as well: vLLM reads a glued level
+        Flag(("-cc", "--compilation-config")),  # was -O before vLLM 0.11
+        Flag(("--device-memory-utilization", "--gpu-memory-utilization")),
         Flag(("--max-num-batched-tokens",)),
         Flag(("--dtype",)),
         Flag(("--kv-cache-dtype",)),
@@ -62,6 +63,7 @@ KNOWN = FlagTable(
         Flag(("--middleware",), repeatable=True),
     ],
     underscores_are_dashes=True,
+    glued=("-O",),
 )
 
 MANAGED_ENV = frozenset(
