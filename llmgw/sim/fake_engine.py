@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+from llmgw.sim import vllm_answers
+
 LLAMA_VERSION = "version: 9439 (47f6423ed)\nbuilt with cc (GCC) 13.2.0 for x86_64-linux-gnu"
 VLLM_VERSION = "0.11.2"
 ENV_PREFIXES = ("CUDA_", "NCCL_", "GLOO_", "LLAMA_", "VLLM_", "HF_")
@@ -194,6 +196,10 @@ class Engine:
     # per slot: the tokens its KV cache holds (prompt and answer of its last request)
     slot_tokens: dict[int, list[str]] = field(default_factory=dict)
     slot_used: dict[int, float] = field(default_factory=dict)
+    root: str = ""  # vLLM: the model as given (/v1/models says it)
+    # vLLM's prefix-cache counters: prompt tokens looked up, and found cached
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
     def take_slot(self, prompt: list[str]) -> tuple[int, int]:
         """llama-server's choice (server-context.cpp get_available_slot): the idle slot whose
@@ -272,7 +278,31 @@ def _llama_error(status: int, message: str, kind: str) -> dict:
 
 
 def _vllm_error(status: int, message: str, kind: str) -> dict:
-    return {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    return vllm_answers.error(status, message, kind)
+
+
+def _sse(event: dict) -> bytes:
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
+def _vllm_stream(
+    rid: str, created: int, model: str, n: int, finish: str, *, chat: bool
+) -> list[dict]:
+    """vLLM's events of a streamed answer of `n` tokens, before its usage: a chat's first
+    carries the role; the last token's carries the finish reason."""
+    events = []
+    if chat:
+        first = vllm_answers.chat_delta(None, None, role=True)
+        events.append(vllm_answers.chunk(rid, created, model, first, chat=True))
+    for i in range(max(n, 1)):
+        text = f"tok{i} " if i < n else ""
+        done = finish if i == max(n, 1) - 1 else None
+        if chat:
+            choice = vllm_answers.chat_delta(text, done)
+        else:
+            choice = vllm_answers.text_delta(text, done)
+        events.append(vllm_answers.chunk(rid, created, model, choice, chat=chat))
+    return events
 
 
 def build_app(engine: Engine):
@@ -299,19 +329,17 @@ def build_app(engine: Engine):
         return web.Response(status=200)
 
     async def models(request):
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": engine.served_name,
-                        "object": "model",
-                        "created": int(engine.started),
-                        "owned_by": "llamacpp" if engine.kind == "llama-server" else "vllm",
-                    }
-                ],
+        created = int(engine.started)
+        if engine.kind == "vllm":
+            entry = vllm_answers.model_entry(engine.served_name, engine.root, engine.ctx, created)
+        else:
+            entry = {
+                "id": engine.served_name,
+                "object": "model",
+                "created": created,
+                "owned_by": "llamacpp",
             }
-        )
+        return web.json_response({"object": "list", "data": [entry]})
 
     async def metrics(request):
         if engine.kind == "llama-server":
@@ -351,6 +379,14 @@ def build_app(engine: Engine):
                 "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
                 "# TYPE vllm:kv_cache_usage_perc gauge\n"
                 f"vllm:kv_cache_usage_perc{label} {engine.kv_usage or 0.0}\n"
+                "# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number "
+                "of queried tokens.\n"
+                "# TYPE vllm:prefix_cache_queries counter\n"
+                f"vllm:prefix_cache_queries_total{label} {float(engine.prefix_queries)}\n"
+                "# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of "
+                "cached tokens.\n"
+                "# TYPE vllm:prefix_cache_hits counter\n"
+                f"vllm:prefix_cache_hits_total{label} {float(engine.prefix_hits)}\n"
             )
         return web.Response(text=text, content_type="text/plain")
 
@@ -366,32 +402,43 @@ def build_app(engine: Engine):
             ]
         )
 
+    def refused(refusal: vllm_answers.Refusal) -> web.Response:
+        return web.json_response(refusal.body, status=refusal.status)
+
     async def completions(request):
         chat = request.path.endswith("/chat/completions")
+        vllm = engine.kind == "vllm"
         try:
-            body = await request.json()
-        except ValueError:
+            body = json.loads(await request.read())
+        except ValueError as e:
+            if vllm:
+                return refused(vllm_answers.not_json(getattr(e, "pos", 0)))
+            body = None
+        words = prompt_text(body, chat) if isinstance(body, dict) else ""
+        prompt = tokenize(words)
+        if vllm:
+            refusal = vllm_answers.refusal(
+                body,
+                chat=chat,
+                served=engine.served_name,
+                context=engine.ctx,
+                prompt_chars=len(words),
+            )
+            if refusal is not None:
+                return refused(refusal)
+        elif not isinstance(body, dict):
             return web.json_response(
                 _llama_error(400, "invalid JSON body", "invalid_request_error"), status=400
             )
         model = body.get("model") or engine.served_name
-        if engine.kind == "vllm" and model != engine.served_name:
-            return web.json_response(
-                {
-                    "object": "error",
-                    "message": f"The model `{model}` does not exist.",
-                    "type": "NotFoundError",
-                    "code": 404,
-                },
-                status=404,
-            )
         n = min(engine.tokens, int(body.get("max_tokens") or engine.tokens))
         finish = "length" if n < engine.tokens else "stop"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         text = "".join(f"tok{i} " for i in range(n))
-        prompt = tokenize(prompt_text(body, chat))
         slot, cached = engine.take_slot(prompt)
+        engine.prefix_queries += len(prompt)
+        engine.prefix_hits += cached
         usage = {
             "prompt_tokens": len(prompt),
             "completion_tokens": n,
@@ -406,6 +453,8 @@ def build_app(engine: Engine):
             "predicted_n": n,
             "predicted_ms": n / engine.token_rate * 1000,
         }
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         engine.in_flight += 1
         try:
             await asyncio.sleep(engine.first_token_seconds + prefill)
@@ -414,10 +463,26 @@ def build_app(engine: Engine):
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
                 )
                 await resp.prepare(request)
+                pace = Pace(engine.token_rate)
+                if vllm:
+                    events = _vllm_stream(rid, created, model, n, finish, chat=chat)
+                    if not include_usage:
+                        events[-1] = vllm_answers.last_chunk(events[-1])
+                    for i, event in enumerate(events):
+                        if i > 0 or not chat:
+                            await pace.next()
+                        await resp.write(_sse(event))
+                    if include_usage:
+                        used = vllm_answers.stream_usage(len(prompt), n)
+                        event = vllm_answers.usage_chunk(rid, created, model, used, chat=chat)
+                        await resp.write(_sse(event))
+                    await resp.write(b"data: [DONE]\n\n")
+                    await resp.write_eof()
+                    return resp
 
                 def chunk(
                     delta_text: str | None, finish_reason: str | None, role: bool = False
-                ) -> bytes:
+                ) -> dict:
                     if chat:
                         delta = {"role": "assistant", "content": ""} if role else {}
                         if delta_text is not None:
@@ -431,29 +496,26 @@ def build_app(engine: Engine):
                             "finish_reason": finish_reason,
                         }
                         obj = "text_completion"
-                    data = {
+                    return {
                         "id": rid,
                         "object": obj,
                         "created": created,
                         "model": model,
                         "choices": [choice],
                     }
-                    return f"data: {json.dumps(data)}\n\n".encode()
 
                 if chat:
-                    await resp.write(chunk(None, None, role=True))
-                pace = Pace(engine.token_rate)
+                    await resp.write(_sse(chunk(None, None, role=True)))
                 for i in range(n):
                     await pace.next()
-                    await resp.write(chunk(f"tok{i} ", None))
-                last = json.loads(chunk(None if chat else "", finish)[len(b"data: ") :])
+                    await resp.write(_sse(chunk(f"tok{i} ", None)))
+                last = chunk(None if chat else "", finish)
                 last["timings"] = timings  # llama-server puts them on its last chunk
-                await resp.write(f"data: {json.dumps(last)}\n\n".encode())
-                options = body.get("stream_options")
-                if isinstance(options, dict) and options.get("include_usage"):
+                await resp.write(_sse(last))
+                if include_usage:
                     only_usage = {**last, "choices": [], "usage": usage}
                     only_usage.pop("timings")
-                    await resp.write(f"data: {json.dumps(only_usage)}\n\n".encode())
+                    await resp.write(_sse(only_usage))
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 if engine.close_after_stream is not None and request.transport is not None:
@@ -466,6 +528,11 @@ def build_app(engine: Engine):
                     )
                 return resp
             await asyncio.sleep(n / engine.token_rate)
+            if vllm:
+                used = vllm_answers.usage(len(prompt), n)
+                return web.json_response(
+                    vllm_answers.whole(rid, created, model, text, finish, used, chat=chat)
+                )
             if chat:
                 choice = {
                     "index": 0,
@@ -544,7 +611,12 @@ def build_app(engine: Engine):
         """vLLM refuses a model it does not serve; llama-server serves whatever is asked."""
         if engine.kind == "vllm" and model != engine.served_name:
             return web.json_response(
-                _vllm_error(404, f"The model `{model}` does not exist.", "NotFoundError"),
+                vllm_answers.error(
+                    404,
+                    f"The model `{model}` does not exist. Valid aliases: {engine.served_name}.",
+                    "NotFoundError",
+                    "model",
+                ),
                 status=404,
             )
         return None
@@ -826,6 +898,14 @@ def build_app(engine: Engine):
                     _llama_error(404, "File Not Found", "not_found_error"), status=404
                 )
             return web.json_response({"detail": "Not Found"}, status=404)
+        except web.HTTPMethodNotAllowed as e:
+            if engine.kind == "llama-server":
+                raise
+            return web.json_response(
+                {"detail": "Method Not Allowed"},
+                status=405,
+                headers={"Allow": ", ".join(e.allowed_methods)},
+            )
 
     app = web.Application(middlewares=[not_found, gate])
     app.router.add_get("/health", health)
@@ -989,6 +1069,7 @@ def engine_for(
         metrics=True if vllm else ns.metrics,
         slots=1 if vllm else max(1, ns.parallel),
         ctx=(ns.max_model_len or 4096) if vllm else ns.ctx_size,
+        root=ns.model if vllm else "",
         tokens=tokens,
         token_rate=max(0.001, token_rate),
         first_token_seconds=max(0.0, first_token_seconds),
