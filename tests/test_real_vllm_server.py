@@ -26,3 +26,14 @@ def test_streamed_chat_ends_with_usage_then_done(vllm_server: RunningVllm):
     *answer, usage = chunks
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8
     assert answer[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_discovery_reads_the_real_vllms_version_and_that_it_is_a_cpu_build():
+    from real_vllm import vllm_binary
+
+    from llmgw.agent.discovery.engines import probe_engines
+
+    binary = vllm_binary()
+    [engine] = probe_engines(f"{binary.parent}:/usr/bin:/bin", [])
+    assert (engine.name, engine.path) == ("vllm", str(binary))
+    assert engine.version.startswith("0.") and engine.cpu_only, engine

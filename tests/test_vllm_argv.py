@@ -30,7 +30,15 @@ MEMBER = dict(BASE, weights_path="/models/qwen", gpu_uuids=GPUS, nodes=2, master
 
 # every shape of launch llmgw makes of a vLLM profile
 SHAPES: dict[str, LaunchSpec] = {
-    "cpu": LaunchSpec(**BASE, weights_path="/models/qwen", context=1024, parallel=4),
+    "cpu": LaunchSpec(
+        **BASE,
+        weights_path="/models/qwen",
+        context=1024,
+        parallel=4,
+        host_ram_bytes=40 * 10**9,
+        kv_cache_bytes=20 * 10**9,
+        cpu_cores=(0, 1, 2, 3),
+    ),
     "gpus": LaunchSpec(
         **BASE, weights_path="/models/qwen", gpu_uuids=GPUS[:2], context=8192, parallel=16
     ),
@@ -206,6 +214,7 @@ def test_vllms_own_parser_takes_each_command_line_and_reads_what_llmgw_meant():
     assert args["cpu"]["served_model_name"] == ["qwen-7b"]
     assert (args["cpu"]["max_model_len"], args["cpu"]["max_num_seqs"]) == (1024, 4)
     assert (args["cpu"]["host"], args["cpu"]["port"]) == ("0.0.0.0", 18000)
+    assert args["cpu"]["kv_cache_memory_bytes"] == 20 * 10**9
     assert args["gpus"]["tensor_parallel_size"] == 2
     assert (args["download"]["model_tag"], args["download"]["download_dir"]) == (
         "Qwen/Qwen2.5-7B-Instruct",

