@@ -255,16 +255,18 @@ def sse_payloads(raw: bytes) -> list[str]:
 
 
 def leftover_vllm_processes(since: float) -> list[str]:
-    """vLLM processes (API servers, EngineCores, workers) started at or after `since` (unix
-    seconds) that still run: what a test must not leave behind."""
+    """Processes of the vLLM under test (its API servers and their resource trackers, run by
+    its environment's python; EngineCores and workers, which retitle themselves VLLM::...)
+    started at or after `since` (unix seconds) that still run: what a test must not leave."""
+    prefix = str(vllm_binary().parent.parent)
     found = []
     for p in psutil.process_iter(["pid", "name", "cmdline", "create_time", "status"]):
         info = p.info
         if info["status"] == psutil.STATUS_ZOMBIE or (info["create_time"] or 0) < since:
             continue
-        text = " ".join(info["cmdline"] or []) + " " + (info["name"] or "")
-        if "VLLM::" in text or " serve " in text and "vllm" in text:
-            found.append(f"{info['pid']} {text.strip()[:120]}")
+        text = " ".join(info["cmdline"] or []) or (info["name"] or "")
+        if text.startswith("VLLM::") or prefix in text:
+            found.append(f"{info['pid']} {text[:120]}")
     return found
 
 
@@ -283,3 +285,24 @@ def _not_zombie(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def cpu_vllm_model(model_dir: Path, *, model_id: str = "tiny", **profile: object):
+    """A vLLM model on CPU nodes from the tiny model directory, validated as the CLI does:
+    offline, no usage report, a 4 GB RAM budget (1 GB of KV cache once vLLM's processes
+    and the weights are counted), one core of its own, and -O0 for a quicker start."""
+    from llmgw import catalog
+
+    base = {
+        "name": "cpu",
+        "engine": "vllm",
+        "weights": {"path": str(model_dir)},
+        "gpus_per_node": 0,
+        "host_ram_gb": 4,
+        "cpu_cores": 1,
+        "context": CONTEXT,
+        "extra_args": list(QUICK_START),
+        "env": {k: TEST_ENV[k] for k in ("HF_HUB_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK")},
+    }
+    entry = {"id": model_id, "served_name": SERVED, "profiles": [{**base, **profile}]}
+    return catalog.validate_models({"models": [entry]})[0]

@@ -228,6 +228,7 @@ class NodeShards:
                             running=g.running,
                             waiting=g.waiting,
                             kv_cache=g.kv_cache,
+                            prefix_hits=g.prefix_hits,
                         )
                     )
 
@@ -612,6 +613,7 @@ class LocalShard:
                 restarts=change.restarts,
                 pid=change.pid,
                 gave_up=change.gave_up,
+                refused=change.refused,
             )
 
         supervisor = EngineSupervisor(

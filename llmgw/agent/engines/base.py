@@ -175,21 +175,33 @@ class EngineGauges:
     running: int | None
     waiting: int | None
     kv_cache: float | None  # fraction in use, 0..1
+    prefix_hits: float | None = None  # fraction of looked-up prompt tokens found cached
 
 
 def read_gauges(
-    text: str, running: str, waiting: str, kv_cache: tuple[str, ...]
+    text: str,
+    running: str,
+    waiting: str,
+    kv_cache: tuple[str, ...],
+    prefix: tuple[str, str] | None = None,
 ) -> EngineGauges | None:
-    """An engine's three load gauges from its Prometheus text, by the names its adapter
-    gives (the KV cache's first name found: vLLM renamed it); None when it reports none."""
+    """An engine's load gauges from its Prometheus text, by the names its adapter gives (the
+    KV cache's first name found: vLLM renamed it; `prefix`: the counters of prompt tokens
+    found in its prefix cache and looked up); None when it reports none."""
     busy, queued = metric_sum(text, running), metric_sum(text, waiting)
     kv = next((v for v in (metric_sum(text, n) for n in kv_cache) if v is not None), None)
     if busy is None and queued is None and kv is None:
         return None
+    hits = None
+    if prefix is not None:
+        found, asked = metric_sum(text, prefix[0]), metric_sum(text, prefix[1])
+        if found is not None and asked is not None:
+            hits = min(1.0, max(0.0, found / asked)) if asked > 0 else 0.0
     return EngineGauges(
         running=None if busy is None else max(0, int(busy)),
         waiting=None if queued is None else max(0, int(queued)),
         kv_cache=None if kv is None else min(1.0, max(0.0, kv)),
+        prefix_hits=hits,
     )
 
 

@@ -294,32 +294,40 @@ def check_extra_args(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) 
     return _refuse(*reasons)
 
 
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why an engine could not bind `host:port` now (None: it could)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # the engines set SO_REUSEADDR too, so a port in TIME_WAIT is free for them
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e
+    return None
+
+
 def check_port(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[Problem]:
     if spec.headless:
         return []
     if not 0 < spec.port < 65536:
         return _refuse(f"port {spec.port} is not a usable TCP port")
-    family = socket.AF_INET6 if ":" in spec.host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        # the engines set SO_REUSEADDR too, so a port in TIME_WAIT is free for them
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((spec.host, spec.port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                # an engine of a removed replica may still be stopping: this clears by
-                # itself; another program that took the port after placement does not, and
-                # the controller moves the replica to another port
-                return [
-                    Problem(
-                        f"port {spec.port} on {spec.host} is in use by another process; "
-                        "a leftover engine? (see `ss -ltnp`)",
-                        transient=True,
-                        refused=PORT_IN_USE,
-                    )
-                ]
-            return _refuse(f"cannot bind {spec.host}:{spec.port}: {e.strerror}")
-    return []
+    e = bind_error(spec.host, spec.port)
+    if e is None:
+        return []
+    if e.errno == errno.EADDRINUSE:
+        # an engine of a removed replica may still be stopping: this clears by itself;
+        # another program that took the port after placement does not, and the controller
+        # moves the replica to another port
+        return [
+            Problem(
+                f"port {spec.port} on {spec.host} is in use by another process; "
+                "a leftover engine? (see `ss -ltnp`)",
+                transient=True,
+                refused=PORT_IN_USE,
+            )
+        ]
+    return _refuse(f"cannot bind {spec.host}:{spec.port}: {e.strerror}")
 
 
 CHECKS: tuple[Check, ...] = (

@@ -217,6 +217,7 @@ class VllmAdapter:
             "vllm:num_requests_running",
             "vllm:num_requests_waiting",
             ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+            ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
         )
 
     def check(self, spec: LaunchSpec) -> list[str]:
