@@ -1173,7 +1173,8 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
         log(f"INFO [api_server.py:1800] vLLM API server version {VLLM_VERSION}", err=False)
         log(f"INFO [utils.py:300] non-default args: {sys.argv[2:]}", err=False)
         gpus = _visible_gpus()
-        if local_world > gpus:
+        # on the CPU platform a rank is a process on the node's cores, not a GPU
+        if local_world > gpus and os.environ.get("VLLM_TARGET_DEVICE") != "cpu":
             _fail(
                 [
                     f"ValueError: World size ({local_world}) is larger than the number of available GPUs ({gpus}) in this node."
