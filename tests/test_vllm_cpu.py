@@ -184,3 +184,46 @@ def test_a_cpu_vllm_without_a_ram_budget_is_refused_saying_why(tmp_path):
         "a CPU vLLM needs host_ram_gb in its profile: its KV cache is what that leaves after "
         "the weights (without a size vLLM reserves 92% of the node's RAM)"
     ]
+
+
+@pytest.mark.anyio
+async def test_two_cpu_vllm_engines_on_one_node_are_each_pinned_to_cores_of_their_own(
+    bus, nats_server, controller, tmp_path
+):
+    """What vLLM does by default is pin every engine's threads to core 0."""
+    import os
+
+    import psutil
+    from agent_helpers import start_fake_engine_agent, stop
+    from real_vllm import cpu_vllm_model
+    from serving import serve
+    from waiting import until
+
+    from llmgw.agent.config import Engines
+    from llmgw.bus import keys, records
+    from llmgw.bus.client import decoder
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two engines of one core each need two cores")
+    engines = Engines(listen_host="127.0.0.1", poll_interval=0.1, stop_grace=3)
+    agent = start_fake_engine_agent(nats_server.url, tmp_path, engines, id="cpu1", vllm_cpu=True)
+    try:
+        await serve(bus, cpu_vllm_model(tiny_model(tmp_path / "m")), 2)
+
+        async def both_ready():
+            got = await bus.list(keys.pattern(keys.SHARDS, "cpu1"), decoder(records.Shard))
+            ready = [e.value for e in got.values() if e.value.phase == "ready"]
+            return ready if len(ready) == 2 else None
+
+        shards = await until(both_ready, timeout=60)
+        envs = [psutil.Process(s.pid).environ() for s in shards]
+        cores = sorted(int(e["VLLM_CPU_OMP_THREADS_BIND"]) for e in envs)
+        assert cores == sorted(os.sched_getaffinity(0))[:2]  # one each, never the same
+        assert {e["VLLM_TARGET_DEVICE"] for e in envs} == {"cpu"}
+        for s in shards:
+            argv = psutil.Process(s.pid).cmdline()
+            assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(
+                4 * GB - 800_000 - VLLM_CPU_OVERHEAD
+            )
+    finally:
+        stop(agent.proc)

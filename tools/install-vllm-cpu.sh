@@ -70,7 +70,8 @@ main() {
     # directory). Asked for by another package, a bare `torch` would pull a CUDA build of GBs.
     log "installing torch==$TORCH (the CPU build)"
     quietly "${pip[@]}" install "torch==$TORCH"
-    if ! "$DEST/bin/python" -c 'import torch, sys; sys.exit(torch.version.cuda is not None)'; then
+    if ! "$DEST/bin/python" -c 'import torch, sys; sys.exit(torch.version.cuda is not None)' \
+        2>>"$WORK/pip.log"; then
         log "pip installed a CUDA build of torch $TORCH; put the +cpu wheel where pip finds it" \
             "(pip install --find-links DIR, or --index-url https://download.pytorch.org/whl/cpu)"
         exit 1
