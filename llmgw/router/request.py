@@ -21,10 +21,11 @@ makes one replica too busy (llmgw/router/balancer.py).
 from __future__ import annotations
 
 import enum
+import json
 
 import msgspec
 
-from llmgw.router import multipart
+from llmgw.router import generation, multipart
 from llmgw.router.table import stable_hash
 
 PROMPT_PREFIX = 1024  # bytes of a completions prompt that decide its replica
@@ -55,10 +56,15 @@ class _Body(msgspec.Struct):
     input: msgspec.Raw = msgspec.Raw(b"")
     instructions: object = None
     input_prefix: object = None
-    # what a gateway reserves before the request runs (router/keygate.py)
+    # what a gateway reserves before the request runs (router/generation.py)
     max_tokens: object = None
     max_completion_tokens: object = None
-    max_output_tokens: object = None
+    max_output_tokens: object = msgspec.UNSET
+    n_predict: object = None
+    n: object = None
+    n_cmpl: object = None
+    best_of: object = None
+    stream_interval: object = None
     stream_options: object = None
 
 
@@ -75,15 +81,43 @@ class Parsed(msgspec.Struct, frozen=True):
     model: str
     stream: bool
     affinity: int | None
-    # the most it may generate, as the client said (None: not said), and the size in bytes
-    # of its prompt's JSON (messages, prompt, input, instructions): what a gateway reserves
+    # what a gateway reserves (router/keygate.py): whether the route generates, the most one
+    # answer may generate as every engine reads the body (None: the body does not say),
+    # whether to reserve what the engine may generate whatever the body says (`most`), how
+    # many answers it asks for, and the size in bytes of what the engine reads as its prompt
+    generates: bool = False
     max_tokens: int | None = None
+    most: bool = False
+    answers: int = 1
     prompt_bytes: int = 0
     # a stream whose client asked for `stream_options.include_usage` itself
     usage_asked: bool = False
 
 
 _FORM_FIELDS = frozenset((b"model", b"stream", b"user"))
+# the routes that generate, as generation.size names them
+_GENERATING = {
+    Affinity.CHAT: "chat",
+    Affinity.PROMPT: "completions",
+    Affinity.RESPONSES: "responses",
+    Affinity.INFILL: "infill",
+}
+# top-level fields the router reads or that change what is generated: a body naming one
+# twice is refused, since which of the two an engine takes is its parser's choice
+_ONCE = (
+    "model",
+    "stream",
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "n_predict",
+    "n",
+    "n_cmpl",
+    "best_of",
+    "prompt",
+    "stream_interval",
+)
+_ONCE_QUOTED = tuple(b'"%s"' % name.encode() for name in _ONCE)
 
 
 def parse(
@@ -116,23 +150,79 @@ def parse(
         raise BadRequest("the body nests JSON too deeply to be a request") from None
     if not isinstance(parsed.model, str) or not parsed.model:
         raise BadRequest("`model` is missing or not a string: set it to a name /v1/models lists")
+    repeated = _repeated(body)
+    if repeated is not None:
+        raise BadRequest(
+            f"the body names `{repeated}` twice: the router and an engine could each take "
+            "a different one; send it once"
+        )
+    if parsed.stream is not None and type(parsed.stream) is not bool:
+        # vLLM streams for 1 or "yes", llama-server answers whole: the answer's framing, and
+        # so its metering, would depend on the engine
+        raise BadRequest(f"`stream` must be true or false (got {parsed.stream!r})")
     options = parsed.stream_options
-    instructions = parsed.instructions if isinstance(parsed.instructions, str) else ""
-    prompt_bytes = len(parsed.messages) + len(parsed.prompt) + len(parsed.input)
+    stream = parsed.stream is True
+    route = _GENERATING.get(affinity)
+    size, answers = generation.Size(), 1
+    if route is not None:
+        size = generation.size(
+            generation.Caps(
+                parsed.max_tokens,
+                parsed.max_completion_tokens,
+                None if parsed.max_output_tokens is msgspec.UNSET else parsed.max_output_tokens,
+                parsed.n_predict,
+                output_given=parsed.max_output_tokens is not msgspec.UNSET,
+            ),
+            route,
+        )
+        try:
+            answers = generation.answers(
+                parsed.n,
+                parsed.n_cmpl,
+                parsed.best_of,
+                parsed.prompt if affinity is Affinity.PROMPT else None,
+            )
+        except generation.BadCount as e:
+            raise BadRequest(str(e)) from None
     return Parsed(
         model=parsed.model,
-        stream=parsed.stream is True,
+        stream=stream,
         affinity=None if affinity is Affinity.NONE else _affinity(parsed, affinity, session),
-        max_tokens=_max_tokens(parsed),
-        prompt_bytes=prompt_bytes + len(instructions),
+        generates=route is not None,
+        max_tokens=size.max_tokens,
+        # an answer the router cannot cut short, a cap it cannot read, or a stream whose
+        # events may each carry many tokens (vLLM's `stream_interval`): the stream's charge
+        # as it goes would not hold it
+        most=size.max_tokens is None
+        and (size.odd or not stream or parsed.stream_interval not in (None, 1)),
+        answers=answers,
+        # the whole body: the messages or prompt, and the tools, documents and instructions
+        # that engines put in the prompt too (an estimate; the engine's usage settles it)
+        prompt_bytes=len(body),
         usage_asked=isinstance(options, dict) and options.get("include_usage") is True,
     )
 
 
-def _max_tokens(parsed: _Body) -> int | None:
-    for value in (parsed.max_completion_tokens, parsed.max_tokens, parsed.max_output_tokens):
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
+def _repeated(body: bytes) -> str | None:
+    """A field of `_ONCE` the body's top-level object names twice (the bytes are counted
+    first: a body with each name at most once, the common case, is not parsed again)."""
+    if all(body.count(quoted) < 2 for quoted in _ONCE_QUOTED):
+        return None
+    top: list[list[tuple[str, object]]] = []
+
+    def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
+        top[:] = [items]  # the outermost object is the last one to close
+        return dict(items)
+
+    try:
+        json.loads(body, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return None  # msgspec read it: what json cannot is not a request's JSON
+    seen: set[str] = set()
+    for name, _ in top[0] if top else ():
+        if name in _ONCE and name in seen:
+            return name
+        seen.add(name)
     return None
 
 
@@ -149,10 +239,12 @@ def _parse_form(body: bytes, content_type: bytes, session: bytes | None) -> Pars
         raise BadRequest("the form has no `model` field: add one naming a model /v1/models lists")
     user = fields.get(b"user", b"").strip()
     key = b"user:" + user if user else b"session:" + session if session else None
+    # the audio routes generate text; their forms say no cap the router reads
     return Parsed(
         model=model,
         stream=fields.get(b"stream", b"").strip().lower() == b"true",
         affinity=stable_hash(key) if key else None,
+        generates=True,
     )
 
 
