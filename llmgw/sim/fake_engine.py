@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+from llmgw.sim import engine_params
+
 LLAMA_VERSION = "version: 9439 (47f6423ed)\nbuilt with cc (GCC) 13.2.0 for x86_64-linux-gnu"
 VLLM_VERSION = "0.11.2"
 ENV_PREFIXES = ("CUDA_", "NCCL_", "GLOO_", "LLAMA_", "VLLM_", "HF_")
@@ -191,6 +193,15 @@ class Engine:
     # per slot: the tokens its KV cache holds (prompt and answer of its last request)
     slot_tokens: dict[int, list[str]] = field(default_factory=dict)
     slot_used: dict[int, float] = field(default_factory=dict)
+    # the engine's own count of what it read and generated, every route (its /metrics:
+    # llama-server's prompt_tokens_total and tokens_predicted_total, vLLM's
+    # prompt_tokens_total and generation_tokens_total)
+    prompt_total: int = 0
+    generated_total: int = 0
+
+    def counted(self, prompt: int, generated: int) -> None:
+        self.prompt_total += prompt
+        self.generated_total += generated
 
     def take_slot(self, prompt: list[str]) -> tuple[int, int]:
         """llama-server's choice (server-context.cpp get_available_slot): the idle slot whose
@@ -257,6 +268,16 @@ def prompt_text(body: dict, chat: bool) -> str:
         )
     prompt = body.get("prompt", "")
     return prompt if isinstance(prompt, str) else "".join(str(p) for p in prompt)
+
+
+def prompt_texts(body: dict, chat: bool) -> list[str]:
+    """Each prompt a request's answers are generated from: a completions' list of strings
+    (or of token lists) is several, answered alone; anything else is one."""
+    prompt = body.get("prompt")
+    if not chat and isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str | list) for p in prompt):
+            return [p if isinstance(p, str) else " ".join(map(str, p)) for p in prompt]
+    return [prompt_text(body, chat)]
 
 
 def tokenize(text: str) -> list[str]:
@@ -335,6 +356,12 @@ def build_app(engine: Engine):
                 "# HELP llamacpp:kv_cache_usage_ratio KV-cache usage. 1 means 100 percent usage.\n"
                 "# TYPE llamacpp:kv_cache_usage_ratio gauge\n"
                 f"llamacpp:kv_cache_usage_ratio {kv}\n"
+                "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
+                "# TYPE llamacpp:prompt_tokens_total counter\n"
+                f"llamacpp:prompt_tokens_total {engine.prompt_total}\n"
+                "# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.\n"
+                "# TYPE llamacpp:tokens_predicted_total counter\n"
+                f"llamacpp:tokens_predicted_total {engine.generated_total}\n"
             )
         else:
             label = f'{{engine="0",model_name="{engine.served_name}"}}'
@@ -348,6 +375,12 @@ def build_app(engine: Engine):
                 "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
                 "# TYPE vllm:kv_cache_usage_perc gauge\n"
                 f"vllm:kv_cache_usage_perc{label} {engine.kv_usage or 0.0}\n"
+                "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n"
+                "# TYPE vllm:prompt_tokens_total counter\n"
+                f"vllm:prompt_tokens_total{label} {float(engine.prompt_total)}\n"
+                "# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
+                "# TYPE vllm:generation_tokens_total counter\n"
+                f"vllm:generation_tokens_total{label} {float(engine.generated_total)}\n"
             )
         return web.Response(text=text, content_type="text/plain")
 
@@ -362,6 +395,9 @@ def build_app(engine: Engine):
                 for i in range(engine.slots)
             ]
         )
+
+    def refused(e: engine_params.Refused) -> web.Response:
+        return web.json_response(_vllm_error(400, str(e), "BadRequestError"), status=400)
 
     async def completions(request):
         chat = request.path.endswith("/chat/completions")
@@ -382,17 +418,26 @@ def build_app(engine: Engine):
                 },
                 status=404,
             )
-        n = min(engine.tokens, int(body.get("max_tokens") or engine.tokens))
+        try:  # what to generate, read as the engine reads it (odd forms included)
+            cap = engine_params.cap(engine.kind, "chat" if chat else "completions", body)
+            copies = engine_params.choices(engine.kind, body)
+            stream = engine_params.streams(engine.kind, body)
+        except engine_params.Refused as e:
+            return refused(e)
+        n = min(engine.tokens, cap or engine.tokens)
         finish = "length" if n < engine.tokens else "stop"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         text = "".join(f"tok{i} " for i in range(n))
+        prompts = prompt_texts(body, chat)
+        copies *= len(prompts)  # each prompt of a list is answered alone
         prompt = tokenize(prompt_text(body, chat))
         slot, cached = engine.take_slot(prompt)
+        prompt_tokens = sum(len(tokenize(p)) for p in prompts)
         usage = {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": n,
-            "total_tokens": len(prompt) + n,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n * copies,
+            "total_tokens": prompt_tokens + n * copies,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
         prefill = (len(prompt) - cached) / engine.prefill_rate if engine.prefill_rate else 0.0
@@ -404,26 +449,30 @@ def build_app(engine: Engine):
             "predicted_ms": n / engine.token_rate * 1000,
         }
         engine.in_flight += 1
+        engine.counted(prompt_tokens, 0)
         try:
             await asyncio.sleep(engine.first_token_seconds + prefill)
-            if body.get("stream"):
+            if stream:
                 resp = web.StreamResponse(
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
                 )
                 await resp.prepare(request)
 
                 def chunk(
-                    delta_text: str | None, finish_reason: str | None, role: bool = False
+                    delta_text: str | None,
+                    finish_reason: str | None,
+                    role: bool = False,
+                    index: int = 0,
                 ) -> bytes:
                     if chat:
                         delta = {"role": "assistant", "content": ""} if role else {}
                         if delta_text is not None:
                             delta["content"] = delta_text
-                        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+                        choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
                         obj = "chat.completion.chunk"
                     else:
                         choice = {
-                            "index": 0,
+                            "index": index,
                             "text": delta_text or "",
                             "finish_reason": finish_reason,
                         }
@@ -438,14 +487,19 @@ def build_app(engine: Engine):
                     return f"data: {json.dumps(data)}\n\n".encode()
 
                 if chat:
-                    await resp.write(chunk(None, None, role=True))
+                    for c in range(copies):
+                        await resp.write(chunk(None, None, role=True, index=c))
                 pace = Pace(engine.token_rate)
                 for i in range(n):
                     await pace.next()
-                    await resp.write(chunk(f"tok{i} ", None))
-                last = json.loads(chunk(None if chat else "", finish)[len(b"data: ") :])
-                last["timings"] = timings  # llama-server puts them on its last chunk
-                await resp.write(f"data: {json.dumps(last)}\n\n".encode())
+                    for c in range(copies):
+                        await resp.write(chunk(f"tok{i} ", None, index=c))
+                        engine.counted(0, 1)  # as each is written: a client may leave
+                for c in range(copies):
+                    last = json.loads(chunk(None if chat else "", finish, index=c)[6:])
+                    if c == copies - 1:
+                        last["timings"] = timings  # llama-server puts them on its last chunk
+                    await resp.write(f"data: {json.dumps(last)}\n\n".encode())
                 options = body.get("stream_options")
                 if isinstance(options, dict) and options.get("include_usage"):
                     only_usage = {**last, "choices": [], "usage": usage}
@@ -464,22 +518,28 @@ def build_app(engine: Engine):
                 return resp
             await asyncio.sleep(n / engine.token_rate)
             if chat:
-                choice = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish,
-                }
+                answers = [
+                    {
+                        "index": c,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": finish,
+                    }
+                    for c in range(copies)
+                ]
                 obj = "chat.completion"
             else:
-                choice = {"index": 0, "text": text, "finish_reason": finish}
+                answers = [
+                    {"index": c, "text": text, "finish_reason": finish} for c in range(copies)
+                ]
                 obj = "text_completion"
+            engine.counted(0, n * copies)
             return web.json_response(
                 {
                     "id": rid,
                     "object": obj,
                     "created": created,
                     "model": model,
-                    "choices": [choice],
+                    "choices": answers,
                     "usage": usage,
                     "timings": timings,
                 }
@@ -505,6 +565,7 @@ def build_app(engine: Engine):
             for i, x in enumerate(inputs)
         ]
         n = sum(len(tokenize(str(x))) for x in inputs)
+        engine.counted(n, 0)
         return web.json_response(
             {
                 "object": "list",
@@ -562,6 +623,7 @@ def build_app(engine: Engine):
         if isinstance(top_n, int):
             results = results[:top_n]
         n = len(tokenize(query)) + sum(len(tokenize(str(d))) for d in documents)
+        engine.counted(n, 0)
         if engine.kind == "vllm":
             for r in results:
                 r["document"] = {"text": str(documents[r["index"]])}
@@ -569,7 +631,7 @@ def build_app(engine: Engine):
                 {
                     "id": f"rerank-{uuid.uuid4().hex[:24]}",
                     "model": body.get("model"),
-                    "usage": {"total_tokens": n},
+                    "usage": {"prompt_tokens": n, "total_tokens": n},
                     "results": results,
                 }
             )
@@ -591,6 +653,8 @@ def build_app(engine: Engine):
         first = str(body.get("text_1", ""))
         second = body.get("text_2", "")
         second = second if isinstance(second, list) else [second]
+        n = len(second) * len(tokenize(first)) + sum(len(tokenize(str(t))) for t in second)
+        engine.counted(n, 0)
         return web.json_response(
             {
                 "id": f"score-{uuid.uuid4().hex[:24]}",
@@ -601,7 +665,7 @@ def build_app(engine: Engine):
                     {"index": i, "object": "score", "score": s}
                     for i, s in enumerate(scores(first, second))
                 ],
-                "usage": {"prompt_tokens": len(tokenize(first)), "total_tokens": 0},
+                "usage": {"prompt_tokens": n, "total_tokens": n},
             }
         )
 
@@ -629,6 +693,7 @@ def build_app(engine: Engine):
             else:
                 data.append({"index": i, "object": "pooling", "data": [float(len(str(x)))]})
         n = sum(len(tokenize(str(x))) for x in inputs)
+        engine.counted(n, 0)
         return web.json_response(
             {
                 "id": f"{'classify' if classify else 'pool'}-{uuid.uuid4().hex[:24]}",
@@ -666,33 +731,66 @@ def build_app(engine: Engine):
         return web.json_response({key: text})
 
     async def infill(request):
-        """llama-server's fill-in-the-middle: its own (non-OpenAI) completion shape."""
+        """llama-server's fill-in-the-middle: its own (non-OpenAI) completion shape, its
+        counts beside the answer (`tokens_evaluated`, `tokens_predicted`, in every event of
+        a stream), no `usage`."""
         body = await json_body(request)
         if isinstance(body, web.Response):
             return body
-        n = min(engine.tokens, int(body.get("n_predict") or engine.tokens))
+        cap = engine_params.cap(engine.kind, "infill", body)
+        n = min(engine.tokens, cap or engine.tokens)
+        prompt = len(
+            tokenize(
+                "".join(str(body.get(k) or "") for k in ("input_prefix", "input_suffix", "prompt"))
+            )
+        )
         engine.in_flight += 1
+        engine.counted(prompt, 0)
         try:
             await asyncio.sleep(engine.first_token_seconds)
-            if body.get("stream"):
+            if engine_params.streams(engine.kind, body):
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
                 pace = Pace(engine.token_rate)
                 for i in range(n):
                     await pace.next()
-                    data = {"content": f"tok{i} ", "stop": False, "index": 0}
+                    data = {
+                        "index": 0,
+                        "content": f"tok{i} ",
+                        "tokens": [],
+                        "stop": False,
+                        "id_slot": -1,
+                        "tokens_predicted": i + 1,
+                        "tokens_evaluated": prompt,
+                    }
                     await resp.write(f"data: {json.dumps(data)}\n\n".encode())
-                last = {"content": "", "stop": True, "index": 0, "model": engine.served_name}
+                    engine.counted(0, 1)
+                last = {
+                    "index": 0,
+                    "content": "",
+                    "tokens": [],
+                    "stop": True,
+                    "model": engine.served_name,
+                    "tokens_predicted": n,
+                    "tokens_evaluated": prompt,
+                    "timings": {"prompt_n": prompt, "predicted_n": n},
+                }
                 await resp.write(f"data: {json.dumps(last)}\n\n".encode())
                 await resp.write_eof()
                 return resp
             await asyncio.sleep(n / engine.token_rate)
+            engine.counted(0, n)
             return web.json_response(
                 {
+                    "index": 0,
                     "content": "".join(f"tok{i} " for i in range(n)),
+                    "tokens": [],
+                    "id_slot": 0,
                     "stop": True,
                     "model": engine.served_name,
                     "tokens_predicted": n,
+                    "tokens_evaluated": prompt,
+                    "timings": {"prompt_n": prompt, "predicted_n": n},
                 }
             )
         finally:
@@ -706,7 +804,12 @@ def build_app(engine: Engine):
         model = body.get("model")
         if (refused := wrong_model(model)) is not None:
             return refused
-        n = min(engine.tokens, int(body.get("max_output_tokens") or engine.tokens))
+        try:
+            cap = engine_params.cap(engine.kind, "responses", body)
+            stream = engine_params.streams(engine.kind, body)
+        except engine_params.Refused as e:
+            return refused(e)
+        n = min(engine.tokens, cap or engine.tokens)
         source = body.get("input", "")
         prompt = tokenize(source if isinstance(source, str) else json.dumps(source))
         rid, mid = f"resp_{uuid.uuid4().hex[:24]}", f"msg_{uuid.uuid4().hex[:24]}"
@@ -746,10 +849,12 @@ def build_app(engine: Engine):
             }
 
         engine.in_flight += 1
+        engine.counted(len(prompt), 0)
         try:
             await asyncio.sleep(engine.first_token_seconds)
-            if not body.get("stream"):
+            if not stream:
                 await asyncio.sleep(n / engine.token_rate)
+                engine.counted(0, n)
                 return web.json_response(response("completed", text))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -773,6 +878,7 @@ def build_app(engine: Engine):
                     delta=f"tok{i} ",
                     logprobs=[],
                 )
+                engine.counted(0, 1)
             await event("response.completed", response=response("completed", text))
             await resp.write_eof()
             return resp
