@@ -1,7 +1,7 @@
 """KeyTable: the keys and teams a router knows, from its watch of `apikeys.*` and `teams.*`.
 
-Every check is a dict lookup and one SHA-256 against what the table holds: no NATS round
-trip on the request path. Expiry and revocation times are compared with the clock at each
+Every check is a dict lookup and SHA-256 digests against what the table holds (as many
+for a name that is no key's: credentials.match): no NATS round trip on the request path. Expiry and revocation times are compared with the clock at each
 request, so an expired key fails on a router cut off from NATS too. A revocation reaches a
 router through its watch (milliseconds); a router cut off from NATS cannot hear of one, so
 it serves the keys it knows for `serve_known_for` seconds after it was cut off (default
