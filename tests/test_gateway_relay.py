@@ -16,7 +16,7 @@ from real_llama import RunningLlamaServer, serving_tiny_model, tiny_gguf
 from llmgw.bus import keys, records
 from llmgw.gateway import credentials, usage
 from llmgw.gateway.gateway import Admission, Gateway
-from llmgw.gateway.relay import MAX_LINE, GatewayTicket, UsageReader
+from llmgw.gateway.relay import MAX_LINE, NATIVE_KEY, GatewayTicket, UsageReader
 
 pytestmark = pytest.mark.anyio
 
@@ -167,6 +167,11 @@ def test_llama_server_s_own_stream_is_charged_its_counts_also_when_cut() -> None
     for e in [*events[2:], last]:
         reader.feed(e)
     assert reader.usage() == usage.Usage(9, 4) and reader.events == 4
+    # as the router relays it: a piece at a time, each marked by the route's counts
+    admitted = Admission(Gateway("r", _NoCounter()), None, None, "m", "", True, 0.0)
+    ticket = GatewayTicket(admitted, stream=True, usage_key=NATIVE_KEY)
+    assert b"".join(ticket.chunk(e) or b"" for e in [*events, last]) == b"".join([*events, last])
+    assert ticket.usage() == usage.Usage(9, 4)
 
 
 def test_an_answer_is_read_as_what_it_is_not_as_the_request_said() -> None:

@@ -142,7 +142,7 @@ def test_routes_that_generate_nothing_reserve_only_their_prompt():
         b'{"model": "a", "max_tokens": 5, "max_tokens": 5000}',
         b'{"model": "a", "n": 1, "n": 50}',
         b'{"model": "a", "stream": false, "stream": true}',
-        b'{"model": "a", "prompt": "x", "prompt": ["a", "b"]}',
+        b'{"model": "a", "n_predict": 5, "messages": [], "n_predict": -1}',
     ],
 )
 def test_a_body_naming_a_field_twice_is_refused(body):

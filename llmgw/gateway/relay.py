@@ -36,23 +36,42 @@ def _framing(data: bytes) -> bool | None:
     return False
 
 
+# the bytes that mark a stream's piece that may carry usage: `usage`, or on llama-server's
+# own routes (/infill) its counts
+USAGE_KEY = b'"usage"'
+NATIVE_KEY = b'"tokens_predicted"'
+
+
 def _may_carry_usage(data: bytes) -> bool:
     """A piece that may carry a usage in some route's names (usage.py)."""
-    return b'"usage"' in data or b'"tokens_predicted"' in data
+    return USAGE_KEY in data or NATIVE_KEY in data
 
 
 class UsageReader:
     """The usage of one answer, from its bytes in the order relayed. `stream`: what the
     request asked for, until the answer's first bytes say what it is."""
 
-    __slots__ = ("stream", "events", "_line", "_long", "_body", "_usage", "_framed", "_sniffed")
+    __slots__ = (
+        "stream",
+        "events",
+        "_line",
+        "_long",
+        "_body",
+        "_size",
+        "_big",
+        "_usage",
+        "_framed",
+        "_sniffed",
+    )
 
     def __init__(self, stream: bool) -> None:
         self.stream = stream
         self.events = 0  # stream events with output (about one token each)
         self._line = bytearray()
         self._long: usage_.Document | None = None  # a stream line past MAX_LINE
-        self._body = usage_.Document()  # a whole answer
+        self._body: list[bytes] = []  # a whole answer's pieces, joined once at the end...
+        self._size = 0
+        self._big: usage_.Document | None = None  # ...or past MAX_USAGE_JSON, searched
         self._usage: Usage | None = None
         self._framed = False  # the answer's first bytes said what it is
         self._sniffed = b""  # first bytes too few to say it, held until they do
@@ -67,7 +86,7 @@ class UsageReader:
             self._sniffed = b""
             self.stream, self._framed = framing, True
         if not self.stream:
-            self._body.feed(data)
+            self._whole(data)
             return
         start = 0
         while True:
@@ -88,6 +107,18 @@ class UsageReader:
                     self._event(bytes(line))
                 line.clear()
             start = end + 1
+
+    def _whole(self, data: bytes) -> None:
+        self._size += len(data)
+        big = self._big
+        if big is not None:
+            big.feed(data)
+            return
+        self._body.append(data)
+        if self._size > usage_.MAX_USAGE_JSON:  # kept whole no more: its ends only
+            big = self._big = usage_.Document()
+            big.feed(b"".join(self._body))
+            self._body = []
 
     def _too_long(self, data: bytes) -> None:
         if self._long is None:
@@ -130,7 +161,10 @@ class UsageReader:
         """The engine's usage; for a stream that ended without one (cut short), what it
         generated (an event a token) and the prompt's estimate; None if nothing is known."""
         if not self.stream:
-            return self._body.usage()
+            if self._big is not None:
+                return self._big.usage()
+            body = self._body
+            return usage_.of_json(body[0] if len(body) == 1 else b"".join(body))
         if self._usage is not None:
             return self._usage
         if self.events:
@@ -145,7 +179,7 @@ class UsageReader:
             return Usage(prompt_estimate, 0)
         if self.stream:
             return Usage(prompt_estimate, self.events)
-        return Usage(prompt_estimate, -(-self._body.size // CHARS_PER_TOKEN))
+        return Usage(prompt_estimate, -(-self._size // CHARS_PER_TOKEN))
 
 
 class GatewayTicket(UsageReader):
@@ -160,6 +194,7 @@ class GatewayTicket(UsageReader):
         "admission",
         "prompt_estimate",
         "generates",
+        "usage_key",
         "replica",
         "over",
         "strip",
@@ -178,12 +213,15 @@ class GatewayTicket(UsageReader):
         prompt_estimate: int = 0,
         strip: bool = False,
         generates: bool = True,
+        usage_key: bytes = USAGE_KEY,
     ) -> None:
         UsageReader.__init__(self, stream)
         self.admission = admission
         self._held = admission.held  # None: no limit to charge its tokens to
         self.prompt_estimate = prompt_estimate
         self.generates = generates  # the route generates (its estimate counts output)
+        # what marks a piece of its stream that may carry usage: the route's name for it
+        self.usage_key = usage_key
         self.replica: str | None = None  # set by `answering`
         self.over = False  # a limit refused more tokens: the router ends the stream
         self.strip = self.rewrites = strip
@@ -203,8 +241,13 @@ class GatewayTicket(UsageReader):
         it there)."""
         if self._first is None:
             self._first = time.monotonic()
+            head = data[:1]
+            if head == b"{" or head == b"[":  # the common whole answer, told at once
+                self.stream, self._framed = False, True
+            elif data.startswith(b"data:"):  # the common stream
+                self.stream, self._framed = True, True
         if self._framed and not self.stream:
-            self._body.feed(data)
+            self._whole(data)
             return data
         # the common piece, an engine's write: whole events of output, each line of data a
         # JSON object, nothing to read for usage, to strip, or to hold; its events counted
@@ -216,7 +259,7 @@ class GatewayTicket(UsageReader):
             and not self._line
             and not self._pending
             and self._long is None
-            and not _may_carry_usage(data)
+            and self.usage_key not in data  # one search a piece: every piece comes here
         ):
             events = data.count(b"\ndata: {") + data.startswith(b"data: {")
             whole = events == data.count(b"\ndata:") + data.startswith(b"data:")

@@ -145,6 +145,7 @@ _decode_typed = msgspec.json.Decoder(_TypedAnswer).decode
 
 
 def _typed_usage(typed: _TypedAnswer) -> Usage | None:
+    """`usage` in the names of routes other than chat and completions (read's fast case)."""
     u = typed.usage
     if u is None and typed.response is not None:
         u = typed.response.usage
@@ -171,6 +172,11 @@ def read(data: bytes) -> tuple[Usage | None, bool]:
     except msgspec.DecodeError:
         return None, False
     if typed is not None:
+        u = typed.usage
+        if u is not None and u.prompt_tokens is not None and u.completion_tokens is not None:
+            details = u.prompt_tokens_details  # chat and completions: the common case
+            cached = details.cached_tokens if details else 0
+            return Usage(u.prompt_tokens, u.completion_tokens, cached), _empty(typed.choices)
         found = _typed_usage(typed)
         return found, found is not None and _empty(typed.choices)
     try:
@@ -224,8 +230,7 @@ class Document:
     def __init__(self) -> None:
         self.size = 0
         self._parts: list[bytes] | None = []  # joined once at the end; None past the bound
-        self._head = b""
-        self._tail = bytearray()
+        self._head = self._tail = b""
 
     def feed(self, data: bytes) -> None:
         self.size += len(data)
@@ -235,16 +240,14 @@ class Document:
                 return
             whole = b"".join(self._parts)  # just past the bound: its ends only from now on
             self._parts = None
-            self._head, self._tail = whole[:WINDOW], bytearray(whole[-WINDOW:])
+            self._head, self._tail = whole[:WINDOW], whole[-WINDOW:]
             return
-        self._tail += data[-WINDOW:]
-        if len(self._tail) > 2 * WINDOW:
-            del self._tail[:-WINDOW]
+        self._tail = (self._tail + data[-WINDOW:])[-WINDOW:]
 
     def usage(self) -> Usage | None:
         if self._parts is not None:
             return read(b"".join(self._parts))[0]
-        return _search(bytes(self._tail[-WINDOW:]), last=True) or _search(self._head, last=False)
+        return _search(self._tail, last=True) or _search(self._head, last=False)
 
 
 def _search(window: bytes, *, last: bool) -> Usage | None:

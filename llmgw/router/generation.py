@@ -16,13 +16,11 @@ The engines read the same fields differently (checked in their code, late 2026):
 
 So a cap is read only in the one form both read alike, a JSON integer from 1 to 2**31-1
 (or a float with no fraction), and as the larger of the two engines' picks. A cap in any
-other form is `Size.odd`: the gateway then reserves what the engine may generate (the
-model's context), never a small number. A count of answers in another form is refused.
+other form is odd: the gateway then reserves what the engine may generate (the model's
+context), never a small number. A count of answers in another form is refused.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import msgspec
 
@@ -35,26 +33,6 @@ class BadCount(ValueError):
     """A count of answers (`n`, `n_cmpl`, `best_of`) in a form the router will not guess."""
 
 
-@dataclass(frozen=True, slots=True)
-class Size:
-    # the most one answer may generate, as every engine reads the body (None: left to the
-    # engine, or `odd`)
-    max_tokens: int | None = None
-    # a cap given in a form some engine reads otherwise: reserve the most it may generate
-    odd: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Caps:
-    """The fields that cap one answer, as decoded (None: absent or null)."""
-
-    max_tokens: object = None
-    max_completion_tokens: object = None
-    max_output_tokens: object = None
-    n_predict: object = None
-    output_given: bool = False  # `max_output_tokens` is in the body (even as null)
-
-
 def _plain(value: object) -> int | None:
     """`value` as a count both engines read alike; None for any other form."""
     if type(value) is int:
@@ -64,39 +42,46 @@ def _plain(value: object) -> int | None:
     return None
 
 
-def size(caps: Caps, route: str) -> Size:
-    """The cap of one answer on `route` ("chat", "completions", "responses", "infill")."""
-    given = [
-        v
-        for v in (
-            caps.max_tokens,
-            caps.max_completion_tokens,
-            caps.max_output_tokens,
-            caps.n_predict,
-        )
-        if v is not None
-    ]
-    if any(_plain(v) is None for v in given):
-        return Size(odd=True)
-    mt, mct = _plain(caps.max_tokens), _plain(caps.max_completion_tokens)
-    mot, npr = _plain(caps.max_output_tokens), _plain(caps.n_predict)
+def _absent(value: object) -> bool:
+    return value is None or value is msgspec.UNSET
+
+
+def size(
+    route: str,
+    max_tokens: object,
+    max_completion_tokens: object,
+    max_output_tokens: object,
+    n_predict: object,
+) -> tuple[int | None, bool]:
+    """The cap of one answer on `route` ("chat", "completions", "responses", "infill") as
+    every engine reads it (None: left to the engine), and whether a cap is given in a form
+    some engine reads otherwise (`odd`: reserve the most it may generate). The fields are
+    as decoded: msgspec.UNSET where absent, None where null."""
+    caps = (max_tokens, max_completion_tokens, max_output_tokens, n_predict)
+    if caps.count(msgspec.UNSET) + caps.count(None) == 4:
+        return None, False  # the common case: no cap, the engine's default
+    if any(not _absent(v) and _plain(v) is None for v in caps):
+        return None, True
+    mt, mct, mot, npr = map(_plain, caps)
     if route == "chat":
         vllm = mct if mct is not None else mt
     elif route == "completions":
-        vllm = mt if caps.max_tokens is not None else 16
+        vllm = mt if not _absent(max_tokens) else 16 if max_tokens is msgspec.UNSET else None
     elif route == "responses":
         vllm = mot
     else:
         vllm = 0  # vLLM serves no /infill: llama-server's pick alone
-    llama_last = mot if route == "responses" and caps.output_given else mt
+    # llama-server's responses route moves `max_output_tokens`, even a null one, into max_tokens
+    given = max_output_tokens is not msgspec.UNSET
+    llama_last = mot if route == "responses" and given else mt
     llama = next((v for v in (npr, mct, llama_last) if v is not None), None)
     if vllm is None or llama is None:
-        return Size()  # the engine's default: the rest of the context
-    return Size(max(vllm, llama))
+        return None, False  # the engine's default: the rest of the context
+    return max(vllm, llama), False
 
 
 def _count(value: object, name: str) -> int:
-    if value is None:
+    if _absent(value):
         return 1
     n = _plain(value)
     if n is None:
@@ -110,6 +95,8 @@ def _count(value: object, name: str) -> int:
 def answers(n: object, n_cmpl: object, best_of: object, prompt: msgspec.Raw | None) -> int:
     """How many answers a request generates: the most any engine reads from its counts,
     times the prompts of a completions' list of prompts (`prompt`; None on other routes)."""
+    if (n, n_cmpl, best_of).count(msgspec.UNSET) == 3 and not prompt:
+        return 1  # the common case
     copies = max(_count(n, "n"), _count(n_cmpl, "n_cmpl"), _count(best_of, "best_of"))
     return copies * (_prompts(prompt) if prompt else 1)
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from llmgw.gateway import refusals, usage
 from llmgw.gateway.gateway import CHARS_PER_TOKEN, DEFAULT_MAX_TOKENS, Admission, Gateway
-from llmgw.gateway.relay import GatewayTicket
+from llmgw.gateway.relay import NATIVE_KEY, USAGE_KEY, GatewayTicket
 from llmgw.gateway.table import Identity
 from llmgw.router.gate import Later, Ticket
 from llmgw.router.refusal import Refusal
@@ -35,6 +35,8 @@ from llmgw.router.server import Request
 
 # the routes whose streams carry an OpenAI usage chunk when asked for one
 _USAGE_ROUTES = frozenset((b"/v1/chat/completions", b"/v1/completions"))
+# llama-server's own routes: their events carry its counts, not `usage`
+_NATIVE_ROUTES = frozenset((b"/infill",))
 # what one answer of a model may generate when the catalog does not say its context: set
 # `context` in its profiles for a bound of its own
 UNKNOWN_CONTEXT = 32768
@@ -158,6 +160,7 @@ class GatewayGate:
             prompt_estimate=prompt_estimate,
             strip=strip,
             generates=parsed.generates,
+            usage_key=NATIVE_KEY if req.path in _NATIVE_ROUTES else USAGE_KEY,
         )
 
     def models(self, identity: object, names: list[str]) -> list[str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import json
+import operator
 
 import msgspec
 
@@ -46,33 +47,59 @@ class Affinity(enum.Enum):
     INFILL = "infill"  # the first bytes of `input_prefix`
 
 
+class _Occurrences:
+    """How many times the decoder met a field of `_Body` that is not raw JSON (msgspec
+    hands each top-level occurrence of an `object` field to its `dec_hook`): a body that
+    names one twice has more than `_Body` keeps (msgspec keeps the last). A decode is
+    synchronous, so the difference over one is that decode's own."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def hook(self, type_: type, value: object) -> object:
+        self.count += 1
+        return value
+
+
+_NOT_GIVEN = msgspec.UNSET
+
+
 class _Body(msgspec.Struct):
-    model: object = None
-    stream: object = None
-    user: object = None
+    # the fields read as values (UNSET: absent): each may be named once (`_Occurrences`),
+    # since which of two an engine would take is its parser's choice
+    model: object = _NOT_GIVEN
+    stream: object = _NOT_GIVEN
+    user: object = _NOT_GIVEN
+    instructions: object = _NOT_GIVEN
+    input_prefix: object = _NOT_GIVEN
+    # what a gateway reserves before the request runs (router/generation.py)
+    max_tokens: object = _NOT_GIVEN
+    max_completion_tokens: object = _NOT_GIVEN
+    max_output_tokens: object = _NOT_GIVEN
+    n_predict: object = _NOT_GIVEN
+    n: object = _NOT_GIVEN
+    n_cmpl: object = _NOT_GIVEN
+    best_of: object = _NOT_GIVEN
+    stream_interval: object = _NOT_GIVEN
+    stream_options: object = _NOT_GIVEN
     # kept as raw JSON, read only as far as the affinity key needs; empty when absent
     messages: msgspec.Raw = msgspec.Raw(b"")
     prompt: msgspec.Raw = msgspec.Raw(b"")
     input: msgspec.Raw = msgspec.Raw(b"")
-    instructions: object = None
-    input_prefix: object = None
-    # what a gateway reserves before the request runs (router/generation.py)
-    max_tokens: object = None
-    max_completion_tokens: object = None
-    max_output_tokens: object = msgspec.UNSET
-    n_predict: object = None
-    n: object = None
-    n_cmpl: object = None
-    best_of: object = None
-    stream_interval: object = None
-    stream_options: object = None
+
+
+_VALUES = tuple(f for f in _Body.__struct_fields__ if f not in ("messages", "prompt", "input"))
+_values = operator.attrgetter(*_VALUES)
 
 
 class _Role(msgspec.Struct):
     role: object = None
 
 
-_decode_body = msgspec.json.Decoder(_Body).decode
+_occurrences = _Occurrences()
+_decode_body = msgspec.json.Decoder(_Body, dec_hook=_occurrences.hook).decode
 _decode_messages = msgspec.json.Decoder(list[msgspec.Raw]).decode
 _decode_role = msgspec.json.Decoder(_Role).decode
 
@@ -102,22 +129,6 @@ _GENERATING = {
     Affinity.RESPONSES: "responses",
     Affinity.INFILL: "infill",
 }
-# top-level fields the router reads or that change what is generated: a body naming one
-# twice is refused, since which of the two an engine takes is its parser's choice
-_ONCE = (
-    "model",
-    "stream",
-    "max_tokens",
-    "max_completion_tokens",
-    "max_output_tokens",
-    "n_predict",
-    "n",
-    "n_cmpl",
-    "best_of",
-    "prompt",
-    "stream_interval",
-)
-_ONCE_QUOTED = tuple(b'"%s"' % name.encode() for name in _ONCE)
 
 
 def parse(
@@ -139,6 +150,7 @@ def parse(
         return _parse_form(body, content_type, session)
     if not body:
         raise BadRequest("the request has no body: send a JSON object with a `model`")
+    before = _occurrences.count
     try:
         parsed = _decode_body(body)
     except msgspec.ValidationError:
@@ -148,32 +160,30 @@ def parse(
     except RecursionError:
         # msgspec stops at the interpreter's depth limit (about 1,000); no request nests so
         raise BadRequest("the body nests JSON too deeply to be a request") from None
-    if not isinstance(parsed.model, str) or not parsed.model:
-        raise BadRequest("`model` is missing or not a string: set it to a name /v1/models lists")
-    repeated = _repeated(body)
-    if repeated is not None:
+    met = _occurrences.count - before
+    if met > 1 and met > len(_VALUES) - _values(parsed).count(_NOT_GIVEN):
         raise BadRequest(
-            f"the body names `{repeated}` twice: the router and an engine could each take "
-            "a different one; send it once"
+            f"the body names `{_repeated(body)}` twice: the router and an engine could each "
+            "take a different one; send it once"
         )
-    if parsed.stream is not None and type(parsed.stream) is not bool:
+    model, stream = parsed.model, parsed.stream
+    if not isinstance(model, str) or not model:
+        raise BadRequest("`model` is missing or not a string: set it to a name /v1/models lists")
+    if stream is not _NOT_GIVEN and stream is not None and type(stream) is not bool:
         # vLLM streams for 1 or "yes", llama-server answers whole: the answer's framing, and
         # so its metering, would depend on the engine
-        raise BadRequest(f"`stream` must be true or false (got {parsed.stream!r})")
+        raise BadRequest(f"`stream` must be true or false (got {stream!r})")
     options = parsed.stream_options
-    stream = parsed.stream is True
+    streams = stream is True
     route = _GENERATING.get(affinity)
-    size, answers = generation.Size(), 1
+    most, odd, answers = None, False, 1
     if route is not None:
-        size = generation.size(
-            generation.Caps(
-                parsed.max_tokens,
-                parsed.max_completion_tokens,
-                None if parsed.max_output_tokens is msgspec.UNSET else parsed.max_output_tokens,
-                parsed.n_predict,
-                output_given=parsed.max_output_tokens is not msgspec.UNSET,
-            ),
+        most, odd = generation.size(
             route,
+            parsed.max_tokens,
+            parsed.max_completion_tokens,
+            parsed.max_output_tokens,
+            parsed.n_predict,
         )
         try:
             answers = generation.answers(
@@ -184,17 +194,17 @@ def parse(
             )
         except generation.BadCount as e:
             raise BadRequest(str(e)) from None
+    interval = parsed.stream_interval
     return Parsed(
-        model=parsed.model,
-        stream=stream,
+        model=model,
+        stream=streams,
         affinity=None if affinity is Affinity.NONE else _affinity(parsed, affinity, session),
         generates=route is not None,
-        max_tokens=size.max_tokens,
+        max_tokens=most,
         # an answer the router cannot cut short, a cap it cannot read, or a stream whose
         # events may each carry many tokens (vLLM's `stream_interval`): the stream's charge
         # as it goes would not hold it
-        most=size.max_tokens is None
-        and (size.odd or not stream or parsed.stream_interval not in (None, 1)),
+        most=most is None and (odd or not streams or interval not in (_NOT_GIVEN, None, 1)),
         answers=answers,
         # the whole body: the messages or prompt, and the tools, documents and instructions
         # that engines put in the prompt too (an estimate; the engine's usage settles it)
@@ -203,11 +213,9 @@ def parse(
     )
 
 
-def _repeated(body: bytes) -> str | None:
-    """A field of `_ONCE` the body's top-level object names twice (the bytes are counted
-    first: a body with each name at most once, the common case, is not parsed again)."""
-    if all(body.count(quoted) < 2 for quoted in _ONCE_QUOTED):
-        return None
+def _repeated(body: bytes) -> str:
+    """Which field of `_VALUES` the body's top-level object names twice (a body the decoder
+    found naming one twice: rare, so parsed again to say which)."""
     top: list[list[tuple[str, object]]] = []
 
     def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
@@ -217,13 +225,13 @@ def _repeated(body: bytes) -> str | None:
     try:
         json.loads(body, object_pairs_hook=pairs)
     except (ValueError, RecursionError):
-        return None  # msgspec read it: what json cannot is not a request's JSON
+        pass
     seen: set[str] = set()
     for name, _ in top[0] if top else ():
-        if name in _ONCE and name in seen:
+        if name in _VALUES and name in seen:
             return name
         seen.add(name)
-    return None
+    return "a field"
 
 
 def _parse_form(body: bytes, content_type: bytes, session: bytes | None) -> Parsed:

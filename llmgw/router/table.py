@@ -171,10 +171,10 @@ class EndpointTable:
         `context` of its profiles); None when a profile leaves it to the engine or the model
         runs from fixed endpoints."""
         model = self.models.get(model_id)
-        contexts = [p.context for p in model.profiles] if model is not None else []
-        if not contexts or None in contexts:
+        if model is None or not model.profiles:
             return None
-        return max(c for c in contexts if c is not None)
+        contexts = [p.context for p in model.profiles]
+        return None if None in contexts else max(c for c in contexts if c is not None)
 
     def served_names(self) -> list[str]:
         """Names with an engine to send to (what /v1/models lists)."""
