@@ -215,16 +215,10 @@ class _Conn(asyncio.Protocol):
             return
         COUNTS["completion"] += tokens
         data = json.dumps(answer).encode()
-        # an answer this big closes its connection: the router's relay can keep an engine's
-        # connection paused after one and stall the next answer on it (reported beside
-        # issue 36, router/upstream.py); metering, not that, is measured here
-        big = len(data) > 1 << 20
         self.transport.write(
-            b"HTTP/1.1 %d -\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s"
-            b"\r\n%s" % (status, len(data), b"connection: close\r\n" if big else b"", data)
+            b"HTTP/1.1 %d -\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, len(data), data)
         )
-        if big:
-            self.transport.close()
 
     def _event(self, events: Iterator[tuple[bytes, int]]) -> None:
         if self.transport.is_closing():

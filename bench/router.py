@@ -21,7 +21,7 @@ Sections:
             and between tokens at 2,000 tokens/s, and one stream's token rate at 500, 2,000
             and 8,000 tokens/s (BENCH_STREAMS, BENCH_ROUNDS: how many);
 BENCH_BASELINE=REV adds the router of git revision REV beside this tree's, in the same
-rounds (sections latency, idle, stream, tokens).
+rounds (sections latency, idle, stream, tokens, large).
 - keys:     the router with keys and limits on (a bucket holding a key limited in requests,
             tokens, tokens a day and in flight; every request authenticated, charged,
             metered and audited) against the same router with none (a bucket without keys),
@@ -31,6 +31,12 @@ rounds (sections latency, idle, stream, tokens).
             token, router CPU a stream; BENCH_KEYS_STREAM_SECONDS); then the ratio at 256
             against an engine that answers after its service time (BENCH_KEYS_SERVICE,
             seconds, comma-separated; 0.05 by default);
+- large:    whole answers of 200 KB, 400 KB and 1 MB (an embeddings batch is this size),
+            past the router's buffer mark (256 KiB) or not, straight to the engine and
+            through the router, in interleaved rounds at concurrency 8 on kept-alive
+            connections: answers/s, MB/s, the router's ratio to direct, its CPU an answer,
+            and answers that stalled (none within 2 s; BENCH_LARGE_SIZES, _CONCURRENCY,
+            _ROUNDS, _SECONDS);
 - balance:  a simulation of exact least-in-flight against power-of-two choices and random
             (the same arrivals and service times for each);
 - affinity: a multi-turn chat workload over 4 real llama-servers (the tiny model, built by
@@ -779,6 +785,117 @@ def section_tokens(tmp: Path) -> None:
             print(f"  engine at {rate:>5} tokens/s ({tokens} tokens): {cells}")
 
 
+# --- large: whole answers past the router's buffer mark ------------------------------------
+
+# an answer not complete within this is counted as stalled, and its connection dropped
+LARGE_STALL = 2.0
+
+
+async def _whole_answers(port: int, concurrency: int, seconds: float) -> dict[str, float]:
+    """Whole answers on `concurrency` kept-alive connections for `seconds`: how many, their
+    bytes, and how many stalled (a new connection replaces a stalled one)."""
+    body = json.dumps(CHAT).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    got = {"answers": 0, "bytes": 0, "stalled": 0}
+    deadline = time.perf_counter() + seconds
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise SystemExit(f"answered {head[:200]!r}")
+        length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+        await reader.readexactly(length)
+        return length
+
+    async def worker() -> None:
+        conn = None
+        while time.perf_counter() < deadline:
+            if conn is None:
+                conn = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+            try:
+                size = await asyncio.wait_for(one(*conn), LARGE_STALL)
+            except TimeoutError:
+                got["stalled"] += 1
+                conn[1].close()
+                conn = None
+                continue
+            got["answers"] += 1  # (not `+= await`: that would add to a stale total)
+            got["bytes"] += size
+        if conn is not None:
+            conn[1].close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    got["seconds"] = time.perf_counter() - started
+    return got
+
+
+def section_large(tmp: Path) -> None:
+    """Whole answers of each size in BENCH_LARGE_SIZES (bytes), straight to the engine and
+    through the router (and BENCH_BASELINE's), in interleaved rounds."""
+    sizes = [
+        int(x) for x in os.environ.get("BENCH_LARGE_SIZES", "200000,400000,1000000").split(",")
+    ]
+    c = int(os.environ.get("BENCH_LARGE_CONCURRENCY", "8"))
+    rounds = int(os.environ.get("BENCH_LARGE_ROUNDS", "3"))
+    seconds = float(os.environ.get("BENCH_LARGE_SECONDS", "3"))
+    print(
+        f"\n## Whole answers past the buffer mark, concurrency {c}, {rounds} interleaved rounds "
+        f"of {seconds:g} s each way (stalled: none within {LARGE_STALL:g} s)"
+    )
+    base = baseline(tmp)
+    for size in sizes:
+        # instant_engine.py's answer is "tok " a token, and some 200 bytes besides
+        eport, engine = bench_engine("--tokens", str(max(1, (size - 200) // 4)))
+        with engine, contextlib.ExitStack() as stack:
+            rport, rt = router(tmp, [eport])
+            procs = {"router": psutil.Process(stack.enter_context(rt).pid)}
+            paths = [("direct", eport), ("router", rport)]
+            if base is not None:
+                bport, brt = router(tmp, [eport], tree=base)
+                procs["base"] = psutil.Process(stack.enter_context(brt).pid)
+                paths.append(("base", bport))
+            for _, port in paths:
+                asyncio.run(_whole_answers(port, c, 1))  # warm every path
+            got = {
+                n: {"answers": 0, "bytes": 0, "stalled": 0, "seconds": 0.0, "cpu": 0.0}
+                for n, _ in paths
+            }
+            rounds_rate: dict[str, list[float]] = {n: [] for n, _ in paths}
+            for _ in range(rounds):
+                for name, port in paths:
+                    proc = procs.get(name)
+                    cpu = sum(proc.cpu_times()[:2]) if proc else 0.0
+                    r = asyncio.run(_whole_answers(port, c, seconds))
+                    r["cpu"] = sum(proc.cpu_times()[:2]) - cpu if proc else 0.0
+                    rounds_rate[name].append(r["answers"] / r["seconds"])
+                    for k, v in r.items():
+                        got[name][k] += v
+            print(f"  answers of {size / 1000:g} KB (load average {_load()}):")
+            rate = {n: g["answers"] / g["seconds"] for n, g in got.items()}
+            for name, g in got.items():
+                ratio = f", {rate[name] / rate['direct']:.3f}x direct" if name != "direct" else ""
+                if g["cpu"]:
+                    ratio += f", CPU {g['cpu'] / max(g['answers'], 1) * 1e6:.0f} us an answer"
+                print(
+                    f"    {name:>6}: {rate[name]:7.1f} answers/s, "
+                    f"{g['bytes'] / g['seconds'] / 1e6:7.1f} MB/s{ratio}, {g['stalled']} stalled"
+                )
+            if base is not None:
+                ratios = [
+                    a / max(b, 1e-9)
+                    for a, b in zip(rounds_rate["router"], rounds_rate["base"], strict=True)
+                ]
+                print(
+                    f"    router/base: median {statistics.median(ratios):.3f}x "
+                    f"(rounds {', '.join(f'{x:.3f}' for x in ratios)})"
+                )
+
+
 def section_balance(_tmp: Path) -> None:
     """Replicas with 4 slots each (FIFO queue behind), Poisson arrivals at 90% of capacity,
     exponential service times; the same random streams for every policy."""
@@ -994,6 +1111,7 @@ SECTIONS = {
     "stream": section_stream,
     "tokens": section_tokens,
     "keys": section_keys,
+    "large": section_large,
     "balance": section_balance,
     "affinity": section_affinity,
 }

@@ -117,14 +117,28 @@ class _Engine(asyncio.Protocol):
 
 
 class _Counters:
-    """The counter stream in memory: a running total a subject."""
+    """The usage counters and the limits in memory: a running total a subject, what each
+    holder holds of a window."""
 
     def __init__(self) -> None:
         self.totals: dict[str, int] = {}
+        self.held: dict[str, dict[str, int]] = {}
 
     async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
         total = self.totals[subject] = self.totals.get(subject, 0) + delta
         return total
+
+    async def claim(
+        self, window: str, holder: str, mine: int, asked: int, limit: int
+    ) -> tuple[int, int]:
+        holders = self.held.setdefault(window, {})
+        others = sum(v for h, v in holders.items() if h != holder)
+        got = max(0, min(asked, limit - others - mine))
+        holders[holder] = mine + got
+        return got, others + mine + got
+
+    async def hold(self, window: str, holder: str, units: int) -> None:
+        self.held.setdefault(window, {})[holder] = units
 
 
 class _Audit:

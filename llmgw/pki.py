@@ -15,6 +15,7 @@ import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -294,6 +295,17 @@ def user_of(cert: x509.Certificate, ca: x509.Certificate, source: str) -> User:
         raise PkiError(f"{source}: {e}; remove it") from None
     # nats-server writes the subject most specific first, as RFC 4514 does
     return User(role, name, cert.subject.rfc4514_string())  # type: ignore[arg-type]
+
+
+def common_name(path: str) -> str | None:
+    """The CN of the certificate in the PEM file `path` (None: it has none, and is mapped by
+    its SAN); PkiError when the file is no certificate."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise PkiError(f"cannot read the certificate {path}: {e}") from None
+    cns = load_cert(data, path).subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(cns[0].value) if cns else None
 
 
 def load_cert(data: bytes, source: str) -> x509.Certificate:

@@ -95,8 +95,13 @@ class RawEngine:
 
     @property
     def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    @property
+    def endpoint(self) -> str:
+        """host:port, as a shard record names its engine."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{host}:{self.port}"
 
     def posts(self) -> list[Seen]:
         """The requests it read, but for the router's health probes."""

@@ -18,7 +18,7 @@ from llmgw.bus.counters import Counters, ensure_streams
 from llmgw.bus.server import EmbeddedNats
 from llmgw.gateway import credentials
 from llmgw.gateway.budget import Budget, Dimension
-from llmgw.gateway.gateway import Admission, Gateway, GatewaySettings
+from llmgw.gateway.gateway import Admission, Gateway, GatewaySettings, Pending
 from llmgw.gateway.limiter import LimitSettings
 from llmgw.gateway.refusals import Refusal
 from llmgw.gateway.usage import Usage
@@ -39,39 +39,49 @@ class Clock:
 # --- one budget, by itself --------------------------------------------------------------------
 
 
-def test_a_claim_past_the_limit_keeps_what_fits_and_gives_back_the_rest() -> None:
-    b = Budget.new("s", Dimension.REQUESTS, 100, 0.05)
-    b.roll(T0)
-    assert b.share == 5 and b.to_claim(1) == 6
-    # the counter was at 98: of the 6 asked, 2 fit and 4 go back
-    assert b.claimed(6, 104) == 4
-    assert b.granted == 2 and b.total == 100
-    assert b.try_spend(1) and b.try_spend(1) and not b.try_spend(1)
-
-
 def test_a_new_window_starts_empty_but_places_in_flight_carry_into_it() -> None:
     rpm = Budget.new("r", Dimension.REQUESTS, 10, 0.1)
+    rpm.roll(T0)
+    rpm.claimed(rpm.window, 3, 3, 3)
+    assert rpm.try_spend(3)
+    rpm.roll(T0 + 60)
+    assert rpm.granted == 0 and rpm.spent == 0
+
+
+def test_a_place_in_flight_is_held_on_this_window_and_the_next_and_carried_as_windows_pass() -> (
+    None
+):
     par = Budget.new("p", Dimension.PARALLEL, 10, 0.1)
-    for b in (rpm, par):
-        b.roll(T0)
-        b.claimed(3, 3)
-        assert b.try_spend(3)
-        b.roll(T0 + 60)
-        assert b.granted == 0
-    assert rpm.spent == 0 and par.spent == 3  # the three requests are still running
-    assert par.to_claim(1) == 3 + 1 + par.share  # claimed again, with the new one, a share ahead
+    par.roll(T0)
+    par.claimed(par.window, 3, 3, 3)
+    assert not par.try_spend(1)  # not yet held on the next window: another router could take it
+    assert par.next_to_claim() == 3  # the next window covers what this one holds, no more
+    par.claimed(par.window + 1, 3, 3, 3)
+    assert par.try_spend(3) and not par.try_spend(1)
+    par.roll(T0 + 60)  # the next window's claim is this window's now
+    assert par.granted == 3 and par.spent == 3  # the three requests are still running
+    assert par.carry_due() and par.next_to_claim() == 3  # carried on (the limiter's flush)
+    par.roll(T0 + 180)  # a router that carried nothing for two windows holds nothing claimed
+    assert par.granted == 0 and par.to_claim(1) == 3 + 1 + par.share
+    # an answer for a window that has passed meanwhile grants nothing
+    par.claimed(par.window - 1, 5, 5, 5)
+    assert par.granted == 0
 
 
 def test_idle_places_in_flight_go_back_but_one_share_while_any_is_held() -> None:
     b = Budget.new("p", Dimension.PARALLEL, 1000, 0.005)
     b.roll(T0)
     assert b.share == 5
-    b.claimed(10, 10)
+    b.claimed(b.window, 10, 10, 10)
+    b.claimed(b.window + 1, 10, 10, 10)
     assert b.try_spend(3)
-    assert b.surplus() == 2 and b.granted == 8  # three held, five idle kept
+    b.hand_back()
+    assert b.granted == b.granted_next == 8  # three held, five idle kept
+    assert b.unstored() == [(1, 8), (0, 8)]  # written with the next flush, the next first
     assert b.try_spend(5) and not b.try_spend(1)  # the next five need no claim
     b.give_back(8, b.window)
-    assert b.surplus() == 8 and b.granted == 0  # none held: all go back
+    b.hand_back()
+    assert b.granted == b.granted_next == 0  # none held: all go back
 
 
 # --- two routers, one nats-server -------------------------------------------------------------
@@ -151,8 +161,8 @@ async def test_two_routers_under_a_concurrent_burst_admit_exactly_the_limit_neve
         assert len(admitted) == 600
         refused = [r for r in answers if isinstance(r, Refusal)]
         assert {(r.status, r.code) for r in refused} == {(429, "rate_limit_exceeded")}
-        total = await Counters(streams).total(f"{keys.LIMITS_ROOT}.key.k1.rpm.{int(T0 // 60)}")
-        assert total == 600
+        total = await Counters(streams).held(f"{keys.LIMITS_ROOT}.key.k1.rpm.{int(T0 // 60)}")
+        assert total == 600  # what the two hold between them: no more
         # claims: one per share (12 requests), not one per request
         claims = sum(g.limiter._budgets[f"{keys.LIMITS_ROOT}.key.k1.rpm"].claims for g in (a, b))
         assert claims < 1000 / 5
@@ -179,9 +189,9 @@ async def test_tokens_reserved_are_handed_back_and_a_stream_is_charged_as_it_goe
         again = await a.admit(authorization=f"Bearer {secret}", model="m", max_tokens=250)
         assert isinstance(again, Admission)
         # a stream past its reservation is charged as its tokens come, and stopped at the limit
-        assert await again.progress(250)
-        assert await again.progress(260)  # 10 past: a's share has them
-        assert not await again.progress(2000)
+        assert again.progress_now(250)
+        assert again.progress_now(260)  # 10 past: a's share has them
+        assert not again.progress_now(2000)
         headers = again.headers()
         assert headers["x-ratelimit-limit-tokens"] == "1000"
         assert int(headers["x-ratelimit-remaining-tokens"]) <= 1000
@@ -236,11 +246,12 @@ async def test_requests_in_flight_take_places_without_a_claim_in_steady_state(
     async with router(nats_settings, Clock(), _key(secret, max_parallel=10_000)) as (_, a):
         held = _admitted(await _burst([a], 8, secret))
         waited = 0
+        identity = a.table.authenticate(f"Bearer {secret}")
         for i in range(300):
-            admitted = a.admit_now(authorization=f"Bearer {secret}", model="m")
-            if admitted is None:  # a claim due first: the request would wait for it
+            admitted = a.request(identity, "m", 1)
+            if isinstance(admitted, Pending):  # a claim due first: the request waits for it
                 waited += 1
-                admitted = await a.admit(authorization=f"Bearer {secret}", model="m")
+                admitted = await admitted.resume()
             assert isinstance(admitted, Admission)
             held.append(admitted)
             held.pop(0).finish(status=200, usage=Usage(1, 1))
@@ -331,8 +342,8 @@ async def test_with_nats_cut_off_mid_run_the_routers_together_still_never_pass_t
         after = await b.admit(authorization=f"Bearer {secret}", model="m")
         assert isinstance(after, Admission) or after.status == 429  # the fleet's 400 are used
         assert b.limiter.offline_since is None
-        total = await Counters(streams).total(f"{keys.LIMITS_ROOT}.key.k1.rpm.{int(T0 // 60)}")
-        assert total <= 400
+        served = len(before) + len(_admitted(from_a)) + served_b + isinstance(after, Admission)
+        assert served <= 400
 
 
 # --- the answers, as the official client reads them ---------------------------------------------
@@ -421,11 +432,12 @@ async def test_shares_topped_up_ahead_let_a_router_admit_without_waiting_on_nats
         async with anyio.create_task_group() as tg:
             tg.start_soon(a.run)
             waited = 0
+            identity = a.table.authenticate(f"Bearer {secret}")
             for _ in range(300):  # shares of 20: 15 claims
-                now = a.admit_now(authorization=f"Bearer {secret}", model="m")
-                if now is None:
+                now = a.request(identity, "m", 1)
+                if isinstance(now, Pending):
                     waited += 1
-                    now = await a.admit(authorization=f"Bearer {secret}", model="m")
+                    now = await now.resume()
                 assert isinstance(now, Admission)
                 await anyio.sleep(0.005)  # clients' requests come apart: the top-up runs
             tg.cancel_scope.cancel()
@@ -444,27 +456,29 @@ async def test_a_relay_that_cannot_await_charges_a_stream_and_learns_when_it_pas
         assert not s.progress_now(1200)  # past the 1,000 tokens: end the stream
         s.finish(status=200, usage=Usage(0, 1200))
         await a.flush()  # what it used past its shares reaches the counter
-        total = await Counters(streams).total(f"{keys.LIMITS_ROOT}.key.k1.tpm.{int(T0 // 60)}")
+        total = await Counters(streams).held(f"{keys.LIMITS_ROOT}.key.k1.tpm.{int(T0 // 60)}")
         assert total >= 1200
 
 
 class LosesOneAnswer:
-    """The counter stream, whose answer to the first owed add (one sent with a message id)
-    is lost after the add was stored: a reply dropped on its way back."""
+    """The limits stream, whose answer to the first write of what a router holds is lost
+    after the write was stored: a reply dropped on its way back."""
 
     def __init__(self, counters: Counters) -> None:
         self.counters = counters
         self.lost = 0
 
-    async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
-        total = await self.counters.add(subject, delta, msg_id)
-        if msg_id is not None and not self.lost:
+    async def claim(self, *args: object) -> tuple[int, int]:
+        return await self.counters.claim(*args)  # type: ignore[arg-type]
+
+    async def hold(self, window_subject: str, holder: str, units: int) -> None:
+        await self.counters.hold(window_subject, holder, units)
+        if not self.lost:
             self.lost += 1
             raise TimeoutError("the answer was lost")
-        return total
 
 
-async def test_an_owed_add_whose_answer_was_lost_is_sent_again_and_counted_once(
+async def test_tokens_used_past_a_reservation_are_held_once_even_when_an_answer_is_lost(
     streams: Bus, nats_settings: NatsSettings
 ) -> None:
     secret = credentials.new_secret("k1")
@@ -473,13 +487,13 @@ async def test_an_owed_add_whose_answer_was_lost_is_sent_again_and_counted_once(
         a.limiter.counter = lossy
         s = await a.admit(authorization=f"Bearer {secret}", model="m", max_tokens=100)
         assert isinstance(s, Admission)  # 100 reserved, from a claim of 200 (a share ahead)
-        s.finish(status=200, usage=Usage(0, 1200))  # 1,100 past it: 1,000 owed the counter
+        s.finish(status=200, usage=Usage(0, 1200))  # 1,100 past it: 1,000 more held
         await a.flush()
         assert lossy.lost == 1 and a.limiter.owing() == 1  # stored, and not known to be
-        await a.flush()  # sent again with the same id: the stream takes it as a duplicate
+        await a.flush()  # written again: what it holds, not what it adds
         assert a.limiter.owing() == 0
-        total = await Counters(streams).total(f"{keys.LIMITS_ROOT}.key.k1.tpm.{int(T0 // 60)}")
-        assert total == 1200  # the claim's 200 and the 1,000 owed, once
+        total = await Counters(streams).held(f"{keys.LIMITS_ROOT}.key.k1.tpm.{int(T0 // 60)}")
+        assert total == 1200  # the claim's 200 and the 1,000 past it, once
 
 
 async def test_an_error_answer_without_usage_hands_its_whole_reservation_back(

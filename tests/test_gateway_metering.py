@@ -192,7 +192,7 @@ def test_two_long_names_sharing_their_first_100_bytes_count_apart() -> None:
     meter = Meter("r")
     first, second = "org/" + "m" * 96 + "/a", "org/" + "m" * 96 + "/b"
     for model in (first, second, "é" * 50, "x/" * 50):
-        meter.record(team=None, key="k", model=model, prompt=1, completion=2, now=0.0)
+        meter.add(None, "k", model, 1, 2, 0, 0.0)
     subjects = sorted(meter.subjects())
     assert len(subjects) == 4 * 3  # requests, prompt, completion of each model
     models = {parse_usage_subject(s, 1).model for s in subjects}  # type: ignore[union-attr]
@@ -243,9 +243,26 @@ async def test_audit_follow_prints_records_as_they_come(
 async def test_a_stream_of_that_name_that_is_no_counter_is_refused_naming_the_fix(bus: Bus) -> None:
     from nats.js.api import StreamConfig
 
-    await bus.js.add_stream(StreamConfig(name=keys.LIMITS_STREAM, subjects=["llmgw.limits.>"]))
-    with pytest.raises(BusError, match="not a counter stream.*nats stream rm LLMGW_LIMITS"):
+    await bus.js.add_stream(StreamConfig(name=keys.USAGE_STREAM, subjects=["llmgw.usage.>"]))
+    with pytest.raises(BusError, match="not a counter stream.*nats stream rm LLMGW_USAGE"):
         await ensure_streams(bus)
+
+
+async def test_a_limits_stream_of_one_counter_a_window_is_made_anew_as_holders_per_router(
+    bus: Bus,
+) -> None:
+    from nats.js.api import StreamConfig
+
+    old = StreamConfig(
+        name=keys.LIMITS_STREAM,
+        subjects=["llmgw.limits.>"],
+        allow_msg_counter=True,
+        allow_direct=True,
+    )
+    await bus.js.add_stream(old)
+    await ensure_streams(bus)
+    info = await bus.js.stream_info(keys.LIMITS_STREAM)
+    assert not info.config.allow_msg_counter and info.config.max_msgs_per_subject == 1
 
 
 async def test_a_fleet_without_keys_meters_and_audits_nothing(bus: Bus) -> None:

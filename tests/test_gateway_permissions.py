@@ -1,7 +1,8 @@
 """Who may touch the streams beside the bucket, against a real nats-server with the generated
-per-identity users (verify_and_map): routers add to the limit and usage counters and append
-to the audit trail, and may erase none of it; a node may write none of it, read no counter
-nor the trail, and no identity but the operator may write a key or a team."""
+per-identity users (verify_and_map): a router claims limits and counts usage on subjects of
+its own and appends to the audit trail, and may change nothing another router holds or
+counted, nor erase any of it; a node may write none of it, read no limit nor the trail, and
+no identity but the operator may write a key or a team."""
 
 from __future__ import annotations
 
@@ -31,11 +32,18 @@ def _attempts(bus: Bus) -> dict[str, object]:
     counters = Counters(bus)
     js = bus.js
     record = records.AuditRecord(time=1.0, key="alice", model="m", status=200)
+    window = f"{keys.LIMITS_ROOT}.key.alice.rpm.1"
+    usage = f"{keys.USAGE_ROOT}.2026010100._.alice.m.prompt"
     return {
-        "claim a limit": lambda: counters.add(f"{keys.LIMITS_ROOT}.key.alice.rpm.1", 5),
-        "count usage": lambda: counters.add(f"{keys.USAGE_ROOT}.2026010100._.alice.m.prompt", 5),
+        "claim a limit": lambda: counters.claim(window, "router.1", 0, 5, 100),
+        "hand places back": lambda: counters.hold(window, "router.1", 0),
+        "claim as another router": lambda: counters.claim(window, "other.1", 0, 5, 100),
+        "write what another router holds": lambda: counters.hold(window, "other.1", -100),
+        "count usage": lambda: counters.add(f"{usage}.router", 5),
+        "count another router's usage": lambda: counters.add(f"{usage}.other", -5),
+        "subtract from a count all routers share": lambda: counters.add(usage, -5),
         "append to the audit trail": lambda: AuditTrail(bus).append([("id-x", [record])]),
-        "read a counter": lambda: counters.total(f"{keys.LIMITS_ROOT}.key.alice.rpm.1"),
+        "read a limit": lambda: counters.held(window),
         "read the audit trail": lambda: _read_audit(bus),
         "purge the audit trail": lambda: classify.answer(
             js.purge_stream(keys.AUDIT_STREAM), "purge"
@@ -66,7 +74,13 @@ async def _edit_audit(bus: Bus) -> None:
     await classify.answer(bus.js.update_stream(info.config), "edit")
 
 
-ROUTER_MAY = {"claim a limit", "count usage", "append to the audit trail", "read a counter"}
+ROUTER_MAY = {
+    "claim a limit",
+    "hand places back",
+    "count usage",
+    "append to the audit trail",
+    "read a limit",
+}
 
 
 async def test_routers_add_to_counters_and_trail_and_erase_nothing_and_nodes_touch_none(
@@ -89,7 +103,7 @@ async def test_routers_add_to_counters_and_trail_and_erase_nothing_and_nodes_tou
                 for what, do in _attempts(bus).items():
                     tg.start_soon(attempt, who, bus, what, do)
         # the operator may do all of it (last: some of it erases what the others need)
-        for what in ("write a key", "read the audit trail", "claim a limit"):
+        for what in ("write a key", "read the audit trail", "claim a limit", "count usage"):
             outcome["operator", what] = await _can(_attempts(operator)[what])
         # nothing the others tried erased or changed the trail
         assert [r.status async for r in AuditTrail(operator).read(since=0)][0] == 200
@@ -104,3 +118,29 @@ async def test_routers_add_to_counters_and_trail_and_erase_nothing_and_nodes_tou
         if ok != (who == "operator" or (who == "router" and what in ROUTER_MAY))
     )
     assert not wrong
+
+
+def test_a_router_whose_id_is_not_its_certificate_s_cn_is_refused_before_it_serves(
+    pki,  # noqa: F811 - the fixture
+) -> None:
+    """nats-server lets a router write only subjects named after its CN: under another id
+    every claim and count it made would be refused, so it does not start."""
+    import os
+    import subprocess
+    import sys
+
+    from llmgw.bus.server import free_port
+
+    cert, key = pki.cert("router")
+    out = subprocess.run(
+        [sys.executable, "-m", "llmgw.cli", "router", "--nats", "nats://127.0.0.1:9"]
+        + ["--tls-ca", str(pki.ca), "--tls-cert", cert, "--tls-key", key]
+        + ["--router-id", "router-b", "--listen", f"127.0.0.1:{free_port()}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")},
+    )
+    assert out.returncode == 1
+    assert "--router-id router-b is not the CN of the router's certificate (router" in out.stderr
+    assert "llmgw pki issue --router router-b" in out.stderr

@@ -67,8 +67,6 @@ LLAMA = [
     ("/v1/rerank", {"query": "red apple", "documents": ["a red apple", "a blue sky"]}),
     ("/infill", {"input_prefix": "def f(", "input_suffix": "):", "n_predict": 20}),
     ("/infill", {"input_prefix": "def g(", "input_suffix": "):", "n_predict": 20, "stream": True}),
-    # last: the router's relay may keep the engine's connection paused after an answer
-    # this big (reported beside issue 36), which would stall the next answer on it
     ("/v1/chat/completions", {"messages": MESSAGES}),  # BIG tokens: over 1 MiB
 ]
 VLLM = [
@@ -82,7 +80,7 @@ VLLM = [
     ("/v1/score", {"text_1": "red apple", "text_2": ["a red apple", "a blue sky"]}),
     ("/pooling", {"input": ["one", "two"]}),
     ("/classify", {"input": "a fine day"}),
-    ("/v1/responses", {"input": "say more"}),  # BIG tokens: over 1 MiB (last: as above)
+    ("/v1/responses", {"input": "say more"}),  # BIG tokens: over 1 MiB
 ]
 
 

@@ -26,7 +26,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 
-from . import classify, keys, records
+from . import claims, classify, keys, records
 from .client import Bus
 from .errors import BusError, BusUnavailable, StreamMissing, Unanswered
 
@@ -55,11 +55,10 @@ def stream_configs(plan: StreamPlan) -> list[StreamConfig]:
     return [
         StreamConfig(
             name=keys.LIMITS_STREAM,
-            description="llmgw: what routers claimed of each limit, per window (counters)",
+            description="llmgw: what each router holds claimed of each limit, per window",
             subjects=[f"{keys.LIMITS_ROOT}.>"],
-            allow_msg_counter=True,
-            allow_direct=True,
-            max_msgs_per_subject=1,  # a counter's total is in its last message
+            allow_direct=True,  # a claim reads every holder of a window in one batch get
+            max_msgs_per_subject=1,  # a holder's value is its last message
             max_age=LIMITS_MAX_AGE,
             num_replicas=plan.replicas,
         ),
@@ -98,8 +97,20 @@ async def ensure_streams(bus: Bus, plan: StreamPlan | None = None) -> list[str]:
             if not _not_found(e):
                 raise
         else:
-            _check_existing(config, info.config)
-            continue
+            if config.name == keys.LIMITS_STREAM and info.config.allow_msg_counter:
+                # the limits as one counter a window, before each router held its own
+                # subject: it holds only live windows, so it is made anew (what is claimed
+                # in this minute starts again from 0 once, as routers are upgraded)
+                log.warning(
+                    "replacing stream %s (one counter a window) with holders per router",
+                    config.name,
+                )
+                await classify.answer(
+                    bus.js.delete_stream(config.name), f"delete stream {config.name}"
+                )
+            else:
+                _check_existing(config, info.config)
+                continue
         version = bus.nc.connected_server_version
         if config.allow_msg_counter and (version.major, version.minor) < (2, 12):
             raise BusError(
@@ -115,8 +126,12 @@ def _check_existing(wanted: StreamConfig, found: StreamConfig) -> None:
     """A stream of that name made otherwise (by hand, by another tool) must still be one
     llmgw can use: counters where counters are wanted, the same subjects."""
     problems = []
-    if wanted.allow_msg_counter and not found.allow_msg_counter:
-        problems.append("it is not a counter stream (allow_msg_counter)")
+    if bool(wanted.allow_msg_counter) != bool(found.allow_msg_counter):
+        problems.append(
+            "it is not a counter stream (allow_msg_counter)"
+            if wanted.allow_msg_counter
+            else "it is a counter stream (allow_msg_counter)"
+        )
     if sorted(found.subjects or []) != sorted(wanted.subjects or []):
         problems.append(f"its subjects are {found.subjects}, not {wanted.subjects}")
     if problems:
@@ -183,6 +198,21 @@ class Counters:
         if not isinstance(answer, dict):
             raise BusError(f"add to {subject}: the answer {msg.data[:80]!r} is not a counter's")
         return answer
+
+    async def claim(
+        self, window_subject: str, holder: str, mine: int, asked: int, limit: int
+    ) -> tuple[int, int]:
+        """A claim on a limit's window for `holder` (llmgw/bus/claims.py): what it got, and
+        the window's total."""
+        return await claims.claim(self.bus, window_subject, holder, mine, asked, limit)
+
+    async def hold(self, window_subject: str, holder: str, units: int) -> None:
+        """What `holder` holds of a limit's window, written (llmgw/bus/claims.py)."""
+        await claims.hold(self.bus, window_subject, holder, units)
+
+    async def held(self, window_subject: str) -> int:
+        """What every router holds of a limit's window."""
+        return await claims.total(self.bus, window_subject)
 
     async def total(self, subject: str) -> int:
         """`subject`'s total now (0 if it has none)."""

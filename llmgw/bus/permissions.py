@@ -129,23 +129,34 @@ def router_permissions(name: str, bucket: str = keys.DEFAULT_BUCKET) -> dict[str
     keys.check_token(bucket, "bucket")
     return {
         "publish": {
-            "allow": [*_kv_write(bucket, keys.load(name)), *_kv_read(bucket), *_gateway_writes()]
+            "allow": [
+                *_kv_write(bucket, keys.load(name)),
+                *_kv_read(bucket),
+                *_gateway_writes(name),
+            ]
         },
         "subscribe": {"allow": ["_INBOX.>"]},
     }
 
 
-def _gateway_writes() -> list[str]:
-    """What a router adds to the streams beside the bucket (docs/security.md): claims on the
-    limit counters, usage, and audit records. No purge, delete, edit or consumer on any of
-    them (the trail and the counters are not its to erase), and nothing for a node."""
+def _gateway_writes(name: str) -> list[str]:
+    """What a router adds to the streams beside the bucket (docs/security.md): what it holds
+    of each limit and what it metered, each on subjects that end in its own name (so no
+    router can change what another holds or metered), and audit records. No purge, delete,
+    edit or consumer on any of them (the trail and the counts are not its to erase), and
+    nothing for a node."""
+    limits, usage = keys.LIMITS_ROOT, keys.USAGE_ROOT
     return [
-        f"{keys.LIMITS_ROOT}.>",  # Nats-Incr claims (and give-backs) on limit windows
-        f"{keys.USAGE_ROOT}.>",  # Nats-Incr usage counts
+        # what it holds of a limit's window: <scope...>.<dimension>.<window>.<name>.<instance>
+        f"{limits}.key.*.*.*.{name}.*",
+        f"{limits}.team.*.*.*.{name}.*",
+        f"{limits}.keymodel.*.*.*.*.{name}.*",
+        f"{usage}.*.*.*.*.*.{name}",  # Nats-Incr usage counts: <hour...kind>.<name>
         f"{keys.AUDIT_ROOT}.>",  # one record per request
         # a usage count sent again reads the total back (a duplicate's ack carries none)
         f"$JS.API.DIRECT.GET.{keys.USAGE_STREAM}.>",
-        f"$JS.API.DIRECT.GET.{keys.LIMITS_STREAM}.>",
+        # a claim reads every holder of a window in one batch
+        f"$JS.API.DIRECT.GET.{keys.LIMITS_STREAM}",
     ]
 
 

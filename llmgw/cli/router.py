@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import resource
@@ -113,6 +114,13 @@ router_options = option_group(
         dest="fleet_page",
     ),
     _setting(
+        "--page-access",
+        lambda: _defaults().proxy.page_access,
+        "who the fleet page shows the fleet to: once any client key exists, only a client "
+        "with one (the page asks for it), or anyone who reaches the router",
+        type=click.Choice(["keyed", "public"]),
+    ),
+    _setting(
         "--engine-timeout",
         lambda: _defaults().upstream.read_timeout,
         "seconds an engine may stay silent in a request (before its first byte, and between "
@@ -207,6 +215,7 @@ def router_settings(
     replica_header: bool,
     metrics_access: str,
     fleet_page: bool,
+    page_access: str,
     engine_timeout: float,
     hold_max: int,
     hold_timeout: float,
@@ -250,6 +259,7 @@ def router_settings(
             replica_header=replica_header,
             metrics=metrics_access,
             page=fleet_page,
+            page_access=page_access,
         ),
         gateway=GatewaySettings(
             serve_known_for=keys_offline_for,
@@ -305,6 +315,8 @@ def router(
         )
     check_ports_free([("the router (OpenAI API)", listen, "move it with --listen HOST:PORT")])
     settings = router_settings(listen, **options)
+    if catalog_path is None and nats.tls_cert:
+        settings = dataclasses.replace(settings, router_id=_id_of_certificate(settings, nats))
     logging.getLogger("llmgw").setLevel(logging.INFO)
     r = Router(settings)
     if catalog_path is not None:
@@ -330,6 +342,28 @@ def router(
                 click.echo(f"fleet page: {r.url}/")
 
     run_fast(run)
+
+
+def _id_of_certificate(settings, nats: NatsSettings) -> str:
+    """With a client certificate, the router id is its CN: nats-server lets a router write
+    only the subjects named after it (its load, what it holds of each limit, its usage
+    counts), so any other id would have every such write refused."""
+    from llmgw.pki import PkiError, common_name
+
+    try:
+        cn = common_name(nats.tls_cert)
+    except PkiError as e:
+        raise click.ClickException(str(e)) from None
+    if cn is None:
+        return settings.router_id
+    if settings.router_id and settings.router_id != cn:
+        raise click.ClickException(
+            f"--router-id {settings.router_id} is not the CN of the router's certificate "
+            f"({cn}, {nats.tls_cert}): nats-server would refuse every write it makes under "
+            f"that id; drop --router-id (the CN is used) or issue a certificate for "
+            f"{settings.router_id} (`llmgw pki issue --router {settings.router_id}`)"
+        )
+    return cn
 
 
 # file descriptors a router keeps beside its client connections: NATS, listening sockets,

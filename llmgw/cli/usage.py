@@ -52,6 +52,7 @@ def usage(key, team, model, since, by, as_json: bool, nats: NatsSettings, bucket
     """Tokens (prompt, completion, cached) and requests, per key, team, model and day or hour."""
     start = time.time() - parse_duration(since, "--since")
     # narrowed by subject where it can be: llmgw.usage.<hour>.<team>.<key>.<model>.<kind>
+    # then <router> (counts from before they were per router have none: `>` takes both)
     subject = ".".join(
         (
             keys.USAGE_ROOT,
@@ -59,7 +60,7 @@ def usage(key, team, model, since, by, as_json: bool, nats: NatsSettings, bucket
             keys.check_token(team, "team") if team else "*",
             keys.check_token(key, "key") if key else "*",
             keys.name_token(model) if model else "*",
-            "*",
+            ">",
         )
     )
 

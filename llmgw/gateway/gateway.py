@@ -1,11 +1,16 @@
 """Gateway: the one object a router's request handler calls.
 
-    admitted = await gateway.admit(authorization=..., model=..., max_tokens=..., client=...)
+    identity = gateway.table.authenticate(authorization)       # or a Refusal (401)
+    admitted = gateway.request(identity, model, tokens, client, stream)
+    if isinstance(admitted, Pending): admitted = await admitted.resume()   # a claim, rarely
     if isinstance(admitted, Refusal):
         answer(admitted.status, admitted.headers(), admitted.body())
     ...send upstream, with admitted.headers() on the answer...
-    for each stream chunk: if not await admitted.progress(completion_tokens_so_far): end it
+    for each stream chunk: if not admitted.progress_now(completion_tokens_so_far): end it
     admitted.finish(status=..., usage=Usage(...), replica=..., ttft=...)   # once, always
+
+(`await gateway.admit(authorization=..., model=..., max_tokens=...)` does the first three
+for a caller that may wait.)
 
 `finish` hands back what was reserved and not used, meters the engine's usage, and queues
 the audit record; `Gateway.flush` (run by the router's loop, `Gateway.run`) sends the
@@ -15,10 +20,8 @@ waits for NATS except a claim, once per share.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -30,8 +33,9 @@ import anyio
 from llmgw.bus.records import AuditRecord
 from llmgw.errors import LlmgwError
 
-from .limiter import FREE, Counter, Held, Limiter, LimitSettings
+from .limiter import FREE, Claim, Claims, Held, Limiter, LimitSettings
 from .metering import Meter
+from .outbox import Counter, Outbox
 from .refusals import Refusal
 from .table import SERVE_KNOWN_FOR, Identity, KeyTable
 from .usage import Usage
@@ -43,6 +47,11 @@ CHARS_PER_TOKEN = 4  # a prompt's tokens estimated from its characters, when not
 # a key's records in one audit message (JSON lines, a few hundred bytes each): a flush
 # sends one message per key, not one per request
 AUDIT_BATCH = 1000
+
+
+class Streams(Counter, Claims, Protocol):
+    """The streams beside the bucket that a router adds to: the usage counters (`add`) and
+    the limits (`claim`, `hold`): llmgw/bus/counters.py's Counters."""
 
 
 class AuditSink(Protocol):
@@ -114,13 +123,6 @@ class Admission:
             return True
         return self.held.progress_now(completion_tokens)
 
-    async def progress(self, completion_tokens: int) -> bool:
-        """A stream's tokens so far: charged as they come past what was reserved. False
-        when the limits refuse more: end the stream."""
-        if self.held is None:
-            return True
-        return await self.held.progress(completion_tokens)
-
     def finish(
         self,
         *,
@@ -178,36 +180,67 @@ class Admission:
 _NONE = Usage()
 
 
+class Pending:
+    """An admission waiting for a claim on the counters (`Gateway.request`): `resume` gives
+    its Admission or Refusal. It holds nothing while it waits, so a client that leaves
+    meanwhile (its task cancelled) takes nothing with it."""
+
+    __slots__ = ("gateway", "claim", "identity", "model", "client", "stream")
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        claim: Claim,
+        identity: Identity,
+        model: str,
+        client: str,
+        stream: bool,
+    ) -> None:
+        self.gateway, self.claim, self.identity = gateway, claim, identity
+        self.model, self.client, self.stream = model, client, stream
+
+    async def resume(self) -> Admission | Refusal:
+        held = await self.claim.resume()
+        g = self.gateway
+        return g._outcome(held, self.identity, self.model, self.client, self.stream, g.clock())
+
+
 class Gateway:
     def __init__(
         self,
         router: str,
-        counter: Counter,
+        counter: Streams,
         audit_sink: AuditSink | None = None,
         settings: GatewaySettings | None = None,
         *,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.router = router
         self.settings = settings or GatewaySettings()
         self.clock = clock
         self.counter = counter
         self.audit_sink = audit_sink
         self.table = KeyTable(clock=clock, serve_known_for=self.settings.serve_known_for)
-        self.limiter = Limiter(counter, self.settings.limits, clock=clock)
+        self.limiter = Limiter(counter, self.settings.limits, clock=clock, router=router)
         self.meter = Meter(router)
+        self.router = router
         # tokens per (team, model) since start, for /metrics and the fleet page: team names
         # come from the bucket, models from the router's table, never from a client
         self.tokens: dict[tuple[str, str], list[int]] = {}
         self._audit: deque[AuditRecord] = deque()
-        # audit messages made and not yet stored: sent again as they are (the same ids), and
+        # audit messages made and not yet stored are sent again as they are (the same ids);
         # the records that arrive meanwhile wait for the next ones
-        self._audit_sending: list[tuple[str, list[AuditRecord]]] = []
-        self._audit_sending_records = 0
-        self._audit_prefix = f"{router}.{os.getpid()}.{os.urandom(4).hex()}"
-        self._audit_ids = itertools.count()
+        self._audit_out = Outbox(router, self._audit_messages)
         self.audit_dropped = 0
         self._failed = False
+
+    @property
+    def router(self) -> str:
+        """Its router id: named in its audit records, and its limits' holder subjects."""
+        return self.limiter.router
+
+    @router.setter
+    def router(self, router: str) -> None:
+        self.limiter.router = self.meter.router = router
 
     @property
     def enabled(self) -> bool:
@@ -218,25 +251,33 @@ class Gateway:
         """An update of the router's watch of `apikeys.*` / `teams.*`."""
         self.table.apply(key, value)
 
-    def admit_now(
+    def request(
         self,
-        *,
-        authorization: str | None,
+        identity: Identity | None,
         model: str,
-        prompt_chars: int = 0,
-        prompt_tokens: int | None = None,
-        max_tokens: int | None = None,
+        tokens: int,
         client: str = "",
         stream: bool = False,
-        identity: Identity | None = None,
-    ) -> Admission | Refusal | None:
-        """`admit` without waiting, for a handler that cannot await here: an Admission or a
-        Refusal, or None when a claim on the counters is due first: then `await admit(...)`
-        with the same arguments (the shares are topped up ahead, so that is rare).
-        `identity`: the caller, when the handler authenticated `authorization` already."""
-        return self._admit(
-            authorization, model, prompt_chars, prompt_tokens, max_tokens, client, stream, identity
-        )
+    ) -> Admission | Refusal | Pending:
+        """The one admission call: authorize `identity` (from `table.authenticate`; None when
+        the bucket holds no key) for `model` and charge its limits `tokens` (its prompt and
+        the most it may generate: `reserve_tokens`). An Admission to carry through the
+        request, the Refusal to answer, or a Pending when a claim on the counters is due
+        first (`await pending.resume()`: rare, the shares are topped up ahead)."""
+        now = self.clock()
+        if identity is None:
+            return Admission(self, None, None, model, client, stream, now)
+        if not identity.may_use(model):
+            refusal = self.table.authorize(identity, model)
+            assert refusal is not None
+            self._refused(refusal, identity, model, client, stream, now)
+            return refusal
+        if not identity.limited:
+            return Admission(self, identity, None, model, client, stream, now)
+        held = self.limiter.admit(identity, model, tokens)
+        if isinstance(held, Claim):
+            return Pending(self, held, identity, model, client, stream)
+        return self._outcome(held, identity, model, client, stream, now)
 
     async def admit(
         self,
@@ -248,63 +289,19 @@ class Gateway:
         max_tokens: int | None = None,
         client: str = "",
         stream: bool = False,
-        identity: Identity | None = None,
     ) -> Admission | Refusal:
-        """Authenticate, authorize and charge a request's limits: an Admission to carry
-        through the request, or the Refusal to answer."""
-        args = (authorization, model, prompt_chars, prompt_tokens, max_tokens, client, stream)
-        now = self._admit(*args, identity)
-        if now is not None:
-            return now
-        if identity is None:
-            found = self.table.authenticate(authorization)
-            assert not isinstance(found, Refusal)  # _admit returned it otherwise
-            identity = found
-        tokens = reserve_tokens(
-            prompt_chars=prompt_chars, prompt_tokens=prompt_tokens, max_tokens=max_tokens
-        )
-        held = await self.limiter.admit(identity, model, tokens)
-        return self._outcome(held, identity, model, client, stream, self.clock())
-
-    def _admit(
-        self,
-        authorization: str | None,
-        model: str,
-        prompt_chars: int,
-        prompt_tokens: int | None,
-        max_tokens: int | None,
-        client: str,
-        stream: bool,
-        known: Identity | None = None,
-    ) -> Admission | Refusal | None:
-        now = self.clock()
-        if not self.table.enabled:
-            return Admission(self, None, None, model, client, stream, now)
-        identity = known or self.table.authenticate(authorization, now)
+        """Authenticate `authorization`, then `request`, waiting for its claim if one is
+        due: for a caller that holds the header and may wait (the router's gate calls
+        `request` itself, on its request path)."""
+        identity = self.table.authenticate(authorization) if self.table.enabled else None
         if isinstance(identity, Refusal):
-            self._refused(identity, None, model, client, stream, now)
+            self._refused(identity, None, model, client, stream, self.clock())
             return identity
         tokens = reserve_tokens(
             prompt_chars=prompt_chars, prompt_tokens=prompt_tokens, max_tokens=max_tokens
         )
-        return self.admit_identity(identity, model, tokens, client, stream, now)
-
-    def admit_identity(
-        self, identity: Identity, model: str, tokens: int, client: str, stream: bool, now: float
-    ) -> Admission | Refusal | None:
-        """`admit_now` for a caller already authenticated (the router's gate, on its request
-        path): `tokens` reserved (`reserve_tokens`), `now` by this gateway's clock."""
-        if not identity.may_use(model):
-            refusal = self.table.authorize(identity, model)
-            assert refusal is not None
-            self._refused(refusal, identity, model, client, stream, now)
-            return refusal
-        if not identity.limited:
-            return Admission(self, identity, None, model, client, stream, now)
-        held = self.limiter.admit_now(identity, model, tokens)
-        if held is None:
-            return None
-        return self._outcome(held, identity, model, client, stream, now)
+        admitted = self.request(identity, model, tokens, client, stream)
+        return await admitted.resume() if isinstance(admitted, Pending) else admitted
 
     def _outcome(
         self,
@@ -362,7 +359,7 @@ class Gateway:
     def audit(self, record: AuditRecord) -> None:
         """Queue a request's record; past `audit_queue` waiting, the oldest not yet in a
         message being sent is dropped, and counted."""
-        if len(self._audit) + self._audit_sending_records >= self.settings.audit_queue:
+        if self.audit_waiting() >= self.settings.audit_queue:
             self.audit_dropped += 1
             if not self._audit:
                 return  # all that waits is in messages being sent: this one goes
@@ -370,7 +367,7 @@ class Gateway:
         self._audit.append(record)
 
     def audit_waiting(self) -> int:
-        return len(self._audit) + self._audit_sending_records
+        return len(self._audit) + sum(len(recs) for _, recs in self._audit_out.sending)
 
     async def flush(self) -> None:
         """Send what waits: the limiter's debts, the meter's counts, the audit records."""
@@ -380,21 +377,16 @@ class Gateway:
         if self.audit_sink is None:
             self._audit.clear()
             return
-        if not self._audit_sending:
-            self._audit_sending = self._audit_messages()
-            self._audit_sending_records = sum(len(recs) for _, recs in self._audit_sending)
-        if self._audit_sending:
-            try:
-                await self.audit_sink.append(self._audit_sending)
-            except (LlmgwError, TimeoutError, OSError) as e:
-                self._failing(f"audit records not stored ({e})")
-                return
-            self._audit_sending, self._audit_sending_records = [], 0
+        try:
+            await self._audit_out.flush(self.audit_sink.append)
+        except (LlmgwError, TimeoutError, OSError) as e:
+            self._failing(f"audit records not stored ({e})")
+            return
         self._failed = False
 
-    def _audit_messages(self) -> list[tuple[str, list[AuditRecord]]]:
+    def _audit_messages(self) -> list[list[AuditRecord]]:
         """What waits, as messages: each key's records in the order they came, AUDIT_BATCH
-        at most in one, with an id for each."""
+        at most in one."""
         by_key: dict[str | None, list[AuditRecord]] = {}
         waiting = self._audit
         while waiting:
@@ -404,7 +396,7 @@ class Gateway:
                 recs = by_key[record.key] = []
             recs.append(record)
         return [
-            (f"{self._audit_prefix}.{next(self._audit_ids)}", recs[i : i + AUDIT_BATCH])
+            recs[i : i + AUDIT_BATCH]
             for recs in by_key.values()
             for i in range(0, len(recs), AUDIT_BATCH)
         ]

@@ -1,9 +1,16 @@
 """Limiter: every limit that applies to a request, spent from shares this router claims on
 the counter stream that all routers add to (budget.py says how a share works).
 
-Admitting a request spends from the shares this router holds: no NATS round trip, except
-the one claim in every `share` units. A claim is one atomic increment on the counter
-(`Counter.add`: a JetStream publish with `Nats-Incr`, llmgw/bus/counters.py).
+One admission call, `admit`, answers at once from the shares held: a `Held` (the request
+holds what it took), a `Refusal`, or a `Claim` when a claim is due first. `Claim.resume`
+is the same step again after each claim, until it admits or refuses. Nothing is ever spent
+while a claim is awaited: a request whose client leaves while it waits (its task cancelled)
+holds nothing, and the claim itself runs to its end in a task of its own, so what the
+counter granted is kept for the next requests, never lost with the one that asked.
+
+A claim is one atomic increment on the counter (`Counter.add`: a JetStream publish with
+`Nats-Incr`, llmgw/bus/counters.py); one at a time per budget, and the requests waiting on
+it spend from what it brought.
 
 When the counters cannot be reached, the operator chooses (`offline`):
 - "serve" (the default): keep admitting from the shares already held, for at most
@@ -16,7 +23,6 @@ When the counters cannot be reached, the operator chooses (`offline`):
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import time
@@ -39,13 +45,22 @@ Offline = Literal["serve", "refuse"]
 # budgets one router keeps (a key on each model is one each): past it, all but those holding
 # places in flight are forgotten, so model names a client makes up cannot grow it
 MAX_BUDGETS = 100_000
+_ERRORS = (LlmgwError, TimeoutError, OSError)  # a counter that did not answer
 
 
-class Counter(Protocol):
-    """The counter stream, as the limiter needs it (llmgw/bus/counters.py)."""
+class Claims(Protocol):
+    """The limits stream, as the limiter needs it (llmgw/bus/claims.py): each router holds
+    what it claimed of a window on a subject of its own."""
 
-    async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
-        """Add `delta` to `subject`'s total; the new total. Raises on failure."""
+    async def claim(
+        self, window_subject: str, holder: str, mine: int, asked: int, limit: int
+    ) -> tuple[int, int]:
+        """`holder` holds `mine` and asks `asked` more under `limit`: what it got, and the
+        window's total after it. Raises when the stream cannot be reached."""
+        ...
+
+    async def hold(self, window_subject: str, holder: str, units: int) -> None:
+        """Write what `holder` holds of the window. Raises on failure."""
         ...
 
 
@@ -58,13 +73,6 @@ class LimitSettings:
     retry_claims_after: float = 1.0  # while away, claim again this often, not per request
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a microsecond
-class _Need:
-    budget: Budget
-    units: int
-    scope: str  # "key k1", "team t", "key k1 on model m": for messages
-
-
 class Plan:
     """The budgets of one key on one model, and what the request path reads of them, made
     once per (key, model) until the key's or team's record changes."""
@@ -74,7 +82,7 @@ class Plan:
     def __init__(self, key: object, team: object, budgets: list[tuple[Budget, str]]) -> None:
         self.key, self.team = key, team  # the records it was made from
         self.budgets = budgets  # each budget, and the scope its refusal names
-        self.charged = [(b, scope) for b, scope in budgets if b.tokens]  # tokens, as used
+        self.charged = [b for b, _ in budgets if b.tokens]  # tokens, as used
         # for the x-ratelimit-* headers: the request and token limits per minute
         self.requests = [b for b, _ in budgets if b.dimension is Dimension.REQUESTS]
         self.tokens = [b for b, _ in budgets if b.dimension is Dimension.TOKENS]
@@ -82,6 +90,26 @@ class Plan:
         self.cap_units = (
             min((b.limit for b, _ in budgets if b.tokens), default=None),
             min((b.limit for b, _ in budgets if not b.tokens), default=None),
+        )
+
+    def rate(self, now: float) -> RateHeaders | None:
+        """The x-ratelimit-* figures of its tightest limits, as of `now`."""
+        return _rate(self.requests, self.tokens, now)
+
+    def header_pairs(self, at: float) -> tuple[tuple[bytes, bytes], ...]:
+        """`rate()` as the headers of an answer, rendered straight to bytes (on every answer
+        to a limited key, and on its refusals)."""
+        if not (self.requests or self.tokens):
+            return ()
+        r, r_left = _tightest(self.requests)
+        t, t_left = _tightest(self.tokens)
+        return refusals.rate_header_pairs(
+            r.limit if r else None,
+            r_left,
+            r.reset_in(at) if r else 0.0,
+            t.limit if t else None,
+            t_left,
+            t.reset_in(at) if t else 0.0,
         )
 
 
@@ -108,62 +136,30 @@ class Held:
 
     def rate(self) -> RateHeaders | None:
         """The x-ratelimit-* figures of this request's tightest limits, as of now."""
-        plan = self.plan
-        if plan is None or not (plan.requests or plan.tokens):
-            return None
-        return _rate(plan.requests, plan.tokens, self.at)
+        return None if self.plan is None else self.plan.rate(self.at)
 
     def header_pairs(self) -> tuple[tuple[bytes, bytes], ...]:
-        """`rate()` as the headers of an answer, rendered straight to bytes (on every
-        answer to a limited key)."""
-        plan = self.plan
-        if plan is None or not (plan.requests or plan.tokens):
-            return ()
-        r, r_left = _tightest(plan.requests)
-        t, t_left = _tightest(plan.tokens)
-        at = self.at
-        return refusals.rate_header_pairs(
-            r.limit if r else None,
-            r_left,
-            r.reset_in(at) if r else 0.0,
-            t.limit if t else None,
-            t_left,
-            t.reset_in(at) if t else 0.0,
-        )
+        return () if self.plan is None else self.plan.header_pairs(self.at)
 
     def progress_now(self, used: int) -> bool:
-        """`progress` without waiting (a relay that cannot await): what passes the
-        reservation is spent from the shares held, or charged all the same (added to the
-        counter in the background). False once a limit is known to be passed: end the
-        stream."""
+        """A stream has used `used` tokens so far: what passes the reservation is spent from
+        the shares held, or charged all the same (added to the counter in the background:
+        the relay that calls this cannot wait: it never does). False once a limit is known to be passed:
+        the router ends the stream."""
         extra = used - self.tokens - self.charged
         if extra <= 0 or self.plan is None or not self.plan.charged:
             return True
         self.charged += extra
         within = True
-        for b, _ in self.plan.charged:
+        for b in self.plan.charged:
             b.roll(self.limiter.clock())
             if b.try_spend(extra):
                 continue
-            beyond = b.force(extra)
+            beyond = b.force(extra)  # held past what was claimed: written at the next flush
             if beyond:
-                self.limiter.owe(b.window_subject(), beyond)
                 b.total += beyond
                 within = within and b.total <= b.limit
         return within
-
-    async def progress(self, used: int) -> bool:
-        """A stream has used `used` tokens so far: charge what passes the reservation as it
-        comes. False when the limits refuse more (the router ends the stream)."""
-        extra = used - self.tokens - self.charged
-        if extra <= 0 or self.plan is None or not self.plan.charged:
-            return True
-        needs = [_Need(b, extra, scope) for b, scope in self.plan.charged]
-        refused = await self.limiter._take(needs, self.limiter.clock())
-        if refused is not None:
-            return False
-        self.charged += extra
-        return True
 
     def settle(self, used_tokens: int | None) -> None:
         """The request is over: give back what it reserved and did not use (its usage in
@@ -183,12 +179,40 @@ class Held:
                 budget.give_back(-diff, window)  # to the window it was reserved in
             else:
                 budget.roll(self.limiter.clock())
-                beyond = budget.force(diff)
-                if beyond:
-                    self.limiter.owe(budget.window_subject(), beyond)
+                budget.force(diff)  # held past what was claimed: written at the next flush
 
 
-# what `admit_now` gives a request that no limit applies to: one for all of them, holding
+class Claim:
+    """An admission that waits for a claim: `await resume()` for the Held or the Refusal.
+    It holds nothing while it waits."""
+
+    __slots__ = ("limiter", "plan", "tokens")
+
+    def __init__(self, limiter: Limiter, plan: Plan, tokens: int) -> None:
+        self.limiter, self.plan, self.tokens = limiter, plan, tokens
+
+    async def resume(self) -> Held | Refusal:
+        lim = self.limiter
+        while True:
+            now = lim.clock()
+            if lim.offline_since is not None and lim.settings.offline == "refuse":
+                if not await lim._answering(self.plan.budgets[0][0], now):
+                    return refusals.limits_unavailable(lim.offline_why)
+            step = lim._step(self.plan, self.tokens, now)
+            if not isinstance(step, list):
+                return step
+            # a claim for each budget short of room, all at once; each runs to its end in
+            # its own task (shielded), whatever becomes of this request meanwhile
+            results = await asyncio.gather(*(lim._claim_for(b, units) for b, units, _ in step))
+            if None in results:  # the counters are away
+                return refusals.limits_unavailable(lim.offline_why)
+            if False in results:
+                b, units, scope = step[results.index(False)]
+                return lim._refusal(self.plan, b, units, scope, lim.clock())
+            # each claim brought room: take it (others may have been quicker: then again)
+
+
+# what `admit` gives a request that no limit applies to: one for all of them, holding
 # nothing (its settle and progress have nothing to do)
 FREE = Held(None, [], 0, None, 0.0)  # type: ignore[arg-type]
 
@@ -225,23 +249,20 @@ def _rate(requests: list[Budget], tokens: list[Budget], now: float) -> RateHeade
 class Limiter:
     def __init__(
         self,
-        counter: Counter,
+        counter: Claims,
         settings: LimitSettings | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        router: str = "router",
     ) -> None:
         self.counter = counter
+        self.router = router  # its holder token: <router>.<instance>
+        self._instance = f"{os.getpid()}{os.urandom(3).hex()}"
         self.settings = settings or LimitSettings()
         self.clock = clock
         self._budgets: dict[str, Budget] = {}
         self._plans: dict[tuple[str, str], Plan] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._owed: dict[str, int] = {}  # counter subject -> units to add when it answers
-        # owed adds sent and not known stored: sent again as they are, with the same message
-        # id, so an add whose answer was lost is counted once (the stream's duplicate window)
-        self._owed_sending: dict[str, tuple[int, str]] = {}
-        self._ids = itertools.count()
-        self._id_prefix = f"limits.{os.getpid()}.{os.urandom(4).hex()}"
+        self._claims: dict[str, asyncio.Task[bool | None]] = {}  # one per budget at a time
         self._low: set[str] = set()  # budgets whose share runs low: topped up by prefetch
         self._wake = asyncio.Event()
         self.offline_since: float | None = None
@@ -256,7 +277,6 @@ class Limiter:
             if len(self._budgets) >= MAX_BUDGETS:
                 self._forget_idle()
             b = self._budgets[subject] = Budget.new(subject, dimension, limit, self.settings.share)
-            self._locks[subject] = asyncio.Lock()
         else:
             b.relimit(limit, self.settings.share)
         return b
@@ -269,11 +289,12 @@ class Limiter:
         self._plans.clear()
         for subject, b in list(self._budgets.items()):
             b.roll(now)
-            if (not b.dimension.carries or b.spent == 0) and not self._locks[subject].locked():
-                if b.granted and b.dimension.carries:
-                    self.owe(b.window_subject(), -b.granted)
+            claiming = self._claims.get(subject)
+            if (not b.carries or b.spent == 0) and (claiming is None or claiming.done()):
+                if b.unstored() or (b.carries and (b.granted or b.granted_next)):
+                    continue  # written (its places handed back) at the next flush first
                 del self._budgets[subject]
-                del self._locks[subject]
+                self._claims.pop(subject, None)
 
     def _plan(self, identity: Identity, model: str) -> Plan:
         """The budgets of `identity` on `model` and the scope each says in a refusal;
@@ -310,15 +331,26 @@ class Limiter:
 
     # --- admitting ---------------------------------------------------------------------
 
-    def admit_now(self, identity: Identity, model: str, tokens: int) -> Held | Refusal | None:
-        """`admit` without waiting: from the shares held, or refused by what this router
-        knows (the fleet has claimed a limit whole, the counters away too long); None when a
-        claim is due first (then `await admit(...)`). A share running low is topped up in
-        the background (`prefetch`), so the request path rarely waits."""
+    def admit(self, identity: Identity, model: str, tokens: int) -> Held | Refusal | Claim:
+        """Spend one request and `tokens` (the prompt and the most it may generate) from
+        every limit of `identity` on `model`, from the shares held: a Held, a Refusal, or a
+        Claim when one is due first (then `await claim.resume()`). A share running
+        low is topped up in the background (`prefetch`), so a request rarely waits."""
         plan = self._plan(identity, model)
         if not plan.budgets:
             return FREE  # nothing limits it
         now = self.clock()
+        if self.offline_since is not None and self.settings.offline == "refuse":
+            return Claim(self, plan, tokens)  # it asks the counters, once a second
+        step = self._step(plan, tokens, now)
+        return Claim(self, plan, tokens) if isinstance(step, list) else step
+
+    def _step(
+        self, plan: Plan, tokens: int, now: float
+    ) -> Held | Refusal | list[tuple[Budget, int, str]]:
+        """One try from the shares held, all or nothing: a Held, a Refusal, or the budgets
+        short of room (budget, units, scope), for which a claim is due. Spends nothing
+        unless it admits."""
         cap_tokens, cap_requests = plan.cap_units
         if (cap_tokens is not None and tokens > cap_tokens) or (
             cap_requests is not None and cap_requests < 1
@@ -327,50 +359,40 @@ class Limiter:
                 units = tokens if b.tokens else 1
                 if units > b.limit:
                     b.roll(now)
-                    return self._refusal(_Need(b, units, scope), now, never_fits=True)
-        if self.offline_since is not None:
+                    return self._refusal(plan, b, units, scope, now, never_fits=True)
+        if self._offline_too_long(now):
             for b, _ in plan.budgets:
                 b.roll(now)
-            if self._offline_too_long(now):
-                return refusals.limits_unavailable(
-                    f"not answering for {now - (self.offline_since or now):.0f} s"
-                )
-            if self.settings.offline == "refuse":
-                return None  # the async path asks the counters, once a second
+            return refusals.limits_unavailable(
+                f"not answering for {now - (self.offline_since or now):.0f} s"
+            )
         taken = []
+        short = None
         low = False
         for b, scope in plan.budgets:  # the request path: plain tuples, no objects per limit
             units = tokens if b.tokens else 1
             spent = b.spend_now(units, now)
             if spent is SHORT:
-                for held, window, n in taken:
-                    held.give_back(n, window)
-                if not b.carries and b.total >= b.limit:
-                    return self._refusal(_Need(b, units, scope), now)  # all claimed
-                return None
+                if b.all_claimed(now):
+                    self._undo(taken)
+                    return self._refusal(plan, b, units, scope, now)
+                short = short or []
+                short.append((b, units, scope))
+                continue
             taken.append((b, b.window, units))
             if spent is SPENT_LOW:
                 low = True
+        if short is not None:
+            self._undo(taken)
+            return short
         if low:
             self._running_low(plan)
         return Held(self, taken, tokens, plan, now)
 
-    async def admit(self, identity: Identity, model: str, tokens: int) -> Held | Refusal:
-        """Spend one request and `tokens` (the prompt and the most it may generate) from
-        every limit of `identity` on `model`, or say which limit refuses it."""
-        now_held = self.admit_now(identity, model, tokens)
-        if now_held is FREE:
-            return Held(self, [], tokens, None, self.clock())
-        if now_held is not None:
-            return now_held
-        now = self.clock()
-        plan = self._plan(identity, model)
-        needs = [_Need(b, tokens if b.tokens else 1, scope) for b, scope in plan.budgets]
-        refused = await self._take(needs, now)
-        if refused is not None:
-            return refused
-        self._running_low(plan)
-        return Held(self, [(n.budget, n.budget.window, n.units) for n in needs], tokens, plan, now)
+    @staticmethod
+    def _undo(taken: list[tuple[Budget, int, int]]) -> None:
+        for b, window, units in taken:
+            b.give_back(units, window)
 
     def _running_low(self, plan: Plan) -> None:
         """Have `prefetch` top up the shares of `plan` that run low (in flight excepted:
@@ -382,8 +404,8 @@ class Limiter:
             self._wake.set()
 
     async def prefetch(self) -> None:
-        """Top up the shares running low, as `_held` finds them, until cancelled (the
-        gateway's `run` owns it)."""
+        """Top up the shares running low, as `_running_low` finds them, until cancelled
+        (the gateway's `run` owns it)."""
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -391,89 +413,80 @@ class Limiter:
             for subject in low:
                 b = self._budgets.get(subject)
                 if b is not None and self.offline_since is None:
-                    await self._claim(_Need(b, b.granted - b.spent + 1, ""), spend=False)
+                    await self._claim_for(b, b.granted - b.spent + 1)
 
-    async def _take(self, needs: list[_Need], now: float) -> Refusal | None:
-        """Spend every need, claiming shares for those this router holds too little of; all
-        or nothing."""
-        for n in needs:
-            n.budget.roll(now)
-        if self._offline_too_long(now):
-            return refusals.limits_unavailable(
-                f"not answering for {now - (self.offline_since or now):.0f} s"
+    async def _claim_for(self, b: Budget, units: int) -> bool | None:
+        """Room for `units` on `b`: True when it is there, False when the limit refuses,
+        None when the counters cannot be reached. One claim at a time per budget, each in a
+        task of its own (shielded: what the counter grants is kept whoever asked, even if
+        they left); a claim made for another request is waited out, then looked at again."""
+        while True:
+            task = self._claims.get(b.subject)
+            if task is None or task.done():
+                task = self._claims[b.subject] = asyncio.ensure_future(self._claim(b, units))
+                return await asyncio.shield(task)
+            if await asyncio.shield(task) is None:
+                return None
+            if b.room() >= units:
+                return True
+
+    async def _claim(self, b: Budget, units: int) -> bool | None:
+        """Claim on `b`'s counter what `units` need, a share ahead (in flight: on this window
+        and the next): True when the room is there now, False when the limit refuses,
+        None when the counters cannot be reached."""
+        now = self.clock()
+        b.roll(now)
+        if b.room() >= units:
+            return True
+        if self.offline_since is not None and now - self._last_attempt < (
+            self.settings.retry_claims_after
+        ):
+            return None
+        if b.all_claimed(now):
+            return False  # the fleet has claimed it all: no need to ask again
+        self._last_attempt = now
+        window = b.window
+        asked = b.to_claim(units) if b.spent + units > b.granted else 0
+        if asked and not await self._add_claim(b, window, asked):
+            return None
+        # in flight: the next window covers what this one holds
+        ahead = b.next_to_claim()
+        if ahead and not await self._add_claim(b, window + 1, ahead):
+            return None
+        return b.room() >= units
+
+    @property
+    def holder(self) -> str:
+        return f"{self.router}.{self._instance}"
+
+    async def _add_claim(self, b: Budget, window: int, asked: int) -> bool:
+        """Claim `asked` more on `b`'s window `window` and keep what fits; False when the
+        stream did not answer."""
+        mine = b.granted if window == b.window else b.granted_next
+        try:
+            got, total = await asyncio.wait_for(
+                self.counter.claim(f"{b.subject}.{window}", self.holder, mine, asked, b.limit),
+                self.settings.claim_timeout,
             )
-        if self.offline_since is not None and self.settings.offline == "refuse":
-            if not await self._answering(needs[0].budget, now):
-                return refusals.limits_unavailable(self.offline_why)
-        spent: list[_Need] = []
-        short = []
-        for n in needs:
-            (spent if n.budget.try_spend(n.units) else short).append(n)
-        if short:
-            results = await asyncio.gather(*(self._claim(n) for n in short))
-            spent += [n for n, ok in zip(short, results, strict=True) if ok]
-            if None in results:  # the counters are away
-                self._undo(spent)
-                return refusals.limits_unavailable(self.offline_why)
-            if False in results:
-                self._undo(spent)
-                return self._refusal(short[results.index(False)], now)
-        return None
-
-    def _undo(self, spent: list[_Need]) -> None:
-        for n in spent:
-            n.budget.give_back(n.units, n.budget.window)
-
-    async def _claim(self, n: _Need, *, spend: bool = True) -> bool | None:
-        """Claim a share of `n`'s budget and spend `n` from it: True when spent, False when
-        the limit refuses, None when the counters cannot be reached. One claim at a time per
-        budget: the requests waiting behind it spend from what it brought. Without `spend`,
-        only make sure `n` could be spent (a top-up ahead of need)."""
-        b = n.budget
-        async with self._locks[b.subject]:
-            if b.spent + n.units <= b.granted:
-                return b.try_spend(n.units) if spend else True
-            now = self.clock()
-            if self.offline_since is not None and now - self._last_attempt < (
-                self.settings.retry_claims_after
-            ):
-                return None
-            if (
-                not b.dimension.carries  # places in flight come back; minutes never do
-                and b.total >= b.limit
-                and b.window == int(now // b.dimension.window_s)
-            ):
-                return False  # the fleet has claimed it all: no need to ask again
-            self._last_attempt = now
-            subject, asked = b.window_subject(), b.to_claim(n.units)
-            try:
-                total = await asyncio.wait_for(
-                    self.counter.add(subject, asked), self.settings.claim_timeout
-                )
-            except (LlmgwError, TimeoutError, OSError) as e:
-                self._went_offline(now, e)
-                return None
-            self._back_online()
-            back = b.claimed(asked, total)
-            if back:
-                try:
-                    await asyncio.wait_for(
-                        self.counter.add(subject, -back), self.settings.claim_timeout
-                    )
-                except (LlmgwError, TimeoutError, OSError):
-                    self.owe(subject, -back)
-            return b.try_spend(n.units) if spend else b.spent + n.units <= b.granted
+        except _ERRORS as e:
+            self._went_offline(self.clock(), e)
+            return False
+        self._back_online()
+        b.claimed(window, got, total, mine + got)
+        return True
 
     async def _answering(self, b: Budget, now: float) -> bool:
         """While away, in "refuse": ask the counter (adding 0) once per retry interval."""
         if now - self._last_attempt < self.settings.retry_claims_after:
             return False
         self._last_attempt = now
+        b.roll(now)
         try:
             await asyncio.wait_for(
-                self.counter.add(b.window_subject(), 0), self.settings.claim_timeout
+                self.counter.hold(b.window_subject(), self.holder, b.granted),
+                self.settings.claim_timeout,
             )
-        except (LlmgwError, TimeoutError, OSError):
+        except _ERRORS:
             return False
         self._back_online()
         return True
@@ -514,65 +527,66 @@ class Limiter:
 
     # --- what it says ------------------------------------------------------------------
 
-    def _refusal(self, n: _Need, now: float, never_fits: bool = False) -> Refusal:
-        b = n.budget
-        rate = self._rate([b], now)
+    def _refusal(
+        self, plan: Plan, b: Budget, units: int, scope: str, now: float, never_fits: bool = False
+    ) -> Refusal:
+        # the key's tightest request and token limits, as on every answer to it
+        rate = plan.rate(now)
         retry = max(0.001, b.reset_in(now)) if b.window >= 0 else float(b.dimension.window_s)
         if never_fits:
             return Refusal(
                 429,
                 "tokens",
                 "rate_limit_exceeded",
-                f"this request needs {n.units} tokens (its prompt and max_tokens) but {n.scope} "
+                f"this request needs {units} tokens (its prompt and max_tokens) but {scope} "
                 f"may use {b.limit} per {'day' if b.dimension is Dimension.DAY else 'minute'}; "
                 "lower max_tokens",
                 retry_after=None,
                 rate=rate,
             )
         if b.dimension is Dimension.DAY:
-            return refusals.out_of_quota(n.scope, b.limit, retry, rate)
+            return refusals.out_of_quota(scope, b.limit, retry, rate)
         if b.dimension is Dimension.PARALLEL:
-            return refusals.rate_limited(n.scope, "requests_in_flight", b.limit, 1.0, rate)
+            return refusals.rate_limited(scope, "requests_in_flight", b.limit, 1.0, rate)
         what = "requests" if b.dimension is Dimension.REQUESTS else "tokens"
-        return refusals.rate_limited(n.scope, what, b.limit, retry, rate)
+        return refusals.rate_limited(scope, what, b.limit, retry, rate)
 
-    def _rate(self, budgets: list[Budget], now: float) -> RateHeaders | None:
-        """The tightest request limit and token limit among `budgets`."""
-        return _rate(
-            [b for b in budgets if b.dimension is Dimension.REQUESTS],
-            [b for b in budgets if b.dimension is Dimension.TOKENS],
-            now,
-        )
-
-    # --- units owed to the counter -----------------------------------------------------
+    # --- what is sent in the background ------------------------------------------------
 
     def owing(self) -> int:
-        """Owed adds not yet known stored (waiting, or sent and unanswered)."""
-        return len(self._owed) + len(self._owed_sending)
-
-    def owe(self, subject: str, units: int) -> None:
-        self._owed[subject] = self._owed.get(subject, 0) + units
+        """Budgets whose subjects do not say yet what this router holds (tokens used past a
+        reservation, places handed back): written at the next flush."""
+        return sum(1 for b in self._budgets.values() if b.unstored())
 
     async def flush(self) -> None:
-        """Hand back places in flight no longer held, and add what is owed (tokens used past
-        reservations, give-backs that failed). The gateway's loop runs it often."""
+        """Keep places in flight claimed on the next window (`carry`), hand back those no
+        longer held, and write what this router holds where its subjects lag (tokens used
+        past reservations). The gateway's loop runs it often."""
         now = self.clock()
+        writes = []
         for b in self._budgets.values():
-            if b.dimension.carries:
+            claiming = self._claims.get(b.subject)
+            if claiming is not None and not claiming.done():
+                continue  # the claim writes what it holds; what it misses, the next flush
+            if b.carries:
                 b.roll(now)
-                surplus = b.surplus()
-                if surplus:
-                    self.owe(b.window_subject(), -surplus)
-        for subject in list(self._owed):
-            if subject not in self._owed_sending:  # else its earlier add must be stored first
-                units = self._owed.pop(subject)
-                if units:
-                    self._owed_sending[subject] = (units, f"{self._id_prefix}.{next(self._ids)}")
-        for subject, (units, msg_id) in list(self._owed_sending.items()):
-            try:
-                await asyncio.wait_for(
-                    self.counter.add(subject, units, msg_id), self.settings.claim_timeout
-                )
-            except (LlmgwError, TimeoutError, OSError):
-                return  # next time, with the same id
-            del self._owed_sending[subject]
+                b.hand_back()
+                if b.carry_due() and self.offline_since is None:
+                    writes.append(self._claim_for(b, 0))
+                    continue
+            for ahead, units in b.unstored():
+                writes.append(self._store(b, ahead, units))
+        if writes:
+            await asyncio.gather(*writes)
+
+    async def _store(self, b: Budget, ahead: int, units: int) -> None:
+        window = b.window + ahead
+        try:
+            await asyncio.wait_for(
+                self.counter.hold(f"{b.subject}.{window}", self.holder, units),
+                self.settings.claim_timeout,
+            )
+        except _ERRORS:
+            return  # the next flush writes it again: a holder's value is what it holds
+        if 0 <= window - b.window <= 1:  # (a window may have ended meanwhile)
+            b.stored_as(window - b.window, units)

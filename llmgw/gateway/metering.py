@@ -2,8 +2,9 @@
 from the engines' own `usage`, added to counters in batches.
 
 Counters, not a stream of usage records: `llmgw usage` then reads one number per subject
-(hour x team x key x model x kind) however many requests there were, and a router adds a
-second's worth of requests in one increment per subject. The audit stream keeps the
+(hour x team x key x model x kind x router) however many requests there were, and a router
+adds a second's worth of requests in one increment per subject. Each router counts on
+subjects of its own: what it metered can be changed by no other router. The audit stream keeps the
 per-request detail, for as long as its retention says.
 
 Exactness: a batch is sent with a message id (`Nats-Msg-Id`), and a batch whose answer was
@@ -14,16 +15,13 @@ Nothing is dropped while NATS is away; what waits is one number per subject.
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from llmgw.bus import keys
-from llmgw.errors import LlmgwError
 
-from .limiter import Counter
+from .outbox import Counter, Deltas
 
 KINDS = ("requests", "prompt", "completion", "cached")
 
@@ -32,7 +30,11 @@ def hour_token(now: float) -> str:
     return time.strftime("%Y%m%d%H", time.gmtime(now))
 
 
-def usage_subject(hour: str, team: str | None, key: str | None, model: str, kind: str) -> str:
+def usage_subject(
+    hour: str, team: str | None, key: str | None, model: str, kind: str, router: str
+) -> str:
+    """One router's count: each router adds to subjects of its own (its certificate may
+    write no others: llmgw/bus/permissions.py), so none can touch another's counts."""
     return ".".join(
         (
             keys.USAGE_ROOT,
@@ -41,6 +43,7 @@ def usage_subject(hour: str, team: str | None, key: str | None, model: str, kind
             key or keys.NO_NAME,
             keys.name_token(model),
             kind,
+            router,
         )
     )
 
@@ -58,11 +61,14 @@ class UsageRow:
 
 
 def parse_usage_subject(subject: str, value: int) -> UsageRow | None:
+    """A usage counter as read: one router's (`...<kind>.<router>`), or one all routers
+    added to (`...<kind>`, written before counts were per router). A count below 0 is no
+    usage (counts only grow; only its own router could have written it)."""
     parts = subject.split(".")
     root = keys.USAGE_ROOT.split(".")
-    if parts[: len(root)] != root or len(parts) != len(root) + 5:
+    if parts[: len(root)] != root or len(parts) not in (len(root) + 5, len(root) + 6):
         return None
-    hour, team, key, model, kind = parts[len(root) :]
+    hour, team, key, model, kind = parts[len(root) : len(root) + 5]
     if kind not in KINDS:
         return None
     return UsageRow(
@@ -71,35 +77,18 @@ def parse_usage_subject(subject: str, value: int) -> UsageRow | None:
         None if key == keys.NO_NAME else key,
         keys.token_name(model),
         kind,
-        value,
+        max(0, value),
     )
 
 
 class Meter:
     def __init__(self, router: str) -> None:
-        # message ids unique to this process: a restarted router must not look like a
-        # duplicate of its previous life
-        self._prefix = f"{router}.{os.getpid()}.{os.urandom(4).hex()}"
-        self._ids = itertools.count()
         # (hour, team, key, model) -> [requests, prompt, completion, cached] since the last
         # flush: a request adds to one list; the subjects are made at the flush
         self._counts: dict[tuple[str, str | None, str | None, str], list[int]] = {}
-        self._pending: dict[str, int] = {}
-        self._sending: dict[str, tuple[int, str]] = {}  # subject -> (delta, message id)
+        self._out = Deltas(f"{router}.usage")
+        self.router = router  # the last token of its subjects
         self._hour_at, self._hour_token = -1, ""
-
-    def record(
-        self,
-        *,
-        team: str | None,
-        key: str | None,
-        model: str,
-        prompt: int,
-        completion: int,
-        cached: int = 0,
-        now: float | None = None,
-    ) -> None:
-        self.add(team, key, model, prompt, completion, cached, time.time() if now is None else now)
 
     def add(
         self,
@@ -111,7 +100,7 @@ class Meter:
         cached: int,
         now: float,
     ) -> None:
-        """`record`, its arguments by position (a request's last step)."""
+        """One request's usage (its last step; `now` by the gateway's clock)."""
         hour = int(now // 3600)
         if hour != self._hour_at:
             self._hour_at, self._hour_token = hour, hour_token(now)
@@ -126,34 +115,22 @@ class Meter:
         counts[3] += cached
 
     def _collect(self) -> None:
-        """What `record` counted, as deltas per counter subject."""
+        """What `record` counted, as adds per counter subject."""
         counts, self._counts = self._counts, {}
-        pending = self._pending
         for (hour, team, key, model), values in counts.items():
             for kind, n in zip(KINDS, values, strict=True):
                 if n:
-                    subject = usage_subject(hour, team, key, model, kind)
-                    pending[subject] = pending.get(subject, 0) + n
+                    self._out.add(usage_subject(hour, team, key, model, kind, self.router), n)
 
     def pending(self) -> int:
         self._collect()
-        return sum(self._pending.values()) + sum(d for d, _ in self._sending.values())
+        return self._out.units()
 
-    async def flush(self, counter: Counter) -> bool:
+    async def flush(self, counter: Counter, timeout: float = 2.0) -> bool:
         """Send what was recorded; True when nothing is left waiting."""
         self._collect()
-        for subject in list(self._pending):
-            if subject not in self._sending:  # else its earlier batch must be stored first
-                delta = self._pending.pop(subject)
-                self._sending[subject] = (delta, f"{self._prefix}.{next(self._ids)}")
-        for subject, (delta, msg_id) in list(self._sending.items()):
-            try:
-                await counter.add(subject, delta, msg_id)
-            except (LlmgwError, TimeoutError, OSError):
-                return False
-            del self._sending[subject]
-        return not self._pending and not self._sending
+        return await self._out.send_to(counter, timeout)
 
     def subjects(self) -> Iterable[str]:
         self._collect()
-        return [*self._pending, *self._sending]
+        return self._out.subjects()

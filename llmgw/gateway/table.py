@@ -1,8 +1,9 @@
 """KeyTable: the keys and teams a router knows, from its watch of `apikeys.*` and `teams.*`.
 
 Every check is a dict lookup and SHA-256 digests against what the table holds (as many
-for a name that is no key's: credentials.match): no NATS round trip on the request path. Expiry and revocation times are compared with the clock at each
-request, so an expired key fails on a router cut off from NATS too. A revocation reaches a
+for a name that is no key's: credentials.match): no NATS round trip on the request path.
+Expiry and revocation times are compared with the clock at each request, so an expired
+key fails on a router cut off from NATS too. A revocation reaches a
 router through its watch (milliseconds); a router cut off from NATS cannot hear of one, so
 it serves the keys it knows for `serve_known_for` seconds after it was cut off (default
 300) and then refuses every key with 503 until its watch is back.
@@ -141,10 +142,9 @@ class KeyTable:
             self.apply(key, None)
             return
         held = self._keys if parsed.prefix == keys.APIKEYS else self._teams
-        value, problem = settle(parsed, key, data, revision, held.get(name))
+        value, problem = settle(parsed, key, data, revision, held.get(name), self.skipped)
         if problem is not None:
             self.unreadable[key] = problem
-            self.skipped.skipped(log, key, revision, f"{problem.why}; {problem.instead()}")
             if value is None:
                 refused.add(name)
         self.apply(key, value)

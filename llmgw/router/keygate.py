@@ -25,7 +25,13 @@ import json
 from collections.abc import Callable
 
 from llmgw.gateway import refusals, usage
-from llmgw.gateway.gateway import CHARS_PER_TOKEN, DEFAULT_MAX_TOKENS, Admission, Gateway
+from llmgw.gateway.gateway import (
+    CHARS_PER_TOKEN,
+    DEFAULT_MAX_TOKENS,
+    Admission,
+    Gateway,
+    Pending,
+)
 from llmgw.gateway.relay import NATIVE_KEY, USAGE_KEY, GatewayTicket
 from llmgw.gateway.table import Identity
 from llmgw.router.gate import Later, Ticket
@@ -101,27 +107,15 @@ class GatewayGate:
         tokens = prompt + generated
         # the served name the request routed by: one the table knows, never a client's
         # invention (an unknown model is answered 404 before the gate is asked)
-        admitted = g.admit_identity(
-            identity, parsed.model, tokens, req.client, parsed.stream, g.clock()
-        )
-        if admitted is None:
-            return Later(self._admit_later(identity, parsed, model, req))
+        admitted = g.request(identity, parsed.model, tokens, req.client, parsed.stream)
+        if isinstance(admitted, Pending):
+            return Later(self._resume(admitted, parsed, model, req, prompt))
         return self._ticket(admitted, parsed, model, req, prompt)
 
-    async def _admit_later(
-        self, identity: Identity, parsed: Parsed, model: str, req: Request
+    async def _resume(
+        self, pending: Pending, parsed: Parsed, model: str, req: Request, prompt_estimate: int
     ) -> Ticket | Refusal | None:
-        prompt, generated = self._reservation(parsed, model)
-        admitted = await self.gateway.admit(
-            authorization=None,
-            identity=identity,
-            model=parsed.model,
-            prompt_chars=parsed.prompt_bytes,
-            max_tokens=generated,
-            client=req.client,
-            stream=parsed.stream,
-        )
-        return self._ticket(admitted, parsed, model, req, prompt)
+        return self._ticket(await pending.resume(), parsed, model, req, prompt_estimate)
 
     def _reservation(self, parsed: Parsed, model: str) -> tuple[int, int]:
         """What a request reserves: its prompt's tokens, estimated from its size, and the

@@ -347,28 +347,43 @@ class Router:
 
 
 class _BusCounter:
-    """The counter streams (limits, usage) on the router's Bus, once it is connected; which
-    streams are missing is told to the router's StreamsSeen."""
+    """The streams beside the bucket (usage counters, limits) on the router's Bus, once it is
+    connected; which streams are missing is told to the router's StreamsSeen."""
 
     def __init__(self, router: Router) -> None:
         self._router = router
 
-    async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
-        from llmgw.bus.counters import Counters, stream_of
+    async def _on_bus(self, call, stream: str):
+        from llmgw.bus.counters import Counters
 
         bus = self._router.bus
         if bus is None:
             raise BusError("the router is not connected to NATS yet")
         seen = self._router.streams
         try:
-            total = await Counters(bus).add(subject, delta, msg_id)
+            answer = await call(Counters(bus))
         except StreamMissing as e:
             if seen is not None:
                 seen.lacking(e.stream)
             raise
         if seen is not None and seen.missing:
-            seen.found(stream_of(subject))
-        return total
+            seen.found(stream)
+        return answer
+
+    async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
+        from llmgw.bus.counters import stream_of
+
+        return await self._on_bus(lambda c: c.add(subject, delta, msg_id), stream_of(subject))
+
+    async def claim(
+        self, window_subject: str, holder: str, mine: int, asked: int, limit: int
+    ) -> tuple[int, int]:
+        return await self._on_bus(
+            lambda c: c.claim(window_subject, holder, mine, asked, limit), keys.LIMITS_STREAM
+        )
+
+    async def hold(self, window_subject: str, holder: str, units: int) -> None:
+        await self._on_bus(lambda c: c.hold(window_subject, holder, units), keys.LIMITS_STREAM)
 
 
 class _BusAudit:

@@ -107,6 +107,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.after_stream = False
         self._timer: asyncio.TimerHandle | None = None  # the engine's silence, timed
         self._heard = 0.0  # loop time of the last bytes from the engine (or of the send)
+        # the transport's reading is paused: the connection's state, which outlives a
+        # request; only `_steer_reading` changes it
+        self._reading_paused = False
         self._reset()
 
     def _reset(self) -> None:
@@ -123,7 +126,6 @@ class UpstreamConnection(asyncio.Protocol):
         self._buffered = 0
         self._waiter: asyncio.Future[None] | None = None
         self._error: UpstreamFailed | None = None
-        self._reading_paused = False
         self._got_bytes = False  # anything at all came back for this request
         # relay(): where the body goes from data_received, and what happened there
         self._sink: Callable[[bytes, bool], bool] | None = None
@@ -137,6 +139,8 @@ class UpstreamConnection(asyncio.Protocol):
     def send(self, data: bytes) -> None:
         self.after_stream = self.streamed
         self._reset()
+        if self._reading_paused:  # (nothing held back for a new request: read)
+            self._steer_reading()
         self.phase = _WAITING
         self.requests += 1
         self.reused_after = time.monotonic() - self.idle_since if self.idle_since else 0.0
@@ -167,10 +171,7 @@ class UpstreamConnection(asyncio.Protocol):
                 chunks.clear()
                 self._buffered = 0
                 if self._reading_paused:
-                    self._reading_paused = False
-                    if self._transport is not None:
-                        self._heard = self._loop.time()  # its silence is timed from now
-                        self._transport.resume_reading()
+                    self._steer_reading()
                 yield chunk
                 continue
             if self._complete:
@@ -192,7 +193,8 @@ class UpstreamConnection(asyncio.Protocol):
         it (the caller waits here for the end). `write` returns False while its client
         takes no more: reading from the engine pauses until `drain()` returns. `first()` is
         called before the first bytes are handed on. Raises UpstreamFailed, or what `write`
-        raised."""
+        raised. Whatever paused reading (this, or the answer piling up past `buffer_high`
+        before the relay began), it resumes once nothing holds it (`_steer_reading`)."""
         self._first = first
         try:
             while not self._delivered:
@@ -201,11 +203,7 @@ class UpstreamConnection(asyncio.Protocol):
                 if self._client_full:
                     await drain()
                     self._client_full = False
-                    if self._reading_paused:
-                        self._reading_paused = False
-                        if self._transport is not None:
-                            self._heard = self._loop.time()  # its silence is timed from now
-                            self._transport.resume_reading()
+                    self._steer_reading()
                     continue
                 if self._chunks or self._complete:
                     self._hand_on(write)
@@ -232,10 +230,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._delivered = last  # (not when `write` raised: relay() raises it)
         if not more and not last:
             self._client_full = True
-            if not self._reading_paused:
-                self._reading_paused = True
-                if self._transport is not None:
-                    self._transport.pause_reading()
+            self._steer_reading()
+        elif self._reading_paused:
+            self._steer_reading()  # paused past the mark before the relay began: room now
 
     @property
     def complete(self) -> bool:
@@ -366,9 +363,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > self._pool.settings.buffer_high and not self._reading_paused:
-            self._reading_paused = True
-            if self._transport is not None:
-                self._transport.pause_reading()
+            self._steer_reading()
         if self._sink is None:
             self._wake()  # (relay() hands the body on after the read, not a chunk at a time)
 
@@ -382,6 +377,25 @@ class UpstreamConnection(asyncio.Protocol):
             self._wake()
 
     # --- internals ---------------------------------------------------------------------------
+
+    def _steer_reading(self) -> None:
+        """The one rule for reading from the engine: paused while more than `buffer_high` of
+        its answer waits here for the relay, or while the client takes no more; read again
+        as soon as neither holds, in whichever order they came (called where either
+        changes). A pause that only a drain undid outlived answers that passed the mark
+        before the relay began: they stalled, and so did the next request on the connection."""
+        hold = self._client_full or self._buffered > self._pool.settings.buffer_high
+        if hold is self._reading_paused:
+            return
+        self._reading_paused = hold
+        transport = self._transport
+        if transport is None:
+            return
+        if hold:
+            transport.pause_reading()
+        else:
+            self._heard = self._loop.time()  # its silence is timed from now
+            transport.resume_reading()
 
     def _wake(self) -> None:
         w = self._waiter

@@ -19,6 +19,8 @@ Behaviour knobs (environment):
     FAKE_ENGINE_FIRST_TOKEN_SECONDS  time before the first token, besides prefill (default 0)
     FAKE_ENGINE_PREFILL_RATE      prompt tokens processed per second; cached ones are free
                                   (default 0: prefill takes no time)
+    FAKE_ENGINE_EMBEDDING_SIZE    dimensions of each embedding (default 3; a real model's
+                                  are 384 to 4,096, which makes a batch's answer megabytes)
     FAKE_ENGINE_CLOSE_AFTER_STREAM  llama-server only: seconds after a streamed answer at
                                   which the connection is closed, without `Connection:
                                   close`, as llama-server does (default 0; "never" keeps it)
@@ -141,6 +143,8 @@ def parse_vllm(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"))
     p.add_argument("--enforce-eager", action="store_true")
+    # examples/catalog.toml's extra_args: the simulated fleet runs the README's catalog too
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     ns = p.parse_args(args)
     ns.model = ns.model_tag or ns.model or "Qwen/Qwen3-0.6B"
     return ns
@@ -185,6 +189,7 @@ class Engine:
     first_token_seconds: float = 0.0
     prefill_rate: float = 0.0
     close_after_stream: float | None = None
+    embedding_size: int = 3
     started: float = field(default_factory=time.time)
     # what /metrics says beside the real counts: requests queued, and the KV cache in use
     # (None: llama-server's busy slots over its slots, vLLM's 0)
@@ -560,8 +565,14 @@ def build_app(engine: Engine):
             )
         inputs = body.get("input", "")
         inputs = inputs if isinstance(inputs, list) else [inputs]
+        size = engine.embedding_size
+        rest = [0.015625] * max(0, size - 3)
         data = [
-            {"object": "embedding", "index": i, "embedding": [float(len(str(x)) % 7), 0.5, -0.5]}
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": [float(len(str(x)) % 7), 0.5, -0.5, *rest][:size],
+            }
             for i, x in enumerate(inputs)
         ]
         n = sum(len(tokenize(str(x))) for x in inputs)
@@ -1127,6 +1138,7 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
         ),
     )
     engine.extra_waiting = int(_env_float("FAKE_ENGINE_WAITING", 0))
+    engine.embedding_size = max(1, int(_env_float("FAKE_ENGINE_EMBEDDING_SIZE", 3)))
     if "FAKE_ENGINE_KV_USAGE" in os.environ:
         engine.kv_usage = min(1.0, max(0.0, _env_float("FAKE_ENGINE_KV_USAGE", 0.0)))
     served = engine.served_name
