@@ -31,7 +31,7 @@ from msgspec import Meta
 
 from llmgw import labels
 from llmgw.bus import records
-from llmgw.bus.keys import is_token
+from llmgw.bus.keys import MAX_NAME_BYTES, is_token
 from llmgw.bus.trust import MAX_REPLICAS
 from llmgw.errors import LlmgwError
 from llmgw.files import NotUtf8, TooLarge, read_bounded, utf8_text
@@ -464,6 +464,15 @@ def _check_model(check: _Checker, raw: Any, fallback: str) -> Model | None:
     if not (isinstance(mid, str) and is_token(mid)):
         check.expected(where, "id", "a single token of letters, digits, '-' and '_'", mid)
     served = check.text(where, "served_name", raw.get("served_name", _MISSING), default=None)
+    name = served if served is not None else mid if isinstance(mid, str) else ""
+    if len(name.encode()) > MAX_NAME_BYTES:
+        # each served name is one subject token of limits and usage (bus/keys.name_token)
+        check.problem(
+            where,
+            "served_name" if served is not None else "id",
+            f"{name[:40]!r}... is {len(name.encode())} bytes long; a served name is at most "
+            f"{MAX_NAME_BYTES} bytes (UTF-8): set a shorter served_name",
+        )
 
     profiles_raw = raw.get("profiles", _MISSING)
     endpoints_raw = raw.get("endpoints", _MISSING)

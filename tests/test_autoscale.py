@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from record_helpers import shard
 
 from llmgw import catalog
 from llmgw.bus import records
@@ -194,7 +195,12 @@ def test_a_node_speaks_only_for_its_own_ready_replicas_of_their_own_model() -> N
         n: records.Health(node=n, phase="ready" if n != "n3" else "unreachable", since=0.0)
         for n in leases
     }
-    assert engine_saturation(leases, health, replicas) == {
+    # r3 has no engine reported yet: it does not serve (fleetstate/serving.py)
+    shards = {
+        (n, rid): shard(n, rid, "ready", endpoint=f"{n}:18000")
+        for n, rid in (("n1", "r1"), ("n2", "r2"))
+    }
+    assert engine_saturation(leases, health, replicas, shards) == {
         "m": EngineSaturation(engines=2, waiting=7, kv_cache=0.7)
     }
 

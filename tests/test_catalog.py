@@ -223,6 +223,22 @@ def test_two_models_cannot_share_a_served_name():
     ]
 
 
+def test_a_served_name_is_at_most_100_bytes_and_the_error_says_so():
+    long = "é" * 51  # 51 characters, 102 bytes: the bound is on bytes
+    raw = {
+        "models": [
+            {"id": "a", "served_name": "x" * 100, "profiles": [_profile()]},
+            {"id": "b", "served_name": long, "profiles": [_profile()]},
+            {"id": "c" * 101, "profiles": [_profile()]},
+        ]
+    }
+    errors = _errors(raw)
+    assert len(errors) == 2
+    assert errors[0].startswith("model 'b', served_name: 'ééé")
+    assert "is 102 bytes long; a served name is at most 100 bytes" in errors[0]
+    assert errors[1].startswith(f"model '{'c' * 101}', id: ") and "101 bytes" in errors[1]
+
+
 def test_llmgw_owned_flags_and_bad_env_are_refused():
     raw = {
         "models": [

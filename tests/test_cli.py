@@ -240,12 +240,6 @@ def test_place_refuses_a_model_not_in_the_catalog(up):
     )
 
 
-def test_status_without_nats_says_what_to_do():
-    out = llmgw("status", "--nats", f"nats://127.0.0.1:{free_port()}", timeout=30)
-    assert out.returncode == 1
-    assert "cannot connect to NATS" in out.stderr and "LLMGW_NATS" in out.stderr
-
-
 def test_agent_init_writes_only_what_it_was_given(tmp_path):
     path = tmp_path / "agent.toml"
     out = llmgw(
@@ -308,9 +302,22 @@ async def test_status_counts_a_draining_replica_apart_and_dates_the_health_reaso
     await bus.put(keys.desired("m"), records.Desired(model="m", replicas=1))
     await bus.put(keys.replica("m", "r-new"), _replica("r-new", "ready", 0))
     await bus.put(keys.replica("m", "r-old"), _replica("r-old", "draining", 1))
+    await bus.put(keys.shard("n1", "r-new"), shard("n1", "r-new", endpoint="127.0.0.1:18000"))
     text = render(await gather(bus), now=now)
     assert "  m: 1/1 ready, 1 draining" in text
     assert "  health  recorded 2.0h ago: lease seq 1 moved 1 s ago" in text
+
+
+@pytest.mark.anyio
+async def test_status_says_what_a_replica_waits_for_before_launch_without_calling_it_failed(bus):
+    await bus.put(keys.node("n1"), inventory("n1", gpus=2))
+    await bus.put(keys.desired("m"), records.Desired(model="m", replicas=1))
+    await bus.put(keys.replica("m", "r1"), _replica("r1", "starting", 0))
+    why = "waiting: GPU GPU-n1-00 has 10.0 GB free, less than the 40 GB this replica is given"
+    await bus.put(keys.shard("n1", "r1"), shard("n1", "r1", "validating", reason=why))
+    text = render(await gather(bus), now=time.time())
+    assert "on n1  shards validating" in text
+    assert f"      n1: {why}" in text and "failed" not in text
 
 
 @pytest.mark.anyio
@@ -372,6 +379,31 @@ async def test_dry_run_places_where_the_controller_then_does_past_a_node_without
 async def _replicas_of(bus, model: str) -> list[records.Replica]:
     got = await bus.list(f"{keys.REPLICAS}.{model}.*", decoder(records.Replica))
     return [e.value for e in got.values()]
+
+
+def test_status_without_nats_says_what_to_do_in_one_line_without_retrying():
+    """`llmgw status` with no NATS retried for 6 s and printed two warnings before its one
+    useful line: nothing listening is an answer at the first attempt."""
+    url = f"nats://127.0.0.1:{free_port()}"
+    out = llmgw("status", "--nats", url)
+    assert out.returncode == 1
+    assert out.stderr.splitlines() == [
+        f"Error: cannot connect to NATS at {url}: no server listens there (connection "
+        "refused); is llmgw up (or your NATS cluster) running? set --nats or LLMGW_NATS"
+    ]
+
+
+@pytest.mark.anyio
+async def test_dry_run_previews_a_count_written_over_one_that_does_not_read(bus):
+    """The count `place` would write replaces the garbled one: the preview places (it said
+    the model was frozen and advised running the very command it previewed)."""
+    await bus.put(keys.catalog("m"), encode_model(_tiny_gpu_model()))
+    await bus.put(keys.desired("m"), b'{"model": "m", "replicas": "two"}')
+    await SimNode(bus, inventory("n1", gpus=1)).register()
+    lines = await dry_run_plan(bus, "m", 1, None)
+    assert [line for line in lines if "would place" in line], lines
+    assert "1/1 placed" in lines[-1], lines
+    assert not [line for line in lines if "frozen" in line or "llmgw place" in line], lines
 
 
 @pytest.mark.anyio
@@ -538,9 +570,11 @@ def test_up_on_a_port_nats_already_holds_says_so_without_a_traceback(up, tmp_pat
     second = str(tmp_path / "second")
     out = llmgw("up", "--port", taken, "--data-dir", second, "--router-listen", router, timeout=30)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert f"NATS 127.0.0.1:{taken} is in use by another program: move it with --port" in (
+    # the holder is named: it is an llmgw
+    assert f"NATS 127.0.0.1:{taken} is in use by the NATS of llmgw up (pid {up['proc'].pid}; " in (
         out.stderr
     )
+    assert "move it with --port" in out.stderr
 
 
 def test_commands_that_run_no_agent_do_not_load_its_stack():

@@ -92,6 +92,12 @@ def _model(mid: str, served: str) -> bytes:
     return encode_model(validate_models({"models": [raw]})[0])
 
 
+async def catalog_entries(bus: Bus, *served: tuple[str, str]) -> None:
+    """Catalog entries (id, served name), for the names keys and teams are given."""
+    for mid, name in served:
+        await bus.put(keys.catalog(mid), _model(mid, name))
+
+
 async def test_place_given_a_served_name_or_a_typo_says_which_model_id_was_meant(bus, nats_server):
     url = nats_server.url
     await bus.put(keys.catalog("qwen3-8b"), _model("qwen3-8b", "Qwen/Qwen3-8B"))
@@ -123,3 +129,35 @@ async def test_rollout_status_of_a_model_that_does_not_exist_says_so(bus, nats_s
     assert "no rollout recorded for 'qwen3-8b'" in out.stderr and "llmgw place" in out.stderr
     out = await _llmgw(url, "rollout", "status", "Qwen/Qwen3-8B")
     assert "is the served name of model 'qwen3-8b'" in " ".join(out.stderr.split())
+
+
+async def test_models_of_keys_and_teams_are_served_names_the_catalog_has(nats_server, bus):
+    """A key given a model id, or a name no model serves, could use nothing (403 on the
+    served name, 404 on the id): refused, saying the name meant."""
+    url = nats_server.url
+    await catalog_entries(bus, ("qwen3-8b", "Qwen/Qwen3-8B"), ("phi3-mini", "microsoft/Phi-3-mini"))
+    by_id = await _llmgw(url, "key", "create", "alice", "--models", "qwen3-8b")
+    assert by_id.returncode == 2, by_id.stderr
+    assert "'qwen3-8b' is the id of a model" in by_id.stderr
+    assert "its served name: Qwen/Qwen3-8B" in by_id.stderr
+    typo = await _llmgw(url, "team", "create", "ml", "--models", "Qwen/Qwen3-8")
+    assert typo.returncode == 2, typo.stderr
+    assert "did you mean 'Qwen/Qwen3-8B'?" in typo.stderr
+    assert "known served names: Qwen/Qwen3-8B, microsoft/Phi-3-mini" in typo.stderr
+    assert "--allow-unknown-models" in typo.stderr
+    assert await bus.get(keys.apikey("alice"), lambda b: b) is None
+    assert await bus.get(keys.team("ml"), lambda b: b) is None
+
+    made = await _llmgw(url, "key", "create", "alice", "--models", "Qwen/Qwen3-8B")
+    assert made.returncode == 0, made.stderr
+    unknown = await _llmgw(url, "key", "set", "alice", "--models", "llama-8b")
+    assert unknown.returncode == 2 and "no model in the catalog serves 'llama-8b'" in unknown.stderr
+    assert (await _llmgw(url, "team", "create", "ml")).returncode == 0
+    by_id = await _llmgw(url, "team", "set", "ml", "--models", "phi3-mini")
+    assert by_id.returncode == 2 and "served name: microsoft/Phi-3-mini" in by_id.stderr
+    later = await _llmgw(
+        url, "key", "set", "alice", "--models", "llama-8b", "--allow-unknown-models"
+    )
+    assert later.returncode == 0, later.stderr
+    k = await bus.get(keys.apikey("alice"), lambda b: records.decode(b, records.ApiKey))
+    assert k is not None and k.value.models == ["llama-8b"]

@@ -237,3 +237,90 @@ def test_up_on_a_machine_with_no_engine_says_what_to_do_next(tmp_path, engine):
     assert said in text
     assert "up --sim examples/fleet.toml" in text
     assert "tools/build-llama-server.sh" in text and "docs/llama-server-build.md" in text
+
+
+# --- one server per store ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _up_running(tmp_path: Path, data: Path, port: int) -> Iterator[subprocess.Popen]:
+    """`llmgw up` (NATS and a controller) on `data`, until it says its controller runs."""
+    log_path = tmp_path / f"up-{port}.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [*LLMGW, "up", "--port", str(port), "--data-dir", str(data)]
+            + ["--no-agent", "--no-router"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        until_logged(proc, log_path, "controller running", timeout=30)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(15)
+
+
+def test_a_second_up_on_the_first_ones_store_is_refused_naming_it_and_leaves_the_store_alone(
+    tmp_path,
+):
+    """A second `llmgw up` on other ports shared the first one's JetStream store and rewrote
+    its nats-server.conf; the next start found the store corrupt."""
+    data = tmp_path / "data"
+    first_port = free_port()
+    with _up_running(tmp_path, data, first_port) as first:
+        conf = (data / "nats" / "nats-server.conf").read_bytes()
+        second = llmgw(
+            "up", "--port", str(free_port()), "--data-dir", str(data), "--no-agent", "--no-router"
+        )
+        assert second.returncode == 1, second.stderr
+        assert second.stderr.splitlines() == [
+            f"Error: store {data / 'nats'} is in use by llmgw up (pid {first.pid}), and two "
+            f"servers on one store corrupt it: stop it (Ctrl-C where it runs, or `kill "
+            f"{first.pid}`), or give this one a store of its own (--data-dir DIR)"
+        ]
+        assert (data / "nats" / "nats-server.conf").read_bytes() == conf
+        assert len(_nats_servers_of(tmp_path)) == 1
+        # the first still serves
+        status = llmgw("status", "--nats", f"nats://127.0.0.1:{first_port}")
+        assert status.returncode == 0, status.stderr
+        # another store, the first one's port: the port's holder is named
+        other = str(tmp_path / "other")
+        taken = llmgw(
+            "up", "--port", str(first_port), "--data-dir", other, "--no-agent", "--no-router"
+        )
+        assert taken.returncode == 2, taken.stderr
+        (server,) = _nats_servers_of(tmp_path)
+        assert taken.stderr.splitlines() == [
+            f"Error: NATS 127.0.0.1:{first_port} is in use by the NATS of llmgw up (pid "
+            f"{first.pid}; nats-server pid {server.pid}): move it with --port PORT"
+        ]
+
+
+def test_a_nats_server_left_running_by_a_killed_up_still_holds_its_store(tmp_path):
+    data = tmp_path / "data"
+    with _up_running(tmp_path, data, free_port()) as first:
+        (server,) = _nats_servers_of(tmp_path)
+        first.kill()  # its nats-server runs on, in a session of its own
+        first.wait()
+        try:
+            again = llmgw(
+                "up",
+                "--port",
+                str(free_port()),
+                "--data-dir",
+                str(data),
+                "--no-agent",
+                "--no-router",
+            )
+        finally:
+            server.kill()
+    assert again.returncode == 1
+    assert again.stderr.splitlines() == [
+        f"Error: store {data / 'nats'} is in use by a nats-server (pid {server.pid}) left "
+        f"running by pid {first.pid}, which is gone, and two servers on one store corrupt it: "
+        f"stop it (`kill {server.pid}`), or give this one a store of its own (--data-dir DIR)"
+    ]

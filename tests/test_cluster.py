@@ -172,6 +172,55 @@ async def test_a_bucket_of_one_copy_on_a_cluster_is_warned_about_naming_the_fix(
     assert caplog.text == "" and info.config.num_replicas == 3
 
 
+@pytest.mark.slow
+async def test_an_agent_started_before_any_controller_waits_for_the_bucket_and_never_makes_it(
+    cluster, tmp_path
+):
+    """The first agent of a fresh cluster made the bucket with one copy, and every
+    controller given --bucket-replicas 3 then refused to start: an agent waits for it."""
+    import msgspec
+    import nats
+    from agent_helpers import agent_config, host_dirs, start_agent, stop
+    from waiting import until_logged
+
+    from llmgw.agent.config import Nats
+
+    for i in range(3):
+        cluster.start(i)
+    dirs = host_dirs(tmp_path / "node1")
+    cfg = agent_config(cluster.urls[0], dirs, id="node1")
+    cfg = msgspec.structs.replace(cfg, nats=Nats(urls=list(cluster.urls)))
+    log = tmp_path / "agent.log"
+    agent = start_agent(cfg, tmp_path / "agent.toml", [dirs["bin"]], log)
+    try:
+        until_logged(agent, log, "bucket llmgw does not exist", timeout=30)
+        assert "an agent never makes it: a controller" in log.read_text()
+        nc = await nats.connect(list(cluster.urls))
+        try:
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await nc.jetstream().stream_info("KV_llmgw")  # the agent made nothing
+        finally:
+            await nc.close()
+        settings = ControllerSettings(controller_id="c", leader_ttl=1, tick=0.05, resync=0.5)
+        # as `llmgw controller --bucket-replicas 3` does
+        async with (
+            await Bus.connect(
+                _settings(*cluster.urls), BucketSettings(replicas=3), give_up_after=20
+            ) as bus,
+            anyio.create_task_group() as tg,
+        ):
+            tg.start_soon(Controller(bus, settings).run)
+            node = await until(
+                lambda: bus.get(keys.node("node1"), decoder(records.NodeInventory)), timeout=30
+            )
+            info = await bus.js.stream_info("KV_llmgw")
+            tg.cancel_scope.cancel()
+    finally:
+        stop(agent)
+    assert node.value.node == "node1"  # the agent carried on once the bucket was there
+    assert info.config.num_replicas == 3
+
+
 @contextlib.asynccontextmanager
 async def _old_and_new_leader(cluster) -> AsyncIterator[tuple[Bus, Bus, int]]:
     """Three servers and two clients, `old` holding the leader key: (old, new, its revision)."""

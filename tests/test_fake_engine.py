@@ -81,6 +81,24 @@ def test_unknown_flags_are_refused_like_the_real_engines(bins):
     assert vllm.stderr.strip().endswith("vllm serve: error: unrecognized arguments: --no-such-flag")
 
 
+def test_the_example_catalogs_engine_arguments_are_taken_as_the_real_engines_take_them():
+    """The README applies examples/catalog.toml, also to the simulated fleet: its llama3-70b
+    rollout stopped there on `unrecognized arguments: --enable-prefix-caching`."""
+    import tomllib
+    from pathlib import Path
+
+    from llmgw.sim.fake_engine import parse_llama, parse_vllm
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "catalog.toml"
+    models = tomllib.loads(example.read_text())["models"]
+    profiles = [p for m in models for p in m.get("profiles", [])]
+    given = [p for p in profiles if p.get("extra_args")]
+    assert given
+    for p in given:
+        parse = parse_vllm if p["engine"] == "vllm" else parse_llama
+        parse(["serve", "m", *p["extra_args"]] if p["engine"] == "vllm" else p["extra_args"])
+
+
 def test_versions_print_where_the_real_ones_do(bins):
     llama = run([str(bins["llama-server"]), "--version"])
     assert llama.returncode == 0 and llama.stdout == ""

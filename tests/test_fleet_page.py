@@ -21,7 +21,7 @@ import msgspec
 import pytest
 from chromium import artifacts_dir, browser
 from prometheus_client.parser import text_string_to_metric_families
-from router_helpers import router_settings
+from router_helpers import router_settings, running_router
 from serving import cpu_model, serve
 from waiting import until
 
@@ -33,6 +33,7 @@ from llmgw.agent.service import Agent
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
 from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.gateway import credentials
 from llmgw.router.service import Router
 from llmgw.sim.bare import SimNode, inventory
 from llmgw.sim.fake_engine import write_fake_gguf
@@ -266,6 +267,89 @@ async def test_the_page_shows_every_node_and_model_and_a_killed_node_turns_unrea
             == "ready"
         )
         await tab.screenshot(artifacts_dir() / "fleet-page-node-unreachable.png")
+
+
+@pytest.fixture
+async def bare_router(nats_settings) -> AsyncIterator[Router]:
+    """A router over the bucket, and nothing else: what the page shows is written by hand."""
+    async with running_router(connect=lambda: Bus.connect(nats_settings, give_up_after=5)) as r:
+        yield r
+
+
+async def test_gpus_that_read_alike_are_one_row_and_one_that_differs_breaks_the_run(
+    bus, bare_router, tmp_path
+):
+    """13 simulated nodes made a page 4,720 px tall, a line per idle GPU; `llmgw status`
+    already drew a run of alike GPUs as one line."""
+    inv = inventory("n8", gpus=8)
+    devices = list(inv.gpus.devices)
+    devices[3] = msgspec.structs.replace(devices[3], memory_used_bytes=5 * 10**9)
+    await SimNode(
+        bus, msgspec.structs.replace(inv, gpus=msgspec.structs.replace(inv.gpus, devices=devices))
+    ).register()
+    async with browser(tmp_path) as open_tab, open_tab(bare_router.url + "/") as tab:
+        rows = await tab.until(
+            "(() => { const r = [...document.querySelectorAll('[data-node=\"n8\"] .gpu')];"
+            " return r.length && r.map(e => e.dataset.gpus || e.dataset.gpu); })()"
+        )
+        assert rows == ["0-2", "3", "4-7"]
+        text = await tab.evaluate(
+            'document.querySelector(\'[data-node="n8"] [data-gpus="4-7"]\').textContent'
+        )
+        assert text.startswith("GPU 4-7 free") and text.endswith(" each"), text
+
+
+async def test_a_replica_waiting_before_launch_says_what_for_and_is_not_shown_failed(
+    bus, bare_router, tmp_path
+):
+    await SimNode(bus, inventory("n1", gpus=1)).register()
+    await serve(bus, _big_model(), 1)
+    member = records.ReplicaMember(node="n1", rank=0, gpus=["GPU-n1-00"], port=18000)
+    replica = records.Replica(
+        model="llama-405b", rid="r1", profile="tp16", members=[member], phase="starting"
+    )
+    await bus.put(keys.replica("llama-405b", "r1"), replica)
+    why = "waiting: GPU GPU-n1-00 has 10.0 GB free, less than the 40 GB this replica is given"
+    shard = records.Shard(
+        node="n1", rid="r1", model="llama-405b", generation=1, phase="validating", since=1.0,
+        reason=why,
+    )  # fmt: skip
+    await bus.put(keys.shard("n1", "r1"), shard)
+    async with browser(tmp_path) as open_tab, open_tab(bare_router.url + "/") as tab:
+        waiting = await tab.until(
+            '(() => { const w = document.querySelector(\'[data-replica="r1"] '
+            "[data-role=waiting]'); return w && w.textContent; })()"
+        )
+        assert waiting == f"n1: {why}"
+        assert await tab.evaluate(
+            "document.querySelector('[data-replica=\"r1\"] [data-role=failure]') === null"
+        )
+
+
+async def test_once_a_key_exists_the_page_asks_for_one_and_shows_the_fleet_only_with_it(
+    bus, bare_router, tmp_path
+):
+    await SimNode(bus, inventory("n1", gpus=1)).register()
+    async with browser(tmp_path) as open_tab, open_tab(bare_router.url + "/") as tab:
+        await tab.until("document.querySelector('[data-node=\"n1\"]') !== null")
+        secret = credentials.new_secret("alice")
+        record = records.ApiKey(name="alice", secrets=[credentials.hash_secret(secret)])
+        await bus.put(keys.apikey("alice"), record)
+        await tab.until("!document.getElementById('key-form').hidden")
+        # what it showed before is gone with the access
+        assert await tab.evaluate("document.querySelector('[data-node]') === null")
+        assert await tab.evaluate("document.getElementById('status').dataset.state") == "locked"
+
+        give = "document.getElementById('key').value = {!r}; document.getElementById('key-form').requestSubmit()"
+        await tab.evaluate(give.format(secret[:-1] + ("0" if secret[-1] != "0" else "1")))
+        why = await tab.until(
+            "!document.getElementById('key-form').hidden && document.getElementById('key-why').textContent"
+        )
+        assert "llmgw key create" in why  # the router's own 401, said on the page
+        await tab.evaluate(give.format(secret))
+        await tab.until("document.querySelector('[data-node=\"n1\"]') !== null")
+        assert await tab.evaluate("document.getElementById('key-form').hidden")
+        assert await tab.evaluate("sessionStorage.getItem('llmgw-fleet-key')") == secret
 
 
 DOCUMENTED = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()

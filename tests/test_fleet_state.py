@@ -100,6 +100,10 @@ def test_a_model_waiting_says_how_many_replicas_and_why():
     assert unplaced_count(rec) == 2 and main_reason(rec) == "gpus"
 
 
+def _ready_shard(node: str, rid: str) -> records.Shard:
+    return shard(node, rid, "ready", endpoint="10.0.0.1:18000")
+
+
 def _health(node: str, phase: str, since: float) -> records.Health:
     return records.Health(node=node, phase=phase, since=since, reason="lease seq 4 still")
 
@@ -116,6 +120,7 @@ def test_a_replica_on_a_node_that_stopped_beating_says_so_beside_its_phase():
             "r1": _replica("m", "r1", "a", ["GPU-a-00"]),
             "r2": _replica("m", "r2", "b", ["GPU-b-00"]),
         },
+        shards={("a", "r1"): _ready_shard("a", "r1"), ("b", "r2"): _ready_shard("b", "r2")},
     )
     state = fleet_state(r, {}, now=100.0, router={})
     (m,) = state["models"]
@@ -125,7 +130,7 @@ def test_a_replica_on_a_node_that_stopped_beating_says_so_beside_its_phase():
     assert r1["members"][0]["node_phase"] == "unreachable"
     assert "r1 ready, node a unreachable for 20 s" in m["why_not"]
     text = render(build_fleet(r, 100.0), now=100.0)
-    assert "  m: 1/2 ready, 1 ready on a node that is not  (fixed)" in text
+    assert "  m: 1/2 ready, 1 ready but not serving  (fixed)" in text
     assert "    r1  ready, node a unreachable for 20 s  on a" in text
     assert text.index("\nmodels\n") < text.index("\nnodes\n")
 

@@ -14,6 +14,7 @@ import anyio
 import msgspec
 import pytest
 from links import ProxyLink
+from test_cli_names import catalog_entries
 from waiting import until
 
 from llmgw.bus import keys, records
@@ -106,6 +107,38 @@ def test_without_keys_the_table_asks_for_none_and_with_one_it_asks_everyone() ->
     assert not table.enabled
 
 
+def test_a_wrong_secret_is_refused_alike_whether_its_key_exists_or_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing in a refusal tells a key's name exists: the same answer, after the same work
+    (SHA-256 digests, counted), for a wrong secret of an existing key (one secret, or
+    several in rotation), of a missing one, and of one whose record does not read."""
+    rotating = [credentials.hash_secret(credentials.new_secret("carol"), 0.0) for _ in range(3)]
+    table = _table(
+        _key("alice", credentials.new_secret("alice")),
+        records.ApiKey(name="carol", secrets=rotating),
+    )
+    table.apply_raw(keys.apikey("dave"), b'{"name": "dave", "limits": "none"}', 1)
+    digests: list[str] = []
+    digest = credentials._digest
+
+    def counted(salt: bytes, secret: str) -> bytes:
+        digests.append(secret)
+        return digest(salt, secret)
+
+    monkeypatch.setattr(credentials, "_digest", counted)
+
+    def refused(name: str) -> tuple[int, bytes]:
+        digests.clear()
+        refusal = table.authenticate("Bearer " + credentials.new_secret(name))
+        assert isinstance(refusal, Refusal) and refusal.status == 401
+        return len(digests), refusal.body()
+
+    alice, carol, bob, dave = (refused(n) for n in ("alice", "carol", "bob", "dave"))
+    assert alice == carol == bob == dave
+    assert alice[0] > 0 and b"alice" not in alice[1]
+
+
 def test_a_revoked_or_expired_key_is_refused_by_the_clock_at_request_time() -> None:
     now = [1000.0]
     secret = credentials.new_secret("k")
@@ -173,6 +206,7 @@ async def test_key_create_prints_the_secret_alone_on_the_last_line_and_stores_no
     nats_server: EmbeddedNats, bus: Bus
 ) -> None:
     url = nats_server.url
+    await catalog_entries(bus, ("m1", "m1"), ("m2", "m2"))
     team = llmgw("team", "create", "ml", "--tpm", "20000", url=url)
     assert team.returncode == 0, team.stderr
     out = llmgw(
@@ -198,6 +232,8 @@ async def test_key_create_prints_the_secret_alone_on_the_last_line_and_stores_no
     assert out.returncode == 0, out.stderr
     secret = out.stdout.splitlines()[-1]
     assert credentials.name_of(secret) == "alice"
+    # what stays open once keys exist is said where they are made
+    assert "the fleet page's view of the fleet" in out.stdout and "/metrics stay open" in out.stdout
     entry = await bus.get(keys.apikey("alice"), lambda b: records.decode(b, records.ApiKey))
     assert entry is not None
     k = entry.value
@@ -311,6 +347,7 @@ async def test_key_and_team_set_change_only_what_they_are_given(
     nats_server: EmbeddedNats, bus: Bus
 ) -> None:
     url = nats_server.url
+    await catalog_entries(bus, ("a", "a"), ("b", "b"))
     assert llmgw("team", "create", "ml", "--rpm", "100", "--tpm", "5000", url=url).returncode == 0
     made = llmgw("key", "create", "k", "--team", "ml", "--rpm", "10", "--tpm", "99", url=url)
     assert made.returncode == 0, made.stderr
@@ -329,9 +366,28 @@ async def test_key_and_team_set_change_only_what_they_are_given(
     bad = llmgw("key", "set", "k", "--rpm", "0", url=url)
     assert bad.returncode == 2 and "'none' removes the limit" in bad.stderr
     missing = llmgw("key", "revoke", "nobody", url=url)
-    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    assert missing.returncode == 1
+    assert "key 'nobody' does not exist (`llmgw key ls` lists them)" in missing.stderr
+    no_team = llmgw("team", "set", "nobody", "--rpm", "1", url=url)
+    assert "team 'nobody' does not exist (`llmgw team ls` lists them)" in no_team.stderr
     listed = json.loads(llmgw("key", "ls", "--team", "ml", "--json", url=url).stdout)
     assert [x["name"] for x in listed] == ["k"]
+
+
+async def test_a_duration_without_its_unit_is_refused_naming_the_units(
+    nats_server: EmbeddedNats, bus: Bus
+) -> None:
+    """`--expires 90` was read as 90 seconds, silently; 0 (none at all) needs no unit."""
+    url = nats_server.url
+    out = llmgw("key", "create", "alice", "--expires", "90", url=url)
+    assert out.returncode == 2, out.stderr
+    assert "--expires '90': a number needs its unit: 90s, 90m, 90h, 90d or 90w" in out.stderr
+    assert await bus.get(keys.apikey("alice"), lambda b: b) is None
+    retention = llmgw("audit", "--retention", "90", url=url)
+    assert retention.returncode == 2 and "a number needs its unit" in retention.stderr
+    assert llmgw("key", "create", "alice", "--expires", "90d", url=url).returncode == 0
+    rotated = llmgw("key", "rotate", "alice", "--grace", "0", url=url)
+    assert rotated.returncode == 0, rotated.stderr
 
 
 def test_readers_of_the_whole_bucket_see_keys_and_teams_as_not_theirs() -> None:

@@ -352,3 +352,36 @@ async def test_llmgw_rollout_says_a_garbled_rollout_or_desired_and_writes_nothin
     assert out.returncode == 1
     assert await _said_by_status(bus, "desired.m") in out.stderr
     assert await bus.get_raw(keys.catalog("m")) == catalog_before  # nothing written
+
+
+async def test_every_reader_reads_a_value_that_does_not_read_by_the_one_rule(nats_settings, caplog):
+    """The rule lived in four places (Bus.watch, the key table, the decoder layer, the
+    controller's own copy of where a key lives): a typed read of an ops that never read
+    took the node as in service where the decoder layer cordons it, and a value over the
+    size limit was warned about at every read of it."""
+    import logging
+
+    from nats.js.api import KeyValueConfig
+
+    from llmgw.bus.client import MAX_VALUE_BYTES, RAW, BucketSettings, decoder
+    from llmgw.fleetstate.decode import FleetRecords
+
+    async with Bus.open(nats_settings, give_up_after=5) as writer:
+        # a bucket made by another tool, with no value limit of its own
+        kv = await writer.js.create_key_value(KeyValueConfig(bucket="wide"))
+        await kv.put("ops.a", GARBAGE)
+        await kv.put("nodes.b", b'"' + b"x" * (MAX_VALUE_BYTES + 10) + b'"')
+    caplog.set_level(logging.WARNING, logger="llmgw")
+    async with Bus.open(nats_settings, BucketSettings(name="wide"), give_up_after=5) as bus:
+        for _ in range(3):
+            assert await bus.list("nodes.*", decoder(records.NodeInventory)) == {}
+        big = [r for r in caplog.records if r.getMessage().startswith("skipping nodes.b ")]
+        typed = await bus.get("ops.a", decoder(records.NodeOps))
+        watched = await bus.list("ops.*", decoder(records.NodeOps))
+        layer = FleetRecords()
+        for key, entry in (await bus.list(">", RAW)).items():
+            layer.apply(key, entry.value, entry.revision)
+    assert len(big) == 1, [r.getMessage() for r in big]  # said once, however often read
+    assert typed is not None and watched["ops.a"].value == typed.value == layer.ops["a"]
+    assert typed.value.unschedulable
+    assert layer.unreadable["nodes.b"].reading == "absent" and "nodes.b" not in layer.nodes

@@ -34,6 +34,7 @@ from llmgw.agent.shards import (
 )
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, decoder
+from llmgw.bus.records import PORT_IN_USE
 from llmgw.sim.fake_engine import free_port, write_fake_gguf
 
 RUN = records.Assignment(model="tiny", rid="r1", profile="cpu", action="run", generation=3)
@@ -202,6 +203,14 @@ def _phase(bus: Bus, phase: str):
     return check
 
 
+def _waiting(bus: Bus):
+    async def check() -> records.Shard | None:
+        s = await _stored(bus)
+        return s if s is not None and s.reason.startswith("waiting: ") else None
+
+    return check
+
+
 async def _put_model(bus: Bus, gguf: Path, **profile: object) -> None:
     await bus.put(keys.catalog("tiny"), catalog.encode_model(cpu_model(str(gguf), **profile)))
 
@@ -241,9 +250,11 @@ async def test_it_runs_its_engine_then_drains_it_stops_and_is_gone_with_its_assi
 
 @pytest.mark.anyio
 @pytest.mark.slow
-async def test_a_refusal_that_clears_by_itself_is_retried_until_it_launches(
+async def test_a_refusal_that_clears_by_itself_is_an_expected_wait_retried_until_it_launches(
     bus, node, gguf
 ) -> None:
+    """A port (or GPU memory) an engine being stopped still holds is waited for, not a
+    failure: it was reported "failed" meanwhile, and a rollout stopped on it."""
     await _put_model(bus, gguf)
     port = free_port()
     holder = socket.socket()
@@ -252,10 +263,14 @@ async def test_a_refusal_that_clears_by_itself_is_retried_until_it_launches(
     async with running(node, generation(RUN, 1, port=port)) as shard:
         try:
             await until(_in(shard, ShardState.RETRYING))
-            refused = await until(_phase(bus, "failed"))
-            assert refused.reason.startswith(f"refused before launch: port {port} ")
-            assert not refused.gave_up  # it clears by itself: tried again
-            assert shard.engine is None
+            waiting = await until(_waiting(bus))
+            assert waiting.phase == "validating", waiting
+            assert waiting.reason.startswith(f"waiting: port {port} ")
+            assert waiting.refused == PORT_IN_USE  # what the controller moves a port for
+            assert not waiting.gave_up and shard.engine is None
+            await anyio.sleep(1.5)  # past the first retry: looked at again, and still waits
+            again = await _stored(bus)
+            assert again is not None and (again.phase, again.since) == ("validating", waiting.since)
         finally:
             holder.close()
         await until(_phase(bus, "ready"))  # the next look, a second later at most

@@ -5,6 +5,7 @@ exclusive ones that keep their GPUs whole, and MIG devices asked for by name
 from __future__ import annotations
 
 import msgspec
+import pytest
 from record_helpers import shard
 from test_placement import node, replica, snapshot
 from test_placement_as_reported import python_holding, with_gpu
@@ -247,3 +248,45 @@ def test_an_engine_that_outgrew_its_allotment_counts_with_what_it_holds():
     )
     assert result.create == []
     assert "115 GB allocated to 1 replica" in result.placements["s"].explanation
+
+
+def test_a_node_record_listing_a_mig_device_beside_its_parent_is_refused_whole_and_gets_nothing():
+    """A record that listed card 0 whole beside its own MIG device had placement put two
+    exclusive replicas on that one card: the record contradicts itself, so none of it is
+    believed, and the node is read as absent (as any node record that does not read)."""
+    from llmgw.bus import keys, records
+    from llmgw.fleetstate.decode import FleetRecords
+
+    inv = mig_node("h1", ["3g.71gb"])  # MIG-h1-0 of card 0, and card 1 whole
+    parent = msgspec.structs.replace(inv.gpus.devices[1], index=0, uuid="GPU-h1-00")
+    said = msgspec.structs.replace(
+        inv, gpus=msgspec.structs.replace(inv.gpus, devices=[parent, *inv.gpus.devices])
+    )
+    read = FleetRecords()
+    read.apply(keys.node("h1"), records.encode(said), 7)
+    read.apply(keys.node("h2"), records.encode(node("h2", gpus=1, gpu_gb=141)), 8)
+
+    assert "h1" not in read.nodes
+    why = read.unreadable[keys.node("h1")].why
+    assert "is MIG device 'MIG-h1-0' of GPU 'GPU-h1-00', which is listed too" in why
+    result = plan(snapshot(list(read.nodes.values()), [exclusive()], {"x": 3}))
+    assert [(m.node, m.gpus) for r in result.create for m in r.members] == [("h2", ["GPU-h2-00"])]
+    # as the agent said it, the card was given twice
+    before = plan(snapshot([said], [exclusive()], {"x": 3}))
+    assert sorted(m.gpus[0] for r in before.create for m in r.members) == [
+        "GPU-h1-00",
+        "GPU-h1-01",
+        "MIG-h1-0",
+    ]
+
+
+def test_a_node_record_listing_one_gpu_twice_is_refused():
+    from llmgw.bus import trust
+
+    inv = node("h1", gpus=2)
+    twice = [inv.gpus.devices[0], inv.gpus.devices[0]]
+    bad = msgspec.structs.replace(inv, gpus=msgspec.structs.replace(inv.gpus, devices=twice))
+    with pytest.raises(
+        trust.RecordRejected, match=r"devices\[1\]\.uuid 'GPU-h1-00' is listed twice"
+    ):
+        trust.check("nodes.h1", bad)

@@ -74,12 +74,26 @@ def test_a_pass_returns_the_replica_before_its_assignment_and_then_the_placement
     assert kinds == [
         (keys.REPLICAS, Placed),
         (keys.ASSIGN, Derived),
-        (keys.ROLLOUT, RolloutIs),
+        (keys.ROLLOUT, Derived),  # a first placement: no rollout to announce
         (keys.PLACEMENT, Derived),
     ]
     replica = changes[0].record
     assert isinstance(replica, Replica) and [m.node for m in replica.members] == ["gpu-a"]
     assert changes[1].key == keys.assign("gpu-a", replica.rid)
+
+
+def test_a_first_placement_announces_no_rollout_and_the_end_of_one_says_how_many_are_ready():
+    """It logged "rollout complete: every replica runs the current revision" at a model's
+    first pass, while 0 of 1 replica was placed."""
+    view = _view(["gpu-a"])
+    (first,) = [c for c in _writes(_run(view).changes) if c.key == keys.rollout("m")]
+    assert isinstance(first.why, Derived) and first.record.phase == "complete"
+    view.rollouts["m"] = msgspec.structs.replace(first.record, phase="progressing", old=1)
+    (ended,) = [c for c in _writes(_run(view).changes) if isinstance(c.why, RolloutIs)]
+    announced = said(ended.why)
+    assert announced is not None and announced.text == (
+        "m rollout complete: no replica of an older revision left; 0/1 of the current one ready"
+    )
 
 
 def test_a_pass_changes_nothing_in_the_view_it_reads():

@@ -258,3 +258,53 @@ async def test_garbled_values_keep_the_last_catalog_and_drop_the_shard(bus, nats
         await bus.put(keys.shard("n2", "r2"), b"\x00garbage")
         await _routes_become(r, {"r1"})
         assert await _served_by(r, n=3) == {"r1"}  # the model is still known by its name
+
+
+async def _refused(r, http) -> str:
+    """The router's 503 for a request now: its message."""
+    async with http.post(f"{r.url}/v1/chat/completions", json=chat_body()) as resp:
+        assert resp.status == 503, await resp.text()
+        return (await resp.json())["error"]["message"]
+
+
+async def test_status_says_a_replica_serves_exactly_when_the_router_sends_it_requests(
+    bus, nats_settings, engines
+):
+    """After an engine crash, while its agent restarted it and no controller ran, `llmgw
+    status` said 1/1 ready and the router answered 503; a replica on a node declared
+    unreachable was counted out by status and still sent requests by the router."""
+    from llmgw.cli.status import gather, render
+
+    a = engines.start()
+    await bus.put(keys.catalog("tiny"), catalog.encode_model(TINY_CPU_MODEL))
+    await bus.put(keys.desired("tiny"), records.Desired(model="tiny", replicas=1))
+    ready = records.Health(node="n1", phase="ready", since=time.time())
+    await bus.put(keys.health("n1"), ready)
+    await _place(bus, "r1", "n1", a)
+    async with (
+        running_router(connect=_connect(nats_settings)) as r,
+        aiohttp.ClientSession() as http,
+    ):
+        await _routes_become(r, {"r1"})
+        assert "  tiny: 1/1 ready  (fixed)" in render(await gather(bus), now=time.time())
+
+        # the engine crashed: its agent restarts it; the replica's record still says ready
+        await _shard(bus, "n1", "r1", a, phase="starting", restarts=1)
+        await _routes_become(r, set())
+        text = render(await gather(bus), now=time.time())
+        assert "  tiny: 0/1 ready, 1 ready but not serving  (fixed)" in text
+        assert "    why not: r1 ready, engine on n1 starting" in text
+        assert "r1 engine on n1 starting" in await _refused(r, http)
+
+        # the engine is back, its node no longer heard from
+        await _shard(bus, "n1", "r1", a)
+        await bus.put(keys.health("n1"), msgspec.structs.replace(ready, phase="unreachable"))
+        await _routes_become(r, set())
+        assert "r1 node n1 unreachable" in await _refused(r, http)
+        fleet = await gather(bus)
+        (replica,) = fleet.models["tiny"].replicas
+        assert not replica.serving and replica.state.startswith("ready, node n1 unreachable")
+
+        await bus.put(keys.health("n1"), ready)
+        await _routes_become(r, {"r1"})
+        assert (await gather(bus)).models["tiny"].ready == 1

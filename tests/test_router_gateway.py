@@ -31,6 +31,7 @@ from llmgw.bus.counters import AuditTrail, Counters, ensure_streams
 from llmgw.bus.server import EmbeddedNats, free_port
 from llmgw.gateway import credentials
 from llmgw.gateway.metering import parse_usage_subject
+from llmgw.router.proxy import ProxySettings
 
 pytestmark = pytest.mark.anyio
 
@@ -169,6 +170,10 @@ async def test_a_model_outside_the_key_s_list_is_403_with_the_list_and_models_sh
         assert body["error"]["code"] == "model_not_allowed"
         assert body["error"]["allowed_models"] == ["big-chat", "code"]
         assert "big-chat, code" in body["error"]["message"]
+        # a name no model serves is 404 naming only the models the key may use
+        for secret, named in ((mine, f"models: {SERVED}"), (other, "models: none you may use")):
+            status, _, body = await _post(r, chat_body(model="nope"), secret)
+            assert status == 404 and body["error"]["message"].endswith(named), body
         async with aiohttp.ClientSession() as http:
             for secret, listed in ((mine, [SERVED]), (other, [])):
                 async with http.get(f"{r.url}/v1/models", headers=_auth(secret)) as resp:
@@ -177,12 +182,42 @@ async def test_a_model_outside_the_key_s_list_is_403_with_the_list_and_models_sh
                     assert [m["id"] for m in data] == listed
 
 
+async def _get(r, path: str, secret: str | None = None) -> int:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{r.url}{path}", headers=_auth(secret)) as resp:
+            await resp.read()
+            return resp.status
+
+
+async def test_once_a_key_exists_the_fleet_document_needs_one_and_metrics_stay_open(
+    bus: Bus, nats_settings: NatsSettings, engines
+) -> None:
+    """A fleet locked with keys is not shown to whoever reaches the router: the page's
+    document (every node's address, every engine's endpoint) needs a key, unless the router
+    is told `--page-access public`. /metrics stays open, for Prometheus (`--metrics keyed`
+    closes it)."""
+    public = router_settings(proxy=ProxySettings(page_access="public"))
+    engine = engines.start()
+    async with (
+        _router(nats_settings, engine, bus) as r,
+        running_router(connect=_connect(nats_settings), settings=public) as open_page,
+    ):
+        assert await _get(r, "/fleet/state") == 200  # no key yet: open, as every route
+        secret = await _key(bus, "alice")
+        await until(lambda: _is(_get(r, "/fleet/state"), 401), timeout=2)
+        assert await _get(r, "/fleet/state", secret) == 200
+        assert await _get(r, "/") == 200  # the page's own files: no fleet data in them
+        assert await _get(r, "/metrics") == 200
+        await until(lambda: _is(_status(open_page, None), 401), timeout=2)  # it has the key
+        assert await _get(open_page, "/fleet/state") == 200
+
+
 async def test_over_its_rpm_a_key_gets_429_with_retry_after_and_every_answer_has_ratelimit_headers(
     bus: Bus, nats_settings: NatsSettings, engines
 ) -> None:
     await ensure_streams(bus)
     async with _router(nats_settings, engines.start(), bus) as r:
-        limited = await _key(bus, "alice", limits=records.Limits(rpm=3))
+        limited = await _key(bus, "alice", limits=records.Limits(rpm=3, tpm=100_000))
         free = await _key(bus, "bob")
         await until(lambda: _is(_status(r, free), 200), timeout=2)
         await _clear_of_a_minute_s_end()
@@ -198,6 +233,9 @@ async def test_over_its_rpm_a_key_gets_429_with_retry_after_and_every_answer_has
         assert body["error"]["code"] == "rate_limit_exceeded"
         assert 1 <= int(headers["retry-after"]) <= 60
         assert headers["x-ratelimit-remaining-requests"] == "0"
+        # the 429 of one limit carries the other kind's too, as every answer to the key does
+        assert headers["x-ratelimit-limit-tokens"] == "100000"
+        assert 0 < int(headers["x-ratelimit-remaining-tokens"]) < 100_000
         # a stream's answer carries them too; a key with no limit gets none
         async with aiohttp.ClientSession() as http:
             async with http.post(

@@ -22,7 +22,7 @@ import pytest
 from agent_helpers import agent_config, host_dirs, start_agent, stop
 from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from waiting import until
+from waiting import until, until_logged
 
 from llmgw.agent.config import Nats
 from llmgw.bus import classify, records
@@ -294,10 +294,15 @@ async def test_agent_registers_over_mtls(verify_server, pki, host, tmp_path) -> 
 async def test_agent_with_its_own_certificate_registers_and_answers_requests(
     mapped_server, pki, host, tmp_path
 ) -> None:
-    operator = await connect(mapped_server, pki, "operator")  # creates the bucket
     cfg = tls_agent_config(mapped_server, pki, host, "node05", "node05")
-    proc = start_agent(cfg, tmp_path / "agent.toml", [host["bin"]], tmp_path / "agent.log")
+    log = tmp_path / "agent.log"
+    proc = start_agent(cfg, tmp_path / "agent.toml", [host["bin"]], log)
+    operator = None
     try:
+        # started first, the agent waits for the bucket: its identity may not make it, and
+        # never tries (it was refused, and exited)
+        until_logged(proc, log, "bucket llmgw does not exist", timeout=30)
+        operator = await connect(mapped_server, pki, "operator")  # creates the bucket
         assert (await _wait_node(operator, "node05")).node == "node05"
         # subscribe to llmgw.agent.node05.> and reply to another user's inbox: both allowed
         with anyio.fail_after(15):
@@ -310,8 +315,9 @@ async def test_agent_with_its_own_certificate_registers_and_answers_requests(
         assert json.loads(reply)["node"] == "node05"
     finally:
         assert stop(proc) == 0
-        await operator.close()
-    assert "permissions violation" not in (tmp_path / "agent.log").read_text()
+        if operator is not None:
+            await operator.close()
+    assert "permissions violation" not in log.read_text()
 
 
 async def test_agent_with_an_unmapped_certificate_is_refused_naming_certificate_and_claim(

@@ -39,8 +39,8 @@ class Nats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaul
     tls_cert: str | None = None
     tls_key: str | None = None
     bucket: str = "llmgw"
-    # copies a NATS cluster keeps of the bucket: 3 on a 3-server cluster; None: 1 when
-    # creating it, else as it is (an explicit value is checked against the bucket)
+    # copies a NATS cluster keeps of the bucket: 3 on a 3-server cluster. Only checked: an
+    # agent never makes the bucket (it waits for a controller to), so never decides this
     bucket_replicas: int | None = None
 
 

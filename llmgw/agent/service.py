@@ -154,7 +154,10 @@ class Agent:
         if self._own_bus:
             self.bus = await Bus.connect(
                 nats_settings(cfg, ident.node, source),
-                BucketSettings(name=cfg.nats.bucket, replicas=cfg.nats.bucket_replicas),
+                # waits for the controller to make the bucket: never decides its replicas
+                BucketSettings(
+                    name=cfg.nats.bucket, replicas=cfg.nats.bucket_replicas, create=False
+                ),
             )
         assert self.bus is not None
         rescans = None

@@ -525,26 +525,33 @@ class LocalShard:
             await self._stop_leftover(why, leftover)
         if spec is not None:
             await self._wait_for_room(self.rid, spec)
-        await self._report(want, "validating")
+        was = self.record
+        if not (was and was.phase == "validating" and was.generation == want.generation):
+            await self._report(want, "validating")  # a wait already said stays said
         if spec is not None and not problems:
             spec, problems = await anyio.to_thread.run_sync(prepare_launch, spec, self.node.facts())
         if problems:
             reason = "; ".join(p.reason for p in problems)
+            if all(p.transient for p in problems):
+                # an expected wait (a port, or GPU memory, an engine being stopped still
+                # holds): no failure, so no rollout stops on it and nothing reads "failed";
+                # still validating, saying what it waits for, and tried again
+                await self._report(
+                    want, "validating", reason=WAITING + reason, refused=refused_key(problems)
+                )
+                return True
             log.error("%s %s refused before launch: %s", want.model, self.rid, reason)
-            # tried again only when every problem clears by itself; the rest wait for a new
-            # assignment or catalog entry: this node gives up on this launch, and says so
-            # at once (gave_up), so the controller moves or explains the replica now
-            # instead of after its refused_after rule (controller/inputs.py StoppedTrying)
-            transient = all(p.transient for p in problems)
+            # the rest wait for a new assignment or catalog entry: this node gives up on
+            # this launch, and says so at once (gave_up), so the controller moves or
+            # explains the replica now instead of after its refused_after rule
+            # (controller/inputs.py StoppedTrying)
             await self._report(
                 want,
                 "failed",
                 reason=f"refused before launch: {reason}",
                 refused=refused_key(problems),
-                gave_up=not transient,
+                gave_up=True,
             )
-            if transient:
-                return True
             self._to(ShardState.IDLE)
             return False
         assert spec is not None
@@ -687,6 +694,7 @@ class LocalShard:
     ) -> None:
         inv = self.node.inventory()
         old = self.record
+        waited = old is not None and old.reason.startswith(WAITING)
         engine = self.engine
         shard = next_shard(
             old,
@@ -708,7 +716,8 @@ class LocalShard:
         )
         self.record = shard
         await self.node.put(shard)
-        if old is None or old.phase != phase:
+        # a phase entered, or a wait begun (said once, not at every look)
+        if old is None or old.phase != phase or (reason.startswith(WAITING) and not waited):
             level = logging.WARNING if phase == "failed" else logging.INFO
             log.log(
                 level, "%s %s: %s%s", a.model, self.rid, phase, f" ({reason})" if reason else ""
@@ -783,6 +792,11 @@ def keeps_launch(new: LaunchSpec | None, running: LaunchSpec, *, healthy: bool) 
     restart a fleet: a serving engine keeps its launch until it is replaced; a failing one
     is launched again with the new one)."""
     return new == running or (healthy and new is not None and _same_place(new, running))
+
+
+# the reason of a launch that waits for what clears by itself (a port or GPU memory an
+# engine being stopped still holds): said while validating, never as a failure
+WAITING = "waiting: "
 
 
 @dataclass

@@ -695,7 +695,7 @@ class EngineSupervisor:
             log.exception("%s: reporting phase %s failed", self.shard, phase)
 
     def _remember_pidfile(self, adopted: EngineProcess | None = None, marker: str = "") -> None:
-        if self.state_dir is None or self.pid is None:
+        if self.state_dir is None or self.pid is None or not (self._run and self._run.adoptable):
             return
         if adopted is not None:
             # its command line stays the one it was started with (what /proc shows)

@@ -1,5 +1,7 @@
 """The llmgw bucket: opened, created when missing, never silently recreated.
 
+A component told not to create it (an agent) waits for it instead, saying who makes it.
+
 A bucket that exists is checked against what the operator configured (replicas, history)
 and said about when it differs: recreating it would lose its contents. JetStream that does
 not answer yet (a cluster electing its leader, short of a majority) is waited for like any
@@ -23,6 +25,7 @@ from .backoff import Backoff
 from .connection import Connection, server_info, server_url
 from .errors import (
     Absent,
+    BucketNotMade,
     BusError,
     BusRefused,
     BusUnavailable,
@@ -53,6 +56,12 @@ async def open_bucket(
         conn.denied = None
         try:
             return await ensure_bucket(conn.nc, bucket, timeout=settings.connect_timeout)
+        except BucketNotMade as e:
+            delay = backoff.next_delay()
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise
+            said_at = _say_waiting(said_at, "%s: waiting for it", e)
+            await asyncio.sleep(delay)
         except JetStreamNotReady as e:
             denied = conn.denied
             if denied is not None and denied.creates_stream:
@@ -74,13 +83,21 @@ async def open_bucket(
                     "a NATS cluster serves JetStream once a majority of its servers is up and "
                     "has elected a leader: check each server's /healthz",
                 ) from None
-            now = time.monotonic()
-            if said_at is None or now - said_at >= 30:
-                log.warning("JetStream not ready on %s: waiting (%s)", e.url, e.detail)
-                said_at = now
-            else:
-                log.debug("JetStream not ready on %s: %s", e.url, e.detail)
+            said_at = _say_waiting(
+                said_at, "JetStream not ready on %s: waiting (%s)", e.url, e.detail
+            )
             await asyncio.sleep(delay)
+
+
+def _say_waiting(said_at: float | None, message: str, *args: object) -> float | None:
+    """Say what start-up waits for at most every 30 s (at debug meanwhile): when it was
+    last said."""
+    now = time.monotonic()
+    if said_at is None or now - said_at >= 30:
+        log.warning(message, *args)
+        return now
+    log.debug(message, *args)
+    return said_at
 
 
 async def ensure_bucket(
@@ -117,6 +134,8 @@ async def _open_or_create(nc: Client, js: Any, settings: BucketSettings, doing: 
     try:
         await classify.answer(js.key_value(settings.name), doing)
     except Absent:
+        if not settings.create:
+            raise BucketNotMade(settings.name, server_url(nc)) from None
         replicas = settings.replicas or 1
         if cluster and replicas == 1:
             _warn_r1(settings.name, cluster, "creating it with replicas=1")

@@ -174,6 +174,12 @@ def problem(e: BaseException) -> Problem:
     return Problem.OTHER
 
 
+def nobody_listening(e: BaseException) -> bool:
+    """No server listens at the address (the OS refused the TCP connection): an answer at
+    once, where a timeout may be a server on its way up or a network in trouble."""
+    return isinstance(e, ConnectionRefusedError)
+
+
 def refusal(e: BaseException) -> bool:
     """The server (or its TLS) refused this client: what a later "connection lost" must not
     hide when the first connect gives up."""

@@ -3,8 +3,9 @@
 `Bus.connect()` connects (llmgw.bus.connection: backoff, failover), opens the bucket
 (llmgw.bus.bucket) and then reads, writes, fences and watches its keys. Values are msgspec
 records (llmgw.bus.records). A value that does not decode, is too big, or names another
-owner than its key (llmgw.bus.trust) is logged with its key and skipped, never fatal:
-anyone allowed to write a key can put anything in it. Every failure of a call is a BusError
+owner than its key (llmgw.bus.trust) is never fatal (anyone allowed to write a key can put
+anything in it): it is said once in the log and read as the one rule of
+llmgw.bus.unreadable says (the last good value kept, or absent). Every failure of a call is a BusError
 (llmgw.bus.errors), read from what nats-py raised by llmgw.bus.classify.
 
     async with Bus.open(settings, give_up_after=5) as bus:
@@ -29,7 +30,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
-from . import classify, keys, records, requests, trust
+from . import classify, keys, records, requests, trust, unreadable
 from .backoff import Backoff
 from .bucket import MAX_VALUE_BYTES, ensure_bucket, open_bucket
 from .connection import Connection
@@ -195,13 +196,15 @@ class Bus:
         bucket: BucketSettings | None = None,
         *,
         give_up_after: float | None = None,
+        wait_for_server: bool = True,
     ) -> Bus:
         """Connect (retrying with backoff until it works, or for `give_up_after` seconds) and
         open the bucket, creating it if missing. Settings that can never work (a URL that is
-        not NATS's, a TLS file that is missing or not PEM) raise BusError at once."""
+        not NATS's, a TLS file that is missing or not PEM) raise BusError at once, and so
+        does no server listening, unless `wait_for_server` (one may be starting)."""
         bucket = bucket or BucketSettings()
         deadline = None if give_up_after is None else time.monotonic() + give_up_after
-        connection = await Connection.open(settings, deadline)
+        connection = await Connection.open(settings, deadline, wait_for_server=wait_for_server)
         try:
             kv, max_value = await open_bucket(connection, bucket, deadline)
         except BaseException:
@@ -502,8 +505,20 @@ class Bus:
         raw = await self.get_raw(key)
         if raw is None:
             return None
-        value = _decode_or_log(self.skipped, key, raw[0], raw[1], decode)
+        value = self._read(key, raw[0], raw[1], decode, None)
         return None if value is None else Entry(key, value, raw[1])
+
+    def _read(self, key: str, data: bytes, revision: int, decode: Decoder[T], last: Any) -> Any:
+        """`data` decoded and checked against its key (llmgw.bus.trust), or what the one
+        rule (llmgw.bus.unreadable) reads instead, said once in the log: `last` kept,
+        a cordon, or None."""
+        if len(data) > self.max_value_bytes:
+            data = trust.Oversized(len(data), self.max_value_bytes)
+        parsed = keys.parse(key) or keys.parse_gateway(key)
+        value, _ = unreadable.settle(
+            key, parsed, data, revision, last, _checked(key, decode), self.skipped
+        )
+        return value
 
     async def list(self, pattern: str, decode: Decoder[T]) -> dict[str, Entry[T]]:
         """Current values of every key matching `pattern` (the ones that do not decode or must
@@ -553,21 +568,18 @@ class Bus:
                     value = None
                     if item.deleted:
                         pass
-                    elif decode is RAW and len(item.data) > self.max_value_bytes:
-                        # the reader's one decoder says what it does for one that does not
-                        # read (and logs it)
-                        value = trust.Oversized(len(item.data), self.max_value_bytes)
-                    elif not _too_big(item.key, item.data, item.revision, self.max_value_bytes):
-                        value = _decode_or_log(
-                            self.skipped, item.key, item.data, item.revision, decode
-                        )
+                    elif decode is RAW:
+                        value = item.data
+                        if len(value) > self.max_value_bytes:
+                            # the reader's one decoder reads it as a value that does not
+                            # read (and logs it)
+                            value = trust.Oversized(len(value), self.max_value_bytes)
+                    else:
+                        held = _HELD if item.key in known else None
+                        value = self._read(item.key, item.data, item.revision, decode, held)
+                        if value is _HELD:
+                            continue  # the reader keeps the last good value it was given
                     if value is None:
-                        if (
-                            not item.deleted
-                            and item.key in known
-                            and trust.keeps_last_good(item.key)
-                        ):
-                            continue  # intent that does not read: the last good value stands
                         if known.pop(item.key, None) is not None:
                             yield Update(item.key, None, item.revision)
                         continue
@@ -634,6 +646,10 @@ class Bus:
         return msg.data
 
 
+# a reader's value the watch does not hold itself (only revisions): kept, not yielded again
+_HELD = object()
+
+
 def _too_big(key: str, data: bytes, revision: int, limit: int) -> bool:
     if len(data) <= limit:
         return False
@@ -649,22 +665,10 @@ def _too_big(key: str, data: bytes, revision: int, limit: int) -> bool:
     return True
 
 
-def _decode_or_log(
-    skipped: trust.SkippedValues, key: str, data: bytes, revision: int, decode: Decoder[T]
-) -> T | None:
-    """Decode and check against the key (llmgw.bus.trust); log and return None if either
-    fails."""
-    try:
+def _checked(key: str, decode: Decoder[T]) -> Decoder[T]:
+    def read(data: bytes) -> T:
         value = decode(data)
         trust.check(key, value)
-    except trust.RecordRejected as e:
-        # names the key, and says "spoof attempt" when the value claims another owner
-        skipped.skipped(log, key, revision, str(e))
-        return None
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-        preview = data[:80].decode("utf-8", "replace")
-        skipped.skipped(
-            log, key, revision, f"value does not decode: {e} (value starts {preview!r})"
-        )
-        return None
-    return value
+        return value
+
+    return read

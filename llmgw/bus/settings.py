@@ -165,3 +165,6 @@ class BucketSettings:
     # and an existing one is accepted as it is. Given: checked against the bucket.
     replicas: int | None = None
     history: int | None = None
+    # False: wait for a missing bucket, never make it. An agent: one of a thousand started
+    # before the controller would otherwise decide the bucket's replicas for the fleet.
+    create: bool = True

@@ -4,7 +4,8 @@ NATS permissions protect keys, not values: node05 may write only `nodes.node05`,
 `leases.node05` and `shards.node05.*`, but it chooses every byte it writes there. So a
 value that names another owner than its key (node05 writing `"node": "node06"` into its own
 `nodes.node05`) is a spoof attempt: it is rejected here, naming the key, and readers log it
-and treat the key as absent. Numbers are checked against their ranges for the same reason:
+and read it as any value that does not read (llmgw/bus/unreadable.py: absent, for what an
+agent writes). Numbers are checked against their ranges for the same reason:
 a writer's claim is trusted no further than its key.
 
 `check(key, value)` is what the bus applies to every typed read (get, list, watch);
@@ -159,6 +160,7 @@ def _node(p: _Problems, inv: records.NodeInventory) -> None:
     _memory(p, "memory", inv.memory)
     for i, g in enumerate(inv.gpus.devices):
         _gpu(p, f"gpus.devices[{i}]", g)
+    _one_card_once(p, inv.gpus.devices)
     _ports_taken(p, inv.ports)
     for i, m in enumerate(inv.weights.models):
         p.at_least(f"weights.models[{i}].bytes", m.bytes, 0)
@@ -169,6 +171,25 @@ def _node(p: _Problems, inv: records.NodeInventory) -> None:
             _store(p, f"weights.dirs[{i}].store", d.store, node)
     _labels(p, "labels", inv.labels)
     _taints(p, "taints", inv.taints)
+
+
+def _one_card_once(p: _Problems, devices: list[records.Gpu]) -> None:
+    """Each card offered once: a UUID listed twice, or a MIG device beside its own parent
+    (a GPU in MIG mode is not listed: CUDA cannot run on it), let placement give one card
+    twice (two exclusive replicas on it, 100 GB allotted on an 85.5 GB card)."""
+    uuids = {g.uuid for g in devices}
+    if len(uuids) != len(devices):
+        seen: set[str] = set()
+        for i, g in enumerate(devices):
+            if g.uuid in seen:
+                p.others.append(f"gpus.devices[{i}].uuid {g.uuid!r} is listed twice")
+            seen.add(g.uuid)
+    for i, g in enumerate(devices):
+        if g.parent_uuid and g.parent_uuid in uuids:
+            p.others.append(
+                f"gpus.devices[{i}] is MIG device {g.uuid!r} of GPU {g.parent_uuid!r}, which "
+                "is listed too (a GPU in MIG mode is not a GPU of its own)"
+            )
 
 
 def _labels(p: _Problems, where: str, given: dict[str, str]) -> None:
@@ -364,36 +385,6 @@ def _team(p: _Problems, t: records.Team) -> None:
     p.owner("team", t.team, p.ids[0])
     p.at_most("models", len(t.models), records.MAX_KEY_MODELS)
     _limits(p, "limits", t.limits)
-
-
-# Written by an operator (catalog, desired, ops, apikeys, teams) or by the leading
-# controller: intent and decisions. A newer value of one that does not read keeps the last
-# good one wherever it is read (Bus.watch, and llmgw/fleetstate/decode.py, which says what a
-# reader with none takes). A key or team garbled by hand must never grant more than its last
-# good value did: read as absent, a team's limits would vanish, and the bucket's only key
-# would open the fleet. Not the leader key: a lease, taken over at its revision when it
-# does not read.
-KEEPS_LAST_GOOD: frozenset[str] = frozenset(
-    {
-        keys.CATALOG,
-        keys.DESIRED,
-        keys.OPS,
-        keys.APIKEYS,
-        keys.TEAMS,
-        keys.ROLLOUT,
-        keys.SCALE,
-        keys.PLACEMENT,
-        keys.HEALTH,
-        keys.FABRICS,
-        keys.REPLICAS,
-        keys.ASSIGN,
-    }
-)
-
-
-def keeps_last_good(key: str) -> bool:
-    parsed = _parsed(key)
-    return parsed is not None and parsed.prefix in KEEPS_LAST_GOOD
 
 
 _Check = Callable[[_Problems, Any], None]

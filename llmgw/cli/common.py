@@ -108,9 +108,10 @@ def json_option(fn):
 
 @contextlib.asynccontextmanager
 async def open_bus(nats: NatsSettings, bucket: BucketSettings) -> AsyncIterator[Bus]:
-    """The bus for one command, closed when it is done; an unreachable NATS says what to check."""
+    """The bus for one command, closed when it is done; an unreachable NATS says what to
+    check, at once when nothing listens there."""
     try:
-        bus = await Bus.connect(nats, bucket, give_up_after=5)
+        bus = await Bus.connect(nats, bucket, give_up_after=5, wait_for_server=False)
     except NatsUnreachable as e:
         raise click.ClickException(
             f"{e}; is llmgw up (or your NATS cluster) running? set --nats or LLMGW_NATS"
@@ -191,8 +192,10 @@ def check_ports_free(wanted: list[tuple[str, tuple[str, int], str]]) -> None:
             try:
                 s.bind(addr)
             except OSError as e:
+                from llmgw.holders import port_holder  # psutil: only when a port is taken
+
                 why = (
-                    "is in use by another program"
+                    f"is in use by {port_holder(port) or 'another program'}"
                     if e.errno == errno.EADDRINUSE
                     else (f"cannot be listened on ({e.strerror or e})")
                 )

@@ -10,7 +10,7 @@ import json
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import anyio
 import click
@@ -19,6 +19,7 @@ import msgspec
 from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings, decoder
 from llmgw.cli.common import json_option, nats_options, open_bus
+from llmgw.cli.served import allow_unknown_option, check_models
 from llmgw.errors import LlmgwError
 from llmgw.gateway import credentials
 
@@ -34,10 +35,18 @@ class KeyCommandError(LlmgwError):
 
 
 def parse_duration(value: str, what: str) -> float:
+    """Seconds from "30d", "12h", "90m", "45s", "2w"; "0" is none at all. A bare number is
+    refused: `--expires 90` meant 90 days as often as the 90 seconds it was read as."""
     m = _DURATION.match(value.strip())
     if not m:
         raise click.BadParameter(f"{what} {value!r}: expected a number and s, m, h, d or w (30d)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    number, unit = m.groups()
+    if not unit and float(number) != 0:
+        raise click.BadParameter(
+            f"{what} {value!r}: a number needs its unit: {number}s, {number}m, {number}h, "
+            f"{number}d or {number}w"
+        )
+    return float(number) * _UNITS[unit]
 
 
 class LimitType(click.ParamType):
@@ -112,15 +121,25 @@ def check_name(name: str, what: str) -> str:
     return name
 
 
+# written out whole: tests/test_commands_named.py checks every command a message names
+_LISTED_BY = {"key": "`llmgw key ls`", "team": "`llmgw team ls`"}
+
+
 async def change_record(
-    bus: Bus, key: str, type_: type[T], change: Callable[[T], Awaitable[T] | T], what: str
+    bus: Bus,
+    key: str,
+    type_: type[T],
+    change: Callable[[T], Awaitable[T] | T],
+    noun: Literal["key", "team"],
+    name: str,
 ) -> T:
     """Read, change and write back with compare-and-set (another operator's write in
-    between is read again, never overwritten)."""
+    between is read again, never overwritten). `noun` is the command of its records."""
+    what = f"{noun} {name!r}"
     for _ in range(10):
         entry = await bus.get(key, decoder(type_))
         if entry is None:
-            raise KeyCommandError(f"{what} does not exist (`llmgw {key.split('.')[0][:-1]} ls`)")
+            raise KeyCommandError(f"{what} does not exist ({_LISTED_BY[noun]} lists them)")
         new = change(msgspec.structs.replace(entry.value))
         if not isinstance(new, msgspec.Struct):
             new = await new
@@ -184,6 +203,15 @@ def key_summary(k: records.ApiKey, now: float) -> dict[str, object]:
     }
 
 
+# what a fleet with keys still shows to whoever reaches a router (docs/security.md)
+SHOWN_TO_KEYS = (
+    "with a key in the bucket, routers ask every client for one: the API, /v1/models and "
+    "the fleet page's view of the fleet (`llmgw router --page-access public` opens it); "
+    "/health and /metrics stay open (/metrics names models, replicas and their traffic, "
+    "for Prometheus; `llmgw router --metrics keyed` asks a key of it)"
+)
+
+
 @click.group()
 def key() -> None:
     """Client API keys (apikeys.<name>): once any exists, routers require one."""
@@ -192,14 +220,31 @@ def key() -> None:
 @key.command("create")
 @click.argument("name")
 @click.option("--team", default=None, help="the team whose limits it shares (llmgw team create)")
-@click.option("--models", default=None, help="the models it may use, comma-separated [all]")
-@click.option("--expires", default=None, help="valid for this long: 30d, 12h, 90m")
+@click.option(
+    "--models",
+    default=None,
+    help="the served names (what clients ask for) it may use, comma-separated [all]",
+)
+@allow_unknown_option
+@click.option(
+    "--expires",
+    default=None,
+    help="valid for this long: 30d, 12h, 90m, 45s (a number needs its unit)",
+)
 @click.option("--description", default="", help="who it is for")
 @limit_options()
 @limit_options("model-", " on each model")
 @nats_options
 def create(
-    name, team, models, expires, description, nats: NatsSettings, bucket: BucketSettings, **lim
+    name,
+    team,
+    models,
+    allow_unknown,
+    expires,
+    description,
+    nats: NatsSettings,
+    bucket: BucketSettings,
+    **lim,
 ) -> None:
     """Create key NAME and print its secret, once, alone on the last line."""
     check_name(name, "key")
@@ -219,6 +264,7 @@ def create(
 
     async def run() -> None:
         async with open_bus(nats, bucket) as bus:
+            await check_models(bus, record.models, allow_unknown=allow_unknown)
             if team is not None:
                 check_name(team, "team")
                 if await bus.get(keys.team(team), decoder(records.Team)) is None:
@@ -238,6 +284,7 @@ def create(
         f"key {name} created (team {team or 'none'}; models: {', '.join(record.models) or 'all'}; "
         f"limits: {describe_limits(record.limits)}; expires: {_when(record.expires_at)})"
     )
+    click.echo(SHOWN_TO_KEYS)
     click.echo("its secret, shown only now (the bucket keeps a salted hash):")
     click.echo(secret)
 
@@ -309,13 +356,27 @@ def show(name, as_json: bool, nats: NatsSettings, bucket: BucketSettings) -> Non
 
 @key.command("set")
 @click.argument("name")
-@click.option("--models", default=None, help="the models it may use, comma-separated ('' all)")
-@click.option("--expires", default=None, help="valid for this long from now, or 'never'")
+@click.option(
+    "--models",
+    default=None,
+    help="the served names it may use, comma-separated ('' all)",
+)
+@allow_unknown_option
+@click.option("--expires", default=None, help="valid for this long from now (30d, 12h), or 'never'")
 @click.option("--team", default=None, help="move it to this team ('none': no team)")
 @limit_options()
 @limit_options("model-", " on each model")
 @nats_options
-def set_(name, models, expires, team, nats: NatsSettings, bucket: BucketSettings, **lim) -> None:
+def set_(
+    name,
+    models,
+    allow_unknown,
+    expires,
+    team,
+    nats: NatsSettings,
+    bucket: BucketSettings,
+    **lim,
+) -> None:
     """Change a key's models, expiry, team or limits (a limit 'none' removes it)."""
     check_name(name, "key")
 
@@ -334,9 +395,8 @@ def set_(name, models, expires, team, nats: NatsSettings, bucket: BucketSettings
 
     async def run() -> records.ApiKey:
         async with open_bus(nats, bucket) as bus:
-            return await change_record(
-                bus, keys.apikey(name), records.ApiKey, change, f"key {name!r}"
-            )
+            await check_models(bus, split_models(models), allow_unknown=allow_unknown)
+            return await change_record(bus, keys.apikey(name), records.ApiKey, change, "key", name)
 
     k = anyio.run(run)
     click.echo(
@@ -357,7 +417,7 @@ def revoke(name, nats: NatsSettings, bucket: BucketSettings) -> None:
 
     async def run() -> None:
         async with open_bus(nats, bucket) as bus:
-            await change_record(bus, keys.apikey(name), records.ApiKey, change, f"key {name!r}")
+            await change_record(bus, keys.apikey(name), records.ApiKey, change, "key", name)
 
     anyio.run(run)
     click.echo(f"key {name} revoked: routers refuse it as soon as their watch delivers this")
@@ -369,7 +429,7 @@ def revoke(name, nats: NatsSettings, bucket: BucketSettings) -> None:
     "--grace",
     default="24h",
     show_default=True,
-    help="how long the old secret keeps working (0 ends it now)",
+    help="how long the old secret keeps working: 24h, 30m (0 ends it now)",
 )
 @nats_options
 def rotate(name, grace, nats: NatsSettings, bucket: BucketSettings) -> None:
@@ -394,7 +454,7 @@ def rotate(name, grace, nats: NatsSettings, bucket: BucketSettings) -> None:
 
     async def run() -> None:
         async with open_bus(nats, bucket) as bus:
-            await change_record(bus, keys.apikey(name), records.ApiKey, change, f"key {name!r}")
+            await change_record(bus, keys.apikey(name), records.ApiKey, change, "key", name)
 
     anyio.run(run)
     click.echo(f"key {name} rotated; the old secret works until {_when(until)}")

@@ -16,7 +16,8 @@ from llmgw.bus import keys, records
 from llmgw.bus.client import BucketSettings, Bus, NatsSettings, decoder
 from llmgw.bus.trust import MAX_REPLICAS
 from llmgw.catalog import Model, decode_model
-from llmgw.cli.common import did_you_mean, nats_options, open_bus
+from llmgw.cli.common import nats_options, open_bus
+from llmgw.cli.served import catalog_models, unknown_model_id
 from llmgw.controller import placement
 from llmgw.controller.inputs import phases_at_takeover, placement_snapshot
 from llmgw.controller.view import View
@@ -29,34 +30,15 @@ class PlacingError(LlmgwError):
     """`llmgw place` cannot ask for this: the model or profile is not in the catalog."""
 
 
-class UnknownModel(PlacingError):
-    """A model id the catalog does not name: a served name given for the id, or a typo."""
-
-    exit_code = 2
-
-
 async def catalog_model(bus: Bus, model: str) -> Model:
-    """The catalog entry of the model id `model`; else UnknownModel saying what was meant:
-    `llmgw place Qwen/Qwen3-8B` (a served name) got "not a valid id", and a typo of an id
-    was told to add it to the catalog."""
+    """The catalog entry of the model id `model`; else UnknownModel saying what was meant
+    (a served name given for the id, a typo of an id)."""
     entry = None
     if keys.is_token(model):
         entry = await bus.get(keys.catalog(model), lambda b: decode_model(b, model))
     if entry is not None:
         return entry.value
-    listed = await bus.list(keys.pattern(keys.CATALOG), lambda b: decode_model(b))
-    models = sorted((e.value for e in listed.values()), key=lambda m: m.id)
-    serving = [m.id for m in models if m.served_name == model]
-    if serving:
-        raise UnknownModel(
-            f"{model!r} is the served name of model {serving[0]!r} (what clients ask for); "
-            f"commands take the model id: {serving[0]}"
-        )
-    raise UnknownModel(
-        f"model {model!r} is not in the catalog (or its entry is invalid); "
-        f"{did_you_mean(model, [m.id for m in models], 'model ids')}. Add one with `llmgw "
-        "catalog apply FILE.toml`; `llmgw catalog ls` lists what is there"
-    )
+    raise unknown_model_id(model, await catalog_models(bus))
 
 
 async def _check_model(bus: Bus, model: str, profile: str | None, *, auto: bool = False) -> None:
@@ -103,7 +85,8 @@ async def dry_run_plan(bus: Bus, model: str, replicas: int, profile: str | None)
     view.desired[model] = records.Desired(
         model=model, replicas=replicas, profile=profile, updated_at=now
     )
-    view.invalid.pop(keys.desired(model), None)  # the write replaces a count that did not read
+    # the write replaces a count that did not read (`invalid` is a copy: pop the record)
+    view.unreadable.pop(keys.desired(model), None)
     # the controller's own code, given what a dry run cannot know from the bucket: the
     # controller's port range, and how leases moved (it judges as at a takeover)
     snap = placement_snapshot(

@@ -114,6 +114,13 @@ router_options = option_group(
         dest="fleet_page",
     ),
     _setting(
+        "--page-access",
+        lambda: _defaults().proxy.page_access,
+        "who the fleet page shows the fleet to: once any client key exists, only a client "
+        "with one (the page asks for it), or anyone who reaches the router",
+        type=click.Choice(["keyed", "public"]),
+    ),
+    _setting(
         "--engine-timeout",
         lambda: _defaults().upstream.read_timeout,
         "seconds an engine may stay silent in a request (before its first byte, and between "
@@ -208,6 +215,7 @@ def router_settings(
     replica_header: bool,
     metrics_access: str,
     fleet_page: bool,
+    page_access: str,
     engine_timeout: float,
     hold_max: int,
     hold_timeout: float,
@@ -251,6 +259,7 @@ def router_settings(
             replica_header=replica_header,
             metrics=metrics_access,
             page=fleet_page,
+            page_access=page_access,
         ),
         gateway=GatewaySettings(
             serve_known_for=keys_offline_for,

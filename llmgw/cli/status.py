@@ -178,13 +178,13 @@ _PHASES = tuple(p for p in records.REPLICA_PHASES if p != "ready")
 
 
 def _replica_counts(m: ModelState) -> str:
-    """ "1/1 ready, 1 draining": a draining replica is going away, not one too many; a
-    ready replica on a node that is not is counted apart."""
+    """ "1/1 ready, 1 draining": a draining replica is going away, not one too many; one the
+    controller last saw ready that does not serve now is counted apart."""
     phases = Counter(r.phase for r in m.replicas)
-    cut_off = phases["ready"] - m.ready
+    cut_off = sum(1 for r in m.replicas if r.phase == "ready" and not r.serving)
     return (
         f"{m.ready}/{m.desired} ready"
-        + (f", {cut_off} ready on a node that is not" if cut_off else "")
+        + (f", {cut_off} ready but not serving" if cut_off else "")
         + "".join(f", {phases[p]} {p}" for p in _PHASES if phases[p])
     )
 
@@ -252,6 +252,8 @@ def _model_lines(m: ModelState, now: float) -> list[str]:
         if r.load is not None:
             lines.append(f"      engine: {load_line(r.load)}")
         for s in r.shards:
+            if s.phase == "validating" and s.reason:  # "waiting: ..." (an expected wait)
+                lines.append(f"      {s.node}: {s.reason}")
             if s.phase != "failed":
                 continue
             given_up = ", given up" if s.gave_up else ""

@@ -24,6 +24,7 @@ from llmgw.cli.key import (
     limit_options,
     split_models,
 )
+from llmgw.cli.served import allow_unknown_option, check_models
 
 
 def _summary(t: records.Team, members: list[str]) -> dict[str, object]:
@@ -44,11 +45,18 @@ def team() -> None:
 
 @team.command("create")
 @click.argument("name")
-@click.option("--models", default=None, help="the models its keys may use, comma-separated [all]")
+@click.option(
+    "--models",
+    default=None,
+    help="the served names (what clients ask for) its keys may use, comma-separated [all]",
+)
+@allow_unknown_option
 @click.option("--description", default="")
 @limit_options(what=" (all its keys together)")
 @nats_options
-def create(name, models, description, nats: NatsSettings, bucket: BucketSettings, **lim) -> None:
+def create(
+    name, models, allow_unknown, description, nats: NatsSettings, bucket: BucketSettings, **lim
+) -> None:
     """Create team NAME with limits its keys share."""
     check_name(name, "team")
     record = records.Team(
@@ -61,6 +69,7 @@ def create(name, models, description, nats: NatsSettings, bucket: BucketSettings
 
     async def run() -> None:
         async with open_bus(nats, bucket) as bus:
+            await check_models(bus, record.models, allow_unknown=allow_unknown)
             await ensure_streams(bus)
             if await bus.create(keys.team(name), record) is None:
                 raise KeyCommandError(
@@ -136,10 +145,11 @@ def show(name, as_json: bool, nats: NatsSettings, bucket: BucketSettings) -> Non
 
 @team.command("set")
 @click.argument("name")
-@click.option("--models", default=None, help="the models its keys may use ('' all)")
+@click.option("--models", default=None, help="the served names its keys may use ('' all)")
+@allow_unknown_option
 @limit_options(what=" (all its keys together; 'none' removes it)")
 @nats_options
-def set_(name, models, nats: NatsSettings, bucket: BucketSettings, **lim) -> None:
+def set_(name, models, allow_unknown, nats: NatsSettings, bucket: BucketSettings, **lim) -> None:
     """Change a team's limits or models; every router applies them from the next request."""
     check_name(name, "team")
 
@@ -151,7 +161,8 @@ def set_(name, models, nats: NatsSettings, bucket: BucketSettings, **lim) -> Non
 
     async def run() -> records.Team:
         async with open_bus(nats, bucket) as bus:
-            return await change_record(bus, keys.team(name), records.Team, change, f"team {name!r}")
+            await check_models(bus, split_models(models), allow_unknown=allow_unknown)
+            return await change_record(bus, keys.team(name), records.Team, change, "team", name)
 
     t = anyio.run(run)
     click.echo(f"team {name}: limits {describe_limits(t.limits)}")

@@ -74,6 +74,7 @@ def up(
     import platformdirs
 
     from llmgw.bus.server import EmbeddedNats
+    from llmgw.bus.storelock import StoreInUse, holder_of
 
     logging.getLogger("llmgw").setLevel(logging.INFO)
     sim = None
@@ -84,6 +85,10 @@ def up(
         sim = (fleet_file, connections, poll)
     data_dir = data_dir or Path(platformdirs.user_data_dir("llmgw")) / ("sim" if sim else "")
     server = EmbeddedNats(data_dir=data_dir / "nats", host=host, port=port)
+    # asked before the ports: a second `llmgw up` on this store is told so, whatever its ports
+    holder = holder_of(server.data_dir)
+    if holder is not None:
+        raise StoreInUse(server.data_dir, holder)
     cfg = _up_agent_config(agent_config, server.url, data_dir)
     check_ports_free(
         _up_ports(

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from llmgw.bus import records
 from llmgw.catalog import Autoscale
+from llmgw.fleetstate.serving import serving
 
 # a router whose load key has not moved for this long is gone (it writes every second)
 LOAD_STALE_AFTER_S = 5.0
@@ -70,11 +71,14 @@ def engine_saturation(
     leases: Mapping[str, records.Lease],
     health: Mapping[str, records.Health],
     replicas: Mapping[str, records.Replica],
+    shards: Mapping[tuple[str, str], records.Shard],
 ) -> dict[str, EngineSaturation]:
-    """Per model, from the leases of ready nodes. A lease speaks only for the node its key
-    names, and only of a replica placed on that node for that model: a node cannot add load
-    to another's replicas, or to a model it does not serve."""
+    """Per model, from the leases of ready nodes, for replicas that serve (the router's
+    rule, fleetstate/serving.py). A lease speaks only for the node its key names, and only
+    of a replica placed on that node for that model: a node cannot add load to another's
+    replicas, or to a model it does not serve."""
     per: dict[str, EngineSaturation] = {}
+    phases = {node: h.phase for node, h in health.items()}
     for node, lease in leases.items():
         if not lease.engines:
             continue
@@ -83,7 +87,7 @@ def engine_saturation(
             continue  # a silent node's last word is not today's load
         for e in lease.engines[: records.MAX_LEASE_ENGINES]:
             r = replicas.get(e.rid)
-            if r is None or r.model != e.model or r.phase != "ready":
+            if r is None or r.model != e.model or not serving(r, shards, phases).ok:
                 continue
             if not any(m.node == node for m in r.members):
                 continue

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from llmgw.bus import keys, records
+from llmgw.fleetstate.decode import CONTROLLER_WRITES, slot_of
 
 # --- why: one type per reason a key is written or a thing is said ------------------------
 
@@ -141,27 +142,16 @@ class Notice:
     why: Why
 
 
-# --- where a written key lives in the view (View and the pass's own copy alike) ----------
-
-# family -> (the table's attribute, the id that keys it; None: all of them)
-_SLOTS: dict[str, tuple[str, int | None]] = {
-    keys.HEALTH: ("health", 0),
-    keys.FABRICS: ("fabrics", 0),
-    keys.REPLICAS: ("replicas", -1),
-    keys.ASSIGN: ("assigns", None),
-    keys.PLACEMENT: ("placements", 0),
-    keys.ROLLOUT: ("rollouts", 0),
-    keys.SCALE: ("scales", 0),
-}
+# --- where a written key lives in the view ------------------------------------------------
 
 
 def mirror(tables: object, key: str, record: msgspec.Struct | None) -> None:
-    """Store what a change wrote in `tables` (the view, or a pass's copy of its tables)."""
+    """Store what a change wrote in `tables` (the view, or a pass's copy of its tables),
+    where the one decoder layer holds it (fleetstate/decode.py SLOTS)."""
     parsed = keys.parse(key)
-    assert parsed is not None and parsed.prefix in _SLOTS, key
-    attr, by = _SLOTS[parsed.prefix]
+    assert parsed is not None and parsed.prefix in CONTROLLER_WRITES, key
+    attr, slot = slot_of(parsed)
     table = getattr(tables, attr)
-    slot = parsed.ids if by is None else parsed.ids[by]
     if record is None:
         table.pop(slot, None)
     else:
@@ -280,7 +270,9 @@ def _rollout_is(w: RolloutIs) -> Said:
     text = {
         "progressing": f"rolling out: {ro.old} replica(s) to replace",
         "stopped": f"stopped: {ro.reason}",
-        "complete": "complete: every replica runs the current revision",
+        # the counts: no old replica left is not every new one ready
+        "complete": f"complete: no replica of an older revision left; {ro.ready}/{ro.desired} "
+        "of the current one ready",
     }[ro.phase]
     return Said(
         logging.WARNING if ro.phase == "stopped" else logging.INFO,

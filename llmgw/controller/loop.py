@@ -492,7 +492,9 @@ class Controller:
             now=now.monotonic,
             wall=now.wall,
             engines=(
-                engine_saturation(self.view.leases, self.view.health, self.view.replicas)
+                engine_saturation(
+                    self.view.leases, self.view.health, self.view.replicas, self.view.shards
+                )
                 if any(d.auto for d in self.view.desired.values())
                 else None
             ),

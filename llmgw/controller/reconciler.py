@@ -311,7 +311,7 @@ class Reconciler:
             old = pending.rollouts.get(model)
             if old is not None and placement.same_rollout(old, ro):
                 continue
-            said = old is None or old.phase != ro.phase or not old.current.same(ro.current)
+            said = placement.rollout_news(old, ro)
             pending.put(keys.rollout(model), ro, RolloutIs(ro) if said else Derived("rollout"))
         placed = {r.model for r in pending.replicas.values()}
         for model in [

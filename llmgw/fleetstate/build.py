@@ -2,8 +2,9 @@
 
 `fleet(records, now)` is what `llmgw status` prints and encodes, and what the fleet page's
 document is made of. Every rule a reader needs to say "is model X ready, and if not why"
-is here once: which replicas serve (ready, on nodes the controller holds ready), what a
-model's count is (an autoscaled one's is the autoscaler's), which blocks freeze a model.
+is here once, or asked of the one place that holds it: which replicas serve (the router's
+own rule, fleetstate/serving.py), what a model's count is (an autoscaled one's is the
+autoscaler's), which blocks freeze a model.
 """
 
 from __future__ import annotations
@@ -31,10 +32,9 @@ from llmgw.fleetstate.model import (
     ShardState,
     Skipped,
 )
+from llmgw.fleetstate.serving import SERVES_ON, serving
 from llmgw.labels import node_labels
 
-# node phases a replica still serves on: an unjudged node has no controller's word yet
-_SERVES_ON = frozenset({"ready", UNJUDGED})
 SKIPPED_LISTED = 50  # keys of skipped values listed; the rest counted
 WHY_NOT_REPLICAS = 5  # replicas named in a model's why_not; the rest counted
 
@@ -71,7 +71,7 @@ def fleet(
         by_model.setdefault(rep.model, []).append(rep)
     # a key that does not read names no model by itself (200 garbage keys are not models)
     names = set(r.catalog) | set(r.desired) | set(r.placements) | set(by_model)
-    models = {m: model_state(m, r, now, by_model.get(m, []), nodes) for m in sorted(names)}
+    models = {m: model_state(m, r, now, by_model.get(m, [])) for m in sorted(names)}
     return Fleet(
         bucket=bucket,
         now=now,
@@ -263,19 +263,22 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def replica_state(
-    rep: records.Replica, r: FleetRecords, now: float, nodes: Mapping[str, NodeState]
-) -> ReplicaState:
+def replica_state(rep: records.Replica, r: FleetRecords, now: float) -> ReplicaState:
+    health = {m.node: h for m in rep.members if (h := r.health.get(m.node)) is not None}
+    # the router's rule, asked the same way (fleetstate/serving.py)
+    verdict = serving(rep, r.shards, {node: h.phase for node, h in health.items()})
     members, notes = [], []
     for m in sorted(rep.members, key=lambda m: m.rank):
-        n = nodes.get(m.node)
-        phase = n.phase if n is not None else UNJUDGED
-        since = n.phase_since if n is not None else None
+        h = health.get(m.node)
+        phase = h.phase if h is not None else UNJUDGED
+        since = h.since if h is not None else None
         members.append(Member(node=m.node, rank=m.rank, node_phase=phase, node_since=since))
-        if phase not in _SERVES_ON:
+        if h is not None and phase not in SERVES_ON:
             notes.append(
                 f"node {m.node} {phase}" + (f" for {duration(now - since)}" if since else "")
             )
+    if verdict.why is not None and verdict.why.why not in ("phase", "node"):
+        notes.append(verdict.why.says())  # an engine restarting, not reported yet, ...
     shards = [
         ShardState(
             node=m.node,
@@ -305,7 +308,7 @@ def replica_state(
         nodes=[m.node for m in members],
         members=members,
         shards=shards,
-        serving=rep.phase == "ready" and not notes,
+        serving=verdict.ok,
         state=", ".join([rep.phase, *notes]),
         why=rep.reason if rep.phase in records.REPLICA_GOING else "",
         failure=failure,
@@ -338,7 +341,6 @@ def model_state(
     r: FleetRecords,
     now: float,
     replicas: list[records.Replica],
-    nodes: Mapping[str, NodeState],
 ) -> ModelState:
     cat = r.catalog.get(model)
     desired = r.desired.get(model)
@@ -346,8 +348,8 @@ def model_state(
     scale = r.scales.get(model)
     auto = desired is not None and desired.auto
     want = desired_count(desired, p, scale)
-    states = [replica_state(rep, r, now, nodes) for rep in replicas]
-    serving = [s for s in states if s.serving]
+    states = [replica_state(rep, r, now) for rep in replicas]
+    serves = [s for s in states if s.serving]
     unreadable = [
         u
         for u in r.unreadable.values()
@@ -373,10 +375,10 @@ def model_state(
         in_catalog=cat is not None,
         mode="autoscaled" if auto else "fixed",
         desired=want,
-        ready=len(serving),
-        serving=sorted({n for s in serving for n in s.nodes}),
+        ready=len(serves),
+        serving=sorted({n for s in serves for n in s.nodes}),
         why_not=""
-        if len(serving) >= want
+        if len(serves) >= want
         else _why_not(model, cat is not None, want, states, placement, unreadable),
         replicas=states,
         placement=placement,

@@ -1,99 +1,45 @@
-"""The one decoder of the bucket: every key's value typed, kept by the id its key names,
-and what a reader does with a value that does not read.
-
-A value that does not decode, or is not believed (llmgw/bus/trust.py), is never read as a
-request. Intent and decisions (the families an operator or a controller writes,
-KEEPS_LAST_GOOD) keep their last good value: a typo in `ops.<node>` read as absent would
-put replicas back on a drained node while `llmgw status` still printed "cordoned". A reader
-that never read a good value (started since the bad write) takes the family's safe
-reading instead: a node is cordoned, a model frozen (controller/view.py); a controller's
-own records are absent, and the leader writes back the one it kept (or decides it again); a
-client key (`apikeys.<name>`) is refused, and a team's keys are refused (`teams.<team>`): a
-key never grants more than its last good value did, and a garbled one never read grants
-nothing. Observations (what an agent
-or a router writes: nodes, leases, shards, load) are absent when they do not read; their
-writer rewrites them at its next heartbeat or change.
+"""The one decoder of the bucket: every key's value typed and checked, kept by the id its
+key names. What a reader does with a value that does not read (keeps the last good one,
+cordons the node, freezes the model, refuses the key, reads it as absent) is the one rule of
+llmgw/bus/unreadable.py, which `settle` asks.
 
 Every reader says what it kept: `unreadable` (by key) feeds the log, `llmgw status`, the
-fleet page and the controller's metrics. No reader applies this rule itself.
+fleet page and the controller's metrics. No reader applies the rule itself.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import msgspec
+from typing import Any
 
 from llmgw import catalog
-from llmgw.bus import keys, records, trust
+from llmgw.bus import keys, records, trust, unreadable
+from llmgw.bus.unreadable import (
+    CONTROLLER_WRITES,
+    FREEZES_MODEL,
+    KEEPS_LAST_GOOD,
+    REFUSES,
+    Reading,
+    Unreadable,
+)
 
 log = logging.getLogger(__name__)
 
-# Written by an operator (catalog, desired, ops) or by the leading controller; defined
-# beside the bus's other reading rules, which Bus.watch applies too
-KEEPS_LAST_GOOD = trust.KEEPS_LAST_GOOD
-# the leading controller's own records: one it kept is written again as it kept it
-CONTROLLER_WRITES: frozenset[str] = frozenset(
-    {
-        keys.ROLLOUT,
-        keys.SCALE,
-        keys.PLACEMENT,
-        keys.HEALTH,
-        keys.FABRICS,
-        keys.REPLICAS,
-        keys.ASSIGN,
-    }
-)
-# the model of a catalog entry or count that does not read is frozen (View.frozen), kept or not
-FREEZES_MODEL: frozenset[str] = frozenset({keys.CATALOG, keys.DESIRED})
-# the gateway's records (the operator's), read by routers: with no good value, nothing granted
-REFUSES: frozenset[str] = frozenset({keys.APIKEYS, keys.TEAMS})
-
-# What a reader does with a value that does not read:
-# kept: the last good value; cordoned: the node takes nothing new (ops, nothing kept);
-# frozen: nothing placed or removed for the model (catalog, desired, nothing kept);
-# absent: as if deleted (observations, and the controller's records it will write again);
-# refused: a client key refused (401), a team's keys refused (403) (apikeys, teams, nothing kept).
-Reading = Literal["kept", "cordoned", "frozen", "absent", "refused"]
-
-
-class Unreadable(msgspec.Struct, kw_only=True, frozen=True):
-    """A key whose newest value does not read, and what readers do instead."""
-
-    key: str
-    family: str
-    revision: int
-    why: str
-    reading: Reading
-
-    def says(self) -> str:
-        """ "ops.n1 (revision 7) does not read: ...; its last good value is kept" """
-        return f"{self.key} (revision {self.revision}) does not read: {self.why}; {self.instead()}"
-
-    def instead(self) -> str:
-        """What is read instead, in words."""
-        if self.reading == "absent" and self.family in KEEPS_LAST_GOOD:
-            # a reader started since the bad write (`llmgw status`): the controller that
-            # read the good one still has it
-            return "no good value was read here; a leader that read one keeps it and writes it back"
-        if self.reading == "refused" and self.family == keys.TEAMS:
-            return (
-                "no good value was read here: a router that read one keeps it, one that did "
-                "not refuses the team's keys (403)"
-            )
-        return _SAYS[self.reading]
-
-
-_SAYS: dict[str, str] = {
-    "kept": "its last good value is kept until a good one is written",
-    "cordoned": "no good value was read, so the node is taken as cordoned (nothing new placed)",
-    "frozen": "no good value was read, so the model is frozen (nothing placed or removed)",
-    "absent": "read as absent until its writer writes it again",
-    "refused": "no good value was read here: a router that read one keeps it, one that did "
-    "not refuses the key (401)",
-}
+# what readers import from here beside the records: the rule's words (llmgw/bus/unreadable.py)
+__all__ = [
+    "CONTROLLER_WRITES",
+    "FREEZES_MODEL",
+    "KEEPS_LAST_GOOD",
+    "REFUSES",
+    "FleetRecords",
+    "Reading",
+    "Unreadable",
+    "decode_value",
+    "read_once",
+    "settle",
+    "slot_of",
+]
 
 
 def decode_value(key: keys.Key, data: bytes) -> Any:
@@ -105,30 +51,19 @@ def decode_value(key: keys.Key, data: bytes) -> Any:
 
 
 def settle(
-    parsed: keys.Key, key: str, data: bytes, revision: int, last: Any
+    parsed: keys.Key,
+    key: str,
+    data: bytes | trust.Oversized,
+    revision: int,
+    last: Any,
+    skipped: trust.SkippedValues | None = None,
 ) -> tuple[Any, Unreadable | None]:
     """The value a reader holds for `key` after `data` was written over `last` (None: none
-    held): the new one when it reads, else the family's reading (module doc)."""
-    if isinstance(data, trust.Oversized):  # a raw watch's value over the size limit
-        why = data.why()
-    else:
-        try:
-            return decode_value(parsed, data), None
-        except catalog.UNREADABLE as e:
-            why = str(e).replace("\n", " ")
-    family = parsed.prefix
-    if family in KEEPS_LAST_GOOD and last is not None:
-        return last, Unreadable(key=key, family=family, revision=revision, why=why, reading="kept")
-    if family == keys.OPS:
-        node = parsed.ids[0]
-        cordoned = _cordoned(node, f"{key} does not read: {why}")
-        return cordoned, Unreadable(
-            key=key, family=family, revision=revision, why=why, reading="cordoned"
-        )
-    reading: Reading = (
-        "frozen" if family in FREEZES_MODEL else "refused" if family in REFUSES else "absent"
+    held): the new one when it reads, else the family's reading (llmgw/bus/unreadable.py),
+    said once through `skipped`."""
+    return unreadable.settle(
+        key, parsed, data, revision, last, lambda d: decode_value(parsed, d), skipped
     )
-    return None, Unreadable(key=key, family=family, revision=revision, why=why, reading=reading)
 
 
 def read_once(key: str, raw: tuple[bytes, int] | None) -> tuple[Any, Unreadable | None]:
@@ -141,10 +76,32 @@ def read_once(key: str, raw: tuple[bytes, int] | None) -> tuple[Any, Unreadable 
     return settle(parsed, key, raw[0], raw[1], None)
 
 
-def _cordoned(node: str, reason: str) -> records.NodeOps:
-    # built from the wire format, which NodeOps always reads (its fields may change shape)
-    raw = msgspec.json.encode({"node": node, "cordoned": True, "reason": reason[:300]})
-    return records.decode(raw, records.NodeOps)
+# family -> the FleetRecords table that holds it, and which of its key's ids it is held by
+# (None: all of them); also where a controller stores what it wrote (controller/changes.py)
+SLOTS: dict[str, tuple[str, int | None]] = {
+    keys.CATALOG: ("catalog", 0),
+    keys.DESIRED: ("desired", 0),
+    keys.NODES: ("nodes", 0),
+    keys.LEASES: ("leases", 0),
+    keys.HEALTH: ("health", 0),
+    keys.FABRICS: ("fabrics", 0),
+    keys.REPLICAS: ("replicas", -1),
+    keys.ASSIGN: ("assigns", None),
+    keys.SHARDS: ("shards", None),
+    keys.PLACEMENT: ("placements", 0),
+    keys.OPS: ("ops", 0),
+    keys.ROLLOUT: ("rollouts", 0),
+    keys.SCALE: ("scales", 0),
+    keys.LOAD: ("loads", 0),
+    keys.APIKEYS: ("apikeys", 0),
+    keys.TEAMS: ("teams", 0),
+}
+
+
+def slot_of(parsed: keys.Key) -> tuple[str, Any]:
+    """(the attribute of the table that holds `parsed`'s family, the id it is held by)."""
+    attr, by = SLOTS[parsed.prefix]
+    return attr, parsed.ids if by is None else parsed.ids[by]
 
 
 @dataclass
@@ -179,25 +136,10 @@ class FleetRecords:
     gateway: bool = False
 
     def __post_init__(self) -> None:
-        # family -> its table, and which id keys it (None: all of them). The tables are
-        # changed in place, never replaced.
+        # family -> its table, and which id keys it (SLOTS). The tables are changed in
+        # place, never replaced.
         self._tables: dict[str, tuple[dict, int | None]] = {
-            keys.CATALOG: (self.catalog, 0),
-            keys.DESIRED: (self.desired, 0),
-            keys.NODES: (self.nodes, 0),
-            keys.LEASES: (self.leases, 0),
-            keys.HEALTH: (self.health, 0),
-            keys.FABRICS: (self.fabrics, 0),
-            keys.REPLICAS: (self.replicas, -1),
-            keys.ASSIGN: (self.assigns, None),
-            keys.SHARDS: (self.shards, None),
-            keys.PLACEMENT: (self.placements, 0),
-            keys.OPS: (self.ops, 0),
-            keys.ROLLOUT: (self.rollouts, 0),
-            keys.SCALE: (self.scales, 0),
-            keys.LOAD: (self.loads, 0),
-            keys.APIKEYS: (self.apikeys, 0),
-            keys.TEAMS: (self.teams, 0),
+            family: (getattr(self, attr), by) for family, (attr, by) in SLOTS.items()
         }
 
     def apply(self, key: str, data: bytes | None, revision: int) -> str | None:
@@ -220,10 +162,9 @@ class FleetRecords:
         if data is None:
             table.pop(k, None)
             return prefix
-        value, problem = settle(parsed, key, data, revision, table.get(k))
+        value, problem = settle(parsed, key, data, revision, table.get(k), self.skipped)
         if problem is not None:
             self.unreadable[key] = problem
-            self.skipped.skipped(log, key, revision, f"{problem.why}; {problem.instead()}")
         if value is None:
             table.pop(k, None)
         else:
@@ -231,10 +172,13 @@ class FleetRecords:
         return prefix
 
     def _apply_leader(self, parsed: keys.Key, key: str, data: bytes | None, revision: int) -> str:
-        value, problem = (None, None) if data is None else settle(parsed, key, data, revision, None)
+        value, problem = (
+            (None, None)
+            if data is None
+            else settle(parsed, key, data, revision, None, self.skipped)
+        )
         if problem is not None:
             self.unreadable[key] = problem
-            self.skipped.skipped(log, key, revision, problem.why)
         # a value that does not decode still has a revision: the one to take it over at
         self.leader, self.leader_rev = value, (revision if data is not None else 0)
         return keys.LEADER

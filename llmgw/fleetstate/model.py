@@ -156,10 +156,10 @@ class ReplicaState(msgspec.Struct, kw_only=True):
     nodes: list[str]
     members: list[Member]
     shards: list[ShardState]
-    # ready, and every member's node is ready (or not judged): what a client can reach
+    # what a router sends requests to: the one rule, llmgw/fleetstate/serving.py
     serving: bool
-    # the replica's phase beside its nodes' when they are not ready: "ready, node n1
-    # unreachable for 20 s" (the router answers 502 while the controller waits to move it)
+    # the replica's phase, and why it does not serve when it does not: "ready, node n1
+    # unreachable for 20 s", "ready, engine on n1 starting" (its agent restarts it)
     state: str
     why: str = ""  # going away: why
     failure: str = ""  # failed: the failed shard's node, reason and restarts

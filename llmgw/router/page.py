@@ -77,6 +77,11 @@ class FleetPage:
     def serves(self, path: bytes) -> bool:
         return path in self._files or path == STATE_PATH
 
+    @staticmethod
+    def holds_data(path: bytes) -> bool:
+        """Whether the answer at `path` tells of the fleet (the page's own files do not)."""
+        return path == STATE_PATH
+
     async def handle(self, req: Request, resp: Response) -> None:
         if req.path == STATE_PATH:
             body, kind = await self.state(), b"application/json"

@@ -103,9 +103,12 @@ class ProxySettings:
     # /metrics: "public" (no key, for Prometheus), "keyed" (a client key, when keys are
     # configured), "off" (404)
     metrics: str = "public"
-    # the fleet page at / (llmgw/router/page.py): what runs where, for whoever reaches the
-    # router; off: 404
+    # the fleet page at / (llmgw/router/page.py): what runs where; off: 404
     page: bool = True
+    # who may read the page's document (/fleet/state: every node's address, every engine's
+    # endpoint): "keyed" (a client key, once any key exists: a fleet locked with keys is
+    # not shown to whoever reaches it) or "public"; the page's files hold no fleet data
+    page_access: str = "keyed"
 
 
 class Proxy:
@@ -171,7 +174,12 @@ class Proxy:
             and req.method in (b"GET", b"HEAD")
             and self._page.serves(req.path)
         ):
-            await self._page.handle(req, resp)
+            keyed = self.settings.page_access == "keyed" and self._page.holds_data(req.path)
+            who = self.gate.authenticate(req) if keyed else None
+            if isinstance(who, Refusal):
+                await self._refuse(resp, who)
+            else:
+                await self._page.handle(req, resp)
         else:
             await self._refuse(
                 resp,
@@ -245,7 +253,7 @@ class Proxy:
         parsed = self._parse(req, spec)
         if isinstance(parsed, Refusal):
             return parsed
-        route = self._route(parsed)
+        route = self._route(parsed, who)
         if isinstance(route, Refusal):
             return route
         ticket = self.gate.admit(who, parsed, route.model, req)
@@ -274,7 +282,7 @@ class Proxy:
         except BadRequest as e:
             return Refusal(400, str(e), kind="bad_request")
 
-    def _route(self, parsed: Parsed) -> Route | Refusal:
+    def _route(self, parsed: Parsed, who: object) -> Route | Refusal:
         route = self.table.route(parsed.model)
         if route is not None:
             return route
@@ -286,7 +294,11 @@ class Proxy:
                 kind="no_replica",
                 headers=retry_after(2),
             )
-        names = ", ".join(self.table.known_names()) or "none yet"
+        # a key is shown the models it may use, as GET /v1/models shows it
+        known = self.table.known_names()
+        names = ", ".join(self.gate.models(who, known)) or (
+            "none you may use" if known else "none yet"
+        )
         return Refusal(
             404,
             f"model {parsed.model!r} does not exist; models: {names}",

@@ -180,7 +180,7 @@ class Router:
             limits = s.gateway.limits
             self.streams = StreamsSeen(limits.offline, limits.serve_offline_for)
             self.gateway = Gateway(self.router_id, _BusCounter(self), _BusAudit(self), s.gateway)
-            self.gate = GatewayGate(self.gateway)
+            self.gate = GatewayGate(self.gateway, self.table.context)
             self.metrics.tokens_from(lambda: self.gateway.tokens if self.gateway else {})
             self.metrics.gateway_from(self.streams.state, self._unreadable_keys)
         pool = UpstreamPool(s.upstream)

@@ -5,17 +5,11 @@ Fed the bucket's records (`catalog.*`, `replicas.*.*`, `shards.*.*`, `health.*`,
 it answers `route(served_name)`: the model, its engines that may take a new request, and
 why there are none when there are none.
 
-An engine takes new requests only when every one of these holds (each rule a way an
-engine could otherwise be sent work it will not do):
-- its replica is current (`replicas.<model>.<rid>` exists) and not draining, failed or
-  stopped: a draining replica's in-flight requests finish, new ones go elsewhere;
-- every member's shard record is `ready`, and the shard is on the node the replica names:
-  a shard left behind by a replica that moved can still say `ready` while its agent is
-  gone, and it takes nothing;
-- no member is on a node the controller has declared lost;
-- the replica's API endpoint (rank 0's) is known.
-The controller's own `phase` of the replica is not waited for: engines keep serving while
-the control plane is away, and so does the router.
+An engine takes new requests when its replica serves: the one rule, which `llmgw status`,
+the fleet page and the autoscaler ask too, is `llmgw.fleetstate.serving` (its phase not
+going away, no member on a node declared unreachable or lost, every member's shard ready
+under its own key, rank 0's endpoint known). The controller's own `ready` is not waited
+for: engines keep serving while the control plane is away, and so does the router.
 
 Owners come from keys, never from values: `shards.node05.r1` is node05's shard of r1
 whatever its body says. Values are decoded by the one decoder layer
@@ -36,6 +30,7 @@ from urllib.parse import urlsplit
 from llmgw import catalog
 from llmgw.bus import keys, records
 from llmgw.fleetstate.decode import FleetRecords
+from llmgw.fleetstate.serving import serving
 from llmgw.router.upstream import authority
 
 log = logging.getLogger(__name__)
@@ -166,6 +161,16 @@ class EndpointTable:
             self.rebuild()
         return self._routes.get(served_name)
 
+    def context(self, model_id: str) -> int | None:
+        """The most one request to `model_id` may hold, prompt and answers (the largest
+        `context` of its profiles); None when a profile leaves it to the engine or the model
+        runs from fixed endpoints."""
+        model = self.models.get(model_id)
+        if model is None or not model.profiles:
+            return None
+        contexts = [p.context for p in model.profiles]
+        return None if None in contexts else max(c for c in contexts if c is not None)
+
     def served_names(self) -> list[str]:
         """Names with an engine to send to (what /v1/models lists)."""
         if self._dirty:
@@ -283,24 +288,11 @@ class EndpointTable:
     def _placed(
         self, replica: records.Replica, seen: dict[str, Backend]
     ) -> tuple[Backend | None, str]:
-        """The replica's API engine if it may take new requests, else why not."""
-        if replica.phase not in records.REPLICA_MAY_SERVE:
-            return None, replica.phase
-        endpoint = None
-        for m in replica.members:
-            shard = self.shards.get((m.node, replica.rid))
-            if self.health.get(m.node) == "lost":
-                return None, f"on {m.node}, which is lost"
-            if shard is None:
-                return None, f"waiting for {m.node}"
-            if shard.phase != "ready":
-                return None, f"{shard.phase} on {m.node}"
-            if m.rank == 0:
-                endpoint = shard.endpoint
-        parsed = _host_port(endpoint) if endpoint else None
-        if parsed is None:
-            return None, "ready, but its endpoint is not known"
-        backend = Backend(replica.rid, replica.model, *parsed, auth=self._fleet_auth)
+        """The replica's API engine if it serves (llmgw/fleetstate/serving.py), else why not."""
+        verdict = serving(replica, self.shards, self.health)
+        if verdict.address is None:
+            return None, verdict.why.says() if verdict.why else ""
+        backend = Backend(replica.rid, replica.model, *verdict.address, auth=self._fleet_auth)
         return self._backend(seen, backend), ""
 
     def _why_none(self, model_id: str, notes: list[str]) -> str:
@@ -335,14 +327,3 @@ def _put(table: dict, k, value) -> None:
         table.pop(k, None)
     else:
         table[k] = value
-
-
-def _host_port(endpoint: str) -> tuple[str, int] | None:
-    """'10.0.0.5:18000' or '[fe80::1]:18000' -> (host, port); None if it is not one."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        return None
-    port_n = int(port)
-    if not 0 < port_n < 65536:
-        return None
-    return host.strip("[]"), port_n

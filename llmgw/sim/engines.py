@@ -66,15 +66,30 @@ class SimulatedEngines:
             self.running.discard(engine)
 
 
-class SimulatedEngine:
-    """One engine (an `EngineRun`): no OS process, so no pid and nothing to adopt."""
+def _port(argv: Sequence[str]) -> int:
+    """The --port of an engine's command line (both engines take it), 0 without one: read
+    before the engine parses it, for the pid the supervisor takes at start."""
+    for i, arg in enumerate(argv):
+        value = arg.partition("=")[2] if arg.startswith("--port=") else None
+        if arg == "--port" and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
 
-    pid: int | None = None
+
+class SimulatedEngine:
+    """One engine (an `EngineRun`): no OS process, so nothing to adopt; its pid is the one
+    its GPU memory is listed under, so that its shard's record says what it holds against
+    its allotment, as a real engine's does (without one, none ever did)."""
+
+    adoptable = False
 
     def __init__(
         self, argv: list[str], behaviour: Sim, output: int, env: Mapping[str, str] | None = None
     ) -> None:
         self.argv = argv
+        self.pid: int = SIM_PID_BASE + _port(argv)
         self.env = dict(env or {})
         self.behaviour = behaviour
         self.kind = "vllm" if Path(argv[0]).name == "vllm" else "llama-server"
@@ -92,11 +107,6 @@ class SimulatedEngine:
     @property
     def host(self) -> str:
         return fake_engine.listen_host(self.kind, self.ns) if self.ns is not None else ""  # type: ignore[arg-type]
-
-    @property
-    def gpu_pid(self) -> int:
-        """The pid its GPU memory is listed under (a simulated engine has no process)."""
-        return SIM_PID_BASE + (self.ns.port if self.ns is not None else 0)  # type: ignore[attr-defined]
 
     def gpu_held(self, totals: Mapping[str, int]) -> dict[str, int]:
         """What it holds on each GPU it was given (CUDA_VISIBLE_DEVICES), by UUID: vLLM its

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
-from llmgw.sim import vllm_answers
+from llmgw.sim import engine_params, vllm_answers
 
 LLAMA_VERSION = "version: 9439 (47f6423ed)\nbuilt with cc (GCC) 13.2.0 for x86_64-linux-gnu"
 VLLM_VERSION = "0.11.2"
@@ -152,6 +152,8 @@ def parse_vllm(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--optimization-level", type=int, default=2)
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"))
     p.add_argument("--enforce-eager", action="store_true")
+    # examples/catalog.toml's extra_args: the simulated fleet runs the README's catalog too
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     ns = p.parse_args(args)
     ns.model = ns.model_tag or ns.model or "Qwen/Qwen3-0.6B"
     return ns
@@ -209,6 +211,15 @@ class Engine:
     # vLLM's prefix-cache counters: prompt tokens looked up, and found cached
     prefix_queries: int = 0
     prefix_hits: int = 0
+    # the engine's own count of what it read and generated, every route (its /metrics:
+    # llama-server's prompt_tokens_total and tokens_predicted_total, vLLM's
+    # prompt_tokens_total and generation_tokens_total)
+    prompt_total: int = 0
+    generated_total: int = 0
+
+    def counted(self, prompt: int, generated: int) -> None:
+        self.prompt_total += prompt
+        self.generated_total += generated
 
     def take_slot(self, prompt: list[str]) -> tuple[int, int]:
         """llama-server's choice (server-context.cpp get_available_slot): the idle slot whose
@@ -277,6 +288,16 @@ def prompt_text(body: dict, chat: bool) -> str:
     return prompt if isinstance(prompt, str) else "".join(str(p) for p in prompt)
 
 
+def prompt_texts(body: dict, chat: bool) -> list[str]:
+    """Each prompt a request's answers are generated from: a completions' list of strings
+    (or of token lists) is several, answered alone; anything else is one."""
+    prompt = body.get("prompt")
+    if not chat and isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str | list) for p in prompt):
+            return [p if isinstance(p, str) else " ".join(map(str, p)) for p in prompt]
+    return [prompt_text(body, chat)]
+
+
 def tokenize(text: str) -> list[str]:
     """About four characters a token, as for English text with a real tokenizer."""
     return [text[i : i + 4] for i in range(0, len(text), 4)]
@@ -295,23 +316,38 @@ def _sse(event: dict) -> bytes:
 
 
 def _vllm_stream(
-    rid: str, created: int, model: str, n: int, finish: str, *, chat: bool
-) -> list[dict]:
-    """vLLM's events of a streamed answer of `n` tokens, before its usage: a chat's first
-    carries the role; the last token's carries the finish reason."""
-    events = []
+    rid: str, created: int, model: str, n: int, finish: str, copies: int, *, chat: bool
+) -> list[list[dict]]:
+    """vLLM's events of a streamed answer of `n` tokens a choice, before its usage, a list
+    a step: a chat's first step carries each choice's role; each later step a token of each
+    choice, the last with its finish reason."""
+    steps: list[list[dict]] = []
     if chat:
-        first = vllm_answers.chat_delta(None, None, role=True)
-        events.append(vllm_answers.chunk(rid, created, model, first, chat=True))
-    for i in range(max(n, 1)):
+        steps.append(
+            [
+                vllm_answers.chunk(
+                    rid,
+                    created,
+                    model,
+                    vllm_answers.chat_delta(None, None, c, role=True),
+                    chat=True,
+                )
+                for c in range(copies)
+            ]
+        )
+    last = max(n, 1) - 1
+    for i in range(last + 1):
         text = f"tok{i} " if i < n else ""
-        done = finish if i == max(n, 1) - 1 else None
-        if chat:
-            choice = vllm_answers.chat_delta(text, done)
-        else:
-            choice = vllm_answers.text_delta(text, done)
-        events.append(vllm_answers.chunk(rid, created, model, choice, chat=chat))
-    return events
+        done = finish if i == last else None
+        step = []
+        for c in range(copies):
+            if chat:
+                choice = vllm_answers.chat_delta(text, done, c)
+            else:
+                choice = vllm_answers.text_delta(text, done, c)
+            step.append(vllm_answers.chunk(rid, created, model, choice, chat=chat))
+        steps.append(step)
+    return steps
 
 
 def build_app(engine: Engine):
@@ -375,6 +411,12 @@ def build_app(engine: Engine):
                 "# HELP llamacpp:kv_cache_usage_ratio KV-cache usage. 1 means 100 percent usage.\n"
                 "# TYPE llamacpp:kv_cache_usage_ratio gauge\n"
                 f"llamacpp:kv_cache_usage_ratio {kv}\n"
+                "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
+                "# TYPE llamacpp:prompt_tokens_total counter\n"
+                f"llamacpp:prompt_tokens_total {engine.prompt_total}\n"
+                "# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.\n"
+                "# TYPE llamacpp:tokens_predicted_total counter\n"
+                f"llamacpp:tokens_predicted_total {engine.generated_total}\n"
             )
         else:
             label = f'{{engine="0",model_name="{engine.served_name}"}}'
@@ -388,6 +430,12 @@ def build_app(engine: Engine):
                 "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
                 "# TYPE vllm:kv_cache_usage_perc gauge\n"
                 f"vllm:kv_cache_usage_perc{label} {engine.kv_usage or 0.0}\n"
+                "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n"
+                "# TYPE vllm:prompt_tokens_total counter\n"
+                f"vllm:prompt_tokens_total{label} {float(engine.prompt_total)}\n"
+                "# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
+                "# TYPE vllm:generation_tokens_total counter\n"
+                f"vllm:generation_tokens_total{label} {float(engine.generated_total)}\n"
                 "# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number "
                 "of queried tokens.\n"
                 "# TYPE vllm:prefix_cache_queries counter\n"
@@ -411,7 +459,10 @@ def build_app(engine: Engine):
             ]
         )
 
-    def refused(refusal: vllm_answers.Refusal) -> web.Response:
+    def refused(e: engine_params.Refused) -> web.Response:
+        return web.json_response(_vllm_error(400, str(e), "BadRequestError"), status=400)
+
+    def vllm_refused(refusal: vllm_answers.Refusal) -> web.Response:
         return web.json_response(refusal.body, status=refusal.status)
 
     async def completions(request):
@@ -421,11 +472,10 @@ def build_app(engine: Engine):
             body = json.loads(await request.read())
         except ValueError as e:
             if vllm:
-                return refused(vllm_answers.not_json(getattr(e, "pos", 0)))
+                return vllm_refused(vllm_answers.not_json(getattr(e, "pos", 0)))
             body = None
-        words = prompt_text(body, chat) if isinstance(body, dict) else ""
-        prompt = tokenize(words)
         if vllm:
+            words = prompt_text(body, chat) if isinstance(body, dict) else ""
             refusal = vllm_answers.refusal(
                 body,
                 chat=chat,
@@ -434,24 +484,34 @@ def build_app(engine: Engine):
                 prompt_chars=len(words),
             )
             if refusal is not None:
-                return refused(refusal)
+                return vllm_refused(refusal)
         elif not isinstance(body, dict):
             return web.json_response(
                 _llama_error(400, "invalid JSON body", "invalid_request_error"), status=400
             )
         model = body.get("model") or engine.served_name
-        n = min(engine.tokens, int(body.get("max_tokens") or engine.tokens))
+        try:  # what to generate, read as the engine reads it (odd forms included)
+            cap = engine_params.cap(engine.kind, "chat" if chat else "completions", body)
+            copies = engine_params.choices(engine.kind, body)
+            stream = engine_params.streams(engine.kind, body)
+        except engine_params.Refused as e:
+            return refused(e)
+        n = min(engine.tokens, cap or engine.tokens)
         finish = "length" if n < engine.tokens else "stop"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         text = "".join(f"tok{i} " for i in range(n))
+        prompts = prompt_texts(body, chat)
+        copies *= len(prompts)  # each prompt of a list is answered alone
+        prompt = tokenize(prompt_text(body, chat))
         slot, cached = engine.take_slot(prompt)
         engine.prefix_queries += len(prompt)
         engine.prefix_hits += cached
+        prompt_tokens = sum(len(tokenize(p)) for p in prompts)
         usage = {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": n,
-            "total_tokens": len(prompt) + n,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n * copies,
+            "total_tokens": prompt_tokens + n * copies,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
         prefill = (len(prompt) - cached) / engine.prefill_rate if engine.prefill_rate else 0.0
@@ -465,24 +525,29 @@ def build_app(engine: Engine):
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         engine.in_flight += 1
+        engine.counted(prompt_tokens, 0)
         try:
             await asyncio.sleep(engine.first_token_seconds + prefill)
-            if body.get("stream"):
+            if stream:
                 resp = web.StreamResponse(
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
                 )
                 await resp.prepare(request)
-                pace = Pace(engine.token_rate)
                 if vllm:
-                    events = _vllm_stream(rid, created, model, n, finish, chat=chat)
+                    steps = _vllm_stream(rid, created, model, n, finish, copies, chat=chat)
                     if not include_usage:
-                        events[-1] = vllm_answers.last_chunk(events[-1])
-                    for i, event in enumerate(events):
-                        if i > 0 or not chat:
+                        steps[-1][-1] = vllm_answers.last_chunk(steps[-1][-1])
+                    pace = Pace(engine.token_rate)
+                    for step, events in enumerate(steps):
+                        tokens = step > 0 or not chat  # a chat's first events carry the role
+                        if tokens:
                             await pace.next()
-                        await resp.write(_sse(event))
+                        for event in events:
+                            await resp.write(_sse(event))
+                            if tokens and n:
+                                engine.counted(0, 1)  # as each is written: a client may leave
                     if include_usage:
-                        used = vllm_answers.stream_usage(len(prompt), n)
+                        used = vllm_answers.stream_usage(prompt_tokens, n * copies)
                         event = vllm_answers.usage_chunk(rid, created, model, used, chat=chat)
                         await resp.write(_sse(event))
                     await resp.write(b"data: [DONE]\n\n")
@@ -490,41 +555,52 @@ def build_app(engine: Engine):
                     return resp
 
                 def chunk(
-                    delta_text: str | None, finish_reason: str | None, role: bool = False
-                ) -> dict:
+                    delta_text: str | None,
+                    finish_reason: str | None,
+                    role: bool = False,
+                    index: int = 0,
+                ) -> bytes:
                     if chat:
                         delta = {"role": "assistant", "content": ""} if role else {}
                         if delta_text is not None:
                             delta["content"] = delta_text
-                        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+                        choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
                         obj = "chat.completion.chunk"
                     else:
                         choice = {
-                            "index": 0,
+                            "index": index,
                             "text": delta_text or "",
                             "finish_reason": finish_reason,
                         }
                         obj = "text_completion"
-                    return {
+                    data = {
                         "id": rid,
                         "object": obj,
                         "created": created,
                         "model": model,
                         "choices": [choice],
                     }
+                    return f"data: {json.dumps(data)}\n\n".encode()
 
                 if chat:
-                    await resp.write(_sse(chunk(None, None, role=True)))
+                    for c in range(copies):
+                        await resp.write(chunk(None, None, role=True, index=c))
+                pace = Pace(engine.token_rate)
                 for i in range(n):
                     await pace.next()
-                    await resp.write(_sse(chunk(f"tok{i} ", None)))
-                last = chunk(None if chat else "", finish)
-                last["timings"] = timings  # llama-server puts them on its last chunk
-                await resp.write(_sse(last))
-                if include_usage:
+                    for c in range(copies):
+                        await resp.write(chunk(f"tok{i} ", None, index=c))
+                        engine.counted(0, 1)  # as each is written: a client may leave
+                for c in range(copies):
+                    last = json.loads(chunk(None if chat else "", finish, index=c)[6:])
+                    if c == copies - 1:
+                        last["timings"] = timings  # llama-server puts them on its last chunk
+                    await resp.write(f"data: {json.dumps(last)}\n\n".encode())
+                options = body.get("stream_options")
+                if isinstance(options, dict) and options.get("include_usage"):
                     only_usage = {**last, "choices": [], "usage": usage}
                     only_usage.pop("timings")
-                    await resp.write(_sse(only_usage))
+                    await resp.write(f"data: {json.dumps(only_usage)}\n\n".encode())
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 if engine.close_after_stream is not None and request.transport is not None:
@@ -538,27 +614,34 @@ def build_app(engine: Engine):
                 return resp
             await asyncio.sleep(n / engine.token_rate)
             if vllm:
-                used = vllm_answers.usage(len(prompt), n)
+                engine.counted(0, n * copies)
+                used = vllm_answers.usage(prompt_tokens, n * copies)
                 return web.json_response(
-                    vllm_answers.whole(rid, created, model, text, finish, used, chat=chat)
+                    vllm_answers.whole(rid, created, model, text, finish, used, copies, chat=chat)
                 )
             if chat:
-                choice = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish,
-                }
+                answers = [
+                    {
+                        "index": c,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": finish,
+                    }
+                    for c in range(copies)
+                ]
                 obj = "chat.completion"
             else:
-                choice = {"index": 0, "text": text, "finish_reason": finish}
+                answers = [
+                    {"index": c, "text": text, "finish_reason": finish} for c in range(copies)
+                ]
                 obj = "text_completion"
+            engine.counted(0, n * copies)
             return web.json_response(
                 {
                     "id": rid,
                     "object": obj,
                     "created": created,
                     "model": model,
-                    "choices": [choice],
+                    "choices": answers,
                     "usage": usage,
                     "timings": timings,
                 }
@@ -590,6 +673,7 @@ def build_app(engine: Engine):
             for i, x in enumerate(inputs)
         ]
         n = sum(len(tokenize(str(x))) for x in inputs)
+        engine.counted(n, 0)
         return web.json_response(
             {
                 "object": "list",
@@ -652,6 +736,7 @@ def build_app(engine: Engine):
         if isinstance(top_n, int):
             results = results[:top_n]
         n = len(tokenize(query)) + sum(len(tokenize(str(d))) for d in documents)
+        engine.counted(n, 0)
         if engine.kind == "vllm":
             for r in results:
                 r["document"] = {"text": str(documents[r["index"]])}
@@ -659,7 +744,7 @@ def build_app(engine: Engine):
                 {
                     "id": f"rerank-{uuid.uuid4().hex[:24]}",
                     "model": body.get("model"),
-                    "usage": {"total_tokens": n},
+                    "usage": {"prompt_tokens": n, "total_tokens": n},
                     "results": results,
                 }
             )
@@ -681,6 +766,8 @@ def build_app(engine: Engine):
         first = str(body.get("text_1", ""))
         second = body.get("text_2", "")
         second = second if isinstance(second, list) else [second]
+        n = len(second) * len(tokenize(first)) + sum(len(tokenize(str(t))) for t in second)
+        engine.counted(n, 0)
         return web.json_response(
             {
                 "id": f"score-{uuid.uuid4().hex[:24]}",
@@ -691,7 +778,7 @@ def build_app(engine: Engine):
                     {"index": i, "object": "score", "score": s}
                     for i, s in enumerate(scores(first, second))
                 ],
-                "usage": {"prompt_tokens": len(tokenize(first)), "total_tokens": 0},
+                "usage": {"prompt_tokens": n, "total_tokens": n},
             }
         )
 
@@ -719,6 +806,7 @@ def build_app(engine: Engine):
             else:
                 data.append({"index": i, "object": "pooling", "data": [float(len(str(x)))]})
         n = sum(len(tokenize(str(x))) for x in inputs)
+        engine.counted(n, 0)
         return web.json_response(
             {
                 "id": f"{'classify' if classify else 'pool'}-{uuid.uuid4().hex[:24]}",
@@ -756,33 +844,66 @@ def build_app(engine: Engine):
         return web.json_response({key: text})
 
     async def infill(request):
-        """llama-server's fill-in-the-middle: its own (non-OpenAI) completion shape."""
+        """llama-server's fill-in-the-middle: its own (non-OpenAI) completion shape, its
+        counts beside the answer (`tokens_evaluated`, `tokens_predicted`, in every event of
+        a stream), no `usage`."""
         body = await json_body(request)
         if isinstance(body, web.Response):
             return body
-        n = min(engine.tokens, int(body.get("n_predict") or engine.tokens))
+        cap = engine_params.cap(engine.kind, "infill", body)
+        n = min(engine.tokens, cap or engine.tokens)
+        prompt = len(
+            tokenize(
+                "".join(str(body.get(k) or "") for k in ("input_prefix", "input_suffix", "prompt"))
+            )
+        )
         engine.in_flight += 1
+        engine.counted(prompt, 0)
         try:
             await asyncio.sleep(engine.first_token_seconds)
-            if body.get("stream"):
+            if engine_params.streams(engine.kind, body):
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
                 pace = Pace(engine.token_rate)
                 for i in range(n):
                     await pace.next()
-                    data = {"content": f"tok{i} ", "stop": False, "index": 0}
+                    data = {
+                        "index": 0,
+                        "content": f"tok{i} ",
+                        "tokens": [],
+                        "stop": False,
+                        "id_slot": -1,
+                        "tokens_predicted": i + 1,
+                        "tokens_evaluated": prompt,
+                    }
                     await resp.write(f"data: {json.dumps(data)}\n\n".encode())
-                last = {"content": "", "stop": True, "index": 0, "model": engine.served_name}
+                    engine.counted(0, 1)
+                last = {
+                    "index": 0,
+                    "content": "",
+                    "tokens": [],
+                    "stop": True,
+                    "model": engine.served_name,
+                    "tokens_predicted": n,
+                    "tokens_evaluated": prompt,
+                    "timings": {"prompt_n": prompt, "predicted_n": n},
+                }
                 await resp.write(f"data: {json.dumps(last)}\n\n".encode())
                 await resp.write_eof()
                 return resp
             await asyncio.sleep(n / engine.token_rate)
+            engine.counted(0, n)
             return web.json_response(
                 {
+                    "index": 0,
                     "content": "".join(f"tok{i} " for i in range(n)),
+                    "tokens": [],
+                    "id_slot": 0,
                     "stop": True,
                     "model": engine.served_name,
                     "tokens_predicted": n,
+                    "tokens_evaluated": prompt,
+                    "timings": {"prompt_n": prompt, "predicted_n": n},
                 }
             )
         finally:
@@ -796,7 +917,12 @@ def build_app(engine: Engine):
         model = body.get("model")
         if (refused := wrong_model(model)) is not None:
             return refused
-        n = min(engine.tokens, int(body.get("max_output_tokens") or engine.tokens))
+        try:
+            cap = engine_params.cap(engine.kind, "responses", body)
+            stream = engine_params.streams(engine.kind, body)
+        except engine_params.Refused as e:
+            return refused(e)
+        n = min(engine.tokens, cap or engine.tokens)
         source = body.get("input", "")
         prompt = tokenize(source if isinstance(source, str) else json.dumps(source))
         rid, mid = f"resp_{uuid.uuid4().hex[:24]}", f"msg_{uuid.uuid4().hex[:24]}"
@@ -836,10 +962,12 @@ def build_app(engine: Engine):
             }
 
         engine.in_flight += 1
+        engine.counted(len(prompt), 0)
         try:
             await asyncio.sleep(engine.first_token_seconds)
-            if not body.get("stream"):
+            if not stream:
                 await asyncio.sleep(n / engine.token_rate)
+                engine.counted(0, n)
                 return web.json_response(response("completed", text))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -863,6 +991,7 @@ def build_app(engine: Engine):
                     delta=f"tok{i} ",
                     logprobs=[],
                 )
+                engine.counted(0, 1)
             await event("response.completed", response=response("completed", text))
             await resp.write_eof()
             return resp

@@ -83,12 +83,12 @@ class SimulatedHardware:
         for engine in self._engines():
             for uuid, held in engine.gpu_held(totals).items():
                 index, slot, _ = devices[uuid]
-                holder = (engine.gpu_pid, held)
+                holder = (engine.pid, held)
                 if slot is None:
                     nvml.processes.setdefault(index, []).append(holder)
                 else:
                     nvml.mig_processes.setdefault((index, slot), []).append(holder)
-                names[engine.gpu_pid] = engine.kind
+                names[engine.pid] = engine.kind
         return _EnginesAreOwn(lookup, names) if names else lookup
 
     def memory(self, cfg: AgentConfig) -> records.Memory:

@@ -184,11 +184,11 @@ def usage(prompt: int, completion: int) -> dict:
     }
 
 
-def chat_delta(text: str | None, finish: str | None, *, role: bool = False) -> dict:
+def chat_delta(text: str | None, finish: str | None, index: int = 0, *, role: bool = False) -> dict:
     """A chat stream's choice: the first carries the role and empty content, the last its
     finish reason (and its token) with a stop_reason."""
     choice: dict = {
-        "index": 0,
+        "index": index,
         "delta": {"role": "assistant", "content": ""} if role else {"content": text or ""},
         "logprobs": None,
         "finish_reason": finish,
@@ -200,9 +200,9 @@ def chat_delta(text: str | None, finish: str | None, *, role: bool = False) -> d
     return choice
 
 
-def text_delta(text: str, finish: str | None) -> dict:
+def text_delta(text: str, finish: str | None, index: int = 0) -> dict:
     return {
-        "index": 0,
+        "index": index,
         "text": text,
         "logprobs": None,
         "finish_reason": finish,
@@ -244,9 +244,36 @@ def usage_chunk(rid: str, created: int, model: str, used: dict, *, chat: bool) -
 
 
 def whole(
-    rid: str, created: int, model: str, text: str, finish: str, used: dict, *, chat: bool
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish: str,
+    used: dict,
+    copies: int = 1,
+    *,
+    chat: bool,
 ) -> dict:
-    """A whole (not streamed) answer."""
+    """A whole (not streamed) answer, of `copies` choices alike (the request's `n`)."""
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [_whole_choice(text, finish, c, chat=chat) for c in range(copies)],
+        "service_tier": None,
+        "system_fingerprint": fingerprint(),
+        "usage": used,
+        **(
+            {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None} if chat else {}
+        ),
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+def _whole_choice(text: str, finish: str, index: int, *, chat: bool) -> dict:
     if chat:
         message = {
             "role": "assistant",
@@ -257,23 +284,7 @@ def whole(
             "function_call": None,
             "reasoning": None,
         }
-        choice: dict = {"index": 0, "message": message, "logprobs": None}
+        choice: dict = {"index": index, "message": message, "logprobs": None}
         choice.update(finish_reason=finish, stop_reason=None, token_ids=None, routed_experts=None)
-        extra = {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
-    else:
-        choice = {**text_delta(text, finish), "prompt_logprobs": None, "routed_experts": None}
-        extra = {}
-    return {
-        "id": rid,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "service_tier": None,
-        "system_fingerprint": fingerprint(),
-        "usage": used,
-        **extra,
-        "kv_transfer_params": None,
-        "ec_transfer_params": None,
-        "metrics": None,
-    }
+        return choice
+    return {**text_delta(text, finish, index), "prompt_logprobs": None, "routed_experts": None}

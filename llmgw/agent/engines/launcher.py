@@ -19,10 +19,13 @@ import anyio
 
 
 class EngineRun(Protocol):
-    """One started engine. `pid`: its process group's id, None for an engine that is no OS
-    process (no pidfile is written for it, so nothing is left to adopt)."""
+    """One started engine. `pid`: its process group's id, what NVML's processes of the engine
+    are counted under (`GpuProcess.engine`); `adoptable`: an OS process group that may
+    outlive this agent, so a pidfile is written for a later one to adopt (a simulated
+    engine's pid is only what its GPU memory is listed under: no pidfile)."""
 
     pid: int | None
+    adoptable: bool
 
     async def exited(self) -> int | None:
         """Returns once the engine's first process exited: its exit status, None unknown."""
@@ -44,6 +47,8 @@ class EngineLauncher(Protocol):
 class ProcessGroup:
     """An engine as an OS process group: its leader started here (`popen`) or adopted from
     an earlier agent (the pid only: its exit status is then unknown)."""
+
+    adoptable = True
 
     def __init__(
         self, pid: int, popen: subprocess.Popen[bytes] | None = None, *, pidfd: int | None = None

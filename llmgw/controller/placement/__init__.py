@@ -50,6 +50,7 @@ from llmgw.controller.placement.nodes import (
 from llmgw.controller.placement.ports import PortMove, move_taken_ports
 from llmgw.controller.placement.qualifying import qualifying_nodes, qualifying_nodes_by_model
 from llmgw.controller.placement.record import frozen_record
+from llmgw.controller.placement.rollout import news as rollout_news
 from llmgw.controller.placement.rollout import same_rollout
 from llmgw.controller.placement.scores import Rank, rank
 from llmgw.controller.placement.snapshot import (
@@ -109,5 +110,6 @@ __all__ = [
     "remove_surplus",
     "replace_lost",
     "same_decision",
+    "rollout_news",
     "same_rollout",
 ]

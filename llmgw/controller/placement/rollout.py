@@ -236,6 +236,16 @@ def stopped(stored: Rollout | None, target: Revision) -> bool:
     return stored is not None and stored.phase == "stopped" and stored.current.same(target)
 
 
+def news(stored: Rollout | None, new: Rollout) -> bool:
+    """Whether `new` is worth a log line and an event: a rollout began, moved to another
+    revision, stopped, or ended. "complete" with no rollout before it (a model's first
+    placement, however little of it is placed) is none: it said "rollout complete" while 0
+    of 1 replica was placed."""
+    if new.phase == "complete":
+        return stored is not None and stored.phase != "complete"
+    return stored is None or stored.phase != new.phase or not stored.current.same(new.current)
+
+
 def same_rollout(a: Rollout, b: Rollout) -> bool:
     """Whether two records say the same, whenever decided and by whom."""
     return msgspec.structs.replace(a, decided_at=0.0, epoch=0) == (

@@ -90,6 +90,10 @@ function replicaList(m) {
         }
       }
     }
+    for (const s of r.shards.filter((s) => s.phase === "validating" && s.reason)) {
+      // an expected wait before launch ("waiting: GPU ... has 10.0 GB free ..."): no failure
+      li.append(el("div", { class: "muted", "data-role": "waiting" }, `${s.node}: ${s.reason}`));
+    }
     if (r.why) li.append(el("div", { class: "muted" }, "why: " + r.why));
     if (r.load) li.append(el("div", { class: "muted", "data-role": "engine-load" }, "engine: " + engineLoad(r.load)));
     for (const s of r.shards.filter((s) => s.gpu_outgrown)) {
@@ -179,7 +183,32 @@ function sharedList(g) {
   return ul;
 }
 
-function gpuRow(g) {
+function alike(g) {
+  // what a GPU's row says but its index: GPUs with the same are drawn as one row
+  const { index, uuid, ...rest } = g;
+  return JSON.stringify(rest);
+}
+
+function gpuRuns(gpus) {
+  // consecutive GPUs that read alike are one row ("GPU 0-7 ... each"), as `llmgw status`
+  // prints them: eight idle GPUs are one line, not eight; a shared GPU or a MIG device is
+  // always a row of its own
+  const runs = [];
+  for (const g of gpus) {
+    const key = g.mig_profile || g.shared.length ? null : alike(g);
+    const last = runs[runs.length - 1];
+    if (key !== null && last && last.key === key && last.gpus[last.gpus.length - 1].index === g.index - 1) {
+      last.gpus.push(g);
+    } else {
+      runs.push({ key, gpus: [g] });
+    }
+  }
+  return runs.map((r) => r.gpus);
+}
+
+function gpuRow(run) {
+  const g = run[0];
+  const many = run.length > 1;
   const total = g.total_bytes || 1;
   const bar = el("div", { class: "bar" });
   const own = el("span", { class: "own" });
@@ -211,11 +240,14 @@ function gpuRow(g) {
       `shared by ${n} replica${n === 1 ? "" : "s"}, ${gb(g.allotted_bytes)} allotted, left ${left(g.left_bytes)}`);
   }
   if (g.out_of_service) alloc = "out of service";
-  const used = g.used_bytes === null ? "in use: not reported"
-    : `in use ${gb(g.used_bytes)} (llmgw ${gb(g.own_bytes)}, others ${gb(g.foreign_bytes)}, unaccounted ${gb(g.unaccounted_bytes)})`;
+  const used = (g.used_bytes === null ? "in use: not reported"
+    : `in use ${gb(g.used_bytes)} (llmgw ${gb(g.own_bytes)}, others ${gb(g.foreign_bytes)}, unaccounted ${gb(g.unaccounted_bytes)})`)
+    + (many ? " each" : "");
   const others = g.processes.filter((p) => !p.own).map((p) => `${p.name || "pid " + p.pid} ${gb(p.used_bytes)}`);
-  return el("div", { class: "gpu", "data-gpu": g.index, "data-uuid": g.uuid },
-    el("div", {}, gpuName(g), alloc, " · ", used,
+  const name = many ? el("b", {}, `GPU ${g.index}-${run[run.length - 1].index} `) : gpuName(g);
+  const attrs = many ? { "data-gpus": `${g.index}-${run[run.length - 1].index}` } : { "data-gpu": g.index, "data-uuid": g.uuid };
+  return el("div", { class: "gpu", ...attrs },
+    el("div", {}, name, alloc, " · ", used,
       others.length ? el("span", { class: "muted" }, " · others: " + others.join(", ")) : null),
     bar,
     g.shared.length ? sharedList(g) : null);
@@ -250,7 +282,7 @@ function nodeCard(n) {
       el("span", { class: "node-id" }, n.id), phase(n.phase),
       el("span", { class: "muted" }, `${n.hostname} · ${n.address}`)),
     kv,
-    ...n.gpus.map(gpuRow));
+    ...gpuRuns(n.gpus).map(gpuRow));
 }
 
 function holdings(f) {
@@ -281,6 +313,37 @@ function fabrics(state) {
   box.replaceChildren(...parts);
 }
 
+// --- a client key, where the router shows the fleet only to a client with one ------------
+
+// kept in this tab only (sessionStorage), sent only to this router's /fleet/state
+const KEY_ITEM = "llmgw-fleet-key";
+let locked = false;
+
+function keyHeaders() {
+  const key = sessionStorage.getItem(KEY_ITEM);
+  return key ? { authorization: "Bearer " + key } : {};
+}
+
+function askForKey(why) {
+  locked = true;
+  sessionStorage.removeItem(KEY_ITEM);
+  document.getElementById("key-why").textContent = why;
+  document.getElementById("key-form").hidden = false;
+  // what was shown with the access that ended is not left on the screen
+  for (const id of ["models", "fabrics", "router", "load-scope"]) document.getElementById(id).replaceChildren();
+  setStatus("locked", "this router shows the fleet only to a client with an API key");
+}
+
+document.getElementById("key-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const input = document.getElementById("key");
+  sessionStorage.setItem(KEY_ITEM, input.value.trim());
+  input.value = "";
+  ev.target.hidden = true;
+  locked = false;
+  poll();
+});
+
 // --- polling -----------------------------------------------------------------------------
 
 function setStatus(state, text) {
@@ -302,7 +365,13 @@ function render(state) {
 
 async function poll() {
   try {
-    const resp = await fetch("/fleet/state", { cache: "no-store" });
+    const resp = await fetch("/fleet/state", { cache: "no-store", headers: keyHeaders() });
+    if (resp.status === 401) {
+      // polled again once a key is given: every refusal is a line in the audit trail
+      const body = await resp.json().catch(() => ({}));
+      askForKey((body.error && body.error.message) || "a client API key is needed");
+      return;
+    }
     if (!resp.ok) throw new Error("answered " + resp.status);
     const state = await resp.json();
     render(state);
@@ -320,7 +389,7 @@ function tick() {
     const at = Number(a.dataset.at);
     if (at) a.textContent = age(routerNow() - at);
   }
-  if (lastOk && Date.now() - lastOk > 3 * pollS * 1000) {
+  if (!locked && lastOk && Date.now() - lastOk > 3 * pollS * 1000) {
     setStatus("stale", `no answer for ${Math.round((Date.now() - lastOk) / 1000)} s; retrying`);
   }
 }
