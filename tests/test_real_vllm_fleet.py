@@ -173,8 +173,12 @@ async def test_a_real_vllm_is_placed_served_measured_adopted_and_stopped_whole(
         lease = await bus.get(keys.lease(NODE), decoder(records.Lease))
         health = await bus.get(keys.health(NODE), decoder(records.Health))
         replica = await bus.get(keys.replica("tiny", shard.rid), decoder(records.Replica))
+        now = await bus.get(keys.shard(NODE, shard.rid), decoder(records.Shard))
         seen = engine_saturation(
-            {NODE: lease.value}, {NODE: health.value}, {shard.rid: replica.value}
+            {NODE: lease.value},
+            {NODE: health.value},
+            {shard.rid: replica.value},
+            {(NODE, shard.rid): now.value},
         )
         assert (seen["tiny"].engines, seen["tiny"].waiting) == (1, 0)
 
