@@ -172,10 +172,17 @@ def test_vllm_does_not_listen_while_loading_and_lists_its_served_name(bins, tmp_
         wait_for(port, "/health", 200, proc)
         assert json.loads(get(f"http://127.0.0.1:{port}/v1/models")[1])["data"][0]["id"] == "m2"
         status, body = get(
-            f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "m2", "messages": []}
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            {"model": "m2", "messages": [{"role": "user", "content": "hi"}]},
         )
         assert status == 200 and json.loads(body)["choices"][0]["message"]["content"]
-        assert get(f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "other"})[0] == 404
+        hi = [{"role": "user", "content": "hi"}]
+        assert (
+            get(f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "other", "messages": hi})[
+                0
+            ]
+            == 404
+        )
         assert "vllm:num_requests_running" in get(f"http://127.0.0.1:{port}/metrics")[1].decode()
 
 

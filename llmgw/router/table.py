@@ -178,6 +178,16 @@ class EndpointTable:
             self.rebuild()
         return self._routes.get(served_name)
 
+    def context(self, model_id: str) -> int | None:
+        """The most one request to `model_id` may hold, prompt and answers (the largest
+        `context` of its profiles); None when a profile leaves it to the engine or the model
+        runs from fixed endpoints."""
+        model = self.models.get(model_id)
+        if model is None or not model.profiles:
+            return None
+        contexts = [p.context for p in model.profiles]
+        return None if None in contexts else max(c for c in contexts if c is not None)
+
     def served_names(self) -> list[str]:
         """Names with an engine to send to (what /v1/models lists)."""
         if self._dirty:

@@ -77,6 +77,17 @@ function queueList(queue) {
   return ul;
 }
 
+// what the engine's own /metrics said, as `llmgw status` says it (cli/status.py load_line)
+function engineLoad(e) {
+  const pct = (x) => `${Math.round(x * 100)}%`;
+  const parts = [];
+  if (e.running !== null) parts.push(`${e.running} running`);
+  if (e.waiting !== null) parts.push(`${e.waiting} waiting`);
+  if (e.kv_cache !== null) parts.push("KV cache " + pct(e.kv_cache));
+  if (e.prefix_hits !== null) parts.push("prefix cache hits " + pct(e.prefix_hits));
+  return parts.join(", ") || "no load reported";
+}
+
 function replicaList(m) {
   if (!m.replicas.length) return el("td", { class: "muted" }, "none");
   const ul = el("ul", { class: "refused" });
@@ -102,6 +113,7 @@ function replicaList(m) {
       li.append(el("div", { class: "muted", "data-role": "waiting" }, `${s.node}: ${s.reason}`));
     }
     if (r.why) li.append(el("div", { class: "muted" }, "why: " + r.why));
+    if (r.load) li.append(el("div", { class: "muted", "data-role": "engine-load" }, "engine: " + engineLoad(r.load)));
     for (const s of r.shards.filter((s) => s.gpu_outgrown)) {
       li.append(el("div", { class: "why", "data-role": "outgrown" },
         `${s.node}: engine outgrew its GPU allotment: holds ${gb(s.gpu_used_bytes)}, given ${gb(s.gpu_allotted_bytes)}; not stopped`));
