@@ -232,7 +232,7 @@ class Gateway:
         self._audit: deque[AuditRecord] = deque()
         # audit messages made and not yet stored are sent again as they are (the same ids);
         # the records that arrive meanwhile wait for the next ones
-        self._audit_out = Outbox(router, self._audit_messages)
+        self._audit_out = Outbox(router, self._audit_messages, len)
         self.audit_dropped = 0
         self._failed = False
 
@@ -370,7 +370,7 @@ class Gateway:
         self._audit.append(record)
 
     def audit_waiting(self) -> int:
-        return len(self._audit) + sum(len(recs) for _, recs in self._audit_out.sending)
+        return len(self._audit) + self._audit_out.sending_size
 
     async def flush(self) -> None:
         """Send what waits: the limiter's debts, the meter's counts, the audit records."""
