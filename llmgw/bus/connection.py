@@ -124,7 +124,7 @@ class Connection:
                     why = (
                         "no server listens there (connection refused)"
                         if classify.nobody_listening(cause)
-                        else classify.describe(cause)
+                        else tls_dropped(cause, settings) or classify.describe(cause)
                     )
                     raise NatsUnreachable(
                         f"cannot connect to NATS at {', '.join(settings.urls)}: {why}"
@@ -319,6 +319,21 @@ def server_url(nc: Client) -> str:
     return f"{url.scheme}://{url.netloc}" if url else "?"
 
 
+def tls_dropped(e: BaseException, settings: NatsSettings) -> str | None:
+    """What a TLS connection dropped while being set up most likely means, or None. TLS 1.3
+    checks the client certificate after the handshake: a refusal often reaches us as a
+    broken pipe or a reset rather than as the server's alert (and then as the first
+    connect's last error, with nothing logged before it)."""
+    if not (settings.tls_ca or settings.tls_cert) or classify.problem(e) is not Problem.DROPPED:
+        return None
+    cert = f"certificate {settings.tls_cert}" if settings.tls_cert else "no client certificate"
+    who = f" claimed identity {settings.identity}" if settings.identity else ""
+    return (
+        f"NATS closed the TLS connection while setting it up ({classify.describe(e)}): the "
+        f"server may require a client certificate or refuse this one ({cert},{who})"
+    )
+
+
 def log_problem(e: BaseException, settings: NatsSettings, first_connect: bool = False) -> None:
     """Say what went wrong with the connection, as its kind (llmgw.bus.classify) asks."""
     text = classify.describe(e)
@@ -336,16 +351,8 @@ def log_problem(e: BaseException, settings: NatsSettings, first_connect: bool = 
         log.error("TLS handshake with NATS failed: %s (%s,%s)", text, cert, who)
     elif kind is Problem.DENIED:
         log.error("NATS refused a subject: %s (%s,%s)", text, cert, who)
-    elif first_connect and (settings.tls_ca or settings.tls_cert) and kind is Problem.DROPPED:
-        # TLS 1.3 checks the client certificate after the handshake: a refusal often reaches
-        # us as a broken pipe or a reset rather than as the server's alert
-        log.error(
-            "NATS closed the TLS connection while setting it up (%s): the server may require a "
-            "client certificate or refuse this one (%s,%s); retrying",
-            text,
-            cert,
-            who,
-        )
+    elif first_connect and (dropped := tls_dropped(e, settings)):
+        log.error("%s; retrying", dropped)
     elif first_connect:
         log.warning("cannot connect to NATS at %s: %s; retrying", ", ".join(settings.urls), text)
     else:
