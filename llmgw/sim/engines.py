@@ -172,7 +172,16 @@ class SimulatedEngine:
             tokens=b.tokens,
             token_rate=b.token_rate,
             first_token_seconds=b.first_token_seconds,
+            env=self.env,
         )
+        problem = (
+            engine.vllm_loras.startup_problem()
+            if kind == "vllm"
+            else engine.llama_loras.startup_problem(getattr(ns, "model", None))
+        )
+        if problem:
+            self._say("\n".join(problem))
+            return 1
         host, port = fake_engine.listen_host(kind, ns), ns.port
         runner = web.AppRunner(
             fake_engine.build_app(engine),
