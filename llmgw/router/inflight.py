@@ -32,26 +32,28 @@ class Flight:
     block is entered, given back when it is left, however that happens. (A class, not a
     generator-based context manager: this is on every request's path.)"""
 
-    __slots__ = ("_account", "backend")
+    __slots__ = ("_account", "backend", "model")
 
-    def __init__(self, account: InFlight, backend: Backend) -> None:
+    def __init__(self, account: InFlight, backend: Backend, model: str | None = None) -> None:
         self._account = account
         self.backend = backend
+        # the model the request names: its engine's, or a LoRA adapter's served on it
+        self.model = model or backend.model
 
     def __enter__(self) -> Flight:
         account = self._account
-        account._move(self.backend, 1)
-        account._models[self.backend.model].sent += 1
+        account._move(self.backend, 1, self.model)
+        account._models[self.model].sent += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._account._move(self.backend, -1)
+        self._account._move(self.backend, -1, self.model)
 
     def move(self, backend: Backend) -> None:
         """To another engine of the same model: the first could not be reached, and
         nothing of the request was sent to it."""
-        self._account._move(self.backend, -1)
-        self._account._move(backend, 1)
+        self._account._move(self.backend, -1, self.model)
+        self._account._move(backend, 1, self.model)
         self.backend = backend
 
 
@@ -64,19 +66,20 @@ class InFlight:
         self._engines: dict[Backend, None] = {}
         self._interval_start = clock()
 
-    def taken(self, backend: Backend) -> Flight:
+    def taken(self, backend: Backend, model: str | None = None) -> Flight:
         """`with account.taken(backend) as flight:` holds one request on `backend` while
-        the block runs (counted once as a request sent, wherever it moves)."""
-        return Flight(self, backend)
+        the block runs (counted once as a request sent, wherever it moves), for `model`
+        (a LoRA adapter's id; None: the engine's own model)."""
+        return Flight(self, backend, model)
 
-    def _move(self, backend: Backend, by: int) -> None:
+    def _move(self, backend: Backend, by: int, model: str) -> None:
         backend.in_flight += by
         if by > 0:
             self._engines[backend] = None
-        m = self._models.get(backend.model)
+        m = self._models.get(model)
         now = self.clock()
         if m is None:
-            m = self._models[backend.model] = _ModelFlights(since=now)
+            m = self._models[model] = _ModelFlights(since=now)
         since = m.since if m.since > self._interval_start else self._interval_start
         m.integral += m.count * (now - since)
         m.since = now

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llmgw.router.adapters import NameSwap, swapping
 from llmgw.router.balancer import Balancer
 from llmgw.router.gate import Gate, KeyListGate, Later, Ticket
 from llmgw.router.hold import MAX_WAIT_HEADER, Holds
@@ -196,10 +197,10 @@ class Proxy:
         # a cold model (autoscaled to zero, or its first replica loading) is listed too: a
         # request for it waits for a replica; a key sees only the models it may use
         data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+            _model_entry(name, self.table.parent(name))
             for name in self.gate.models(who, self.table.served_names())
         ] + [
-            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "cold": True}
+            _model_entry(name, self.table.parent(name)) | {"cold": True}
             for name in self.gate.models(who, self.table.cold_names())
         ]
         return json.dumps({"object": "list", "data": data}).encode()
@@ -256,6 +257,15 @@ class Proxy:
         route = self._route(parsed, who)
         if isinstance(route, Refusal):
             return route
+        if parsed.lora and route.lora_by_router:
+            return Refusal(
+                400,
+                f"model {parsed.model!r} has LoRA adapters, each a model of its own: ask for "
+                "one by name as `model` and remove `lora` from the body",
+                code="lora_not_allowed",
+                kind="bad_request",
+                param="lora",
+            )
         ticket = self.gate.admit(who, parsed, route.model, req)
         if isinstance(ticket, Refusal):
             return ticket
@@ -312,6 +322,10 @@ class Proxy:
     ) -> tuple[Route, Backend] | Refusal:
         """The engine for the request; for a cold model, held until one is ready."""
         backend = self.balancer.pick(route.backends, parsed.affinity, time.monotonic())
+        if route.adapter is not None:
+            self.metrics.adapter(route.model, backend is not None)
+            if backend is not None and route.adapter.crowded(route.backends):
+                self.load.crowded(route.model)  # asks for it on one more replica
         if backend is not None:
             return route, backend
         if self.holds is not None:
@@ -346,13 +360,14 @@ class Proxy:
         in-flight account from the send to the end of its answer."""
         head = self._forwarded_head(req)
         started = time.monotonic()
-        with self.flights.taken(backend) as flight:
+        with self.flights.taken(backend, route.model) as flight:
             for attempt in (0, 1):
+                body = route.adapter.body(backend.id, req.body) if route.adapter else req.body
                 try:
                     conn = await self.pool.send(
                         backend.host,
                         backend.port,
-                        self._request(backend, req, head),
+                        self._request(backend, req, head, body),
                         tls=backend.tls,
                     )
                 except ConnectFailed as e:
@@ -374,7 +389,8 @@ class Proxy:
                         model=route.model,
                         replica=backend.id,
                     )
-                return await self._relay(backend, conn, resp, started, ticket)
+                swap = route.adapter.answer(backend.id) if route.adapter else None
+                return await self._relay(backend, conn, resp, started, ticket, swap)
         raise AssertionError("unreachable")  # the second attempt returns
 
     def _forwarded_head(self, req: Request) -> bytes:
@@ -389,15 +405,15 @@ class Proxy:
         return b"".join(lines)
 
     @staticmethod
-    def _request(b: Backend, req: Request, head: bytes) -> bytes:
+    def _request(b: Backend, req: Request, head: bytes, body: bytes) -> bytes:
         return b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s%s\r\n%s" % (
             b.path_prefix.encode(),
             req.target,
             b.host_header,
-            len(req.body),
+            len(body),
             b.auth,
             head,
-            req.body,
+            body,
         )
 
     async def _relay(
@@ -407,6 +423,7 @@ class Proxy:
         resp: Response,
         started: float,
         ticket: Ticket | None,
+        swap: NameSwap | None = None,
     ) -> Refusal | Relayed:
         series = self.metrics.replica(b.model, b.id)
         model = b.model
@@ -432,6 +449,8 @@ class Proxy:
             else:
                 self.balancer.succeeded(b, time.monotonic())
             out, length = _relayed_headers(headers, b.id if self.settings.replica_header else None)
+            if swap is not None:
+                length = None  # the adapter's name for its base's: the length changes
             if ticket is not None:
                 out += ticket.answering(b.id)
                 if ticket.rewrites:
@@ -441,7 +460,8 @@ class Proxy:
                 resp.flush()  # the body may take a while (a stream before its first token)
             # handed on as it arrives, from the engine connection's own callback (no task
             # woken a chunk); a ticket reads each piece on the way (and may change it)
-            write = resp.write_now if ticket is None else _metered(ticket, resp.write_now)
+            write = resp.write_now if swap is None else swapping(swap, resp.write_now)
+            write = write if ticket is None else _metered(ticket, write)
 
             def first() -> None:
                 took = time.monotonic() - started
@@ -507,6 +527,13 @@ class Relayed:
     def __init__(self, status: int, outcome: str) -> None:
         self.status = status
         self.outcome = outcome  # "ok", or the error kind that cut it
+
+
+def _model_entry(name: str, parent: str | None) -> dict[str, object]:
+    entry: dict[str, object] = {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+    if parent is not None:
+        entry["parent"] = parent  # a LoRA adapter, as vLLM lists one
+    return entry
 
 
 def _relayed_headers(

@@ -511,6 +511,8 @@ def build_app(engine: Engine):
             return web.json_response(
                 _llama_error(400, problem, "invalid_request_error"), status=400
             )
+        # what an adapter changes: its tokens (a test tells which ran by them)
+        mark = engine.llama_loras.mark(body) if not vllm else ""
         # vLLM answers with the name asked for (a LoRA's own); llama-server with its alias
         model = (body.get("model") or engine.served_name) if vllm else engine.served_name
         try:  # what to generate, read as the engine reads it (odd forms included)
@@ -523,7 +525,7 @@ def build_app(engine: Engine):
         finish = "length" if n < engine.tokens else "stop"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        text = "".join(f"tok{i} " for i in range(n))
+        text = "".join(f"{mark}tok{i} " for i in range(n))
         prompts = prompt_texts(body, chat)
         copies *= len(prompts)  # each prompt of a list is answered alone
         prompt = tokenize(prompt_text(body, chat))
@@ -614,7 +616,7 @@ def build_app(engine: Engine):
                 for i in range(n):
                     await pace.next()
                     for c in range(copies):
-                        await resp.write(chunk(f"tok{i} ", None, index=c))
+                        await resp.write(chunk(f"{mark}tok{i} ", None, index=c))
                         engine.counted(0, 1)  # as each is written: a client may leave
                 for c in range(copies):
                     last = json.loads(chunk(None if chat else "", finish, index=c)[6:])

@@ -220,6 +220,15 @@ class LlamaLoras:
                 self.applied[i] = self.applied.get(i, 0) + 1
         return None
 
+    def mark(self, body: dict) -> str:
+        """What the adapters applied to a request put before its tokens ("lora1-"): a real
+        adapter changes what is generated; this one says which ran (llama.cpp's rule: the
+        global scales, with the request's own over them)."""
+        scales = dict(enumerate(s for _, s in self.files))  # the global scales, then the
+        asked = self._parse(body["lora"]) if "lora" in body else {}  # request's over them
+        scales.update(asked if isinstance(asked, dict) else {})
+        return "".join(f"lora{i}-" for i, scale in sorted(scales.items()) if scale)
+
     def _parse(self, raw: object) -> dict[int, float] | str:
         if not isinstance(raw, list):
             return "lora must be an array of objects"

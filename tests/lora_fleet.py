@@ -1,0 +1,69 @@
+"""A fleet with LoRA adapters, for tests/test_lora_e2e.py, tests/test_real_vllm_lora.py and
+bench/adapters.py: an agent process whose weights directories hold the adapters' files, a
+base model of the fake (or real) engine, and adapters written as `llmgw adapter add` does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+from agent_helpers import FakeEngineAgent, agent_config, host_dirs, start_agent
+
+from llmgw import catalog
+from llmgw.agent.config import Engines, Weights
+from llmgw.bus import keys, records
+from llmgw.bus.client import Bus, decoder
+from llmgw.sim.fake_engine import install_fake_engines
+
+
+def lora_agent(
+    url: str,
+    root: Path,
+    weights: list[Path],
+    *,
+    node: str = "node1",
+    address: str = "127.0.0.1",
+    vllm_cpu: bool = False,
+    bin_dir: Path | None = None,
+) -> FakeEngineAgent:
+    """An agent process looking for weights (and adapters) in `weights`, the fake engines on
+    its PATH (or what `bin_dir` holds: a real vLLM), quick supervision."""
+    dirs = host_dirs(root)
+    if bin_dir is None:
+        install_fake_engines(dirs["bin"], vllm_cpu=vllm_cpu)
+    engines = Engines(
+        listen_host=address,
+        poll_interval=0.1,
+        backoff_base=0.2,
+        backoff_cap=2,
+        stop_grace=5,
+        drain_timeout=30,
+    )
+    cfg = agent_config(url, dirs, id=node, address=address)
+    cfg = msgspec.structs.replace(
+        cfg,
+        engines=engines,
+        weights=Weights(
+            dirs=[str(w) for w in weights], fetch_dir=str(dirs["fetch"]), scan_interval=0.3
+        ),
+    )
+    path = [bin_dir or dirs["bin"], Path("/usr/bin"), Path("/bin")]
+    log = root / "agent.log"
+    proc = start_agent(cfg, root / "agent.toml", path, log)
+    return FakeEngineAgent(proc, cfg, dirs, path, log)
+
+
+def adapter(aid: str, path: Path | str, *, base: str = "tiny", rank: int = 8) -> catalog.Adapter:
+    return catalog.check_adapter(
+        {"id": aid, "served_name": f"acme/{aid}", "base": base, "path": str(path), "rank": rank}
+    )
+
+
+async def add_adapter(bus: Bus, a: catalog.Adapter) -> None:
+    """What `llmgw adapter add` writes."""
+    await bus.put(keys.adapter(a.id), catalog.encode_model(a))
+
+
+async def shards_of(bus: Bus, model: str = "tiny") -> list[records.Shard]:
+    got = await bus.list(keys.pattern(keys.SHARDS), decoder(records.Shard))
+    return sorted((e.value for e in got.values() if e.value.model == model), key=lambda s: s.rid)
