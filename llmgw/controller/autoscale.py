@@ -335,7 +335,10 @@ def _figures(load: ModelLoad, have: int, policy: Autoscale) -> str:
 def with_adapters(
     summed: Mapping[str, ModelLoad], bases: Mapping[str, str]
 ) -> dict[str, ModelLoad]:
-    """Each model's load with its LoRA adapters' added in (`bases`: adapter id -> base id)."""
+    """Each model's load with what of its LoRA adapters' its own does not count (`bases`:
+    adapter id -> base id): a router counts an adapter's request in flight under its base's
+    engines already, and under the adapter too; one held for an adapter (loaded nowhere, or
+    its base cold) only under the adapter."""
     out = dict(summed)
     for aid, base in bases.items():
         a = summed.get(aid)
@@ -344,7 +347,6 @@ def with_adapters(
         have = out.get(base, ModelLoad())
         out[base] = dataclasses.replace(
             have,
-            in_flight=have.in_flight + a.in_flight,
             waiting=have.waiting + a.waiting,
             ttft_ms=max(have.ttft_ms, a.ttft_ms),
             routers=max(have.routers, a.routers),

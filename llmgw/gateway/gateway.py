@@ -131,12 +131,14 @@ class Admission:
         replica: str | None = None,
         ttft: float | None = None,
         estimate: Usage | None = None,
+        refused: str | None = None,
     ) -> None:
         """Once per admitted request, however it ended. `usage` None: the engine said none;
         then an error answer (4xx, 5xx) generated nothing and its reservation is handed back,
-        and any other keeps its reservation as charged and is metered by `estimate`. A fleet
-        without keys meters and audits nothing (as before keys), and counts tokens for
-        /metrics only."""
+        and any other keeps its reservation as charged and is metered by `estimate`.
+        `refused`: the router answered it itself after admitting it, and why (its audit
+        record's reason). A fleet without keys meters and audits nothing (as before keys),
+        and counts tokens for /metrics only."""
         if self.finished:
             return
         self.finished = True
@@ -173,6 +175,7 @@ class Admission:
                 ttft_s=ttft,
                 duration_s=max(0.0, g.clock() - self.started),
                 client=self.client,
+                refused=refused,
             )
         )
 
@@ -229,7 +232,7 @@ class Gateway:
         self._audit: deque[AuditRecord] = deque()
         # audit messages made and not yet stored are sent again as they are (the same ids);
         # the records that arrive meanwhile wait for the next ones
-        self._audit_out = Outbox(router, self._audit_messages)
+        self._audit_out = Outbox(router, self._audit_messages, len)
         self.audit_dropped = 0
         self._failed = False
 
@@ -367,7 +370,7 @@ class Gateway:
         self._audit.append(record)
 
     def audit_waiting(self) -> int:
-        return len(self._audit) + sum(len(recs) for _, recs in self._audit_out.sending)
+        return len(self._audit) + self._audit_out.sending_size
 
     async def flush(self) -> None:
         """Send what waits: the limiter's debts, the meter's counts, the audit records."""

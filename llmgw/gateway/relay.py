@@ -296,7 +296,7 @@ class GatewayTicket(UsageReader):
         done, self._pending = data[: end + 2], data[end + 2 :]
         return _without_usage(done) if b'"usage"' in done else done
 
-    def settle(self, status: int, outcome: str) -> None:
+    def settle(self, status: int, outcome: str, refused: str | None = None) -> None:
         first = self._first
         found = self.usage(self.prompt_estimate)
         # an answer (or one the client left: status 0) whose usage does not read: metered
@@ -312,6 +312,7 @@ class GatewayTicket(UsageReader):
             replica=self.replica,
             ttft=None if first is None else first - self._created,
             estimate=estimate,
+            refused=refused,
         )
 
 

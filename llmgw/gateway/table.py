@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from llmgw import priority
 from llmgw.bus import keys, records, trust
 from llmgw.bus.records import ApiKey, Team
 from llmgw.fleetstate.decode import Unreadable, settle
@@ -49,7 +50,16 @@ class Identity:
     bucket does not hold, which then limits nothing). Made once per key while its records
     hold, so what a request asks of it is read, not worked out again."""
 
-    __slots__ = ("key", "team", "name", "team_name", "limited", "_allowed", "_allowed_set")
+    __slots__ = (
+        "key",
+        "team",
+        "name",
+        "team_name",
+        "limited",
+        "standing",
+        "_allowed",
+        "_allowed_set",
+    )
 
     def __init__(self, key: ApiKey, team: Team | None) -> None:
         self.key = key
@@ -60,6 +70,15 @@ class Identity:
         self.limited = any(
             limits != _NO_LIMITS
             for limits in (key.limits, key.model_limits, team.limits if team else _NO_LIMITS)
+        )
+        # its class (its own, else its team's, else standard) and its team's weight: who
+        # waits when the fleet is full (llmgw/priority.py)
+        own = key.priority or (team.priority if team is not None else None)
+        self.standing = priority.Standing(
+            priority.BY_NAME[own] if own else priority.Priority.STANDARD,
+            key.team or "",
+            team.weight if team is not None else 1,
+            key.name,
         )
         mine = key.models or None
         theirs = team.models if team is not None and team.models else None

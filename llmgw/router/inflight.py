@@ -1,11 +1,17 @@
-"""Requests in flight, counted once: one account, taken when a request is sent to an
-engine and given back once when its answer is over, however it ends.
+"""Requests in flight, counted once: one account, taken when a request is given its place
+at an engine (at once, or when the router's queue lets it go) and given back once when its
+answer is over, however it ends.
 
 Everything that asks "how busy" reads this account, never a count of its own:
 - the balancer reads each engine's count (`Backend.in_flight`, written only here);
 - `/metrics` reads `llmgw_router_in_flight{model,replica}` from it at each scrape;
 - the load records (`load.<router>`, router/load.py) read each model's mean over the
-  interval from it.
+  interval from it;
+- the router's queue (router/flow.py) reads each model's count by class and team (its
+  demand, published for the other routers) and is told of every place given back.
+A request for a LoRA adapter is counted under its engine's model (the base's: it holds a
+place at that engine) and under the adapter's own id too (what the adapter's demand is, for
+where the controller loads it), never by class under the adapter.
 A request that reached no engine (refused, held, or its connection never made) holds
 nothing here.
 """
@@ -14,8 +20,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from llmgw.priority import Priority
 from llmgw.router.table import Backend
 
 
@@ -25,35 +32,70 @@ class _ModelFlights:
     sent: int = 0  # requests sent ever (a change is a request seen: the load records' count)
     integral: float = 0.0  # count x seconds since the interval began
     since: float = 0.0  # when count last changed, or the interval began
+    # in flight now by (class, team): what this router asks of the model's engines
+    # (its demand, router/share.py)
+    by_standing: dict[tuple[Priority, str], int] = field(default_factory=dict)
 
 
 class Flight:
-    """One request's place in the account, the engine it is on: taken when the `with`
-    block is entered, given back when it is left, however that happens. (A class, not a
+    """One request's place in the account, on the engine it goes to: counted when taken
+    (`InFlight.take`), given back once when its `with` block is left, however that happens,
+    or by `give_back` for a place granted to a request that never used it. (A class, not a
     generator-based context manager: this is on every request's path.)"""
 
-    __slots__ = ("_account", "backend", "model")
+    __slots__ = ("_account", "backend", "standing", "tokens", "_out", "named")
 
-    def __init__(self, account: InFlight, backend: Backend, model: str | None = None) -> None:
+    def __init__(
+        self,
+        account: InFlight,
+        backend: Backend,
+        standing: tuple[Priority, str],
+        named: str | None = None,
+    ) -> None:
         self._account = account
         self.backend = backend
-        # the model the request names: its engine's, or a LoRA adapter's served on it
-        self.model = model or backend.model
+        self.standing = standing  # (class, team)
+        self.tokens = 0  # its prompt's estimate, charged to its team while it runs
+        self._out = False
+        self.named = named  # a LoRA adapter's id the request named, also counted under it
+
+    @property
+    def priority(self) -> Priority:
+        return self.standing[0]
+
+    @property
+    def team(self) -> str:
+        return self.standing[1]
 
     def __enter__(self) -> Flight:
-        account = self._account
-        account._move(self.backend, 1, self.model)
-        account._models[self.model].sent += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._account._move(self.backend, -1, self.model)
+        self.give_back()
+
+    def give_back(self) -> None:
+        if self._out:
+            return
+        self._out = True
+        account = self._account
+        account._move(self.backend, -1)
+        if self.named is not None:
+            account._count(self.named, -1)
+        by_standing = account._models[self.backend.model].by_standing
+        key = self.standing
+        left = by_standing[key] - 1
+        if left:
+            by_standing[key] = left
+        else:
+            del by_standing[key]
+        if account.freed is not None:
+            account.freed(self)
 
     def move(self, backend: Backend) -> None:
         """To another engine of the same model: the first could not be reached, and
         nothing of the request was sent to it."""
-        self._account._move(self.backend, -1, self.model)
-        self._account._move(backend, 1, self.model)
+        self._account._move(self.backend, -1)
+        self._account._move(backend, 1)
         self.backend = backend
 
 
@@ -65,17 +107,36 @@ class InFlight:
         # /metrics shows (0 once it is idle again, as a gauge should)
         self._engines: dict[Backend, None] = {}
         self._interval_start = clock()
+        # told each time a place is given back: the router's queue sends the next request
+        self.freed: Callable[[Flight], None] | None = None
 
-    def taken(self, backend: Backend, model: str | None = None) -> Flight:
-        """`with account.taken(backend) as flight:` holds one request on `backend` while
-        the block runs (counted once as a request sent, wherever it moves), for `model`
-        (a LoRA adapter's id; None: the engine's own model)."""
-        return Flight(self, backend, model)
+    def take(
+        self,
+        backend: Backend,
+        priority: Priority = Priority.STANDARD,
+        team: str = "",
+        named: str | None = None,
+    ) -> Flight:
+        """One request's place on `backend`, counted now (and once as a request sent,
+        wherever it moves); `with flight:` gives it back when the request is over. `named`:
+        the LoRA adapter the request names, counted under its id too."""
+        self._move(backend, 1)
+        m = self._models[backend.model]
+        m.sent += 1
+        key = (priority, team)
+        m.by_standing[key] = m.by_standing.get(key, 0) + 1
+        if named is not None and named != backend.model:
+            self._count(named, 1).sent += 1
+            return Flight(self, backend, key, named)
+        return Flight(self, backend, key)
 
-    def _move(self, backend: Backend, by: int, model: str) -> None:
+    def _move(self, backend: Backend, by: int) -> None:
         backend.in_flight += by
         if by > 0:
             self._engines[backend] = None
+        self._count(backend.model, by)
+
+    def _count(self, model: str, by: int) -> _ModelFlights:
         m = self._models.get(model)
         now = self.clock()
         if m is None:
@@ -84,12 +145,18 @@ class InFlight:
         m.integral += m.count * (now - since)
         m.since = now
         m.count += by
+        return m
 
     # --- what the readers ask --------------------------------------------------------------
 
     def model(self, model: str) -> int:
         m = self._models.get(model)
         return m.count if m is not None else 0
+
+    def by_standing(self, model: str) -> dict[tuple[Priority, str], int]:
+        """In flight for `model` now, by (class, team)."""
+        m = self._models.get(model)
+        return m.by_standing if m is not None else {}
 
     def sent(self, model: str) -> int:
         m = self._models.get(model)

@@ -34,6 +34,7 @@ from llmgw.gateway.gateway import (
 )
 from llmgw.gateway.relay import NATIVE_KEY, USAGE_KEY, GatewayTicket
 from llmgw.gateway.table import Identity
+from llmgw.priority import EVERYONE, Standing
 from llmgw.router.gate import Later, Ticket
 from llmgw.router.refusal import Refusal
 from llmgw.router.request import Parsed
@@ -161,6 +162,20 @@ class GatewayGate:
         if not isinstance(identity, Identity):
             return names
         return [n for n in names if identity.may_use(n)]
+
+    def standing(self, identity: object) -> Standing:
+        return identity.standing if isinstance(identity, Identity) else EVERYONE
+
+    def team_weight(self, team: str) -> int:
+        """A team's weight in the fleet's split of engines (1: no such team)."""
+        record = self.gateway.table.team(team) if team else None
+        return record.weight if record is not None else 1
+
+    def served_tokens(self, team: str, served: str) -> int:
+        """Tokens served to `team` on `served` since this router started (the engines' own
+        usage, as the gateway tallies it): its fair share's counter (router/queue.py)."""
+        tally = self.gateway.tokens.get((team, served))
+        return tally[0] + tally[1] if tally is not None else 0
 
 
 def _asking_for_usage(body: bytes) -> bytes | None:

@@ -77,6 +77,13 @@ class Backend:
     ejections: int = 0  # how often in a row it was ejected: the next ejection lasts longer
     ejected_until: float = 0.0
     probe_ok: bool = True  # the engine's own /health, probed in the background
+    # what it can take at once: its profile's parallel slots (llama-server -np, vLLM
+    # --max-num-seqs), and what the engine itself says (router/report.py), which wins
+    capacity: int | None = None
+    reported: int | None = None
+    # this router's part of it (router/flow.py): requests it may have there at once; None:
+    # no bound known, every request goes straight to the engine
+    share: int | None = None
     id_hash: int = field(init=False)
     host_header: bytes = field(init=False)
 
@@ -92,6 +99,16 @@ class Backend:
     def available(self, now: float) -> bool:
         """Takes new requests: routable, not ejected, and its /health answers."""
         return self.routable and self.probe_ok and now >= self.ejected_until
+
+    @property
+    def slots(self) -> int | None:
+        """What it can take at once, as best known (None: not known)."""
+        return self.reported if self.reported is not None else self.capacity
+
+    @property
+    def room(self) -> bool:
+        """This router may send it one more request now."""
+        return self.share is None or self.in_flight < self.share
 
 
 @dataclass
@@ -356,6 +373,7 @@ class EndpointTable:
         unless it now points elsewhere."""
         old = self._backends.get(new.id)
         b = old if old is not None and _same_place(old, new) else new
+        b.capacity = new.capacity  # the profile's, which a catalog change may change
         b.routable = True
         seen[b.id] = b
         return b
@@ -385,11 +403,21 @@ class EndpointTable:
         rank0 = next((m for m in replica.members if m.rank == 0), replica.members[0])
         api = self.shards.get((rank0.node, replica.rid))
         self._loaded[replica.rid] = api.adapters if api is not None else []
-        model = self.models.get(replica.model)
-        profile = model.profile(replica.profile) if model is not None else None
+        profile = self._profile(replica)
         self._engine[replica.rid] = profile.engine if profile is not None else ""
-        backend = Backend(replica.rid, replica.model, *verdict.address, auth=self._fleet_auth)
+        backend = Backend(
+            replica.rid,
+            replica.model,
+            *verdict.address,
+            auth=self._fleet_auth,
+            capacity=profile.parallel if profile is not None else None,
+        )
         return self._backend(seen, backend), ""
+
+    def _profile(self, replica: records.Replica) -> catalog.Profile | None:
+        """The profile the replica was placed with (its parallel slots, its engine)."""
+        model = self.models.get(replica.model)
+        return model.profile(replica.profile) if model is not None else None
 
     def _why_none(self, model_id: str, notes: list[str]) -> str:
         placed = self.placements.get(model_id)

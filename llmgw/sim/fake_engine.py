@@ -30,6 +30,11 @@ Behaviour knobs (environment):
     FAKE_ENGINE_WORKERS           child processes to start, like vLLM's workers (default 0)
     FAKE_ENGINE_WAITING           requests /metrics reports queued besides its own (default 0)
     FAKE_ENGINE_KV_USAGE          the KV cache fraction /metrics reports (default: busy slots)
+
+Under load it runs at most what the real one runs at once, and the rest wait their turn in
+arrival order: llama-server's slots (`-np`; 4 when not given, as its `auto`), whose extra
+requests it defers, and vLLM's continuous batch of `--max-num-seqs` sequences (256 when not
+given), beyond which requests queue; /metrics says which run and which wait.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import stat
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,7 +97,7 @@ def parse_llama(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="ngl", default="auto")
     p.add_argument("-c", "--ctx-size", type=int, default=4096)
-    p.add_argument("-np", "--parallel", type=int, default=1)
+    p.add_argument("-np", "--parallel", type=int, default=-1)  # -1: auto, 4 slots
     p.add_argument("-a", "--alias")
     p.add_argument("--metrics", action="store_true")
     p.add_argument("--api-key", default=os.environ.get("LLAMA_API_KEY"))
@@ -190,6 +196,48 @@ class Pace:
             await asyncio.sleep(0)  # let the loop write and read between tokens
 
 
+# what each runs at once when its command line does not say: llama-server's `-np -1` (auto)
+# makes 4 slots; vLLM's --max-num-seqs is 256 on most GPUs
+LLAMA_AUTO_SLOTS = 4
+VLLM_MAX_NUM_SEQS = 256
+
+
+class Batch:
+    """What an engine runs at once (llama-server's slots, vLLM's batch of --max-num-seqs); a
+    request beyond it waits, first come first served, and a turn freed is handed to the
+    oldest waiting request."""
+
+    def __init__(self, size: int) -> None:
+        self.size = max(1, size)
+        self.running = 0
+        self._waiting: deque[asyncio.Future[None]] = deque()
+
+    async def take(self) -> None:
+        """Wait for this request's turn (at once while the batch has room)."""
+        if self.running < self.size and not self._waiting:
+            self.running += 1
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        try:
+            await turn  # handed over: `running` counts it already
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.give()  # its client left as its turn came: the next one's
+            else:
+                self._waiting.remove(turn)
+            raise
+
+    def give(self) -> None:
+        """A request that took its turn is over: the oldest waiting one runs."""
+        while self._waiting:
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.running -= 1
+
+
 @dataclass
 class Engine:
     kind: str  # "llama-server" | "vllm"
@@ -215,6 +263,8 @@ class Engine:
     # per slot: the tokens its KV cache holds (prompt and answer of its last request)
     slot_tokens: dict[int, list[str]] = field(default_factory=dict)
     slot_used: dict[int, float] = field(default_factory=dict)
+    # what it runs at once; a generating request beyond it waits its turn
+    batch: Batch = field(default_factory=lambda: Batch(VLLM_MAX_NUM_SEQS))
     root: str = ""  # vLLM: the model as given (/v1/models says it)
     # vLLM's prefix-cache counters: prompt tokens looked up, and found cached
     prefix_queries: int = 0
@@ -412,7 +462,7 @@ def build_app(engine: Engine):
                     status=501,
                 )
             # requests beyond the slots wait for one (llama-server defers them)
-            running = min(engine.in_flight, engine.slots)
+            running = min(engine.in_flight, engine.batch.size)
             deferred = engine.in_flight - running + engine.extra_waiting
             kv = engine.kv_usage if engine.kv_usage is not None else running / engine.slots
             text = (
@@ -434,13 +484,15 @@ def build_app(engine: Engine):
             )
         else:
             label = f'{{engine="0",model_name="{engine.served_name}"}}'
+            running = min(engine.in_flight, engine.batch.size)
+            waiting = engine.in_flight - running + engine.extra_waiting
             text = (
                 "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
                 "# TYPE vllm:num_requests_running gauge\n"
-                f"vllm:num_requests_running{label} {float(engine.in_flight)}\n"
+                f"vllm:num_requests_running{label} {float(running)}\n"
                 "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
                 "# TYPE vllm:num_requests_waiting gauge\n"
-                f"vllm:num_requests_waiting{label} {float(engine.extra_waiting)}\n"
+                f"vllm:num_requests_waiting{label} {float(waiting)}\n"
                 "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
                 "# TYPE vllm:kv_cache_usage_perc gauge\n"
                 f"vllm:kv_cache_usage_perc{label} {engine.kv_usage or 0.0}\n"
@@ -529,6 +581,12 @@ def build_app(engine: Engine):
         prompts = prompt_texts(body, chat)
         copies *= len(prompts)  # each prompt of a list is answered alone
         prompt = tokenize(prompt_text(body, chat))
+        engine.in_flight += 1  # counted while it waits for its turn too (/metrics: waiting)
+        try:
+            await engine.batch.take()
+        except BaseException:
+            engine.in_flight -= 1
+            raise
         slot, cached = engine.take_slot(prompt)
         engine.prefix_queries += len(prompt)
         engine.prefix_hits += cached
@@ -549,7 +607,6 @@ def build_app(engine: Engine):
         }
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        engine.in_flight += 1
         engine.counted(prompt_tokens, 0)
         if lora is not None:
             engine.vllm_loras.running[lora] += 1
@@ -675,6 +732,7 @@ def build_app(engine: Engine):
             )
         finally:
             engine.in_flight -= 1
+            engine.batch.give()
             if lora is not None:
                 engine.vllm_loras.running[lora] -= 1
             if slot >= 0:
@@ -1271,7 +1329,7 @@ def engine_for(
         served_name=served,
         api_key=ns.api_key,
         metrics=True if vllm else ns.metrics,
-        slots=1 if vllm else max(1, ns.parallel),
+        slots=1 if vllm else _llama_slots(ns),
         ctx=(ns.max_model_len or 4096) if vllm else ns.ctx_size,
         root=ns.model if vllm else "",
         tokens=tokens,
@@ -1279,11 +1337,16 @@ def engine_for(
         first_token_seconds=max(0.0, first_token_seconds),
         prefill_rate=max(0.0, prefill_rate),
         close_after_stream=close_after_stream,
+        batch=Batch((ns.max_num_seqs or VLLM_MAX_NUM_SEQS) if vllm else _llama_slots(ns)),
         vllm_loras=fake_lora.vllm_loras(ns, os.environ if env is None else env)
         if vllm
         else fake_lora.VllmLoras(),
         llama_loras=fake_lora.llama_loras(ns) if not vllm else fake_lora.LlamaLoras(),
     )
+
+
+def _llama_slots(ns: argparse.Namespace) -> int:
+    return ns.parallel if ns.parallel > 0 else LLAMA_AUTO_SLOTS
 
 
 def listen_host(kind: str, ns: argparse.Namespace) -> str:

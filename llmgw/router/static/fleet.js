@@ -53,10 +53,28 @@ function loadCell(load, fleet, routers) {
       `all ${routers} router${routers === 1 ? "" : "s"}: in flight ${fleet.in_flight} · ` +
       `queued ${fleet.queued} · slowest first token ${secs(fleet.ttft_ms / 1000)}`)
     : null;
+  const share = load.share === null || load.share === undefined ? "" : ` of ${load.share}`;
   return el("td", { "data-role": "load" },
-    el("div", {}, `in flight ${load.in_flight} · queued ${queued}`),
+    el("div", {}, `in flight ${load.in_flight}${share} · queued ${queued}`),
     el("div", { class: "muted" }, "first token " + ttfb),
+    queueList(load.queue || []),
     all);
+}
+
+// the router's queue by class and team: who waits now, and how long they waited
+function queueList(queue) {
+  if (!queue.length) return null;
+  const ul = el("ul", { class: "refused", "data-role": "queue" });
+  for (const q of queue) {
+    const w = q.wait;
+    const waited = w && w.count
+      ? `waited p50 ${secs(w.p50_s)} · p95 ${secs(w.p95_s)} (${w.count})`
+      : "none waited";
+    ul.append(el("li", { "data-class": q.class, "data-team": q.team },
+      `${q.class} · ${q.team || "no team"}: ${q.waiting} waiting · `,
+      el("span", { class: "muted" }, waited)));
+  }
+  return ul;
 }
 
 // what the engine's own /metrics said, as `llmgw status` says it (cli/status.py load_line)
