@@ -11,6 +11,7 @@ import aiohttp
 import anyio
 import pytest
 from agent_helpers import stop
+from autoscale_fleet import replicas_of, serve_auto
 from lora_fleet import adapter, add_adapter, lora_agent, shards_of
 from router_helpers import SERVED, StreamingLoad, chat_body, router_settings, running_router
 from serving import serve, sse_events
@@ -44,7 +45,7 @@ def vllm_base(model_dir) -> catalog.Model:
     return catalog.validate_models({"models": [entry]})[0]
 
 
-def llama_base(gguf) -> catalog.Model:
+def llama_base(gguf, **entry) -> catalog.Model:
     profile = {
         "name": "cpu",
         "engine": "llama-server",
@@ -53,7 +54,7 @@ def llama_base(gguf) -> catalog.Model:
         "host_ram_gb": 1,
         "env": SLOW,
     }
-    entry = {"id": "tiny", "served_name": SERVED, "profiles": [profile]}
+    entry = {"id": "tiny", "served_name": SERVED, "profiles": [profile], **entry}
     return catalog.validate_models({"models": [entry]})[0]
 
 
@@ -183,6 +184,29 @@ async def test_adding_an_adapter_to_llama_server_replaces_the_replica_dropping_n
                 p["choices"][0]["delta"].get("content") or "" for p in payloads if p["choices"]
             )
             assert text.startswith("lora1-tok0")  # b, the second of the files it started with
+    finally:
+        stop(agent.proc)
+
+
+async def test_a_request_for_an_adapter_of_a_base_scaled_to_zero_is_held_and_served(
+    bus, nats_server, nats_settings, tmp_path, controller
+):
+    shared, models = tmp_path / "adapters", tmp_path / "models"
+    write_gguf_lora(shared / "a.gguf", arch="fake")
+    gguf = write_fake_gguf(models / "tiny.gguf")
+    agent = lora_agent(nats_server.url, tmp_path / "node1", [shared, models])
+    try:
+        policy = {"min_replicas": 1, "max_replicas": 1, "idle_unload_after": 600}
+        base = llama_base(gguf, autoscale=policy)
+        await serve_auto(bus, base)  # at zero until a request comes
+        await add_adapter(bus, adapter("a", shared / "a.gguf", rank=4))
+        async with running_router(connect=_connect(nats_settings), settings=router_settings()) as r:
+            await until(lambda: _true(r.table.route("acme/a") is not None), timeout=20)
+            assert await replicas_of(bus) == []
+            events = await stream(r.url, "acme/a")  # held while a replica starts with it
+            assert events[-1] == "[DONE]"
+            assert {json.loads(e)["model"] for e in events[:-1]} == {"acme/a"}
+            assert len(await replicas_of(bus)) == 1
     finally:
         stop(agent.proc)
 
