@@ -12,6 +12,7 @@ import time
 import aiohttp
 import pytest
 from router_helpers import SERVED, TINY_CPU_MODEL, chat_body, router_settings, running_router
+from test_gateway_audit import _trail
 from test_router_gateway import _key, _usage
 from waiting import until
 
@@ -120,14 +121,19 @@ async def test_a_body_naming_lora_itself_is_refused_for_a_model_with_adapters(
             assert (status, error["code"], error["param"]) == (400, "lora_not_allowed", "lora")
 
 
-async def test_a_key_given_an_adapter_alone_is_refused_its_base_and_usage_names_the_adapter(
-    bus, nats_settings, llama, lora_files
+@pytest.mark.parametrize("given_to", ["key", "team"])
+async def test_a_key_given_an_adapter_alone_is_refused_its_base_and_usage_and_audit_name_it(
+    bus, nats_settings, llama, lora_files, given_to
 ):
     await ensure_streams(bus)
     await _place(bus, llama, ["a", "b"])
     await bus.put(keys.adapter("a"), catalog.encode_model(_adapter("a", lora_files[0])))
     async with running_router(connect=_connect(nats_settings), settings=router_settings()) as r:
-        secret = await _key(bus, "team-a", models=["acme/a"])
+        if given_to == "team":
+            await bus.put(keys.team("ml"), records.Team(team="ml", models=["acme/a"]))
+            secret = await _key(bus, "team-a", team="ml")
+        else:
+            secret = await _key(bus, "team-a", models=["acme/a"])
 
         async def adapter_served():
             return (await _post(r.url, chat_body(model="acme/a"), secret))[0] == 200
@@ -147,6 +153,19 @@ async def test_a_key_given_an_adapter_alone_is_refused_its_base_and_usage_names_
 
         usage = await until(counted, timeout=10)
         assert not any(model == SERVED for (_, model, _) in usage)
+
+        async def audited():
+            trail = await _trail(bus)
+            return trail if any(t.status == 403 for t in trail) else None
+
+        trail = await until(audited, timeout=10)
+        served = [t for t in trail if t.status == 200]
+        assert served and {(t.key, t.model, t.replica) for t in served} == {
+            ("team-a", "acme/a", "r1")
+        }
+        assert [(t.model, t.refused) for t in trail if t.status == 403] == [
+            (SERVED, "model_not_allowed")
+        ]
 
 
 async def test_an_adapter_every_engine_refused_is_answered_at_once_with_the_engine_s_words(
