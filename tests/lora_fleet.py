@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import aiohttp
+import anyio
 import msgspec
 from agent_helpers import FakeEngineAgent, agent_config, host_dirs, start_agent
+from router_helpers import StreamingLoad
+from waiting import until
 
 from llmgw import catalog
 from llmgw.agent.config import Engines, Weights
@@ -67,3 +71,32 @@ async def add_adapter(bus: Bus, a: catalog.Adapter) -> None:
 async def shards_of(bus: Bus, model: str = "tiny") -> list[records.Shard]:
     got = await bus.list(keys.pattern(keys.SHARDS), decoder(records.Shard))
     return sorted((e.value for e in got.values() if e.value.model == model), key=lambda s: s.rid)
+
+
+def served(router, name: str):
+    """A check for `until`: the router has an engine for `name`."""
+
+    async def check():
+        route = router.table.route(name)
+        return route is not None and bool(route.backends)
+
+    return check
+
+
+async def add_while_streaming(bus: Bus, router, new: catalog.Adapter, loads: list[StreamingLoad]):
+    """Add `new` to a llama-server base while each of `loads` streams (two clients each), until
+    it is served and every replica there was before is replaced (its launch changed)."""
+    before = {s.rid for s in await shards_of(bus)}
+
+    async def replaced():
+        rids = {s.rid for s in await shards_of(bus)}
+        return rids and not rids & before
+
+    stop_load = anyio.Event()
+    async with aiohttp.ClientSession() as http, anyio.create_task_group() as tg:
+        for load in loads:
+            tg.start_soon(load.run, http, 2, stop_load)
+        await add_adapter(bus, new)
+        await until(served(router, new.served_name), timeout=60)
+        await until(replaced, timeout=60)
+        stop_load.set()

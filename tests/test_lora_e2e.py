@@ -12,7 +12,7 @@ import anyio
 import pytest
 from agent_helpers import stop
 from autoscale_fleet import replicas_of, serve_auto
-from lora_fleet import adapter, add_adapter, lora_agent, shards_of
+from lora_fleet import adapter, add_adapter, add_while_streaming, lora_agent, served, shards_of
 from router_helpers import SERVED, StreamingLoad, chat_body, router_settings, running_router
 from serving import serve, sse_events
 from waiting import until
@@ -60,14 +60,6 @@ def llama_base(gguf, **entry) -> catalog.Model:
 
 def _connect(nats_settings):
     return lambda: Bus.connect(nats_settings, give_up_after=None)
-
-
-def served(router, name: str):
-    async def check():
-        route = router.table.route(name)
-        return route is not None and bool(route.backends)
-
-    return check
 
 
 async def stream(url: str, model: str, events: list | None = None) -> list[str]:
@@ -161,21 +153,8 @@ async def test_adding_an_adapter_to_llama_server_replaces_the_replica_dropping_n
         await add_adapter(bus, adapter("a", shared / "a.gguf", rank=4))
         async with running_router(connect=_connect(nats_settings), settings=router_settings()) as r:
             await until(served(r, "acme/a"), timeout=60)
-            before = {s.rid for s in await shards_of(bus)}
             base, a = StreamingLoad(r.url), StreamingLoad(r.url, model="acme/a")
-            stop_load = anyio.Event()
-            async with aiohttp.ClientSession() as http, anyio.create_task_group() as tg:
-                tg.start_soon(base.run, http, 2, stop_load)
-                tg.start_soon(a.run, http, 2, stop_load)
-                await add_adapter(bus, adapter("b", shared / "b.gguf", rank=4))
-                await until(served(r, "acme/b"), timeout=60)
-
-                async def replaced():
-                    rids = {s.rid for s in await shards_of(bus)}
-                    return rids and not rids & before
-
-                await until(replaced, timeout=60)
-                stop_load.set()
+            await add_while_streaming(bus, r, adapter("b", shared / "b.gguf", rank=4), [base, a])
             assert base.failed == [] and a.failed == [], (base.failed, a.failed)
             events = await stream(r.url, "acme/b")
             payloads = [json.loads(e) for e in events[:-1]]

@@ -186,8 +186,8 @@ async def test_an_adapter_every_engine_refused_is_answered_at_once_with_the_engi
 
 
 def test_a_lora_field_goes_first_in_the_body_and_the_rest_is_kept():
-    assert with_lora(b' {"model":"x"}', 3) == b' {"lora":[{"id":3,"scale":1.0}],"model":"x"}'
-    assert json.loads(with_lora(b'{ "a": 1 ,"b":[2]}', 0)) == {
+    assert with_lora(b' {"model":"x"}', 3, 1.0) == b' {"lora":[{"id":3,"scale":1.0}],"model":"x"}'
+    assert json.loads(with_lora(b'{ "a": 1 ,"b":[2]}', 0, 1.0)) == {
         "lora": [{"id": 0, "scale": 1.0}],
         "a": 1,
         "b": [2],

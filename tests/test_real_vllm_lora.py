@@ -14,7 +14,7 @@ import aiohttp
 import anyio
 import pytest
 from agent_helpers import stop
-from lora_fleet import adapter, add_adapter, lora_agent, shards_of
+from lora_fleet import adapter, add_adapter, lora_agent, served, shards_of
 from real_vllm import SERVED, cpu_vllm_model, leftover_vllm_processes, vllm_binary
 from router_helpers import StreamingLoad, router_settings, running_router
 from serving import serve, sse_events
@@ -58,14 +58,6 @@ def vllm_lora_node(tmp_path, nats_server, vllm_tiny_model):
 
 def _connect(nats_settings):
     return lambda: Bus.connect(nats_settings, give_up_after=None)
-
-
-def served(router, name: str):
-    async def check():
-        route = router.table.route(name)
-        return route is not None and bool(route.backends)
-
-    return check
 
 
 async def chat(url: str, model: str) -> tuple[int, list[dict]]:

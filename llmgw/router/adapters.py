@@ -8,7 +8,10 @@ llama-server engine serves its base model and applies one of the adapters it was
 with per request: the router puts `"lora": [{"id": N, "scale": 1.0}]` in the body (N: the
 adapter's place in the engine's `--lora` list, from its shard) and writes the adapter's name
 back where the engine's answer says its base's (`"model": ...`), so the client sees the
-name it asked for. A body that names `lora` itself for a model with adapters is refused:
+name it asked for. A request for the base itself, to a llama-server started with adapters,
+gets `"lora": [{"id": 0, "scale": 0.0}]`: llama-server leaves every adapter at scale 1.0
+despite `--lora-init-without-apply` and applies them all to a request naming none
+(llama.cpp issue 28674), while an adapter a request's list leaves out is at 0. A body that names `lora` itself for a model with adapters is refused:
 which adapter runs is the router's to say, or a key given the base alone would reach its
 adapters by number.
 
@@ -45,7 +48,7 @@ class AdapterRoute:
         lora_id = self.lora_ids.get(backend_id)
         if lora_id is None:
             return body
-        return with_lora(body, lora_id)
+        return with_lora(body, lora_id, 1.0)
 
     def answer(self, backend_id: str) -> NameSwap | None:
         """How the engine's answer is rewritten on the way back (None: as it is)."""
@@ -70,14 +73,20 @@ class AdapterRoute:
         )
 
 
-def with_lora(body: bytes, lora_id: int) -> bytes:
+def with_lora(body: bytes, lora_id: int, scale: float) -> bytes:
     """`body` (a JSON object, as the request parser found it) with llama-server's per-request
-    adapter in front of its other fields."""
+    adapter in front of its other fields (at `scale`; every other adapter at 0)."""
     start = body.find(b"{")
-    field_ = b'"lora":[{"id":%d,"scale":1.0}]' % lora_id
+    field_ = b'"lora":[{"id":%d,"scale":%r}]' % (lora_id, scale)
     rest = body[start + 1 :]
     joiner = b"," if rest.lstrip()[:1] != b"}" else b""
     return body[: start + 1] + field_ + joiner + rest
+
+
+def without_lora(body: bytes) -> bytes:
+    """A base request's body for a llama-server started with adapters: none applied (the
+    module's docstring)."""
+    return with_lora(body, 0, 0.0)
 
 
 def served_ids(shard_adapters: Sequence[str]) -> dict[str, int]:

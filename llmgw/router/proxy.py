@@ -416,7 +416,7 @@ class Proxy:
         started = time.monotonic()
         backend = flight.backend
         for attempt in (0, 1):
-            body = route.adapter.body(backend.id, req.body) if route.adapter else req.body
+            body = route.engine_body(backend.id, req.body)
             try:
                 conn = await self.pool.send(
                     backend.host,

@@ -31,7 +31,7 @@ from llmgw import catalog
 from llmgw.bus import keys, records
 from llmgw.fleetstate.decode import FleetRecords
 from llmgw.fleetstate.serving import serving
-from llmgw.router.adapters import AdapterRoute, refusal_of, served_ids
+from llmgw.router.adapters import AdapterRoute, refusal_of, served_ids, without_lora
 from llmgw.router.upstream import authority
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,14 @@ class Route:
     # a model with LoRA adapters: which one a request runs is the router's to say, so a
     # body naming `lora` itself is refused
     lora_by_router: bool = False
+    # the base's llama-server engines started with adapters: its requests say none applies
+    lora_off: frozenset[str] = frozenset()
+
+    def engine_body(self, backend_id: str, body: bytes) -> bytes:
+        """The body the engine `backend_id` gets for a request on this route."""
+        if self.adapter is not None:
+            return self.adapter.body(backend_id, body)
+        return without_lora(body) if backend_id in self.lora_off else body
 
 
 def bearer(key: str | None) -> bytes:
@@ -299,6 +307,11 @@ class EndpointTable:
             if not backends:
                 route.why_none = self._why_none(model_id, notes)
             route.lora_by_router = model_id in bases
+            route.lora_off = frozenset(
+                b.id
+                for b in backends
+                if self._engine.get(b.id) == "llama-server" and self._loaded.get(b.id)
+            )
             routes[model.served_name] = route
         self._adapter_routes(routes)
         for gone in set(self._backends) - set(seen):

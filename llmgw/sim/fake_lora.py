@@ -11,7 +11,10 @@ name, a path with no adapter, a rank over --max-lora-rank. A loaded adapter is l
 llama-server (`LlamaLoras`): `--lora FILE` (repeatable), `--lora-scaled FILE SCALE`,
 `--lora-init-without-apply`; each file must be a GGUF LoRA of the model's architecture or
 the server does not start; `GET/POST /lora-adapters`; a request's
-`"lora": [{"id": N, "scale": S}]` ("invalid adapter id" otherwise).
+`"lora": [{"id": N, "scale": S}]` ("invalid adapter id" otherwise). As the real one does
+(build 11434, llama.cpp issue 28674): `--lora-init-without-apply` leaves every adapter at
+scale 1.0, so a request naming no adapter (no `lora`, or an empty list) runs them all; a
+request's list sets those it names and leaves the others at 0.
 """
 
 from __future__ import annotations
@@ -223,10 +226,13 @@ class LlamaLoras:
     def mark(self, body: dict) -> str:
         """What the adapters applied to a request put before its tokens ("lora1-"): a real
         adapter changes what is generated; this one says which ran (llama.cpp's rule: the
-        global scales, with the request's own over them)."""
-        scales = dict(enumerate(s for _, s in self.files))  # the global scales, then the
-        asked = self._parse(body["lora"]) if "lora" in body else {}  # request's over them
-        scales.update(asked if isinstance(asked, dict) else {})
+        request's list if it names any, else the global scales)."""
+        asked = self._parse(body["lora"]) if "lora" in body else {}
+        scales = (
+            asked
+            if isinstance(asked, dict) and asked
+            else dict(enumerate(s for _, s in self.files))
+        )
         return "".join(f"lora{i}-" for i, scale in sorted(scales.items()) if scale)
 
     def _parse(self, raw: object) -> dict[int, float] | str:
@@ -245,8 +251,8 @@ class LlamaLoras:
 
 
 def llama_loras(ns) -> LlamaLoras:
-    without = bool(getattr(ns, "lora_init_without_apply", False))
-    files = [(p, 0.0 if without else 1.0) for p in getattr(ns, "lora", None) or []]
+    # --lora-init-without-apply is taken and, as by the real server, not honoured (above)
+    files = [(p, 1.0) for p in getattr(ns, "lora", None) or []]
     for path, scale in getattr(ns, "lora_scaled", None) or []:
-        files.append((path, 0.0 if without else float(scale)))
+        files.append((path, float(scale)))
     return LlamaLoras(files=files)

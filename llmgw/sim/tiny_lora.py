@@ -76,10 +76,18 @@ def _text(s: str) -> bytes:
 
 
 def write_gguf_lora(
-    path: Path, *, rank: int = 4, embedding: int = 64, layers: int = 2, arch: str = "llama"
+    path: Path,
+    *,
+    rank: int = 4,
+    embedding: int = 64,
+    layers: int = 2,
+    arch: str = "llama",
+    seed: int | None = None,
 ) -> Path:
     """A GGUF LoRA adapter (v3) of F32 tensors: blk.N.attn_q.weight.lora_a (ggml ne
-    [embedding, rank]) and .lora_b ([rank, embedding]) for each layer, zeros."""
+    [embedding, rank]) and .lora_b ([rank, embedding]) for each layer: zeros, or with a
+    `seed` random values large enough that a real llama-server answers otherwise with it
+    applied than without (a test can tell it was)."""
     kv = [
         (_text("general.architecture"), 8, _text(arch)),
         (_text("general.type"), 8, _text("adapter")),
@@ -103,7 +111,14 @@ def write_gguf_lora(
         sizes.append(size)
         offset += size + (-size % 32)
     header += bytes(-len(header) % 32)
-    data = b"".join(bytes(size) + bytes(-size % 32) for size in sizes)
+    rng = random.Random(seed)
+
+    def values(size: int) -> bytes:
+        if seed is None:
+            return bytes(size)
+        return struct.pack(f"<{size // 4}f", *(rng.gauss(0.0, 1.0) for _ in range(size // 4)))
+
+    data = b"".join(values(size) + bytes(-size % 32) for size in sizes)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(header + data)
     return path

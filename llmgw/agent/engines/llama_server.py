@@ -111,7 +111,8 @@ class LlamaServerAdapter:
         # --metrics is off by default and drain reads in-flight requests from it.
         argv += ["--alias", spec.served_name, "--metrics"]
         if spec.lora_files:
-            # ids 0.. in this order; none applied: each request names its own
+            # ids 0.. in this order; none applied by default, where a build honours it (not
+            # all do: the router names what runs, also none, on every request, router/adapters.py)
             for _, path in spec.lora_files:
                 argv += ["--lora", path]
             argv += ["--lora-init-without-apply"]
