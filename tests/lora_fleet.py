@@ -57,6 +57,23 @@ def lora_agent(
     return FakeEngineAgent(proc, cfg, dirs, path, log)
 
 
+def gpu_base(slots: int, rank: int) -> catalog.Model:
+    """Model `base` ("org/base") on one GPU of vLLM with room for `slots` adapters of
+    `rank`: the simulated fleet's (tests/test_lora_sim.py, bench/adapters.py)."""
+    profile = {
+        "name": "gpu",
+        "engine": "vllm",
+        "weights": {"key": "org/base"},
+        "gpus_per_node": 1,
+        "gpu_memory_gb": 40,
+        "host_ram_gb": 16,
+        "adapter_slots": slots,
+        "adapter_rank": rank,
+    }
+    entry = {"id": "base", "served_name": "org/base", "profiles": [profile]}
+    return catalog.validate_models({"models": [entry]})[0]
+
+
 def adapter(aid: str, path: Path | str, *, base: str = "tiny", rank: int = 8) -> catalog.Adapter:
     return catalog.check_adapter(
         {"id": aid, "served_name": f"acme/{aid}", "base": base, "path": str(path), "rank": rank}

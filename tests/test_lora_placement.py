@@ -97,11 +97,20 @@ def test_room_is_made_by_the_adapter_used_least_lately_and_never_one_in_use():
     assert sorted(e.id for e in result["r1"]) == ["a", "b"]
 
 
-def test_an_adapter_loaded_lately_is_not_unloaded_for_another():
+def test_an_adapter_loaded_lately_and_asked_for_since_is_not_unloaded_for_another():
     seats = [seat("r1", 1, [given("b", NOW - 30)])]  # loaded 30 s ago: within resident_s
-    demand = {"a": Demand(waiting=1, last_active=NOW), "b": Demand(last_active=NOW - 500)}
+    demand = {"a": Demand(waiting=1, last_active=NOW), "b": Demand(last_active=NOW - 20)}
     result = place(seats, [adapter("a"), adapter("b")], demand)
     assert [e.id for e in result["r1"]] == ["b"]
+
+
+def test_an_adapter_loaded_ahead_and_never_asked_for_gives_its_slot_at_once():
+    """The slots filled ahead of demand (a thousand adapters, fewer slots) do not make the
+    first requests for the others wait out the churn budget."""
+    seats = [seat("r1", 1, [given("b", NOW - 30)])]  # loaded ahead 30 s ago
+    demand = {"a": Demand(waiting=1, last_active=NOW), "b": Demand(last_active=NOW - 500)}
+    result = place(seats, [adapter("a"), adapter("b")], demand)
+    assert [e.id for e in result["r1"]] == ["a"]
 
 
 def test_an_adapter_nobody_asks_for_takes_only_a_free_slot():

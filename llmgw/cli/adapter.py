@@ -37,15 +37,19 @@ async def catalog_adapters(bus: Bus) -> list[catalog.Adapter]:
     return sorted((e.value for e in listed.values()), key=lambda a: a.id)
 
 
+MAX_ADDED = 10_000  # names one `add` takes: a thousand fine-tunes of a base, and room
+
+
 @adapter.command("add")
-@click.argument("name")
+@click.argument("names", metavar="NAME...", nargs=-1, required=True)
 @click.option("--base", required=True, help="the base model's id (as `llmgw catalog ls` lists)")
 @click.option(
     "--path",
     "path",
-    required=True,
+    default=None,
     help="where its files are on the nodes: a PEFT directory (vLLM) or a .gguf LoRA file "
-    "(llama-server)",
+    "(llama-server); `{name}` stands for each NAME [default: the files a node reports by "
+    "that name]",
 )
 @click.option(
     "--rank",
@@ -53,50 +57,98 @@ async def catalog_adapters(bus: Bus) -> list[catalog.Adapter]:
     default=None,
     help="its LoRA rank [default: as a node holding it, or the files here, say]",
 )
-@click.option("--served-name", default=None, help="what clients send as `model` [NAME]")
+@click.option(
+    "--served-name",
+    default=None,
+    help="what clients send as `model`; `{name}` stands for each NAME [NAME]",
+)
 @nats_options
 def add(
-    name: str,
+    names: tuple[str, ...],
     base: str,
-    path: str,
+    path: str | None,
     rank: int | None,
     served_name: str | None,
     nats: NatsSettings,
     bucket: BucketSettings,
 ) -> None:
-    """Serve the LoRA adapter at PATH, on BASE, as model NAME."""
+    """Serve the LoRA adapter NAME (its files at PATH) on BASE, as model NAME; several
+    at once: `llmgw adapter add ft-{0001..1000} --base qwen3-8b`."""
+    names = tuple(dict.fromkeys(names))
+    if len(names) > MAX_ADDED:
+        raise AdapterCommandError(f"{len(names)} names; at most {MAX_ADDED} in one `add`")
+    for option, value in (("--path", path), ("--served-name", served_name)):
+        if len(names) > 1 and value is not None and "{name}" not in value:
+            raise AdapterCommandError(
+                f"{len(names)} names share one {option} {value!r}; put {{name}} in it where "
+                "each name goes"
+            )
 
-    async def run() -> tuple[catalog.Adapter, list[str]]:
+    async def run() -> list[tuple[catalog.Adapter, list[str]]]:
         async with open_bus(nats, bucket) as bus:
             models = await catalog_models(bus)
             adapters = await catalog_adapters(bus)
-            held = await _held_at(bus, path)
-            found = rank or next((h.rank for _, h in held if h.rank), 0) or _local_rank(path)
-            if not found:
-                raise AdapterCommandError(
-                    f"the rank of {path} is not known: no node reports adapter files there "
-                    "and they are not readable here; give it with --rank R"
-                )
-            fields = {"id": name, "served_name": served_name or name, "base": base}
-            record = catalog.check_adapter(fields | {"path": path, "rank": found})
-            _check_fits(record, models, adapters)
-            if await bus.create(keys.adapter(name), record) is None:
-                raise AdapterCommandError(
-                    f"adapter {name!r} exists: `llmgw adapter rm {name}` first to change it"
-                )
-            return record, [node for node, _ in held]
+            holdings = await _holdings(bus)
+            wanted = [
+                _adapter_record(name, base, path, rank, served_name, holdings) for name in names
+            ]
+            for record in wanted:
+                _check_fits(record, models, adapters)
+                adapters.append(record)  # a served name twice among the new ones is refused
+            added = []
+            for record in wanted:
+                if await bus.create(keys.adapter(record.id), record) is None:
+                    raise AdapterCommandError(
+                        f"adapter {record.id!r} exists: `llmgw adapter rm {record.id}` first to "
+                        "change it" + (f" ({len(added)} added before it)" if added else "")
+                    )
+                added.append((record, holdings.nodes_at(record.path)))
+            return added
 
-    record, nodes = anyio.run(run)
-    where = (
-        f"held on {len(nodes)} node(s): {', '.join(nodes[:5])}"
-        if nodes
-        else f"no node reports adapter files at {record.path} yet: it serves once one does "
-        "(`llmgw status` shows what each node holds)"
-    )
-    click.echo(
-        f"adapter {record.id} added: {record.served_name!r} on {record.base}, rank "
-        f"{record.rank}; {where}"
-    )
+    for record, nodes in anyio.run(run):
+        where = (
+            f"held on {len(nodes)} node(s): {', '.join(nodes[:5])}"
+            if nodes
+            else f"no node reports adapter files at {record.path} yet: it serves once one does "
+            "(`llmgw status` shows what each node holds)"
+        )
+        click.echo(
+            f"adapter {record.id} added: {record.served_name!r} on {record.base}, rank "
+            f"{record.rank}; {where}"
+        )
+
+
+def _adapter_record(
+    name: str,
+    base: str,
+    path: str | None,
+    rank: int | None,
+    served_name: str | None,
+    holdings: Holdings,
+) -> catalog.Adapter:
+    """NAME's catalog value: its path as given, else the one the nodes report by that name;
+    its rank as given, else as a node holding it or the files here say."""
+    if path is not None:
+        where = path.replace("{name}", name)
+    else:
+        paths = sorted(holdings.named.get(name, ()))
+        if len(paths) != 1:
+            said = (
+                f"nodes report adapter files named {name!r} at {', '.join(paths[:3])}"
+                if paths
+                else f"no node reports adapter files named {name!r}"
+            )
+            raise AdapterCommandError(f"{said}; say which with --path")
+        where = paths[0]
+    found = rank or holdings.rank_at(where) or _local_rank(where)
+    if not found:
+        raise AdapterCommandError(
+            f"the rank of {where} is not known: no node reports adapter files there "
+            "and they are not readable here; give it with --rank R"
+        )
+    shown = served_name.replace("{name}", name) if served_name is not None else name
+    fields = {"id": name, "served_name": shown, "base": base}
+    return catalog.check_adapter(fields | {"path": where, "rank": found})
 
 
 def _check_fits(
@@ -131,15 +183,31 @@ def _check_fits(
             )
 
 
-async def _held_at(bus: Bus, path: str) -> list[tuple[str, records.HeldAdapter]]:
-    """(node, what it holds) for every node reporting complete adapter files at `path`."""
+class Holdings:
+    """The adapter files the nodes report holding complete, by path and by name (key)."""
+
+    def __init__(self, inventories: list[records.NodeInventory]) -> None:
+        self.at: dict[str, list[tuple[str, records.HeldAdapter]]] = {}
+        self.named: dict[str, set[str]] = {}
+        for inv in sorted(inventories, key=lambda i: i.node):
+            for held in inv.weights.adapters:
+                path = held.path.rstrip("/")
+                self.at.setdefault(path, []).append((inv.node, held))
+                # by its key (its folder's path under a weights directory: `loras/ft-01`)
+                # and by its last part, which is the name an operator knows it by
+                for name in {held.key, held.key.rsplit("/", 1)[-1]}:
+                    self.named.setdefault(name, set()).add(path)
+
+    def nodes_at(self, path: str) -> list[str]:
+        return [node for node, _ in self.at.get(path.rstrip("/"), [])]
+
+    def rank_at(self, path: str) -> int:
+        return next((h.rank for _, h in self.at.get(path.rstrip("/"), []) if h.rank), 0)
+
+
+async def _holdings(bus: Bus) -> Holdings:
     listed = await bus.list(keys.pattern(keys.NODES), decoder(records.NodeInventory))
-    out = []
-    for entry in sorted(listed.values(), key=lambda e: e.value.node):
-        for held in entry.value.weights.adapters:
-            if held.path.rstrip("/") == path.rstrip("/"):
-                out.append((entry.value.node, held))
-    return out
+    return Holdings([e.value for e in listed.values()])
 
 
 def _local_rank(path: str) -> int:

@@ -18,8 +18,9 @@ vLLM loads an adapter in milliseconds, so its replicas serve what the demand ask
   finds it (a slot is a place in the replica's `adapter_slots`);
 - for an adapter with requests in flight or held, a replica with no free slot makes room
   by unloading the adapter used least lately that has no request in flight, has been
-  loaded for `resident_s` at least, and was not asked for in the last `busy_s` (the churn
-  budget: a slot turns over at most once a `resident_s`, and an adapter in use is never
+  loaded for `resident_s` at least (unless nobody asked for it since it was loaded ahead),
+  and was not asked for in the last `busy_s` (the churn budget: a slot an adapter was
+  asked for in turns over at most once a `resident_s`, and an adapter in use is never
   unloaded for another);
 - one adapter gets at most one new replica every `settle_s` (a load takes effect in
   about a second; the next pass sees whether it was enough), and gives back a copy its
@@ -261,13 +262,20 @@ def _seat_for(
     for seat in candidates:
         for aid, have in table.given[seat.rid].items():
             d = demand.get(aid, Demand())
-            if _in_use(d, now, policy) or now - have.since < policy.resident_s:
+            if _in_use(d, now, policy) or _resident(have, d, now, policy):
                 continue
             # a spare copy first, then the adapter asked for least lately
             rank = (len(table.where.get(aid, [])) <= 1, d.last_active, seat.load, seat.rid, aid)
             if best is None or rank < best[0]:
                 best = (rank, seat, aid)
     return (best[1], best[2]) if best is not None else (None, None)
+
+
+def _resident(have: AdapterAssigned, d: Demand, now: float, policy: AdapterPolicy) -> bool:
+    """Within its churn budget: loaded less than `resident_s` ago and asked for since. One
+    loaded ahead of any request (into a free slot) and not asked for since gives its slot
+    at once: taking it back moves nothing anyone used, and it comes back only when asked."""
+    return now - have.since < policy.resident_s and d.last_active >= have.since
 
 
 def _trim(

@@ -94,6 +94,7 @@ class SimulatedEngine:
         self.behaviour = behaviour
         self.kind = "vllm" if Path(argv[0]).name == "vllm" else "llama-server"
         self.ns: object | None = None  # the engine's parsed command line, once parsed
+        self.served: fake_engine.Engine | None = None  # what it serves, once it does (bench/)
         self._output = output
         self._stop = anyio.Event()
         self._gone = anyio.Event()
@@ -174,6 +175,7 @@ class SimulatedEngine:
             first_token_seconds=b.first_token_seconds,
             env=self.env,
         )
+        self.served = engine
         problem = (
             engine.vllm_loras.startup_problem()
             if kind == "vllm"
