@@ -113,6 +113,19 @@ def test_an_adapter_loaded_ahead_and_never_asked_for_gives_its_slot_at_once():
     assert [e.id for e in result["r1"]] == ["a"]
 
 
+def test_a_busy_adapter_s_extra_copy_never_unloads_another_s_last_copy():
+    """A popular adapter spreading must not push the rarely asked out of the fleet; an
+    adapter loaded nowhere may."""
+    old = NOW - 1000
+    seats = [seat("r1", 1, [given("a", old)]), seat("r2", 1, [given("b", old)])]
+    busy = {"a": Demand(in_flight=6, waiting=1, last_active=NOW), "b": Demand(last_active=old)}
+    result = place(seats, [adapter("a"), adapter("b")], busy)
+    assert where(result, "a") == ["r1"] and where(result, "b") == ["r2"]
+    seats = [seat("r1", 1, [given("b", old)])]
+    held = {"a": Demand(waiting=1, last_active=NOW), "b": Demand(last_active=old)}
+    assert where(place(seats, [adapter("a"), adapter("b")], held), "a") == ["r1"]
+
+
 def test_an_adapter_nobody_asks_for_takes_only_a_free_slot():
     seats = [seat("r1", 1, [given("b", NOW - 1000)])]
     demand = {"b": Demand(last_active=NOW - 1000)}  # b idle, a never asked for

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import aiohttp
 import anyio
@@ -168,3 +169,42 @@ def test_a_model_may_not_hide_in_the_adapters_folder():
 
 async def _is(value, want) -> bool:
     return await value == want
+
+
+def test_the_lora_examples_parse_and_their_base_takes_the_adapters():
+    from llmgw.sim.fleet import load_fleet
+
+    root = Path(__file__).resolve().parents[1] / "examples"
+    fleet = load_fleet(root / "lora-fleet.toml")
+    (files,) = fleet.shares["filer"].adapters
+    assert len(files.files()) == 1000 and files.files()[-1] == "qwen-ft-1000"
+    (base,) = catalog.load_catalog_toml(root / "lora-catalog.toml")
+    assert fleet.shares["filer"].models == [base.profiles[0].weights.key]
+    assert base.profiles[0].adapter_slots * 4 >= 1000  # every adapter has a place
+
+
+@pytest.mark.slow
+def test_the_readme_s_thousand_adapters_on_the_simulated_fleet_are_served_by_name(tmp_path):
+    """README, "Fine-tunes: LoRA adapters": `llmgw up --sim examples/lora-fleet.toml`, its
+    base placed, a thousand adapters added in one command, one asked for by name."""
+    import time
+
+    from up_sim import ROOT, up_sim
+
+    with up_sim(ROOT / "examples" / "lora-fleet.toml", tmp_path) as up:
+        up.run("catalog", "apply", "examples/lora-catalog.toml")
+        up.run("place", "qwen3-8b", "--replicas", "4", "--wait")
+        names = [f"qwen-ft-{n:04d}" for n in range(1, 1001)]
+        deadline = time.monotonic() + 60
+        while True:  # until every node's scan has reported the adapters' files
+            done = subprocess.run(
+                [sys.executable, "-m", "llmgw.cli", "adapter", "add", *names, "--base", "qwen3-8b"],
+                capture_output=True, text=True, env=up.env, timeout=120, cwd=ROOT,
+            )  # fmt: skip
+            if done.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.count(" added: ") == 1000
+        assert up.chat("qwen-ft-0042")["model"] == "qwen-ft-0042"
+        assert "qwen-ft-0042" in up.run("adapter", "ls")

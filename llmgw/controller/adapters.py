@@ -21,7 +21,8 @@ vLLM loads an adapter in milliseconds, so its replicas serve what the demand ask
   loaded for `resident_s` at least (unless nobody asked for it since it was loaded ahead),
   and was not asked for in the last `busy_s` (the churn budget: a slot an adapter was
   asked for in turns over at most once a `resident_s`, and an adapter in use is never
-  unloaded for another);
+  unloaded for another); a spare copy goes first, and another adapter's last copy only
+  for an adapter loaded nowhere;
 - one adapter gets at most one new replica every `settle_s` (a load takes effect in
   about a second; the next pass sees whether it was enough), and gives back a copy its
   demand no longer needs only after `resident_s`;
@@ -235,7 +236,7 @@ def _grow(
         newest = max((table.given[r][adapter.id].since for r in where), default=float("-inf"))
         if where and now - newest < policy.settle_s:
             return
-        seat, victim = _seat_for(table, candidates, demand, now, policy, may_evict)
+        seat, victim = _seat_for(table, candidates, demand, now, policy, may_evict, not where)
         if seat is None:
             return
         if victim is not None:
@@ -251,8 +252,12 @@ def _seat_for(
     now: float,
     policy: AdapterPolicy,
     may_evict: bool,
+    loaded_nowhere: bool,
 ) -> tuple[Seat | None, str | None]:
-    """The seat for one more copy, and what it unloads to make room (None: a free slot)."""
+    """The seat for one more copy, and what it unloads to make room (None: a free slot).
+    Only an adapter loaded nowhere unloads another's last copy: one more copy of a loaded
+    adapter takes a free slot or a spare copy, or a popular adapter's extra copies would
+    push the rarely asked out of the fleet, each then missed and loaded again."""
     free = [s for s in candidates if table.free(s.rid) > 0]
     if free:
         return min(free, key=lambda s: (-table.free(s.rid), s.load, s.rid)), None
@@ -264,8 +269,11 @@ def _seat_for(
             d = demand.get(aid, Demand())
             if _in_use(d, now, policy) or _resident(have, d, now, policy):
                 continue
+            last = len(table.where.get(aid, [])) <= 1
+            if last and not loaded_nowhere:
+                continue
             # a spare copy first, then the adapter asked for least lately
-            rank = (len(table.where.get(aid, [])) <= 1, d.last_active, seat.load, seat.rid, aid)
+            rank = (last, d.last_active, seat.load, seat.rid, aid)
             if best is None or rank < best[0]:
                 best = (rank, seat, aid)
     return (best[1], best[2]) if best is not None else (None, None)
