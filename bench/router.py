@@ -237,6 +237,8 @@ def wrk(
 
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     total = int(re.search(r"(\d+) requests in", out).group(1))
+    if total == 0:  # every connection failed or timed out: a ratio to it means nothing
+        raise SystemExit(f"no request answered in {seconds:g} s at c={connections}:\n{out}")
     return {"rps": rps, "p50_ms": latency("50"), "p99_ms": latency("99"), "requests": total}
 
 
