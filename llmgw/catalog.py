@@ -20,7 +20,7 @@ import json
 import math
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -54,6 +54,9 @@ _HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
 _MAX_INT = 2**31 - 1
 # requests a router may hold for one model: each is an open connection and a task
 MAX_HELD = 100_000
+# LoRA: the largest rank vLLM takes (--max-lora-rank), and adapters one replica keeps loaded
+MAX_ADAPTER_RANK = 512
+MAX_ADAPTER_SLOTS = 4096
 
 # The bounds of every number live on the Struct's fields (msgspec.Meta): the Struct is the
 # one description of a record, and the checker below reads its bounds from there. `expected`
@@ -134,6 +137,12 @@ class Profile(msgspec.Struct, kw_only=True, omit_defaults=True):
     # only GPUs of this model: a MIG profile ("1g.18gb") or a GPU's name ("H100-80GB-HBM3",
     # as its gpu.model label reads); a node selector alone says which nodes, not which GPUs
     gpu_model: str | None = None
+    # vLLM's room for the model's LoRA adapters (docs/engines.md, "LoRA adapters"): how many
+    # one replica keeps loaded (None: 8) and the largest rank it takes (None: the largest of
+    # the model's adapters). Set either and the engine starts with LoRA even before the
+    # first adapter, so adding adapters never restarts it.
+    adapter_slots: Annotated[int, Meta(ge=1, le=MAX_ADAPTER_SLOTS)] | None = None
+    adapter_rank: Annotated[int, Meta(ge=1, le=MAX_ADAPTER_RANK)] | None = None
 
 
 # What reaches the engine (the agent's launch_spec reads these, and the model's served
@@ -153,6 +162,8 @@ LAUNCH_FIELDS = (
     "extra_args",
     "env",
     "share_gpus",
+    "adapter_slots",
+    "adapter_rank",
 )
 PLACEMENT_FIELDS = ("name", "host_ram_gb", "node_selector", "tolerations", "gpu_model")
 
@@ -204,20 +215,86 @@ class Model(msgspec.Struct, kw_only=True, omit_defaults=True):
         return next((p for p in self.profiles if p.name == name), None)
 
 
+class Adapter(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A LoRA adapter of a base model, served as a model of its own: clients ask for it by
+    `served_name`. Its files are at `path` on the nodes, observed like weights and never
+    fetched: a PEFT directory (vLLM) or a GGUF LoRA file (`.gguf`, llama-server). Stored one
+    per `adapters.<id>` key by the operator (`llmgw adapter add`)."""
+
+    id: str
+    served_name: str
+    base: str  # the base model's id
+    path: str
+    rank: Annotated[int, Meta(ge=1, le=MAX_ADAPTER_RANK)]
+
+    @property
+    def format(self) -> AdapterFormat:
+        return adapter_format(self.path)
+
+
+AdapterFormat = Literal["peft", "gguf"]
+# the engine each adapter format is for
+ADAPTER_ENGINES: dict[str, str] = {"peft": "vllm", "gguf": "llama-server"}
+# the ranks vLLM's --max-lora-rank takes (vllm/config/lora.py, 0.32)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+DEFAULT_ADAPTER_SLOTS = 8
+# adapters vLLM batches together (--max-loras): each costs GPU memory at the largest rank
+MAX_BATCHED_ADAPTERS = 8
+
+
+def adapter_format(path: str) -> AdapterFormat:
+    """A `.gguf` file is llama-server's; anything else is a PEFT directory (vLLM's)."""
+    return "gguf" if path.endswith(".gguf") else "peft"
+
+
+def lora_room(profile: Profile, adapters: Sequence[Adapter]) -> records.LoraRoom | None:
+    """What a vLLM replica of `profile` starts with for its model's `adapters`: None (no
+    LoRA) for llama-server, and for a vLLM profile with no adapter and no room asked."""
+    if profile.engine != "vllm":
+        return None
+    if not adapters and profile.adapter_slots is None and profile.adapter_rank is None:
+        return None
+    asked = profile.adapter_rank or max((a.rank for a in adapters), default=16)
+    rank = next((r for r in VLLM_LORA_RANKS if r >= asked), VLLM_LORA_RANKS[-1])
+    return records.LoraRoom(rank=rank, slots=profile.adapter_slots or DEFAULT_ADAPTER_SLOTS)
+
+
+def started_with(profile: Profile, adapters: Sequence[Adapter]) -> list[Adapter]:
+    """The adapters a llama-server replica of `profile` is started with (all of its model's
+    GGUF adapters, by id: llama-server takes its adapters only at start); none for vLLM,
+    which loads them while it runs."""
+    if profile.engine != "llama-server":
+        return []
+    return sorted((a for a in adapters if a.format == "gguf"), key=lambda a: a.id)
+
+
 # launch fields added after fleets ran, with their defaults: a profile that leaves one at its
 # default keeps the fingerprint it had before, so upgrading llmgw rolls nothing out
-_ADDED_LATER = {"share_gpus": False, "cpu_cores": None}
+_ADDED_LATER = {
+    "share_gpus": False,
+    "cpu_cores": None,
+    "adapter_slots": None,
+    "adapter_rank": None,
+}
 
 
-def launch_hash(model: Model, profile: Profile) -> str:
-    """The fingerprint of what an engine of `profile` is launched with (LAUNCH_FIELDS and the
-    served name): replicas carry the one they were placed with, and a different one in the
-    catalog makes them replicas to replace."""
-    content = {"served_name": model.served_name}
+def launch_hash(model: Model, profile: Profile, adapters: Sequence[Adapter] = ()) -> str:
+    """The fingerprint of what an engine of `profile` is launched with (LAUNCH_FIELDS, the
+    served name, and what the model's LoRA adapters make of its command line: vLLM's room
+    for them, llama-server's adapter files): replicas carry the one they were placed with,
+    and a different one in the catalog makes them replicas to replace. `adapters`: the
+    model's own (those whose base it is)."""
+    content: dict[str, Any] = {"served_name": model.served_name}
     content.update({f: msgspec.to_builtins(getattr(profile, f)) for f in LAUNCH_FIELDS})
     for name, default in _ADDED_LATER.items():
         if content[name] == default:  # the fingerprint of a profile without it is as it was
             del content[name]
+    room = lora_room(profile, adapters)
+    if room is not None:
+        content["lora"] = [room.rank, room.slots]
+    files = started_with(profile, adapters)
+    if files:
+        content["adapters"] = [[a.id, a.path] for a in files]
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
     return digest[:12]
 
@@ -670,6 +747,8 @@ def _check_profile(check: _Checker, where: str, path: str, raw: Any) -> Profile 
             "context",
             "parallel",
             "cpu_cores",
+            "adapter_slots",
+            "adapter_rank",
         )
     }
     gpus, gpu_mem, nodes = bounded["gpus_per_node"], bounded["gpu_memory_gb"], bounded["nodes"]
@@ -702,6 +781,15 @@ def _check_profile(check: _Checker, where: str, path: str, raw: Any) -> Profile 
             "pins a vLLM engine; give llama-server its threads and cores in extra_args "
             "(-t, --cpu-range)",
         )
+    if engine == "llama-server":
+        for f in ("adapter_slots", "adapter_rank"):
+            if bounded[f] is not None:
+                check.problem(
+                    where,
+                    f"{path}.{f}",
+                    "sizes vLLM's room for LoRA adapters; llama-server is started with every "
+                    "adapter of the model its node holds: remove it",
+                )
     share = raw.get("share_gpus", False)
     if not isinstance(share, bool):
         check.expected(where, f"{path}.share_gpus", "true or false", share)
@@ -891,6 +979,89 @@ def _check_tolerations(check: _Checker, where: str, path: str, raw: Any) -> list
         if problem:
             check.problem(where, f"{path}[{i}]", problem.replace("label name", "taint name"))
     return list(raw)
+
+
+# --- LoRA adapters (adapters.<id>) ------------------------------------------------------
+
+_ADAPTER_FIELDS = tuple(Adapter.__struct_fields__)
+
+
+def check_adapter(raw: Any, where: str = "adapter") -> Adapter:
+    """An adapter from its fields (`llmgw adapter add`, or an `adapters.<id>` value), with
+    every problem listed at once; raises CatalogError."""
+    check = _Checker()
+    adapter = _check_adapter(check, raw, where)
+    if check.errors or adapter is None:
+        raise CatalogError(check.errors, "adapter refused, nothing written")
+    return adapter
+
+
+def _check_adapter(check: _Checker, raw: Any, where: str) -> Adapter | None:
+    if not isinstance(raw, Mapping):
+        check.problem(where, "", f"expected a table (an adapter), got {_show(raw)}")
+        return None
+    before = len(check.errors)
+    check.unknown_fields(where, "", raw, _ADAPTER_FIELDS)
+    aid, base = raw.get("id", _MISSING), raw.get("base", _MISSING)
+    for name, value in (("id", aid), ("base", base)):
+        if not (isinstance(value, str) and is_token(value)):
+            what = "the base model's id" if name == "base" else "a single token"
+            check.expected(where, name, f"{what} (letters, digits, '-' and '_')", value)
+    served = check.text(where, "served_name", raw.get("served_name", _MISSING), default=None)
+    name = served if served is not None else aid if isinstance(aid, str) else ""
+    if len(name.encode()) > MAX_NAME_BYTES:
+        check.problem(
+            where,
+            "served_name",
+            f"{name[:40]!r}... is {len(name.encode())} bytes long; a served name is at most "
+            f"{MAX_NAME_BYTES} bytes (UTF-8)",
+        )
+    path = raw.get("path", _MISSING)
+    if not isinstance(path, str) or not path.startswith("/") or path != path.strip():
+        check.expected(
+            where,
+            "path",
+            "an absolute path on the nodes: a PEFT directory (vLLM) or a .gguf LoRA file "
+            "(llama-server)",
+            path,
+        )
+    rank = check.field(where, "rank", raw, Adapter, "rank")
+    if len(check.errors) > before:
+        return None
+    return Adapter(id=aid, served_name=served or aid, base=base, path=path, rank=rank)
+
+
+def decode_adapter(data: bytes, adapter_id: str | None = None) -> Adapter:
+    """Decode an `adapters.<id>` value with the same rules; `adapter_id`, when given, is the
+    id its key names, which the value must repeat."""
+    where = f"adapters.{adapter_id}" if adapter_id else "adapter value"
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise CatalogError([f"{where}: not JSON ({exc})"], _VALUE_REFUSED) from None
+    check = _Checker()
+    adapter = _check_adapter(check, raw, where)
+    if adapter is not None and adapter_id is not None and adapter.id != adapter_id:
+        check.problem(where, "id", f"{adapter.id!r} stored under key adapters.{adapter_id}")
+    if check.errors or adapter is None:
+        raise CatalogError(check.errors, _VALUE_REFUSED)
+    return adapter
+
+
+def adapter_problem(adapter: Adapter, base: Model | None) -> str | None:
+    """Why `adapter` cannot serve on its base as the catalog has it, or None: the base is
+    missing, runs from fixed endpoints, or has no profile of the engine the files are for."""
+    if base is None:
+        return f"its base model {adapter.base!r} is not in the catalog"
+    if not base.profiles:
+        return f"its base model {base.id!r} runs from fixed endpoints, which llmgw does not load"
+    engine = ADAPTER_ENGINES[adapter.format]
+    if not any(p.engine == engine for p in base.profiles):
+        kind = "a GGUF LoRA file" if adapter.format == "gguf" else "a PEFT directory"
+        return (
+            f"{adapter.path} is {kind}, for {engine}, and no profile of {base.id!r} runs {engine}"
+        )
+    return None
 
 
 # What reading a bucket value by hand-written rules can raise: a reader catches these, logs

@@ -254,10 +254,12 @@ def sse_payloads(raw: bytes) -> list[str]:
     ]
 
 
-def leftover_vllm_processes(since: float) -> list[str]:
+def leftover_vllm_processes(since: float, under: Path | None = None) -> list[str]:
     """Processes of the vLLM under test (its API servers and their resource trackers, run by
     its environment's python; EngineCores and workers, which retitle themselves VLLM::...)
-    started at or after `since` (unix seconds) that still run: what a test must not leave."""
+    started at or after `since` (unix seconds) that still run: what a test must not leave.
+    `under`: only those started from a command under that directory (the test's own), or
+    below one that was (on a machine where another session runs a vLLM of its own)."""
     prefix = str(vllm_binary().parent.parent)
     found = []
     for p in psutil.process_iter(["pid", "name", "cmdline", "create_time", "status"]):
@@ -265,9 +267,20 @@ def leftover_vllm_processes(since: float) -> list[str]:
         if info["status"] == psutil.STATUS_ZOMBIE or (info["create_time"] or 0) < since:
             continue
         text = " ".join(info["cmdline"] or []) or (info["name"] or "")
-        if text.startswith("VLLM::") or prefix in text:
-            found.append(f"{info['pid']} {text[:120]}")
+        if not (text.startswith("VLLM::") or prefix in text):
+            continue
+        if under is not None and not _started_under(p, str(under)):
+            continue
+        found.append(f"{info['pid']} {text[:120]}")
     return found
+
+
+def _started_under(p: psutil.Process, directory: str) -> bool:
+    try:
+        chain = [p, *p.parents()]
+        return any(directory in " ".join(q.cmdline()) for q in chain)
+    except psutil.Error:
+        return False
 
 
 def wait_gone(pids: Sequence[int], within: float = 30.0) -> list[int]:

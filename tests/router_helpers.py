@@ -341,3 +341,15 @@ async def put_key(bus, name: str, **fields: object) -> str:
     record = records.ApiKey(name=name, secrets=[credentials.hash_secret(secret)], **fields)
     await bus.put(keys.apikey(name), record)
     return secret
+
+
+async def metric_by(url: str, metric: str, label: str) -> dict[str, float]:
+    """A router's counter `metric` (its /metrics text) summed by the value of `label`."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(metric + "{"):
+            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[value] = out.get(value, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out

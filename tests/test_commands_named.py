@@ -128,7 +128,7 @@ def test_the_commands_are_found_where_they_are_named() -> None:
 def test_the_check_refuses_what_is_not_a_command() -> None:
     assert unknown_in("apikey ls") == [
         "llmgw has no command 'apikey' (it has: up, status, controller, place, rollout, node, "
-        "catalog, router, agent, sim, pki, key, team, usage, audit)"
+        "catalog, adapter, router, agent, sim, pki, key, team, usage, audit)"
     ]
     assert unknown_in("key revoke NAME --grace 1h") == ["llmgw key revoke has no option --grace"]
     assert unknown_in("key|team ls") == []

@@ -23,7 +23,7 @@ import aiohttp
 import anyio
 import pytest
 from raw_engine import Action, RawEngine, Seen, answer
-from router_helpers import SERVED, router_settings, running_router, static_model
+from router_helpers import SERVED, metric_by, router_settings, running_router, static_model
 from test_router_gateway import _connect, _key, _place, _served
 from test_router_server import Answers
 from waiting import until
@@ -118,14 +118,7 @@ async def _all_kinds_whole(url: str, headers: dict[str, str] | None = None) -> N
 
 async def _errors(url: str) -> dict[str, float]:
     """llmgw_router_errors_total by kind."""
-    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("llmgw_router_errors_total{"):
-            kind = line.split('kind="', 1)[1].split('"', 1)[0]
-            out[kind] = out.get(kind, 0) + float(line.rsplit(" ", 1)[1])
-    return out
+    return await metric_by(url, "llmgw_router_errors_total", "kind")
 
 
 def _settings():

@@ -36,6 +36,20 @@ class UpSim:
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
 
+    def chat(self, model: str) -> dict:
+        """A chat completion through its router, not streamed: the answer."""
+        import json
+        import urllib.request
+
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+        request = urllib.request.Request(
+            f"{self.http_url}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return json.loads(r.read())
+
 
 @contextmanager
 def up_sim(fleet_file: Path, tmp: Path, *extra: str, ready_within: float = 60) -> Iterator[UpSim]:

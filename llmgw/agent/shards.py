@@ -38,6 +38,8 @@ from llmgw.agent.engines.pidfile import (
 )
 from llmgw.agent.engines.validate import NodeFacts, Problem, prepare_launch
 from llmgw.agent.lifetime import own_scope
+from llmgw.agent.lora import LoraSync, adopted_files
+from llmgw.agent.lora import started_with as lora_started_with
 from llmgw.agent.supervisor import EngineSupervisor, PhaseChange, SupervisorTiming
 from llmgw.allotment import held_to_allotment
 from llmgw.bus import keys, records
@@ -379,6 +381,21 @@ class _Engine:
     spec: LaunchSpec
     supervisor: EngineSupervisor
     done: anyio.Event = field(default_factory=anyio.Event)
+    # LoRA adapters: vLLM's, loaded while it runs; llama-server's left out at launch
+    lora: LoraSync | None = None
+    lora_refused: list[records.AdapterFailure] = field(default_factory=list)
+    lora_changed: anyio.Event = field(default_factory=anyio.Event)
+
+    def adapters(self) -> tuple[list[str], list[records.AdapterFailure]]:
+        """What its shard record says of LoRA: the adapters it serves, and those refused."""
+        if self.lora is not None:
+            return self.lora.served(), self.lora.failures()
+        # llama-server's in its --lora order, the index a request names ("": a file of an
+        # adopted engine its assignment no longer names)
+        return [aid for aid, _ in self.spec.lora_files], list(self.lora_refused)
+
+    def look_at_adapters(self) -> None:
+        self.lora_changed.set()
 
 
 WaitForRoom = Callable[[str, LaunchSpec], Awaitable[None]]
@@ -494,6 +511,7 @@ class LocalShard:
                     )
                 running.assignment = want
                 running.supervisor.keep_for(want.generation)
+                running.look_at_adapters()
                 await self._report(want, self.record.phase if self.record else "starting")
                 self._to(ShardState.RUNNING)
                 return False
@@ -555,7 +573,13 @@ class LocalShard:
             self._to(ShardState.IDLE)
             return False
         assert spec is not None
-        self._start(want, spec)
+        refused: list[records.AdapterFailure] = []
+        if spec.lora_files:
+            held = {h.path.rstrip("/"): h for h in self.node.inventory().weights.adapters}
+            spec, refused = await anyio.to_thread.run_sync(
+                lora_started_with, spec, want.adapters, held
+            )
+        self._start(want, spec, lora_refused=refused)
         return False
 
     async def _not_adoptable(
@@ -604,12 +628,22 @@ class LocalShard:
         )
 
     def _start(
-        self, want: records.Assignment, spec: LaunchSpec, *, adopt: EngineProcess | None = None
+        self,
+        want: records.Assignment,
+        spec: LaunchSpec,
+        *,
+        adopt: EngineProcess | None = None,
+        lora_refused: Sequence[records.AdapterFailure] = (),
     ) -> None:
         log_dir = self.node.state_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
 
         async def on_phase(change: PhaseChange) -> None:
+            if engine.lora is not None:
+                if change.phase == "starting":
+                    engine.lora.engine_restarted()  # a new process has nothing loaded
+                elif change.phase == "ready":
+                    engine.look_at_adapters()
             # "starting" carries the argv (in the log file already); "ready" says "ready"
             quiet = change.phase == "starting" or change.reason == change.phase
             await self._report(
@@ -635,11 +669,33 @@ class LocalShard:
             launch_prefix=self.node.launch_prefix(self.rid, want.generation),
             launcher=self.node.launcher,
         )
-        engine = _Engine(want, spec, supervisor)
+        if adopt is not None and spec.lora_files:
+            # llama-server's ids are its start's: read back from its command line
+            spec = dataclasses.replace(spec, lora_files=adopted_files(adopt.argv, want.adapters))
+        engine = _Engine(want, spec, supervisor, lora_refused=list(lora_refused))
+        if spec.lora is not None and not spec.headless:
+            engine.lora = LoraSync(supervisor.ask)
         self.engine = engine
         assert self._tg is not None
         self._tg.start_soon(self._supervise, engine)
+        if engine.lora is not None:
+            self._tg.start_soon(self._keep_adapters, engine)
         self._to(ShardState.RUNNING)
+
+    async def _keep_adapters(self, engine: _Engine) -> None:
+        """vLLM's adapters kept to its assignment while it runs: at every new assignment,
+        when it becomes ready, and every second while one waits to be unloaded."""
+        assert engine.lora is not None
+        while not engine.done.is_set():
+            engine.lora_changed = changed = anyio.Event()
+            if self.record is not None and self.record.phase == "ready" and engine is self.engine:
+                try:
+                    if await engine.lora.sync(engine.assignment.adapters):
+                        await self._report(engine.assignment, "ready")
+                except Exception:  # noqa: BLE001 - this engine's adapters only; looked at again
+                    log.exception("%s: keeping its LoRA adapters failed", self.rid)
+            with anyio.move_on_after(1.0 if engine.lora.pending else 30.0):
+                await changed.wait()
 
     async def _supervise(self, engine: _Engine) -> None:
         try:
@@ -696,6 +752,7 @@ class LocalShard:
         old = self.record
         waited = old is not None and old.reason.startswith(WAITING)
         engine = self.engine
+        served, lora_failures = engine.adapters() if engine is not None else ([], [])
         shard = next_shard(
             old,
             ShardEvent(
@@ -712,6 +769,8 @@ class LocalShard:
                 pid=pid,
                 gave_up=gave_up,
                 refused=refused,
+                adapters=tuple(served),
+                adapter_failures=tuple(lora_failures),
             ),
         )
         self.record = shard
@@ -840,6 +899,9 @@ class ShardEvent:
     pid: int | None = None
     gave_up: bool = False
     refused: str = ""  # Shard.refused
+    # the LoRA adapters its engine serves now, and those it would not take
+    adapters: Sequence[str] = ()
+    adapter_failures: Sequence[records.AdapterFailure] = ()
 
 
 def refused_key(problems: Sequence[Problem]) -> str:
@@ -886,6 +948,8 @@ def next_shard(old: records.Shard | None, event: ShardEvent) -> records.Shard:
         gave_up=event.gave_up,
         port=a.port,
         refused=event.refused,
+        adapters=list(event.adapters),
+        adapter_failures=list(event.adapter_failures),
         # a shared engine's memory, as last read, while it runs (hold_to_allotments)
         **(
             {}
@@ -966,4 +1030,10 @@ def launch_spec(
         master_addr=a.master_addr,
         ib_hcas=hcas,
         host_ip=inv.address if a.nodes > 1 else None,
+        lora=a.lora if profile.engine == "vllm" else None,
+        # llama-server's are all asked for here; those it can take are kept at launch
+        # (agent/lora.py started_with)
+        lora_files=(
+            tuple((e.id, e.path) for e in a.adapters) if profile.engine == "llama-server" else ()
+        ),
     )

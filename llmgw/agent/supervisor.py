@@ -576,6 +576,26 @@ class EngineSupervisor:
             return None
         return r.status, body
 
+    async def ask(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes] | None:
+        """One request to the serving engine's API (the runtime LoRA API: agent/lora.py):
+        its status and body, bounded; None while it does not serve, or did not answer."""
+        if self.state is not EngineState.RUNNING or self._http is None:
+            return None
+        if self.spec.headless or not self.command.base_url:
+            return None
+        if method == "GET":
+            return await self._get(path)
+        headers = {"Content-Type": "application/json"}
+        if self.spec.api_key:
+            headers["Authorization"] = f"Bearer {self.spec.api_key}"
+        try:
+            async with self._http.post(
+                self.command.base_url + path, data=body or b"", headers=headers
+            ) as r:
+                return r.status, await r.content.read(MAX_ENGINE_ANSWER)
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return None
+
     async def gauges(self) -> EngineGauges | None:
         """The engine's own load (its /metrics), while it serves; None otherwise, or when it
         reports none. For the autoscaler, through the node's heartbeat."""

@@ -36,6 +36,7 @@ SCALE = "scale"
 LOAD = "load"
 APIKEYS = "apikeys"
 TEAMS = "teams"
+ADAPTERS = "adapters"
 
 _ARITY = {
     CATALOG: 1,
@@ -53,6 +54,7 @@ _ARITY = {
     ROLLOUT: 1,
     SCALE: 1,
     LOAD: 1,
+    ADAPTERS: 1,
 }
 # The gateway's families (client keys and teams, the operator's, read by routers alone) are
 # parsed apart: readers that watch the whole bucket (the controller's view) hold a table for
@@ -155,6 +157,12 @@ def scale(model: str) -> str:
 def load(router_id: str) -> str:
     """One router's load per model (in flight, held for a replica, TTFT): that router's own."""
     return _key(LOAD, router_id)
+
+
+def adapter(adapter_id: str) -> str:
+    """A LoRA adapter served as a model of its own: its base, files and rank (the operator's,
+    `llmgw adapter add`)."""
+    return _key(ADAPTERS, adapter_id)
 
 
 def apikey(name: str) -> str:

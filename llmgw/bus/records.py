@@ -186,6 +186,23 @@ class HeldModel(msgspec.Struct, kw_only=True, gc=False):
     store: Store
 
 
+class HeldAdapter(msgspec.Struct, kw_only=True, gc=False):
+    """A LoRA adapter held complete: a PEFT directory (adapter_config.json beside
+    adapter_model.safetensors, vLLM's) or a GGUF file whose general.type is "adapter"
+    (llama-server's). Catalog adapters name it by `path`."""
+
+    key: str  # the directory's name, or the GGUF file's stem
+    format: Literal["peft", "gguf"]
+    path: str  # the directory, or the file
+    bytes: int
+    files: int
+    store: Store
+    rank: int = 0  # as its files say (adapter_config.json's r, a GGUF's LoRA tensors); 0: unsaid
+    # the base its files name: adapter_config.json's base_model_name_or_path, a GGUF's
+    # general.architecture ("" when unsaid)
+    base: str = ""
+
+
 class IncompleteModel(msgspec.Struct, kw_only=True, gc=False):
     """Something that looks like a model but is not weights yet (a download in progress, a
     missing shard): not held, shown so an operator can see why. `reason` carries no
@@ -204,7 +221,8 @@ class Weights(msgspec.Struct, kw_only=True, gc=False):
     scanned_at: float = 0.0
     dirs: list[WeightsDir] = []
     models: list[HeldModel] = []
-    incomplete: list[IncompleteModel] = []
+    incomplete: list[IncompleteModel] = []  # models and adapters
+    adapters: list[HeldAdapter] = []
 
 
 # The port range engines are given by default (the controller's port_range, the agent's
@@ -429,6 +447,34 @@ class Replica(msgspec.Struct, kw_only=True, gc=False):
 AssignAction = Literal["run", "drain", "stop"]
 
 
+class LoraRoom(msgspec.Struct, kw_only=True, gc=False, frozen=True):
+    """What a vLLM engine starts with for LoRA adapters (llmgw.catalog.lora_room): the
+    largest rank it takes (--max-lora-rank) and how many it keeps loaded (--max-cpu-loras)."""
+
+    rank: int
+    slots: int
+
+
+class AdapterAssigned(msgspec.Struct, kw_only=True, gc=False, frozen=True):
+    """A LoRA adapter a replica is to serve: vLLM loads it while it runs, llama-server is
+    started with it. `since` is when the controller first gave it this replica (its wall
+    clock): the churn budget keeps it there a while."""
+
+    id: str  # adapters.<id>
+    name: str  # its served name: the name clients send, and vLLM's lora_name
+    path: str
+    rank: int = 0
+    since: float = 0.0
+
+
+class AdapterFailure(msgspec.Struct, kw_only=True, gc=False, frozen=True):
+    """An adapter a shard's engine would not load, said once with the engine's own words."""
+
+    adapter: str  # its id
+    reason: str
+    at: float = 0.0
+
+
 class Assignment(msgspec.Struct, kw_only=True, gc=False):
     """What one node must run for one replica. `generation` grows whenever the controller
     changes it; the agent leaves alone what already matches its generation."""
@@ -448,6 +494,11 @@ class Assignment(msgspec.Struct, kw_only=True, gc=False):
     # shard is launched again with it; a healthy engine keeps its launch until replaced)
     catalog_hash: str = ""
     epoch: int = 0  # the leadership that last changed it (Leader.epoch); not a change itself
+    # LoRA adapters (docs/engines.md): a vLLM engine's room for them (None: no LoRA), and the
+    # adapters this replica serves: loaded while it runs (vLLM), or started with
+    # (llama-server, which takes them only at start)
+    lora: LoraRoom | None = None
+    adapters: list[AdapterAssigned] = []
 
 
 # --- shards.<node>.<rid>: written by the agent
@@ -487,6 +538,11 @@ class Shard(msgspec.Struct, kw_only=True, gc=False):
     gpu_used_bytes: int | None = None
     gpu_allotted_bytes: int = 0
     gpu_outgrown: bool = False
+    # the LoRA adapters its engine serves now, by id (routers send their requests here):
+    # llama-server's in the order it was started with them, the index being the id a
+    # request names; and those it would not load, each with the engine's words
+    adapters: list[str] = []
+    adapter_failures: list[AdapterFailure] = []
 
     def telling_line(self) -> str:
         """The engine's output line that says most, for one-line explanations: the first of

@@ -363,7 +363,7 @@ def _leader(p: _Problems, lead: records.Leader) -> None:
 
 def _catalog(p: _Problems, model: Any) -> None:
     # decoded and checked by llmgw.catalog (which the bus does not import); the id rule is
-    # the one every family shares
+    # the one every family shares (adapters' too)
     p.owner("id", getattr(model, "id", None), p.ids[0])
 
 
@@ -392,6 +392,7 @@ _Check = Callable[[_Problems, Any], None]
 # key family -> (the Struct its values decode to, its check); catalog's type lives in catalog
 FAMILIES: dict[str, tuple[type[msgspec.Struct] | None, _Check]] = {
     keys.CATALOG: (None, _catalog),
+    keys.ADAPTERS: (None, _catalog),
     keys.DESIRED: (records.Desired, _desired),
     keys.NODES: (records.NodeInventory, _node),
     keys.LEASES: (records.Lease, _lease),
@@ -461,7 +462,9 @@ def decode_for_key(key: str | keys.Key, data: bytes) -> msgspec.Struct:
         raise RecordRejected(_name(key), ["not an llmgw key"])
     decoder = _DECODERS.get(parsed.prefix)
     if decoder is None:
-        raise TypeError(f"{_name(key)}: decode catalog values with llmgw.catalog.decode_model")
+        raise TypeError(
+            f"{_name(key)}: decode catalog values with llmgw.catalog (decode_model, decode_adapter)"
+        )
     value = decoder.decode(data)
     _judge(parsed, FAMILIES[parsed.prefix][1], value)
     return value

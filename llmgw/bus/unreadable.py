@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # and the bucket's only key would open the fleet. Not the leader key: a lease, taken over
 # at its revision when it does not read.
 OPERATOR_WRITES: frozenset[str] = frozenset(
-    {keys.CATALOG, keys.DESIRED, keys.OPS, keys.APIKEYS, keys.TEAMS}
+    {keys.CATALOG, keys.DESIRED, keys.OPS, keys.APIKEYS, keys.TEAMS, keys.ADAPTERS}
 )
 CONTROLLER_WRITES: frozenset[str] = frozenset(
     {
@@ -51,8 +51,9 @@ CONTROLLER_WRITES: frozenset[str] = frozenset(
     }
 )
 KEEPS_LAST_GOOD: frozenset[str] = OPERATOR_WRITES | CONTROLLER_WRITES
-# the model of a catalog entry or count that does not read is frozen (View.frozen), kept or not
-FREEZES_MODEL: frozenset[str] = frozenset({keys.CATALOG, keys.DESIRED})
+# the model of a catalog entry or count that does not read is frozen (View.frozen), kept or not;
+# an adapter stays loaded where it is, and is loaded nowhere else (controller/adapters.py)
+FREEZES_MODEL: frozenset[str] = frozenset({keys.CATALOG, keys.DESIRED, keys.ADAPTERS})
 # the gateway's records (the operator's), read by routers: with no good value, nothing granted
 REFUSES: frozenset[str] = frozenset({keys.APIKEYS, keys.TEAMS})
 
@@ -87,6 +88,11 @@ class Unreadable(msgspec.Struct, kw_only=True, frozen=True):
             # a reader started since the bad write (`llmgw status`): the controller that
             # read the good one still has it
             return "no good value was read here; a leader that read one keeps it and writes it back"
+        if self.reading == "frozen" and self.family == keys.ADAPTERS:
+            return (
+                "no good value was read here, so the adapter stays loaded where it is and is "
+                "loaded nowhere else"
+            )
         if self.reading == "refused" and self.family == keys.TEAMS:
             return (
                 "no good value was read here: a router that read one keeps it, one that did "

@@ -10,6 +10,7 @@ status.py      llmgw status
 rollout.py     llmgw rollout status / undo: rollout.<model>
 node.py        llmgw node cordon / uncordon / drain / taint / untaint: ops.<node>
 catalog.py     llmgw catalog apply / ls
+adapter.py     llmgw adapter add / ls / rm: LoRA adapters served as models (adapters.<id>)
 agent.py       llmgw agent init / run
 sim.py         llmgw sim: a simulated fleet (llmgw/sim/)
 pki.py         llmgw pki: the fleet's CA and certificates

@@ -22,6 +22,7 @@ COMMANDS = {
     "rollout": "llmgw.cli.rollout",
     "node": "llmgw.cli.node",
     "catalog": "llmgw.cli.catalog",
+    "adapter": "llmgw.cli.adapter",
     "router": "llmgw.cli.router",
     "agent": "llmgw.cli.agent",
     "sim": "llmgw.cli.sim",

@@ -8,7 +8,7 @@ import click
 
 from llmgw.bus import keys
 from llmgw.bus.client import Bus
-from llmgw.catalog import Model, decode_model
+from llmgw.catalog import Adapter, Model, decode_adapter, decode_model
 from llmgw.cli.common import did_you_mean
 from llmgw.errors import LlmgwError
 
@@ -39,15 +39,21 @@ def allow_unknown_option(fn):
 
 
 async def check_models(bus: Bus, names: list[str] | None, *, allow_unknown: bool) -> None:
-    """`--models` of `llmgw key|team create|set`, checked against the catalog."""
+    """`--models` of `llmgw key|team create|set`, checked against the catalog (its models
+    and its LoRA adapters, each a model to clients)."""
     if names and not allow_unknown:
-        check_served_names(names, await catalog_models(bus), "--models")
+        adapters = await bus.list(keys.pattern(keys.ADAPTERS), lambda b: decode_adapter(b))
+        check_served_names(
+            names, await catalog_models(bus), "--models", [e.value for e in adapters.values()]
+        )
 
 
-def check_served_names(names: list[str], models: list[Model], option: str) -> None:
-    """Refuse the names in `names` no model of `models` serves: a key given a model id, or a
-    name with a typo, can use nothing (403 on the served name, 404 on the id)."""
-    served = [m.served_name for m in models]
+def check_served_names(
+    names: list[str], models: list[Model], option: str, adapters: list[Adapter] | None = None
+) -> None:
+    """Refuse the names in `names` no model of `models` (nor adapter) serves: a key given a
+    model id, or a name with a typo, can use nothing (403 on the served name, 404 on the id)."""
+    served = [m.served_name for m in models] + [a.served_name for a in adapters or []]
     for name in names:
         if name in served:
             continue

@@ -26,6 +26,7 @@ from llmgw.controller.fabrics import fabric_view, render_fabrics
 from llmgw.fleetstate import build
 from llmgw.fleetstate.decode import FleetRecords
 from llmgw.fleetstate.model import (
+    AdapterState,
     Allocation,
     Fleet,
     GpuState,
@@ -316,6 +317,9 @@ def render(view: Fleet, now: float) -> str:
         lines.append("\nmodels")
     for m in view.models.values():
         lines.extend(_model_lines(m, now))
+    if view.adapters:
+        lines.append("\nLoRA adapters")
+        lines.extend(adapter_lines(list(view.adapters.values())))
     if view.unreadable:
         lines.append("\nvalues that do not read (every reader takes them the same way)")
         lines.extend(
@@ -344,6 +348,42 @@ def render(view: Fleet, now: float) -> str:
             + " (`nats kv get` one to see it; --json lists more)"
         )
     return "\n".join(lines)
+
+
+ADAPTERS_LISTED = 20  # adapters shown one a line; past it, each base's are summed up
+
+
+def adapter_lines(adapters: list[AdapterState]) -> list[str]:
+    """One line per adapter (where it is loaded, its load), or with a thousand of them a
+    line per base; every adapter an engine refused, or that cannot serve, is named."""
+    lines: list[str] = []
+    if len(adapters) <= ADAPTERS_LISTED:
+        for a in adapters:
+            where = f"loaded on {', '.join(a.loaded)}" if a.loaded else "loaded nowhere"
+            busy = f", {a.in_flight:g} in flight" if a.in_flight else ""
+            lines.append(
+                f"  {a.served_name or a.id} ({a.id}) on {a.base or '?'}: {where}{busy}; "
+                f"rank {a.rank}, files on {a.held_on} node(s)"
+            )
+    else:
+        by_base: dict[str, list[AdapterState]] = {}
+        for a in adapters:
+            by_base.setdefault(a.base, []).append(a)
+        for base, mine in sorted(by_base.items()):
+            loaded = [a for a in mine if a.loaded]
+            copies = sum(len(a.loaded) for a in mine)
+            busiest = sorted(mine, key=lambda a: -a.in_flight)[:3]
+            top = ", ".join(f"{a.served_name} {a.in_flight:g}" for a in busiest if a.in_flight)
+            lines.append(
+                f"  {len(mine)} on {base or '?'}: {len(loaded)} loaded ({copies} copies), "
+                f"{len(mine) - len(loaded)} loaded nowhere"
+                + (f"; most in flight: {top}" if top else "")
+            )
+    for a in adapters:
+        for why in (a.problem, a.unreadable, *a.failures):
+            if why:
+                lines.append(f"  {a.served_name or a.id}: {why}")
+    return lines
 
 
 def _scale_line(scale: records.Scale) -> str:

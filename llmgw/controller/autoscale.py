@@ -332,6 +332,29 @@ def _figures(load: ModelLoad, have: int, policy: Autoscale) -> str:
     return text
 
 
+def with_adapters(
+    summed: Mapping[str, ModelLoad], bases: Mapping[str, str]
+) -> dict[str, ModelLoad]:
+    """Each model's load with what of its LoRA adapters' its own does not count (`bases`:
+    adapter id -> base id): a router counts an adapter's request in flight under its base's
+    engines already, and under the adapter too; one held for an adapter (loaded nowhere, or
+    its base cold) only under the adapter."""
+    out = dict(summed)
+    for aid, base in bases.items():
+        a = summed.get(aid)
+        if a is None:
+            continue
+        have = out.get(base, ModelLoad())
+        out[base] = dataclasses.replace(
+            have,
+            waiting=have.waiting + a.waiting,
+            ttft_ms=max(have.ttft_ms, a.ttft_ms),
+            routers=max(have.routers, a.routers),
+            active=have.active or a.active,
+        )
+    return out
+
+
 def autoscaled(desired: records.Desired | None, policy: Autoscale | None) -> bool:
     """Whether a model's count is the autoscaler's: `llmgw place --auto`, and a policy."""
     return desired is not None and desired.auto and policy is not None
@@ -360,6 +383,9 @@ class Autoscaler:
         self.loads = LoadSum(stale_after)
         self.scalers: dict[str, Scaler] = {}
         self.load_s: dict[str, float] = {}
+        # the routers' loads as last summed, LoRA adapters' own included (their placement
+        # reads them: controller/adapters.py)
+        self.summed: dict[str, ModelLoad] = {}
 
     def reset(self) -> None:
         """A new leadership: windows start empty, counts come from `scale.<model>`."""
@@ -381,11 +407,15 @@ class Autoscaler:
         now: float,
         wall: float,
         engines: Mapping[str, EngineSaturation] | None = None,
+        adapters: Mapping[str, str] | None = None,
     ) -> dict[str, records.Scale]:
         """The `scale.<model>` records to write: those whose count, reason or measured load
         time changed. `placed` is each model's replicas counted toward its desired count;
-        `engines`: what the engines themselves say (`engine_saturation`)."""
-        summed = self.loads.sum(loads, now)
+        `engines`: what the engines themselves say (`engine_saturation`); `adapters`: LoRA
+        adapter id -> its base id, whose load it adds to (a request for an adapter is one
+        for its base's replicas: one held for an adapter wakes a base scaled to zero)."""
+        self.summed = self.loads.sum(loads, now)
+        summed = with_adapters(self.summed, adapters or {})
         engines = engines or {}
         out: dict[str, records.Scale] = {}
         for model, want in desired.items():

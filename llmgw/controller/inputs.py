@@ -21,6 +21,7 @@ from llmgw.bus.records import (
     Shard,
     phase_from_shards,
 )
+from llmgw.catalog import Adapter
 from llmgw.controller import placement
 from llmgw.controller.fabrics import fabric_view
 from llmgw.controller.liveness import LivenessTracker, node_phases
@@ -65,6 +66,7 @@ def placement_snapshot(
         rollouts=view.rollouts,
         placements=view.placements,
         failures=failures or placement.FailurePolicy(),
+        adapters=adapters_by_base(view),
         frozen={
             m: placement.Frozen(
                 f.blocked,
@@ -74,6 +76,15 @@ def placement_snapshot(
             for m, f in frozen.items()
         },
     )
+
+
+def adapters_by_base(view: View) -> dict[str, list[Adapter]]:
+    """Each base model's LoRA adapters, by id."""
+    out: dict[str, list[Adapter]] = {}
+    for aid in sorted(view.adapters):
+        adapter = view.adapters[aid]
+        out.setdefault(adapter.base, []).append(adapter)
+    return out
 
 
 def asked(view: View, desired: Desired) -> Desired:

@@ -25,6 +25,7 @@ from llmgw.bus import keys, records
 from llmgw.bus.client import RAW, Bus, BusError, Synced, Update, decoder
 from llmgw.bus.records import NodePhase
 from llmgw.controller import placement
+from llmgw.controller.adapters import DemandTracker
 from llmgw.controller.autoscale import LOAD_STALE_AFTER_S, Autoscaler, engine_saturation
 from llmgw.controller.changes import Change, NodeJudged, ReplicaIs, Restored, Scaled
 from llmgw.controller.clock import Clock, Instant, SystemClock, instant
@@ -132,6 +133,7 @@ class Controller:
             )
         )
         self.autoscaler = Autoscaler(self.settings.load_stale_after)
+        self.adapter_demand = DemandTracker()  # when each LoRA adapter was last asked for
         self._wake = anyio.Event()  # a cold model's request is waiting: pass now
         # nodes whose lease, inventory or health changed since the last judgement that was
         # written; None: judge every node next (liveness.judge)
@@ -277,6 +279,9 @@ class Controller:
             self.autoscaler.loads.saw(router, self.view.loads.get(router), now)
             if self.autoscaler.cold_waiting(self.view.loads, now):
                 self._wake.set()
+            if self._adapter_asked(self.view.loads.get(router)):
+                self._pass_due = True  # loaded nowhere, or too busy where it is
+                self._wake.set()
         elif family not in (
             None,
             keys.HEALTH,
@@ -286,6 +291,13 @@ class Controller:
             keys.SCALE,
         ):
             self._pass_due = True
+
+    def _adapter_asked(self, load: records.RouterLoad | None) -> bool:
+        """A router holds a request for a LoRA adapter: placed in this pass, not the next."""
+        adapters = self.view.adapters
+        return load is not None and any(
+            m.waiting > 0 and model in adapters for model, m in load.models.items()
+        )
 
     def _wake_once_writable(self) -> None:
         """A pass due since the takeover runs as soon as the view holds the takeover (the
@@ -498,6 +510,7 @@ class Controller:
                 if any(d.auto for d in self.view.desired.values())
                 else None
             ),
+            adapters={aid: a.base for aid, a in self.view.adapters.items()},
         )
         written = await self.writer.apply(scale_changes(self.view, changes))
         return any(isinstance(c.why, Scaled) for c in written)
@@ -548,7 +561,10 @@ class Controller:
     async def reconcile(self, now: Instant) -> None:
         """One placement pass: the reconciler decides, the writer writes."""
         self.passes += 1
-        decided = self.reconciler.run(self.view, self.phases(now.monotonic), now, self.phases)
+        demand = self.adapter_demand.demand(self.autoscaler.summed, self.view.adapters, now.wall)
+        decided = self.reconciler.run(
+            self.view, self.phases(now.monotonic), now, self.phases, demand=demand
+        )
         if decided.again:
             self._pass_due = True
         for change in await self.writer.apply(decided.changes):

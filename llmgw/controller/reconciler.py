@@ -21,7 +21,7 @@ import msgspec
 from llmgw import catalog
 from llmgw.bus import keys, records
 from llmgw.bus.records import NodePhase
-from llmgw.controller import placement
+from llmgw.controller import adapters, placement
 from llmgw.controller.autoscale import scaled_text
 from llmgw.controller.changes import (
     Change,
@@ -42,7 +42,7 @@ from llmgw.controller.changes import (
     mirror,
 )
 from llmgw.controller.clock import Clock, Instant
-from llmgw.controller.inputs import StoppedTrying, placement_snapshot
+from llmgw.controller.inputs import StoppedTrying, adapters_by_base, placement_snapshot
 from llmgw.controller.liveness import HealthChanges
 from llmgw.controller.view import Freeze, View
 
@@ -100,6 +100,8 @@ class PassSettings:
     # a launch its agent stopped trying (refused before launch) standing still this long
     # is read as given up: moved, or waits, explained
     refused_after: float = REFUSED_AFTER_S
+    # where LoRA adapters are loaded, and the churn budget (controller/adapters.py)
+    adapter_policy: adapters.AdapterPolicy = field(default_factory=adapters.AdapterPolicy)
 
 
 @dataclass(frozen=True)
@@ -171,9 +173,11 @@ class Reconciler:
         phases: Mapping[str, NodePhase],
         now: Instant,
         judge_again: Callable[[float], Mapping[str, NodePhase]] | None = None,
+        demand: Mapping[str, adapters.Demand] | None = None,
     ) -> Pass:
         """One pass over the whole view at `now`. `judge_again(monotonic)`: every node's
-        phase at a later moment, for a plan that took long (default: as `phases`)."""
+        phase at a later moment, for a plan that took long (default: as `phases`).
+        `demand`: each LoRA adapter's, from the routers' loads (controller/adapters.py)."""
         pending = _Pending(view)
         frozen = view.frozen()
         # the shards as this pass reads them: a launch its agent stopped trying, given up
@@ -208,7 +212,7 @@ class Reconciler:
                     drained,
                     Draining(drained, removal.reason),
                 )
-        self._assignments(pending)
+        self._assignments(pending, shards, now.wall, demand or {})
         # before the placement records: `llmgw place --wait` reads both once it sees its
         # decision in placement.<model>
         self._rollouts(pending, plan, frozen)
@@ -288,8 +292,27 @@ class Reconciler:
                 pending.delete(keys.assign(m.node, replica.rid), Derived("assignment"))
         pending.delete(keys.replica(replica.model, replica.rid), Removed(replica, why))
 
-    def _assignments(self, pending: _Pending) -> None:
-        wanted = wanted_assignments(pending.view, pending.replicas, pending.assigns)
+    def _assignments(
+        self,
+        pending: _Pending,
+        shards: Mapping[tuple[str, str], records.Shard],
+        wall: float,
+        demand: Mapping[str, adapters.Demand],
+    ) -> None:
+        view = pending.view
+        lora = adapters.plan(
+            catalog=view.catalog,
+            adapters=adapters_by_base(view),
+            nodes=view.nodes,
+            shards=shards,
+            replicas=pending.replicas,
+            assigns=pending.assigns,
+            demand=demand,
+            now=wall,
+            policy=self.settings.adapter_policy,
+            frozen=view.unreadable_of(keys.ADAPTERS),
+        )
+        wanted = wanted_assignments(view, pending.replicas, pending.assigns, lora)
         for (node, rid), want in wanted.items():
             have = pending.assigns.get((node, rid))
             # the epoch says who wrote it, and is no change by itself
@@ -378,8 +401,10 @@ def wanted_assignments(
     view: View,
     replicas: Mapping[str, records.Replica],
     assigns: Mapping[tuple[str, str], records.Assignment],
+    lora: Mapping[str, adapters.Given] | None = None,
 ) -> dict[tuple[str, str], records.Assignment]:
-    """Every assignment the replicas ask for (generation and epoch left 0)."""
+    """Every assignment the replicas ask for (generation and epoch left 0); `lora`: each
+    replica's LoRA room and adapters (controller/adapters.py; its rank 0 serves them)."""
     wanted: dict[tuple[str, str], records.Assignment] = {}
     for rid, r in replicas.items():
         rank0 = next((m for m in r.members if m.rank == 0), r.members[0])
@@ -393,7 +418,10 @@ def wanted_assignments(
             digest = (
                 _catalog_hash(model) if model is not None else (have.catalog_hash if have else "")
             )
+            given = (lora or {}).get(rid)
             wanted[(m.node, rid)] = records.Assignment(
+                lora=given.room if given else None,
+                adapters=given.adapters if given and m.rank == 0 else [],
                 catalog_hash=digest,
                 model=r.model,
                 rid=rid,
@@ -414,7 +442,10 @@ def _launch_of(view: View, replica: records.Replica) -> str:
     """A replica placed before launches were recorded is taken as running the catalog's."""
     model = view.catalog.get(replica.model)
     profile = model.profile(replica.profile) if model else None
-    return catalog.launch_hash(model, profile) if model and profile else ""
+    if model is None or profile is None:
+        return ""
+    mine = [a for a in view.adapters.values() if a.base == model.id]
+    return catalog.launch_hash(model, profile, sorted(mine, key=lambda a: a.id))
 
 
 def _catalog_hash(model) -> str:

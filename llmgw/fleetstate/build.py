@@ -13,11 +13,12 @@ from collections.abc import Mapping
 
 import msgspec
 
-from llmgw import allotment
+from llmgw import allotment, catalog
 from llmgw.bus import keys, records
 from llmgw.fleetstate.decode import FleetRecords
 from llmgw.fleetstate.model import (
     UNJUDGED,
+    AdapterState,
     Allocation,
     Engine,
     Fleet,
@@ -73,6 +74,7 @@ def fleet(
     names = set(r.catalog) | set(r.desired) | set(r.placements) | set(by_model)
     models = {m: model_state(m, r, now, by_model.get(m, [])) for m in sorted(names)}
     return Fleet(
+        adapters=adapter_states(r),
         bucket=bucket,
         now=now,
         models=models,
@@ -86,6 +88,47 @@ def fleet(
 _MODEL_FAMILIES = frozenset(
     {keys.CATALOG, keys.DESIRED, keys.PLACEMENT, keys.ROLLOUT, keys.SCALE, keys.REPLICAS}
 )
+
+
+# --- LoRA adapters ---------------------------------------------------------------------------
+
+
+def adapter_states(r: FleetRecords) -> dict[str, AdapterState]:
+    """Every adapter: where it is loaded (the shards'), where its files are, its load, what
+    engines refused; one whose value does not read and was never read still shows."""
+    loaded: dict[str, list[str]] = {}
+    failures: dict[str, list[str]] = {}
+    for (node, rid), shard in sorted(r.shards.items()):
+        for aid in shard.adapters:
+            loaded.setdefault(aid, []).append(rid)
+        for f in shard.adapter_failures:
+            failures.setdefault(f.adapter, []).append(f"refused on {node}: {f.reason}")
+    held: dict[str, int] = {}
+    for inv in r.nodes.values():
+        for h in inv.weights.adapters:
+            held[h.path.rstrip("/")] = held.get(h.path.rstrip("/"), 0) + 1
+    flying: dict[str, float] = {}
+    for load in r.loads.values():
+        for model, m in list(load.models.items())[: records.MAX_LOAD_MODELS]:
+            flying[model] = flying.get(model, 0.0) + m.in_flight
+    out: dict[str, AdapterState] = {}
+    bad = r.unreadable_of(keys.ADAPTERS)
+    for aid in sorted(set(r.adapters) | set(bad)):
+        a = r.adapters.get(aid)
+        out[aid] = AdapterState(
+            id=aid,
+            served_name=a.served_name if a else "",
+            base=a.base if a else "",
+            path=a.path if a else "",
+            rank=a.rank if a else 0,
+            loaded=loaded.get(aid, []),
+            held_on=held.get(a.path.rstrip("/"), 0) if a else 0,
+            in_flight=round(flying.get(aid, 0.0), 3),
+            failures=failures.get(aid, []),
+            problem=(catalog.adapter_problem(a, r.catalog.get(a.base)) or "") if a else "",
+            unreadable=bad[aid].says() if aid in bad else "",
+        )
+    return out
 
 
 # --- nodes -----------------------------------------------------------------------------------

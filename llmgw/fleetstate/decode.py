@@ -47,6 +47,8 @@ def decode_value(key: keys.Key, data: bytes) -> Any:
     are decoded and validated by the catalog. Raises one of catalog.UNREADABLE."""
     if key.prefix == keys.CATALOG:
         return catalog.decode_model(data, key.ids[0])
+    if key.prefix == keys.ADAPTERS:
+        return catalog.decode_adapter(data, key.ids[0])
     return trust.decode_for_key(key, data)
 
 
@@ -95,6 +97,7 @@ SLOTS: dict[str, tuple[str, int | None]] = {
     keys.LOAD: ("loads", 0),
     keys.APIKEYS: ("apikeys", 0),
     keys.TEAMS: ("teams", 0),
+    keys.ADAPTERS: ("adapters", 0),
 }
 
 
@@ -125,6 +128,7 @@ class FleetRecords:
     loads: dict[str, records.RouterLoad] = field(default_factory=dict)  # router -> its load
     apikeys: dict[str, records.ApiKey] = field(default_factory=dict)  # the operator's client keys
     teams: dict[str, records.Team] = field(default_factory=dict)
+    adapters: dict[str, catalog.Adapter] = field(default_factory=dict)  # LoRA adapters, by id
     leader: records.Leader | None = None
     leader_rev: int = 0
     # keys whose newest value does not read, and what is read instead

@@ -201,6 +201,23 @@ class ModelState(msgspec.Struct, kw_only=True):
     unreadable: list[str] = []  # this model's keys whose newest value does not read
 
 
+class AdapterState(msgspec.Struct, kw_only=True):
+    """One LoRA adapter: a model to clients, served on its base's replicas where it is
+    loaded."""
+
+    id: str
+    served_name: str
+    base: str  # the base model's id
+    path: str
+    rank: int
+    loaded: list[str]  # the replicas whose engine serves it now (their shards say)
+    held_on: int  # nodes whose weights directories hold its files complete
+    in_flight: float  # summed over the routers' load records
+    failures: list[str]  # "refused on <node>: <the engine's words>"
+    problem: str = ""  # why it cannot serve at all (its base missing, another engine's files)
+    unreadable: str = ""  # its adapters.<id> value does not read: what is read instead
+
+
 class Skipped(msgspec.Struct, kw_only=True):
     values: int  # values left out, not decoding or not believed
     keys: list[str]  # the first of their keys
@@ -216,3 +233,4 @@ class Fleet(msgspec.Struct, kw_only=True):
     fabrics: dict[str, records.FabricHoldings]
     unreadable: list[Unreadable]  # every key whose newest value does not read
     skipped: Skipped
+    adapters: dict[str, AdapterState] = {}  # LoRA adapters, by id, sorted

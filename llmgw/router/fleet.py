@@ -300,6 +300,7 @@ def fleet_state(
         "router": router,
         "fabrics": fabrics,
         "models": models,
+        "adapters": list(view.adapters.values()),
         "unreadable": view.unreadable,
         "load": {"scope": "this router", "routers": routers},
     }

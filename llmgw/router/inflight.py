@@ -9,6 +9,9 @@ Everything that asks "how busy" reads this account, never a count of its own:
   interval from it;
 - the router's queue (router/flow.py) reads each model's count by class and team (its
   demand, published for the other routers) and is told of every place given back.
+A request for a LoRA adapter is counted under its engine's model (the base's: it holds a
+place at that engine) and under the adapter's own id too (what the adapter's demand is, for
+where the controller loads it), never by class under the adapter.
 A request that reached no engine (refused, held, or its connection never made) holds
 nothing here.
 """
@@ -40,14 +43,21 @@ class Flight:
     or by `give_back` for a place granted to a request that never used it. (A class, not a
     generator-based context manager: this is on every request's path.)"""
 
-    __slots__ = ("_account", "backend", "standing", "tokens", "_out")
+    __slots__ = ("_account", "backend", "standing", "tokens", "_out", "named")
 
-    def __init__(self, account: InFlight, backend: Backend, standing: tuple[Priority, str]) -> None:
+    def __init__(
+        self,
+        account: InFlight,
+        backend: Backend,
+        standing: tuple[Priority, str],
+        named: str | None = None,
+    ) -> None:
         self._account = account
         self.backend = backend
         self.standing = standing  # (class, team)
         self.tokens = 0  # its prompt's estimate, charged to its team while it runs
         self._out = False
+        self.named = named  # a LoRA adapter's id the request named, also counted under it
 
     @property
     def priority(self) -> Priority:
@@ -69,6 +79,8 @@ class Flight:
         self._out = True
         account = self._account
         account._move(self.backend, -1)
+        if self.named is not None:
+            account._count(self.named, -1)
         by_standing = account._models[self.backend.model].by_standing
         key = self.standing
         left = by_standing[key] - 1
@@ -99,29 +111,41 @@ class InFlight:
         self.freed: Callable[[Flight], None] | None = None
 
     def take(
-        self, backend: Backend, priority: Priority = Priority.STANDARD, team: str = ""
+        self,
+        backend: Backend,
+        priority: Priority = Priority.STANDARD,
+        team: str = "",
+        named: str | None = None,
     ) -> Flight:
         """One request's place on `backend`, counted now (and once as a request sent,
-        wherever it moves); `with flight:` gives it back when the request is over."""
+        wherever it moves); `with flight:` gives it back when the request is over. `named`:
+        the LoRA adapter the request names, counted under its id too."""
         self._move(backend, 1)
         m = self._models[backend.model]
         m.sent += 1
         key = (priority, team)
         m.by_standing[key] = m.by_standing.get(key, 0) + 1
+        if named is not None and named != backend.model:
+            self._count(named, 1).sent += 1
+            return Flight(self, backend, key, named)
         return Flight(self, backend, key)
 
     def _move(self, backend: Backend, by: int) -> None:
         backend.in_flight += by
         if by > 0:
             self._engines[backend] = None
-        m = self._models.get(backend.model)
+        self._count(backend.model, by)
+
+    def _count(self, model: str, by: int) -> _ModelFlights:
+        m = self._models.get(model)
         now = self.clock()
         if m is None:
-            m = self._models[backend.model] = _ModelFlights(since=now)
+            m = self._models[model] = _ModelFlights(since=now)
         since = m.since if m.since > self._interval_start else self._interval_start
         m.integral += m.count * (now - since)
         m.since = now
         m.count += by
+        return m
 
     # --- what the readers ask --------------------------------------------------------------
 

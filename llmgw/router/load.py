@@ -99,6 +99,11 @@ class LoadCounter:
         m.requests += 1
         self.urgent.set()
 
+    def crowded(self, model: str) -> None:
+        """A LoRA adapter's engines are all busier than their share: the next write asks
+        for it on one more replica (as waiting), without counting another request."""
+        self._model(model).asked = True
+
     def waiting(self) -> dict[str, int]:
         """Requests held now per model, waiting for a replica (the fleet page's "queued")."""
         return {model: m.waiting for model, m in self.models.items() if m.waiting}

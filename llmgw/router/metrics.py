@@ -90,6 +90,13 @@ class RouterMetrics:
             ["model", "replica"],
             registry=r,
         )
+        self.adapter_requests = Counter(
+            "llmgw_router_adapter_requests",
+            "Requests for a LoRA adapter, by adapter (its id) and whether it was loaded on an "
+            'engine when the request came ("yes") or had to be loaded first ("no")',
+            ["adapter", "loaded"],
+            registry=r,
+        )
         self.endpoints = Gauge(
             "llmgw_router_endpoints",
             "Engines that take new requests, by model",
@@ -132,6 +139,9 @@ class RouterMetrics:
         stream) and `llmgw_router_unreadable_keys{family,reading}` (keys of `apikeys.*` and
         `teams.*` whose newest value does not read), read at every scrape."""
         self.registry.register(_GatewayCollector(streams, unreadable))
+
+    def adapter(self, adapter: str, loaded: bool) -> None:
+        self.adapter_requests.labels(adapter, "yes" if loaded else "no").inc()
 
     def queue_from(self, flow: Queues, table: EndpointTable) -> None:
         """`llmgw_router_queued{model,class,team}` (requests waiting for room now), and each

@@ -138,5 +138,6 @@ class FleetPage:
             shards=dict(t.shards),
             placements=dict(t.placements),
             scales=dict(t.scales),
+            adapters=dict(t.adapters),
             unreadable={**t.unreadable, **w.unreadable},
         )

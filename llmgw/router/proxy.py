@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from llmgw import priority
 from llmgw.gateway.gateway import CHARS_PER_TOKEN
 from llmgw.priority import ASK_HEADER, Standing
+from llmgw.router.adapters import NameSwap, swapping
 from llmgw.router.balancer import Balancer
 from llmgw.router.flow import FlowControl
 from llmgw.router.gate import Gate, KeyListGate, Later, Ticket
@@ -203,10 +204,10 @@ class Proxy:
         # a cold model (autoscaled to zero, or its first replica loading) is listed too: a
         # request for it waits for a replica; a key sees only the models it may use
         data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+            _model_entry(name, self.table.parent(name))
             for name in self.gate.models(who, self.table.served_names())
         ] + [
-            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "cold": True}
+            _model_entry(name, self.table.parent(name)) | {"cold": True}
             for name in self.gate.models(who, self.table.cold_names())
         ]
         return json.dumps({"object": "list", "data": data}).encode()
@@ -264,6 +265,15 @@ class Proxy:
         route = self._route(parsed, who)
         if isinstance(route, Refusal):
             return route
+        if parsed.lora and route.lora_by_router:
+            return Refusal(
+                400,
+                f"model {parsed.model!r} has LoRA adapters, each a model of its own: ask for "
+                "one by name as `model` and remove `lora` from the body",
+                code="lora_not_allowed",
+                kind="bad_request",
+                param="lora",
+            )
         ticket = self.gate.admit(who, parsed, route.model, req)
         if isinstance(ticket, Refusal):
             return ticket
@@ -296,6 +306,14 @@ class Proxy:
         cls = priority.lowered(
             standing.priority, priority.asked(req.first.get(ASK_HEADER), req.body)
         )
+        if route.adapter is not None:
+            # a LoRA adapter's request goes straight to an engine that has it loaded, its
+            # place counted on that engine for the base's queue and share (docs/router.md)
+            picked = await self._pick(req, parsed, route)
+            if isinstance(picked, Refusal):
+                return picked
+            route, backend = picked
+            return route, self.flights.take(backend, cls, standing.team, named=route.model)
         tokens = -(-parsed.prompt_bytes // CHARS_PER_TOKEN)  # its prompt, as the gate estimates it
         took = self.flow.take(route, standing, cls, parsed.affinity, tokens)
         if took is None:
@@ -354,6 +372,10 @@ class Proxy:
     ) -> tuple[Route, Backend] | Refusal:
         """The engine for the request; for a cold model, held until one is ready."""
         backend = self.balancer.pick(route.backends, parsed.affinity, time.monotonic())
+        if route.adapter is not None:
+            self.metrics.adapter(route.model, backend is not None)
+            if backend is not None and route.adapter.crowded(route.backends):
+                self.load.crowded(route.model)  # asks for it on one more replica
         if backend is not None:
             return route, backend
         if self.holds is not None:
@@ -394,11 +416,12 @@ class Proxy:
         started = time.monotonic()
         backend = flight.backend
         for attempt in (0, 1):
+            body = route.engine_body(backend.id, req.body)
             try:
                 conn = await self.pool.send(
                     backend.host,
                     backend.port,
-                    self._request(backend, req, head),
+                    self._request(backend, req, head, body),
                     tls=backend.tls,
                 )
             except ConnectFailed as e:
@@ -420,7 +443,8 @@ class Proxy:
                     model=route.model,
                     replica=backend.id,
                 )
-            return await self._relay(backend, conn, resp, started, ticket)
+            swap = route.adapter.answer(backend.id) if route.adapter else None
+            return await self._relay(backend, conn, resp, started, ticket, swap)
         raise AssertionError("unreachable")  # the second attempt returns
 
     def _forwarded_head(self, req: Request) -> bytes:
@@ -435,15 +459,15 @@ class Proxy:
         return b"".join(lines)
 
     @staticmethod
-    def _request(b: Backend, req: Request, head: bytes) -> bytes:
+    def _request(b: Backend, req: Request, head: bytes, body: bytes) -> bytes:
         return b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s%s\r\n%s" % (
             b.path_prefix.encode(),
             req.target,
             b.host_header,
-            len(req.body),
+            len(body),
             b.auth,
             head,
-            req.body,
+            body,
         )
 
     async def _relay(
@@ -453,6 +477,7 @@ class Proxy:
         resp: Response,
         started: float,
         ticket: Ticket | None,
+        swap: NameSwap | None = None,
     ) -> Refusal | Relayed:
         series = self.metrics.replica(b.model, b.id)
         model = b.model
@@ -478,6 +503,8 @@ class Proxy:
             else:
                 self.balancer.succeeded(b, time.monotonic())
             out, length = _relayed_headers(headers, b.id if self.settings.replica_header else None)
+            if swap is not None:
+                length = None  # the adapter's name for its base's: the length changes
             if ticket is not None:
                 out += ticket.answering(b.id)
                 if ticket.rewrites:
@@ -487,7 +514,8 @@ class Proxy:
                 resp.flush()  # the body may take a while (a stream before its first token)
             # handed on as it arrives, from the engine connection's own callback (no task
             # woken a chunk); a ticket reads each piece on the way (and may change it)
-            write = resp.write_now if ticket is None else _metered(ticket, resp.write_now)
+            write = resp.write_now if swap is None else swapping(swap, resp.write_now)
+            write = write if ticket is None else _metered(ticket, write)
 
             def first() -> None:
                 took = time.monotonic() - started
@@ -553,6 +581,13 @@ class Relayed:
     def __init__(self, status: int, outcome: str) -> None:
         self.status = status
         self.outcome = outcome  # "ok", or the error kind that cut it
+
+
+def _model_entry(name: str, parent: str | None) -> dict[str, object]:
+    entry: dict[str, object] = {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+    if parent is not None:
+        entry["parent"] = parent  # a LoRA adapter, as vLLM lists one
+    return entry
 
 
 def _relayed_headers(

@@ -84,6 +84,8 @@ class _Body(msgspec.Struct):
     best_of: object = _NOT_GIVEN
     stream_interval: object = _NOT_GIVEN
     stream_options: object = _NOT_GIVEN
+    # llama-server's per-request LoRA adapters: the router's to set for a model with some
+    lora: object = _NOT_GIVEN
     # kept as raw JSON, read only as far as the affinity key needs; empty when absent
     messages: msgspec.Raw = msgspec.Raw(b"")
     prompt: msgspec.Raw = msgspec.Raw(b"")
@@ -119,6 +121,7 @@ class Parsed(msgspec.Struct, frozen=True):
     prompt_bytes: int = 0
     # a stream whose client asked for `stream_options.include_usage` itself
     usage_asked: bool = False
+    lora: bool = False  # the body names `lora` (llama-server's adapters by number)
 
 
 _FORM_FIELDS = frozenset((b"model", b"stream", b"user"))
@@ -210,6 +213,7 @@ def parse(
         # that engines put in the prompt too (an estimate; the engine's usage settles it)
         prompt_bytes=len(body),
         usage_asked=isinstance(options, dict) and options.get("include_usage") is True,
+        lora=parsed.lora is not _NOT_GIVEN,
     )
 
 

@@ -83,6 +83,7 @@ WATCHED = (
     keys.pattern(keys.PLACEMENT),
     keys.pattern(keys.DESIRED),  # which models are autoscaled: their requests may be held
     keys.pattern(keys.SCALE),  # how long their last replica took to load (Retry-After)
+    keys.pattern(keys.ADAPTERS),  # LoRA adapters, served as models on their base's replicas
 )
 
 

@@ -31,6 +31,7 @@ from llmgw import catalog
 from llmgw.bus import keys, records
 from llmgw.fleetstate.decode import FleetRecords
 from llmgw.fleetstate.serving import serving
+from llmgw.router.adapters import AdapterRoute, refusal_of, served_ids, without_lora
 from llmgw.router.upstream import authority
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ ROUTED_FAMILIES = frozenset(
         keys.PLACEMENT,
         keys.DESIRED,
         keys.SCALE,
+        keys.ADAPTERS,
     }
 )
 
@@ -111,10 +113,23 @@ class Backend:
 
 @dataclass
 class Route:
-    model: str  # catalog id
+    model: str  # catalog id (a LoRA adapter's id: adapters.<id>)
     served_name: str
     backends: list[Backend]  # routable ones
     why_none: str = ""  # filled when `backends` is empty
+    # a LoRA adapter's route: its base and what its requests become (router/adapters.py)
+    adapter: AdapterRoute | None = None
+    # a model with LoRA adapters: which one a request runs is the router's to say, so a
+    # body naming `lora` itself is refused
+    lora_by_router: bool = False
+    # the base's llama-server engines started with adapters: its requests say none applies
+    lora_off: frozenset[str] = frozenset()
+
+    def engine_body(self, backend_id: str, body: bytes) -> bytes:
+        """The body the engine `backend_id` gets for a request on this route."""
+        if self.adapter is not None:
+            return self.adapter.body(backend_id, body)
+        return without_lora(body) if backend_id in self.lora_off else body
 
 
 def bearer(key: str | None) -> bytes:
@@ -143,6 +158,11 @@ class EndpointTable:
         # how long its last replica took to load
         self.desired: dict[str, records.Desired] = self.records.desired
         self.scales: dict[str, records.Scale] = self.records.scales
+        # LoRA adapters, served as models of their own on their base's replicas
+        self.adapters: dict[str, catalog.Adapter] = self.records.adapters
+        self._loaded: dict[str, list[str]] = {}  # rid -> adapters its API engine serves
+        self._engine: dict[str, str] = {}  # rid -> its engine (llama-server, vllm)
+        self._refused: dict[str, dict[str, str]] = {}  # adapter id -> node -> the engine's words
         self.synced = True  # False until a bucket follower has read the bucket once
         self._backends: dict[str, Backend] = {}
         self._routes: dict[str, Route] = {}
@@ -180,9 +200,9 @@ class EndpointTable:
 
     def context(self, model_id: str) -> int | None:
         """The most one request to `model_id` may hold, prompt and answers (the largest
-        `context` of its profiles); None when a profile leaves it to the engine or the model
-        runs from fixed endpoints."""
-        model = self.models.get(model_id)
+        `context` of its profiles, an adapter's base's); None when a profile leaves it to the
+        engine or the model runs from fixed endpoints."""
+        model = self.models.get(self._base_of(model_id))
         if model is None or not model.profiles:
             return None
         contexts = [p.context for p in model.profiles]
@@ -194,9 +214,23 @@ class EndpointTable:
             self.rebuild()
         return sorted(n for n, r in self._routes.items() if r.backends)
 
+    def _base_of(self, model_id: str) -> str:
+        """A LoRA adapter's base model; any other model is its own."""
+        adapter = self.adapters.get(model_id)
+        return adapter.base if adapter is not None else model_id
+
+    def parent(self, served_name: str) -> str | None:
+        """The served name of a LoRA adapter's base (/v1/models' `parent`); None for a model."""
+        route = self.route(served_name)
+        return route.adapter.base_name if route is not None and route.adapter else None
+
     def autoscaled(self, model_id: str) -> bool:
         """Whether `model_id`'s count follows its load: a request for it while no replica
-        is ready is held (router/hold.py) instead of refused."""
+        is ready is held (router/hold.py) instead of refused. A LoRA adapter's request waits
+        for it to be loaded (the controller loads it where its demand asks), unless every
+        engine it was loaded on refused it."""
+        if model_id in self.adapters:
+            return not self._refused.get(model_id)
         desired = self.desired.get(model_id)
         model = self.models.get(model_id)
         return (
@@ -207,15 +241,15 @@ class EndpointTable:
         )
 
     def hold_bounds(self, model_id: str) -> tuple[int, float]:
-        """The model's own hold bounds from its autoscale policy: (requests, seconds), 0
-        where it leaves them to the router's settings."""
-        model = self.models.get(model_id)
+        """The model's own hold bounds from its autoscale policy (an adapter's base's):
+        (requests, seconds), 0 where it leaves them to the router's settings."""
+        model = self.models.get(self._base_of(model_id))
         policy = model.autoscale if model is not None else None
         return (policy.hold_max, policy.hold_timeout) if policy is not None else (0, 0.0)
 
     def load_seconds(self, model_id: str) -> float:
         """How long the model's last replica took from placed to ready; 0: not measured."""
-        scale = self.scales.get(model_id)
+        scale = self.scales.get(self._base_of(model_id))
         return scale.load_s if scale is not None else 0.0
 
     def cold_names(self) -> list[str]:
@@ -241,6 +275,8 @@ class EndpointTable:
         self._dirty = False
         routes: dict[str, Route] = {}
         seen: dict[str, Backend] = {}
+        self._loaded, self._engine = {}, {}
+        bases = {a.base for a in self.adapters.values()}
         for model_id in sorted(self.models):
             model = self.models[model_id]
             if model.served_name in routes:
@@ -270,13 +306,80 @@ class EndpointTable:
             route = Route(model_id, model.served_name, backends)
             if not backends:
                 route.why_none = self._why_none(model_id, notes)
+            route.lora_by_router = model_id in bases
+            route.lora_off = frozenset(
+                b.id
+                for b in backends
+                if self._engine.get(b.id) == "llama-server" and self._loaded.get(b.id)
+            )
             routes[model.served_name] = route
+        self._adapter_routes(routes)
         for gone in set(self._backends) - set(seen):
             self._backends[gone].routable = False  # in-flight requests still finish
         self._backends = seen
         self._routes = routes
 
     # --- internals ------------------------------------------------------------------------
+
+    def _adapter_routes(self, routes: dict[str, Route]) -> None:
+        """A route per LoRA adapter: its base's engines that serve it (router/adapters.py)."""
+        self._refused = {}
+        for (node, _), shard in self.shards.items():
+            for f in shard.adapter_failures:
+                self._refused.setdefault(f.adapter, {})[node] = f.reason
+        for aid in sorted(self.adapters):
+            adapter = self.adapters[aid]
+            if adapter.served_name in routes:
+                if adapter.served_name not in self._ambiguous_logged:
+                    self._ambiguous_logged.add(adapter.served_name)
+                    log.warning(
+                        "router: served name %r is model %s's and adapter %s's; requests go "
+                        "to the model",
+                        adapter.served_name,
+                        routes[adapter.served_name].model,
+                        aid,
+                    )
+                continue
+            base = self.models.get(adapter.base)
+            base_route = routes.get(base.served_name) if base is not None else None
+            if base_route is None or base_route.model != adapter.base:
+                routes[adapter.served_name] = Route(
+                    aid,
+                    adapter.served_name,
+                    [],
+                    why_none=f"adapter {adapter.served_name!r}: "
+                    + (catalog.adapter_problem(adapter, base) or "its base has no route"),
+                )
+                continue
+            info = AdapterRoute(
+                aid,
+                adapter.served_name,
+                adapter.base,
+                base_route.served_name,
+                base_backends=base_route.backends,
+            )
+            backends = []
+            for b in base_route.backends:
+                loaded = self._loaded.get(b.id, [])
+                if aid in loaded:
+                    backends.append(b)
+                    if self._engine.get(b.id) == "llama-server":
+                        info.lora_ids[b.id] = served_ids(loaded)[aid]
+            route = Route(aid, adapter.served_name, backends, adapter=info, lora_by_router=True)
+            if not backends:
+                route.why_none = self._adapter_why_none(adapter, base_route)
+            routes[adapter.served_name] = route
+
+    def _adapter_why_none(self, adapter: catalog.Adapter, base: Route) -> str:
+        refused = self._refused.get(adapter.id)
+        if refused:
+            return f"adapter {adapter.served_name!r} is loaded nowhere: " + refusal_of(refused)
+        if not base.backends:
+            return f"its base model {base.served_name!r} has no ready replica: {base.why_none}"
+        return (
+            f"adapter {adapter.served_name!r} is not loaded on any of the "
+            f"{len(base.backends)} ready replica(s) of {base.served_name!r} yet"
+        )
 
     def _backend(self, seen: dict[str, Backend], new: Backend) -> Backend:
         """The Backend already known under this id (keeping its in-flight count and health),
@@ -310,20 +413,24 @@ class EndpointTable:
         verdict = serving(replica, self.shards, self.health)
         if verdict.address is None:
             return None, verdict.why.says() if verdict.why else ""
+        rank0 = next((m for m in replica.members if m.rank == 0), replica.members[0])
+        api = self.shards.get((rank0.node, replica.rid))
+        self._loaded[replica.rid] = api.adapters if api is not None else []
+        profile = self._profile(replica)
+        self._engine[replica.rid] = profile.engine if profile is not None else ""
         backend = Backend(
             replica.rid,
             replica.model,
             *verdict.address,
             auth=self._fleet_auth,
-            capacity=self._parallel(replica),
+            capacity=profile.parallel if profile is not None else None,
         )
         return self._backend(seen, backend), ""
 
-    def _parallel(self, replica: records.Replica) -> int | None:
-        """The parallel slots of the profile the replica was placed with (None: not said)."""
+    def _profile(self, replica: records.Replica) -> catalog.Profile | None:
+        """The profile the replica was placed with (its parallel slots, its engine)."""
         model = self.models.get(replica.model)
-        profile = model.profile(replica.profile) if model is not None else None
-        return profile.parallel if profile is not None else None
+        return model.profile(replica.profile) if model is not None else None
 
     def _why_none(self, model_id: str, notes: list[str]) -> str:
         placed = self.placements.get(model_id)

@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from llmgw.agent.discovery.weights.mounts import SHARE_ID_FILE
 from llmgw.sim.fake_engine import install_fake_engines, write_fake_gguf
+from llmgw.sim.fleet import LORA_DIR, LoraFiles
+from llmgw.sim.tiny_lora import write_gguf_lora, write_peft_adapter
 
 MARKER = ".llmgw-sim"  # the root is the simulator's: it may clear it
 
@@ -56,8 +58,12 @@ class SimDisk:
     def share_identity(self, share: str) -> str:
         return f"sim:{share}"
 
-    def hold(self, directory: Path, models: Iterable[str]) -> None:
-        """Make `directory` hold exactly `models` (fleet names: `x.gguf` or `org/name`)."""
+    def hold(
+        self, directory: Path, models: Iterable[str], adapters: Sequence[LoraFiles] = ()
+    ) -> None:
+        """Make `directory` hold exactly `models` (fleet names: `x.gguf` or `org/name`) and,
+        in its folder `loras/`, `adapters`."""
+        self._hold_adapters(directory / LORA_DIR, adapters)
         want = set(models)
         directory.mkdir(parents=True, exist_ok=True)
         held = _held(directory)
@@ -76,9 +82,24 @@ class SimDisk:
             else:
                 write_safetensors_model(target)
 
-    def hold_share(self, share: str, models: Iterable[str]) -> None:
+    def _hold_adapters(self, directory: Path, adapters: Sequence[LoraFiles]) -> None:
+        want = {name: g.rank for g in adapters for name in g.files()}
+        held = {e.name for e in directory.iterdir()} if directory.is_dir() else set()
+        for gone in held - set(want):
+            target = directory / gone
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+        for name in sorted(set(want) - held):
+            # small: a thousand of them are a few MB (the fake engines read only the headers)
+            if name.endswith(".gguf"):
+                write_gguf_lora(directory / name, rank=want[name], embedding=16, layers=1)
+            else:
+                write_peft_adapter(directory / name, rank=want[name], hidden=16, layers=1)
+        if not want and directory.is_dir():
+            directory.rmdir()
+
+    def hold_share(self, share: str, models: Iterable[str], adapters: Sequence[LoraFiles] = ()):
         directory = self.share_dir(share)
-        self.hold(directory, models)
+        self.hold(directory, models, adapters)
         (directory / SHARE_ID_FILE).write_text(self.share_identity(share) + "\n")
 
 
@@ -86,7 +107,7 @@ def _held(directory: Path) -> set[str]:
     """The fleet names of the models in `directory` (one or two levels down)."""
     found: set[str] = set()
     for entry in directory.iterdir():
-        if entry.name.startswith("."):
+        if entry.name.startswith(".") or entry.name == LORA_DIR:
             continue
         if entry.is_file() and entry.name.endswith(".gguf"):
             found.add(entry.name)

@@ -94,6 +94,7 @@ class SimulatedEngine:
         self.behaviour = behaviour
         self.kind = "vllm" if Path(argv[0]).name == "vllm" else "llama-server"
         self.ns: object | None = None  # the engine's parsed command line, once parsed
+        self.served: fake_engine.Engine | None = None  # what it serves, once it does (bench/)
         self._output = output
         self._stop = anyio.Event()
         self._gone = anyio.Event()
@@ -172,7 +173,17 @@ class SimulatedEngine:
             tokens=b.tokens,
             token_rate=b.token_rate,
             first_token_seconds=b.first_token_seconds,
+            env=self.env,
         )
+        self.served = engine
+        problem = (
+            engine.vllm_loras.startup_problem()
+            if kind == "vllm"
+            else engine.llama_loras.startup_problem(getattr(ns, "model", None))
+        )
+        if problem:
+            self._say("\n".join(problem))
+            return 1
         host, port = fake_engine.listen_host(kind, ns), ns.port
         runner = web.AppRunner(
             fake_engine.build_app(engine),

@@ -51,11 +51,12 @@ import sys
 import time
 import uuid
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
-from llmgw.sim import engine_params, vllm_answers
+from llmgw.sim import engine_params, fake_lora, vllm_answers
 
 LLAMA_VERSION = "version: 9439 (47f6423ed)\nbuilt with cc (GCC) 13.2.0 for x86_64-linux-gnu"
 VLLM_VERSION = "0.11.2"
@@ -105,6 +106,9 @@ def parse_llama(argv: list[str]) -> argparse.Namespace:
     p.add_argument("-fa", "--flash-attn")
     p.add_argument("--jinja", action="store_true")
     p.add_argument("--no-slots", action="store_true")
+    p.add_argument("--lora", action="append")
+    p.add_argument("--lora-scaled", nargs=2, action="append")
+    p.add_argument("--lora-init-without-apply", action="store_true")
     ns, unknown = p.parse_known_args(argv)
     if unknown:
         p.error(f"invalid argument: {unknown[0]}")
@@ -160,6 +164,10 @@ def parse_vllm(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true")
     # examples/catalog.toml's extra_args: the simulated fleet runs the README's catalog too
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction)
+    p.add_argument("--max-lora-rank", type=int, default=16, choices=fake_lora.VLLM_LORA_RANKS)
+    p.add_argument("--max-loras", type=int, default=1)
+    p.add_argument("--max-cpu-loras", type=int)
     ns = p.parse_args(args)
     ns.model = ns.model_tag or ns.model or "Qwen/Qwen3-0.6B"
     return ns
@@ -266,6 +274,10 @@ class Engine:
     # prompt_tokens_total and generation_tokens_total)
     prompt_total: int = 0
     generated_total: int = 0
+    # LoRA adapters (llmgw/sim/fake_lora.py): vLLM's loaded while it runs, llama-server's
+    # given at start
+    vllm_loras: fake_lora.VllmLoras = field(default_factory=fake_lora.VllmLoras)
+    llama_loras: fake_lora.LlamaLoras = field(default_factory=fake_lora.LlamaLoras)
 
     def counted(self, prompt: int, generated: int) -> None:
         self.prompt_total += prompt
@@ -427,6 +439,8 @@ def build_app(engine: Engine):
         created = int(engine.started)
         if engine.kind == "vllm":
             entry = vllm_answers.model_entry(engine.served_name, engine.root, engine.ctx, created)
+            loras = engine.vllm_loras.model_entries(engine.served_name, created)
+            return web.json_response({"object": "list", "data": [entry, *loras]})
         else:
             entry = {
                 "id": engine.served_name,
@@ -496,6 +510,7 @@ def build_app(engine: Engine):
                 "cached tokens.\n"
                 "# TYPE vllm:prefix_cache_hits counter\n"
                 f"vllm:prefix_cache_hits_total{label} {float(engine.prefix_hits)}\n"
+                + engine.vllm_loras.metrics()
             )
         return web.Response(text=text, content_type="text/plain")
 
@@ -526,12 +541,15 @@ def build_app(engine: Engine):
             if vllm:
                 return vllm_refused(vllm_answers.not_json(getattr(e, "pos", 0)))
             body = None
+        lora = None
         if vllm:
             words = prompt_text(body, chat) if isinstance(body, dict) else ""
+            asked = body.get("model") if isinstance(body, dict) else None
+            lora = asked if engine.vllm_loras.serves(asked) else None
             refusal = vllm_answers.refusal(
                 body,
                 chat=chat,
-                served=engine.served_name,
+                served=lora or engine.served_name,
                 context=engine.ctx,
                 prompt_chars=len(words),
             )
@@ -541,7 +559,14 @@ def build_app(engine: Engine):
             return web.json_response(
                 _llama_error(400, "invalid JSON body", "invalid_request_error"), status=400
             )
-        model = body.get("model") or engine.served_name
+        elif (problem := engine.llama_loras.apply(body)) is not None:
+            return web.json_response(
+                _llama_error(400, problem, "invalid_request_error"), status=400
+            )
+        # what an adapter changes: its tokens (a test tells which ran by them)
+        mark = engine.llama_loras.mark(body) if not vllm else ""
+        # vLLM answers with the name asked for (a LoRA's own); llama-server with its alias
+        model = (body.get("model") or engine.served_name) if vllm else engine.served_name
         try:  # what to generate, read as the engine reads it (odd forms included)
             cap = engine_params.cap(engine.kind, "chat" if chat else "completions", body)
             copies = engine_params.choices(engine.kind, body)
@@ -552,7 +577,7 @@ def build_app(engine: Engine):
         finish = "length" if n < engine.tokens else "stop"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        text = "".join(f"tok{i} " for i in range(n))
+        text = "".join(f"{mark}tok{i} " for i in range(n))
         prompts = prompt_texts(body, chat)
         copies *= len(prompts)  # each prompt of a list is answered alone
         prompt = tokenize(prompt_text(body, chat))
@@ -583,6 +608,8 @@ def build_app(engine: Engine):
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         engine.counted(prompt_tokens, 0)
+        if lora is not None:
+            engine.vllm_loras.running[lora] += 1
         try:
             await asyncio.sleep(engine.first_token_seconds + prefill)
             if stream:
@@ -646,7 +673,7 @@ def build_app(engine: Engine):
                 for i in range(n):
                     await pace.next()
                     for c in range(copies):
-                        await resp.write(chunk(f"tok{i} ", None, index=c))
+                        await resp.write(chunk(f"{mark}tok{i} ", None, index=c))
                         engine.counted(0, 1)  # as each is written: a client may leave
                 for c in range(copies):
                     last = json.loads(chunk(None if chat else "", finish, index=c)[6:])
@@ -706,6 +733,8 @@ def build_app(engine: Engine):
         finally:
             engine.in_flight -= 1
             engine.batch.give()
+            if lora is not None:
+                engine.vllm_loras.running[lora] -= 1
             if slot >= 0:
                 engine.busy_slots.discard(slot)
                 # what the slot's KV cache holds now: this prompt and its answer
@@ -1103,8 +1132,37 @@ def build_app(engine: Engine):
                 headers={"Allow": ", ".join(e.allowed_methods)},
             )
 
+    async def load_lora(request):
+        status, answer = engine.vllm_loras.load(await _json_or_none(request), engine.served_name)
+        return _lora_answer(status, answer)
+
+    async def unload_lora(request):
+        status, answer = engine.vllm_loras.unload(await _json_or_none(request))
+        return _lora_answer(status, answer)
+
+    def _lora_answer(status: int, answer: object) -> web.Response:
+        if isinstance(answer, str):
+            return web.Response(status=status, text=answer)
+        return web.json_response(answer, status=status)
+
+    async def lora_adapters(request):
+        if request.method == "POST":
+            problem = engine.llama_loras.set_scales(await _json_or_none(request))
+            if problem is not None:
+                return web.json_response(
+                    _llama_error(400, problem, "invalid_request_error"), status=400
+                )
+            return web.json_response({"success": True})
+        return web.json_response(engine.llama_loras.listed())
+
     app = web.Application(middlewares=[not_found, gate])
     app.router.add_get("/health", health)
+    if engine.kind == "vllm" and engine.vllm_loras.runtime:
+        app.router.add_post("/v1/load_lora_adapter", load_lora)
+        app.router.add_post("/v1/unload_lora_adapter", unload_lora)
+    if engine.kind == "llama-server":
+        app.router.add_get("/lora-adapters", lora_adapters)
+        app.router.add_post("/lora-adapters", lora_adapters)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     if engine.kind == "llama-server":
@@ -1129,6 +1187,13 @@ def build_app(engine: Engine):
         app.router.add_post("/v1/audio/transcriptions", audio)
         app.router.add_post("/v1/audio/translations", audio)
     return app
+
+
+async def _json_or_none(request) -> object:
+    try:
+        return await request.json()
+    except ValueError:
+        return None
 
 
 def _visible_gpus() -> int:
@@ -1248,6 +1313,7 @@ def engine_for(
     first_token_seconds: float = 0.0,
     prefill_rate: float = 0.0,
     close_after_stream: float | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Engine:
     """The engine the parsed command line `ns` (parse_llama / parse_vllm) starts: its served
     name, key, slots and context as the real one takes them from its flags. Also how
@@ -1272,6 +1338,10 @@ def engine_for(
         prefill_rate=max(0.0, prefill_rate),
         close_after_stream=close_after_stream,
         batch=Batch((ns.max_num_seqs or VLLM_MAX_NUM_SEQS) if vllm else _llama_slots(ns)),
+        vllm_loras=fake_lora.vllm_loras(ns, os.environ if env is None else env)
+        if vllm
+        else fake_lora.VllmLoras(),
+        llama_loras=fake_lora.llama_loras(ns) if not vllm else fake_lora.LlamaLoras(),
     )
 
 
@@ -1378,7 +1448,7 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
                 f"INFO [multiproc_executor.py:100] node rank {ns.node_rank} of {ns.nnodes}, master {ns.master_addr}:{ns.master_port}",
                 err=False,
             )
-        problem = _vllm_model_problem(ns)
+        problem = _vllm_model_problem(ns) or engine.vllm_loras.startup_problem()
         if problem:
             _fail(problem, err=False)
         log(f"INFO [model_runner.py:1000] Starting to load model {ns.model}...", err=False)
@@ -1425,7 +1495,7 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
         await listen()
         log(f"main: HTTP server is listening, hostname: {host}, port: {ns.port}, http threads: 3")
         log("main: loading model")
-        problem = _llama_model_problem(ns)
+        problem = _llama_model_problem(ns) or engine.llama_loras.startup_problem(ns.model)
         if problem:
             _fail(problem)
         log(f"srv    load_model: loading model '{ns.model}'")

@@ -6,6 +6,7 @@
 
     [shares.filer-a]                    # a shared filer: whoever mounts it holds its models
     models = ["Qwen/Qwen3-8B"]
+    adapters = [{ name = "ft", count = 1000 }]  # LoRA adapters ft-0001 .. ft-1000 (PEFT)
 
     [[nodes]]
     name = "a"                          # with count: a-01 .. a-08
@@ -21,7 +22,9 @@
 Every key is checked, and an error names the file, the node and the key with what was
 expected (docs/sim.md lists every key). Model names ending in `.gguf` are GGUF files (their
 key is the file stem); others are safetensors directories (`org/name` or `name`), as the
-agent's weights scan reads them.
+agent's weights scan reads them. LoRA adapters (`adapters`, on a share or a node) are PEFT
+directories, or GGUF LoRA files for a name ending in `.gguf`, in the folder `loras/` of
+where they are held, each named as the scan reports it (`ft-0001`).
 """
 
 from __future__ import annotations
@@ -79,8 +82,26 @@ class Adapter(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     state: Literal["up", "down"] = "up"
 
 
+class LoraFiles(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """LoRA adapters' files: `name`, or `count` of them named `<name>-0001` ..; a PEFT
+    directory each (vLLM's), or a GGUF LoRA file for a name ending in `.gguf` (llama-server's)."""
+
+    name: str
+    count: int | None = None
+    rank: int = 8
+
+    def files(self) -> list[str]:
+        """Their names in the folder `loras/`."""
+        stem, ext = (self.name[:-5], ".gguf") if self.name.endswith(".gguf") else (self.name, "")
+        if self.count is None:
+            return [f"{stem}{ext}"]
+        width = max(2, len(str(self.count)))
+        return [f"{stem}-{n:0{width}d}{ext}" for n in range(1, self.count + 1)]
+
+
 class Share(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     models: list[str] = []
+    adapters: list[LoraFiles] = []
 
 
 class Node(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -95,6 +116,7 @@ class Node(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engines: list[EngineName] = msgspec.field(default_factory=lambda: ["llama-server", "vllm"])
     mounts: list[str] = []  # names of [shares.*]
     models: list[str] = []  # held on the node's own disk
+    adapters: list[LoraFiles] = []  # LoRA adapters held on the node's own disk
     labels: dict[str, str] = {}
     taints: list[str] = []
     state: Literal["up", "dead"] = "up"
@@ -117,6 +139,7 @@ class NodeSpec(msgspec.Struct, frozen=True, kw_only=True):
     engines: tuple[EngineName, ...]
     mounts: tuple[str, ...]
     models: tuple[str, ...]
+    adapters: tuple[LoraFiles, ...]
     labels: dict[str, str]
     taints: tuple[str, ...]
     state: Literal["up", "dead"]
@@ -297,6 +320,8 @@ def _check(
         for model in held.models:
             with _collect(errors):
                 _model("", f"shares.{share}.models", model)
+        with _collect(errors):
+            _lora_files("", f"shares.{share}.adapters", held.adapters)
     nodes: dict[str, NodeSpec] = {}
     for i, group in groups:
         where = f"nodes[{i}] (name {group.name!r}):"
@@ -379,6 +404,7 @@ def _expand(group: Node, where: str, shares: dict[str, Share]) -> list[NodeSpec]
             )
     for model in group.models:
         _model(where, "models", model)
+    _lora_files(where, "adapters", group.adapters)
     from llmgw import labels
 
     for k, v in group.labels.items():
@@ -404,6 +430,7 @@ def _expand(group: Node, where: str, shares: dict[str, Share]) -> list[NodeSpec]
             engines=tuple(dict.fromkeys(group.engines)),
             mounts=tuple(group.mounts),
             models=tuple(group.models),
+            adapters=tuple(group.adapters),
             labels=dict(group.labels),
             taints=tuple(group.taints),
             state=group.state,
@@ -423,6 +450,14 @@ _MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$
 
 
 def _model(where: Path | str, key: str, model: str) -> None:
+    if model.split("/", 1)[0] == LORA_DIR and "/" in model:
+        raise FleetError(
+            _say(
+                _colon(where),
+                f"key {key!r}: {model!r}: {LORA_DIR}/ holds the LoRA adapters' "
+                "files (key `adapters`); give the model another organisation",
+            )
+        )
     if not _MODEL.match(model) or ".." in model or len(model) > 200:
         raise FleetError(
             _say(
@@ -432,6 +467,39 @@ def _model(where: Path | str, key: str, model: str) -> None:
                 "only",
             )
         )
+
+
+LORA_DIR = "loras"  # where a share or a node holds its adapters' files
+MAX_ADAPTERS = 100_000  # adapters' files one share or node holds
+
+
+def _lora_files(where: str, key: str, groups: list[LoraFiles]) -> None:
+    from llmgw.catalog import MAX_ADAPTER_RANK
+
+    seen: set[str] = set()
+    for g in groups:
+        if g.count is not None and not 1 <= g.count <= MAX_ADAPTERS:
+            raise FleetError(
+                _say(where, f"key {key!r}: count {g.count} is out of range 1..{MAX_ADAPTERS}")
+            )
+        if not 1 <= g.rank <= MAX_ADAPTER_RANK:
+            raise FleetError(
+                _say(where, f"key {key!r}: rank {g.rank} is out of range 1..{MAX_ADAPTER_RANK}")
+            )
+        if "/" in g.name or not _MODEL.match(g.name) or len(g.name) > 100:
+            raise FleetError(
+                _say(
+                    where,
+                    f"key {key!r}: {g.name!r} is not an adapter name; use `name` (PEFT "
+                    "directories) or `name.gguf` (GGUF LoRA files): letters, digits and ._- only",
+                )
+            )
+        files = g.files()
+        if seen & set(files) or len(seen) + len(files) > MAX_ADAPTERS:
+            raise FleetError(
+                _say(where, f"key {key!r}: {g.name!r} names files named before, or too many")
+            )
+        seen.update(files)
 
 
 def _colon(where: Path | str) -> str:

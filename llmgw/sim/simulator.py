@@ -181,10 +181,15 @@ class Simulator:
         rescan: set[str] = set()
         for share, held in fleet.shares.items():
             before = old.shares.get(share) if old is not None else None
-            if before is None or before.models != held.models:
-                self.disk.hold_share(share, held.models)
+            if before is None or (before.models, before.adapters) != (held.models, held.adapters):
+                self.disk.hold_share(share, held.models, held.adapters)
                 if old is not None:
-                    log.info("share %s: models %s", share, held.models)
+                    log.info(
+                        "share %s: models %s, %d adapter(s)",
+                        share,
+                        held.models,
+                        sum(len(a.files()) for a in held.adapters),
+                    )
                     rescan |= {n for n, r in self.nodes.items() if share in r.spec.mounts}
         for name, running in list(self.nodes.items()):
             spec = fleet.nodes.get(name)
@@ -210,7 +215,7 @@ class Simulator:
                 log.info("node %s: up again", name)
                 running.spec = spec
                 running.hardware.spec = spec
-                self.disk.hold(self.disk.weights_dir(name), spec.models)
+                self.disk.hold(self.disk.weights_dir(name), spec.models, spec.adapters)
                 self._start(running, fleet.sim)
                 continue
             changes = _changes(running.spec, spec)
@@ -219,8 +224,8 @@ class Simulator:
             log.info("node %s: %s", name, "; ".join(changes))
             before, running.spec = running.spec, spec
             running.hardware.spec = spec
-            if before.models != spec.models:
-                self.disk.hold(self.disk.weights_dir(name), spec.models)
+            if (before.models, before.adapters) != (spec.models, spec.adapters):
+                self.disk.hold(self.disk.weights_dir(name), spec.models, spec.adapters)
             if _needs_restart(before, spec):
                 log.info("node %s: agent restarted (its configuration changed)", name)
                 self._stop(running)
@@ -241,7 +246,7 @@ class Simulator:
         n = self._seq
         self._seq += 1
         address = f"127.{self.part.index + 1}.{n // 254}.{n % 254 + 1}"
-        self.disk.hold(self.disk.weights_dir(spec.name), spec.models)
+        self.disk.hold(self.disk.weights_dir(spec.name), spec.models, spec.adapters)
         hardware = SimulatedHardware(spec, self._installs, lambda: self._engines_on(address))
         running = RunningNode(spec, address, hardware)
         self.nodes[spec.name] = running
@@ -277,7 +282,7 @@ class Simulator:
         """The config onboarding would write for this node: its id, address, fabrics and
         weights directories; probes that only the file can change are left to rescans."""
         spec, disk = node.spec, self.disk
-        dirs = [str(disk.weights_dir(spec.name))] if spec.models else []
+        dirs = [str(disk.weights_dir(spec.name))] if spec.models or spec.adapters else []
         dirs += [str(disk.share_dir(s)) for s in spec.mounts]
         state = disk.node_dir(spec.name)
         n = self.nats
@@ -339,7 +344,7 @@ def _digest(data: bytes) -> bytes:
 
 
 _RESTART = ("ib", "labels", "taints")
-_RESCAN = ("gpus", "engines", "mounts", "models", "cpus")
+_RESCAN = ("gpus", "engines", "mounts", "models", "adapters", "cpus")
 
 
 def _changes(before: NodeSpec, after: NodeSpec) -> list[str]:

@@ -14,6 +14,8 @@ from typing import Literal, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw.bus.records import LoraRoom
+
 EngineName = Literal["llama-server", "vllm"]
 
 
@@ -64,6 +66,11 @@ class LaunchSpec:
     socket_ifname: str | None = None  # interface for NCCL/Gloo bootstrap, when known
     ib_gid_index: int | None = None  # RoCE only
     host_ip: str | None = None  # this node's address on the replica's network (VLLM_HOST_IP)
+    # LoRA adapters (docs/engines.md): vLLM's room for those it loads while it runs (None:
+    # no LoRA); llama-server's, given at start as (adapter id, file), the index in this
+    # order being the id a request names
+    lora: LoraRoom | None = None
+    lora_files: tuple[tuple[str, str], ...] = ()
 
     @property
     def headless(self) -> bool:

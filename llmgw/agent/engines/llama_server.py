@@ -39,6 +39,12 @@ MANAGED = FlagTable(
         Flag(
             ("-dev", "--device"), env="LLAMA_ARG_DEVICE"
         ),  # GPUs are chosen by CUDA_VISIBLE_DEVICES
+        # the model's LoRA adapters, none applied unless a request names one (the router)
+        Flag(
+            ("--lora-init-without-apply",),
+            takes_value=False,
+            env="LLAMA_ARG_LORA_INIT_WITHOUT_APPLY",
+        ),
     ]
 )
 
@@ -104,6 +110,12 @@ class LlamaServerAdapter:
             argv += ["-np", str(spec.parallel)]
         # --metrics is off by default and drain reads in-flight requests from it.
         argv += ["--alias", spec.served_name, "--metrics"]
+        if spec.lora_files:
+            # ids 0.. in this order; none applied by default, where a build honours it (not
+            # all do: the router names what runs, also none, on every request, router/adapters.py)
+            for _, path in spec.lora_files:
+                argv += ["--lora", path]
+            argv += ["--lora-init-without-apply"]
         argv += list(spec.extra_args)
 
         env = dict(spec.env)
@@ -177,6 +189,13 @@ class LlamaServerAdapter:
                     f"download source {source!r} is neither hf://org/name[:QUANT] nor an "
                     "http(s) URL of a .gguf file"
                 )
+        if spec.lora_files and any(
+            self.known.key(t) in ("--lora", "--lora-scaled") for t in spec.extra_args
+        ):
+            reasons.append(
+                "the model has LoRA adapters (llmgw adapter add), given to llama-server in their "
+                "order; --lora in extra_args would shift the ids requests name: remove it"
+            )
         if spec.context and spec.parallel and spec.context // spec.parallel < 64:
             reasons.append(
                 f"context {spec.context} split over {spec.parallel} slots leaves "

@@ -23,7 +23,7 @@ from llmgw.agent.engines.base import (
     read_gauges,
     requests_at_engine,
 )
-from llmgw.catalog import hf_repo
+from llmgw.catalog import MAX_BATCHED_ADAPTERS, hf_repo
 
 MANAGED = FlagTable(
     [
@@ -44,6 +44,11 @@ MANAGED = FlagTable(
         Flag(("--api-key",)),
         Flag(("--distributed-executor-backend",)),  # this adapter runs without Ray
         Flag(("--kv-cache-memory-bytes",)),  # a CPU engine's, from its host_ram_gb
+        # LoRA room, from the profile and the model's adapters (catalog.lora_room)
+        Flag(("--enable-lora",), takes_value=False),
+        Flag(("--max-lora-rank",)),
+        Flag(("--max-loras",)),
+        Flag(("--max-cpu-loras",)),
     ],
     underscores_are_dashes=True,
 )
@@ -82,8 +87,13 @@ MANAGED_ENV = frozenset(
         "VLLM_TARGET_DEVICE",
         "VLLM_CPU_OMP_THREADS_BIND",
         "VLLM_CPU_KVCACHE_SPACE",
+        # the agent loads and unloads LoRA adapters while the engine runs
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
     }
 )
+# the runtime LoRA API (vLLM's api_router for LoRA, on with VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+LOAD_LORA = "/v1/load_lora_adapter"
+UNLOAD_LORA = "/v1/unload_lora_adapter"
 
 # Head sizes vLLM's CPU attention kernel takes (vllm/v1/attention/backends/cpu_attn.py,
 # 0.32): a model with another is refused only at its first request, which kills the server.
@@ -148,6 +158,11 @@ class VllmAdapter:
         if not spec.gpu_uuids and spec.kv_cache_bytes:
             # without a KV size vLLM on a CPU reserves 92% of the node's RAM
             argv += ["--kv-cache-memory-bytes", str(spec.kv_cache_bytes)]
+        if spec.lora is not None:
+            # every rank builds the LoRA layers, so every rank is given the room
+            argv += ["--enable-lora", "--max-lora-rank", str(spec.lora.rank)]
+            argv += ["--max-loras", str(min(spec.lora.slots, MAX_BATCHED_ADAPTERS))]
+            argv += ["--max-cpu-loras", str(spec.lora.slots)]
         if spec.nodes > 1:
             argv += ["--nnodes", str(spec.nodes), "--node-rank", str(spec.rank)]
             argv += ["--master-addr", spec.master_addr]
@@ -173,6 +188,8 @@ class VllmAdapter:
             env["GLOO_SOCKET_IFNAME"] = spec.socket_ifname
         if spec.nodes > 1 and spec.host_ip:
             env["VLLM_HOST_IP"] = spec.host_ip
+        if spec.lora is not None and not spec.headless:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         return EngineCommand(argv=argv, env=env, base_url=None if spec.headless else base_url(spec))
 
     def probe_paths(self, spec: LaunchSpec) -> list[str]:
@@ -241,3 +258,66 @@ class VllmAdapter:
                 f"rank {spec.rank} is outside 0..{spec.nodes - 1} for {spec.nodes} nodes"
             )
         return reasons
+
+
+# --- the runtime LoRA API: what the agent sends, and reads back (agent/lora.py) ------------
+
+
+def lora_load_body(name: str, path: str) -> bytes:
+    return json.dumps({"lora_name": name, "lora_path": path}).encode()
+
+
+def lora_unload_body(name: str) -> bytes:
+    return json.dumps({"lora_name": name}).encode()
+
+
+def loaded_loras(models_body: bytes) -> dict[str, str] | None:
+    """The LoRA adapters a vLLM's /v1/models lists (name -> path: the entries with a
+    `parent`, their `root` the path they were loaded from); None when it is no model list."""
+    try:
+        data = json.loads(models_body).get("data", [])
+        return {
+            str(m["id"]): str(m.get("root") or "")
+            for m in data
+            if isinstance(m, dict) and m.get("parent") and "id" in m
+        }
+    except (ValueError, AttributeError, TypeError):
+        return None
+
+
+def answer_message(body: bytes) -> str:
+    """What an engine's error answer says: vLLM's {"error": {"message"}}, or its text."""
+    try:
+        raw = json.loads(body)
+        error = raw.get("error", raw) if isinstance(raw, dict) else raw
+        message = error.get("message") if isinstance(error, dict) else error
+        if message:
+            return str(message)[:1000]
+    except ValueError:
+        pass
+    return body[:1000].decode("utf-8", "replace").strip()
+
+
+def loras_in_use(metrics: str) -> set[str] | None:
+    """The adapters vLLM runs or queues requests for now: the labels of the newest sample of
+    its `vllm:lora_requests_info` gauge (each label set is set to the time it was last
+    seen); None when it does not report one."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    newest: tuple[float, set[str]] | None = None
+    try:
+        for family in text_string_to_metric_families(metrics):
+            for sample in family.samples:
+                if sample.name != "vllm:lora_requests_info":
+                    continue
+                names = {
+                    n
+                    for label in ("running_lora_adapters", "waiting_lora_adapters")
+                    for n in sample.labels.get(label, "").split(",")
+                    if n
+                }
+                if newest is None or sample.value > newest[0]:
+                    newest = (sample.value, names)
+    except ValueError:
+        return None
+    return newest[1] if newest is not None else None

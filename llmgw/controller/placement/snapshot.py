@@ -24,7 +24,7 @@ from llmgw.bus.records import (
     Rollout,
     Shard,
 )
-from llmgw.catalog import Model
+from llmgw.catalog import Adapter, Model
 
 DEFAULT_PORTS = ENGINE_PORTS  # the agents report listeners on the same range by default
 
@@ -81,6 +81,8 @@ class Snapshot:
     failures: FailurePolicy = field(default_factory=FailurePolicy)
     # models left as they are (left out of `catalog` and `desired`): the plan says why
     frozen: Mapping[str, Frozen] = field(default_factory=dict)
+    # base model id -> its LoRA adapters (what they make of its launch: catalog.launch_hash)
+    adapters: Mapping[str, Sequence[Adapter]] = field(default_factory=dict)
 
     def phase(self, node: str) -> NodePhase | None:
         """The node's phase; None when it has none (no lease judged, or not in the fleet)."""

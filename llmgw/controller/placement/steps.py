@@ -317,7 +317,10 @@ def asked_of(snapshot: Snapshot, model: Model, desired: Desired | None, want: in
         model=model,
         want=want,
         profiles=profiles,
-        launches={p.name: launch_hash(model, p) for p in model.profiles},
+        launches={
+            p.name: launch_hash(model, p, snapshot.adapters.get(model.id, ()))
+            for p in model.profiles
+        },
         draining={n for n, o in snapshot.ops.items() if o.drain},
         forced={n for n, o in snapshot.ops.items() if o.drain and o.force},
     )

@@ -174,6 +174,41 @@ function models(state) {
     "'s; the line under them sums every router's published load (load.<router> keys).";
 }
 
+// --- LoRA adapters -----------------------------------------------------------------------
+
+const ADAPTERS_SHOWN = 50; // the busiest; the rest are counted
+
+function adapters(state) {
+  const box = document.getElementById("adapters");
+  const all = state.adapters || [];
+  box.parentElement.hidden = !all.length;
+  if (!all.length) {
+    box.replaceChildren();
+    return;
+  }
+  const shown = [...all].sort((a, b) => b.in_flight - a.in_flight || (a.id < b.id ? -1 : 1))
+    .slice(0, ADAPTERS_SHOWN);
+  const loaded = all.filter((a) => a.loaded.length).length;
+  const table = el("table", {},
+    el("tr", {}, ...["adapter", "base", "in flight (all routers)", "loaded on", "files on", "why not"]
+      .map((h) => el("th", {}, h))));
+  for (const a of shown) {
+    const why = [a.problem, a.unreadable, ...a.failures].filter(Boolean);
+    table.append(el("tr", { "data-adapter": a.id },
+      el("td", {}, el("div", { class: "node-id" }, a.served_name || a.id),
+        el("div", { class: "muted" }, `${a.id} · rank ${a.rank}`)),
+      el("td", {}, a.base),
+      el("td", {}, a.in_flight),
+      el("td", { "data-role": "loaded" }, a.loaded.length ? a.loaded.join(", ") : "nowhere"),
+      el("td", {}, `${a.held_on} node${a.held_on === 1 ? "" : "s"}`),
+      el("td", { class: "why" }, why.join("; "))));
+  }
+  const more = all.length > shown.length ? ` (the ${shown.length} busiest shown)` : "";
+  box.replaceChildren(
+    el("p", { class: "muted" }, `${all.length} adapter(s), ${loaded} loaded somewhere${more}`),
+    table);
+}
+
 // --- nodes -------------------------------------------------------------------------------
 
 function gpuName(g) {
@@ -348,7 +383,7 @@ function askForKey(why) {
   document.getElementById("key-why").textContent = why;
   document.getElementById("key-form").hidden = false;
   // what was shown with the access that ended is not left on the screen
-  for (const id of ["models", "fabrics", "router", "load-scope"]) document.getElementById(id).replaceChildren();
+  for (const id of ["models", "adapters", "fabrics", "router", "load-scope"]) document.getElementById(id).replaceChildren();
   setStatus("locked", "this router shows the fleet only to a client with an API key");
 }
 
@@ -377,6 +412,7 @@ function render(state) {
   document.getElementById("router").textContent =
     `router: ${r.source}${r.nats ? ", NATS " + r.nats : ""} · ${r.models_ready}/${r.models} model(s) served`;
   models(state);
+  adapters(state);
   fabrics(state);
   document.body.dataset.rendered = String((Number(document.body.dataset.rendered) || 0) + 1);
 }

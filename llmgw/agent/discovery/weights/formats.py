@@ -46,6 +46,11 @@ class Check(msgspec.Struct, frozen=True, gc=False):
     detail: str = ""
     bytes: int = 0  # total size of the files checked (when complete)
     files: int = 0
+    # a LoRA adapter's file (a GGUF whose general.type is "adapter"): its architecture and
+    # rank, as its header says
+    adapter: bool = False
+    arch: str = ""
+    rank: int = 0
 
     @property
     def why(self) -> str:
@@ -527,6 +532,13 @@ class GgufLayout:
     alignment: int
     data_start: int
     required_size: int  # data_start + the end of the last tensor
+    kind: str = ""  # general.type: "model", "adapter" ("": unsaid)
+    architecture: str = ""  # general.architecture
+    lora_rank: int = 0  # an adapter's: the rows of its first LoRA A tensor (ggml's ne[1])
+
+
+# header values the layout keeps beside general.alignment
+_NAMED = (b"general.type", b"general.architecture")
 
 
 def gguf_layout(f: BinaryIO, size: int) -> GgufLayout:
@@ -559,11 +571,15 @@ def _gguf_layout(f: BinaryIO, size: int) -> GgufLayout:
     if n_tensors > _GGUF_MAX_TENSORS or n_kv > _GGUF_MAX_KV:
         raise _Malformed(f"implausible counts: {n_tensors} tensors, {n_kv} key-values")
     alignment = GGUF_DEFAULT_ALIGNMENT
+    named: dict[bytes, str] = {}
     for _ in range(n_kv):
         key = r.string()
         if not key:
             raise _Malformed(_ZEROS)
         vtype = r.u32()
+        if key in _NAMED and vtype == _GGUF_STRING:
+            named[key] = r.string()[:200].decode(errors="replace")
+            continue
         value = r.value(vtype, key == b"general.alignment")
         if key == b"general.alignment":
             if (
@@ -576,6 +592,7 @@ def _gguf_layout(f: BinaryIO, size: int) -> GgufLayout:
             alignment = value
     last_end = 0
     last_unknown: tuple[int, str, int] | None = None  # (offset, tensor, type) of an unsized tensor
+    lora_rank = 0
     for _ in range(n_tensors):
         name = r.string()
         if not name:
@@ -584,8 +601,11 @@ def _gguf_layout(f: BinaryIO, size: int) -> GgufLayout:
         if n_dims > _GGUF_MAX_DIMS:
             raise _Malformed(f"tensor {name[:60]!r} has {n_dims} dimensions")
         elements = 1
-        for _ in range(n_dims):
-            elements *= r.u64()
+        dims = [r.u64() for _ in range(n_dims)]
+        for d in dims:
+            elements *= d
+        if not lora_rank and n_dims == 2 and name.endswith(b".lora_a"):
+            lora_rank = dims[1]
         ggml_type, offset = r.u32(), r.u64()
         if offset % alignment:
             raise _Malformed(f"tensor {name[:60]!r} offset {offset} is not aligned to {alignment}")
@@ -610,6 +630,9 @@ def _gguf_layout(f: BinaryIO, size: int) -> GgufLayout:
         alignment=alignment,
         data_start=data_start,
         required_size=data_start + last_end,
+        kind=named.get(b"general.type", ""),
+        architecture=named.get(b"general.architecture", ""),
+        lora_rank=lora_rank,
     )
 
 
@@ -662,6 +685,9 @@ def check_gguf(path: str | Path, st: os.stat_result | None = None) -> Check:
         return _bad(name, "header does not parse", text)
     if size < layout.required_size:
         return _bad(name, "truncated", f"{size} of {layout.required_size} bytes")
+    if layout.kind == "adapter":
+        arch, rank = layout.architecture, layout.lora_rank
+        return Check(complete=True, bytes=size, files=1, adapter=True, arch=arch, rank=rank)
     return _ok(size)
 
 

@@ -10,7 +10,9 @@ Recognised under each directory, up to two levels down:
 - a directory of safetensors, single or sharded (key: its name, or "org/name" one level
   deeper);
 - GGUF files, single or split `x-00001-of-0000N.gguf` (key: the file stem without the
-  split suffix), at any of those levels and inside snapshots.
+  split suffix), at any of those levels and inside snapshots;
+- LoRA adapters: a PEFT directory (adapter_config.json and its weights) and a GGUF whose
+  header says it is an adapter, each where a model would be (weights/adapters.py).
 An empty directory is not weights, because a half-finished download looks exactly like
 one and would send placement to a node whose engine then fails to load.
 """
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from llmgw.agent.discovery.weights.adapters import check_peft, is_peft, peft_config
 from llmgw.agent.discovery.weights.formats import (
     SAFETENSORS_INDEX_SUFFIX,
     Check,
@@ -46,7 +49,14 @@ from llmgw.agent.discovery.weights.mounts import (
     resolve_store,
 )
 from llmgw.agent.files import TooLarge, read_text_bounded
-from llmgw.bus.records import HeldModel, IncompleteModel, Store, Weights, WeightsDir
+from llmgw.bus.records import (
+    HeldAdapter,
+    HeldModel,
+    IncompleteModel,
+    Store,
+    Weights,
+    WeightsDir,
+)
 
 # companions download tools leave beside a file still being written
 DOWNLOAD_MARKS = (".incomplete", ".part", ".tmp", ".aria2", ".crdownload")
@@ -57,6 +67,7 @@ _NOT_MODELS = frozenset({"lost+found"})
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+H = TypeVar("H", HeldModel, HeldAdapter)
 
 
 class _Timeout(Exception):
@@ -75,18 +86,20 @@ class Found:
     held: tuple[HeldModel, ...] = ()
     incomplete: tuple[IncompleteModel, ...] = ()
     timed_out: bool = False
+    adapters: tuple[HeldAdapter, ...] = ()
 
     def __add__(self, other: Found) -> Found:
         return Found(
             self.held + other.held,
             self.incomplete + other.incomplete,
             self.timed_out or other.timed_out,
+            self.adapters + other.adapters,
         )
 
     @property
     def anything(self) -> bool:
-        """Something that looks like a model, complete or not."""
-        return bool(self.held or self.incomplete)
+        """Something that looks like a model (or an adapter), complete or not."""
+        return bool(self.held or self.incomplete or self.adapters)
 
 
 _NOTHING = Found()
@@ -182,6 +195,18 @@ class _Context:
         )
 
     def held(self, key: str, fmt: str, path: Path, check: Check) -> Found:
+        if check.adapter:
+            adapter = HeldAdapter(
+                key=key,
+                format="gguf" if fmt == "gguf" else "peft",
+                path=str(path),
+                bytes=check.bytes,
+                files=check.files,
+                store=self.store(path),
+                rank=check.rank,
+                base=check.arch,
+            )
+            return Found(adapters=(adapter,))
         model = HeldModel(
             key=key,
             format=fmt,  # type: ignore[arg-type]
@@ -208,6 +233,11 @@ class _Context:
     def gguf_file(self, path: str) -> Check:
         self.tick()
         return self.cache.check(path, check_gguf)
+
+    def peft(self, directory: Path, files: list[str]) -> Check:
+        self.tick()
+        config = self.cache.check(str(directory / "adapter_config.json"), _peft_config)
+        return check_peft(directory, files, self.safetensors_files, config)
 
 
 def _one_model(key: str, path: Path, judge: Callable[..., Found], *args: object) -> Found:
@@ -347,6 +377,22 @@ def _scan_ggufs(ctx: _Context, directory: Path, listing: _Listing) -> Found:
 # --- safetensors in one directory
 
 
+def _scan_peft(ctx: _Context, key: str, directory: Path, listing: _Listing) -> Found:
+    """A PEFT adapter directory: held as an adapter when complete, never as a model."""
+
+    def judge() -> Found:
+        mark = min(listing.pending.values(), default=None)
+        if mark:
+            return _not_weights(key, directory, f"download in progress ({mark})")
+        return ctx.judged(key, "peft", directory, ctx.peft(directory, listing.files))
+
+    return _one_model(key, directory, judge)
+
+
+def _peft_config(path: str, st: os.stat_result | None = None):
+    return peft_config(Path(path).parent)
+
+
 def _has_safetensors(listing: _Listing) -> bool:
     return any(n.endswith((".safetensors", SAFETENSORS_INDEX_SUFFIX)) for n in listing.files)
 
@@ -416,6 +462,8 @@ def _scan_snapshot(ctx: _Context, key: str, snapshot: Path, pending_blobs: list[
     if problem.anything or problem.timed_out:
         return problem
     listing = _list(snapshot)
+    if is_peft(listing.files):
+        return _scan_peft(ctx, key, snapshot, listing)
     found = _NOTHING
     if _has_safetensors(listing):
         found += _one_model(key, snapshot, safetensors)
@@ -490,6 +538,8 @@ def _scan_level(ctx: _Context, directory: Path, key: str, depth: int) -> Found:
     found = _scan_ggufs(ctx, directory, listing)
     if found.timed_out:
         return found
+    if is_peft(listing.files):
+        return found + _scan_peft(ctx, key, directory, listing)
     if _has_safetensors(listing):
         # a model directory: what is below it is part of it
         return found + _scan_safetensors_dir(ctx, key, directory, listing)
@@ -612,12 +662,13 @@ def scan_weights(
         incomplete=sorted(
             {(i.key, i.path): i for i in found.incomplete}.values(), key=lambda i: (i.key, i.path)
         ),
+        adapters=_dedupe_models(found.adapters, realpath),
     )
 
 
-def _dedupe_models(models: Iterable[HeldModel], realpath: RealPaths) -> list[HeldModel]:
+def _dedupe_models(models: Iterable[H], realpath: RealPaths) -> list[H]:
     # the same files reached twice (a configured dir inside another) are one holding
-    unique: dict[tuple[str, str], HeldModel] = {}
+    unique: dict[tuple[str, str], H] = {}
     for m in models:
         unique.setdefault((m.key, realpath(m.path)), m)
     return sorted(unique.values(), key=lambda m: (m.key, m.path))
@@ -626,7 +677,13 @@ def _dedupe_models(models: Iterable[HeldModel], realpath: RealPaths) -> list[Hel
 def weights_equal_for_resend(a: Weights, b: Weights) -> bool:
     """Equal in everything but when they were scanned: the agent rewrites nodes.<id> only
     when this is False."""
-    return (a.looked, a.dirs, a.models, a.incomplete) == (b.looked, b.dirs, b.models, b.incomplete)
+    return (a.looked, a.dirs, a.models, a.incomplete, a.adapters) == (
+        b.looked,
+        b.dirs,
+        b.models,
+        b.incomplete,
+        b.adapters,
+    )
 
 
 def carry_over_timed_out(previous: Weights | None, current: Weights) -> Weights:
@@ -637,19 +694,28 @@ def carry_over_timed_out(previous: Weights | None, current: Weights) -> Weights:
     timed_out = [d.path for d in current.dirs if d.status == "timeout"]
     if not timed_out:
         return current
-    have = {(m.key, m.path) for m in current.models}
-    kept = [
-        m
-        for m in previous.models
-        if (m.key, m.path) not in have and any(is_under(m.path, t) for t in timed_out)
-    ]
-    if not kept:
+    models = _carried(previous.models, current.models, timed_out)
+    adapters = _carried(previous.adapters, current.adapters, timed_out)
+    if models is current.models and adapters is current.adapters:
         return current
-    models = sorted([*current.models, *kept], key=lambda m: (m.key, m.path))
     return Weights(
         looked=current.looked,
         scanned_at=current.scanned_at,
         dirs=current.dirs,
         models=models,
         incomplete=current.incomplete,
+        adapters=adapters,
     )
+
+
+def _carried(previous: list[H], current: list[H], timed_out: list[str]) -> list[H]:
+    """`current` with what `previous` held under the directories not scanned to the end."""
+    have = {(m.key, m.path) for m in current}
+    kept = [
+        m
+        for m in previous
+        if (m.key, m.path) not in have and any(is_under(m.path, t) for t in timed_out)
+    ]
+    if not kept:
+        return current
+    return sorted([*current, *kept], key=lambda m: (m.key, m.path))
