@@ -5,16 +5,13 @@ keeps a deposed controller's writes out, as the cluster's stream leader applies 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
-import socket
-import subprocess
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import anyio
 import pytest
+from local_cluster import LocalCluster
 from waiting import until
 
 from llmgw.bus import keys, records
@@ -27,77 +24,9 @@ from llmgw.bus.client import (
     Write,
     decoder,
 )
-from llmgw.bus.server import find_nats_server, free_port
 from llmgw.controller.loop import Controller, ControllerSettings
 
 pytestmark = pytest.mark.anyio
-
-
-@dataclass
-class _Server:
-    name: str
-    store: Path
-    port: int = field(default_factory=free_port)
-    route_port: int = field(default_factory=free_port)
-    http_port: int = field(default_factory=free_port)
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-
-class LocalCluster:
-    """Three nats-servers with one cluster name and routes to each other (as
-    nats/cluster-1.conf, on loopback ports). A server started alone has no JetStream meta
-    leader until a second one joins: JetStream answers nothing (or 503) until then."""
-
-    def __init__(self, root: Path, size: int = 3) -> None:
-        self.servers = [_Server(f"s{i}", root / f"s{i}") for i in range(size)]
-        routes = ", ".join(f'"nats-route://127.0.0.1:{s.route_port}"' for s in self.servers)
-        for s in self.servers:
-            s.store.mkdir(parents=True)
-            (s.store / "server.conf").write_text(
-                f'server_name: "{s.name}"\nhost: "127.0.0.1"\nport: {s.port}\n'
-                f"http_port: {s.http_port}\n"
-                f'jetstream {{ store_dir: "{s.store / "js"}" }}\n'
-                f'cluster {{ name: "c"\n host: "127.0.0.1"\n port: {s.route_port}\n'
-                f" routes: [{routes}] }}\n"
-            )
-
-    def start(self, i: int) -> None:
-        s = self.servers[i]
-        with open(s.store / "server.log", "ab") as log:
-            s.process = subprocess.Popen(
-                [str(find_nats_server()), "-c", str(s.store / "server.conf")],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 10
-        while True:  # accepting clients; JetStream may not be ready (that is the point)
-            try:
-                socket.create_connection(("127.0.0.1", s.port), timeout=0.2).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline or s.process.poll() is not None:
-                    raise RuntimeError(f"nats-server {s.name} did not start") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        for s in self.servers:
-            if s.process is not None and s.process.poll() is None:
-                s.process.terminate()
-        for s in self.servers:
-            if s.process is not None:
-                try:
-                    s.process.wait(5)
-                except subprocess.TimeoutExpired:
-                    s.process.kill()
-                    s.process.wait()
-
-    @property
-    def urls(self) -> tuple[str, ...]:
-        return tuple(s.url for s in self.servers)
 
 
 @pytest.fixture
@@ -309,3 +238,44 @@ async def test_on_a_cluster_a_batch_of_fenced_writes_lands_whole_before_a_takeov
 
 def _health(node: str) -> records.Health:
     return records.Health(node=node, phase="ready", since=1.0)
+
+
+@pytest.mark.slow
+async def test_a_read_through_a_server_just_restarted_never_gets_its_stale_copy(cluster):
+    """A watch's consumer may be placed on any server holding the stream, and reads that
+    server's copy: one just restarted is behind until it has caught up. Every listing
+    taken through it, from its first second on, holds what the bucket holds."""
+    cluster.start_all()
+    settings = _settings(*cluster.urls)
+    stale: list[tuple[int, int, int]] = []  # (round, listing, keys behind)
+    async with await Bus.connect(settings, BucketSettings(replicas=3), give_up_after=30):
+        pass
+    for round_ in range(2):
+        leader = await until(lambda: _async(cluster.stream_leader("KV_llmgw")), timeout=30)
+        down = next(i for i, s in enumerate(cluster.servers) if s.name != leader)
+        others = _settings(*(u for i, u in enumerate(cluster.urls) if i != down))
+        cluster.kill(down)
+        value = json.dumps({"round": round_, "pad": "x" * 300}).encode()
+        async with await Bus.connect(others, give_up_after=30) as w:
+            for start in range(0, 2000, 200):
+                async with anyio.create_task_group() as tg:
+                    for k in range(start, start + 200):
+                        tg.start_soon(w.put, f"nodes.n{k}", value)
+        cluster.start(down)
+        alone = _settings(cluster.urls[down])
+
+        async def listing(n: int, round_: int = round_, alone: NatsSettings = alone) -> None:
+            async with await Bus.connect(alone, give_up_after=30) as r:
+                got = await r.list("nodes.>", lambda b: json.loads(b)["round"])
+            behind = sum(1 for v in got.values() if v.value != round_) + 2000 - len(got)
+            if behind:
+                stale.append((round_, n, behind))
+
+        async with anyio.create_task_group() as tg:
+            for n in range(6):
+                tg.start_soon(listing, n)
+    assert not stale, f"listings through the restarted server were behind: {stale}"
+
+
+async def _async(value: object) -> object:
+    return value

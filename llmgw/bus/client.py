@@ -543,7 +543,7 @@ class Bus:
         backoff = Backoff(base=0.2, cap=5.0)
         while not self._closed:
             try:
-                watch = await KeyWatch.start(self.js, self.bucket.name, pattern)
+                watch = await KeyWatch.start(self.js, self.nc, self.bucket.name, pattern)
             except Exception as e:  # noqa: BLE001 - disconnected: retry
                 log.debug("watch %s: cannot start (%s); retrying", pattern, classify.describe(e))
                 await asyncio.sleep(backoff.next_delay())

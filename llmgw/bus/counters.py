@@ -29,6 +29,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 from . import claims, classify, keys, records
 from .client import Bus
 from .errors import BusError, BusUnavailable, StreamMissing, Unanswered
+from .watcher import last_sequence
 
 log = logging.getLogger(__name__)
 
@@ -257,23 +258,29 @@ async def _replay(
     bus: Bus, stream: str, filter_subject: str, config: ConsumerConfig, *, follow: bool
 ) -> AsyncIterator[object]:
     """Messages of `stream` on `filter_subject` from where `config` says, until caught up
-    (or forever, with `follow`), through an ordered consumer that is gone when done."""
+    (or forever, with `follow`), through an ordered consumer that is gone when done. Caught
+    up: the last sequence the stream's leader stores there is received (llmgw.bus.watcher
+    says why a delivery's "nothing pending" is not enough)."""
     sub = await classify.answer(
         bus.js.subscribe(filter_subject, stream=stream, ordered_consumer=True, config=config),
         f"read stream {stream}",
     )
     try:
         info = await classify.answer(sub.consumer_info(), f"read stream {stream}")
-        # a push consumer may have delivered some already: those are not pending any more
-        left = info.num_pending + info.delivered.consumer_seq
-        while follow or left > 0:
+        target = await classify.answer(
+            last_sequence(bus.nc, stream, filter_subject), f"read stream {stream}"
+        )
+        # Nothing delivered yet: the consumer's place is just before where it starts, and
+        # nothing comes when that is past the target. (Delivered: read those first.)
+        received = 0 if info.delivered.consumer_seq else info.delivered.stream_seq
+        while follow or received < target:
             try:
                 msg = await sub.next_msg(timeout=_TIMEOUT if not follow else 3600)
             except nats.errors.TimeoutError:
                 if follow:
                     continue
                 break
-            left = msg.metadata.num_pending
+            received = max(received, msg.metadata.sequence.stream)
             yield msg
     finally:
         try:
