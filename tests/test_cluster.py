@@ -7,17 +7,25 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator
 
 import anyio
+import psutil
 import pytest
+from agent_helpers import start_fake_engine_agent, stop
+from controller_helpers import quick_controller
 from local_cluster import LocalCluster
+from serving import cpu_model, serve
 from waiting import until
 
+from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
 from llmgw.bus.client import (
     BucketSettings,
     Bus,
+    BusError,
     Fence,
     FencedOff,
     NatsSettings,
@@ -25,6 +33,7 @@ from llmgw.bus.client import (
     decoder,
 )
 from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.sim.fake_engine import write_fake_gguf
 
 pytestmark = pytest.mark.anyio
 
@@ -279,3 +288,66 @@ async def test_a_read_through_a_server_just_restarted_never_gets_its_stale_copy(
 
 async def _async(value: object) -> object:
     return value
+
+
+@pytest.mark.slow
+async def test_a_shard_record_not_written_while_the_stream_had_no_leader_is_written_after(
+    cluster, tmp_path, engine_ports
+):
+    """A stream without a leader does not disconnect the clients of the servers still up:
+    their writes time out, and no reconnect follows. An agent that restarted a killed
+    engine meanwhile left its shard `failed` with the dead engine's pid for good (the
+    router answered 503 while the new engine served)."""
+    cluster.start_all()
+    here = _settings(cluster.urls[0])  # the agent's and the controller's server stays up
+    gguf = str(write_fake_gguf(tmp_path / "weights" / "tiny.gguf"))
+    engines = Engines(
+        listen_host="127.0.0.1", poll_interval=0.1, backoff_base=0.2, backoff_cap=1, stop_grace=3
+    )
+    agent = start_fake_engine_agent(cluster.urls[0], tmp_path / "node1", engines, id="node1")
+    try:
+        async with (
+            await Bus.connect(here, BucketSettings(replicas=3), give_up_after=30) as bus,
+            anyio.create_task_group() as tg,
+        ):
+            await tg.start(Controller(bus, quick_controller(engine_ports, lost_after=300)).run)
+            await serve(bus, cpu_model(gguf, host_ram_gb=1), 1)
+            first = await until(lambda: _ready_shard(bus), timeout=60)
+            cluster.kill(1)
+            cluster.kill(2)
+            await until(lambda: _write_fails(bus), timeout=30)
+            readies = agent.log.read_text().count(": ready")
+            os.kill(first.pid, signal.SIGKILL)
+            # the new engine serves, and its `ready` could not be written
+            await until(
+                lambda: _async(agent.log.read_text().count(": ready") > readies), timeout=60
+            )
+            cluster.start(1)
+            cluster.start(2)
+
+            async def replaced() -> records.Shard | None:
+                shard = await _ready_shard(bus)
+                return shard if shard is not None and shard.pid != first.pid else None
+
+            second = await until(replaced, timeout=60)
+            tg.cancel_scope.cancel()
+        assert psutil.pid_exists(second.pid) and not psutil.pid_exists(first.pid)
+    finally:
+        stop(agent.proc)
+
+
+async def _ready_shard(bus: Bus) -> records.Shard | None:
+    try:
+        got = await bus.list("shards.node1.*", decoder(records.Shard))
+    except BusError:
+        return None
+    shards = [e.value for e in got.values()]
+    return shards[0] if len(shards) == 1 and shards[0].phase == "ready" else None
+
+
+async def _write_fails(bus: Bus) -> bool:
+    try:
+        await bus.put("probe.write", b"1")
+    except BusError:
+        return True
+    return False
