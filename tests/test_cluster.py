@@ -29,10 +29,12 @@ from llmgw.bus.client import (
     Fence,
     FencedOff,
     NatsSettings,
+    Update,
     Write,
     decoder,
 )
 from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.sim.bare import SimNode, inventory
 from llmgw.sim.fake_engine import write_fake_gguf
 
 pytestmark = pytest.mark.anyio
@@ -351,3 +353,81 @@ async def _write_fails(bus: Bus) -> bool:
     except BusError:
         return True
     return False
+
+
+@pytest.mark.slow
+async def test_no_node_is_judged_unreachable_because_the_controllers_watch_went_silent(cluster):
+    """The controller's watch is a consumer on one of the servers that hold the stream,
+    not necessarily its own: when that server dies the watch goes silent while the
+    controller's connection, writes and round trips are fine, and every lease looked still
+    (a ready node was judged unreachable 10.7 s after a server died that led nothing and
+    held none of the controller's connections)."""
+    cluster.start_all()
+    near = _settings(cluster.urls[0])  # the controller's server and the node's stay up
+    settings = ControllerSettings(
+        controller_id="c", unreachable_after=1.5, lost_after=60, leader_ttl=3, tick=0.05
+    )
+    async with (
+        await Bus.connect(near, BucketSettings(replicas=3), give_up_after=30) as bus,
+        anyio.create_task_group() as tg,
+    ):
+        node = SimNode(bus, inventory("n1", gpus=1))
+        await node.register()
+        tg.start_soon(_beat, node)
+        for _ in range(20):  # until its watch is on a server that is neither its own nor the
+            # stream's leader
+            async with await Bus.connect(near, give_up_after=30) as own:
+                scope = anyio.CancelScope()
+
+                async def lead(own: Bus = own, scope: anyio.CancelScope = scope) -> None:
+                    with scope:
+                        await Controller(own, settings).run()
+
+                tg.start_soon(lead)
+                await until(lambda: _phase_is(bus, "n1", "ready"), timeout=30)
+                host = await until(lambda: _watch_host(bus), timeout=30)
+                leader = cluster.stream_leader("KV_llmgw")
+                if host not in (leader, cluster.servers[0].name):
+                    phases = await _phases_after_killing(cluster, bus, host)
+                    scope.cancel()
+                    break
+                scope.cancel()
+        else:
+            pytest.fail("the controller's watch never landed on a server that leads nothing")
+        tg.cancel_scope.cancel()
+    assert phases == {"ready"}, f"n1 was judged {phases} while it beat throughout"
+
+
+async def _beat(node: SimNode) -> None:
+    while True:
+        with contextlib.suppress(BusError):
+            await node.beat()
+        await anyio.sleep(0.2)
+
+
+async def _phase_is(bus: Bus, node: str, phase: str) -> bool:
+    entry = await bus.get(keys.health(node), decoder(records.Health))
+    return entry is not None and entry.value.phase == phase
+
+
+async def _watch_host(bus: Bus) -> str | None:
+    """The server of the whole bucket's watch (the controller's: no one else watches it;
+    those of the controllers stopped before have nobody bound to them)."""
+    for info in await bus.js.consumers_info("KV_llmgw"):
+        watched = info.config.filter_subject == "$KV.llmgw.>"
+        if watched and info.push_bound and info.cluster is not None:
+            return info.cluster.leader
+    return None
+
+
+async def _phases_after_killing(cluster: LocalCluster, bus: Bus, host: str) -> set[str]:
+    """Kill `host`, and the phases n1's health shows for the next 12 s."""
+    seen: set[str] = set()
+    cluster.kill(cluster.index(host))
+    watch = bus.watch(keys.health("n1"), decoder(records.Health))
+    async with contextlib.aclosing(watch):
+        with anyio.move_on_after(12):
+            async for item in watch:
+                if isinstance(item, Update) and item.value is not None:
+                    seen.add(item.value.phase)
+    return seen

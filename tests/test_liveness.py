@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.bus.records import Health, Lease, Memory
+from llmgw.controller.echo import Echo
 from llmgw.controller.liveness import (
     LivenessTracker,
     health_changes,
@@ -313,3 +314,29 @@ def test_a_lease_deleted_from_a_node_stored_ready_is_judged_at_the_next_tick():
     assert lease_change_matters(stored["a"], None)
     changes = judge(nodes, stored, leases, tracker, 3.0, 3.0, {"a"})
     assert [(c.record.node, c.record.phase) for c in changes.write] == [("a", "unreachable")]
+
+
+# --- the watch's echo (controller/echo.py) ------------------------------------------------------
+
+
+def test_a_write_of_its_own_not_shown_back_within_the_bound_makes_the_watch_overdue():
+    echo = Echo(within=5.0)
+    echo.expect(10, now=100.0)
+    assert not echo.overdue(104.9)
+    assert echo.overdue(105.1)
+    assert echo.saw(10) and not echo.overdue(200.0)  # shown: nothing awaited any more
+
+
+def test_a_later_revision_shown_answers_the_write_awaited_and_an_earlier_one_does_not():
+    echo = Echo(within=5.0)
+    echo.expect(10, now=100.0)
+    echo.expect(7, now=101.0)  # an older write answered late changes nothing
+    assert not echo.saw(9) and echo.awaited == 10
+    assert echo.saw(12) and echo.awaited == 0
+
+
+def test_a_watch_made_again_awaits_nothing_until_the_next_write():
+    echo = Echo(within=5.0)
+    echo.expect(10, now=100.0)
+    echo.forget()
+    assert not echo.overdue(1000.0)

@@ -42,7 +42,12 @@ log = logging.getLogger(__name__)
 # that exited) leaves nothing behind for long, and a reconnecting Bus re-creates its watches
 INACTIVE_THRESHOLD = 5.0
 QUEUE_SIZE = 256  # entries waiting for the reader; the consumer's flow control holds the rest
-_ASK_TIMEOUT = 5.0  # as nats-py's JetStream requests
+# seconds a watch waits for the consumer it makes and for the leader's answers: one asked
+# during an election is asked again soon after it, not after nats-py's 5 s
+START_TIMEOUT = 1.0
+# seconds between the idle heartbeats of a watch's consumer; two missed and nats-py makes it
+# again (its default, 5 s, left a watch whose server died silent for 10-20 s)
+WATCH_HEARTBEAT = 5.0
 _NO_MESSAGE = 10037  # JetStream: "no message found"
 
 
@@ -74,7 +79,7 @@ def delivery(reply: str) -> tuple[int, int, int]:
 async def _request(nc: Client, subject: str, body: dict[str, Any]) -> dict[str, Any]:
     """A JetStream API request; its answer, or the APIError it carries (nats-py raises what
     it raises when nothing answers: an election)."""
-    msg = await nc.request(subject, json.dumps(body).encode(), timeout=_ASK_TIMEOUT)
+    msg = await nc.request(subject, json.dumps(body).encode(), timeout=START_TIMEOUT)
     answer = json.loads(msg.data)
     if answer.get("error"):
         raise nats.js.errors.APIError.from_error(answer["error"])
@@ -178,7 +183,14 @@ class KeyWatch:
         self._stopped = False
 
     @classmethod
-    async def start(cls, js: JetStreamContext, nc: Client, bucket: str, pattern: str) -> KeyWatch:
+    async def start(
+        cls,
+        js: JetStreamContext,
+        nc: Client,
+        bucket: str,
+        pattern: str,
+        heartbeat: float = WATCH_HEARTBEAT,
+    ) -> KeyWatch:
         watch = cls(nc, bucket, pattern)
         watch._sub = await js.subscribe(
             watch._subjects,
@@ -187,6 +199,7 @@ class KeyWatch:
             ordered_consumer=True,
             deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
             inactive_threshold=INACTIVE_THRESHOLD,
+            idle_heartbeat=heartbeat,
         )
         try:
             # asked once the consumer exists: whatever is stored later, it delivers too
