@@ -88,10 +88,16 @@ def stream_configs(plan: StreamPlan) -> list[StreamConfig]:
 
 
 async def ensure_streams(bus: Bus, plan: StreamPlan | None = None) -> list[str]:
-    """Create the streams that are missing (the operator's); the names made. One that exists
-    is left as it is: its retention is changed with `llmgw audit --retention`."""
+    """Create the streams that are missing (the operator's); the names made. Without a
+    `plan`, with as many copies as the bucket has: a cluster's bucket of 3 copies gets
+    streams of 3, so losing one server loses no limit, usage or audit record either. One
+    that exists is left as it is: its retention is changed with `llmgw audit --retention`."""
+    if plan is None:
+        bucket = f"KV_{bus.bucket.name}"
+        info = await classify.answer(bus.js.stream_info(bucket), f"stream {bucket}")
+        plan = StreamPlan(replicas=info.config.num_replicas or 1)
     made = []
-    for config in stream_configs(plan or StreamPlan()):
+    for config in stream_configs(plan):
         try:
             info = await classify.answer(bus.js.stream_info(config.name), f"stream {config.name}")
         except BusError as e:
