@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import signal
@@ -85,6 +86,9 @@ KINDS = (
     "pause server",
     "cut agent link",
 )
+# faults whose fleet is measured from the fault itself, not from its undoing: nothing undoes
+# an engine's death but its agent, and a cluster is built to lose one server
+FROM_THE_FAULT = ("kill engine", "kill server")
 # the goals (docs/reliability.md, "The chaos run")
 WRITES_AGAIN_S = 10.0  # the control plane's next write after a cluster server's death
 WHOLE_AGAIN_S = 10.0  # the fleet whole again after a fault's end, besides an engine's start
@@ -152,9 +156,11 @@ class Fault:
     pid: int | None = None
     router: int | None = None
     control_plane_s: float | None = None  # a server's death: to the canary's next placement
+    change_in_effect_s: float | None = None  # ...and to its new count served by both routers
     leader_s: float | None = None  # a controller's death: until one leads again
     engine_start_s: float | None = None  # an engine killed: its replacement's own start
     overlapped: bool = False
+    waited_for: str = ""  # what the fleet lacked longest before it was whole again
 
     @property
     def whole_after_s(self) -> float | None:
@@ -162,7 +168,7 @@ class Fault:
         itself) to the fleet whole again, less an engine's own start."""
         if self.ready is None:
             return None
-        since = self.start if self.kind in ("kill server", "kill engine") else self.undo
+        since = self.start if self.kind in FROM_THE_FAULT else self.undo
         return self.ready - (since or self.start) - (self.engine_start_s or 0.0)
 
 
@@ -178,7 +184,7 @@ class Fleet:
         self.agents: dict[str, subprocess.Popen] = {}
         self.agent_cfgs: dict[str, tuple] = {}
         self.links: dict[str, list[ProxyLink]] = {}
-        self.paused: set[int] = set()  # pids under SIGSTOP
+        self.paused: dict[int, str] = {}  # pids under SIGSTOP: what each is
         self.down: set[str] = set()  # names of processes killed and not started again
         self.requests_log = run / "requests.log"
         self.bus: Bus | None = None
@@ -294,45 +300,64 @@ class Fleet:
             if s.pid and s.phase == "ready"
         }
 
-    async def whole(self) -> str | None:
-        """None when the fleet is whole: every process up, every desired replica ready in
-        the bucket and routed by both routers, every node ready; else what is not."""
-        if self.down or self.paused:
-            return f"down: {sorted(self.down)}, paused: {sorted(self.paused)}"
-        if any(p.poll() is not None for p in self._processes()):
-            return "a process exited by itself"
+    async def lacks(self) -> tuple[str | None, str | None]:
+        """What the fleet lacks to be whole (None: nothing), with the canary and without
+        it. Whole: every agent and router up, no engine stopped, no agent's links cut (a
+        controller or one server of three down is what the fleet is built to lose), every
+        desired replica ready in the bucket and routed by both routers, every node ready."""
+        blocking = sorted(d for d in self.down if d.split()[0] in ("agent", "router", "links"))
+        paused = sorted(pid for pid, what in self.paused.items() if what != "server")
+        gone = [name for name, p in self._processes().items() if p.poll() is not None]
+        gone = [name for name in gone if name not in self.down]
+        if blocking or paused or gone:
+            why = f"down: {blocking}, stopped: {paused}, exited: {gone}"
+            return why, why
         try:
             view = await self.records()
         except BusError as e:
-            return f"bucket: {e}"
+            return f"bucket: {e}", f"bucket: {e}"
+        dead = [
+            s.pid
+            for s in view.shards.values()
+            if s.phase == "ready" and s.pid and not psutil.pid_exists(s.pid)
+        ]
+        if dead:
+            return f"engines gone: {dead}", f"engines gone: {dead}"
+        unwell = [n for n, h in view.health.items() if h.phase != "ready"]
+        if unwell or len(view.health) < self.s.agents:
+            why = f"nodes not ready: {unwell or 'not all judged'}"
+            return why, why
+        routed = [await _routed(port) for port in self.router_ports]
+        lacking: dict[str, str] = {}
         for model, desired in view.desired.items():
             ready = sum(
                 1 for r in view.replicas.values() if r.model == model and r.phase == "ready"
             )
             if ready != desired.replicas:
-                return f"{model}: {ready} of {desired.replicas} ready"
-        unwell = [n for n, h in view.health.items() if h.phase != "ready"]
-        if unwell or len(view.health) < self.s.agents:
-            return f"nodes not ready: {unwell or 'not all judged'}"
-        for i, port in enumerate(self.router_ports):
-            routed = await _routed(port)
-            for model, desired in view.desired.items():
-                if routed.get(model) != desired.replicas:
-                    return f"router {i} routes {routed.get(model)} of {model}'s {desired.replicas}"
-        return None
+                lacking[model] = f"{model}: {ready} of {desired.replicas} ready"
+                continue
+            for i, got in enumerate(routed):
+                if got.get(model) != desired.replicas:
+                    lacking[model] = f"router {i} routes {got.get(model)} of {model}'s {ready}"
+        core = [why for model, why in lacking.items() if model != "canary"]
+        return next(iter(lacking.values()), None), (core[0] if core else None)
 
-    def _processes(self) -> list[subprocess.Popen]:
-        return [*self.controllers.values(), *self.routers.values(), *self.agents.values()]
+    def _processes(self) -> dict[str, subprocess.Popen]:
+        return {
+            **{f"controller {n}": p for n, p in self.controllers.items()},
+            **{f"router {n}": p for n, p in self.routers.items()},
+            **{f"agent {n}": p for n, p in self.agents.items()},
+        }
 
     async def stop(self) -> None:
         for pid in list(self.paused):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         self.paused.clear()
-        for p in [*self.routers.values(), *self.controllers.values(), *self.agents.values()]:
+        for p in self._processes().values():
             if p.poll() is None:
                 p.terminate()
-        for p in self._processes():
+        for p in self._processes().values():
             try:
                 await anyio.to_thread.run_sync(p.wait, 35)
             except subprocess.TimeoutExpired:
@@ -425,6 +450,7 @@ class Chaos:
         self.load = Load(self.fleet, self.clock)
         self.faults: list[Fault] = []
         self.canary = 1
+        self.samples: list[tuple[float, str | None, str | None]] = []
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -435,20 +461,22 @@ class Chaos:
     async def run(self) -> dict:
         await self.fleet.start()
         self.log(f"fleet started in {self.fleet.run}")
-        await self._until_whole(None, self.s.settle_s * 2)
-        self.t0 = time.monotonic()
-        self.log("fleet whole: load and faults begin")
-        end = self.s.minutes * 60
         async with anyio.create_task_group() as tg:
+            tg.start_soon(self._sample)
+            if (await self._whole_since(0.0, core=False))[0] is None:
+                raise SystemExit(f"the fleet never became whole: {self.samples[-1]}")
+            self.t0 = time.monotonic()
+            self.samples.clear()
+            self.log("fleet whole: load and faults begin")
             tg.start_soon(self.load.run)
             await anyio.sleep(3)
-            while self.clock() < end:
+            while self.clock() < self.s.minutes * 60:
                 await self._one_round()
                 await anyio.sleep(self.rng.uniform(*self.s.gap_s))
             self.load.stopping = True
             await anyio.sleep(5)  # the last streams end
+            report = await self._report()
             tg.cancel_scope.cancel()
-        report = await self._report()
         await self.fleet.stop()
         report["left_running"] = sorted(self.fleet.engine_processes())
         for pid in report["left_running"]:
@@ -462,26 +490,35 @@ class Chaos:
         fault = await self._inject(self._draw())
         if fault is None:
             return
-        second = None
+        faults = [fault]
         if self.rng.random() < self.s.overlap:
             # another kind of process (never two servers at once: _inject says so)
             kinds = [k for k in KINDS if k.split()[1] != fault.kind.split()[1]]
             second = await self._inject(self._draw(kinds))
             if second is not None:
                 fault.overlapped = second.overlapped = True
-        for f in (fault, second):
-            if f is not None:
-                await self._undo(f)
-        await self._until_whole(fault, self.s.settle_s)
-        if second is not None:
-            second.ready = fault.ready
-        for f in (fault, second):
-            if f is not None:
-                await self._after(f)
-                self.log(
-                    f"{f.kind} {f.target}: whole again after "
-                    + (f"{f.whole_after_s:.1f} s" if f.whole_after_s is not None else "NEVER")
-                )
+                faults.append(second)
+        async with anyio.create_task_group() as tg:
+            for f in faults:
+                tg.start_soon(self._undo, f)
+                if f.kind == "kill server":
+                    tg.start_soon(self._canary_moves, f)
+        for f in faults:
+            # a server's death is measured as the fleet it leaves, the canary's new count
+            # (asked at the death, to time the control plane) as a change in effect
+            since = f.start if f.kind in FROM_THE_FAULT else f.undo or f.start
+            f.ready, f.waited_for = await self._whole_since(since, core=f.kind == "kill server")
+            if f.kind == "kill server":
+                in_effect, _ = await self._whole_since(f.start, core=False)
+                if in_effect is not None:
+                    f.change_in_effect_s = in_effect - f.start
+            await self._after(f)
+            self.log(
+                f"{f.kind} {f.target}: whole again after "
+                + (f"{f.whole_after_s:.1f} s" if f.whole_after_s is not None else "NEVER")
+                + (f" (it lacked: {f.waited_for})" if f.waited_for else "")
+            )
+        await self._whole_since(self.clock(), core=False)  # all of it, before the next
 
     def _draw(self, among: list[str] | tuple[str, ...] = KINDS) -> str:
         kinds = [k for k in among if self.s.weights.get(k, 0) > 0]
@@ -506,10 +543,9 @@ class Chaos:
             if verb == "kill":
                 f.cluster.kill(i)
                 f.down.add(fault.target)
-                fault.control_plane_s = await self._canary_moves(now)
             else:
                 f.cluster.pause(i)
-                f.paused.add(server.pid or 0)
+                f.paused[server.pid or 0] = "server"
         elif what == "engine":
             try:
                 engines = await f.engines()
@@ -525,7 +561,7 @@ class Chaos:
                 fault.undo = now  # its agent starts another
             else:
                 os.kill(pid, signal.SIGSTOP)
-                f.paused.add(pid)
+                f.paused[pid] = "engine"
         else:
             group = {"agent": f.agents, "controller": f.controllers, "router": f.routers}[what]
             name = self.rng.choice(sorted(group))
@@ -537,7 +573,7 @@ class Chaos:
                 fault.router = int(name)
             if verb == "pause":
                 os.kill(proc.pid, signal.SIGSTOP)
-                f.paused.add(proc.pid)
+                f.paused[proc.pid] = what
             else:
                 proc.send_signal(signal.SIGTERM if verb == "stop" else signal.SIGKILL)
                 f.down.add(fault.target)
@@ -554,7 +590,7 @@ class Chaos:
             await anyio.sleep(self.rng.uniform(*self.s.pause_s))
             if fault.pid is not None:
                 os.kill(fault.pid, signal.SIGCONT)
-                f.paused.discard(fault.pid)
+                f.paused.pop(fault.pid, None)
                 if what == "server":
                     for s in f.cluster.servers:
                         s.paused = False
@@ -584,27 +620,30 @@ class Chaos:
     async def _after(self, fault: Fault) -> None:
         """What a fault of its kind measures once the fleet is whole again."""
         if fault.kind == "kill engine":
-            fault.engine_start_s = await self._engine_start(fault)
+            model, rid = fault.target.split("(", 1)[1].split()[:2]
+            fault.engine_start_s = await self._engine_start(fault, model, rid)
         elif fault.kind == "kill controller":
             fault.leader_s = await self._leader_after(fault)
 
-    async def _engine_start(self, fault: Fault) -> float | None:
-        """The replacement engine's own start: from its process's birth to its shard's
-        ready (both wall clocks)."""
-        what = fault.target.split("(", 1)[1].rstrip(")")
-        model, rid = what.split()[:2]
+    async def _engine_start(self, fault: Fault, model: str, rid: str | None) -> float | None:
+        """An engine started since the fault for `model` (`rid`): its own start, from its
+        process's birth to its shard's ready (both wall clocks); None: none started."""
+        killed_at = time.time() - (self.clock() - fault.start)
         try:
             view = await self.fleet.records()
         except BusError:
             return None
+        starts = []
         for s in view.shards.values():
-            if s.rid == rid and s.model == model and s.pid and s.phase == "ready":
-                try:
-                    born = psutil.Process(s.pid).create_time()
-                except psutil.NoSuchProcess:
-                    return None
-                return max(0.0, s.since - born)
-        return None
+            if s.model != model or rid not in (None, s.rid) or not s.pid or s.phase != "ready":
+                continue
+            try:
+                born = psutil.Process(s.pid).create_time()
+            except psutil.NoSuchProcess:
+                continue
+            if born >= killed_at - 1:  # the replacement, not an engine from before
+                starts.append(max(0.0, s.since - born))
+        return max(starts) if starts else None
 
     async def _leader_after(self, fault: Fault) -> float | None:
         """Seconds from a controller's death until a controller leads: 0 when another led
@@ -622,9 +661,13 @@ class Chaos:
             await anyio.sleep(0.25)
         return None
 
-    async def _canary_moves(self, killed_at: float) -> float | None:
-        """A cluster server just died: ask for another count of the canary, and the seconds
-        until the controller writes its placement (a replica placed or drained)."""
+    async def _canary_moves(self, fault: Fault) -> None:
+        """A cluster server just died: ask for another count of the canary; the seconds
+        until the controller writes its placement (a replica placed or drained) are the
+        fault's `control_plane_s`."""
+        fault.control_plane_s = await self._placed_after(fault.start)
+
+    async def _placed_after(self, killed_at: float) -> float | None:
         assert self.fleet.bus is not None
         bus = self.fleet.bus
         self.canary = 2 if self.canary == 1 else 1
@@ -650,19 +693,33 @@ class Chaos:
             await anyio.sleep(0.1)
         return None
 
-    async def _until_whole(self, fault: Fault | None, within: float) -> None:
-        deadline = self.clock() + within
-        why = "not asked"
-        while self.clock() < deadline:
-            why = await self.fleet.whole()
-            if why is None:
-                if fault is not None:
-                    fault.ready = self.clock()
-                return
+    async def _sample(self) -> None:
+        """What the fleet lacks, looked at every 0.25 s for the whole run: (time, with the
+        canary, without it)."""
+        while True:
+            lacks = await self.fleet.lacks()
+            self.samples.append((self.clock(), *lacks))
             await anyio.sleep(0.25)
-        self.log(f"not whole within {within:.0f} s: {why}")
-        if fault is None:
-            raise SystemExit(f"the fleet never became whole: {why}")
+
+    async def _whole_since(self, since: float, *, core: bool) -> tuple[float | None, str]:
+        """The first time at or after `since` the fleet was whole (`core`: the canary aside),
+        and what it lacked longest meanwhile; (None, ...) when not within settle_s."""
+        lacked: Counter[str] = Counter()
+        seen = 0
+        while True:
+            for t, everything, without in self.samples[seen:]:
+                seen += 1
+                if t < since:
+                    continue
+                why = without if core else everything
+                if why is None:
+                    return t, lacked.most_common(1)[0][0] if lacked else ""
+                lacked[why.split(":")[0]] += 1
+            if self.clock() > since + self.s.settle_s:
+                worst = lacked.most_common(1)[0][0] if lacked else ""
+                self.log(f"not whole within {self.s.settle_s:.0f} s: {worst}")
+                return None, worst
+            await anyio.sleep(0.1)
 
     # --- the report ----------------------------------------------------------------------
 
@@ -712,10 +769,20 @@ class Chaos:
                 "never_whole": sum(1 for f in mine if f.ready is None),
             }
         writes = [f.control_plane_s for f in self.faults if f.kind == "kill server"]
+        in_effect = [
+            f.change_in_effect_s
+            for f in self.faults
+            if f.change_in_effect_s is not None and not math.isnan(f.change_in_effect_s)
+        ]
         leaders = [f.leader_s for f in self.faults if f.leader_s is not None]
         engine_starts = [f.engine_start_s for f in self.faults if f.engine_start_s is not None]
         slow = [
-            {"kind": f.kind, "target": f.target, "whole_after_s": f.whole_after_s}
+            {
+                "kind": f.kind,
+                "target": f.target,
+                "whole_after_s": f.whole_after_s,
+                "waited_for": f.waited_for,
+            }
             for f in self.faults
             if f.whole_after_s is None or f.whole_after_s > WHOLE_AGAIN_S
         ]
@@ -743,6 +810,7 @@ class Chaos:
             "by_kind": by_kind,
             "control_plane_writes_after_server_death_s": _spread([w for w in writes if w]),
             "control_plane_never_wrote": sum(1 for w in writes if w is None),
+            "change_in_effect_after_server_death_s": _spread(in_effect),
             "leader_again_after_controller_death_s": _spread(leaders),
             "engine_start_s": _spread(engine_starts),
             "slow": slow,
@@ -754,7 +822,7 @@ class Chaos:
     async def _final_checks(self) -> dict:
         """Once the load has stopped and the fleet is whole: duplicate replicas, engines no
         shard names, keys that do not read."""
-        await self._until_whole(Fault("end", "", self.clock()), self.s.settle_s)
+        await self._whole_since(self.clock(), core=False)
         view = await self.fleet.records()
         duplicates = 0
         for model, desired in view.desired.items():
@@ -807,6 +875,10 @@ def summary(report: dict) -> str:
             "control plane's next write after a server's death",
             "control_plane_writes_after_server_death_s",
         ),
+        (
+            "...and the new count served by both routers",
+            "change_in_effect_after_server_death_s",
+        ),
         ("a controller leads again after one's death", "leader_again_after_controller_death_s"),
         ("a replacement engine's own start", "engine_start_s"),
     ):
@@ -818,6 +890,10 @@ def summary(report: dict) -> str:
         f"{report['leaked_engines']}, unreadable keys {report['unreadable_keys']}, engines left "
         f"running after the stop {len(report['left_running'])}"
     )
+    for f in report["slow"]:
+        lines.append(
+            f"  slow: {f['kind']} {f['target']}: {f['whole_after_s']} s ({f['waited_for']})"
+        )
     for goal, ok in report["goals"].items():
         lines.append(f"  {'PASS' if ok else 'FAIL'}  {goal}")
     return "\n".join(lines)
