@@ -169,7 +169,8 @@ class Fault:
         if self.ready is None:
             return None
         since = self.start if self.kind in FROM_THE_FAULT else self.undo
-        return self.ready - (since or self.start) - (self.engine_start_s or 0.0)
+        took = self.ready - (since or self.start)
+        return took - min(took, self.engine_start_s or 0.0)
 
 
 class Fleet:
@@ -337,7 +338,9 @@ class Fleet:
                 lacking[model] = f"{model}: {ready} of {desired.replicas} ready"
                 continue
             for i, got in enumerate(routed):
-                if got.get(model) != desired.replicas:
+                if isinstance(got, str):
+                    lacking[model] = f"router {i}: {got}"
+                elif got.get(model) != desired.replicas:
                     lacking[model] = f"router {i} routes {got.get(model)} of {model}'s {ready}"
         core = [why for model, why in lacking.items() if model != "canary"]
         return next(iter(lacking.values()), None), (core[0] if core else None)
@@ -380,8 +383,8 @@ class Fleet:
         return found
 
 
-async def _routed(port: int) -> dict[str, int]:
-    """What a router's /metrics says it routes: model -> endpoints."""
+async def _routed(port: int) -> dict[str, int] | str:
+    """What a router's /metrics says it routes: model -> endpoints; or why it said nothing."""
     out: dict[str, int] = {}
     try:
         async with (
@@ -389,8 +392,8 @@ async def _routed(port: int) -> dict[str, int]:
             http.get(f"http://127.0.0.1:{port}/metrics") as r,
         ):
             text = await r.text()
-    except (aiohttp.ClientError, TimeoutError, OSError):
-        return out
+    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        return f"/metrics unanswered ({type(e).__name__})"
     for line in text.splitlines():
         if line.startswith("llmgw_router_endpoints{"):
             model = line.split('model="', 1)[1].split('"', 1)[0]
