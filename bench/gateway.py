@@ -26,16 +26,24 @@ its tokens the engine's usage), so it is the routers' own count, minute by minut
     .venv/bin/python bench/gateway.py cost [--requests 20000]
     .venv/bin/python bench/gateway.py accuracy [--routers 3] [--clients 200] [--seconds 120]
     .venv/bin/python bench/gateway.py accuracy --http [--routers 3] [--clients 200] [--seconds 120]
-    .venv/bin/python bench/gateway.py metering [--routers 2] [--clients 64] [--seconds 10]
+    .venv/bin/python bench/gateway.py metering [--routers 2] [--clients 64] [--seconds 5]
 
-metering: R real routers in front of bench/instant_engine.py (40 tokens, one every 5 ms),
-in three phases with a key each: whole answers, streams, and streams whose clients leave
-after 1-30 tokens. After each, the tokens and requests the routers metered for its key
-(the usage counters) against the engine's own count over the phase (GET /counts: what it
-generated, a stream's tokens as each is written). Whole answers and streams should match
-exactly. A stream cut short is charged the tokens the router relayed, with its prompt
-estimated from its characters, so there the prompt differs by design, and the completion
-by the tokens the engine wrote that never reached the router before it closed.
+metering: R real routers in front of bench/instant_engine.py --read-bodies (40 tokens, one
+every 5 ms), a phase with a key of its own for each route that generates or embeds (chat,
+completions, responses, infill, embeddings, rerank) and each framing: whole answers,
+streams, and streams whose clients leave after 1-30 tokens; and whole answers of 300,000
+tokens (over 1 MiB of JSON) from a second engine. After each, the tokens and requests the
+routers metered for its key (the usage counters) against the engine's own count over the
+phase (GET /counts: what it read and generated, a stream's tokens as each is written).
+Whole answers and streams should match exactly, every route in its own usage names. A
+stream cut short is charged the tokens the router relayed, with its prompt estimated from
+its body's size where its events do not carry the engine's count (llama-server's /infill
+events do), so there the prompt differs by design, and the completion by the tokens the
+engine wrote that never reached the router before it closed. Last, a burst of hostile
+bodies (caps in forms an engine reads otherwise, `n`, `n_predict`, -1, streams without a
+cap, fields named twice, an odd `stream`) at a key limited in requests and tokens a minute
+and in flight, against an engine that generates what the worse of llama-server and vLLM
+would (3,000 tokens uncapped): what the engine ran in that minute beside each limit.
 """
 
 from __future__ import annotations
@@ -290,11 +298,46 @@ async def accuracy_http(
     _per_minute(admitted, started, stop, rpm, tpm)
 
 
+# every route a gateway meters, as metering sends it (`max_tokens` and its kin at 40, what
+# the engine's answers run to anyway)
+M = [{"role": "user", "content": "hi"}]
+ROUTES = {
+    "chat": ("/v1/chat/completions", {"messages": M, "max_tokens": 40}),
+    "completions": ("/v1/completions", {"prompt": "once upon a time", "max_tokens": 40}),
+    "responses": ("/v1/responses", {"input": "say hi", "max_output_tokens": 40}),
+    "infill": ("/infill", {"input_prefix": "def f(", "input_suffix": "):", "n_predict": 40}),
+    "embeddings": ("/v1/embeddings", {"input": "one two three"}),
+    "rerank": ("/v1/rerank", {"query": "red apple", "documents": ["a red apple", "blue sky"]}),
+}
+STREAMING = ("chat", "completions", "responses", "infill")
+BIG_TOKENS = 300_000  # a whole answer of "tok " * this is over 1 MiB
+
+# bodies that made an engine generate more than the router read from them (issue 36), and
+# ones the router now refuses; sent in a burst at a key limited three ways
+_HM = '"model":"hostile","messages":[{"role":"user","content":"hi"}]'
+HOSTILE = [
+    b'{%s,"max_tokens":5,"max_completion_tokens":"3000"}' % _HM.encode(),
+    b'{%s,"max_tokens":5,"max_completion_tokens":3000.0}' % _HM.encode(),
+    b'{%s,"max_tokens":5,"n_predict":3000}' % _HM.encode(),
+    b'{%s,"max_tokens":400,"n":8}' % _HM.encode(),
+    b'{%s,"max_tokens":-1}' % _HM.encode(),
+    b'{%s,"stream":true}' % _HM.encode(),
+    b'{%s,"stream":true,"max_tokens":"5"}' % _HM.encode(),
+    b'{%s,"stream":"yes","max_tokens":5}' % _HM.encode(),
+    b'{%s,"model":"other","max_tokens":5}' % _HM.encode(),
+    b'{%s,"max_tokens":5,"max_tokens":3000}' % _HM.encode(),
+]
+HOSTILE_LIMITS = records.Limits(rpm=300, tpm=40_000, max_parallel=4)
+
+
 async def metering(url: str, routers: int, clients: int, seconds: float) -> None:
-    """Three phases, each with a key of its own: whole answers, streams, and streams their
-    clients leave after 1-30 tokens, C clients spread over R real routers. After each, the
-    routers' usage counters for its key against the engine's own count of what it generated
-    over the phase (bench/instant_engine.py's GET /counts)."""
+    """A phase a route and framing, each with a key of its own: whole answers, streams,
+    and streams their clients leave after 1-30 tokens, of every route that generates or
+    embeds, and whole answers over 1 MiB; C clients spread over R real routers. After each,
+    the routers' usage counters for its key against the engine's own count of what it read
+    and generated over the phase (bench/instant_engine.py's GET /counts). Then a burst of
+    hostile bodies at a key limited in requests and tokens a minute and in flight: what
+    the engine ran in that minute against each limit."""
     import aiohttp
     from router import bench_engine, process  # bench/router.py
 
@@ -303,17 +346,27 @@ async def metering(url: str, routers: int, clients: int, seconds: float) -> None
 
     bus = await _bus(url, "bench-operator")
     await ensure_streams(bus)
-    phases = ("whole", "stream", "cut")
-    secrets = {n: credentials.new_secret(n) for n in (*phases, "warm")}
-    # 40 tokens, one every 5 ms: a client leaving after a few leaves mid-stream
-    eport, engine = bench_engine(
-        "--first-token", "0.01", "--token-interval", "0.005", "--tokens", "40"
-    )
-    model = catalog.Model(id="m", served_name="bench", endpoints=[f"http://127.0.0.1:{eport}"])
-    await bus.put(keys.catalog("m"), catalog.encode_model(model))
+    phases = [
+        (route, framing)
+        for route in ROUTES
+        for framing in (("whole", "stream", "cut") if route in STREAMING else ("whole",))
+    ] + [("chat", "big")]
+    names = [f"{route}-{framing}" for route, framing in phases]
+    secrets = {n: credentials.new_secret(n) for n in (*names, "warm", "hostile")}
+    engines = {
+        # 40 tokens, one every 5 ms: a client leaving after a few leaves mid-stream
+        "bench": ("--first-token", "0.01", "--token-interval", "0.005", "--tokens", "40"),
+        "big": ("--tokens", str(BIG_TOKENS)),
+        # answers of 3,000 tokens, 3 s each: in flight long enough to count
+        "hostile": ("--first-token", "0.05", "--token-interval", "0.001", "--tokens", "3000"),
+    }
+    started = {name: bench_engine(*schedule, "--read-bodies") for name, schedule in engines.items()}
+    for name, (eport, _) in started.items():
+        model = catalog.Model(id=name, served_name=name, endpoints=[f"http://127.0.0.1:{eport}"])
+        await bus.put(keys.catalog(name), catalog.encode_model(model))
     for name, secret in secrets.items():
-        await bus.put(keys.apikey(name), _key(name, secret, records.Limits()))
-    body = {"model": "bench", "messages": [{"role": "user", "content": "hi"}]}
+        limits = HOSTILE_LIMITS if name == "hostile" else records.Limits()
+        await bus.put(keys.apikey(name), _key(name, secret, limits))
 
     async def metered(key: str) -> dict[str, int]:
         out = {"requests": 0, "prompt": 0, "completion": 0}
@@ -339,16 +392,21 @@ async def metering(url: str, routers: int, clients: int, seconds: float) -> None
     async def client(
         http: aiohttp.ClientSession,
         i: int,
-        phase: str,
+        route: str,
+        framing: str,
         stop: float,
         answers: dict[int, int],
         rng: random.Random,
     ) -> None:
-        url = f"http://127.0.0.1:{ports[i % routers]}/v1/chat/completions"
-        headers = {"authorization": f"Bearer {secrets[phase]}"}
-        payload = {**body, "stream": phase != "whole"}
+        path, body = ROUTES[route]
+        url = f"http://127.0.0.1:{ports[i % routers]}{path}"
+        headers = {"authorization": f"Bearer {secrets[f'{route}-{framing}']}"}
+        if framing == "big":
+            payload = {"model": "big", "messages": M}
+        else:
+            payload = {"model": "bench", **body, "stream": framing != "whole"}
         while time.monotonic() < stop:
-            leave = rng.randint(1, 30) if phase == "cut" else None
+            leave = rng.randint(1, 30) if framing == "cut" else None
             async with http.post(url, json=payload, headers=headers) as resp:
                 answers[resp.status] = answers.get(resp.status, 0) + 1
                 if leave is None:
@@ -356,12 +414,37 @@ async def metering(url: str, routers: int, clients: int, seconds: float) -> None
                     continue
                 seen = 0
                 async for line in resp.content:
-                    seen += line.count(b'"content": "tok')
+                    seen += line.count(b'"tok "')
                     if seen >= leave:
                         break  # leaving the block with the answer unread drops its connection
 
+    async def hostile(
+        http: aiohttp.ClientSession, i: int, stop: float, answers: dict[int | str, int]
+    ) -> None:
+        url = f"http://127.0.0.1:{ports[i % routers]}/v1/chat/completions"
+        headers = {
+            "authorization": f"Bearer {secrets['hostile']}",
+            "content-type": "application/json",
+        }
+        n = i
+        while time.monotonic() < stop:
+            body = HOSTILE[n % len(HOSTILE)]
+            n += 1
+            async with http.post(url, data=body, headers=headers) as resp:
+                try:
+                    await resp.read()
+                except aiohttp.ClientPayloadError:
+                    # a stream a limit refused more tokens: the router ends it there
+                    answers["ended"] = answers.get("ended", 0) + 1
+                    continue
+                answers[resp.status] = answers.get(resp.status, 0) + 1
+                if resp.status == 429:
+                    await anyio.sleep(0.2)
+
     env = {"LLMGW_LOG_LEVEL": "ERROR"}
-    with engine, contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
+        for _, engine in started.values():
+            stack.enter_context(engine)
         for _ in range(routers):
             port = free_port()
             argv = [sys.executable, "-m", "llmgw.cli", "router", "--nats", url]
@@ -369,36 +452,79 @@ async def metering(url: str, routers: int, clients: int, seconds: float) -> None
             ports.append(port)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
 
-            async def counts() -> dict[str, int]:
+            async def counts(engine: str) -> dict[str, int]:
+                eport = started[engine][0]
                 async with http.get(f"http://127.0.0.1:{eport}/counts") as resp:
                     return await resp.json()
 
-            await _until_served(http, ports, body, secrets["warm"])
+            warm = {"model": "bench", "messages": M, "max_tokens": 1}
+            await _until_served(http, ports, warm, secrets["warm"])
             await settled("warm")
             print(
                 f"{routers} llmgw router processes, {clients} clients, {seconds:.0f} s a phase; "
-                "an engine answering 40 tokens, one every 5 ms"
+                "an engine answering 40 tokens, one every 5 ms (and one answering "
+                f"{BIG_TOKENS:,} at once: 'big', over 1 MiB of JSON)"
             )
-            for phase in phases:
-                before = await counts()
+            for (route, framing), name in zip(phases, names, strict=True):
+                engine = "big" if framing == "big" else "bench"
+                before = await counts(engine)
                 stop = time.monotonic() + seconds
                 answers: dict[int, int] = {}
-                rng = random.Random(phase)
-
+                rng = random.Random(name)
+                n = min(clients, 8) if framing == "big" else clients
                 async with anyio.create_task_group() as tg:
-                    for i in range(clients):
-                        tg.start_soon(client, http, i, phase, stop, answers, rng)
+                    for i in range(n):
+                        tg.start_soon(client, http, i, route, framing, stop, answers, rng)
                 await anyio.sleep(1)  # the engine sees the last clients leave
-                got = await settled(phase)
-                after = await counts()
+                got = await settled(name)
+                after = await counts(engine)
                 engine_said = {k: after[k] - before[k] for k in got}
-                print(f"  {phase}: answers {dict(sorted(answers.items()))}")
+                print(f"  {name}: answers {dict(sorted(answers.items()))}")
                 for kind in ("requests", "prompt", "completion"):
                     e, m = engine_said[kind], got[kind]
                     print(
-                        f"    {kind:>10}: engine {e:8d}, metered {m:8d} ({m / e if e else 0:.4f}x, "
-                        f"{m - e:+d})"
+                        f"    {kind:>10}: engine {e:9d}, metered {m:9d} "
+                        f"({m / e if e else 0:.4f}x, {m - e:+d})"
                     )
+
+            # the hostile burst, inside one minute of the clock (the limits' windows)
+            if time.time() % 60 > 60 - seconds - 5:
+                await anyio.sleep(60 - time.time() % 60 + 0.2)
+            before = await counts("hostile")
+            stop = time.monotonic() + seconds
+            burst: dict[int | str, int] = {}
+            async with anyio.create_task_group() as tg:
+                for i in range(clients):
+                    tg.start_soon(hostile, http, i, stop, burst)
+            await anyio.sleep(1)
+            after = await counts("hostile")
+            got = await settled("hostile")
+            ran = {k: after[k] - before[k] for k in ("requests", "prompt", "completion")}
+            tokens = ran["prompt"] + ran["completion"]
+            lim = HOSTILE_LIMITS
+            print(
+                f"  hostile: {len(HOSTILE)} bodies in turn from {clients} clients for "
+                f"{seconds:.0f} s, one minute; answers {dict(sorted(burst.items(), key=str))}"
+            )
+            for what, value, limit, bound in (
+                ("requests a minute", ran["requests"], lim.rpm, "0"),
+                (
+                    "tokens a minute",
+                    tokens,
+                    lim.tpm,
+                    "0, but for the events of streams past their reservation before they end",
+                ),
+                ("in flight at most", after["most_in_flight"], lim.max_parallel, "0"),
+            ):
+                assert limit is not None
+                print(
+                    f"    {what:>18}: engine ran {value:7d} against a limit of {limit:6d}: "
+                    f"overshoot {max(0, value - limit):5d}; stated bound {bound}"
+                )
+            print(
+                f"    {'metered':>18}: {got['prompt'] + got['completion']:7d} tokens of the "
+                f"{tokens} the engine counted"
+            )
         load = os.getloadavg()
     await bus.close()
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
@@ -420,7 +546,7 @@ def main() -> None:
     m = sub.add_parser("metering")
     m.add_argument("--routers", type=int, default=2)
     m.add_argument("--clients", type=int, default=64)
-    m.add_argument("--seconds", type=float, default=10.0)
+    m.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-gateway-") as tmp:
         server = EmbeddedNats(data_dir=Path(tmp) / "nats", port=free_port())

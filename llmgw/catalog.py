@@ -31,7 +31,7 @@ from msgspec import Meta
 
 from llmgw import labels
 from llmgw.bus import records
-from llmgw.bus.keys import is_token
+from llmgw.bus.keys import MAX_NAME_BYTES, is_token
 from llmgw.bus.trust import MAX_REPLICAS
 from llmgw.errors import LlmgwError
 from llmgw.files import NotUtf8, TooLarge, read_bounded, utf8_text
@@ -120,6 +120,9 @@ class Profile(msgspec.Struct, kw_only=True, omit_defaults=True):
     nodes: Positive = 1  # > 1: vLLM, tensor parallel inside a node, pipeline parallel across
     context: Positive | None = None
     parallel: Positive | None = None
+    # a CPU profile's engine pinned to this many cores of its own (vLLM; unset: its threads
+    # are not pinned, never all on core 0 as vLLM does by default: docs/engines.md)
+    cpu_cores: Positive | None = None
     extra_args: list[str] = []
     env: dict[str, str] = {}
     # where it may run (llmgw.labels): every label asked for ("!v": not v), every taint tolerated
@@ -146,6 +149,7 @@ LAUNCH_FIELDS = (
     "nodes",
     "context",
     "parallel",
+    "cpu_cores",
     "extra_args",
     "env",
     "share_gpus",
@@ -200,14 +204,20 @@ class Model(msgspec.Struct, kw_only=True, omit_defaults=True):
         return next((p for p in self.profiles if p.name == name), None)
 
 
+# launch fields added after fleets ran, with their defaults: a profile that leaves one at its
+# default keeps the fingerprint it had before, so upgrading llmgw rolls nothing out
+_ADDED_LATER = {"share_gpus": False, "cpu_cores": None}
+
+
 def launch_hash(model: Model, profile: Profile) -> str:
     """The fingerprint of what an engine of `profile` is launched with (LAUNCH_FIELDS and the
     served name): replicas carry the one they were placed with, and a different one in the
     catalog makes them replicas to replace."""
     content = {"served_name": model.served_name}
     content.update({f: msgspec.to_builtins(getattr(profile, f)) for f in LAUNCH_FIELDS})
-    if not profile.share_gpus:  # the fingerprint of a profile that does not share is as it was
-        del content["share_gpus"]
+    for name, default in _ADDED_LATER.items():
+        if content[name] == default:  # the fingerprint of a profile without it is as it was
+            del content[name]
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
     return digest[:12]
 
@@ -454,6 +464,15 @@ def _check_model(check: _Checker, raw: Any, fallback: str) -> Model | None:
     if not (isinstance(mid, str) and is_token(mid)):
         check.expected(where, "id", "a single token of letters, digits, '-' and '_'", mid)
     served = check.text(where, "served_name", raw.get("served_name", _MISSING), default=None)
+    name = served if served is not None else mid if isinstance(mid, str) else ""
+    if len(name.encode()) > MAX_NAME_BYTES:
+        # each served name is one subject token of limits and usage (bus/keys.name_token)
+        check.problem(
+            where,
+            "served_name" if served is not None else "id",
+            f"{name[:40]!r}... is {len(name.encode())} bytes long; a served name is at most "
+            f"{MAX_NAME_BYTES} bytes (UTF-8): set a shorter served_name",
+        )
 
     profiles_raw = raw.get("profiles", _MISSING)
     endpoints_raw = raw.get("endpoints", _MISSING)
@@ -643,7 +662,15 @@ def _check_profile(check: _Checker, where: str, path: str, raw: Any) -> Profile 
     weights = _check_weights(check, where, f"{path}.weights", raw.get("weights", _MISSING), engine)
     bounded = {
         f: check.field(where, f"{path}.{f}", raw, Profile, f)
-        for f in ("gpus_per_node", "gpu_memory_gb", "host_ram_gb", "nodes", "context", "parallel")
+        for f in (
+            "gpus_per_node",
+            "gpu_memory_gb",
+            "host_ram_gb",
+            "nodes",
+            "context",
+            "parallel",
+            "cpu_cores",
+        )
     }
     gpus, gpu_mem, nodes = bounded["gpus_per_node"], bounded["gpu_memory_gb"], bounded["nodes"]
     extra_args = _check_args(check, where, f"{path}.extra_args", raw.get("extra_args", []))
@@ -665,6 +692,15 @@ def _check_profile(check: _Checker, where: str, path: str, raw: Any) -> Profile 
     if gpus == 0 and gpu_mem:
         check.problem(
             where, f"{path}.gpu_memory_gb", "set on a CPU profile (gpus_per_node = 0); remove it"
+        )
+    if gpus and bounded["cpu_cores"]:
+        check.problem(where, f"{path}.cpu_cores", "set on a GPU profile; remove it")
+    elif bounded["cpu_cores"] and engine == "llama-server":
+        check.problem(
+            where,
+            f"{path}.cpu_cores",
+            "pins a vLLM engine; give llama-server its threads and cores in extra_args "
+            "(-t, --cpu-range)",
         )
     share = raw.get("share_gpus", False)
     if not isinstance(share, bool):

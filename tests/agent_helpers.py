@@ -125,12 +125,19 @@ class FakeEngineAgent:
 
 
 def start_fake_engine_agent(
-    url: str, root: Path, engines: Engines, *, simulate: list[str] | None = None, **node: object
+    url: str,
+    root: Path,
+    engines: Engines,
+    *,
+    simulate: list[str] | None = None,
+    vllm_cpu: bool = False,
+    **node: object,
 ) -> FakeEngineAgent:
     """An agent under `root` (its dirs, agent.toml, agent.log) with the fake engine as
-    llama-server and vllm on its PATH, `engines` its engine settings, `node` its [node]."""
+    llama-server and vllm on its PATH (`vllm_cpu`: a CPU build of vLLM), `engines` its
+    engine settings, `node` its [node]."""
     dirs = host_dirs(root)
-    install_fake_engines(dirs["bin"])
+    install_fake_engines(dirs["bin"], vllm_cpu=vllm_cpu)
     cfg = msgspec.structs.replace(agent_config(url, dirs, **node), engines=engines)
     path = [dirs["bin"], Path("/usr/bin"), Path("/bin")]
     log = root / "agent.log"

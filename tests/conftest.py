@@ -110,6 +110,27 @@ def _debug_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="llmgw")
 
 
+@pytest.fixture(scope="session")
+def vllm_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight model a real vLLM serves (tests/real_vllm.py), made once;
+    skips, saying how to get a vLLM, where there is none."""
+    from real_vllm import tiny_hf_model
+
+    return tiny_hf_model(tmp_path_factory.mktemp("vllm-model"))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One real vLLM serving the tiny model with an API key, shared by every test that only
+    talks to it: a start costs 20-50 s on 2 cores. Stopped, every process of it, at the end."""
+    from real_vllm import serving_vllm
+
+    with serving_vllm(
+        vllm_tiny_model, tmp_path_factory.mktemp("vllm-server"), api_key="engine-key"
+    ) as server:
+        yield server
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     # What the tests left for the cycle collector goes now: collected later, inside the

@@ -55,13 +55,30 @@ def _cached_builds() -> list[Path]:
     return sorted((p.parent for p in found if os.access(p, os.X_OK)), key=build_number)[::-1]
 
 
-def find_llama_server() -> Path | str:
-    """The binary to test, or why there is none: $LLMGW_LLAMA_SERVER, the build cache, PATH."""
-    if explicit := os.environ.get(BINARY_ENV):
+def from_env(name: str) -> Path | str | None:
+    """The executable $`name` names, why it is not one, or None when it is unset."""
+    if explicit := os.environ.get(name):
         path = Path(explicit)
         if path.is_file() and os.access(path, os.X_OK):
             return path
-        return f"{BINARY_ENV}={explicit} is not an executable file"
+        return f"{name}={explicit} is not an executable file"
+    return None
+
+
+def found_or_skip(found: Path | str, env: str) -> Path:
+    """`found`, or the calling test skipped with why not. A wrong $`env` fails it instead:
+    someone asked for that binary, and a skip would hide the typo."""
+    if isinstance(found, str):
+        if os.environ.get(env):
+            pytest.fail(found)
+        pytest.skip(found)
+    return found
+
+
+def find_llama_server() -> Path | str:
+    """The binary to test, or why there is none: $LLMGW_LLAMA_SERVER, the build cache, PATH."""
+    if (explicit := from_env(BINARY_ENV)) is not None:
+        return explicit
     if builds := _cached_builds():
         return builds[0] / "llama-server"
     if on_path := shutil.which("llama-server"):
@@ -85,17 +102,8 @@ def find_vocab(binary: Path) -> Path | str:
 
 
 def llama_server_binary() -> Path:
-    """The llama-server to test; skips the calling test, with the reason, when there is none.
-
-    A wrong $LLMGW_LLAMA_SERVER fails instead: someone asked for that binary, and a skip
-    would hide the typo.
-    """
-    found = find_llama_server()
-    if isinstance(found, str):
-        if os.environ.get(BINARY_ENV):
-            pytest.fail(found)
-        pytest.skip(found)
-    return found
+    """The llama-server to test; skips the calling test, with the reason, when there is none."""
+    return found_or_skip(find_llama_server(), BINARY_ENV)
 
 
 def llama_vocab() -> Path:

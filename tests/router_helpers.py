@@ -20,6 +20,7 @@ from pathlib import Path
 
 import aiohttp
 import anyio
+import msgspec
 import pytest
 
 from llmgw import catalog
@@ -293,3 +294,50 @@ class StreamingLoad:
         async with anyio.create_task_group() as tg:
             for w in range(workers):
                 tg.start_soon(worker, w)
+
+
+def tiny_model(parallel: int | None = None) -> catalog.Model:
+    """TINY_CPU_MODEL, its profile running `parallel` requests at once (None: not said)."""
+    profile = msgspec.structs.replace(TINY_CPU_MODEL.profiles[0], parallel=parallel)
+    return msgspec.structs.replace(TINY_CPU_MODEL, profiles=[profile])
+
+
+async def place_replica(bus, engine: FakeEngine, model: catalog.Model, rid: str = "r1") -> None:
+    """`model` in the catalog and `engine` serving it as replica `rid`, ready on node n1
+    (the records the controller and the agent would write)."""
+    from llmgw.bus import keys, records
+
+    replica = records.Replica(
+        model=model.id,
+        rid=rid,
+        profile=model.profiles[0].name,
+        members=[records.ReplicaMember(node="n1", rank=0, port=engine.port)],
+        phase="ready",
+        endpoint=engine.endpoint,
+    )
+    await bus.put(keys.catalog(model.id), catalog.encode_model(model))
+    await bus.put(keys.replica(model.id, rid), replica)
+    await bus.put(
+        keys.shard("n1", rid),
+        records.Shard(
+            node="n1",
+            rid=rid,
+            model=model.id,
+            generation=1,
+            phase="ready",
+            since=time.time(),
+            endpoint=engine.endpoint,
+            served_name=model.served_name,
+        ),
+    )
+
+
+async def put_key(bus, name: str, **fields: object) -> str:
+    """A key in the bucket as `llmgw key create` writes it; its secret."""
+    from llmgw.bus import keys, records
+    from llmgw.gateway import credentials
+
+    secret = credentials.new_secret(name)
+    record = records.ApiKey(name=name, secrets=[credentials.hash_secret(secret)], **fields)
+    await bus.put(keys.apikey(name), record)
+    return secret

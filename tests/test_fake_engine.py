@@ -172,10 +172,17 @@ def test_vllm_does_not_listen_while_loading_and_lists_its_served_name(bins, tmp_
         wait_for(port, "/health", 200, proc)
         assert json.loads(get(f"http://127.0.0.1:{port}/v1/models")[1])["data"][0]["id"] == "m2"
         status, body = get(
-            f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "m2", "messages": []}
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            {"model": "m2", "messages": [{"role": "user", "content": "hi"}]},
         )
         assert status == 200 and json.loads(body)["choices"][0]["message"]["content"]
-        assert get(f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "other"})[0] == 404
+        hi = [{"role": "user", "content": "hi"}]
+        assert (
+            get(f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "other", "messages": hi})[
+                0
+            ]
+            == 404
+        )
         assert "vllm:num_requests_running" in get(f"http://127.0.0.1:{port}/metrics")[1].decode()
 
 
@@ -183,3 +190,57 @@ def test_vllm_refuses_more_parallelism_than_visible_gpus(bins, tmp_path):
     out = run([str(bins["vllm"]), "serve", "org/m", "-tp", "4"], CUDA_VISIBLE_DEVICES="GPU-a,GPU-b")
     assert out.returncode == 1
     assert "World size (4) is larger than the number of available GPUs (2)" in out.stdout
+
+
+def _gauges(port: int, *names: str) -> list[int]:
+    text = get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+    values = {line.split("{")[0].split()[0]: line.split()[-1] for line in text.splitlines()}
+    return [int(float(values[n])) for n in names]
+
+
+@pytest.mark.parametrize(
+    ("kind", "flag", "running", "waiting"),
+    [
+        ("llama-server", "-np", "llamacpp:requests_processing", "llamacpp:requests_deferred"),
+        ("vllm", "--max-num-seqs", "vllm:num_requests_running", "vllm:num_requests_waiting"),
+    ],
+)
+def test_under_load_the_engines_run_their_slots_or_batch_and_the_rest_wait_in_arrival_order(
+    bins, tmp_path, kind, flag, running, waiting
+):
+    from concurrent.futures import ThreadPoolExecutor
+
+    port = free_port()
+    if kind == "vllm":
+        model = tmp_path / "model"
+        model.mkdir()
+        (model / "config.json").write_text("{}")
+        argv = [str(bins["vllm"]), "serve", str(model), "--served-model-name", "m"]
+    else:
+        argv = [str(bins["llama-server"]), "-m", str(write_fake_gguf(tmp_path / "m.gguf"))]
+        argv += ["-a", "m", "--metrics"]
+    argv += ["--port", str(port), flag, "2"]
+    # each answer takes 2 s (40 tokens at 20 a second): all four arrive well within it, and
+    # the last are answered within the client's 5 s
+    with engine(argv, FAKE_ENGINE_TOKENS="40", FAKE_ENGINE_TOKEN_RATE="20") as proc:
+        wait_for(port, "/health", 200, proc)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        finished: list[int] = []
+
+        def one(n: int) -> None:
+            assert get(url, {"model": "m", "prompt": f"p{n}"})[0] == 200
+            finished.append(n)
+
+        with ThreadPoolExecutor(4) as pool:
+            futures = []
+            for n in range(4):
+                futures.append(pool.submit(one, n))
+                deadline = time.monotonic() + 5
+                while sum(_gauges(port, running, waiting)) < n + 1:  # it arrived
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            # two run at once; the two that came last wait for them
+            assert _gauges(port, running, waiting) == [2, 2]
+            for f in futures:
+                f.result()
+        assert sorted(finished[:2]) == [0, 1] and sorted(finished[2:]) == [2, 3]

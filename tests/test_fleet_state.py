@@ -20,7 +20,7 @@ from llmgw.bus.client import Bus
 from llmgw.cli.status import gpu_line, gpu_lines, render
 from llmgw.controller.metrics import main_reason, unplaced_count
 from llmgw.fleetstate.decode import FleetRecords
-from llmgw.router.fleet import NO_FABRIC, TtfbWindow, encode_state
+from llmgw.router.fleet import NO_FABRIC, HistogramWindow, encode_state
 from llmgw.router.fleet import fleet_state as _fleet_state
 from llmgw.router.proxy import ProxySettings
 from llmgw.router.service import Router
@@ -227,7 +227,7 @@ def test_the_unplaced_reason_is_the_block_else_the_one_refusing_most_nodes():
 def test_time_to_first_byte_counts_only_the_last_window():
     registry = CollectorRegistry()
     h = Histogram("ttfb", "t", ["model", "replica"], buckets=(0.1, 0.5, 1, 5), registry=registry)
-    window = TtfbWindow(h, window=60)
+    window = HistogramWindow(h, window=60)
     for _ in range(9):
         h.labels("m", "r1").observe(4.0)  # slow, long ago
     first = window.sample(0.0)["m"]

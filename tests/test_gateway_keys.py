@@ -107,6 +107,38 @@ def test_without_keys_the_table_asks_for_none_and_with_one_it_asks_everyone() ->
     assert not table.enabled
 
 
+def test_a_wrong_secret_is_refused_alike_whether_its_key_exists_or_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing in a refusal tells a key's name exists: the same answer, after the same work
+    (SHA-256 digests, counted), for a wrong secret of an existing key (one secret, or
+    several in rotation), of a missing one, and of one whose record does not read."""
+    rotating = [credentials.hash_secret(credentials.new_secret("carol"), 0.0) for _ in range(3)]
+    table = _table(
+        _key("alice", credentials.new_secret("alice")),
+        records.ApiKey(name="carol", secrets=rotating),
+    )
+    table.apply_raw(keys.apikey("dave"), b'{"name": "dave", "limits": "none"}', 1)
+    digests: list[str] = []
+    digest = credentials._digest
+
+    def counted(salt: bytes, secret: str) -> bytes:
+        digests.append(secret)
+        return digest(salt, secret)
+
+    monkeypatch.setattr(credentials, "_digest", counted)
+
+    def refused(name: str) -> tuple[int, bytes]:
+        digests.clear()
+        refusal = table.authenticate("Bearer " + credentials.new_secret(name))
+        assert isinstance(refusal, Refusal) and refusal.status == 401
+        return len(digests), refusal.body()
+
+    alice, carol, bob, dave = (refused(n) for n in ("alice", "carol", "bob", "dave"))
+    assert alice == carol == bob == dave
+    assert alice[0] > 0 and b"alice" not in alice[1]
+
+
 def test_a_revoked_or_expired_key_is_refused_by_the_clock_at_request_time() -> None:
     now = [1000.0]
     secret = credentials.new_secret("k")

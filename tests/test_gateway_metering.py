@@ -21,7 +21,7 @@ from llmgw.bus.errors import StreamMissing
 from llmgw.bus.server import EmbeddedNats
 from llmgw.gateway import credentials, usage
 from llmgw.gateway.gateway import Admission, Gateway
-from llmgw.gateway.metering import KINDS, parse_usage_subject
+from llmgw.gateway.metering import KINDS, Meter, parse_usage_subject
 from llmgw.gateway.refusals import Refusal
 
 pytestmark = pytest.mark.anyio
@@ -184,6 +184,21 @@ async def test_the_audit_trail_holds_one_record_per_request_and_no_text_or_secre
         from llmgw.bus import classify
 
         await classify.answer(bus.js.purge_stream(keys.AUDIT_STREAM), "purge")
+
+
+def test_two_long_names_sharing_their_first_100_bytes_count_apart() -> None:
+    """A served name is one subject token of the limit and usage counters: names past the
+    bound the catalog keeps (from elsewhere) must not share one."""
+    meter = Meter("r")
+    first, second = "org/" + "m" * 96 + "/a", "org/" + "m" * 96 + "/b"
+    for model in (first, second, "é" * 50, "x/" * 50):
+        meter.add(None, "k", model, 1, 2, 0, 0.0)
+    subjects = sorted(meter.subjects())
+    assert len(subjects) == 4 * 3  # requests, prompt, completion of each model
+    models = {parse_usage_subject(s, 1).model for s in subjects}  # type: ignore[union-attr]
+    assert models == {"org/" + "m" * 96 + "…", "é" * 50, "x/" * 50}  # the long two read alike...
+    tokens = {keys.name_token(m) for m in (first, second)}
+    assert len(tokens) == 2 and all(keys.is_token(t) for t in tokens)  # ...and count apart
 
 
 def test_a_stream_asks_for_usage_and_the_usage_chunk_is_told_apart() -> None:

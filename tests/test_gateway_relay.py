@@ -16,7 +16,7 @@ from real_llama import RunningLlamaServer, serving_tiny_model, tiny_gguf
 from llmgw.bus import keys, records
 from llmgw.gateway import credentials, usage
 from llmgw.gateway.gateway import Admission, Gateway
-from llmgw.gateway.relay import MAX_LINE, GatewayTicket, UsageReader
+from llmgw.gateway.relay import MAX_LINE, NATIVE_KEY, GatewayTicket, UsageReader
 
 pytestmark = pytest.mark.anyio
 
@@ -56,15 +56,34 @@ def test_a_stream_cut_short_is_charged_what_it_generated() -> None:
     assert UsageReader(stream=True).usage() is None  # nothing came: nothing known
 
 
-def test_a_whole_answer_s_usage_is_read_and_an_oversized_one_is_not_parsed() -> None:
+def test_a_whole_answer_s_usage_is_read_whatever_its_size() -> None:
+    """Over 1 MiB an answer is not kept whole: its usage is found in its last bytes (chat,
+    completions, responses) or its first (llama-server's embeddings), however it is cut."""
     body = json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 8}})
     reader = UsageReader(stream=False)
     for piece in _pieces(body.encode(), random.Random(1)):
         reader.feed(piece)
     assert reader.usage() == usage.Usage(3, 8)
-    big = UsageReader(stream=False)
-    big.feed(b"x" * (usage.MAX_USAGE_JSON + 1))
-    assert big.usage() is None
+    text = "tok " * (usage.MAX_USAGE_JSON // 2)
+    last = json.dumps(
+        {
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": len(text) // 4},
+        }
+    ).encode()
+    first = json.dumps(
+        {"usage": {"prompt_tokens": 9, "total_tokens": 9}, "data": [{"embedding": [0.5] * 10**6}]}
+    ).encode()
+    for answer, said in ((last, usage.Usage(5, len(text) // 4)), (first, usage.Usage(9, 0))):
+        assert len(answer) > usage.MAX_USAGE_JSON
+        for size in (1000, 65536, len(answer)):
+            big = UsageReader(stream=False)
+            for i in range(0, len(answer), size):
+                big.feed(answer[i : i + size])
+            assert big.usage() == said
+    nothing = UsageReader(stream=False)
+    nothing.feed(b"x" * (usage.MAX_USAGE_JSON + 1))
+    assert nothing.usage() is None
 
 
 def test_a_stream_line_longer_than_the_bound_is_counted_not_kept() -> None:
@@ -74,6 +93,118 @@ def test_a_stream_line_longer_than_the_bound_is_counted_not_kept() -> None:
     assert reader.usage() == usage.Usage(7, 2, 4)
     assert reader.events == 5
     assert len(reader._line) == 0
+
+
+def test_a_responses_stream_s_last_event_is_read_however_long() -> None:
+    """The responses API ends its stream with all its text and its usage in one event: past
+    MAX_LINE its usage is searched for, not lost."""
+    text = "tok " * MAX_LINE
+    done = {
+        "type": "response.completed",
+        "response": {
+            "output": [{"content": [{"type": "output_text", "text": text}]}],
+            "usage": {"input_tokens": 6, "output_tokens": 3, "total_tokens": 9},
+        },
+    }
+    stream = (
+        b'event: response.created\ndata: {"type":"response.created","response":{"usage":null}}\n\n'
+        + b"".join(
+            b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+            b'"delta":"tok "}\n\n'
+            for _ in range(3)
+        )
+        + b"event: response.completed\ndata: "
+        + json.dumps(done).encode()
+        + b"\n\n"
+    )
+    reader = UsageReader(stream=True)
+    for i in range(0, len(stream), 50000):
+        reader.feed(stream[i : i + 50000])
+    assert reader.usage() == usage.Usage(6, 3)
+
+
+# each route's usage in its engine's own names (as llama-server and vLLM write them)
+ROUTE_ANSWERS = [
+    (
+        b'{"object":"response","usage":{"input_tokens":5,"input_tokens_details":'
+        b'{"cached_tokens":2},"output_tokens":7,"total_tokens":12}}',
+        usage.Usage(5, 7, 2),
+    ),
+    (b'{"id":"rerank-1","usage":{"total_tokens":11},"results":[]}', usage.Usage(11, 0)),
+    (b'{"usage":{"prompt_tokens":4,"total_tokens":4},"results":[]}', usage.Usage(4, 0)),
+    (
+        b'{"object":"list","data":[],"usage":{"prompt_tokens":3,"total_tokens":3,'
+        b'"completion_tokens":null}}',
+        usage.Usage(3, 0),
+    ),
+    (
+        b'{"index":0,"content":"x","stop":true,"tokens_predicted":6,"tokens_evaluated":9}',
+        usage.Usage(9, 6),
+    ),
+]
+
+
+@pytest.mark.parametrize(("answer", "said"), ROUTE_ANSWERS)
+def test_each_route_s_usage_is_read_in_its_own_names(answer: bytes, said: usage.Usage) -> None:
+    reader = UsageReader(stream=False)
+    reader.feed(answer)
+    assert reader.usage() == said
+
+
+def test_llama_server_s_own_stream_is_charged_its_counts_also_when_cut() -> None:
+    """/infill streams llama-server's own events, each with the counts so far and no
+    `usage`: they are what it is charged, and what a limit charges as it goes."""
+    events = [
+        b'data: {"content":"t%d","stop":false,"tokens_predicted":%d,"tokens_evaluated":9}\n\n'
+        % (i, i + 1)
+        for i in range(4)
+    ]
+    last = b'data: {"content":"","stop":true,"tokens_predicted":4,"tokens_evaluated":9}\n\n'
+    reader = UsageReader(stream=True)
+    for e in events[:2]:
+        reader.feed(e)
+    assert reader.usage() == usage.Usage(9, 2) and reader.events == 2  # cut here
+    for e in [*events[2:], last]:
+        reader.feed(e)
+    assert reader.usage() == usage.Usage(9, 4) and reader.events == 4
+    # as the router relays it: a piece at a time, each marked by the route's counts
+    admitted = Admission(Gateway("r", _NoCounter()), None, None, "m", "", True, 0.0)
+    ticket = GatewayTicket(admitted, stream=True, usage_key=NATIVE_KEY)
+    assert b"".join(ticket.chunk(e) or b"" for e in [*events, last]) == b"".join([*events, last])
+    assert ticket.usage() == usage.Usage(9, 4)
+
+
+def test_an_answer_is_read_as_what_it_is_not_as_the_request_said() -> None:
+    """A stream the request did not ask for (an engine that took an odd `stream` as true)
+    is read as a stream, and a whole answer to a stream request (an engine's error, a
+    route that does not stream) as a whole answer: neither is metered as nothing."""
+    for pieces in ([STREAM], list(_pieces(STREAM, random.Random(5)))):
+        reader = UsageReader(stream=False)
+        for p in pieces:
+            reader.feed(p)
+        assert reader.usage() == usage.Usage(7, 2, 4)
+    whole = b'  {"choices":[{"text":"x"}],"usage":{"prompt_tokens":2,"completion_tokens":1}}'
+    reader = UsageReader(stream=True)
+    for p in _pieces(whole, random.Random(2)):
+        reader.feed(p)
+    assert reader.usage() == usage.Usage(2, 1)
+
+
+def test_an_answer_whose_usage_does_not_read_is_metered_by_an_estimate() -> None:
+    """Never as nothing: its prompt's estimate, and for a route that generates a token for
+    every 4 bytes of a whole answer (or every event of a stream); an error answer, that
+    generated nothing, is metered nothing and hands its reservation back."""
+    gateway = Gateway("r", _NoCounter())
+    for generates, answer, status, want in (
+        (True, b'{"content":"' + b"x" * 386 + b'"}', 200, (10, 100, 0)),  # 400 bytes
+        (False, b'[{"index":0,"score":0.5}]', 200, (10, 0, 0)),
+        (True, b'{"error":{"message":"no"}}', 400, (0, 0, 0)),
+    ):
+        admitted = Admission(gateway, None, None, "m", "", False, 0.0)
+        ticket = GatewayTicket(admitted, stream=False, prompt_estimate=10, generates=generates)
+        ticket.chunk(answer, True)
+        ticket.settle(status, "ok")
+        assert tuple(gateway.tokens.pop(("", "m"))) == want
 
 
 def _stripping_ticket() -> GatewayTicket:

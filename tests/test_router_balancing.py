@@ -60,6 +60,9 @@ def test_completions_key_on_their_prompt_prefix_and_embeddings_have_none():
         (b'{"messages": []}', "`model`"),
         (b'{"model": ""}', "`model`"),
         (b'{"model": ["m"]}', "`model`"),
+        # vLLM streams for "yes" or 1, llama-server does not: the framing must be plain
+        (b'{"model": "m", "stream": "yes"}', "`stream` must be true or false"),
+        (b'{"model": "m", "stream": 1}', "`stream` must be true or false"),
     ],
 )
 def test_bodies_that_cannot_be_routed_say_why(body, why):
@@ -69,7 +72,7 @@ def test_bodies_that_cannot_be_routed_say_why(body, why):
 
 def test_odd_fields_are_left_for_the_engine_to_judge():
     parsed = parse(
-        b'{"model": "m", "messages": "not a list", "stream": "yes"}',
+        b'{"model": "m", "messages": "not a list", "stream": null}',
         chat=True,
         embeddings=False,
         session=None,

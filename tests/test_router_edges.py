@@ -237,8 +237,9 @@ async def test_request_smuggling_through_the_router_is_refused(attack):
         data = b"POST %s HTTP/1.1\r\nhost: r\r\n%s%s" % (CHAT.encode(), attack, smuggled)
         answers = await _client_answers(r.url, data, 1)
         assert answers[0].status == 400
-        assert engine.requests == []  # nothing of it reached the engine
+        # nothing of it reached the engine (which the router asks only its slots meanwhile)
+        assert engine.posts() == []
         async with aiohttp.ClientSession() as http:  # and the router serves on
             async with http.post(f"{r.url}{CHAT}", json=chat_body()) as resp:
                 assert resp.status == 200
-        assert len(engine.requests) == 1 and b"smuggled" not in engine.requests[0].body
+        assert len(engine.posts()) == 1 and b"smuggled" not in engine.posts()[0].body

@@ -50,6 +50,16 @@ def test_a_forms_fields_are_found_in_any_order_after_a_file_and_a_preamble():
         (_part("a", b"1") * (multipart.MAX_PARTS + 1) + b"--XyZ--", "more than 256 parts"),
         (b"--XyZ garbage\r\n", "boundary line is malformed"),
         (_part("file", b"x") + b"--XyZ--", "no `model` field"),
+        # the router would authorise the first while an engine's form parser may take the
+        # last (starlette's does)
+        (_part("model", b"allowed") + _part("model", b"other") + b"--XyZ--", "given twice"),
+        (
+            _part("model", b"m")
+            + _part("stream", b"false")
+            + _part("stream", b"true")
+            + b"--XyZ--",
+            "twice",
+        ),
     ],
     ids=[
         "no-boundary",
@@ -59,6 +69,8 @@ def test_a_forms_fields_are_found_in_any_order_after_a_file_and_a_preamble():
         "many-parts",
         "bad-line",
         "no-model",
+        "model-twice",
+        "stream-twice",
     ],
 )
 def test_a_malformed_or_unbounded_form_is_the_clients_400_named(body, says):

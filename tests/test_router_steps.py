@@ -13,6 +13,7 @@ from router_helpers import chat_body, running_router, static_model
 from waiting import until
 
 from llmgw.bus.server import free_port
+from llmgw.priority import EVERYONE
 from llmgw.router.refusal import Refusal
 
 pytestmark = pytest.mark.anyio
@@ -95,6 +96,9 @@ class RecordingGate:
     def models(self, identity, names):
         return names
 
+    def standing(self, identity):
+        return EVERYONE
+
 
 class Ticket:
     rewrites = False
@@ -112,7 +116,7 @@ class Ticket:
         self.relayed += data
         return data
 
-    def settle(self, status: int, outcome: str) -> None:
+    def settle(self, status: int, outcome: str, refused: str | None = None) -> None:
         self.settled.append((status, outcome))
 
 

@@ -521,3 +521,39 @@ async def test_an_engine_run_under_a_launcher_is_recorded_by_its_own_command(
         (record,), _ = leftover_engines(tmp_path / "state")
         assert record.argv == sup.command.argv and leader_alive(record)
         await sup.stop()
+
+
+async def test_an_engine_whose_port_was_taken_while_it_loaded_is_reported_for_a_port_move(
+    bins, tmp_path
+):
+    """vLLM binds its port only after starting up: a program that took it meanwhile makes
+    it exit, and the report says so as the launch refusal does (refused port-in-use), for
+    the controller to give the replica another port."""
+    import socket
+
+    from llmgw.bus.records import PORT_IN_USE
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    port = free_port()
+    spec = LaunchSpec(
+        served_name="m",
+        engine="vllm",
+        binary=str(bins["vllm"]),
+        port=port,
+        host="127.0.0.1",
+        weights_path=str(model),
+    )
+    once = SupervisorTiming(readiness_timeout=20, poll_interval=0.05, max_failed_starts=1)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        rec = Recorder()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(supervisor(spec, tmp_path, rec, timing=once).run)
+            failed = await rec.reached("failed")
+            tg.cancel_scope.cancel()
+    assert failed.refused == PORT_IN_USE
+    assert f"port {port} on 127.0.0.1 is held by another process" in failed.reason
+    assert "(OSError: [Errno 98] error while attempting to bind" in failed.reason

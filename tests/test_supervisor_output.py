@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from llmgw.agent.engines.output import EngineLog, OutputTail
 from llmgw.agent.supervisor import describe_exit
 
@@ -89,3 +91,45 @@ def test_a_fifo_or_a_link_planted_as_a_shard_log_is_refused_not_waited_on(tmp_pa
     log.write(b"0123456789\n")
     assert target.read_bytes() == b"keep\n"
     assert (tmp_path / "r1.log.1").read_bytes() == b"0123456789\n"
+
+
+# what a real vLLM 0.32 printed as it died (docs/vllm-cpu.md), its cause first
+VLLM_DEATH = [
+    "(APIServer pid=1235) INFO 12-06 03:34:44 [launcher.py:195] Route: /redoc, Methods: HEAD, GET",
+    "(APIServer pid=1235) WARNING 12-06 03:34:25 [system_utils.py:255] Found ulimit of 20000 "
+    "and failed to automatically increase with error current limit exceeds maximum limit. "
+    "This can cause fd limit errors like `OSError: [Errno 24] Too many open files`.",
+    "(Worker pid=1787) ERROR 12-06 03:34:45 [multiproc_executor.py:1063]     return self._op(*args, **kwargs)",
+    "(Worker pid=1787) ERROR 12-06 03:34:45 [multiproc_executor.py:1063] RuntimeError: "
+    "Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0",
+    "(EngineCore pid=1576) ERROR 12-06 03:34:45 [core.py:1512] RuntimeError: Worker failed "
+    "with error 'Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0'",
+    "(APIServer pid=1235) ERROR 12-06 03:34:45 [async_llm.py:906] vllm.v1.engine.exceptions."
+    "EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.",
+    "INFO:     Shutting down",
+]
+
+
+@pytest.mark.parametrize(
+    "lines, cause",
+    [
+        (
+            VLLM_DEATH,
+            "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0",
+        ),
+        (
+            VLLM_DEATH[-2:],
+            "EngineDeadError: EngineCore encountered an issue. See stack trace "
+            "(above) for the root cause.",
+        ),
+        (
+            ["    sock.bind(addr)", "OSError: [Errno 98] Address already in use"],
+            "OSError: [Errno 98] Address already in use",
+        ),
+        (["main: exiting due to model loading error"], ""),  # llama-server says no exception
+    ],
+)
+def test_the_first_exception_an_engine_printed_is_its_cause(lines, cause):
+    from llmgw.agent.engines.output import first_error
+
+    assert first_error(lines) == cause

@@ -26,6 +26,7 @@ import anyio
 
 from llmgw import catalog
 from llmgw.agent.config import AgentConfig
+from llmgw.agent.cores import CoreAccount
 from llmgw.agent.engines.base import LaunchSpec
 from llmgw.agent.engines.launcher import EngineLauncher, ProcessLauncher
 from llmgw.agent.engines.pidfile import (
@@ -57,6 +58,7 @@ class ThisNode:
     inventory: Callable[[], records.NodeInventory]
     engine_api_key: str | None = None
     launcher: EngineLauncher = field(default_factory=ProcessLauncher)
+    cores: CoreAccount = field(default_factory=CoreAccount.of_this_process)
     # this node's shard records, written again until they land (NodeShards runs it)
     writes: KeptWrites = field(init=False)
 
@@ -100,6 +102,11 @@ class ThisNode:
         if profile is None:
             return None, [Problem(f"model {a.model} has no profile {a.profile!r} in the catalog")]
         spec = launch_spec(self.cfg, self.inventory(), entry.value, profile, a)
+        if profile.cpu_cores and not spec.gpu_uuids:
+            cores = self.cores.take(a.rid, profile.cpu_cores)
+            if cores is None:
+                return None, [Problem(self.cores.shortage(profile.cpu_cores), transient=True)]
+            spec = dataclasses.replace(spec, cpu_cores=cores)
         return dataclasses.replace(spec, api_key=self.engine_api_key), []
 
     def launch_prefix(self, rid: str, generation: int) -> Callable[[], list[str]]:
@@ -187,6 +194,8 @@ class NodeShards:
         for refusal in notes:
             await self.node.refused(refusal)
         self._leftovers = {r.rid: r for r in found}
+        for record in found:  # before any launch takes them
+            self.node.cores.keep(record.rid, record.cpu_cores)
         if found:
             log.info(
                 "found %d engine(s) left by an earlier agent: %s",
@@ -226,6 +235,7 @@ class NodeShards:
                             running=g.running,
                             waiting=g.waiting,
                             kv_cache=g.kv_cache,
+                            prefix_hits=g.prefix_hits,
                         )
                     )
 
@@ -286,6 +296,7 @@ class NodeShards:
         finally:
             if self._shards.get(shard.rid) is shard:
                 del self._shards[shard.rid]
+                self.node.cores.give_back(shard.rid)  # its engine is gone with it
 
     def _claim_leftover(self, rid: str) -> EngineProcess | None:
         return self._leftovers.pop(rid, None)
@@ -296,6 +307,7 @@ class NodeShards:
             await self.node.stop_leftover(
                 record, "no assignment names it any more", self.node.cfg.engines.stop_grace
             )
+            self.node.cores.give_back(rid)
 
     async def _remove_stale_shards(self) -> None:
         bus, node = self.node.bus, self.node.name
@@ -615,6 +627,7 @@ class LocalShard:
                 restarts=change.restarts,
                 pid=change.pid,
                 gave_up=change.gave_up,
+                refused=change.refused,
             )
 
         supervisor = EngineSupervisor(
@@ -952,6 +965,7 @@ def launch_spec(
         ),
         context=profile.context,
         parallel=profile.parallel,
+        host_ram_bytes=int(profile.host_ram_gb * 1e9),
         extra_args=tuple(profile.extra_args),
         env=dict(profile.env),
         nodes=a.nodes,

@@ -24,6 +24,7 @@ Validation is the caller's step before this one (`engines.validate.validate_laun
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -52,6 +53,8 @@ from llmgw.agent.engines.pidfile import (
     remove_pidfile,
     write_pidfile,
 )
+from llmgw.agent.engines.validate import bind_error
+from llmgw.bus.records import PORT_IN_USE
 from llmgw.clock import SystemClock, Timer
 
 log = logging.getLogger(__name__)
@@ -144,6 +147,16 @@ class PhaseChange:
     pid: int | None
     at: float = 0.0  # unix seconds, by the supervisor's clock
     gave_up: bool = False  # FATAL: no restart will follow
+    refused: str = ""  # a constant key the controller acts on (records.PORT_IN_USE)
+
+
+@dataclass(frozen=True)
+class EngineExit:
+    """Why a run of the engine ended without being asked to: what a person reads, and the
+    constant key the controller acts on where one applies (`PhaseChange.refused`)."""
+
+    reason: str
+    refused: str = ""
 
 
 OnPhase = Callable[[PhaseChange], Awaitable[None]]
@@ -300,13 +313,16 @@ class EngineSupervisor:
                         n = self._policy.failed_in_a_row
                         await self._change_state(
                             EngineState.FATAL,
-                            f"{failure}; gave up after {n} failed starts in a row",
+                            f"{failure.reason}; gave up after {n} failed starts in a row",
+                            refused=failure.refused,
                         )
                         return
                     self.restarts += 1
                     self.restart_delays.append(delay)
                     await self._change_state(
-                        EngineState.BACKOFF, f"{failure}; restart {self.restarts} in {delay:g} s"
+                        EngineState.BACKOFF,
+                        f"{failure.reason}; restart {self.restarts} in {delay:g} s",
+                        refused=failure.refused,
                     )
                     await self._within(delay, functools.partial(self._until, _ASKED))
             await self._change_state(EngineState.EXITED, "stopped on request")
@@ -365,8 +381,8 @@ class EngineSupervisor:
 
     # --- one engine process --------------------------------------------------------
 
-    async def _run_once(self) -> str | None:
-        """Run the engine until it exits; the failure reason, or None when stopped."""
+    async def _run_once(self) -> EngineExit | None:
+        """Run the engine until it exits; why it failed, or None when stopped."""
         self._ready_at = None
         await self._change_state(EngineState.STARTING, " ".join(self.command.argv))
         prefix = self._prefix() if callable(self._prefix) else self._prefix
@@ -379,14 +395,17 @@ class EngineSupervisor:
             self._log_from = self._log.size()
             out = self._log.open_for_engine()
         except OSError as e:
-            return f"cannot open engine log {self._log.path}: {e.strerror}; check the agent's state dir"
+            return EngineExit(
+                f"cannot open engine log {self._log.path}: {e.strerror}; check the agent's "
+                "state dir"
+            )
         # every process of the engine inherits it: what proves to a later agent that a
         # worker outliving its leader is this engine's, and not a reused group number's
         marker = new_marker(self.shard)
         try:
             run = await self._launcher.start(argv, {**self.command.env, ENGINE_MARKER: marker}, out)
         except OSError as e:
-            return f"cannot start {argv[0]}: {e.strerror or e}"
+            return EngineExit(f"cannot start {argv[0]}: {e.strerror or e}")
         finally:
             os.close(out)  # the engine has its own copy
         self._engine_is(run)
@@ -405,11 +424,25 @@ class EngineSupervisor:
         if self.state in _ASKED:
             return None
         if failure:
-            return failure[0]
-        when = "while loading" if self._ready_at is None else "while serving"
-        return f"{describe_exit(code)} {when}"
+            return EngineExit(failure[0])
+        return self._exited(describe_exit(code))
 
-    async def _watch_adopted(self, record: EngineProcess) -> str | None:
+    def _exited(self, how: str) -> EngineExit:
+        """An exit nobody asked for: how, when, the engine's own first error, and whether the
+        port it was to serve on is held by another process now (it may have taken it while
+        the engine loaded: vLLM binds only after loading; the controller then moves it)."""
+        when = "while loading" if self._ready_at is None else "while serving"
+        reason = f"{how} {when}"
+        if error := self._log.error(self._log_from):
+            reason += f" ({error})"
+        if self._ready_at is None and not self.spec.headless:
+            held = bind_error(self.spec.host, self.spec.port)
+            if held is not None and held.errno == errno.EADDRINUSE:
+                reason += f"; port {self.spec.port} on {self.spec.host} is held by another process"
+                return EngineExit(reason, refused=PORT_IN_USE)
+        return EngineExit(reason)
+
+    async def _watch_adopted(self, record: EngineProcess) -> EngineExit | None:
         """An engine an earlier agent started: not this process's child, so its exit is
         learnt from a pidfd (its code is lost; its log's last lines are not)."""
         self._log_from = max(0, self._log.size() - 64 * 1024)
@@ -421,7 +454,7 @@ class EngineSupervisor:
         if adopted is None:
             if self.state_dir is not None:
                 remove_pidfile(self.state_dir, self.shard)
-            return "the engine left by an earlier agent exited before it was adopted"
+            return EngineExit("the engine left by an earlier agent exited before it was adopted")
         group = adopted
         self._engine_is(group)
         self._remember_pidfile(record)
@@ -443,9 +476,8 @@ class EngineSupervisor:
         if self.state in _ASKED:
             return None
         if failure:
-            return failure[0]
-        when = "while loading" if self._ready_at is None else "while serving"
-        return f"exited {when} (adopted from an earlier agent: exit status not known)"
+            return EngineExit(failure[0])
+        return self._exited("exited (adopted from an earlier agent: exit status not known)")
 
     async def _watch_readiness(
         self, failure: list[str], *, adopted: EngineProcess | None = None
@@ -608,7 +640,9 @@ class EngineSupervisor:
 
     # --- the state, and what waits for it -------------------------------------------
 
-    async def _change_state(self, new: EngineState, reason: str | None = None) -> None:
+    async def _change_state(
+        self, new: EngineState, reason: str | None = None, *, refused: str = ""
+    ) -> None:
         """The one way the state changes: the move must be in MOVES (StateError: a bug),
         then the state is set, whatever waits for it is woken, and with a `reason` the phase
         the new state implies (`PHASE_OF`) is reported."""
@@ -618,7 +652,7 @@ class EngineSupervisor:
         self._wake()
         phase = PHASE_OF[new]
         if reason is not None and phase is not None:
-            await self._report(phase, reason, gave_up=new is EngineState.FATAL)
+            await self._report(phase, reason, gave_up=new is EngineState.FATAL, refused=refused)
 
     def _engine_is(self, run: EngineRun) -> None:
         """The engine started or adopted now (what a drain waits for)."""
@@ -639,7 +673,9 @@ class EngineSupervisor:
 
     # --- reports and bookkeeping -----------------------------------------------------
 
-    async def _report(self, phase: SupervisorPhase, reason: str, *, gave_up: bool = False) -> None:
+    async def _report(
+        self, phase: SupervisorPhase, reason: str, *, gave_up: bool = False, refused: str = ""
+    ) -> None:
         if self.state in _ASKED and phase in ("starting", "loading", "ready"):
             return  # a drain or stop in progress is what the router must keep seeing
         self.phase = phase
@@ -651,6 +687,7 @@ class EngineSupervisor:
             pid=self.pid if phase not in ("stopped",) else None,
             at=self._clock.wall(),
             gave_up=gave_up,
+            refused=refused,
         )
         try:
             await self._on_phase(change)
@@ -676,6 +713,7 @@ class EngineSupervisor:
                 nodes=self.spec.nodes,
                 master_addr=self.spec.master_addr or "",
                 marker=marker,
+                cpu_cores=list(self.spec.cpu_cores),
             )
         self._pidfile = record
         write_pidfile(self.state_dir, record)

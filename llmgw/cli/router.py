@@ -57,6 +57,43 @@ def _setting(flag: str, default, help: str, *, type=None, dest: str | None = Non
     )
 
 
+def _wait_text(waits: tuple[float, ...]) -> str:
+    from llmgw.bus.records import PRIORITY_CLASSES
+
+    return ",".join(f"{c}={w:g}" for c, w in zip(PRIORITY_CLASSES, waits, strict=True))
+
+
+class QueueWait(click.ParamType):
+    """`critical=60,standard=30,sheddable=10`: seconds per class (classes left out keep
+    their default)."""
+
+    name = "CLASS=SECONDS,..."
+
+    def convert(self, value, param, ctx):
+        from llmgw.bus.records import PRIORITY_CLASSES
+
+        if isinstance(value, tuple):
+            return value
+        waits = list(_defaults().flow.max_wait)
+        for part in str(value).split(","):
+            name, eq, seconds = part.strip().partition("=")
+            if not eq or name.strip() not in PRIORITY_CLASSES:
+                self.fail(
+                    f"{part.strip()!r}: expected CLASS=SECONDS with CLASS one of "
+                    f"{', '.join(PRIORITY_CLASSES)} (critical=60,sheddable=5)",
+                    param,
+                    ctx,
+                )
+            try:
+                wait = float(seconds)
+            except ValueError:
+                wait = -1.0
+            if not wait >= 0:
+                self.fail(f"{part.strip()!r}: the seconds must be a number >= 0", param, ctx)
+            waits[PRIORITY_CLASSES.index(name.strip())] = wait
+        return tuple(waits)
+
+
 # What `llmgw router` and `llmgw up` share about the router: each setting's flag, its
 # default (read from the settings classes), its help and its type.
 router_options = option_group(
@@ -183,6 +220,29 @@ router_options = option_group(
         type=click.FloatRange(min=0.0001, max=1.0),
     ),
     click.option(
+        "--queue/--no-queue",
+        "queue",
+        default=True,
+        show_default=True,
+        help="hold requests in the router's own queue, by class and fair share, while their "
+        "model's engines are full (their slots known from the profile or the engine); off: "
+        "every request goes straight to an engine",
+    ),
+    _setting(
+        "--queue-wait",
+        lambda: _wait_text(_defaults().flow.max_wait),
+        "the longest each class waits in the router's queue (seconds, CLASS=S,...: any "
+        "left out keep theirs); past it sheddable gets 429, the others 503",
+        type=QueueWait(),
+    ),
+    _setting(
+        "--queue-max",
+        lambda: _defaults().flow.max_queued,
+        "requests waiting per model at this router; one more makes the newest of a lower "
+        "class give way, or is refused",
+        type=click.IntRange(min=1),
+    ),
+    click.option(
         "--router-id",
         envvar="LLMGW_ROUTER_ID",
         default="",
@@ -224,12 +284,16 @@ def router_settings(
     limits_offline: str,
     limits_offline_for: float,
     limit_share: float,
+    queue: bool = True,
+    queue_wait: tuple[float, float, float] | None = None,
+    queue_max: int | None = None,
 ):
     from llmgw.bus.keys import check_token
     from llmgw.gateway.gateway import GatewaySettings
     from llmgw.gateway.limiter import LimitSettings
     from llmgw.keyfiles import read_key, read_keys
     from llmgw.router.balancer import BalancerSettings
+    from llmgw.router.flow import FlowSettings
     from llmgw.router.hold import HoldSettings
     from llmgw.router.proxy import ProxySettings
     from llmgw.router.server import HttpLimits
@@ -249,6 +313,11 @@ def router_settings(
         ),
         shutdown_grace=shutdown_grace,
         hold=HoldSettings(max_held=hold_max, max_wait=hold_timeout),
+        flow=FlowSettings(
+            enabled=queue,
+            max_wait=queue_wait or FlowSettings().max_wait,
+            max_queued=queue_max or FlowSettings().max_queued,
+        ),
         router_id=check_token(router_id, "--router-id") if router_id else "",
         upstream=UpstreamSettings(read_timeout=engine_timeout),
         balancer=BalancerSettings(affinity_load_factor=affinity_load_factor),

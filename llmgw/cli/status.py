@@ -213,6 +213,21 @@ def _ops(o: Ops, n: NodeState) -> str:
     return text + (f" ({o.reason})" if o.reason else "")
 
 
+def load_line(e: records.EngineLoad) -> str:
+    """ "2 running, 1 waiting, KV cache 12%, prefix cache hits 45%": what the engine's own
+    /metrics said (a part it does not report is left out)."""
+    parts = []
+    if e.running is not None:
+        parts.append(f"{e.running} running")
+    if e.waiting is not None:
+        parts.append(f"{e.waiting} waiting")
+    if e.kv_cache is not None:
+        parts.append(f"KV cache {e.kv_cache:.0%}")
+    if e.prefix_hits is not None:
+        parts.append(f"prefix cache hits {e.prefix_hits:.0%}")
+    return ", ".join(parts) or "no load reported"
+
+
 def _model_lines(m: ModelState, now: float) -> list[str]:
     if not m.desired and not m.replicas and m.placement is None and not m.unreadable:
         return [f"  {m.id}: none asked for (`llmgw place {m.id} --replicas N`)"]
@@ -234,6 +249,8 @@ def _model_lines(m: ModelState, now: float) -> list[str]:
         lines.append(f"    {r.rid}  {r.state}  on {', '.join(r.nodes)}  shards {shards}{ep}")
         if r.why:
             lines.append(f"      why: {r.why}")
+        if r.load is not None:
+            lines.append(f"      engine: {load_line(r.load)}")
         for s in r.shards:
             if s.phase == "validating" and s.reason:  # "waiting: ..." (an expected wait)
                 lines.append(f"      {s.node}: {s.reason}")

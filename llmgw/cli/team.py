@@ -22,9 +22,13 @@ from llmgw.cli.key import (
     describe_limits,
     ensure_streams,
     limit_options,
+    priority_option,
+    set_priority,
     split_models,
 )
 from llmgw.cli.served import allow_unknown_option, check_models
+
+WEIGHT = click.IntRange(1, records.MAX_TEAM_WEIGHT)
 
 
 def _summary(t: records.Team, members: list[str]) -> dict[str, object]:
@@ -35,6 +39,8 @@ def _summary(t: records.Team, members: list[str]) -> dict[str, object]:
         "keys": members,
         "created_at": t.created_at,
         "description": t.description,
+        "priority": t.priority,
+        "weight": t.weight,
     }
 
 
@@ -52,10 +58,26 @@ def team() -> None:
 )
 @allow_unknown_option
 @click.option("--description", default="")
+@priority_option("its keys' class, where a key says none")
+@click.option(
+    "--weight",
+    type=WEIGHT,
+    default=1,
+    show_default=True,
+    help="its share of a full fleet against the other teams of its class, in tokens served",
+)
 @limit_options(what=" (all its keys together)")
 @nats_options
 def create(
-    name, models, allow_unknown, description, nats: NatsSettings, bucket: BucketSettings, **lim
+    name,
+    models,
+    allow_unknown,
+    description,
+    priority,
+    weight,
+    nats: NatsSettings,
+    bucket: BucketSettings,
+    **lim,
 ) -> None:
     """Create team NAME with limits its keys share."""
     check_name(name, "team")
@@ -65,6 +87,8 @@ def create(
         limits=apply_limits(records.Limits(), {f: lim[f] for f in LIMIT_FIELDS}),
         created_at=time.time(),
         description=description,
+        priority=set_priority(priority),
+        weight=weight,
     )
 
     async def run() -> None:
@@ -77,7 +101,10 @@ def create(
                 )
 
     anyio.run(run)
-    click.echo(f"team {name} created (limits: {describe_limits(record.limits)})")
+    click.echo(
+        f"team {name} created (limits: {describe_limits(record.limits)}; "
+        f"priority: {record.priority or 'standard'}; weight: {record.weight})"
+    )
 
 
 async def _teams_and_keys(bus) -> tuple[list[records.Team], dict[str, list[str]]]:
@@ -109,11 +136,11 @@ def ls(as_json: bool, nats: NatsSettings, bucket: BucketSettings) -> None:
     if not teams:
         click.echo("no teams (`llmgw team create NAME`)")
         return
-    click.echo(f"{'TEAM':20} {'KEYS':5} {'MODELS':20} LIMITS")
+    click.echo(f"{'TEAM':20} {'KEYS':5} {'PRIORITY':10} {'WEIGHT':7} {'MODELS':20} LIMITS")
     for t in teams:
         click.echo(
-            f"{t.team:20} {len(members.get(t.team, [])):<5} {','.join(t.models) or 'all':20} "
-            f"{describe_limits(t.limits)}"
+            f"{t.team:20} {len(members.get(t.team, [])):<5} {t.priority or 'standard':10} "
+            f"{t.weight:<7} {','.join(t.models) or 'all':20} {describe_limits(t.limits)}"
         )
 
 
@@ -140,6 +167,8 @@ def show(name, as_json: bool, nats: NatsSettings, bucket: BucketSettings) -> Non
     click.echo(f"team {name}")
     click.echo(f"  limits (all its keys together): {describe_limits(found.limits)}")
     click.echo(f"  models: {', '.join(found.models) or 'all'}")
+    click.echo(f"  priority: {found.priority or 'standard'} (its keys' where theirs says none)")
+    click.echo(f"  weight: {found.weight}")
     click.echo(f"  keys: {', '.join(summary['keys']) or 'none'}")  # type: ignore[arg-type]
 
 
@@ -147,15 +176,24 @@ def show(name, as_json: bool, nats: NatsSettings, bucket: BucketSettings) -> Non
 @click.argument("name")
 @click.option("--models", default=None, help="the served names its keys may use ('' all)")
 @allow_unknown_option
+@priority_option("its keys' class, where a key says none", none="standard")
+@click.option("--weight", type=WEIGHT, default=None, help="its share against its class's teams")
 @limit_options(what=" (all its keys together; 'none' removes it)")
 @nats_options
-def set_(name, models, allow_unknown, nats: NatsSettings, bucket: BucketSettings, **lim) -> None:
-    """Change a team's limits or models; every router applies them from the next request."""
+def set_(
+    name, models, allow_unknown, priority, weight, nats: NatsSettings, bucket: BucketSettings, **lim
+) -> None:
+    """Change a team's limits, models, class or weight; every router applies them from the
+    next request."""
     check_name(name, "team")
 
     def change(t: records.Team) -> records.Team:
         if models is not None:
             t.models = split_models(models) or []
+        if priority is not None:
+            t.priority = set_priority(priority)
+        if weight is not None:
+            t.weight = weight
         t.limits = apply_limits(t.limits, {f: lim[f] for f in LIMIT_FIELDS})
         return t
 
@@ -165,4 +203,7 @@ def set_(name, models, allow_unknown, nats: NatsSettings, bucket: BucketSettings
             return await change_record(bus, keys.team(name), records.Team, change, "team", name)
 
     t = anyio.run(run)
-    click.echo(f"team {name}: limits {describe_limits(t.limits)}")
+    click.echo(
+        f"team {name}: limits {describe_limits(t.limits)}; priority {t.priority or 'standard'}; "
+        f"weight {t.weight}"
+    )

@@ -312,7 +312,15 @@ def replica_state(rep: records.Replica, r: FleetRecords, now: float) -> ReplicaS
         state=", ".join([rep.phase, *notes]),
         why=rep.reason if rep.phase in records.REPLICA_GOING else "",
         failure=failure,
+        load=engine_load(rep, r),
     )
+
+
+def engine_load(rep: records.Replica, r: FleetRecords) -> records.EngineLoad | None:
+    """Its rank-0 engine's own load, from its node's lease (rank 0 serves the API)."""
+    head = next((m.node for m in rep.members if m.rank == 0), None)
+    lease = r.leases.get(head) if head is not None else None
+    return next((e for e in lease.engines if e.rid == rep.rid), None) if lease else None
 
 
 def desired_count(

@@ -163,6 +163,8 @@ class ReplicaState(msgspec.Struct, kw_only=True):
     state: str
     why: str = ""  # going away: why
     failure: str = ""  # failed: the failed shard's node, reason and restarts
+    # what its engine (rank 0's) said of its own load at its node's last heartbeats
+    load: records.EngineLoad | None = None
 
 
 class Placement(msgspec.Struct, kw_only=True):

@@ -13,9 +13,10 @@ import hashlib
 import hmac
 import os
 import time
+from collections.abc import Sequence
 
 from llmgw.bus import keys
-from llmgw.bus.records import SecretHash
+from llmgw.bus.records import MAX_KEY_SECRETS, SecretHash
 
 PREFIX = "llmgw-"
 SECRET_BYTES = 32
@@ -53,11 +54,29 @@ def hash_secret(secret: str, now: float | None = None) -> SecretHash:
 
 
 def matches(stored: SecretHash, secret: str, now: float) -> bool:
-    """`secret` is the one `stored` was made from, and not past its grace."""
-    if stored.valid_until is not None and now >= stored.valid_until:
-        return False
+    """`secret` is the one `stored` was made from, and not past its grace. One digest
+    whatever `stored` holds (a garbled hash is checked against nothing)."""
     try:
         salt, want = bytes.fromhex(stored.salt), bytes.fromhex(stored.sha256)
     except ValueError:
-        return False
-    return hmac.compare_digest(_digest(salt, secret), want)
+        salt, want = _NO_SALT, b""
+    same = hmac.compare_digest(_digest(salt, secret), want)
+    return same and (stored.valid_until is None or now < stored.valid_until)
+
+
+_NO_SALT = bytes(SALT_BYTES)
+_NOTHING = SecretHash(salt=_NO_SALT.hex(), sha256="", created_at=0.0)
+
+
+def match(stored: Sequence[SecretHash], secret: str, now: float) -> SecretHash | None:
+    """The hash of `stored` that `secret` matches now, if any. A secret that matches none
+    costs MAX_KEY_SECRETS digests whatever the key holds, or if there is no such key (call
+    it with none): how long a refusal takes tells nothing of whether a key of that name
+    exists, nor how many secrets it has."""
+    found = None
+    for s in stored[:MAX_KEY_SECRETS]:
+        if matches(s, secret, now) and found is None:
+            found = s
+    for _ in range(MAX_KEY_SECRETS - min(len(stored), MAX_KEY_SECRETS)):
+        matches(_NOTHING, secret, now)
+    return found

@@ -130,11 +130,15 @@ class Admission:
         usage: Usage | None,
         replica: str | None = None,
         ttft: float | None = None,
+        estimate: Usage | None = None,
+        refused: str | None = None,
     ) -> None:
         """Once per admitted request, however it ended. `usage` None: the engine said none;
         then an error answer (4xx, 5xx) generated nothing and its reservation is handed back,
-        and any other keeps its reservation as charged. A fleet without keys meters and
-        audits nothing (as before keys), and counts tokens for /metrics only."""
+        and any other keeps its reservation as charged and is metered by `estimate`.
+        `refused`: the router answered it itself after admitting it, and why (its audit
+        record's reason). A fleet without keys meters and audits nothing (as before keys),
+        and counts tokens for /metrics only."""
         if self.finished:
             return
         self.finished = True
@@ -143,7 +147,7 @@ class Admission:
             used = usage.total if usage is not None else (0 if status >= 400 else None)
             self.held.settle(used)
         identity = self.identity
-        u = usage or _NONE
+        u = usage or estimate or _NONE
         team = identity.team_name if identity is not None else None
         tally = g.tokens.get((team or "", self.model))
         if tally is None:
@@ -171,6 +175,7 @@ class Admission:
                 ttft_s=ttft,
                 duration_s=max(0.0, g.clock() - self.started),
                 client=self.client,
+                refused=refused,
             )
         )
 
@@ -227,7 +232,7 @@ class Gateway:
         self._audit: deque[AuditRecord] = deque()
         # audit messages made and not yet stored are sent again as they are (the same ids);
         # the records that arrive meanwhile wait for the next ones
-        self._audit_out = Outbox(router, self._audit_messages)
+        self._audit_out = Outbox(router, self._audit_messages, len)
         self.audit_dropped = 0
         self._failed = False
 
@@ -365,7 +370,7 @@ class Gateway:
         self._audit.append(record)
 
     def audit_waiting(self) -> int:
-        return len(self._audit) + sum(len(recs) for _, recs in self._audit_out.sending)
+        return len(self._audit) + self._audit_out.sending_size
 
     async def flush(self) -> None:
         """Send what waits: the limiter's debts, the meter's counts, the audit records."""

@@ -24,22 +24,27 @@ Sealed = list[tuple[str, T]]  # (message id, what the message holds)
 
 
 class Outbox(Generic[T]):
-    def __init__(self, prefix: str, seal: Callable[[], list[T]]) -> None:
+    def __init__(
+        self, prefix: str, seal: Callable[[], list[T]], size: Callable[[T], int] = lambda m: 1
+    ) -> None:
         # ids unique to this process: a restarted router must not look like a duplicate of
         # its previous life
         self._prefix = f"{prefix}.{os.getpid()}.{os.urandom(4).hex()}"
         self._ids = itertools.count()
         self._seal = seal  # what waits, taken as messages (and no longer waiting there)
+        self._size = size
         self.sending: Sealed[T] = []
+        self.sending_size = 0  # what the sealed messages hold, by `size` (read per request)
 
     async def flush(self, send: Callable[[Sealed[T]], Awaitable[None]]) -> None:
         """Send the sealed messages, or seal what waits; raises what `send` raised (they are
         sent again, as they are, at the next flush)."""
         if not self.sending:
             self.sending = [(f"{self._prefix}.{next(self._ids)}", m) for m in self._seal()]
+            self.sending_size = sum(self._size(m) for _, m in self.sending)
         if self.sending:
             await send(self.sending)
-            self.sending = []
+            self.sending, self.sending_size = [], 0
 
 
 class Counter(Protocol):

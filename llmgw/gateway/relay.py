@@ -1,10 +1,15 @@
 """What the gateway reads of an answer as the router relays it: its `usage` (the engine's
-own count), and for a stream its events as they come (a stream is charged as it goes, and
-one cut short is charged what it generated). Fits the router's ticket (router/gate.py):
-`chunk(data)` for each piece relayed, `settle(status, outcome)` once at the end.
+own count, in its route's names: usage.py), and for a stream its events as they come (a
+stream is charged as it goes, and one cut short is charged what it generated). Fits the
+router's ticket (router/gate.py): `chunk(data)` for each piece relayed, `settle(status,
+outcome)` once at the end.
 
-Reading is bounded: a stream's line is kept at most MAX_LINE bytes (a longer one is not
-read for usage, only counted), a whole answer at most usage.MAX_USAGE_JSON bytes.
+An answer is read as what it is, whatever the request said: a stream when its first bytes
+are server-sent events, a whole answer otherwise. Reading is bounded: a stream's line is
+kept whole up to MAX_LINE bytes (a longer one, a response's last event with all its text,
+is searched for its usage as a whole answer is, usage.Document), a whole answer of any
+size is read by usage.Document. An answer whose usage cannot be read is metered by an
+estimate (`GatewayTicket.settle`), never as nothing.
 """
 
 from __future__ import annotations
@@ -12,47 +17,89 @@ from __future__ import annotations
 import time
 
 from . import usage as usage_
-from .gateway import Admission
+from .gateway import CHARS_PER_TOKEN, Admission
 from .usage import Usage
 
 MAX_LINE = 1 << 20
+# how a stream of server-sent events may begin (a field, or a comment)
+_SSE_STARTS = (b"data:", b"event:", b":", b"id:", b"retry:")
+
+
+def _framing(data: bytes) -> bool | None:
+    """Whether an answer beginning with `data` is a stream of events (None: too few bytes
+    to say)."""
+    start = data.lstrip()
+    if start.startswith(_SSE_STARTS):
+        return True
+    if (not start or any(s.startswith(start) for s in _SSE_STARTS)) and len(data) < 64:
+        return None
+    return False
+
+
+# the bytes that mark a stream's piece that may carry usage: `usage`, or on llama-server's
+# own routes (/infill) its counts
+USAGE_KEY = b'"usage"'
+NATIVE_KEY = b'"tokens_predicted"'
+
+
+def _may_carry_usage(data: bytes) -> bool:
+    """A piece that may carry a usage in some route's names (usage.py)."""
+    return USAGE_KEY in data or NATIVE_KEY in data
 
 
 class UsageReader:
-    """The usage of one answer, from its bytes in the order relayed."""
+    """The usage of one answer, from its bytes in the order relayed. `stream`: what the
+    request asked for, until the answer's first bytes say what it is."""
 
-    __slots__ = ("stream", "events", "_line", "_body", "_size", "_usage", "_too_long")
+    __slots__ = (
+        "stream",
+        "events",
+        "_line",
+        "_long",
+        "_body",
+        "_size",
+        "_big",
+        "_usage",
+        "_framed",
+        "_sniffed",
+    )
 
     def __init__(self, stream: bool) -> None:
         self.stream = stream
         self.events = 0  # stream events with output (about one token each)
         self._line = bytearray()
-        self._body: list[bytes] = []  # a whole answer's pieces, joined once at the end
+        self._long: usage_.Document | None = None  # a stream line past MAX_LINE
+        self._body: list[bytes] = []  # a whole answer's pieces, joined once at the end...
         self._size = 0
+        self._big: usage_.Document | None = None  # ...or past MAX_USAGE_JSON, searched
         self._usage: Usage | None = None
-        self._too_long = False
+        self._framed = False  # the answer's first bytes said what it is
+        self._sniffed = b""  # first bytes too few to say it, held until they do
 
     def feed(self, data: bytes) -> None:
+        if not self._framed:
+            data = self._sniffed + data
+            framing = _framing(data)
+            if framing is None:
+                self._sniffed = data
+                return
+            self._sniffed = b""
+            self.stream, self._framed = framing, True
         if not self.stream:
-            self._size += len(data)
-            if self._size <= usage_.MAX_USAGE_JSON:
-                self._body.append(data)
-            else:
-                self._too_long = True
+            self._whole(data)
             return
         start = 0
         while True:
             end = data.find(b"\n", start)
             if end < 0:
-                if len(self._line) + len(data) - start <= MAX_LINE:
+                if self._long is None and len(self._line) + len(data) - start <= MAX_LINE:
                     self._line += data[start:]
                 else:
-                    self._too_long = True
+                    self._too_long(data[start:])
                 return
-            if self._too_long:
-                self._too_long = False
-                self._line.clear()
-                self.events += 1  # an event too long to read: output all the same
+            if self._long is not None:
+                self._too_long(data[start:end])
+                self._long_ended()
             else:
                 line = self._line
                 line += data[start:end]
@@ -61,30 +108,78 @@ class UsageReader:
                 line.clear()
             start = end + 1
 
-    def _event(self, line: bytes) -> None:
-        if not line.startswith(b"data:"):
+    def _whole(self, data: bytes) -> None:
+        self._size += len(data)
+        big = self._big
+        if big is not None:
+            big.feed(data)
             return
+        self._body.append(data)
+        if self._size > usage_.MAX_USAGE_JSON:  # kept whole no more: its ends only
+            big = self._big = usage_.Document()
+            big.feed(b"".join(self._body))
+            self._body = []
+
+    def _too_long(self, data: bytes) -> None:
+        if self._long is None:
+            self._long = usage_.Document()
+            self._long.feed(bytes(self._line))
+            self._line.clear()
+        self._long.feed(data)
+
+    def _long_ended(self) -> None:
+        """A line too long to keep has ended: its usage if it has one (searched), else an
+        event of output."""
+        long, self._long = self._long, None
+        assert long is not None
+        found = long.usage()
+        if found is not None:
+            self._found(found)
+        else:
+            self.events += 1
+
+    def _event(self, line: bytes) -> None:
         payload = line[5:].strip()
         if not payload or payload == b"[DONE]":
             return
-        if b'"usage"' in payload:
+        if _may_carry_usage(payload):
             found, usage_only = usage_.read(payload)
             if found is not None:
-                self._usage = found
+                self._found(found)
                 if usage_only:
                     return
         self.events += 1
+
+    def _found(self, found: Usage) -> None:
+        self._usage = found
+        # an engine's count so far (llama-server's own events carry it): what the stream
+        # is charged as it goes, when its events say less
+        if found.completion > self.events:
+            self.events = found.completion
 
     def usage(self, prompt_estimate: int = 0) -> Usage | None:
         """The engine's usage; for a stream that ended without one (cut short), what it
         generated (an event a token) and the prompt's estimate; None if nothing is known."""
         if not self.stream:
-            return None if self._too_long else usage_.of_json(b"".join(self._body))
+            if self._big is not None:
+                return self._big.usage()
+            body = self._body
+            return usage_.of_json(body[0] if len(body) == 1 else b"".join(body))
         if self._usage is not None:
             return self._usage
         if self.events:
             return Usage(prompt_estimate, self.events)
         return None
+
+    def estimate(self, prompt_estimate: int, generates: bool) -> Usage:
+        """What an answer whose usage cannot be read is metered: its prompt's estimate, and
+        for a route that generates, a token for every CHARS_PER_TOKEN bytes of a whole
+        answer (its text and more) or every event of a stream."""
+        if not generates:
+            return Usage(prompt_estimate, 0)
+        if self.stream:
+            return Usage(prompt_estimate, self.events)
+        return Usage(prompt_estimate, -(-self._size // CHARS_PER_TOKEN))
 
 
 class GatewayTicket(UsageReader):
@@ -98,6 +193,8 @@ class GatewayTicket(UsageReader):
     __slots__ = (
         "admission",
         "prompt_estimate",
+        "generates",
+        "usage_key",
         "replica",
         "over",
         "strip",
@@ -115,11 +212,16 @@ class GatewayTicket(UsageReader):
         stream: bool,
         prompt_estimate: int = 0,
         strip: bool = False,
+        generates: bool = True,
+        usage_key: bytes = USAGE_KEY,
     ) -> None:
         UsageReader.__init__(self, stream)
         self.admission = admission
         self._held = admission.held  # None: no limit to charge its tokens to
         self.prompt_estimate = prompt_estimate
+        self.generates = generates  # the route generates (its estimate counts output)
+        # what marks a piece of its stream that may carry usage: the route's name for it
+        self.usage_key = usage_key
         self.replica: str | None = None  # set by `answering`
         self.over = False  # a limit refused more tokens: the router ends the stream
         self.strip = self.rewrites = strip
@@ -139,19 +241,25 @@ class GatewayTicket(UsageReader):
         it there)."""
         if self._first is None:
             self._first = time.monotonic()
-        if not self.stream:
-            self.feed(data)
+            head = data[:1]
+            if head == b"{" or head == b"[":  # the common whole answer, told at once
+                self.stream, self._framed = False, True
+            elif data.startswith(b"data:"):  # the common stream
+                self.stream, self._framed = True, True
+        if self._framed and not self.stream:
+            self._whole(data)
             return data
         # the common piece, an engine's write: whole events of output, each line of data a
         # JSON object, nothing to read for usage, to strip, or to hold; its events counted
         # as `feed` would count them, without reading it line by line
         whole = False
         if (
-            data.endswith(b"\n\n")
+            self._framed
+            and data.endswith(b"\n\n")
             and not self._line
             and not self._pending
-            and not self._too_long
-            and b'"usage"' not in data
+            and self._long is None
+            and self.usage_key not in data  # one search a piece: every piece comes here
         ):
             events = data.count(b"\ndata: {") + data.startswith(b"data: {")
             whole = events == data.count(b"\ndata:") + data.startswith(b"data:")
@@ -159,6 +267,8 @@ class GatewayTicket(UsageReader):
             self.events += events
         else:
             self.feed(data)
+            if not self.stream:
+                return data  # its first bytes: a whole answer after all
         if self._held is not None and not self.over:
             self.over = not self._held.progress_now(self.events)
         if self.over:
@@ -186,13 +296,23 @@ class GatewayTicket(UsageReader):
         done, self._pending = data[: end + 2], data[end + 2 :]
         return _without_usage(done) if b'"usage"' in done else done
 
-    def settle(self, status: int, outcome: str) -> None:
+    def settle(self, status: int, outcome: str, refused: str | None = None) -> None:
         first = self._first
+        found = self.usage(self.prompt_estimate)
+        # an answer (or one the client left: status 0) whose usage does not read: metered
+        # by an estimate, its reservation kept against the limits; an error generated nothing
+        estimate = (
+            self.estimate(self.prompt_estimate, self.generates)
+            if found is None and status < 400
+            else None
+        )
         self.admission.finish(
             status=status,
-            usage=self.usage(self.prompt_estimate),
+            usage=found,
             replica=self.replica,
             ttft=None if first is None else first - self._created,
+            estimate=estimate,
+            refused=refused,
         )
 
 

@@ -1,8 +1,9 @@
 """KeyTable: the keys and teams a router knows, from its watch of `apikeys.*` and `teams.*`.
 
-Every check is a dict lookup and one SHA-256 against what the table holds: no NATS round
-trip on the request path. Expiry and revocation times are compared with the clock at each
-request, so an expired key fails on a router cut off from NATS too. A revocation reaches a
+Every check is a dict lookup and SHA-256 digests against what the table holds (as many
+for a name that is no key's: credentials.match): no NATS round trip on the request path.
+Expiry and revocation times are compared with the clock at each request, so an expired
+key fails on a router cut off from NATS too. A revocation reaches a
 router through its watch (milliseconds); a router cut off from NATS cannot hear of one, so
 it serves the keys it knows for `serve_known_for` seconds after it was cut off (default
 300) and then refuses every key with 503 until its watch is back.
@@ -24,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from llmgw import priority
 from llmgw.bus import keys, records, trust
 from llmgw.bus.records import ApiKey, Team
 from llmgw.fleetstate.decode import Unreadable, settle
@@ -49,7 +51,16 @@ class Identity:
     bucket does not hold, which then limits nothing). Made once per key while its records
     hold, so what a request asks of it is read, not worked out again."""
 
-    __slots__ = ("key", "team", "name", "team_name", "limited", "_allowed", "_allowed_set")
+    __slots__ = (
+        "key",
+        "team",
+        "name",
+        "team_name",
+        "limited",
+        "standing",
+        "_allowed",
+        "_allowed_set",
+    )
 
     def __init__(self, key: ApiKey, team: Team | None) -> None:
         self.key = key
@@ -60,6 +71,15 @@ class Identity:
         self.limited = any(
             limits != _NO_LIMITS
             for limits in (key.limits, key.model_limits, team.limits if team else _NO_LIMITS)
+        )
+        # its class (its own, else its team's, else standard) and its team's weight: who
+        # waits when the fleet is full (llmgw/priority.py)
+        own = key.priority or (team.priority if team is not None else None)
+        self.standing = priority.Standing(
+            priority.BY_NAME[own] if own else priority.Priority.STANDARD,
+            key.team or "",
+            team.weight if team is not None else 1,
+            key.name,
         )
         mine = key.models or None
         theirs = team.models if team is not None and team.models else None
@@ -122,6 +142,7 @@ class KeyTable:
         # keys whose newest value does not read, and what is read instead (kept or refused)
         self.unreadable: dict[str, Unreadable] = {}
         self._refused_keys: set[str] = set()  # names: garbled, never read good
+        self._told: set[str] = set()  # of those, the ones a request presented (logged, once)
         self._refused_teams: set[str] = set()
         self.skipped = trust.SkippedValues()
 
@@ -250,10 +271,14 @@ class KeyTable:
             record = self._match(authorization, secret, now)
         if record is None:
             name = credentials.name_of(secret) if self._refused_keys else None
-            if name in self._refused_keys:
-                return refusals.unauthenticated(
-                    f"API key {name} cannot be checked: its record in the bucket does not read "
-                    f"(the operator fixes it: `llmgw key show {name}`)"
+            if name in self._refused_keys and name not in self._told:
+                # said here, not to the client: a 401 must not tell that a name exists
+                self._told.add(name)
+                log.warning(
+                    "router: a request presented API key %s, whose record in the bucket does "
+                    "not read: refused (401) until it is fixed (`llmgw key show %s`)",
+                    name,
+                    name,
                 )
             return refusals.unauthenticated("incorrect API key provided")
         if record.revoked_at is not None and now >= record.revoked_at:
@@ -287,10 +312,9 @@ class KeyTable:
         remembered by the header that carried it."""
         name = credentials.name_of(secret)
         record = self._keys.get(name) if name is not None else None
-        if record is None:
-            return None
-        stored = next((s for s in record.secrets if credentials.matches(s, secret, now)), None)
-        if stored is None:
+        # the same work whether the name is a key's or not (credentials.match)
+        stored = credentials.match(record.secrets if record is not None else (), secret, now)
+        if record is None or stored is None:
             return None
         if len(self._checked) >= MAX_CHECKED:
             self._checked.clear()

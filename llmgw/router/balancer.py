@@ -71,11 +71,23 @@ class Balancer:
         exclude: Backend | None = None,
     ) -> Backend | None:
         """The engine for one request; None when there is none to try."""
+        return self.choose(self.candidates(backends, now, exclude), affinity)
+
+    @staticmethod
+    def candidates(
+        backends: Sequence[Backend], now: float, exclude: Backend | None = None
+    ) -> list[Backend]:
+        """The engines a request may go to: the available ones, or, when none is, every
+        routable one (panic mode)."""
         candidates = [b for b in backends if b is not exclude and b.available(now)]
         if not candidates:
             candidates = [b for b in backends if b is not exclude and b.routable]  # panic
-            if not candidates:
-                return None
+        return candidates
+
+    def choose(self, candidates: Sequence[Backend], affinity: int | None) -> Backend | None:
+        """Of `candidates`, the engine for a request with this affinity key."""
+        if not candidates:
+            return None
         if len(candidates) == 1:
             return candidates[0]
         if affinity is not None and self.settings.affinity_load_factor > 0:

@@ -21,7 +21,7 @@ import bisect
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,20 +113,26 @@ class FleetWatch:
 # --- this router's load per model ------------------------------------------------------------
 
 
-class TtfbWindow:
+class HistogramWindow:
     """Time to first byte per model over the last `window` seconds, from the router's
     histogram (llmgw_router_time_to_first_byte_seconds): its cumulative buckets are sampled
     when the page asks, and the newest sample at least `window` old is subtracted. Until
     there is one (a page open for less than a window), the figures are since the router
     started, and say so (`window_s` None)."""
 
-    def __init__(self, histogram, window: float = 60.0) -> None:
+    def __init__(
+        self,
+        histogram,
+        window: float = 60.0,
+        group: Callable[[dict[str, str]], Any] = lambda labels: labels.get("model") or None,
+    ) -> None:
         self._histogram = histogram
         self.window = window
-        self._samples: deque[tuple[float, dict[str, _Buckets]]] = deque()
+        self._group = group  # a sample's labels -> what it is summed under (None: left out)
+        self._samples: deque[tuple[float, dict[Any, _Buckets]]] = deque()
 
-    def sample(self, now: float) -> dict[str, dict[str, float | int | None]]:
-        current = _per_model(self._histogram)
+    def sample(self, now: float) -> dict[Any, dict[str, float | int | None]]:
+        current = _grouped(self._histogram, self._group)
         self._samples.append((now, current))
         while len(self._samples) > 1 and self._samples[1][0] <= now - self.window:
             self._samples.popleft()
@@ -184,15 +190,16 @@ class _Buckets:
         return lower + (upper - lower) * (rank - below) / in_bucket
 
 
-def _per_model(histogram) -> dict[str, _Buckets]:
-    """The histogram's buckets summed over each model's replicas."""
-    out: dict[str, _Buckets] = {}
-    by_le: dict[str, dict[float, float]] = {}
+def _grouped(histogram, group: Callable[[dict[str, str]], Any]) -> dict[Any, _Buckets]:
+    """The histogram's buckets summed by `group` of their labels (by default each model's
+    replicas together; requests that reached no model left out)."""
+    out: dict[Any, _Buckets] = {}
+    by_le: dict[Any, dict[float, float]] = {}
     for family in histogram.collect():
         for s in family.samples:
-            model = s.labels.get("model", "")
-            if not model:
-                continue  # requests that reached no model
+            model = group(s.labels)
+            if model is None:
+                continue
             if s.name.endswith("_bucket"):
                 le = float(s.labels["le"])
                 per = by_le.setdefault(model, {})
@@ -209,25 +216,50 @@ def _per_model(histogram) -> dict[str, _Buckets]:
 
 
 def local_load(
-    backends: Iterable, ttfb: dict[str, dict], waiting: dict[str, int]
+    backends: Iterable,
+    ttfb: dict[str, dict],
+    waiting: dict[str, int],
+    queued: Mapping[tuple[str, str, str], int] | None = None,
+    waits: Mapping[tuple[str, str, str], dict] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """This router's figures per model (catalog id): requests in flight at its engines, the
-    requests it holds queued waiting for a replica (router/hold.py), and time to first byte
-    over the TtfbWindow. Fleet-wide load, every router's summed, belongs in `fleet_state`'s
-    `load.fleet`."""
+    """This router's figures per model (catalog id): requests in flight at its engines (and
+    what it may have there: its share of those whose capacity is known), the requests it
+    holds queued (for a replica, router/hold.py, or for room at its engines, router/flow.py),
+    time to first byte over the HistogramWindow, and its queue by class and team: how many wait
+    now and how long they waited over the window (`queued`, `waits`: keyed by model, class,
+    team). Fleet-wide load, every router's summed, belongs in `fleet_state`'s `load.fleet`."""
     out: dict[str, dict[str, Any]] = {}
 
     def model(name: str) -> dict[str, Any]:
-        return out.setdefault(name, {"in_flight": 0, "queued": 0, "ttfb": None})
+        return out.setdefault(
+            name, {"in_flight": 0, "share": None, "queued": 0, "ttfb": None, "queue": []}
+        )
 
     for b in backends:
-        model(b.model)["in_flight"] += b.in_flight
+        m = model(b.model)
+        m["in_flight"] += b.in_flight
+        if b.routable and b.share is not None:
+            m["share"] = (m["share"] or 0) + b.share
     for name, summary in ttfb.items():
         model(name)["ttfb"] = summary
     for name, count in waiting.items():
         if count:
-            model(name)["queued"] = count
+            model(name)["queued"] += count
+    queued, waits = queued or {}, waits or {}
+    for name, cls, team in sorted(set(queued) | set(waits), key=_class_order):
+        n = queued.get((name, cls, team), 0)
+        m = model(name)
+        m["queued"] += n
+        m["queue"].append(
+            {"class": cls, "team": team, "waiting": n, "wait": waits.get((name, cls, team))}
+        )
     return out
+
+
+def _class_order(key: tuple[str, str, str]) -> tuple[str, int, str]:
+    name, cls, team = key
+    order = records.PRIORITY_CLASSES.index(cls) if cls in records.PRIORITY_CLASSES else 9
+    return name, order, team
 
 
 # --- the document ----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Who may send a request, and what it is charged: the handler's one slot for keys, limits
 and metering (router/proxy.py calls it; nothing else on the request path knows of keys).
 
-Three moments of a request, each a call:
+The moments of a request, each a call:
 1. `authenticate(req)`: before the body is read for routing. An identity, or a Refusal
    (401) that is answered at once.
 2. `admit(identity, parsed, model, req)`: once the model is known and before an engine is
@@ -10,7 +10,9 @@ Three moments of a request, each a call:
    nothing to meter, or a Refusal (403, 429 with its headers).
    `admit` may return `Later` instead: a wait (a claim on counters shared between
    routers), which the handler awaits for the same three outcomes.
-3. The ticket is told the replica answering (`answering`, which gives the headers to add
+3. `standing(identity)`: where its requests stand when the engines are full (its class,
+   team and weight), for the router's queue (router/flow.py).
+4. The ticket is told the replica answering (`answering`, which gives the headers to add
    to the answer: x-ratelimit-*), each chunk of the answer as it is relayed (`chunk`,
    which gives the bytes to relay: the same, or less when the gate asked the engine for
    more than the client did), and is `settle`d once when the request is over, however it
@@ -26,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Protocol
 
+from llmgw.priority import EVERYONE, Standing
 from llmgw.router.refusal import Refusal
 from llmgw.router.request import Parsed
 from llmgw.router.server import Request
@@ -46,10 +49,12 @@ class Ticket(Protocol):
         more tokens). Called from the engine connection's callback: it must not block."""
         ...
 
-    def settle(self, status: int, outcome: str) -> None:
+    def settle(self, status: int, outcome: str, refused: str | None = None) -> None:
         """The request is over, called once however it ended: `status` the answer's
-        (0 when it ended before its answer was complete: the client left), and `outcome`
-        "ok", or the error kind that ended it (llmgw_router_errors' kinds)."""
+        (0 when it ended before its answer was complete: the client left), `outcome`
+        "ok", or the error kind that ended it (llmgw_router_errors' kinds), and `refused`
+        the router's reason when it answered the request itself after admitting it (its
+        error code: the queue's `queue_timeout`, a cold model's `model_cold`...)."""
 
 
 class Later:
@@ -70,6 +75,11 @@ class Gate(Protocol):
 
     def models(self, identity: object, names: list[str]) -> list[str]:
         """Of the names `GET /v1/models` lists, those this identity may use."""
+        ...
+
+    def standing(self, identity: object) -> Standing:
+        """Where this identity's requests stand when the fleet is full: its class, team
+        and weight (llmgw/priority.py)."""
         ...
 
 
@@ -96,3 +106,6 @@ class KeyListGate:
 
     def models(self, identity: object, names: list[str]) -> list[str]:
         return names
+
+    def standing(self, identity: object) -> Standing:
+        return EVERYONE

@@ -82,7 +82,7 @@ class Holds:
         own_max, own_wait = self.table.hold_bounds(model)
         max_held = own_max or self.settings.max_held
         wait = own_wait or self.settings.max_wait
-        asked = _client_wait(max_wait_header)
+        asked = client_wait(max_wait_header)
         if asked is not None:
             wait = min(wait, asked)
         if wait <= 0:
@@ -174,7 +174,7 @@ class Holds:
         )
 
 
-def _client_wait(header: bytes | None) -> float | None:
+def client_wait(header: bytes | None) -> float | None:
     """The client's `x-llmgw-max-wait` in seconds; None when absent or not a number."""
     if header is None:
         return None

@@ -1,11 +1,14 @@
-"""Requests in flight, counted once: one account, taken when a request is sent to an
-engine and given back once when its answer is over, however it ends.
+"""Requests in flight, counted once: one account, taken when a request is given its place
+at an engine (at once, or when the router's queue lets it go) and given back once when its
+answer is over, however it ends.
 
 Everything that asks "how busy" reads this account, never a count of its own:
 - the balancer reads each engine's count (`Backend.in_flight`, written only here);
 - `/metrics` reads `llmgw_router_in_flight{model,replica}` from it at each scrape;
 - the load records (`load.<router>`, router/load.py) read each model's mean over the
-  interval from it.
+  interval from it;
+- the router's queue (router/flow.py) reads each model's count by class and team (its
+  demand, published for the other routers) and is told of every place given back.
 A request that reached no engine (refused, held, or its connection never made) holds
 nothing here.
 """
@@ -14,8 +17,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from llmgw.priority import Priority
 from llmgw.router.table import Backend
 
 
@@ -25,27 +29,55 @@ class _ModelFlights:
     sent: int = 0  # requests sent ever (a change is a request seen: the load records' count)
     integral: float = 0.0  # count x seconds since the interval began
     since: float = 0.0  # when count last changed, or the interval began
+    # in flight now by (class, team): what this router asks of the model's engines
+    # (its demand, router/share.py)
+    by_standing: dict[tuple[Priority, str], int] = field(default_factory=dict)
 
 
 class Flight:
-    """One request's place in the account, the engine it is on: taken when the `with`
-    block is entered, given back when it is left, however that happens. (A class, not a
+    """One request's place in the account, on the engine it goes to: counted when taken
+    (`InFlight.take`), given back once when its `with` block is left, however that happens,
+    or by `give_back` for a place granted to a request that never used it. (A class, not a
     generator-based context manager: this is on every request's path.)"""
 
-    __slots__ = ("_account", "backend")
+    __slots__ = ("_account", "backend", "standing", "tokens", "_out")
 
-    def __init__(self, account: InFlight, backend: Backend) -> None:
+    def __init__(self, account: InFlight, backend: Backend, standing: tuple[Priority, str]) -> None:
         self._account = account
         self.backend = backend
+        self.standing = standing  # (class, team)
+        self.tokens = 0  # its prompt's estimate, charged to its team while it runs
+        self._out = False
+
+    @property
+    def priority(self) -> Priority:
+        return self.standing[0]
+
+    @property
+    def team(self) -> str:
+        return self.standing[1]
 
     def __enter__(self) -> Flight:
-        account = self._account
-        account._move(self.backend, 1)
-        account._models[self.backend.model].sent += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._account._move(self.backend, -1)
+        self.give_back()
+
+    def give_back(self) -> None:
+        if self._out:
+            return
+        self._out = True
+        account = self._account
+        account._move(self.backend, -1)
+        by_standing = account._models[self.backend.model].by_standing
+        key = self.standing
+        left = by_standing[key] - 1
+        if left:
+            by_standing[key] = left
+        else:
+            del by_standing[key]
+        if account.freed is not None:
+            account.freed(self)
 
     def move(self, backend: Backend) -> None:
         """To another engine of the same model: the first could not be reached, and
@@ -63,11 +95,20 @@ class InFlight:
         # /metrics shows (0 once it is idle again, as a gauge should)
         self._engines: dict[Backend, None] = {}
         self._interval_start = clock()
+        # told each time a place is given back: the router's queue sends the next request
+        self.freed: Callable[[Flight], None] | None = None
 
-    def taken(self, backend: Backend) -> Flight:
-        """`with account.taken(backend) as flight:` holds one request on `backend` while
-        the block runs (counted once as a request sent, wherever it moves)."""
-        return Flight(self, backend)
+    def take(
+        self, backend: Backend, priority: Priority = Priority.STANDARD, team: str = ""
+    ) -> Flight:
+        """One request's place on `backend`, counted now (and once as a request sent,
+        wherever it moves); `with flight:` gives it back when the request is over."""
+        self._move(backend, 1)
+        m = self._models[backend.model]
+        m.sent += 1
+        key = (priority, team)
+        m.by_standing[key] = m.by_standing.get(key, 0) + 1
+        return Flight(self, backend, key)
 
     def _move(self, backend: Backend, by: int) -> None:
         backend.in_flight += by
@@ -87,6 +128,11 @@ class InFlight:
     def model(self, model: str) -> int:
         m = self._models.get(model)
         return m.count if m is not None else 0
+
+    def by_standing(self, model: str) -> dict[tuple[Priority, str], int]:
+        """In flight for `model` now, by (class, team)."""
+        m = self._models.get(model)
+        return m.by_standing if m is not None else {}
 
     def sent(self, model: str) -> int:
         m = self._models.get(model)

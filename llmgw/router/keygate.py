@@ -12,11 +12,17 @@ the audit trail (llmgw/gateway), in the handler's one slot for them (router/gate
   (`stream_options.include_usage`) when the client did not ask, and that usage chunk is
   taken back out of what this client receives; a stream cut short is charged what it
   generated.
+- What a request reserves: its prompt's tokens, estimated from its body's size, and the
+  most its answers may generate as the engines read its body (router/generation.py): its
+  cap, else what the engine may generate, the model's context (UNKNOWN_CONTEXT where the
+  catalog does not say it). A stream that does not say is charged as it goes and ended at
+  a limit, so it reserves DEFAULT_MAX_TOKENS.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from llmgw.gateway import refusals, usage
 from llmgw.gateway.gateway import (
@@ -26,8 +32,9 @@ from llmgw.gateway.gateway import (
     Gateway,
     Pending,
 )
-from llmgw.gateway.relay import GatewayTicket
+from llmgw.gateway.relay import NATIVE_KEY, USAGE_KEY, GatewayTicket
 from llmgw.gateway.table import Identity
+from llmgw.priority import EVERYONE, Standing
 from llmgw.router.gate import Later, Ticket
 from llmgw.router.refusal import Refusal
 from llmgw.router.request import Parsed
@@ -35,6 +42,11 @@ from llmgw.router.server import Request
 
 # the routes whose streams carry an OpenAI usage chunk when asked for one
 _USAGE_ROUTES = frozenset((b"/v1/chat/completions", b"/v1/completions"))
+# llama-server's own routes: their events carry its counts, not `usage`
+_NATIVE_ROUTES = frozenset((b"/infill",))
+# what one answer of a model may generate when the catalog does not say its context: set
+# `context` in its profiles for a bound of its own
+UNKNOWN_CONTEXT = 32768
 _KINDS = {401: "unauthorized", 403: "forbidden", 429: "rate_limited", 503: "limits_unavailable"}
 
 
@@ -59,8 +71,11 @@ class GatewayGate:
     """router/gate.py's Gate over a Gateway. Who sent a request is its key's Identity (None:
     the bucket holds no key)."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(
+        self, gateway: Gateway, context: Callable[[str], int | None] = lambda model: None
+    ) -> None:
         self.gateway = gateway
+        self.context = context  # a model's context by its catalog (router/table.py)
 
     def authenticate(self, req: Request) -> Identity | Refusal | None:
         g = self.gateway
@@ -89,11 +104,8 @@ class GatewayGate:
             if identity is None or isinstance(identity, Refusal):
                 return identity
         assert isinstance(identity, Identity)
-        # what it reserves: its prompt's tokens, estimated from its characters, and the most
-        # it may generate (gateway.reserve_tokens)
-        prompt = -(-parsed.prompt_bytes // CHARS_PER_TOKEN)
-        most = parsed.max_tokens
-        tokens = prompt + (DEFAULT_MAX_TOKENS if most is None else most)
+        prompt, generated = self._reservation(parsed, model)
+        tokens = prompt + generated
         # the served name the request routed by: one the table knows, never a client's
         # invention (an unknown model is answered 404 before the gate is asked)
         admitted = g.request(identity, parsed.model, tokens, req.client, parsed.stream)
@@ -105,6 +117,19 @@ class GatewayGate:
         self, pending: Pending, parsed: Parsed, model: str, req: Request, prompt_estimate: int
     ) -> Ticket | Refusal | None:
         return self._ticket(await pending.resume(), parsed, model, req, prompt_estimate)
+
+    def _reservation(self, parsed: Parsed, model: str) -> tuple[int, int]:
+        """What a request reserves: its prompt's tokens, estimated from its size, and the
+        most its answers may generate (the module's docstring)."""
+        prompt = -(-parsed.prompt_bytes // CHARS_PER_TOKEN)
+        if not parsed.generates:
+            return prompt, 0
+        context = self.context(model) or UNKNOWN_CONTEXT
+        if parsed.max_tokens is not None:
+            one = min(parsed.max_tokens, context)
+        else:
+            one = context if parsed.most else min(DEFAULT_MAX_TOKENS, context)
+        return prompt, parsed.answers * one
 
     def _ticket(
         self,
@@ -125,13 +150,32 @@ class GatewayGate:
                 req.body = body
                 strip = True
         return GatewayTicket(
-            admitted, stream=parsed.stream, prompt_estimate=prompt_estimate, strip=strip
+            admitted,
+            stream=parsed.stream,
+            prompt_estimate=prompt_estimate,
+            strip=strip,
+            generates=parsed.generates,
+            usage_key=NATIVE_KEY if req.path in _NATIVE_ROUTES else USAGE_KEY,
         )
 
     def models(self, identity: object, names: list[str]) -> list[str]:
         if not isinstance(identity, Identity):
             return names
         return [n for n in names if identity.may_use(n)]
+
+    def standing(self, identity: object) -> Standing:
+        return identity.standing if isinstance(identity, Identity) else EVERYONE
+
+    def team_weight(self, team: str) -> int:
+        """A team's weight in the fleet's split of engines (1: no such team)."""
+        record = self.gateway.table.team(team) if team else None
+        return record.weight if record is not None else 1
+
+    def served_tokens(self, team: str, served: str) -> int:
+        """Tokens served to `team` on `served` since this router started (the engines' own
+        usage, as the gateway tallies it): its fair share's counter (router/queue.py)."""
+        tally = self.gateway.tokens.get((team, served))
+        return tally[0] + tally[1] if tally is not None else 0
 
 
 def _asking_for_usage(body: bytes) -> bytes | None:

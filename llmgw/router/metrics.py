@@ -7,8 +7,11 @@ label set without bound (those are counted under model="").
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -18,10 +21,13 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from llmgw.priority import Priority
 from llmgw.router.inflight import InFlight
+from llmgw.router.queue import ModelQueue
+from llmgw.router.table import EndpointTable
 
 disable_created_metrics()  # `_created` series double the output and nobody graphs them
 
@@ -29,6 +35,14 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST.encode()
 
 # time to first byte: from a few ms (a cached prompt) to minutes (a long prefill in a queue)
 _TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# a wait in the router's queue: none (most requests, while engines have room) to its bound
+_WAIT_BUCKETS = (0.001, *_TTFB_BUCKETS[:-2])
+
+
+class Queues(Protocol):
+    """The router's queue (router/flow.py), as /metrics reads it."""
+
+    queues: Mapping[str, ModelQueue]
 
 
 class RouterMetrics:
@@ -83,6 +97,16 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.queue_wait = WaitHistogram()
+        r.register(self.queue_wait)
+        self.queue_refused = Counter(
+            "llmgw_router_queue_refused",
+            "Requests the router's queue refused, by model, class, team and reason "
+            "(queue_timeout, queue_full, router_shutting_down)",
+            ["model", "class", "team", "reason"],
+            registry=r,
+        )
+
         self._replicas: dict[tuple[str, str], ReplicaSeries] = {}
         self._held: Callable[[], Mapping[str, int]] = dict
 
@@ -108,6 +132,19 @@ class RouterMetrics:
         stream) and `llmgw_router_unreadable_keys{family,reading}` (keys of `apikeys.*` and
         `teams.*` whose newest value does not read), read at every scrape."""
         self.registry.register(_GatewayCollector(streams, unreadable))
+
+    def queue_from(self, flow: Queues, table: EndpointTable) -> None:
+        """`llmgw_router_queued{model,class,team}` (requests waiting for room now), and each
+        engine's `llmgw_router_engine_capacity` and this router's `llmgw_router_engine_share`
+        of it, read at every scrape."""
+        self.registry.register(_QueueCollector(flow, table))
+
+    # the router's queue tells these (router/flow.py's Waits)
+    def waited(self, model: str, priority: Priority, team: str, seconds: float) -> None:
+        self.queue_wait.observe((model, priority, team), seconds)
+
+    def refused(self, model: str, priority: Priority, team: str, reason: str) -> None:
+        self.queue_refused.labels(model, priority.label, team, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -245,3 +282,85 @@ class _GatewayCollector:
         for (family, reading), n in sorted(self._unreadable().items()):
             u.add_metric([family, reading], n)
         yield u
+
+
+class _QueueCollector:
+    def __init__(self, flow: Queues, table: EndpointTable) -> None:
+        self._flow = flow
+        self._table = table
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            "llmgw_router_queued",
+            "Requests waiting in the router's queue for room at their model's engines, by "
+            "model, priority class and team",
+            labels=["model", "class", "team"],
+        )
+        for model, q in sorted(self._flow.queues.items()):
+            for (cls, team), n in sorted(q.queued.items()):
+                g.add_metric([model, cls.label, team], n)
+        yield g
+        capacity = GaugeMetricFamily(
+            "llmgw_router_engine_capacity",
+            "Requests an engine takes at once: its profile's parallel slots, or what the "
+            "engine itself says (only engines whose capacity is known)",
+            labels=["model", "replica"],
+        )
+        share = GaugeMetricFamily(
+            "llmgw_router_engine_share",
+            "Of an engine's capacity, what this router may have there at once (its part of "
+            "the split between the routers sending to it)",
+            labels=["model", "replica"],
+        )
+        for b in sorted(self._table.backends(), key=lambda b: (b.model, b.id)):
+            if b.routable and b.slots is not None:
+                capacity.add_metric([b.model, b.id], b.slots)
+            if b.routable and b.share is not None:
+                share.add_metric([b.model, b.id], b.share)
+        yield capacity
+        yield share
+
+
+class WaitHistogram:
+    """`llmgw_router_queue_wait_seconds{model,class,team}`: every request's wait in the
+    router's queue. Kept as plain counts (a request that went at once adds one to a list,
+    no lock and no label lookup: it is every request's path) and rendered as a Prometheus
+    histogram at each scrape."""
+
+    name = "llmgw_router_queue_wait_seconds"
+
+    def __init__(self, buckets: tuple[float, ...] = _WAIT_BUCKETS) -> None:
+        self.bounds = buckets
+        # (model, class, team) -> [count per bucket (the last: past every bound), sum]
+        self._counts: dict[tuple[str, Priority, str], list[float]] = {}
+
+    def observe(self, key: tuple[str, Priority, str], seconds: float) -> None:
+        counts = self._counts.get(key)
+        if counts is None:
+            if len(self._counts) >= 100_000:  # a bound on label sets, as a scrape's
+                self._counts.clear()
+            counts = self._counts[key] = [0.0] * (len(self.bounds) + 2)
+        if seconds <= 0.0:
+            counts[0] += 1
+            return
+        counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        counts[-1] += seconds
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        h = HistogramMetricFamily(
+            self.name,
+            "How long requests waited in the router's queue for room at their model's engines "
+            "(0 for those that went at once), by model, priority class and team",
+            labels=["model", "class", "team"],
+        )
+        for (model, cls, team), counts in sorted(self._counts.items()):
+            cumulative, total = [], 0.0
+            for bound, n in zip((*self.bounds, math.inf), counts[:-1], strict=True):
+                total += n
+                cumulative.append((_le(bound), total))
+            h.add_metric([model, cls.label, team], cumulative, counts[-1])
+        yield h
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if math.isinf(bound) else repr(float(bound))

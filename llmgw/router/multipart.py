@@ -39,8 +39,10 @@ def boundary(content_type: bytes) -> bytes:
 
 
 def form_fields(body: bytes, content_type: bytes, names: frozenset[bytes]) -> dict[bytes, bytes]:
-    """The values of the text fields `names` (the first of each), as bytes, at most
-    MAX_VALUE each; raises FormError for a body that is not a form."""
+    """The values of the text fields `names`, as bytes, at most MAX_VALUE each; raises
+    FormError for a body that is not a form, or that gives one of `names` twice (which of
+    the two an engine takes is its form parser's choice: the router must not authorise one
+    and send the other)."""
     delimiter = b"--" + boundary(content_type)
     found: dict[bytes, bytes] = {}
     at = _first_delimiter(body, delimiter)
@@ -57,7 +59,9 @@ def form_fields(body: bytes, content_type: bytes, names: frozenset[bytes]) -> di
         name = _part_name(body[at:head_end])
         content = head_end + 4
         end = _next_delimiter(body, delimiter, content)
-        if name in names and name not in found:
+        if name in names:
+            if name in found:
+                raise FormError(f"form field {name.decode()!r} is given twice: send it once")
             if end - content > MAX_VALUE:
                 raise FormError(
                     f"form field {name.decode(errors='replace')!r} is over {MAX_VALUE} bytes"

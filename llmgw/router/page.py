@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 
 from llmgw.fleetstate.decode import FleetRecords
-from llmgw.router.fleet import FleetWatch, TtfbWindow, encode_state, fleet_state
+from llmgw.router.fleet import FleetWatch, HistogramWindow, encode_state, fleet_state
 from llmgw.router.fleet import local_load as router_load
 from llmgw.router.server import Request, Response
 from llmgw.router.table import EndpointTable
@@ -64,12 +64,21 @@ class FleetPage:
         router_info: Callable[[], dict[str, Any]],
         watch: FleetWatch | None = None,
         waiting: Callable[[], dict[str, int]] = dict,
+        queue_wait=None,
+        queued: Callable[[], dict[tuple[str, str, str], int]] = dict,
     ) -> None:
         self.table = table
         self.watch = watch or FleetWatch()
         self._router_info = router_info
         self._waiting = waiting  # requests held per model, waiting for a replica
-        self._ttfb = TtfbWindow(ttfb_histogram)
+        self._ttfb = HistogramWindow(ttfb_histogram)
+        # the router's queue: who waits now, and how long they waited (by model, class, team)
+        self._queued = queued
+        self._waits = (
+            HistogramWindow(queue_wait, group=lambda s: (s["model"], s["class"], s["team"]))
+            if queue_wait is not None
+            else None
+        )
         self._files = {path: (_read(name), kind) for path, (name, kind) in _FILES.items()}
         self._built: tuple[float, bytes] | None = None
         self._building = anyio.Lock()
@@ -98,7 +107,13 @@ class FleetPage:
             if self._built is not None and now - self._built[0] < REBUILD_AFTER_S:
                 return self._built[1]
             records = self._records()
-            load = router_load(list(self.table.backends()), self._ttfb.sample(now), self._waiting())
+            load = router_load(
+                list(self.table.backends()),
+                self._ttfb.sample(now),
+                self._waiting(),
+                self._queued(),
+                self._waits.sample(now) if self._waits is not None else None,
+            )
             info = {**info, "fleet_read": synced, "poll_s": POLL_S}
             body = await anyio.to_thread.run_sync(
                 lambda: encode_state(fleet_state(records, load, time.time(), info))

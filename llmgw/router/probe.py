@@ -58,27 +58,40 @@ class HealthProber:
         return ok
 
     async def _ask(self, b: Backend) -> tuple[bool, str]:
-        request = b"GET %s/health HTTP/1.1\r\nhost: %s\r\n%s\r\n" % (
-            b.path_prefix.encode(),
-            b.host_header,
-            b.auth,
-        )
-        conn = None
         try:
-            async with asyncio.timeout(self.timeout):
-                conn = await self.pool.send(b.host, b.port, request, tls=b.tls)
-                status, _ = await conn.response_head()
-                async for _chunk in conn.body():
-                    pass
+            status, _ = await get(self.pool, b, b"/health", self.timeout, limit=0)
         except TimeoutError:
             return False, f"no answer within {self.timeout:g} s"
         except (ConnectFailed, UpstreamFailed) as e:
             return False, str(e)
-        finally:
-            if conn is not None:
-                if conn.complete:
-                    self.pool.release(conn)
-                else:
-                    conn.abort()
         # 404: an OpenAI-compatible server without /health, up all the same
         return status < 500, f"/health answered {status}"
+
+
+async def get(
+    pool: UpstreamPool, b: Backend, path: bytes, timeout: float, limit: int
+) -> tuple[int, bytes]:
+    """GET `path` of an engine, its status and the first `limit` bytes of its body (the
+    rest read and dropped); TimeoutError, ConnectFailed or UpstreamFailed when it fails."""
+    request = b"GET %s%s HTTP/1.1\r\nhost: %s\r\n%s\r\n" % (
+        b.path_prefix.encode(),
+        path,
+        b.host_header,
+        b.auth,
+    )
+    conn = None
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout):
+            conn = await pool.send(b.host, b.port, request, tls=b.tls)
+            status, _ = await conn.response_head()
+            async for chunk in conn.body():
+                if len(body) < limit:
+                    body += chunk[: limit - len(body)]
+    finally:
+        if conn is not None:
+            if conn.complete:
+                pool.release(conn)
+            else:
+                conn.abort()
+    return status, bytes(body)

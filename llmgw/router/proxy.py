@@ -20,9 +20,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llmgw import priority
+from llmgw.gateway.gateway import CHARS_PER_TOKEN
+from llmgw.priority import ASK_HEADER, Standing
 from llmgw.router.balancer import Balancer
+from llmgw.router.flow import FlowControl
 from llmgw.router.gate import Gate, KeyListGate, Later, Ticket
 from llmgw.router.hold import MAX_WAIT_HEADER, Holds
+from llmgw.router.inflight import Flight
 from llmgw.router.load import LoadCounter
 from llmgw.router.metrics import CONTENT_TYPE as METRICS_TYPE
 from llmgw.router.metrics import RouterMetrics
@@ -129,12 +134,14 @@ class Proxy:
         load: LoadCounter | None = None,
         holds: Holds | None = None,
         gate: Gate | None = None,
+        flow: FlowControl | None = None,
     ) -> None:
         self.table = table
         self.load = load or LoadCounter(metrics.flights)
         self.flights = self.load.in_flight
         self.holds = holds
         self.balancer = balancer
+        self.flow = flow or FlowControl(table, balancer, self.flights)
         self.pool = pool
         self.metrics = metrics
         self.settings = settings or ProxySettings()
@@ -219,7 +226,7 @@ class Proxy:
         if isinstance(admitted, Refusal):
             await self._refuse(resp, admitted)
             return
-        parsed, route, ticket = admitted
+        parsed, route, ticket, standing = admitted
         if type(ticket) is Later:
             ticket = await ticket.wait
             if isinstance(ticket, Refusal):
@@ -227,7 +234,7 @@ class Proxy:
                 return
         outcome: Refusal | Relayed = Relayed(0, "client_disconnect")
         try:
-            outcome = await self._forward(req, resp, parsed, route, ticket)
+            outcome = await self._forward(req, resp, parsed, route, ticket, standing)
             if isinstance(outcome, Refusal):
                 if ticket is not None:
                     headers = outcome.headers + ticket.answering(outcome.replica)
@@ -237,14 +244,15 @@ class Proxy:
         finally:
             if ticket is not None:
                 if isinstance(outcome, Refusal):
-                    ticket.settle(outcome.status, outcome.kind or "refused")
+                    ticket.settle(outcome.status, outcome.kind or "refused", outcome.code)
                 else:
                     ticket.settle(outcome.status, outcome.outcome)
 
     def _admit(
         self, req: Request, spec: RouteSpec
-    ) -> tuple[Parsed, Route, Ticket | Later | None] | Refusal:
-        """The steps before an engine: who sends it, what it asks for, whether it may."""
+    ) -> tuple[Parsed, Route, Ticket | Later | None, Standing] | Refusal:
+        """The steps before an engine: who sends it, what it asks for, whether it may, and
+        where it stands when the engines are full."""
         if req.method != b"POST":
             return Refusal(405, "use POST")
         who = self.gate.authenticate(req)
@@ -259,17 +267,51 @@ class Proxy:
         ticket = self.gate.admit(who, parsed, route.model, req)
         if isinstance(ticket, Refusal):
             return ticket
-        return parsed, route, ticket
+        return parsed, route, ticket, self.gate.standing(who)
 
     async def _forward(
-        self, req: Request, resp: Response, parsed: Parsed, route: Route, ticket: Ticket | None
+        self,
+        req: Request,
+        resp: Response,
+        parsed: Parsed,
+        route: Route,
+        ticket: Ticket | None,
+        standing: Standing,
     ) -> Refusal | Relayed:
-        """The steps with an engine: pick it (holding for a cold model), send, relay."""
-        picked = await self._pick(req, parsed, route)
-        if isinstance(picked, Refusal):
-            return picked
-        route, backend = picked
-        return await self._send_and_relay(req, resp, parsed, route, backend, ticket)
+        """The steps with an engine: its place at one (waiting for room, or holding for a
+        cold model), send, relay."""
+        placed = await self._place(req, parsed, route, standing)
+        if isinstance(placed, Refusal):
+            return placed
+        route, flight = placed
+        with flight:
+            return await self._send_and_relay(req, resp, parsed, route, flight, ticket)
+
+    async def _place(
+        self, req: Request, parsed: Parsed, route: Route, standing: Standing
+    ) -> tuple[Route, Flight] | Refusal:
+        """The request's place at an engine of its model: at once where one has room, else
+        when the router's queue lets it go (router/flow.py); for a cold model, once a
+        replica is ready."""
+        cls = priority.lowered(
+            standing.priority, priority.asked(req.first.get(ASK_HEADER), req.body)
+        )
+        tokens = -(-parsed.prompt_bytes // CHARS_PER_TOKEN)  # its prompt, as the gate estimates it
+        took = self.flow.take(route, standing, cls, parsed.affinity, tokens)
+        if took is None:
+            picked = await self._pick(req, parsed, route)
+            if isinstance(picked, Refusal):
+                return picked
+            route = picked[0]
+            took = self.flow.take(route, standing, cls, parsed.affinity, tokens)
+            if took is None:  # gone again meanwhile
+                return self._no_replica(parsed, route)
+        if isinstance(took, Flight):
+            return route, took
+        waited = await self.flow.wait(route, took, req.header(MAX_WAIT_HEADER))
+        if isinstance(waited, Refusal):
+            return waited
+        return route, waited
 
     def _parse(self, req: Request, spec: RouteSpec) -> Parsed | Refusal:
         try:
@@ -323,6 +365,10 @@ class Proxy:
             )
             if held is not None:
                 return held
+        return self._no_replica(parsed, route)
+
+    @staticmethod
+    def _no_replica(parsed: Parsed, route: Route) -> Refusal:
         return Refusal(
             503,
             f"model {parsed.model!r} has no ready replica: {route.why_none}",
@@ -338,43 +384,43 @@ class Proxy:
         resp: Response,
         parsed: Parsed,
         route: Route,
-        backend: Backend,
+        flight: Flight,
         ticket: Ticket | None,
     ) -> Refusal | Relayed:
-        """Send to `backend` (to a second engine only when the first could not be reached:
-        nothing of the request was sent) and relay its answer. The request holds its one
-        in-flight account from the send to the end of its answer."""
+        """Send to the flight's engine (to a second engine only when the first could not be
+        reached: nothing of the request was sent) and relay its answer. The request holds
+        its one in-flight account, `flight`, until the end of its answer."""
         head = self._forwarded_head(req)
         started = time.monotonic()
-        with self.flights.taken(backend) as flight:
-            for attempt in (0, 1):
-                try:
-                    conn = await self.pool.send(
-                        backend.host,
-                        backend.port,
-                        self._request(backend, req, head),
-                        tls=backend.tls,
-                    )
-                except ConnectFailed as e:
-                    self._count_failure(backend, str(e))
-                    self.metrics.replica(route.model, backend.id).failed("connect")
-                    other = self.balancer.pick(
-                        route.backends, parsed.affinity, time.monotonic(), exclude=backend
-                    )
-                    if attempt == 0 and other is not None:
-                        log.info("router: %s; sending the request to %s instead", e, other.id)
-                        self.metrics.retries.labels(route.model).inc()
-                        flight.move(other)
-                        backend = other
-                        continue
-                    return Refusal(
-                        502,
-                        f"no engine of model {parsed.model!r} could be reached: {e}",
-                        code="engine_unreachable",
-                        model=route.model,
-                        replica=backend.id,
-                    )
-                return await self._relay(backend, conn, resp, started, ticket)
+        backend = flight.backend
+        for attempt in (0, 1):
+            try:
+                conn = await self.pool.send(
+                    backend.host,
+                    backend.port,
+                    self._request(backend, req, head),
+                    tls=backend.tls,
+                )
+            except ConnectFailed as e:
+                self._count_failure(backend, str(e))
+                self.metrics.replica(route.model, backend.id).failed("connect")
+                other = self.balancer.pick(
+                    route.backends, parsed.affinity, time.monotonic(), exclude=backend
+                )
+                if attempt == 0 and other is not None:
+                    log.info("router: %s; sending the request to %s instead", e, other.id)
+                    self.metrics.retries.labels(route.model).inc()
+                    flight.move(other)
+                    backend = other
+                    continue
+                return Refusal(
+                    502,
+                    f"no engine of model {parsed.model!r} could be reached: {e}",
+                    code="engine_unreachable",
+                    model=route.model,
+                    replica=backend.id,
+                )
+            return await self._relay(backend, conn, resp, started, ticket)
         raise AssertionError("unreachable")  # the second attempt returns
 
     def _forwarded_head(self, req: Request) -> bytes:

@@ -21,10 +21,12 @@ makes one replica too busy (llmgw/router/balancer.py).
 from __future__ import annotations
 
 import enum
+import json
+import operator
 
 import msgspec
 
-from llmgw.router import multipart
+from llmgw.router import generation, multipart
 from llmgw.router.table import stable_hash
 
 PROMPT_PREFIX = 1024  # bytes of a completions prompt that decide its replica
@@ -45,28 +47,59 @@ class Affinity(enum.Enum):
     INFILL = "infill"  # the first bytes of `input_prefix`
 
 
+class _Occurrences:
+    """How many times the decoder met a field of `_Body` that is not raw JSON (msgspec
+    hands each top-level occurrence of an `object` field to its `dec_hook`): a body that
+    names one twice has more than `_Body` keeps (msgspec keeps the last). A decode is
+    synchronous, so the difference over one is that decode's own."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def hook(self, type_: type, value: object) -> object:
+        self.count += 1
+        return value
+
+
+_NOT_GIVEN = msgspec.UNSET
+
+
 class _Body(msgspec.Struct):
-    model: object = None
-    stream: object = None
-    user: object = None
+    # the fields read as values (UNSET: absent): each may be named once (`_Occurrences`),
+    # since which of two an engine would take is its parser's choice
+    model: object = _NOT_GIVEN
+    stream: object = _NOT_GIVEN
+    user: object = _NOT_GIVEN
+    instructions: object = _NOT_GIVEN
+    input_prefix: object = _NOT_GIVEN
+    # what a gateway reserves before the request runs (router/generation.py)
+    max_tokens: object = _NOT_GIVEN
+    max_completion_tokens: object = _NOT_GIVEN
+    max_output_tokens: object = _NOT_GIVEN
+    n_predict: object = _NOT_GIVEN
+    n: object = _NOT_GIVEN
+    n_cmpl: object = _NOT_GIVEN
+    best_of: object = _NOT_GIVEN
+    stream_interval: object = _NOT_GIVEN
+    stream_options: object = _NOT_GIVEN
     # kept as raw JSON, read only as far as the affinity key needs; empty when absent
     messages: msgspec.Raw = msgspec.Raw(b"")
     prompt: msgspec.Raw = msgspec.Raw(b"")
     input: msgspec.Raw = msgspec.Raw(b"")
-    instructions: object = None
-    input_prefix: object = None
-    # what a gateway reserves before the request runs (router/keygate.py)
-    max_tokens: object = None
-    max_completion_tokens: object = None
-    max_output_tokens: object = None
-    stream_options: object = None
+
+
+_VALUES = tuple(f for f in _Body.__struct_fields__ if f not in ("messages", "prompt", "input"))
+_values = operator.attrgetter(*_VALUES)
 
 
 class _Role(msgspec.Struct):
     role: object = None
 
 
-_decode_body = msgspec.json.Decoder(_Body).decode
+_occurrences = _Occurrences()
+_decode_body = msgspec.json.Decoder(_Body, dec_hook=_occurrences.hook).decode
 _decode_messages = msgspec.json.Decoder(list[msgspec.Raw]).decode
 _decode_role = msgspec.json.Decoder(_Role).decode
 
@@ -75,15 +108,27 @@ class Parsed(msgspec.Struct, frozen=True):
     model: str
     stream: bool
     affinity: int | None
-    # the most it may generate, as the client said (None: not said), and the size in bytes
-    # of its prompt's JSON (messages, prompt, input, instructions): what a gateway reserves
+    # what a gateway reserves (router/keygate.py): whether the route generates, the most one
+    # answer may generate as every engine reads the body (None: the body does not say),
+    # whether to reserve what the engine may generate whatever the body says (`most`), how
+    # many answers it asks for, and the size in bytes of what the engine reads as its prompt
+    generates: bool = False
     max_tokens: int | None = None
+    most: bool = False
+    answers: int = 1
     prompt_bytes: int = 0
     # a stream whose client asked for `stream_options.include_usage` itself
     usage_asked: bool = False
 
 
 _FORM_FIELDS = frozenset((b"model", b"stream", b"user"))
+# the routes that generate, as generation.size names them
+_GENERATING = {
+    Affinity.CHAT: "chat",
+    Affinity.PROMPT: "completions",
+    Affinity.RESPONSES: "responses",
+    Affinity.INFILL: "infill",
+}
 
 
 def parse(
@@ -105,6 +150,7 @@ def parse(
         return _parse_form(body, content_type, session)
     if not body:
         raise BadRequest("the request has no body: send a JSON object with a `model`")
+    before = _occurrences.count
     try:
         parsed = _decode_body(body)
     except msgspec.ValidationError:
@@ -114,26 +160,78 @@ def parse(
     except RecursionError:
         # msgspec stops at the interpreter's depth limit (about 1,000); no request nests so
         raise BadRequest("the body nests JSON too deeply to be a request") from None
-    if not isinstance(parsed.model, str) or not parsed.model:
+    met = _occurrences.count - before
+    if met > 1 and met > len(_VALUES) - _values(parsed).count(_NOT_GIVEN):
+        raise BadRequest(
+            f"the body names `{_repeated(body)}` twice: the router and an engine could each "
+            "take a different one; send it once"
+        )
+    model, stream = parsed.model, parsed.stream
+    if not isinstance(model, str) or not model:
         raise BadRequest("`model` is missing or not a string: set it to a name /v1/models lists")
+    if stream is not _NOT_GIVEN and stream is not None and type(stream) is not bool:
+        # vLLM streams for 1 or "yes", llama-server answers whole: the answer's framing, and
+        # so its metering, would depend on the engine
+        raise BadRequest(f"`stream` must be true or false (got {stream!r})")
     options = parsed.stream_options
-    instructions = parsed.instructions if isinstance(parsed.instructions, str) else ""
-    prompt_bytes = len(parsed.messages) + len(parsed.prompt) + len(parsed.input)
+    streams = stream is True
+    route = _GENERATING.get(affinity)
+    most, odd, answers = None, False, 1
+    if route is not None:
+        most, odd = generation.size(
+            route,
+            parsed.max_tokens,
+            parsed.max_completion_tokens,
+            parsed.max_output_tokens,
+            parsed.n_predict,
+        )
+        try:
+            answers = generation.answers(
+                parsed.n,
+                parsed.n_cmpl,
+                parsed.best_of,
+                parsed.prompt if affinity is Affinity.PROMPT else None,
+            )
+        except generation.BadCount as e:
+            raise BadRequest(str(e)) from None
+    interval = parsed.stream_interval
     return Parsed(
-        model=parsed.model,
-        stream=parsed.stream is True,
+        model=model,
+        stream=streams,
         affinity=None if affinity is Affinity.NONE else _affinity(parsed, affinity, session),
-        max_tokens=_max_tokens(parsed),
-        prompt_bytes=prompt_bytes + len(instructions),
+        generates=route is not None,
+        max_tokens=most,
+        # an answer the router cannot cut short, a cap it cannot read, or a stream whose
+        # events may each carry many tokens (vLLM's `stream_interval`): the stream's charge
+        # as it goes would not hold it
+        most=most is None and (odd or not streams or interval not in (_NOT_GIVEN, None, 1)),
+        answers=answers,
+        # the whole body: the messages or prompt, and the tools, documents and instructions
+        # that engines put in the prompt too (an estimate; the engine's usage settles it)
+        prompt_bytes=len(body),
         usage_asked=isinstance(options, dict) and options.get("include_usage") is True,
     )
 
 
-def _max_tokens(parsed: _Body) -> int | None:
-    for value in (parsed.max_completion_tokens, parsed.max_tokens, parsed.max_output_tokens):
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return None
+def _repeated(body: bytes) -> str:
+    """Which field of `_VALUES` the body's top-level object names twice (a body the decoder
+    found naming one twice: rare, so parsed again to say which)."""
+    top: list[list[tuple[str, object]]] = []
+
+    def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
+        top[:] = [items]  # the outermost object is the last one to close
+        return dict(items)
+
+    try:
+        json.loads(body, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        pass
+    seen: set[str] = set()
+    for name, _ in top[0] if top else ():
+        if name in _VALUES and name in seen:
+            return name
+        seen.add(name)
+    return "a field"
 
 
 def _parse_form(body: bytes, content_type: bytes, session: bytes | None) -> Parsed:
@@ -149,10 +247,12 @@ def _parse_form(body: bytes, content_type: bytes, session: bytes | None) -> Pars
         raise BadRequest("the form has no `model` field: add one naming a model /v1/models lists")
     user = fields.get(b"user", b"").strip()
     key = b"user:" + user if user else b"session:" + session if session else None
+    # the audio routes generate text; their forms say no cap the router reads
     return Parsed(
         model=model,
         stream=fields.get(b"stream", b"").strip().lower() == b"true",
         affinity=stable_hash(key) if key else None,
+        generates=True,
     )
 
 

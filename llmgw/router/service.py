@@ -26,11 +26,13 @@ from llmgw.bus import keys
 from llmgw.bus.errors import BusError, StreamMissing
 from llmgw.bus.trust import RAW
 from llmgw.errors import LlmgwError
+from llmgw.fleetstate.decode import FleetRecords
 from llmgw.gateway.follow import follow
 from llmgw.gateway.gateway import Gateway, GatewaySettings
 from llmgw.gateway.streams import StreamsSeen
 from llmgw.keyfiles import read_key
 from llmgw.router.balancer import Balancer, BalancerSettings
+from llmgw.router.flow import FlowControl, FlowSettings
 from llmgw.router.gate import Gate
 from llmgw.router.hold import Holds, HoldSettings
 from llmgw.router.inflight import InFlight
@@ -38,9 +40,11 @@ from llmgw.router.keygate import GatewayGate
 from llmgw.router.load import LOAD_INTERVAL_S, LoadCounter, LoadPublisher
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.page import FleetPage
+from llmgw.router.peers import Peers
 from llmgw.router.probe import HealthProber
 from llmgw.router.proxy import Proxy, ProxySettings
 from llmgw.router.refusal import error_body
+from llmgw.router.report import REPORT_INTERVAL_S, EngineReports
 from llmgw.router.server import HttpLimits, HttpServer, serve
 from llmgw.router.table import EndpointTable
 from llmgw.router.upstream import UpstreamPool, UpstreamSettings
@@ -92,6 +96,8 @@ class RouterSettings:
     proxy: ProxySettings = field(default_factory=ProxySettings)
     probe_interval: float = 5.0
     probe_timeout: float = 2.0
+    # how often each engine is asked what it can take (router/report.py)
+    report_interval: float = REPORT_INTERVAL_S
     # SIGTERM: requests in flight get this long to finish before their connections are cut
     shutdown_grace: float = 30.0
     hold: HoldSettings = field(default_factory=HoldSettings)
@@ -100,6 +106,8 @@ class RouterSettings:
     load_interval: float = LOAD_INTERVAL_S
     # keys, limits, metering and audit (a bucket-fed router only)
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    # who waits when the engines are full: the router's queue (router/flow.py)
+    flow: FlowSettings = field(default_factory=FlowSettings)
 
 
 class Router:
@@ -115,6 +123,14 @@ class Router:
         self.load = LoadCounter(self.flights)
         self.holds = Holds(self.table, self.load, self.settings.hold)
         self.metrics.held_from(lambda: self.holds.held)
+        self.balancer = Balancer(self.settings.balancer)
+        self.flow = FlowControl(
+            self.table, self.balancer, self.flights, self.settings.flow, waits=self.metrics
+        )
+        self.flow.moved = self.load.urgent.set
+        self.flow.handed_back = self._handed_back
+        self.load.queue = self.flow
+        self.metrics.queue_from(self.flow, self.table)
         self.source = "none"
         self.bus = None  # the Bus, once connected (a bucket-fed router)
         self.proxy: Proxy | None = None
@@ -154,6 +170,7 @@ class Router:
                     m.id,
                 )
         self.table.set_static(served)
+        self.flow.reshare()
         self.source = "catalog file"
         await self._serve(None, task_status)
 
@@ -180,7 +197,9 @@ class Router:
             limits = s.gateway.limits
             self.streams = StreamsSeen(limits.offline, limits.serve_offline_for)
             self.gateway = Gateway(self.router_id, _BusCounter(self), _BusAudit(self), s.gateway)
-            self.gate = GatewayGate(self.gateway)
+            self.gate = GatewayGate(self.gateway, self.table.context)
+            self.flow.served_tokens = self.gate.served_tokens
+            self.flow.team_weight = self.gate.team_weight
             self.metrics.tokens_from(lambda: self.gateway.tokens if self.gateway else {})
             self.metrics.gateway_from(self.streams.state, self._unreadable_keys)
         pool = UpstreamPool(s.upstream)
@@ -192,13 +211,20 @@ class Router:
             )
         )
         self.page = (
-            FleetPage(self.table, self.metrics.ttfb, self.health, waiting=self.load.waiting)
+            FleetPage(
+                self.table,
+                self.metrics.ttfb,
+                self.health,
+                waiting=self.load.waiting,
+                queue_wait=self.metrics.queue_wait,
+                queued=self.flow.queued_by_standing,
+            )
             if s.proxy.page
             else None
         )
         self.proxy = Proxy(
             self.table,
-            Balancer(s.balancer),
+            self.balancer,
             pool,
             self.metrics,
             s.proxy,
@@ -207,6 +233,7 @@ class Router:
             load=self.load,
             holds=self.holds,
             gate=self.gate,
+            flow=self.flow,
         )
         prober = HealthProber(
             self.table,
@@ -230,7 +257,13 @@ class Router:
                 tg.start_soon(pool.sweep_forever)
                 tg.start_soon(probe_pool.sweep_forever)
                 tg.start_soon(prober.run)
+                tg.start_soon(
+                    EngineReports(
+                        self.table, probe_pool, self.flow.reshare, interval=s.report_interval
+                    ).run
+                )
                 tg.start_soon(self._count_endpoints)
+                tg.start_soon(self._reshare_every, s.load_interval)
                 if self.page is not None:
                     tg.start_soon(self.page.watch.run, lambda: self.bus)
                 if connect is not None:
@@ -250,9 +283,10 @@ class Router:
         grace = self.settings.shutdown_grace if grace is None else grace
         assert self.server is not None
         self.draining = True
-        # a request held for a cold model never reached an engine: answered now (503,
-        # retry), not after the grace with a bare EOF
+        # a request held for a cold model, or waiting for room, never reached an engine:
+        # answered now (503, retry), not after the grace with a bare EOF
         self.holds.stop()
+        self.flow.stop()
         busy = sum(1 for c in self.server.connections if not c.idle)
         log.info(
             "router stops accepting; %d connection(s) busy, given up to %g s to finish",
@@ -306,15 +340,51 @@ class Router:
             self.metrics.forget_except(alive)
             await anyio.sleep(self.settings.probe_interval)
 
+    def _handed_back(self) -> None:
+        self.load.handover.set()
+        self.load.urgent.set()
+
+    async def _reshare_every(self, interval: float) -> None:
+        """The split of engines between routers, again: a router gone quiet stops counting
+        without a record to say so."""
+        while True:
+            self.flow.reshare()
+            await anyio.sleep(interval)
+
+    async def _follow_loads(self, bus) -> None:
+        """The other routers' load records: their demand, by which the engines are split."""
+        from llmgw.bus.client import Synced
+
+        seen = FleetRecords(families=frozenset({keys.LOAD}))
+        peers = self.flow.peers
+        assert peers is not None
+        async for item in bus.watch(keys.pattern(keys.LOAD), RAW):
+            if isinstance(item, Synced):
+                continue
+            seen.apply(item.key, item.value, item.revision)
+            parsed = keys.parse(item.key)
+            router = parsed.ids[0] if parsed is not None else ""
+            if router and router != peers.me:
+                changed = peers.saw(router, seen.loads.get(router))
+                if changed is None or changed:
+                    self.flow.reshare(changed)
+
     async def _follow_bucket(self, connect) -> None:
         from llmgw.bus.client import Synced
 
         bus = self.bus = await connect()
         synced: set[str] = set()
+        self.flow.peers = Peers(self.router_id)
         try:
             async with anyio.create_task_group() as tg:
-                publisher = LoadPublisher(self.load, self.router_id, self.settings.load_interval)
+                publisher = LoadPublisher(
+                    self.load,
+                    self.router_id,
+                    self.settings.load_interval,
+                    written=self.flow.written,
+                )
                 tg.start_soon(publisher.run, bus)
+                tg.start_soon(self._follow_loads, bus)
                 for pattern in WATCHED:
                     tg.start_soon(self._follow, bus, pattern, synced, Synced)
                 if self.gateway is not None:
@@ -336,6 +406,7 @@ class Router:
                     self.table.synced = True
                     self.table.rebuild()
                     self.holds.changed()
+                    self.flow.reshare()
                     log.info(
                         "router: read the bucket: %d model(s), %d with a ready engine",
                         len(self.table.known_names()),
@@ -344,6 +415,8 @@ class Router:
                 continue
             self.table.apply(item.key, item.value, item.revision)
             self.holds.changed()
+            if self.table.synced:  # not once a key while the bucket is first read
+                self.flow.reshare()
 
 
 class _BusCounter:

@@ -75,6 +75,13 @@ class Backend:
     ejections: int = 0  # how often in a row it was ejected: the next ejection lasts longer
     ejected_until: float = 0.0
     probe_ok: bool = True  # the engine's own /health, probed in the background
+    # what it can take at once: its profile's parallel slots (llama-server -np, vLLM
+    # --max-num-seqs), and what the engine itself says (router/report.py), which wins
+    capacity: int | None = None
+    reported: int | None = None
+    # this router's part of it (router/flow.py): requests it may have there at once; None:
+    # no bound known, every request goes straight to the engine
+    share: int | None = None
     id_hash: int = field(init=False)
     host_header: bytes = field(init=False)
 
@@ -90,6 +97,16 @@ class Backend:
     def available(self, now: float) -> bool:
         """Takes new requests: routable, not ejected, and its /health answers."""
         return self.routable and self.probe_ok and now >= self.ejected_until
+
+    @property
+    def slots(self) -> int | None:
+        """What it can take at once, as best known (None: not known)."""
+        return self.reported if self.reported is not None else self.capacity
+
+    @property
+    def room(self) -> bool:
+        """This router may send it one more request now."""
+        return self.share is None or self.in_flight < self.share
 
 
 @dataclass
@@ -160,6 +177,16 @@ class EndpointTable:
         if self._dirty:
             self.rebuild()
         return self._routes.get(served_name)
+
+    def context(self, model_id: str) -> int | None:
+        """The most one request to `model_id` may hold, prompt and answers (the largest
+        `context` of its profiles); None when a profile leaves it to the engine or the model
+        runs from fixed endpoints."""
+        model = self.models.get(model_id)
+        if model is None or not model.profiles:
+            return None
+        contexts = [p.context for p in model.profiles]
+        return None if None in contexts else max(c for c in contexts if c is not None)
 
     def served_names(self) -> list[str]:
         """Names with an engine to send to (what /v1/models lists)."""
@@ -256,6 +283,7 @@ class EndpointTable:
         unless it now points elsewhere."""
         old = self._backends.get(new.id)
         b = old if old is not None and _same_place(old, new) else new
+        b.capacity = new.capacity  # the profile's, which a catalog change may change
         b.routable = True
         seen[b.id] = b
         return b
@@ -282,8 +310,20 @@ class EndpointTable:
         verdict = serving(replica, self.shards, self.health)
         if verdict.address is None:
             return None, verdict.why.says() if verdict.why else ""
-        backend = Backend(replica.rid, replica.model, *verdict.address, auth=self._fleet_auth)
+        backend = Backend(
+            replica.rid,
+            replica.model,
+            *verdict.address,
+            auth=self._fleet_auth,
+            capacity=self._parallel(replica),
+        )
         return self._backend(seen, backend), ""
+
+    def _parallel(self, replica: records.Replica) -> int | None:
+        """The parallel slots of the profile the replica was placed with (None: not said)."""
+        model = self.models.get(replica.model)
+        profile = model.profile(replica.profile) if model is not None else None
+        return profile.parallel if profile is not None else None
 
     def _why_none(self, model_id: str, notes: list[str]) -> str:
         placed = self.placements.get(model_id)

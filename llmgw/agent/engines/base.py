@@ -44,6 +44,12 @@ class LaunchSpec:
     gpu_total_bytes: int = 0
     context: int | None = None
     parallel: int | None = None  # concurrent requests: llama-server -np, vLLM --max-num-seqs
+    # a CPU engine's own: the profile's host_ram_gb (its whole RAM budget), the KV cache it
+    # leaves after the weights (set by validation: validate.fit_cpu_memory), and the cores
+    # it is pinned to (empty: not pinned)
+    host_ram_bytes: int = 0
+    kv_cache_bytes: int | None = None
+    cpu_cores: tuple[int, ...] = ()
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     api_key: str | None = None  # passed through the environment, never argv (ps shows argv)
@@ -85,9 +91,16 @@ class Flag:
 class FlagTable:
     """Spellings of an engine's options, so `-c 4096` and `--ctx-size=8192` are one flag."""
 
-    def __init__(self, flags: Iterable[Flag], *, underscores_are_dashes: bool = False) -> None:
+    def __init__(
+        self,
+        flags: Iterable[Flag],
+        *,
+        underscores_are_dashes: bool = False,
+        glued: tuple[str, ...] = (),
+    ) -> None:
         self.flags = tuple(flags)
         self._underscores = underscores_are_dashes
+        self._glued = glued  # short flags whose value may follow without a space (-O3)
         self._by_name = {name: f for f in self.flags for name in f.names}
 
     def canonical(self, token: str) -> str:
@@ -95,7 +108,7 @@ class FlagTable:
         if self._underscores and name.startswith("--"):
             # vLLM's parser accepts --max_model_len for --max-model-len
             name = "--" + name[2:].replace("_", "-")
-        return name
+        return next((g for g in self._glued if name.startswith(g) and name != g), name)
 
     def lookup(self, token: str) -> Flag | None:
         return self._by_name.get(self.canonical(token))
@@ -162,21 +175,33 @@ class EngineGauges:
     running: int | None
     waiting: int | None
     kv_cache: float | None  # fraction in use, 0..1
+    prefix_hits: float | None = None  # fraction of looked-up prompt tokens found cached
 
 
 def read_gauges(
-    text: str, running: str, waiting: str, kv_cache: tuple[str, ...]
+    text: str,
+    running: str,
+    waiting: str,
+    kv_cache: tuple[str, ...],
+    prefix: tuple[str, str] | None = None,
 ) -> EngineGauges | None:
-    """An engine's three load gauges from its Prometheus text, by the names its adapter
-    gives (the KV cache's first name found: vLLM renamed it); None when it reports none."""
+    """An engine's load gauges from its Prometheus text, by the names its adapter gives (the
+    KV cache's first name found: vLLM renamed it; `prefix`: the counters of prompt tokens
+    found in its prefix cache and looked up); None when it reports none."""
     busy, queued = metric_sum(text, running), metric_sum(text, waiting)
     kv = next((v for v in (metric_sum(text, n) for n in kv_cache) if v is not None), None)
     if busy is None and queued is None and kv is None:
         return None
+    hits = None
+    if prefix is not None:
+        found, asked = metric_sum(text, prefix[0]), metric_sum(text, prefix[1])
+        if found is not None and asked is not None:
+            hits = min(1.0, max(0.0, found / asked)) if asked > 0 else 0.0
     return EngineGauges(
         running=None if busy is None else max(0, int(busy)),
         waiting=None if queued is None else max(0, int(queued)),
         kv_cache=None if kv is None else min(1.0, max(0.0, kv)),
+        prefix_hits=hits,
     )
 
 

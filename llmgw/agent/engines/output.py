@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections import deque
 from pathlib import Path
@@ -53,6 +54,27 @@ class OutputTail:
 
 
 AGENT_LINE = b"=== llmgw"  # how the agent's own lines in an engine's log begin
+
+# A Python exception as a traceback ends it ("RuntimeError: ...", "vllm.v1.engine.exceptions.
+# EngineDeadError: ..."), after vLLM's log prefix ("(EngineCore pid=1576) ERROR 12-06
+# 03:34:45 [core.py:1512] ") where there is one. For a person to read, never to decide on.
+_EXCEPTION = re.compile(
+    r"^(?:\(\w+ pid=\d+\) )?(?:[A-Z]+ [\d-]+ [\d:.]+ \[[^\]]*\] )?"
+    r"((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit)): (.+)$"
+)
+ERROR_SHOWN = 240  # characters of it in a failure's reason
+
+
+def first_error(lines: list[str]) -> str:
+    """The first exception a traceback in `lines` ends with (the cause: what follows it is
+    the shutdown it set off), shortened; "" when there is none."""
+    for line in lines:
+        match = _EXCEPTION.match(line.strip())
+        if match:
+            name = match.group(1).rsplit(".", 1)[-1]
+            text = f"{name}: {match.group(2).strip()}"
+            return text if len(text) <= ERROR_SHOWN else text[: ERROR_SHOWN - 3] + "..."
+    return ""
 
 
 class EngineLog:
@@ -106,6 +128,16 @@ class EngineLog:
         """The last lines written after offset `since` (where this run of the engine began;
         a truncation since then reads from the start), bounded like OutputTail."""
         tail = OutputTail()
+        tail.feed(self._since(since, max_bytes))
+        return tail.lines()
+
+    def error(self, since: int = 0, max_bytes: int = 64 * 1024) -> str:
+        """The first exception in the last `max_bytes` written after `since` (`first_error`):
+        what an engine died of, which its last lines (its shutdown) may no longer show."""
+        return first_error(self._since(since, max_bytes).decode("utf-8", "replace").split("\n"))
+
+    def _since(self, since: int, max_bytes: int) -> bytes:
+        """The engine's own bytes of the last `max_bytes` written after `since`."""
         try:
             with open_regular(self.path, follow=False) as f:
                 end = f.seek(0, os.SEEK_END)
@@ -114,9 +146,8 @@ class EngineLog:
                 f.seek(start)
                 data = f.read(end - start)
         except OSError:
-            return []
+            return b""
         if start > since and b"\n" in data:
             data = data.split(b"\n", 1)[1]  # began mid-line
         # the agent's own lines are in the file for a person; the tail is the engine's
-        tail.feed(b"\n".join(ln for ln in data.split(b"\n") if not ln.startswith(AGENT_LINE)))
-        return tail.lines()
+        return b"\n".join(ln for ln in data.split(b"\n") if not ln.startswith(AGENT_LINE))

@@ -66,6 +66,7 @@ class EngineProcess(msgspec.Struct, kw_only=True):
     # ENGINE_MARKER's value in the environment of every process of this engine; "" in a
     # pidfile of an agent before markers (its workers are then proven by a live leader only)
     marker: str = ""
+    cpu_cores: list[int] = []  # the cores a CPU engine is pinned to (an adopting agent keeps them)
 
     @property
     def rid(self) -> str:
@@ -357,6 +358,7 @@ def new_record(
     nodes: int = 1,
     master_addr: str = "",
     marker: str = "",
+    cpu_cores: list[int] | None = None,
 ) -> EngineProcess:
     try:
         created = process_create_time(pid)
@@ -377,4 +379,5 @@ def new_record(
         nodes=nodes,
         master_addr=master_addr,
         marker=marker,
+        cpu_cores=cpu_cores or [],
     )

@@ -23,7 +23,7 @@ from llmgw.agent.discovery.weights.formats import (
     gguf_part_names,
     gguf_split,
 )
-from llmgw.agent.engines import adapter_for
+from llmgw.agent.engines import adapter_for, vllm_cpu
 from llmgw.agent.engines.base import EngineAdapter, LaunchSpec, flag_tokens
 from llmgw.agent.engines.vllm import pipeline_parallel, tensor_parallel
 from llmgw.agent.files import NotRegularFile, open_regular
@@ -73,9 +73,16 @@ def validate_launch(spec: LaunchSpec, node: NodeFacts) -> list[Problem]:
 
 def prepare_launch(spec: LaunchSpec, node: NodeFacts) -> tuple[LaunchSpec, list[Problem]]:
     """`validate_launch`, then, for an engine sharing its GPU, the spec held to its
-    allotment (`fit_allotment`): what the caller launches, or why it does not."""
+    allotment (`fit_allotment`), and for vLLM on a CPU its KV cache sized from its RAM
+    budget (`vllm_cpu.fit_cpu_memory`): what the caller launches, or why it does not."""
     problems = validate_launch(spec, node)
-    if problems or not spec.gpu_shared:
+    if problems:
+        return spec, problems
+    if spec.engine == "vllm" and not spec.gpu_uuids:
+        config = vllm_cpu.read_config(spec.weights_path) if spec.weights_path else None
+        spec, reasons = vllm_cpu.fit_cpu_memory(spec, config)
+        return spec, _refuse(*reasons)
+    if not spec.gpu_shared:
         return spec, problems
     return fit_allotment(spec, node)
 
@@ -217,6 +224,16 @@ def check_parallelism(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter)
             f"tensor_parallel {tp}, pipeline_parallel {pp}, nodes {spec.nodes} must be >= 1"
         )
     world = tp * pp * dp
+    if not spec.gpu_uuids:
+        # a CPU engine is one rank on its cores (before, every CPU vLLM was refused here as
+        # needing one GPU): vLLM's CPU tensor parallel across sockets is not what llmgw runs
+        if world > 1:
+            return _refuse(
+                f"tensor_parallel {tp} x pipeline_parallel {pp} x data_parallel {dp} = {world} "
+                "ranks on a CPU node: llmgw runs a CPU vLLM as one rank; remove the parallel "
+                "sizes, or give the profile GPUs"
+            )
+        return []
     if world % spec.nodes:
         return _refuse(
             f"tensor_parallel {tp} x pipeline_parallel {pp} x data_parallel {dp} = {world} GPUs "
@@ -231,6 +248,23 @@ def check_parallelism(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter)
             f"{len(spec.gpu_uuids)} assigned"
         )
     return []
+
+
+def check_build(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[Problem]:
+    """What this node's vLLM build cannot run: GPUs for a CPU build, a CPU profile for a GPU
+    build, a head size the CPU attention kernel refuses (docs/engines.md)."""
+    install = next((e for e in node.engines if e.name == spec.engine), None)
+    if spec.engine != "vllm" or install is None:
+        return []  # check_binary says why there is none
+    reasons = vllm_cpu.build_problems(spec, install)
+    if (
+        not reasons
+        and not spec.gpu_uuids
+        and spec.weights_path
+        and os.path.isdir(spec.weights_path)
+    ):
+        reasons = vllm_cpu.head_problems(spec, vllm_cpu.read_config(spec.weights_path))
+    return _refuse(*reasons)
 
 
 def check_extra_args(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[Problem]:
@@ -260,32 +294,40 @@ def check_extra_args(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) 
     return _refuse(*reasons)
 
 
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why an engine could not bind `host:port` now (None: it could)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # the engines set SO_REUSEADDR too, so a port in TIME_WAIT is free for them
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e
+    return None
+
+
 def check_port(spec: LaunchSpec, node: NodeFacts, adapter: EngineAdapter) -> list[Problem]:
     if spec.headless:
         return []
     if not 0 < spec.port < 65536:
         return _refuse(f"port {spec.port} is not a usable TCP port")
-    family = socket.AF_INET6 if ":" in spec.host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        # the engines set SO_REUSEADDR too, so a port in TIME_WAIT is free for them
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((spec.host, spec.port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                # an engine of a removed replica may still be stopping: this clears by
-                # itself; another program that took the port after placement does not, and
-                # the controller moves the replica to another port
-                return [
-                    Problem(
-                        f"port {spec.port} on {spec.host} is in use by another process; "
-                        "a leftover engine? (see `ss -ltnp`)",
-                        transient=True,
-                        refused=PORT_IN_USE,
-                    )
-                ]
-            return _refuse(f"cannot bind {spec.host}:{spec.port}: {e.strerror}")
-    return []
+    e = bind_error(spec.host, spec.port)
+    if e is None:
+        return []
+    if e.errno == errno.EADDRINUSE:
+        # an engine of a removed replica may still be stopping: this clears by itself;
+        # another program that took the port after placement does not, and the controller
+        # moves the replica to another port
+        return [
+            Problem(
+                f"port {spec.port} on {spec.host} is in use by another process; "
+                "a leftover engine? (see `ss -ltnp`)",
+                transient=True,
+                refused=PORT_IN_USE,
+            )
+        ]
+    return _refuse(f"cannot bind {spec.host}:{spec.port}: {e.strerror}")
 
 
 CHECKS: tuple[Check, ...] = (
@@ -293,6 +335,7 @@ CHECKS: tuple[Check, ...] = (
     check_weights,
     check_gpus,
     check_parallelism,
+    check_build,
     check_extra_args,
     check_port,
 )

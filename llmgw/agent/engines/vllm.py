@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from llmgw.agent.cores import core_list
 from llmgw.agent.engines.base import (
     EngineCommand,
     EngineGauges,
@@ -33,8 +34,8 @@ MANAGED = FlagTable(
         Flag(("-tp", "--tensor-parallel-size")),
         Flag(("-pp", "--pipeline-parallel-size")),
         Flag(("--download-dir",)),
-        Flag(("--nnodes",)),
-        Flag(("--node-rank",)),
+        Flag(("-n", "--nnodes")),
+        Flag(("-r", "--node-rank")),
         Flag(("--master-addr",)),
         Flag(("--master-port",)),
         Flag(("--headless",), takes_value=False),
@@ -42,6 +43,7 @@ MANAGED = FlagTable(
         Flag(("--max-num-seqs",)),
         Flag(("--api-key",)),
         Flag(("--distributed-executor-backend",)),  # this adapter runs without Ray
+        Flag(("--kv-cache-memory-bytes",)),  # a CPU engine's, from its host_ram_gb
     ],
     underscores_are_dashes=True,
 )
@@ -51,8 +53,9 @@ KNOWN = FlagTable(
         *MANAGED.flags,
         Flag(("-dp", "--data-parallel-size")),
         Flag(("-q", "--quantization")),
-        Flag(("-O", "--compilation-config")),
-        Flag(("--gpu-memory-utilization",)),
+        Flag(("-O", "--optimization-level")),  # -O3 as well: vLLM reads a glued level
+        Flag(("-cc", "--compilation-config")),  # was -O before vLLM 0.11
+        Flag(("--device-memory-utilization", "--gpu-memory-utilization")),
         Flag(("--max-num-batched-tokens",)),
         Flag(("--dtype",)),
         Flag(("--kv-cache-dtype",)),
@@ -62,6 +65,7 @@ KNOWN = FlagTable(
         Flag(("--middleware",), repeatable=True),
     ],
     underscores_are_dashes=True,
+    glued=("-O",),
 )
 
 MANAGED_ENV = frozenset(
@@ -74,8 +78,16 @@ MANAGED_ENV = frozenset(
         "NCCL_SOCKET_IFNAME",
         "GLOO_SOCKET_IFNAME",
         "NCCL_IB_GID_INDEX",
+        # a CPU engine's: its platform, cores and (the legacy spelling of) its KV budget
+        "VLLM_TARGET_DEVICE",
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "VLLM_CPU_KVCACHE_SPACE",
     }
 )
+
+# Head sizes vLLM's CPU attention kernel takes (vllm/v1/attention/backends/cpu_attn.py,
+# 0.32): a model with another is refused only at its first request, which kills the server.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def tensor_parallel(spec: LaunchSpec) -> int:
@@ -96,6 +108,16 @@ def memory_utilization(spec: LaunchSpec) -> str | None:
         return None
     thousandths = int(spec.gpu_memory_gb * 1e9 * 1000 // spec.gpu_total_bytes)
     return f"{min(thousandths, 1000) / 1000:.3f}"
+
+
+def cpu_env(spec: LaunchSpec) -> dict[str, str]:
+    """A CPU engine's platform and cores. VLLM_TARGET_DEVICE=cpu is vLLM's authoritative
+    choice of platform (it would probe for GPUs otherwise); by default vLLM pins every
+    engine's threads to core 0, so an engine without cores of its own is not pinned."""
+    return {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_OMP_THREADS_BIND": core_list(spec.cpu_cores) if spec.cpu_cores else "nobind",
+    }
 
 
 class VllmAdapter:
@@ -123,6 +145,9 @@ class VllmAdapter:
         share = memory_utilization(spec)
         if share is not None:
             argv += ["--gpu-memory-utilization", share]
+        if not spec.gpu_uuids and spec.kv_cache_bytes:
+            # without a KV size vLLM on a CPU reserves 92% of the node's RAM
+            argv += ["--kv-cache-memory-bytes", str(spec.kv_cache_bytes)]
         if spec.nodes > 1:
             argv += ["--nnodes", str(spec.nodes), "--node-rank", str(spec.rank)]
             argv += ["--master-addr", spec.master_addr]
@@ -134,6 +159,8 @@ class VllmAdapter:
 
         env = dict(spec.env)
         env.update(cuda_env(spec))
+        if not spec.gpu_uuids:
+            env.update(cpu_env(spec))
         if spec.api_key and not spec.headless:
             env["VLLM_API_KEY"] = spec.api_key
         if spec.ib_hcas:
@@ -190,6 +217,7 @@ class VllmAdapter:
             "vllm:num_requests_running",
             "vllm:num_requests_waiting",
             ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+            ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
         )
 
     def check(self, spec: LaunchSpec) -> list[str]:

@@ -53,10 +53,39 @@ function loadCell(load, fleet, routers) {
       `all ${routers} router${routers === 1 ? "" : "s"}: in flight ${fleet.in_flight} · ` +
       `queued ${fleet.queued} · slowest first token ${secs(fleet.ttft_ms / 1000)}`)
     : null;
+  const share = load.share === null || load.share === undefined ? "" : ` of ${load.share}`;
   return el("td", { "data-role": "load" },
-    el("div", {}, `in flight ${load.in_flight} · queued ${queued}`),
+    el("div", {}, `in flight ${load.in_flight}${share} · queued ${queued}`),
     el("div", { class: "muted" }, "first token " + ttfb),
+    queueList(load.queue || []),
     all);
+}
+
+// the router's queue by class and team: who waits now, and how long they waited
+function queueList(queue) {
+  if (!queue.length) return null;
+  const ul = el("ul", { class: "refused", "data-role": "queue" });
+  for (const q of queue) {
+    const w = q.wait;
+    const waited = w && w.count
+      ? `waited p50 ${secs(w.p50_s)} · p95 ${secs(w.p95_s)} (${w.count})`
+      : "none waited";
+    ul.append(el("li", { "data-class": q.class, "data-team": q.team },
+      `${q.class} · ${q.team || "no team"}: ${q.waiting} waiting · `,
+      el("span", { class: "muted" }, waited)));
+  }
+  return ul;
+}
+
+// what the engine's own /metrics said, as `llmgw status` says it (cli/status.py load_line)
+function engineLoad(e) {
+  const pct = (x) => `${Math.round(x * 100)}%`;
+  const parts = [];
+  if (e.running !== null) parts.push(`${e.running} running`);
+  if (e.waiting !== null) parts.push(`${e.waiting} waiting`);
+  if (e.kv_cache !== null) parts.push("KV cache " + pct(e.kv_cache));
+  if (e.prefix_hits !== null) parts.push("prefix cache hits " + pct(e.prefix_hits));
+  return parts.join(", ") || "no load reported";
 }
 
 function replicaList(m) {
@@ -84,6 +113,7 @@ function replicaList(m) {
       li.append(el("div", { class: "muted", "data-role": "waiting" }, `${s.node}: ${s.reason}`));
     }
     if (r.why) li.append(el("div", { class: "muted" }, "why: " + r.why));
+    if (r.load) li.append(el("div", { class: "muted", "data-role": "engine-load" }, "engine: " + engineLoad(r.load)));
     for (const s of r.shards.filter((s) => s.gpu_outgrown)) {
       li.append(el("div", { class: "why", "data-role": "outgrown" },
         `${s.node}: engine outgrew its GPU allotment: holds ${gb(s.gpu_used_bytes)}, given ${gb(s.gpu_allotted_bytes)}; not stopped`));
