@@ -110,27 +110,39 @@ def _health(node: str, phase: str, since: float) -> records.Health:
 
 def test_a_replica_on_a_node_that_stopped_beating_says_so_beside_its_phase():
     """For 45 s after a node stopped its heartbeats `llmgw status` said its replica was
-    ready while the router answered 502: the node's phase is shown beside the replica's,
-    and it does not count as serving."""
+    ready with nothing beside it: the node's phase is shown beside the replica's. On an
+    unreachable node it still serves (the routers ask its engine directly and judge it by
+    their own health checks); on a lost one it does not."""
     r = FleetRecords(
-        nodes={"a": inventory("a", gpus=1), "b": inventory("b", gpus=1)},
-        health={"a": _health("a", "unreachable", 80.0), "b": _health("b", "ready", 10.0)},
-        desired={"m": records.Desired(model="m", replicas=2)},
+        nodes={n: inventory(n, gpus=1) for n in "abc"},
+        health={
+            "a": _health("a", "unreachable", 80.0),
+            "b": _health("b", "ready", 10.0),
+            "c": _health("c", "lost", 40.0),
+        },
+        desired={"m": records.Desired(model="m", replicas=3)},
         replicas={
             "r1": _replica("m", "r1", "a", ["GPU-a-00"]),
             "r2": _replica("m", "r2", "b", ["GPU-b-00"]),
+            "r3": _replica("m", "r3", "c", ["GPU-c-00"]),
         },
-        shards={("a", "r1"): _ready_shard("a", "r1"), ("b", "r2"): _ready_shard("b", "r2")},
+        shards={
+            ("a", "r1"): _ready_shard("a", "r1"),
+            ("b", "r2"): _ready_shard("b", "r2"),
+            ("c", "r3"): _ready_shard("c", "r3"),
+        },
     )
     state = fleet_state(r, {}, now=100.0, router={})
     (m,) = state["models"]
-    assert (m["desired"], m["ready"], m["serving"]) == (2, 1, ["b"])
+    assert (m["desired"], m["ready"], sorted(m["serving"])) == (3, 2, ["a", "b"])
     r1 = next(x for x in m["replicas"] if x["rid"] == "r1")
-    assert r1["state"] == "ready, node a unreachable for 20 s" and not r1["serving"]
+    assert r1["state"] == "ready, node a unreachable for 20 s" and r1["serving"]
     assert r1["members"][0]["node_phase"] == "unreachable"
-    assert "r1 ready, node a unreachable for 20 s" in m["why_not"]
+    r3 = next(x for x in m["replicas"] if x["rid"] == "r3")
+    assert r3["state"] == "ready, node c lost for 60 s" and not r3["serving"]
+    assert "r3 ready, node c lost for 60 s" in m["why_not"]
     text = render(build_fleet(r, 100.0), now=100.0)
-    assert "  m: 1/2 ready, 1 ready but not serving  (fixed)" in text
+    assert "  m: 2/3 ready, 1 ready but not serving  (fixed)" in text
     assert "    r1  ready, node a unreachable for 20 s  on a" in text
     assert text.index("\nmodels\n") < text.index("\nnodes\n")
 

@@ -159,10 +159,16 @@ async def test_a_real_vllm_is_placed_served_measured_adopted_and_stopped_whole(
         long = " ".join(["the quick brown fox jumps over the lazy dog"] * 25)
         await stream_through(r.url, long)
         await stream_through(r.url, long)
+        # a lease carries the engine loads sampled up to two heartbeats (0.2 s here) before
+        # it: one written well after the last stream ended says what the idle engine said,
+        # not what it said mid-request (running 1, seen once in CI)
+        idle_since = time.time() + 3.0
 
         async def measured():
             lease = await bus.get(keys.lease(NODE), decoder(records.Lease))
-            loads = [e for e in (lease.value.engines if lease else []) if e.rid == shard.rid]
+            if lease is None or lease.value.time < idle_since:
+                return None
+            loads = [e for e in lease.value.engines if e.rid == shard.rid]
             return loads[0] if loads and (loads[0].prefix_hits or 0) > 0 else None
 
         load = await until(measured, timeout=30)

@@ -271,8 +271,9 @@ async def test_status_says_a_replica_serves_exactly_when_the_router_sends_it_req
     bus, nats_settings, engines
 ):
     """After an engine crash, while its agent restarted it and no controller ran, `llmgw
-    status` said 1/1 ready and the router answered 503; a replica on a node declared
-    unreachable was counted out by status and still sent requests by the router."""
+    status` said 1/1 ready and the router answered 503. A replica on a node declared
+    unreachable serves (its engine answers the router directly) and status says so; one on
+    a node declared lost is refused by both."""
     from llmgw.cli.status import gather, render
 
     a = engines.start()
@@ -296,14 +297,23 @@ async def test_status_says_a_replica_serves_exactly_when_the_router_sends_it_req
         assert "    why not: r1 ready, engine on n1 starting" in text
         assert "r1 engine on n1 starting" in await _refused(r, http)
 
-        # the engine is back, its node no longer heard from
+        # the engine is back, its node no longer heard from: its engine still answers the
+        # router, which sends it requests, and status says so beside the node's phase
         await _shard(bus, "n1", "r1", a)
         await bus.put(keys.health("n1"), msgspec.structs.replace(ready, phase="unreachable"))
-        await _routes_become(r, set())
-        assert "r1 node n1 unreachable" in await _refused(r, http)
+        await _routes_become(r, {"r1"})
+        async with http.post(f"{r.url}/v1/chat/completions", json=chat_body()) as resp:
+            assert resp.status == 200, await resp.text()
         fleet = await gather(bus)
         (replica,) = fleet.models["tiny"].replicas
-        assert not replica.serving and replica.state.startswith("ready, node n1 unreachable")
+        assert replica.serving and replica.state.startswith("ready, node n1 unreachable")
+
+        # the node declared lost: its replica is refused (it is placed elsewhere)
+        await bus.put(keys.health("n1"), msgspec.structs.replace(ready, phase="lost"))
+        await _routes_become(r, set())
+        assert "r1 node n1 lost" in await _refused(r, http)
+        (replica,) = (await gather(bus)).models["tiny"].replicas
+        assert not replica.serving and replica.state.startswith("ready, node n1 lost")
 
         await bus.put(keys.health("n1"), ready)
         await _routes_become(r, {"r1"})

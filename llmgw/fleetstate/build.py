@@ -32,7 +32,7 @@ from llmgw.fleetstate.model import (
     ShardState,
     Skipped,
 )
-from llmgw.fleetstate.serving import SERVES_ON, serving
+from llmgw.fleetstate.serving import serving
 from llmgw.labels import node_labels
 
 SKIPPED_LISTED = 50  # keys of skipped values listed; the rest counted
@@ -273,7 +273,7 @@ def replica_state(rep: records.Replica, r: FleetRecords, now: float) -> ReplicaS
         phase = h.phase if h is not None else UNJUDGED
         since = h.since if h is not None else None
         members.append(Member(node=m.node, rank=m.rank, node_phase=phase, node_since=since))
-        if h is not None and phase not in SERVES_ON:
+        if h is not None and phase != "ready":  # said even where it still serves
             notes.append(
                 f"node {m.node} {phase}" + (f" for {duration(now - since)}" if since else "")
             )

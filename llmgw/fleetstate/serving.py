@@ -6,8 +6,11 @@ a way an engine could otherwise be sent work it will not do):
 - its phase is not draining, failed, gave-up or stopped (records.REPLICA_MAY_SERVE): the
   controller's `ready` is not waited for, since engines keep serving while the control
   plane is away, and the shards say it first;
-- no member is on a node the controller declared unreachable or lost: its agent has not
-  been heard from, and its engine may be gone with it;
+- no member is on a node the controller declared lost (its replicas are placed elsewhere).
+  A node declared unreachable still serves: its agent has not been heard from, but its
+  engine is asked directly (an agent restarted or cut off from NATS leaves it serving), and
+  each router's own health checks and retries judge the engine itself (router/probe.py,
+  balancer.py). Refusing it cost every request in flight across an agent's restart;
 - every member's shard, under that member's own key (`shards.<node>.<rid>`), is `ready`:
   an engine the agent restarts after a crash is not, whatever the replica's phase says;
 - rank 0's endpoint (the API's) is known and is a host and a port.
@@ -24,7 +27,7 @@ from typing import Literal
 from llmgw.bus import records
 
 # node phases a replica serves on (a node no controller has judged yet has no health record)
-SERVES_ON = frozenset({"ready"})
+SERVES_ON = frozenset({"ready", "unreachable"})
 
 NotServingWhy = Literal["phase", "node", "no-shard", "shard", "no-endpoint"]
 
