@@ -6,7 +6,9 @@ writes time out or are refused for a few seconds, and no reconnect follows to sa
 everything again". An agent that restarted a killed engine meanwhile had its shard record
 stay `failed`, with the dead engine's pid, for good (the router answered 503 while the new
 engine served). Whoever owns a key writes it through `KeptWrites` and runs `run` in its
-task group: the last value asked for each key is the one the bucket ends up holding.
+task group: the last value asked for each key is the one the bucket ends up holding. A
+write the server refuses (not the link: a limit, a permission) is said and dropped, on its
+first try or a later one, never tried forever nor let end `run`.
 """
 
 from __future__ import annotations
@@ -81,6 +83,11 @@ class KeptWrites:
                         except BusUnavailable as e:
                             log.debug("%s still not written: %s", key, e)
                             break
+                        except Exception as e:  # noqa: BLE001 - a refusal, as `put` says it
+                            # not the link: tried again it would be refused again, and this
+                            # task must outlive it (the owner's other keys wait on it)
+                            log.warning("%s refused, not written again: %s", key, e)
+                        else:
+                            log.info("wrote %s, which could not be written before", key)
                         del self._unwritten[key]
-                        log.info("wrote %s, which could not be written before", key)
             self._backoff.reset()
