@@ -105,7 +105,8 @@ class Controller:
         self.tracker = LivenessTracker(self.settings.unreachable_after, self.settings.lost_after)
         self.link = Link()
         self.echo = Echo()  # its own writes shown back: the watch is live
-        self._echoed = anyio.Event()
+        self._leader_shown = anyio.Event()  # set at each leader key the watch shows, then new
+        self._wrote = 0  # the latest revision of the leader key this controller wrote
         self.leadership = Leadership(self.id, self.instance, self.settings.leader_ttl)
         self.leadership_steps = 0  # times it looked at the leader key: what tests wait on
         self.passes = 0
@@ -256,7 +257,7 @@ class Controller:
         self.link.disconnected()  # stale until the watch has replayed the bucket
 
     def _wrote_leader_key(self, revision: int) -> None:
-        self._echoed = anyio.Event()
+        self._wrote = max(self._wrote, revision)
         self.echo.expect(revision, anyio.current_time())  # how long the watch takes is real time
 
     async def _check_watch(self, *, overdue: bool = False) -> None:
@@ -283,8 +284,12 @@ class Controller:
             await self._renew(instant(self.clock))
         if not self.leadership.leading:
             return False
+        wrote = self._wrote
         with anyio.move_on_after(self.echo.within):
-            await self._echoed.wait()
+            # the leadership's own renewals may write the key meanwhile: any revision shown
+            # at or past this one will do
+            while not self.echo.shows(wrote):
+                await self._leader_shown.wait()
             return True
         await self._check_watch(overdue=True)
         return False
@@ -310,8 +315,9 @@ class Controller:
                 self.tracker.forget(node)
         elif family == keys.LEADER:
             self.leadership.saw(self.view.leader_rev, self.view.leader, now)
-            if self.echo.saw(self.view.leader_rev):
-                self._echoed.set()
+            self.echo.saw(self.view.leader_rev)
+            self._leader_shown.set()
+            self._leader_shown = anyio.Event()
             self._wake_once_writable()
         elif family == keys.LOAD:
             parsed = keys.parse(item.key)
