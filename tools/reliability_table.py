@@ -31,7 +31,7 @@ DOC = REPO / "docs" / "reliability.md"
 CLUSTER_AREA = "NATS cluster: one of three servers fails"
 # sections after the tables, written by hand beside this file: what the store keeps
 # (bench/durability.py), what the chaos run measured (bench/chaos.py)
-SECTIONS = [REPO / "tools" / "reliability" / "store.md"]
+SECTIONS = [REPO / "tools" / "reliability" / name for name in ("store.md", "chaos.md")]
 _MAX_LOG_BYTES = 1 << 20  # a log holds a few rows of a few hundred bytes
 
 
