@@ -68,6 +68,16 @@ def nats_image() -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def healthy_at(http_port: int) -> bool:
+    """JetStream is up and the server of that monitoring port is in contact with the meta
+    leader (/healthz)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=1) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 @dataclass
 class ClusterServer:
     name: str
@@ -82,14 +92,7 @@ class ClusterServer:
         return f"nats://127.0.0.1:{self.client_port}"
 
     def healthy(self) -> bool:
-        """JetStream is up and this server is in contact with the meta leader (/healthz)."""
-        try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{self.http_port}/healthz", timeout=1
-            ) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return healthy_at(self.http_port)
 
     @property
     def docker(self):

@@ -5,99 +5,39 @@ keeps a deposed controller's writes out, as the cluster's stream leader applies 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
-import socket
-import subprocess
-import time
+import os
+import signal
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import anyio
+import psutil
 import pytest
+from agent_helpers import start_fake_engine_agent, stop
+from controller_helpers import quick_controller
+from local_cluster import LocalCluster
+from serving import cpu_model, serve
 from waiting import until
 
+from llmgw.agent.config import Engines
 from llmgw.bus import keys, records
 from llmgw.bus.client import (
     BucketSettings,
     Bus,
+    BusError,
     Fence,
     FencedOff,
     NatsSettings,
+    Update,
     Write,
     decoder,
 )
-from llmgw.bus.server import find_nats_server, free_port
 from llmgw.controller.loop import Controller, ControllerSettings
+from llmgw.sim.bare import SimNode, inventory
+from llmgw.sim.fake_engine import write_fake_gguf
 
 pytestmark = pytest.mark.anyio
-
-
-@dataclass
-class _Server:
-    name: str
-    store: Path
-    port: int = field(default_factory=free_port)
-    route_port: int = field(default_factory=free_port)
-    http_port: int = field(default_factory=free_port)
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-
-class LocalCluster:
-    """Three nats-servers with one cluster name and routes to each other (as
-    nats/cluster-1.conf, on loopback ports). A server started alone has no JetStream meta
-    leader until a second one joins: JetStream answers nothing (or 503) until then."""
-
-    def __init__(self, root: Path, size: int = 3) -> None:
-        self.servers = [_Server(f"s{i}", root / f"s{i}") for i in range(size)]
-        routes = ", ".join(f'"nats-route://127.0.0.1:{s.route_port}"' for s in self.servers)
-        for s in self.servers:
-            s.store.mkdir(parents=True)
-            (s.store / "server.conf").write_text(
-                f'server_name: "{s.name}"\nhost: "127.0.0.1"\nport: {s.port}\n'
-                f"http_port: {s.http_port}\n"
-                f'jetstream {{ store_dir: "{s.store / "js"}" }}\n'
-                f'cluster {{ name: "c"\n host: "127.0.0.1"\n port: {s.route_port}\n'
-                f" routes: [{routes}] }}\n"
-            )
-
-    def start(self, i: int) -> None:
-        s = self.servers[i]
-        with open(s.store / "server.log", "ab") as log:
-            s.process = subprocess.Popen(
-                [str(find_nats_server()), "-c", str(s.store / "server.conf")],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 10
-        while True:  # accepting clients; JetStream may not be ready (that is the point)
-            try:
-                socket.create_connection(("127.0.0.1", s.port), timeout=0.2).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline or s.process.poll() is not None:
-                    raise RuntimeError(f"nats-server {s.name} did not start") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        for s in self.servers:
-            if s.process is not None and s.process.poll() is None:
-                s.process.terminate()
-        for s in self.servers:
-            if s.process is not None:
-                try:
-                    s.process.wait(5)
-                except subprocess.TimeoutExpired:
-                    s.process.kill()
-                    s.process.wait()
-
-    @property
-    def urls(self) -> tuple[str, ...]:
-        return tuple(s.url for s in self.servers)
 
 
 @pytest.fixture
@@ -309,3 +249,185 @@ async def test_on_a_cluster_a_batch_of_fenced_writes_lands_whole_before_a_takeov
 
 def _health(node: str) -> records.Health:
     return records.Health(node=node, phase="ready", since=1.0)
+
+
+@pytest.mark.slow
+async def test_a_read_through_a_server_just_restarted_never_gets_its_stale_copy(cluster):
+    """A watch's consumer may be placed on any server holding the stream, and reads that
+    server's copy: one just restarted is behind until it has caught up. Every listing
+    taken through it, from its first second on, holds what the bucket holds."""
+    cluster.start_all()
+    settings = _settings(*cluster.urls)
+    stale: list[tuple[int, int, int]] = []  # (round, listing, keys behind)
+    async with await Bus.connect(settings, BucketSettings(replicas=3), give_up_after=30):
+        pass
+    for round_ in range(2):
+        leader = await until(lambda: _async(cluster.stream_leader("KV_llmgw")), timeout=30)
+        down = next(i for i, s in enumerate(cluster.servers) if s.name != leader)
+        others = _settings(*(u for i, u in enumerate(cluster.urls) if i != down))
+        cluster.kill(down)
+        value = json.dumps({"round": round_, "pad": "x" * 300}).encode()
+        async with await Bus.connect(others, give_up_after=30) as w:
+            for start in range(0, 2000, 200):
+                async with anyio.create_task_group() as tg:
+                    for k in range(start, start + 200):
+                        tg.start_soon(w.put, f"nodes.n{k}", value)
+        cluster.start(down)
+        alone = _settings(cluster.urls[down])
+
+        async def listing(n: int, round_: int = round_, alone: NatsSettings = alone) -> None:
+            async with await Bus.connect(alone, give_up_after=30) as r:
+                got = await r.list("nodes.>", lambda b: json.loads(b)["round"])
+            behind = sum(1 for v in got.values() if v.value != round_) + 2000 - len(got)
+            if behind:
+                stale.append((round_, n, behind))
+
+        async with anyio.create_task_group() as tg:
+            for n in range(6):
+                tg.start_soon(listing, n)
+    assert not stale, f"listings through the restarted server were behind: {stale}"
+
+
+async def _async(value: object) -> object:
+    return value
+
+
+@pytest.mark.slow
+async def test_a_shard_record_not_written_while_the_stream_had_no_leader_is_written_after(
+    cluster, tmp_path, engine_ports
+):
+    """A stream without a leader does not disconnect the clients of the servers still up:
+    their writes time out, and no reconnect follows. An agent that restarted a killed
+    engine meanwhile left its shard `failed` with the dead engine's pid for good (the
+    router answered 503 while the new engine served)."""
+    cluster.start_all()
+    here = _settings(cluster.urls[0])  # the agent's and the controller's server stays up
+    gguf = str(write_fake_gguf(tmp_path / "weights" / "tiny.gguf"))
+    engines = Engines(
+        listen_host="127.0.0.1", poll_interval=0.1, backoff_base=0.2, backoff_cap=1, stop_grace=3
+    )
+    agent = start_fake_engine_agent(cluster.urls[0], tmp_path / "node1", engines, id="node1")
+    try:
+        async with (
+            await Bus.connect(here, BucketSettings(replicas=3), give_up_after=30) as bus,
+            anyio.create_task_group() as tg,
+        ):
+            await tg.start(Controller(bus, quick_controller(engine_ports, lost_after=300)).run)
+            await serve(bus, cpu_model(gguf, host_ram_gb=1), 1)
+            first = await until(lambda: _ready_shard(bus), timeout=60)
+            cluster.kill(1)
+            cluster.kill(2)
+            await until(lambda: _write_fails(bus), timeout=30)
+            readies = agent.log.read_text().count(": ready")
+            os.kill(first.pid, signal.SIGKILL)
+            # the new engine serves, and its `ready` could not be written
+            await until(
+                lambda: _async(agent.log.read_text().count(": ready") > readies), timeout=60
+            )
+            cluster.start(1)
+            cluster.start(2)
+
+            async def replaced() -> records.Shard | None:
+                shard = await _ready_shard(bus)
+                return shard if shard is not None and shard.pid != first.pid else None
+
+            second = await until(replaced, timeout=60)
+            tg.cancel_scope.cancel()
+        assert psutil.pid_exists(second.pid) and not psutil.pid_exists(first.pid)
+    finally:
+        stop(agent.proc)
+
+
+async def _ready_shard(bus: Bus) -> records.Shard | None:
+    try:
+        got = await bus.list("shards.node1.*", decoder(records.Shard))
+    except BusError:
+        return None
+    shards = [e.value for e in got.values()]
+    return shards[0] if len(shards) == 1 and shards[0].phase == "ready" else None
+
+
+async def _write_fails(bus: Bus) -> bool:
+    try:
+        await bus.put("probe.write", b"1")
+    except BusError:
+        return True
+    return False
+
+
+@pytest.mark.slow
+async def test_no_node_is_judged_unreachable_because_the_controllers_watch_went_silent(cluster):
+    """The controller's watch is a consumer on one of the servers that hold the stream,
+    not necessarily its own: when that server dies the watch goes silent while the
+    controller's connection, writes and round trips are fine, and every lease looked still
+    (a ready node was judged unreachable 10.7 s after a server died that led nothing and
+    held none of the controller's connections)."""
+    cluster.start_all()
+    near = _settings(cluster.urls[0])  # the controller's server and the node's stay up
+    settings = ControllerSettings(
+        controller_id="c", unreachable_after=1.5, lost_after=60, leader_ttl=3, tick=0.05
+    )
+    async with (
+        await Bus.connect(near, BucketSettings(replicas=3), give_up_after=30) as bus,
+        anyio.create_task_group() as tg,
+    ):
+        node = SimNode(bus, inventory("n1", gpus=1))
+        await node.register()
+        tg.start_soon(_beat, node)
+        for _ in range(20):  # until its watch is on a server that is neither its own nor the
+            # stream's leader
+            async with await Bus.connect(near, give_up_after=30) as own:
+                scope = anyio.CancelScope()
+
+                async def lead(own: Bus = own, scope: anyio.CancelScope = scope) -> None:
+                    with scope:
+                        await Controller(own, settings).run()
+
+                tg.start_soon(lead)
+                await until(lambda: _phase_is(bus, "n1", "ready"), timeout=30)
+                host = await until(lambda: _watch_host(bus), timeout=30)
+                leader = cluster.stream_leader("KV_llmgw")
+                if host not in (leader, cluster.servers[0].name):
+                    phases = await _phases_after_killing(cluster, bus, host)
+                    scope.cancel()
+                    break
+                scope.cancel()
+        else:
+            pytest.fail("the controller's watch never landed on a server that leads nothing")
+        tg.cancel_scope.cancel()
+    assert phases == {"ready"}, f"n1 was judged {phases} while it beat throughout"
+
+
+async def _beat(node: SimNode) -> None:
+    while True:
+        with contextlib.suppress(BusError):
+            await node.beat()
+        await anyio.sleep(0.2)
+
+
+async def _phase_is(bus: Bus, node: str, phase: str) -> bool:
+    entry = await bus.get(keys.health(node), decoder(records.Health))
+    return entry is not None and entry.value.phase == phase
+
+
+async def _watch_host(bus: Bus) -> str | None:
+    """The server of the whole bucket's watch (the controller's: no one else watches it;
+    those of the controllers stopped before have nobody bound to them)."""
+    for info in await bus.js.consumers_info("KV_llmgw"):
+        watched = info.config.filter_subject == "$KV.llmgw.>"
+        if watched and info.push_bound and info.cluster is not None:
+            return info.cluster.leader
+    return None
+
+
+async def _phases_after_killing(cluster: LocalCluster, bus: Bus, host: str) -> set[str]:
+    """Kill `host`, and the phases n1's health shows for the next 12 s."""
+    seen: set[str] = set()
+    cluster.kill(cluster.index(host))
+    watch = bus.watch(keys.health("n1"), decoder(records.Health))
+    async with contextlib.aclosing(watch):
+        with anyio.move_on_after(12):
+            async for item in watch:
+                if isinstance(item, Update) and item.value is not None:
+                    seen.add(item.value.phase)
+    return seen

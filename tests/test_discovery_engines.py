@@ -6,12 +6,14 @@ from pathlib import Path
 import pytest
 from samples import engines as sample
 
+from llmgw.agent.discovery import engines as discovery
 from llmgw.agent.discovery.engines import (
     LLAMA_SEARCH_DIRS,
     parse_llama_version,
     parse_metadata_version,
     parse_shebang,
     probe_engines,
+    settle_versions,
 )
 
 
@@ -158,6 +160,29 @@ def test_binary_that_cannot_be_executed_is_reported_without_version(tmp_path, ca
 
     assert (engine.path, engine.version) == (str(binary), "")
     assert "cannot run" in caplog.text
+
+
+def test_a_version_probe_that_times_out_keeps_the_version_reported_before(tmp_path, monkeypatch):
+    # on a loaded node a probe timed out once, the inventory said "no version", and every
+    # launch of that engine was refused until its profile was given up on for 30 minutes
+    good = fake_llama_server(tmp_path / "bin/llama-server")
+    known = settle_versions(_probe([tmp_path / "bin"]), [])
+    _executable(good, "#!/bin/sh\nsleep 5\n")  # the same binary, too slow to answer now
+    monkeypatch.setattr(discovery, "VERSION_TIMEOUT_S", 0.3)
+
+    later = settle_versions(_probe([tmp_path / "bin"]), known)
+    first = settle_versions(_probe([tmp_path / "bin"]), [])  # nothing known: unknown
+
+    assert [e.version for e in known] == [e.version for e in later] == ["9439 (47f6423ed)"]
+    assert [e.version for e in first] == [""]
+
+
+def test_a_binary_that_answers_without_a_version_loses_the_one_reported_before(tmp_path):
+    binary = fake_llama_server(tmp_path / "bin/llama-server")
+    known = settle_versions(_probe([tmp_path / "bin"]), [])
+    fake_llama_server(binary, stderr=sample.LLAMA_MISSING_LIBRARY, rc=127)
+
+    assert [e.version for e in settle_versions(_probe([tmp_path / "bin"]), known)] == [""]
 
 
 def test_non_executable_archive_file_is_not_an_install(tmp_path):

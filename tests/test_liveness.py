@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.bus.records import Health, Lease, Memory
+from llmgw.controller.echo import Echo
 from llmgw.controller.liveness import (
     LivenessTracker,
     health_changes,
@@ -313,3 +314,50 @@ def test_a_lease_deleted_from_a_node_stored_ready_is_judged_at_the_next_tick():
     assert lease_change_matters(stored["a"], None)
     changes = judge(nodes, stored, leases, tracker, 3.0, 3.0, {"a"})
     assert [(c.record.node, c.record.phase) for c in changes.write] == [("a", "unreachable")]
+
+
+# --- the watch's echo (controller/echo.py) ------------------------------------------------------
+
+
+def test_a_write_of_its_own_not_shown_back_within_the_bound_makes_the_watch_overdue():
+    echo = Echo(within=5.0)
+    echo.expect(10, now=100.0)
+    assert not echo.overdue(104.9)
+    assert echo.overdue(105.1)
+    echo.saw(10)
+    assert echo.shows(10) and not echo.overdue(200.0)  # shown: nothing awaited any more
+
+
+def test_a_later_revision_shown_answers_the_write_awaited_and_an_earlier_one_does_not():
+    echo = Echo(within=5.0)
+    echo.expect(10, now=100.0)
+    echo.expect(7, now=101.0)  # an older write answered late changes nothing
+    echo.saw(9)
+    assert echo.awaited == 10 and not echo.shows(10)
+    echo.saw(12)
+    assert echo.awaited == 0 and echo.shows(10) and echo.shows(12)
+
+
+def test_a_write_the_watch_showed_before_its_own_answer_came_is_not_awaited():
+    # the server sends the write's answer and the watch's delivery in no set order: a
+    # controller waited 5 s for an echo it had already seen, and made its watch again
+    echo = Echo(within=5.0)
+    echo.saw(10)
+    echo.expect(10, now=100.0)
+    assert not echo.overdue(200.0) and echo.awaited == 0 and echo.shows(10)
+
+
+def test_a_write_answered_by_a_later_ones_echo_is_shown():
+    # one renewal awaited while the leadership's own renewal writes the key again
+    echo = Echo(within=5.0)
+    echo.expect(10, now=100.0)
+    echo.expect(11, now=100.5)
+    echo.saw(11)
+    assert echo.shows(10) and not echo.overdue(200.0)
+
+
+def test_a_watch_made_again_awaits_nothing_until_the_next_write():
+    echo = Echo(within=5.0)
+    echo.expect(10, now=100.0)
+    echo.forget()
+    assert not echo.overdue(1000.0)

@@ -29,6 +29,9 @@ FAULTS = REPO / "tools" / "reliability" / "faults.toml"
 MEASURED = REPO / "tools" / "reliability" / "measured.json"
 DOC = REPO / "docs" / "reliability.md"
 CLUSTER_AREA = "NATS cluster: one of three servers fails"
+# sections after the tables, written by hand beside this file: what the store keeps
+# (bench/durability.py), what the chaos run measured (bench/chaos.py)
+SECTIONS = [REPO / "tools" / "reliability" / name for name in ("store.md", "chaos.md")]
 _MAX_LOG_BYTES = 1 << 20  # a log holds a few rows of a few hundred bytes
 
 
@@ -281,6 +284,8 @@ def render(faults: list[Fault], measured: list[Measured]) -> str:
             cells = [_cell(done), _cell(did), _cell(recovery), _cell(lost), _test_cell(test)]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+    for section in SECTIONS:
+        out.append(section.read_text(encoding="utf-8"))
     out.append(GAPS)
     return "\n".join(out)
 

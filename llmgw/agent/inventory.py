@@ -153,7 +153,7 @@ def discover(
         memory=read_memory(cfg, hardware),
         gpus=_safely("gpus", lambda: read_gpus(cfg, hardware), GPUS_FAILED),
         ib=_safely("infiniband", lambda: hardware.ib(cfg), []),
-        engines=_safely("engines", lambda: hardware.engines(cfg), []),
+        engines=engines.settle_versions(_safely("engines", lambda: hardware.engines(cfg), []), []),
         weights=weights or records.Weights(),
         ports=_safely("ports", lambda: hardware.ports(cfg), records.PortsTaken()),
         fetch_dir=cfg.weights.fetch_dir,

@@ -36,6 +36,7 @@ from llmgw import __version__
 from llmgw.agent import inventory
 from llmgw.agent.certificate import CertificateError, check_tls_files
 from llmgw.agent.config import DEFAULT_CONFIG_PATH, AgentConfig, ConfigError, load_config
+from llmgw.agent.discovery.engines import settle_versions
 from llmgw.agent.discovery.weights.scan import weights_equal_for_resend
 from llmgw.agent.discovery.xid import XidLog, with_xids
 from llmgw.agent.engines.launcher import EngineLauncher
@@ -313,6 +314,7 @@ class Agent:
     async def _probe_engines(self) -> None:
         assert self.inventory is not None
         found = await _blocking(self._hardware.engines, self.cfg)
+        found = settle_versions(found, self.inventory.engines)
         if found != self.inventory.engines:
             before = {e.name: e.version for e in self.inventory.engines}
             after = {e.name: e.version for e in found}

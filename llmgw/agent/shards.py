@@ -44,6 +44,7 @@ from llmgw.agent.supervisor import EngineSupervisor, PhaseChange, SupervisorTimi
 from llmgw.allotment import held_to_allotment
 from llmgw.bus import keys, records
 from llmgw.bus.client import Bus, Synced, decoder
+from llmgw.bus.kept import KeptWrites
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,11 @@ class ThisNode:
     engine_api_key: str | None = None
     launcher: EngineLauncher = field(default_factory=ProcessLauncher)
     cores: CoreAccount = field(default_factory=CoreAccount.of_this_process)
+    # this node's shard records, written again until they land (NodeShards runs it)
+    writes: KeptWrites = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "writes", KeptWrites(self.bus))
 
     @property
     def name(self) -> str:
@@ -145,8 +151,8 @@ class ThisNode:
 
     async def put(self, shard: records.Shard) -> None:
         try:
-            await self.bus.put(keys.shard(shard.node, shard.rid), shard)
-        except Exception as e:  # noqa: BLE001 - re-reported after the reconnect
+            await self.writes.put(keys.shard(shard.node, shard.rid), shard)
+        except Exception as e:  # noqa: BLE001 - not the link (a bug, a refusal): said
             log.warning("could not write shards.%s.%s: %s", shard.node, shard.rid, e)
 
 
@@ -202,6 +208,7 @@ class NodeShards:
         bus.on_reconnected(self.report_all)
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            tg.start_soon(self.node.writes.run)
             async for item in bus.watch(
                 keys.pattern(keys.ASSIGN, self.node.name), decoder(records.Assignment)
             ):
@@ -723,7 +730,7 @@ class LocalShard:
         if self.record is not None:
             self.record = None
             try:
-                await self.node.bus.delete(keys.shard(self.node.name, self.rid))
+                await self.node.writes.delete(keys.shard(self.node.name, self.rid))
             except Exception as e:  # noqa: BLE001 - removed when the assignments are re-read
                 log.warning("could not delete shards.%s.%s: %s", self.node.name, self.rid, e)
 

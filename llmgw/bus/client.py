@@ -48,7 +48,7 @@ from .errors import (
 )
 from .settings import DEFAULT_NATS_URL, BucketSettings, NatsSettings, check_url
 from .trust import RAW
-from .watcher import CAUGHT_UP, KeyWatch, RawEntry
+from .watcher import CAUGHT_UP, START_TIMEOUT, WATCH_HEARTBEAT, KeyWatch, RawEntry
 
 # what callers import from here: the Bus and everything its signatures name
 __all__ = [
@@ -231,6 +231,12 @@ class Bus:
             except Exception:  # noqa: BLE001
                 log.exception("reconnect handler failed")
         # A watch resumes by itself only after its idle-heartbeat check (13-16 s): restart ours now.
+        await self.restart_watches()
+
+    async def restart_watches(self) -> None:
+        """Make every watch of this Bus read the bucket again from a new consumer (each
+        says `Synced` again once it has): after a reconnect, and when its owner finds a
+        watch has stopped delivering (its consumer was on a server that died, say)."""
         for w in list(self._watchers):
             await w.stop()
 
@@ -533,17 +539,31 @@ class Bus:
         return out
 
     async def watch(
-        self, pattern: str, decode: Decoder[T], *, until_synced: bool = False
+        self,
+        pattern: str,
+        decode: Decoder[T],
+        *,
+        until_synced: bool = False,
+        heartbeat: float = WATCH_HEARTBEAT,
     ) -> AsyncIterator[Update[T] | Synced]:
         """Latest value per key, then `Synced`, then live updates; re-created after every
-        reconnect, reporting keys that vanished meanwhile as deletions. A view of the latest
-        state, not a log: intermediate values may be skipped. `Synced` comes only once every
-        value stored when the watch (re)started has been yielded (llmgw.bus.watcher)."""
+        reconnect (and `restart_watches`), reporting keys that vanished meanwhile as
+        deletions. A view of the latest state, not a log: intermediate values may be
+        skipped. `Synced` comes only once every value stored when the watch (re)started has
+        been yielded (llmgw.bus.watcher). A consumer that goes silent for two `heartbeat`s
+        (its server died) is made again where the last one stopped."""
         known: dict[str, int] = {}
-        backoff = Backoff(base=0.2, cap=5.0)
+        # an election is a few seconds: the next try soon after it, not 5 s later
+        backoff = Backoff(base=0.05, cap=1.0)
         while not self._closed:
             try:
-                watch = await KeyWatch.start(self.js, self.bucket.name, pattern)
+                watch = await KeyWatch.start(
+                    self.nc.jetstream(timeout=START_TIMEOUT),
+                    self.nc,
+                    self.bucket.name,
+                    pattern,
+                    heartbeat,
+                )
             except Exception as e:  # noqa: BLE001 - disconnected: retry
                 log.debug("watch %s: cannot start (%s); retrying", pattern, classify.describe(e))
                 await asyncio.sleep(backoff.next_delay())

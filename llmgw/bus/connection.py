@@ -54,6 +54,7 @@ class Connection:
         self.denied: classify.Denial | None = None  # the last subject permissions refused
         # servers (host:port) whose JetStream was found cut off, and when: reconnect elsewhere
         self.avoid: dict[str, float] = {}
+        self._lost = ""  # the server (host:port) the connection last dropped from: tried last
         # run after every reconnect, once the PING in flight is dropped (the Bus's listeners
         # and watches)
         self.after_reconnect: Callable[[], Awaitable[None]] | None = None
@@ -174,6 +175,8 @@ class Connection:
     async def _on_disconnected(self) -> None:
         if self.connected_since is not None and not self._closed:
             log.warning("disconnected from NATS; reconnecting")
+        url = self.nc.connected_url
+        self._lost = url.netloc if url else ""
         self.connected_since = None
 
     async def _on_reconnected(self) -> None:
@@ -191,7 +194,8 @@ class Connection:
         now = time.monotonic()
         # the servers not found cut off lately; all of them if every one was
         fresh = [s for s in servers if now - self.avoid.get(s.uri.netloc, -math.inf) > _AVOID_FOR]
-        pool = fresh or servers
+        # the server the connection dropped from last: it has most likely died
+        pool = sorted(fresh or servers, key=lambda s: s.uri.netloc == self._lost)
         server = pool[self.backoff.attempt % len(pool)] if pool else None
         log.debug("next reconnect attempt in %.2fs", delay)
         return server, delay

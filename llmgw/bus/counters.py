@@ -29,6 +29,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 from . import claims, classify, keys, records
 from .client import Bus
 from .errors import BusError, BusUnavailable, StreamMissing, Unanswered
+from .watcher import last_sequence
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +88,16 @@ def stream_configs(plan: StreamPlan) -> list[StreamConfig]:
 
 
 async def ensure_streams(bus: Bus, plan: StreamPlan | None = None) -> list[str]:
-    """Create the streams that are missing (the operator's); the names made. One that exists
-    is left as it is: its retention is changed with `llmgw audit --retention`."""
+    """Create the streams that are missing (the operator's); the names made. Without a
+    `plan`, with as many copies as the bucket has: a cluster's bucket of 3 copies gets
+    streams of 3, so losing one server loses no limit, usage or audit record either. One
+    that exists is left as it is: its retention is changed with `llmgw audit --retention`."""
+    if plan is None:
+        bucket = f"KV_{bus.bucket.name}"
+        info = await classify.answer(bus.js.stream_info(bucket), f"stream {bucket}")
+        plan = StreamPlan(replicas=info.config.num_replicas or 1)
     made = []
-    for config in stream_configs(plan or StreamPlan()):
+    for config in stream_configs(plan):
         try:
             info = await classify.answer(bus.js.stream_info(config.name), f"stream {config.name}")
         except BusError as e:
@@ -257,23 +264,29 @@ async def _replay(
     bus: Bus, stream: str, filter_subject: str, config: ConsumerConfig, *, follow: bool
 ) -> AsyncIterator[object]:
     """Messages of `stream` on `filter_subject` from where `config` says, until caught up
-    (or forever, with `follow`), through an ordered consumer that is gone when done."""
+    (or forever, with `follow`), through an ordered consumer that is gone when done. Caught
+    up: the last sequence the stream's leader stores there is received (llmgw.bus.watcher
+    says why a delivery's "nothing pending" is not enough)."""
     sub = await classify.answer(
         bus.js.subscribe(filter_subject, stream=stream, ordered_consumer=True, config=config),
         f"read stream {stream}",
     )
     try:
         info = await classify.answer(sub.consumer_info(), f"read stream {stream}")
-        # a push consumer may have delivered some already: those are not pending any more
-        left = info.num_pending + info.delivered.consumer_seq
-        while follow or left > 0:
+        target = await classify.answer(
+            last_sequence(bus.nc, stream, filter_subject), f"read stream {stream}"
+        )
+        # Nothing delivered yet: the consumer's place is just before where it starts, and
+        # nothing comes when that is past the target. (Delivered: read those first.)
+        received = 0 if info.delivered.consumer_seq else info.delivered.stream_seq
+        while follow or received < target:
             try:
                 msg = await sub.next_msg(timeout=_TIMEOUT if not follow else 3600)
             except nats.errors.TimeoutError:
                 if follow:
                     continue
                 break
-            left = msg.metadata.num_pending
+            received = max(received, msg.metadata.sequence.stream)
             yield msg
     finally:
         try:

@@ -31,6 +31,11 @@ from .storelock import StoreLock
 log = logging.getLogger(__name__)
 
 
+# what every nats-server llmgw writes a config for, and its shipped configs, fsync
+# (docs/reliability.md, "What the store keeps")
+SYNC_INTERVAL = "always"
+
+
 class NatsServerError(LlmgwError, RuntimeError):
     """The embedded nats-server cannot run: not installed, its port taken, or it exited."""
 
@@ -71,6 +76,9 @@ def _render_config(host: str, port: int, http_port: int, store_dir: Path, name: 
             f"http_port: {http_port}  # /healthz: JetStream readiness",
             "jetstream {",
             f"  store_dir: {json.dumps(str(store_dir))}",
+            "  # every write on disk before it is acknowledged: a power loss loses nothing",
+            "  # acknowledged (the default, 2 min, loses up to that; docs/reliability.md)",
+            f"  sync_interval: {SYNC_INTERVAL}",
             "}",
             "",
         ]

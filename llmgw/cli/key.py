@@ -172,7 +172,8 @@ async def ensure_streams(bus: Bus) -> list[str]:
     from llmgw.bus.counters import StreamPlan
     from llmgw.bus.counters import ensure_streams as ensure
 
-    return await ensure(bus, StreamPlan(replicas=bus.bucket.replicas or 1))
+    configured = bus.bucket.replicas
+    return await ensure(bus, StreamPlan(replicas=configured) if configured else None)
 
 
 async def _streams_or_say(bus: Bus) -> None:

@@ -41,8 +41,13 @@ class Link:
     def disconnected(self) -> None:
         """The connection dropped or came back: the view is stale until the watch has
         replayed the bucket (its leases would all look still)."""
+        self.resyncing("the bucket is being re-read after a reconnect")
+
+    def resyncing(self, why: str) -> None:
+        """The view is stale until the watch has replayed the bucket: after a reconnect,
+        and when the watch stopped showing this controller's own writes (controller/echo.py)."""
         if self.state is not LinkState.STARTING:
-            self._to(LinkState.RESYNCING, "the bucket is being re-read after a reconnect")
+            self._to(LinkState.RESYNCING, why)
 
     def synced(self) -> bool:
         """The watch has replayed the bucket. True when that ends a time cut off."""

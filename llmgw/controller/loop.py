@@ -29,12 +29,14 @@ from llmgw.controller.adapters import DemandTracker
 from llmgw.controller.autoscale import LOAD_STALE_AFTER_S, Autoscaler, engine_saturation
 from llmgw.controller.changes import Change, NodeJudged, ReplicaIs, Restored, Scaled
 from llmgw.controller.clock import Clock, Instant, SystemClock, instant
+from llmgw.controller.echo import Echo
 from llmgw.controller.inputs import hold_recorded_phases
 from llmgw.controller.leadership import CREATE, Leadership
 from llmgw.controller.link import Link, LinkState
 from llmgw.controller.liveness import (
     LOST_AFTER_S,
     UNREACHABLE_AFTER_S,
+    HealthChanges,
     LivenessTracker,
     judge,
     lease_change_matters,
@@ -56,6 +58,9 @@ from llmgw.metrics_http import MetricsEndpoint
 
 log = logging.getLogger(__name__)
 
+# seconds between the idle heartbeats of the controller's watch: two missed and it is made
+# again (the echo of its own writes, controller/echo.py, catches what this does not)
+WATCH_HEARTBEAT_S = 1.0
 # key families whose change can change a node's phase or what is stored of it
 _JUDGED_BY = frozenset((keys.LEASES, keys.NODES, keys.HEALTH))
 
@@ -100,6 +105,9 @@ class Controller:
         self._rewritten: dict[str, int] = {}  # key -> the bad revision written over
         self.tracker = LivenessTracker(self.settings.unreachable_after, self.settings.lost_after)
         self.link = Link()
+        self.echo = Echo()  # its own writes shown back: the watch is live
+        self._leader_shown = anyio.Event()  # set at each leader key the watch shows, then new
+        self._wrote = 0  # the latest revision of the leader key this controller wrote
         self.leadership = Leadership(self.id, self.instance, self.settings.leader_ttl)
         self.leadership_steps = 0  # times it looked at the leader key: what tests wait on
         self.passes = 0
@@ -221,7 +229,7 @@ class Controller:
         paused = gc.isenabled()
         gc.disable()
         try:
-            async for item in self.bus.watch(">", RAW):
+            async for item in self.bus.watch(">", RAW, heartbeat=WATCH_HEARTBEAT_S):
                 if isinstance(item, Synced):
                     if paused:
                         gc.freeze()
@@ -250,6 +258,44 @@ class Controller:
     async def _on_reconnected(self) -> None:
         self.link.disconnected()  # stale until the watch has replayed the bucket
 
+    def _wrote_leader_key(self, revision: int) -> None:
+        self._wrote = max(self._wrote, revision)
+        self.echo.expect(revision, anyio.current_time())  # how long the watch takes is real time
+
+    async def _check_watch(self, *, overdue: bool = False) -> None:
+        """A write of its own the watch has not shown within `Echo.within` (or `overdue`
+        says so): the watch's consumer stopped delivering (its server died): read the
+        bucket again through a new one, judging nothing meanwhile. nats-py would make it
+        again only after two missed heartbeats, and the takeover a controller must see
+        before it writes waited for it."""
+        if not (overdue or self.echo.overdue(anyio.current_time())):
+            return
+        awaited = self.echo.awaited
+        self.echo.forget()
+        self.link.resyncing(
+            f"the watch has not shown the leader key this controller wrote (revision "
+            f"{awaited}) for {self.echo.within:g} s; reading the bucket again"
+        )
+        await self.bus.restart_watches()
+
+    async def _watch_shows_now(self) -> bool:
+        """Whether the watch has shown everything stored until now: a renewal of the leader
+        key written now comes back through it (the watch delivers in the order stored).
+        If it does not within `Echo.within`, the watch is made again (`_check_watch`)."""
+        async with self.writer.lock:
+            await self._renew(instant(self.clock))
+        if not self.leadership.leading:
+            return False
+        wrote = self._wrote
+        with anyio.move_on_after(self.echo.within):
+            # the leadership's own renewals may write the key meanwhile: any revision shown
+            # at or past this one will do
+            while not self.echo.shows(wrote):
+                await self._leader_shown.wait()
+            return True
+        await self._check_watch(overdue=True)
+        return False
+
     def _apply(self, item: Update[bytes]) -> None:
         family = self.view.apply(item.key, item.value, item.revision)
         now = self.clock.monotonic()
@@ -271,6 +317,9 @@ class Controller:
                 self.tracker.forget(node)
         elif family == keys.LEADER:
             self.leadership.saw(self.view.leader_rev, self.view.leader, now)
+            self.echo.saw(self.view.leader_rev)
+            self._leader_shown.set()
+            self._leader_shown = anyio.Event()
             self._wake_once_writable()
         elif family == keys.LOAD:
             parsed = keys.parse(item.key)
@@ -320,6 +369,7 @@ class Controller:
     async def _lead(self) -> None:
         interval = self.settings.leader_ttl / 3
         while True:
+            await self._check_watch()
             try:
                 async with self.writer.lock:
                     now = instant(self.clock)
@@ -337,7 +387,9 @@ class Controller:
                 self.metrics.failed("leadership", "bug")
                 self.leadership.step_down(f"a bug in the leadership step: {type(e).__name__}")
             self.leadership_steps += 1
-            await anyio.sleep(interval)
+            # one that does not lead looks again within a second: a leader whose renewal
+            # failed in an election takes its own key back as soon as the stream answers
+            await anyio.sleep(interval if self.leadership.leading else min(interval, 1.0))
 
     async def _renew(self, now: Instant) -> None:
         renewal = self.leadership.renewal(now.wall)
@@ -347,6 +399,7 @@ class Controller:
         rev = await self.bus.update(keys.leader(), record, last=last)
         if rev is not None:
             self.leadership.renewed(rev)
+            self._wrote_leader_key(rev)
             return
         # refused: another controller took the key, or a renewal of ours whose answer was
         # lost was stored after all (Leadership.renewal_refused tells which)
@@ -374,6 +427,8 @@ class Controller:
             rev = await self.bus.update(keys.leader(), record, last=at)
         if not self.leadership.claimed(rev):
             return  # another controller was quicker
+        assert rev is not None
+        self._wrote_leader_key(rev)
         # A controller that starts leading judges from now, as after a restart: it may
         # come back from being cut off (JetStream without quorum, a stalled link: no
         # reconnect, so no re-sync) with leases that only look still. Nodes already
@@ -524,23 +579,19 @@ class Controller:
             touched = None
         if touched is None:
             self._judged_all_at = now.monotonic
-        changes = judge(
-            self.view.nodes,
-            self.view.health,
-            self.view.leases,
-            self.tracker,
-            now.monotonic,
-            now.wall,
-            touched,
-        )
+        changes = self._judgement(now, touched)
         try:
             if changes.declares_silence:
                 # no node is declared silent without a round trip
                 if await self._check_link():
                     self._grace(now.monotonic)
-                if not self.link.may_judge:
+                # ...nor without the watch that would have seen it move shown to be live:
+                # then what it delivered meanwhile is in the view, and all are judged again
+                if not self.link.may_judge or not await self._watch_shows_now():
                     self._touched = None  # judged but not written: all again next time
                     return False
+                now = instant(self.clock)
+                changes = self._judgement(now, None)
             for change in await self.writer.apply(health_changes(changes)):
                 if (
                     isinstance(change.why, NodeJudged)
@@ -555,6 +606,17 @@ class Controller:
             self._touched = None  # some may not be written: every node again next time
             raise
         return bool(changes.write)
+
+    def _judgement(self, now: Instant, touched: set[str] | None) -> HealthChanges:
+        return judge(
+            self.view.nodes,
+            self.view.health,
+            self.view.leases,
+            self.tracker,
+            now.monotonic,
+            now.wall,
+            touched,
+        )
 
     # --- reconcile ------------------------------------------------------------------------
 

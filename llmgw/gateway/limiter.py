@@ -68,7 +68,7 @@ class Claims(Protocol):
 class LimitSettings:
     share: float = 0.005  # of a limit, claimed at a time: routers x share may go unused
     offline: Offline = "serve"
-    serve_offline_for: float = 300.0
+    serve_offline_for: float = 600.0  # as long as known keys (gateway/table.py)
     claim_timeout: float = 0.5  # a claim not answered by then: the counters are away
     retry_claims_after: float = 1.0  # while away, claim again this often, not per request
 

@@ -21,7 +21,7 @@ STREAMS = (keys.LIMITS_STREAM, keys.USAGE_STREAM, keys.AUDIT_STREAM)
 
 
 class StreamsSeen:
-    def __init__(self, offline: str = "serve", serve_offline_for: float = 300.0) -> None:
+    def __init__(self, offline: str = "serve", serve_offline_for: float = 600.0) -> None:
         self.offline = offline
         self.serve_offline_for = serve_offline_for
         self.missing: set[str] = set()

@@ -26,6 +26,8 @@ Behaviour knobs (environment):
                                   close`, as llama-server does (default 0; "never" keeps it)
     FAKE_ENGINE_IGNORE_SIGTERM=1  ignore SIGTERM (tests SIGKILL escalation)
     FAKE_ENGINE_RECORD            path: write args, pid, pgid and engine env there as JSON
+    FAKE_ENGINE_REQUEST_LOG       path: append a line "<body's user> <pid>" for every
+                                  completion request read (bench/chaos.py: sent twice?)
     FAKE_ENGINE_GPUS              GPUs on the "node" when CUDA_VISIBLE_DEVICES is unset (default 8)
     FAKE_ENGINE_WORKERS           child processes to start, like vLLM's workers (default 0)
     FAKE_ENGINE_WAITING           requests /metrics reports queued besides its own (default 0)
@@ -563,6 +565,7 @@ def build_app(engine: Engine):
             return web.json_response(
                 _llama_error(400, problem, "invalid_request_error"), status=400
             )
+        _log_request(body)
         # what an adapter changes: its tokens (a test tells which ran by them)
         mark = engine.llama_loras.mark(body) if not vllm else ""
         # vLLM answers with the name asked for (a LoRA's own); llama-server with its alias
@@ -1210,6 +1213,14 @@ def _start_workers() -> list[int]:
     n = int(_env_float("FAKE_ENGINE_WORKERS", 0))
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_DFL); time.sleep(3600)"
     return [subprocess.Popen([sys.executable, "-c", code]).pid for _ in range(n)]
+
+
+def _log_request(body: object) -> None:
+    path = os.environ.get("FAKE_ENGINE_REQUEST_LOG")
+    if path and isinstance(body, dict):
+        # one short write in append mode: lines of engines sharing the file never mix
+        with open(path, "a") as f:
+            f.write(f"{str(body.get('user', ''))[:64]} {os.getpid()}\n")
 
 
 def _record(extra: dict) -> None:

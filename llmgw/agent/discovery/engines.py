@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
+import msgspec
+
 from llmgw.agent.files import open_regular
 from llmgw.bus.records import EngineInstall
 
@@ -53,6 +55,9 @@ LLAMA_SEARCH_DIRS: tuple[Path, ...] = (
     Path("~/llama.cpp"),
 )
 VERSION_TIMEOUT_S = 10.0
+# what a version probe found when `--version` did not answer in time: not "no version" (a
+# node under load, a slow filer); `settle_versions` replaces it before anyone reads it
+NOT_ANSWERED = "(did not answer)"
 
 # a dist-info METADATA's header (Name and Version come first); its description follows
 _METADATA_HEAD = 64 * 1024
@@ -121,7 +126,12 @@ def parse_llama_version(output: str) -> str:
     return match.group(1) if match else ""
 
 
+class _NotAnswered(Exception):
+    """A version probe's command did not answer within VERSION_TIMEOUT_S."""
+
+
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str] | None:
+    """The command's result; None when it cannot run; _NotAnswered when it ran too long."""
     try:
         return subprocess.run(
             argv,
@@ -133,9 +143,40 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str] | None:
         )
     except subprocess.TimeoutExpired:
         log.warning("%s did not answer within %.0f s", " ".join(argv), VERSION_TIMEOUT_S)
+        raise _NotAnswered from None
     except OSError as exc:
         log.warning("cannot run %s: %s", argv[0], exc)
     return None
+
+
+def _answered(version_of: Callable[[Path], str]) -> Callable[[Path], str]:
+    """`version_of`, NOT_ANSWERED when its command did not answer in time."""
+
+    def probe(path: Path) -> str:
+        try:
+            return version_of(path)
+        except _NotAnswered:
+            return NOT_ANSWERED
+
+    return probe
+
+
+def settle_versions(
+    found: Sequence[EngineInstall], known: Sequence[EngineInstall]
+) -> list[EngineInstall]:
+    """`found`, each install whose version did not answer in time replaced by the one
+    `known` for the same engine and path, else given version "" (unknown: a launch is
+    refused). A
+    probe that timed out once on a loaded node made every launch of that engine refused
+    ("did not report a version"), each counted a failed start, until the model's profile
+    was given up on for half an hour."""
+    before = {(e.name, e.path): e for e in known}
+    return [
+        e
+        if e.version != NOT_ANSWERED
+        else before.get((e.name, e.path)) or msgspec.structs.replace(e, version="")
+        for e in found
+    ]
 
 
 def llama_server_version(path: Path) -> str:
@@ -160,7 +201,7 @@ def find_llama_server(
     path_env: str, search_dirs: Sequence[Path], configured: str | None
 ) -> EngineInstall | None:
     if configured:
-        return _configured("llama-server", configured, llama_server_version)
+        return _configured("llama-server", configured, _answered(llama_server_version))
     on_path = shutil.which("llama-server", path=path_env)
     if on_path:
         path, source = Path(on_path), "path"
@@ -170,7 +211,10 @@ def find_llama_server(
             return None
         path, source = archived, "archive"
     return EngineInstall(
-        name="llama-server", path=str(path), version=llama_server_version(path), source=source
+        name="llama-server",
+        path=str(path),
+        version=_answered(llama_server_version)(path),
+        source=source,
     )
 
 
@@ -284,7 +328,7 @@ def vllm_version(script: Path, path_env: str) -> str:
 
 
 def vllm_install(path: Path, path_env: str, source: Source = "path") -> EngineInstall:
-    version = vllm_version(path, path_env)
+    version = _answered(lambda p: vllm_version(p, path_env))(path)
     return EngineInstall(
         name="vllm", path=str(path), version=version, source=source, cpu_only=is_cpu_build(version)
     )
