@@ -167,6 +167,39 @@ async def test_adding_an_adapter_to_llama_server_replaces_the_replica_dropping_n
         stop(agent.proc)
 
 
+async def test_an_adapter_file_that_reaches_a_node_after_its_llama_server_started_is_served(
+    bus, nats_server, nats_settings, tmp_path, controller
+):
+    """llama-server takes adapters only at start: a replica started before its node held an
+    adapter's file (copied later, or a node placed on before its first scan) served the
+    base only, for good, since its launch hash is the catalog's and did not change (seen
+    in CI: a real llama-server placed before the agent's scan, the adapter never served).
+    It is replaced, and the adapter is served by name."""
+    shared, models = tmp_path / "adapters", tmp_path / "models"
+    shared.mkdir()
+    gguf = write_fake_gguf(models / "tiny.gguf")
+    agent = lora_agent(nats_server.url, tmp_path / "node1", [shared, models])
+    try:
+        await add_adapter(bus, adapter("a", shared / "a.gguf", rank=4))
+        await serve(bus, llama_base(gguf), 1)
+        async with running_router(connect=_connect(nats_settings), settings=router_settings()) as r:
+            await until(served(r, SERVED), timeout=60)
+            (first,) = {s.rid for s in await shards_of(bus)}
+            assert r.table.route("acme/a") is None or not r.table.route("acme/a").backends
+
+            write_gguf_lora(shared / "a.gguf", arch="fake")  # the file arrives
+            await until(served(r, "acme/a"), timeout=60)
+            events = await stream(r.url, "acme/a")
+            assert {json.loads(e)["model"] for e in events[:-1]} == {"acme/a"}
+
+            async def replaced() -> bool:  # the first drained and removed
+                return first not in {s.rid for s in await shards_of(bus)}
+
+            await until(replaced, timeout=60)
+    finally:
+        stop(agent.proc)
+
+
 async def test_a_request_for_an_adapter_of_a_base_scaled_to_zero_is_held_and_served(
     bus, nats_server, nats_settings, tmp_path, controller
 ):

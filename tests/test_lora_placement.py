@@ -201,3 +201,36 @@ def test_demand_tracker_remembers_when_each_adapter_was_last_asked_for():
     tracker.demand({"a": ModelLoad(in_flight=1.0, active=True)}, ["a", "b"], 200.0)
     later = tracker.demand({}, ["a", "b"], 300.0)
     assert (later["a"].last_active, later["b"].last_active) == (200.0, 100.0)
+
+
+def test_a_llama_server_started_without_an_adapter_its_node_holds_is_replaced_once():
+    """llama-server takes adapters only at start: an engine that started before its node held
+    an adapter's file is named for replacement; one that serves it, or said why it would
+    not (another base's adapter), is not, so a refusal never replaces it again and again."""
+    from test_placement import node, replica
+
+    from llmgw.bus.records import AdapterFailure, HeldAdapter, Shard, Store
+    from llmgw.controller.adapters import started_without
+
+    a = Adapter(id="a", served_name="acme/a", base="m", path="/w/a.gguf", rank=4)
+    peft = Adapter(id="p", served_name="acme/p", base="m", path="/w/p", rank=4)
+    n1 = node("n1")
+    store = Store(kind="local", identity="local:n1")
+    n1.weights.adapters = [
+        HeldAdapter(key="a", format="gguf", path="/w/a.gguf", bytes=1, files=1, store=store)
+    ]
+    r = replica("r1", [("n1", [0])])
+
+    def shard(phase: str = "ready", **kw) -> Shard:
+        return Shard(node="n1", rid="r1", model="m", generation=1, phase=phase, since=0, **kw)
+
+    nodes = {"n1": n1}
+    assert started_without(r, "llama-server", [a, peft], nodes, {("n1", "r1"): shard()}) == ["a"]
+    served = {("n1", "r1"): shard(adapters=["a"])}
+    assert started_without(r, "llama-server", [a], nodes, served) == []
+    refused = {("n1", "r1"): shard(adapter_failures=[AdapterFailure(adapter="a", reason="x")])}
+    assert started_without(r, "llama-server", [a], nodes, refused) == []
+    # vLLM loads adapters while it runs; a starting engine is judged once it is ready
+    assert started_without(r, "vllm", [a], nodes, {("n1", "r1"): shard()}) == []
+    starting = {("n1", "r1"): shard("starting")}
+    assert started_without(r, "llama-server", [a], nodes, starting) == []

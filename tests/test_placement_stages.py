@@ -42,7 +42,7 @@ def test_split_outdated_tells_current_from_a_changed_launch_and_a_draining_node(
     same = msgspec.structs.replace(replica("ra", [("n1", [0])]), launch=launch)
     changed = msgspec.structs.replace(replica("rb", [("n1", [1])]), launch="other")
     drained = msgspec.structs.replace(replica("rc", [("n2", [0])]), launch=launch)
-    split = split_outdated([same, changed, drained], _asked(snap, m))
+    split = split_outdated([same, changed, drained], _asked(snap, m), snap)
     assert [r.rid for r in split.current] == ["ra"]
     assert [(o.replica.rid, o.kind) for o in split.outdated] == [
         ("rb", "revision"),

@@ -371,6 +371,35 @@ def plan(
     return out
 
 
+def started_without(
+    replica: Replica,
+    engine: str,
+    adapters: Sequence[Adapter],
+    nodes: Mapping[str, NodeInventory],
+    shards: Mapping[tuple[str, str], Shard],
+) -> list[str]:
+    """llama-server: the base's GGUF adapters (ids) that every member node holds and that
+    the replica's running engine was started without: its rank 0's shard, ready, neither
+    serves them nor said why it would not. llama-server takes adapters only at start, so
+    such a replica is replaced to serve them (`steps.split_outdated`): files that reached
+    its node after the engine started, or a node placed on before it reported what it
+    holds, would otherwise leave the adapter unserved there for as long as the engine ran
+    (its launch hash is the catalog's, and did not change)."""
+    if engine != "llama-server" or not adapters or not replica.members:
+        return []
+    rank0 = min(replica.members, key=lambda m: m.rank)
+    shard = shards.get((rank0.node, replica.rid))
+    if shard is None or shard.phase != "ready":
+        return []
+    held = _held(nodes, [m.node for m in replica.members], "gguf")
+    known = set(shard.adapters) | {f.adapter for f in shard.adapter_failures}
+    return sorted(
+        a.id
+        for a in adapters
+        if a.format == "gguf" and a.path.rstrip("/") in held and a.id not in known
+    )
+
+
 def _held(nodes: Mapping[str, NodeInventory], members: list[str], fmt: str) -> frozenset[str]:
     """Adapter paths every one of `members` holds complete, in format `fmt`."""
     common: set[str] | None = None

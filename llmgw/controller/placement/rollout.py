@@ -17,7 +17,7 @@ agent, and moved when its agent gives up, like any replica.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -37,7 +37,7 @@ from llmgw.catalog import Model, Profile
 MAX_HISTORY = 5  # revisions kept for `llmgw rollout undo`
 MAX_TAIL = 10  # engine output lines a stopped rollout keeps
 
-Why = Literal["revision", "drain"]
+Why = Literal["revision", "drain", "adapters"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +63,12 @@ def outdated(
     allowed: set[str],
     launches: Mapping[str, str],
     draining: set[str],
+    started_without: Sequence[str] = (),
 ) -> Outdated | None:
     """Why `replica` must be replaced, or None when it is what the catalog asks for. A
-    replica without a launch hash (placed before llmgw recorded one) is taken as current."""
+    replica without a launch hash (placed before llmgw recorded one) is taken as current.
+    `started_without`: adapters its node holds that its llama-server was started without
+    (controller/adapters.started_without)."""
     if replica.profile not in allowed:
         if model.profile(replica.profile) is None:
             why = f"profile '{replica.profile}' is no longer in the catalog: replaced"
@@ -82,6 +85,13 @@ def outdated(
     on = next((m.node for m in replica.members if m.node in draining), None)
     if on is not None:
         return Outdated(replica, "drain", f"node {on} is draining: moved")
+    if started_without:
+        return Outdated(
+            replica,
+            "adapters",
+            f"its node holds adapter(s) {', '.join(started_without)} its llama-server was "
+            "started without: replaced to serve them",
+        )
     return None
 
 

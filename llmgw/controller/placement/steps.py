@@ -27,6 +27,7 @@ from llmgw.bus.records import (
     Rollout,
 )
 from llmgw.catalog import Model, Profile, launch_hash
+from llmgw.controller.adapters import started_without
 from llmgw.controller.placement import explain, failures, rollout
 from llmgw.controller.placement.explain import Blocked, Refusal
 from llmgw.controller.placement.filters import could_run
@@ -203,7 +204,7 @@ def plan_model(fleet: Fleet, model_id: str, current: list[Replica]) -> ModelPlan
     asked = asked_of(snapshot, model, desired, want)
 
     lost = replace_lost(snapshot, live)
-    split = split_outdated(lost.kept, asked)
+    split = split_outdated(lost.kept, asked, snapshot)
     stored = snapshot.rollouts.get(model_id)
     target = rollout.revision(model, desired, asked.profiles, asked.launches, snapshot.now)
     revising = any(o.kind == "revision" for o in split.outdated)
@@ -326,14 +327,21 @@ def asked_of(snapshot: Snapshot, model: Model, desired: Desired | None, want: in
     )
 
 
-def split_outdated(kept: list[Replica], asked: Asked) -> Current:
+def split_outdated(kept: list[Replica], asked: Asked, snapshot: Snapshot) -> Current:
     """Current (what the catalog asks for as it runs) and outdated (another profile, a
-    changed launch, a draining node)."""
+    changed launch, a draining node, a llama-server started without adapters its node
+    holds)."""
     allowed = asked.allowed
     current: list[Replica] = []
     outdated: list[rollout.Outdated] = []
+    mine = snapshot.adapters.get(asked.model.id, ())
     for r in kept:
-        why = rollout.outdated(r, asked.model, allowed, asked.launches, asked.draining)
+        profile = asked.model.profile(r.profile)
+        engine = profile.engine if profile is not None else ""
+        missing = started_without(r, engine, mine, snapshot.inventories, snapshot.shards)
+        why = rollout.outdated(
+            r, asked.model, allowed, asked.launches, asked.draining, started_without=missing
+        )
         (current.append(r) if why is None else outdated.append(why))
     return Current(current, outdated)
 
