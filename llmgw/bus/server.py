@@ -124,6 +124,10 @@ class EmbeddedNats:
     def _start(self, binary: Path, lock: StoreLock, timeout: float) -> None:
         if not self.http_port:
             self.http_port = free_port(self.host)
+            while self.http_port == self.port:
+                # a port just let go may be handed out again: the client port's made the
+                # server exit at start ("address already in use", seen in a full test run)
+                self.http_port = free_port(self.host)
         self._check_port_free()
         self.config_path.write_text(
             _render_config(
