@@ -283,6 +283,50 @@ def test_a_stream_s_output_is_counted_alike_whether_it_comes_in_whole_events_or_
         assert relayed == without
 
 
+class _Allowing:
+    """A limit's hold that allows a stream `most` tokens of output."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.asked: list[int] = []
+
+    def progress_now(self, completion_tokens: int) -> bool:
+        self.asked.append(completion_tokens)
+        return completion_tokens <= self.most
+
+    def header_pairs(self) -> tuple[tuple[bytes, bytes], ...]:
+        return ()
+
+
+@pytest.mark.parametrize("cut", ["events", "bytes"])
+def test_a_limit_ends_a_stream_at_the_event_past_it_however_the_stream_is_cut(cut: str) -> None:
+    """An engine's writes of one event each (read on the fast path) and pieces cut anywhere
+    are charged alike: the piece that carries the limit's next token is not relayed, and
+    nothing after it."""
+    tokens = b"".join(
+        b'data: {"choices":[{"index":0,"delta":{"content":"t%d"}}]}\n\n' % i for i in range(10)
+    )
+    for seed in range(10):
+        pieces = _events(tokens) if cut == "events" else list(_pieces(tokens, random.Random(seed)))
+        hold = _Allowing(most=6)
+        admitted = Admission(Gateway("r", _NoCounter()), None, hold, "m", "", True, 0.0)  # type: ignore[arg-type]
+        ticket = GatewayTicket(admitted, stream=True)
+        relayed = b""
+        for piece in pieces:
+            out = ticket.chunk(piece)
+            if out is None:
+                break
+            relayed += out
+        assert ticket.over
+        # an event is counted when its line ends: a piece may carry the 7th's first bytes
+        # on, never its end, and nothing after it
+        assert relayed.count(b"\n\n") == 6
+        assert b'"t6"}}]}\n' not in relayed and b'"t7"' not in relayed
+        if cut == "events":
+            assert relayed == b"".join(_events(tokens)[:6])
+            assert hold.asked == [1, 2, 3, 4, 5, 6, 7]
+
+
 class _NoCounter:
     async def add(self, subject: str, delta: int, msg_id: str | None = None) -> int:
         raise AssertionError("nothing limited here")

@@ -62,6 +62,7 @@ class UsageReader:
         "_usage",
         "_framed",
         "_sniffed",
+        "usage_only",
     )
 
     def __init__(self, stream: bool) -> None:
@@ -75,6 +76,9 @@ class UsageReader:
         self._usage: Usage | None = None
         self._framed = False  # the answer's first bytes said what it is
         self._sniffed = b""  # first bytes too few to say it, held until they do
+        # the payloads of the usage-only events read and not yet relayed, kept when they
+        # are to be stripped (GatewayTicket: by these, without reading them again)
+        self.usage_only: list[bytes] | None = None
 
     def feed(self, data: bytes) -> None:
         if not self._framed:
@@ -100,12 +104,14 @@ class UsageReader:
             if self._long is not None:
                 self._too_long(data[start:end])
                 self._long_ended()
-            else:
+            elif self._line:  # a line begun in an earlier piece
                 line = self._line
                 line += data[start:end]
-                if line.startswith(b"data:"):  # (a blank line between events is no call)
+                if line.startswith(b"data:"):
                     self._event(bytes(line))
                 line.clear()
+            elif data.startswith(b"data:", start, end):  # (a blank line is no call)
+                self._event(data[start:end])
             start = end + 1
 
     def _whole(self, data: bytes) -> None:
@@ -147,6 +153,8 @@ class UsageReader:
             if found is not None:
                 self._found(found)
                 if usage_only:
+                    if self.usage_only is not None:
+                        self.usage_only.append(payload)
                     return
         self.events += 1
 
@@ -203,6 +211,7 @@ class GatewayTicket(UsageReader):
         "_first",
         "_pending",
         "_held",
+        "_plain",
     )
 
     def __init__(
@@ -225,9 +234,12 @@ class GatewayTicket(UsageReader):
         self.replica: str | None = None  # set by `answering`
         self.over = False  # a limit refused more tokens: the router ends the stream
         self.strip = self.rewrites = strip
+        if strip:
+            self.usage_only = []
         self._created = time.monotonic()  # ttft is a span: measured on the monotonic clock
         self._first: float | None = None
         self._pending = b""  # an event begun and not ended, held while stripping
+        self._plain = False  # a stream read so far with nothing begun and not ended
 
     def answering(self, replica: str) -> tuple[tuple[bytes, bytes], ...]:
         """The replica answering ("" for none); the x-ratelimit-* headers of a limited key."""
@@ -239,6 +251,34 @@ class GatewayTicket(UsageReader):
         """A piece of the answer as relayed (`last`: the answer ends with it): what to relay
         of it, or None once a limit refuses the stream more tokens (`over`: the router ends
         it there)."""
+        # the common piece, an engine's write of one token: one event, one line of data
+        # holding a JSON object without usage, in a stream with nothing begun and not ended
+        # (`_plain`): counted, and relayed as it is
+        if (
+            self._plain
+            and data.startswith(b"data: {")
+            and data.endswith(b"\n\n")
+            and data.find(b"\n") == len(data) - 2
+            and self.usage_key not in data
+        ):
+            self.events += 1
+            held = self._held
+            if held is None or held.progress_now(self.events):
+                return data
+            self.over, self._plain = True, False
+            return None
+        relayed = self._chunk(data, last)
+        self._plain = (
+            self._framed
+            and self.stream
+            and not self.over
+            and not self._line
+            and not self._pending
+            and self._long is None
+        )
+        return relayed
+
+    def _chunk(self, data: bytes, last: bool) -> bytes | None:
         if self._first is None:
             self._first = time.monotonic()
             head = data[:1]
@@ -286,15 +326,35 @@ class GatewayTicket(UsageReader):
         if last and end + 2 < len(data):
             # the answer ends inside an event: what is complete is read, the rest passed on
             done, self._pending = data, b""
-            return _without_usage(done) if b'"usage"' in done else done
+            return self._without_usage(done)
         if end < 0:
             if len(data) > MAX_LINE:
                 self._pending = b""
+                if self.usage_only:
+                    self.usage_only.clear()  # passed on unread
                 return data
             self._pending = data
             return b""
         done, self._pending = data[: end + 2], data[end + 2 :]
-        return _without_usage(done) if b'"usage"' in done else done
+        return self._without_usage(done)
+
+    def _without_usage(self, data: bytes) -> bytes:
+        """SSE events, the usage-only ones left out (those `_event` read as such: each
+        data line is read before its event ends); a last piece not ended by a blank line
+        is kept as it is."""
+        payloads = self.usage_only
+        if not payloads:
+            return data
+        events = data.split(b"\n\n")
+        tail = events.pop()  # b"" when `data` ends with a blank line
+        kept = []
+        for event in events:
+            payload = _payload(event) if USAGE_KEY in event else None
+            if payload is not None and payload in payloads:
+                payloads.remove(payload)
+            else:
+                kept.append(event + b"\n\n")
+        return b"".join(kept) + tail
 
     def settle(self, status: int, outcome: str, refused: str | None = None) -> None:
         first = self._first
@@ -316,19 +376,9 @@ class GatewayTicket(UsageReader):
         )
 
 
-def _without_usage(data: bytes) -> bytes:
-    """SSE events, the usage-only ones left out (a last piece not ended by a blank line is
-    kept as it is)."""
-    events = data.split(b"\n\n")
-    tail = events.pop()  # b"" when `data` ends with a blank line
-    kept = b"".join(e + b"\n\n" for e in events if not _usage_only(e))
-    return kept + tail
-
-
-def _usage_only(event: bytes) -> bool:
-    if b'"usage"' not in event:
-        return False
+def _payload(event: bytes) -> bytes | None:
+    """An event's first data line's payload, as `_event` reads it."""
     for line in event.split(b"\n"):
         if line.startswith(b"data:"):
-            return usage_.is_usage_only_chunk(line[5:].strip())
-    return False
+            return line[5:].strip()
+    return None
