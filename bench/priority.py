@@ -331,18 +331,32 @@ class Clients:
                 tg.start_soon(client)
 
 
-async def _gauge(http: aiohttp.ClientSession, url: str, *names: str) -> float:
+async def _gauges(
+    http: aiohttp.ClientSession, url: str, *groups: tuple[str, ...]
+) -> tuple[float, ...]:
+    """The sum of each group's gauges, from one read of `url`'s /metrics."""
     async with http.get(f"{url}/metrics") as resp:
         text = await resp.text()
-    total = 0.0
+    totals = [0.0] * len(groups)
     for line in text.splitlines():
-        if line.startswith(names):
-            total += float(line.rsplit(" ", 1)[-1])
-    return total
+        for i, names in enumerate(groups):
+            if line.startswith(names):
+                totals[i] += float(line.rsplit(" ", 1)[-1])
+    return tuple(totals)
+
+
+async def _gauge(http: aiohttp.ClientSession, url: str, *names: str) -> float:
+    return (await _gauges(http, url, names))[0]
+
+
+# how often the sampler reads the engine and the routers (an idle slot is seen only in a
+# sample: a shorter interval counts the short gaps between a request's end and the next's
+# start more exactly)
+SAMPLE_S = float(os.environ.get("BENCH_SAMPLE_S", "0.1"))
 
 
 class Sampler:
-    """Every 200 ms: what the engine runs and makes wait (its /metrics), and what waits at
+    """Every SAMPLE_S: what the engine runs and makes wait (its /metrics), and what waits at
     the routers (their llmgw_router_queued)."""
 
     def __init__(self, engine: Engine, urls: list[str]) -> None:
@@ -359,9 +373,8 @@ class Sampler:
         waiting = ("vllm:num_requests_waiting", "llamacpp:requests_deferred")
         while not stop.is_set():
             # all at once: what the engine runs and what waits at the routers, at one moment
-            r, w, *queues = await asyncio.gather(
-                _gauge(http, self.engine.url, *running),
-                _gauge(http, self.engine.url, *waiting),
+            (r, w), *queues = await asyncio.gather(
+                _gauges(http, self.engine.url, running, waiting),
                 *(_gauge(http, url, "llmgw_router_queued{") for url in self.urls),
             )
             queued = sum(queues)
@@ -370,7 +383,7 @@ class Sampler:
             self.overcommitted += w > 0
             if queued > 0:
                 self.idle_while_waiting += max(0.0, self.engine.capacity - r)
-            await anyio.sleep(0.2)
+            await anyio.sleep(SAMPLE_S)
 
     @property
     def idle_fraction(self) -> float:

@@ -17,7 +17,7 @@ from llmgw.bus.server import EmbeddedNats
 from llmgw.gateway.table import Identity
 from llmgw.priority import Priority, Standing, asked, lowered
 from llmgw.router.queue import ModelQueue, Waiter
-from llmgw.router.share import split, water_fill
+from llmgw.router.share import handing_over, split, water_fill
 
 C, S, X = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
 async_test = pytest.mark.anyio
@@ -183,6 +183,74 @@ def test_every_router_computes_the_same_split_from_the_same_records() -> None:
     shuffled = dict(reversed(list(demands.items())))
     for salt in range(20):
         assert split(5, demands, _one(), salt) == split(5, shuffled, _one(), salt)
+
+
+def test_places_held_past_a_share_are_waited_for_only_by_the_routers_whose_shares_grew() -> None:
+    """rb holds 3 of a 6-slot engine where its share is now 1 (rc's demand grew); ra's share
+    did not move: ra keeps using its 2 whole (each of its requests that ends is replaced at
+    once), rc waits for the 2 places rb holds past its share."""
+    shares = {"ra": 2, "rb": 1, "rc": 3}
+    held = {"ra": 2, "rb": 3, "rc": 1}
+    assert handing_over(shares, held) == {"ra": 0, "rb": 0, "rc": 2}
+    # what all may use, plus what is held past the shares, is the engine's capacity
+    waits = handing_over(shares, held)
+    assert sum(n - waits[r] for r, n in shares.items()) + 2 == 6
+
+
+def test_the_routers_short_of_the_most_get_the_first_places_to_free() -> None:
+    shares = {"ra": 3, "rb": 0, "rc": 2, "rd": 1}
+    held = {"ra": 1, "rb": 3, "rc": 1, "rd": 1}  # rb holds 3 past its share
+    waits = handing_over(shares, held)
+    assert waits == {"ra": 2, "rb": 0, "rc": 1, "rd": 0}  # rc (short 1) waits out its 1 first
+    held["rb"] = 1  # rb handed back 2
+    assert handing_over(shares, held) == {"ra": 0, "rb": 0, "rc": 1, "rd": 0}
+    held["rb"] = 0
+    assert handing_over(shares, held) == dict.fromkeys(shares, 0)
+    # every router computes the same from the same records, in whatever order it holds them
+    for salt in range(10):
+        assert handing_over(dict(reversed(list(shares.items()))), held, salt) == handing_over(
+            shares, held, salt
+        )
+
+
+def test_a_router_whose_share_did_not_move_keeps_using_it_while_another_hands_places_back():
+    """Through the router's flow control, fed the three routers' records: ra's share of a
+    6-slot engine stays 2 while rb holds 2 past its new share of 1 for rc. ra sends into
+    its 2 (it waited for rb's hand-back too, before: a place idled at each of its ends)."""
+    from llmgw import catalog
+    from llmgw.bus import records
+    from llmgw.router.balancer import Balancer
+    from llmgw.router.flow import FlowControl
+    from llmgw.router.inflight import InFlight
+    from llmgw.router.peers import Peers
+    from llmgw.router.table import EndpointTable
+
+    url = "http://127.0.0.1:9"
+    table = EndpointTable()
+    table.set_static([catalog.Model(id="m", served_name="m", endpoints=[url])])
+    route = table.route("m")
+    assert route is not None
+    (engine,) = route.backends
+    engine.capacity = 6
+    flow = FlowControl(table, Balancer(), InFlight())
+    flow.peers = Peers("ra")
+
+    def record(router: str, asks: int, holds: int) -> records.RouterLoad:
+        load = records.ModelLoad(demand={"standard": {router: asks}}, engines={url: holds})
+        return records.RouterLoad(router=router, seq=1, at=0.0, models={"m": load})
+
+    for router, asks, holds in (("ra", 2, 2), ("rb", 1, 3), ("rc", 3, 1)):
+        flow.peers.saw(router, record(router, asks, holds))
+    flow.reshare()
+    assert engine.share == 2
+    flow.peers = Peers("rc")
+    for router, asks, holds in (("ra", 2, 2), ("rb", 1, 3), ("rc", 3, 1)):
+        flow.peers.saw(router, record(router, asks, holds))
+    flow.reshare()
+    assert engine.share == 1  # rc waits for the 2 rb holds past its share
+    flow.peers.saw("rb", record("rb", 1, 1))  # rb handed them back
+    flow.reshare()
+    assert engine.share == 3
 
 
 # --- the CLI ---------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from llmgw.router.inflight import Flight, InFlight
 from llmgw.router.peers import Peers, demand_of
 from llmgw.router.queue import ModelQueue, Waiter
 from llmgw.router.refusal import Refusal
-from llmgw.router.share import split
+from llmgw.router.share import handing_over, split
 from llmgw.router.table import Backend, EndpointTable, Route
 
 REFUSED_HEADER = b"x-llmgw-refused"
@@ -312,13 +312,10 @@ class FlowControl:
             # a share that grew is used as the others hand back what they hold past theirs
             # (requests sent are never called back): the engine is not sent more than it
             # takes, and a request of a class above theirs finds nothing of theirs queued
-            # before it there
-            over = sum(
-                max(0, peers.held(r, route.model, b.id) - n)
-                for r, n in shares.items()
-                if r != peers.me
-            )
-            b.share = max(0, shares[peers.me] - over)
+            # before it there; a share that did not grow is used whole meanwhile
+            held = {r: peers.held(r, route.model, b.id) for r in shares}
+            waits = handing_over(shares, held, b.id_hash)
+            b.share = max(0, shares[peers.me] - waits[peers.me])
             if b.in_flight > b.share:
                 held = self._published_held.get((route.model, b.id), 0)
                 if held < b.in_flight:

@@ -107,3 +107,32 @@ def _whole(exact: Mapping[str, float], capacity: int, salt: int) -> dict[str, in
     for r in order[: max(0, left)]:
         out[r] += 1
     return out
+
+
+def handing_over(
+    shares: Mapping[str, int], held: Mapping[str, int], salt: int = 0
+) -> dict[str, int]:
+    """What each router must leave unused of its share of one engine while places change
+    routers: `shares` the split, `held` what each router's record says it has there. The
+    places some hold past their shares (sent before the split moved; never called back)
+    are counted against the routers whose shares grew, and no other: those whose shares
+    did not move keep using them whole, or a place would idle each time one of their
+    requests ends. The routers that grew least wait first (ties by a hash of router and
+    engine), so the first places to free go to those short of the most. Each router
+    computes the same from the same records, and what all may use plus what is held past
+    the shares is the engine's capacity."""
+    excess = sum(max(0, held.get(r, 0) - n) for r, n in shares.items())
+    waits = dict.fromkeys(shares, 0)
+    if not excess:
+        return waits
+    short = sorted(
+        (n - held.get(r, 0), stable_hash(b"%d:%s" % (salt, r.encode())), r)
+        for r, n in shares.items()
+        if n > held.get(r, 0)
+    )
+    for deficit, _, r in short:
+        waits[r] = min(deficit, excess)
+        excess -= waits[r]
+        if not excess:
+            break
+    return waits
